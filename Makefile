@@ -1,0 +1,33 @@
+# Two entry points: `make demo` and `make test`. Both create .venv when it is missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# A CPU build of torch; users who bring their own torch can install the package with plain pip.
+TORCH_PIN ?= torch==2.13.0
+DEMO_ARGS ?= --model smollm2-135m --context 2048 --support 97,193 --tokens 64
+
+.PHONY: demo test lint venv clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_PIN)"
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(VENV)/bin/sparsedecode run $(DEMO_ARGS)
+
+# pytest exits 5 when it collected no test; that is a failure of the suite, not a pass.
+test: venv
+	@$(PY) -m pytest -q -ra; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
+
+lint: venv
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info

@@ -1,0 +1,291 @@
+"""Sparse decode attention, hooked into transformers through its front door.
+
+This is the one module that knows about transformers' attention plumbing (DESIGN.md section 7). We register
+one attention function under the name ``"sparsedecode"`` with ``AttentionInterface`` (and transformers'
+SDPA mask builder under the same name with ``AttentionMaskInterface``, without which prefill that continues
+a cache and padding masks silently break). The function is dense SDPA unless a :class:`SparseSession` that
+owns the calling module is active in the current context (a ``contextvars.ContextVar``, so threads and
+asyncio tasks do not see each other's sessions). Inside a session:
+
+* prefill and any multi-token forward stay dense (SDPA);
+* a decode step (one query token) with ``N <= effective support`` is dense SDPA, bit for bit;
+* a longer decode step selects blocks from cached block centroids, gathers the kept keys and values
+  (anchor + chosen blocks + window) and attends over those alone, in float32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .centroids import BlockCentroids
+from .config import SparseConfig
+from .errors import SparseDecodeError
+from .selectors import BlockLayout, choose_blocks, group_mean_queries, support_positions
+
+ATTENTION_NAME = "sparsedecode"
+
+_ACTIVE: contextvars.ContextVar[dict[int, tuple[SparseSession, LayerState]] | None] = contextvars.ContextVar(
+    "sparsedecode_active", default=None
+)
+_REGISTERED = False
+_SWITCH_LOCK = threading.Lock()
+_MODEL_USERS: dict[int, tuple[int, str]] = {}
+
+
+@dataclass
+class StepView:
+    """What one sparse decode step of one layer read; handed to a session's observers (e.g. the audit).
+
+    ``query`` is ``(query_heads, d)``, ``keys``/``values`` ``(kv_heads, N, d)`` (the whole cache, read-only),
+    ``index``/``valid`` ``(kv_heads, S)`` the support (see :func:`~sparsedecode.selectors.support_positions`),
+    ``output`` ``(query_heads, d)`` the sparse attention output in float32.
+    """
+
+    layer: int
+    step: int
+    query: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    index: torch.Tensor
+    valid: torch.Tensor
+    output: torch.Tensor
+    scaling: float
+    layout: BlockLayout
+    blocks: torch.Tensor
+
+
+@dataclass
+class LayerState:
+    """Per-layer state of one session: centroid cache, reuse bookkeeping, and what was read."""
+
+    layer: int
+    centroids: BlockCentroids
+    step: int = 0
+    last_n: int = -1
+    blocks: torch.Tensor | None = None
+    read_lengths: torch.Tensor | None = None
+
+    def note_reads(self, blocks: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Remember the longest extent of each distant block read so far, per KV head."""
+        need = int(blocks.max()) + 1 if blocks.numel() else 0
+        have = 0 if self.read_lengths is None else self.read_lengths.shape[1]
+        if need > have:
+            grown = torch.zeros(blocks.shape[0], max(need, 2 * have), dtype=torch.long)
+            if self.read_lengths is not None:
+                grown[:, :have] = self.read_lengths
+            self.read_lengths = grown
+        self.read_lengths.scatter_reduce_(1, blocks.cpu(), lengths.cpu(), reduce="amax")
+
+
+@dataclass
+class SparseSession:
+    """One activation of sparse decoding on one model; see :func:`sparse_decoding`.
+
+    Attributes:
+        config: the settings in force.
+        sparse_steps / dense_steps: decode-step layer calls that ran sparse, or dense because
+            ``N <= effective support`` (or the layer is a sliding-window layer).
+        observers: callables receiving a :class:`StepView` after every sparse step (the audit uses this;
+            with none registered nothing beyond the support is ever read).
+    """
+
+    config: SparseConfig
+    model: torch.nn.Module
+    sparse_steps: int = 0
+    dense_steps: int = 0
+    observers: list[Callable[[StepView], None]] = field(default_factory=list)
+    layers: dict[int, LayerState] = field(default_factory=dict)
+
+    def layer_state(self, module: torch.nn.Module) -> LayerState:
+        layer = int(getattr(module, "layer_idx", 0) or 0)
+        state = self.layers.get(layer)
+        if state is None:
+            state = self.layers[layer] = LayerState(layer, BlockCentroids(self.config.block_size))
+        return state
+
+    def unique_distant_positions(self) -> torch.Tensor:
+        """Distinct distant positions read so far, per (layer, KV head): ``(layers, kv_heads)`` long."""
+        rows = [s.read_lengths.sum(dim=1) for _, s in sorted(self.layers.items()) if s.read_lengths is not None]
+        return torch.stack(rows) if rows else torch.zeros(0, 0, dtype=torch.long)
+
+    def centroid_bytes(self) -> int:
+        """Bytes held by the block-centroid caches of all layers."""
+        return sum(s.centroids.nbytes for s in self.layers.values())
+
+    def reset(self) -> None:
+        """Forget all per-generation state (centroids, reuse, read counts)."""
+        self.layers.clear()
+
+
+def _context_length(key: torch.Tensor, kwargs: dict) -> int:
+    position_ids = kwargs.get("position_ids")
+    if isinstance(position_ids, torch.Tensor) and position_ids.numel():
+        return int(position_ids.reshape(-1)[-1]) + 1
+    return key.shape[2]
+
+
+def sparse_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: dense SDPA, or sparse decode inside an active session."""
+    active = _ACTIVE.get()
+    entry = active.get(id(module)) if active else None
+    if entry is None or query.shape[2] != 1:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    session, state = entry
+    if query.shape[0] != 1:
+        raise SparseDecodeError(f"sparse decoding supports batch size 1 only (got batch {query.shape[0]})")
+    if kwargs.get("softcap") is not None:
+        raise SparseDecodeError("sparse decoding does not support attention logit soft-capping yet")
+    n = _context_length(key, kwargs)
+    cfg = session.config
+    sliding = kwargs.get("sliding_window")
+    if n <= cfg.effective_support or (sliding is not None and n > sliding):
+        session.dense_steps += 1
+        layout = BlockLayout(n=n, window=cfg.window, block_size=cfg.block_size)
+        if layout.n_blocks:
+            every = torch.arange(layout.n_blocks).expand(key.shape[1], -1)
+            state.note_reads(every, layout.block_lengths(every))
+        state.last_n = n
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    session.sparse_steps += 1
+    return _sparse_step(session, state, query, key, value, n, scaling), None
+
+
+def _sparse_step(
+    session: SparseSession,
+    state: LayerState,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    n: int,
+    scaling: float | None,
+) -> torch.Tensor:
+    cfg = session.config
+    q = query[0, :, 0, :]
+    keys, values = key[0], value[0]
+    query_heads, d = q.shape
+    kv_heads = keys.shape[0]
+    group = query_heads // kv_heads
+    scale = scaling if scaling is not None else d**-0.5
+    layout = BlockLayout(n=n, window=cfg.window, block_size=cfg.block_size)
+
+    if n != state.last_n + 1:
+        state.step, state.blocks = 0, None
+    if state.blocks is None or state.step % cfg.reuse == 0:
+        centroids = state.centroids.update(keys, layout.n_full)
+        if layout.n_blocks > layout.n_full:
+            tail = keys[:, 1 + layout.n_full * cfg.block_size : layout.distant_end].float().mean(dim=1)
+            centroids = torch.cat([centroids, tail.unsqueeze(1)], dim=1)
+        state.blocks = choose_blocks(cfg, group_mean_queries(q, kv_heads), centroids)
+    blocks = state.blocks
+    state.step += 1
+    state.last_n = n
+    state.note_reads(blocks, layout.block_lengths(blocks))
+
+    index, valid = support_positions(blocks, layout)
+    gather = index.unsqueeze(-1).expand(-1, -1, d)
+    kept_keys = keys.gather(1, gather).float()
+    kept_values = values.gather(1, gather).float()
+    qg = q.float().view(kv_heads, group, d)
+    logits = torch.bmm(qg, kept_keys.transpose(1, 2)).mul_(scale)
+    logits.masked_fill_(~valid.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    out = torch.bmm(probs, kept_values).reshape(query_heads, d)
+    if session.observers:
+        view = StepView(state.layer, state.step, q, keys, values, index, valid, out, scale, layout, blocks)
+        for observe in session.observers:
+            observe(view)
+    return out.to(query.dtype).view(1, 1, query_heads, d)
+
+
+def register() -> None:
+    """Register the sparse attention function and its mask builder with transformers (idempotent)."""
+    global _REGISTERED
+    if not _REGISTERED:
+        AttentionInterface.register(ATTENTION_NAME, sparse_attention_forward)
+        AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+        _REGISTERED = True
+
+
+def _switch_on(model: torch.nn.Module) -> None:
+    with _SWITCH_LOCK:
+        users, previous = _MODEL_USERS.get(id(model), (0, model.config._attn_implementation))
+        if users == 0 and previous != ATTENTION_NAME:
+            model.set_attn_implementation(ATTENTION_NAME)
+            if model.config._attn_implementation != ATTENTION_NAME:
+                raise SparseDecodeError(
+                    f"{type(model).__name__} does not use transformers' attention interface; "
+                    "sparse decoding cannot hook into it"
+                )
+        _MODEL_USERS[id(model)] = (users + 1, previous)
+
+
+def _switch_off(model: torch.nn.Module) -> None:
+    with _SWITCH_LOCK:
+        users, previous = _MODEL_USERS[id(model)]
+        if users == 1:
+            del _MODEL_USERS[id(model)]
+            if previous != ATTENTION_NAME:
+                model.set_attn_implementation(previous)
+        else:
+            _MODEL_USERS[id(model)] = (users - 1, previous)
+
+
+@contextlib.contextmanager
+def sparse_decoding(
+    model: torch.nn.Module, config: SparseConfig | None = None, **overrides
+) -> Iterator[SparseSession]:
+    """Decode with sparse attention inside the ``with`` block; restore the model afterwards.
+
+    ``config`` (or keyword overrides of :class:`SparseConfig` fields) sets the support. Prefill stays dense.
+    Works with ``model.generate`` and with manual loops over a ``DynamicCache``. Sessions are per context
+    (thread / asyncio task); nested sessions on different models are independent.
+
+    Example::
+
+        cfg = SparseConfig(support=193)
+        with sparse_decoding(model, cfg) as session:
+            out = model.generate(input_ids, max_new_tokens=64, do_sample=False)
+    """
+    if config is None:
+        config = SparseConfig(**overrides)
+    elif overrides:
+        raise SparseDecodeError("pass either a SparseConfig or keyword overrides, not both")
+    register()
+    session = SparseSession(config=config, model=model)
+    owned = {
+        id(module): (session, session.layer_state(module))
+        for module in model.modules()
+        if hasattr(module, "layer_idx") and hasattr(module, "config")
+    }
+    if not owned:
+        raise SparseDecodeError(f"{type(model).__name__} has no attention layers with a layer_idx to hook into")
+    _switch_on(model)
+    active = _ACTIVE.get() or {}
+    token = _ACTIVE.set({**active, **owned})
+    try:
+        yield session
+    finally:
+        _ACTIVE.reset(token)
+        _switch_off(model)

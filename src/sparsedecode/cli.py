@@ -1,0 +1,301 @@
+"""Command-line interface: ``sparsedecode run | models`` (more subcommands as experiments land).
+
+Bad input gets one line on stderr and exit status 2, never a traceback, and nothing half-written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+from rich.text import Text
+
+from .errors import SparseDecodeError
+
+console = Console(highlight=False)
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line and exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise SparseDecodeError(f"{self.prog}: {message}")
+
+
+def int_list(text: str) -> list[int]:
+    """Parse ``"97,193"`` into ``[97, 193]``."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from error
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    from .models import DEFAULT_MODEL
+
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="alias, local dir or .gguf, or hub id")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="sparsedecode", description="Sparse decoding, measured against dense decoding.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    run = sub.add_parser("run", help="paired dense vs sparse decoding of one prompt")
+    _add_model_args(run)
+    run.add_argument("--corpus", default="python-docs", help="python-docs (offline), wikitext2, or a path")
+    run.add_argument("--context", type=int_list, default=[2048], help="prompt length(s), comma-separated")
+    run.add_argument("--support", type=int_list, default=[97, 193], help="support size(s) S = 1 + W + b*B")
+    run.add_argument("--window", type=int, default=64)
+    run.add_argument("--block-size", type=int, default=16)
+    run.add_argument("--reuse", type=int, default=1, help="selection reuse interval R (1 = fresh each step)")
+    run.add_argument("--selector", default="mean-pooled")
+    run.add_argument("--tokens", type=int, default=128, help="greedy tokens T per run")
+    run.add_argument("--prompt-index", type=int, default=0)
+    run.add_argument("--json", type=Path, help="write {settings, results} here")
+
+    sub.add_parser("models", help="list built-in model aliases and what is cached")
+    return parser
+
+
+@contextlib.contextmanager
+def progress_bars() -> Iterator:
+    """A ``progress(stage, done, total)`` callback drawing one rich bar per stage."""
+    bars = Progress(
+        TextColumn("{task.description:>16}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+    )
+    tasks: dict[str, int] = {}
+
+    def update(stage: str, done: int, total: int) -> None:
+        if stage not in tasks:
+            tasks[stage] = bars.add_task(stage, total=total)
+        bars.update(tasks[stage], completed=done, total=total)
+        if done >= total:
+            bars.remove_task(tasks.pop(stage))
+
+    with bars:
+        yield update
+
+
+def write_json_atomic(path: Path, data: object) -> None:
+    """Write JSON to ``path`` via a temporary file and a rename, so readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(data, handle, indent=1)
+            handle.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def environment() -> dict:
+    """Where numbers were measured: library versions, device, threads."""
+    import torch
+    import transformers
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": "cpu",
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or platform.machine(),
+    }
+
+
+def _continuation_table(tokenizer, result) -> Table:
+    """Dense and sparse continuations side by side, tokens from the first divergence in red."""
+    table = Table(show_header=True, header_style="bold", expand=True)
+    table.add_column("dense", ratio=1)
+    table.add_column(f"sparse S={result.settings['effective_support']}", ratio=1)
+    cut = result.first_divergence - 1 if not result.survives else len(result.dense_tokens)
+    cells = []
+    for tokens in (result.dense_tokens, result.sparse_tokens):
+        text = Text(tokenizer.decode(tokens[:cut]))
+        if cut < len(tokens):
+            text.append(f"⟦step {cut + 1}⟧", style="bold yellow")
+            text.append(tokenizer.decode(tokens[cut:]), style="red")
+        cells.append(text)
+    table.add_row(*cells)
+    return table
+
+
+def _summary_table(title: str, results: list) -> Table:
+    table = Table(title=title, title_justify="left")
+    for name in ("S", "b", "first div.", "survives", "TF match %", "dense PPL", "sparse PPL", "ΔPPL %",
+                 "distant/KV", "dense tok/s", "sparse tok/s"):
+        table.add_column(name, justify="right")
+    for r in results:
+        steps = r.tokens - 1
+        table.add_row(
+            str(r.settings["effective_support"]),
+            str(r.settings["blocks"]),
+            "-" if r.survives else str(r.first_divergence),
+            "yes" if r.survives else "no",
+            f"{r.teacher_forced_match:.1f}",
+            f"{r.dense_ppl:.3f}",
+            f"{r.sparse_ppl:.3f}",
+            f"{r.delta_ppl_percent:+.2f}",
+            f"{r.mean_unique_distant_positions_per_kv:.0f}",
+            f"{steps / r.dense_decode_s:.1f}" if r.dense_decode_s else "-",
+            f"{steps / r.sparse_decode_s:.1f}" if r.sparse_decode_s else "-",
+        )
+    return table
+
+
+def _configs(args) -> list:
+    from .config import SparseConfig
+
+    return [
+        SparseConfig(
+            support=s, window=args.window, block_size=args.block_size, reuse=args.reuse, selector=args.selector
+        )
+        for s in args.support
+    ]
+
+
+def _check_json_target(path: Path | None) -> None:
+    if path is not None and path.exists() and path.is_dir():
+        raise SparseDecodeError(f"--json {path} is a directory; give a file name")
+
+
+def cmd_run(args) -> int:
+    import torch
+
+    from .compare import compare, dense_reference
+    from .experiments.corpus import prompt_ids
+    from .models import load_model
+
+    if args.tokens < 2:
+        raise SparseDecodeError(f"--tokens must be >= 2 (got {args.tokens}): step 1 is shared with dense")
+    if any(c < 1 for c in args.context):
+        raise SparseDecodeError("--context values must be >= 1")
+    configs = _configs(args)
+    _check_json_target(args.json)
+    with console.status(f"loading {args.model} ({args.dtype})"):
+        model, tokenizer = load_model(args.model, dtype=args.dtype)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    for context in args.context:
+        if limit is not None and context + args.tokens > limit:
+            raise SparseDecodeError(
+                f"context {context} + {args.tokens} tokens exceeds the model's {limit} positions; "
+                "use a shorter --context or fewer --tokens"
+            )
+    prompts = {c: prompt_ids(tokenizer, args.corpus, c, args.prompt_index, args.tokens) for c in args.context}
+
+    settings = {
+        "command": "run",
+        "model": args.model,
+        "dtype": args.dtype,
+        "corpus": args.corpus,
+        "contexts": args.context,
+        "supports": args.support,
+        "window": args.window,
+        "block_size": args.block_size,
+        "reuse": args.reuse,
+        "selector": args.selector,
+        "tokens": args.tokens,
+        "prompt_index": args.prompt_index,
+        "environment": environment(),
+    }
+    console.print(
+        f"[bold]{args.model}[/] {args.dtype} on cpu, {torch.get_num_threads()} threads; corpus {args.corpus}, "
+        f"prompt {args.prompt_index}; T = {args.tokens} greedy tokens; W = {args.window}, B = {args.block_size}, "
+        f"R = {args.reuse}, selector {args.selector}"
+    )
+    results = []
+    for context, ids in prompts.items():
+        with progress_bars() as progress:
+            reference = dense_reference(model, ids, tokens=args.tokens, progress=progress)
+            per_context = [
+                compare(model, tokenizer, ids, cfg, args.tokens, reference=reference, progress=progress)
+                for cfg in configs
+            ]
+        results.extend(per_context)
+        console.print(
+            f"\ncontext {context}: dense prefill {reference.prefill_s:.1f} s, dense PPL {reference.ppl:.3f} "
+            f"over tokens 2..{args.tokens}"
+        )
+        console.print(_summary_table(f"dense vs sparse, context {context}", per_context))
+        for result in per_context:
+            console.print(_continuation_table(tokenizer, result))
+    console.print(
+        "[dim]first div. = 1-based step of the first token that differs from dense (step 1 comes from dense "
+        "prefill); TF = teacher-forced on the dense continuation; ΔPPL is on the dense model's own tokens, not "
+        "on free-running output; distant/KV = distinct distant positions read per layer and KV head. A support "
+        "covering context + tokens reproduces dense exactly.[/]"
+    )
+    if args.json:
+        write_json_atomic(args.json, {"settings": settings, "results": [r.to_dict() for r in results]})
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_models(args) -> int:
+    from .models import list_models
+
+    table = Table(title="models")
+    for name in ("alias", "description", "gguf cached", "converted", "path"):
+        table.add_column(name)
+    for row in list_models():
+        table.add_row(
+            row["alias"],
+            row.get("description", ""),
+            "yes" if row.get("cached_gguf") else "no",
+            "yes" if row.get("converted") else "no",
+            str(row.get("path") or ""),
+        )
+    console.print(table)
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "models": cmd_models}
+
+
+def _quiet_transformers() -> None:
+    """Our own progress bars replace transformers' tqdm bars and info logging."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        _quiet_transformers()
+        return COMMANDS[args.command](args)
+    except SparseDecodeError as error:
+        print(f"sparsedecode: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("sparsedecode: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

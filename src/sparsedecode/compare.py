@@ -1,0 +1,265 @@
+"""Paired dense/sparse evaluation of one prompt (DESIGN.md section 3).
+
+1. :func:`dense_reference`: dense prefill, then ``T`` greedy tokens with their NLL under the dense model. The
+   prefilled cache is kept and reused (cropped back to the prompt) by every sparse run of that prompt.
+2. :func:`compare`, free-running: from the same cache and the same first token (it comes from the dense
+   prefill), decode greedily with sparse attention; ``first_divergence`` is the 1-based step of the first
+   token that differs from dense (``T`` if none; ``survives`` tells the two apart).
+3. :func:`compare`, teacher-forced: feed the dense continuation with sparse attention; the share of steps
+   whose sparse argmax equals the dense token, and the sparse perplexity of the dense tokens against the
+   dense perplexity over the same ``T - 1`` tokens. This perplexity is on the dense model's own
+   continuation, not on the sparse model's free-running output.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from .attention import SparseSession, sparse_decoding
+from .config import SparseConfig
+from .errors import SparseDecodeError
+
+Progress = Callable[[str, int, int], None]
+"""``progress(stage, done, total)``: called as work advances; the CLI draws bars from it."""
+
+LogitsHook = Callable[[int, torch.Tensor], None]
+"""``hook(step, logits)``: called with the float32 logits of every decode step (1-based step)."""
+
+
+@dataclass
+class DenseReference:
+    """Dense prefill and greedy continuation of one prompt.
+
+    ``tokens[0]`` is the first generated token (from prefill logits); ``nll[i]`` is the dense model's NLL of
+    ``tokens[i]``. The prefilled ``cache`` holds exactly the prompt between runs.
+    """
+
+    prompt_ids: torch.Tensor
+    tokens: list[int]
+    nll: list[float]
+    cache: DynamicCache = field(repr=False)
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def context(self) -> int:
+        return int(self.prompt_ids.shape[1])
+
+    @property
+    def ppl(self) -> float:
+        """Dense perplexity of tokens 2..T (the tokens both dense and sparse predict)."""
+        return _ppl(self.nll[1:])
+
+
+@dataclass
+class CompareResult:
+    """Paired dense/sparse outcome for one prompt and one sparse setting. ``to_dict`` gives JSON-ready data."""
+
+    context: int
+    tokens: int
+    settings: dict
+    first_divergence: int
+    survives: bool
+    teacher_forced_match: float
+    delta_ppl_percent: float
+    dense_ppl: float
+    sparse_ppl: float
+    mean_unique_distant_positions_per_kv: float
+    dense_tokens: list[int]
+    sparse_tokens: list[int]
+    teacher_forced_tokens: list[int]
+    dense_nll: list[float]
+    sparse_nll: list[float]
+    sparse_steps: int
+    dense_fallback_steps: int
+    centroid_cache_bytes: int
+    prefill_s: float
+    dense_decode_s: float
+    sparse_decode_s: float
+    teacher_forced_s: float
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _ppl(nll: list[float]) -> float:
+    return math.exp(sum(nll) / len(nll)) if nll else float("nan")
+
+
+def crop_cache(cache: DynamicCache, length: int) -> None:
+    """Drop cached positions past ``length`` (transformers 5 takes the number of tokens to remove)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+@torch.no_grad()
+def prefill(
+    model: torch.nn.Module, prompt_ids: torch.Tensor, *, chunk: int = 1024, progress: Progress | None = None
+) -> tuple[DynamicCache, torch.Tensor]:
+    """Dense prefill in chunks (bounded memory, visible progress); returns the cache and last logits."""
+    if prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1:
+        raise SparseDecodeError(f"expected prompt ids of shape (1, length), got {tuple(prompt_ids.shape)}")
+    cache = DynamicCache(config=model.config)
+    length = prompt_ids.shape[1]
+    logits = None
+    for start in range(0, length, chunk):
+        stop = min(start + chunk, length)
+        out = model(input_ids=prompt_ids[:, start:stop], cache=cache, use_cache=True, logits_to_keep=1)
+        logits = out.logits[0, -1].float()
+        if progress:
+            progress("prefill", stop, length)
+    return cache, logits
+
+
+@torch.no_grad()
+def _decode(
+    model: torch.nn.Module,
+    cache: DynamicCache,
+    first: int,
+    steps: int,
+    *,
+    teacher: list[int] | None = None,
+    progress: Progress | None = None,
+    stage: str = "decode",
+    on_logits: LogitsHook | None = None,
+) -> tuple[list[int], list[float]]:
+    """Greedy (or teacher-forced) decoding from ``first``; returns per-step argmax and NLL of the target."""
+    token, argmaxes, nll = first, [], []
+    device = next(model.parameters()).device
+    for step in range(1, steps + 1):
+        ids = torch.tensor([[token]], device=device)
+        logits = model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1].float()
+        best = int(logits.argmax())
+        target = teacher[step] if teacher is not None else best
+        nll.append(float(torch.logsumexp(logits, dim=-1) - logits[target]))
+        argmaxes.append(best)
+        if on_logits:
+            on_logits(step, logits)
+        token = target
+        if progress:
+            progress(stage, step, steps)
+    return argmaxes, nll
+
+
+def dense_reference(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    *,
+    tokens: int = 128,
+    progress: Progress | None = None,
+    on_logits: LogitsHook | None = None,
+) -> DenseReference:
+    """Dense prefill of ``prompt_ids`` ``(1, P)`` and ``tokens`` greedy tokens with their dense NLL."""
+    _check_tokens(tokens)
+    started = time.perf_counter()
+    cache, logits = prefill(model, prompt_ids, progress=progress)
+    prefill_s = time.perf_counter() - started
+    first = int(logits.argmax())
+    first_nll = float(torch.logsumexp(logits, dim=-1) - logits[first])
+    started = time.perf_counter()
+    argmaxes, nll = _decode(
+        model, cache, first, tokens - 1, progress=progress, stage="dense decode", on_logits=on_logits
+    )
+    decode_s = time.perf_counter() - started
+    crop_cache(cache, prompt_ids.shape[1])
+    return DenseReference(prompt_ids, [first, *argmaxes], [first_nll, *nll], cache, prefill_s, decode_s)
+
+
+def _check_tokens(tokens: int) -> None:
+    if not isinstance(tokens, int) or tokens < 2:
+        raise SparseDecodeError(f"tokens must be an integer >= 2 (got {tokens!r}): step 1 is shared with dense")
+
+
+def compare(
+    model: torch.nn.Module,
+    tokenizer: object | None,
+    prompt_ids: torch.Tensor,
+    cfg: SparseConfig,
+    tokens: int = 128,
+    *,
+    reference: DenseReference | None = None,
+    progress: Progress | None = None,
+    session_hook: Callable[[str, SparseSession], None] | None = None,
+    teacher_logits: LogitsHook | None = None,
+) -> CompareResult:
+    """Paired dense/sparse comparison of one prompt under ``cfg`` (DESIGN.md section 3).
+
+    Pass ``reference`` (from :func:`dense_reference`) to reuse one dense run across several settings;
+    otherwise one is computed. ``tokenizer`` is accepted for symmetry with generation APIs and unused here.
+    ``session_hook(phase, session)`` is called as each sparse phase ("free", "teacher") starts, so
+    diagnostics can attach observers; ``teacher_logits`` sees every teacher-forced step's sparse logits.
+    """
+    del tokenizer
+    if reference is None:
+        reference = dense_reference(model, prompt_ids, tokens=tokens, progress=progress)
+    elif reference.prompt_ids.shape != prompt_ids.shape or not torch.equal(reference.prompt_ids, prompt_ids):
+        raise SparseDecodeError("the dense reference was computed for another prompt")
+    _check_tokens(tokens)
+    if tokens > len(reference.tokens):
+        raise SparseDecodeError(f"the dense reference has {len(reference.tokens)} tokens; asked for {tokens}")
+    dense_tokens = reference.tokens[:tokens]
+    cache, context = reference.cache, reference.context
+
+    started = time.perf_counter()
+    with sparse_decoding(model, cfg) as session:
+        if session_hook:
+            session_hook("free", session)
+        free, _ = _decode(model, cache, dense_tokens[0], tokens - 1, progress=progress, stage="sparse decode")
+    sparse_decode_s = time.perf_counter() - started
+    unique = session.unique_distant_positions()
+    crop_cache(cache, context)
+    sparse_tokens = [dense_tokens[0], *free]
+    diverged = [i + 1 for i, (a, b) in enumerate(zip(dense_tokens, sparse_tokens)) if a != b]
+
+    started = time.perf_counter()
+    with sparse_decoding(model, cfg) as teacher_session:
+        if session_hook:
+            session_hook("teacher", teacher_session)
+        forced, sparse_nll = _decode(
+            model,
+            cache,
+            dense_tokens[0],
+            tokens - 1,
+            teacher=dense_tokens,
+            progress=progress,
+            stage="teacher-forced",
+            on_logits=teacher_logits,
+        )
+    teacher_forced_s = time.perf_counter() - started
+    crop_cache(cache, context)
+
+    dense_nll = reference.nll[:tokens]
+    dense_ppl, sparse_ppl = _ppl(dense_nll[1:]), _ppl(sparse_nll)
+    matches = sum(a == b for a, b in zip(forced, dense_tokens[1:]))
+    return CompareResult(
+        context=context,
+        tokens=tokens,
+        settings=cfg.to_dict(),
+        first_divergence=diverged[0] if diverged else tokens,
+        survives=not diverged,
+        teacher_forced_match=100.0 * matches / (tokens - 1),
+        delta_ppl_percent=100.0 * (sparse_ppl - dense_ppl) / dense_ppl,
+        dense_ppl=dense_ppl,
+        sparse_ppl=sparse_ppl,
+        mean_unique_distant_positions_per_kv=float(unique.float().mean()) if unique.numel() else 0.0,
+        dense_tokens=dense_tokens,
+        sparse_tokens=sparse_tokens,
+        teacher_forced_tokens=forced,
+        dense_nll=dense_nll,
+        sparse_nll=[dense_nll[0], *sparse_nll],
+        sparse_steps=session.sparse_steps,
+        dense_fallback_steps=session.dense_steps,
+        centroid_cache_bytes=session.centroid_bytes(),
+        prefill_s=reference.prefill_s,
+        dense_decode_s=reference.decode_s * (tokens - 1) / max(len(reference.tokens) - 1, 1),
+        sparse_decode_s=sparse_decode_s,
+        teacher_forced_s=teacher_forced_s,
+    )

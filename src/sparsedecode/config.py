@@ -1,0 +1,62 @@
+"""Sparse decoding settings (DESIGN.md section 1)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .errors import SparseDecodeError
+
+SELECTORS = ("mean-pooled",)
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    """What every attention head reads at a decode step.
+
+    The support is the anchor (position 0), the last ``window`` positions and the top-``b`` distant blocks of
+    ``block_size`` keys, with ``b = (support - 1 - window) // block_size``. A ``support`` that is not of the
+    form ``1 + window + b * block_size`` is floored to whole blocks: :attr:`effective_support` says what is
+    actually read. ``reuse`` is the selection interval R (1 = fresh selection at every step).
+
+    Reference: "Attention-Mass Condensation for Sparse Decoding", arXiv 2602.06317.
+    """
+
+    support: int = 193
+    window: int = 64
+    block_size: int = 16
+    reuse: int = 1
+    selector: str = "mean-pooled"
+
+    def __post_init__(self) -> None:
+        for name in ("support", "window", "block_size", "reuse"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise SparseDecodeError(f"{name} must be an integer, got {value!r}")
+        if self.window < 0:
+            raise SparseDecodeError(f"window must be >= 0, got {self.window}")
+        if self.block_size < 1:
+            raise SparseDecodeError(f"block_size must be >= 1, got {self.block_size}")
+        if self.reuse < 1:
+            raise SparseDecodeError(f"reuse must be >= 1, got {self.reuse}")
+        if self.support < 1 + self.window:
+            raise SparseDecodeError(
+                f"support {self.support} is smaller than anchor + window = {1 + self.window}; "
+                f"use support >= {1 + self.window} or a smaller window"
+            )
+        if self.selector not in SELECTORS:
+            raise SparseDecodeError(
+                f"unknown selector {self.selector!r}; choose one of: {', '.join(SELECTORS)}"
+            )
+
+    @property
+    def blocks(self) -> int:
+        """Number of distant blocks kept, b."""
+        return (self.support - 1 - self.window) // self.block_size
+
+    @property
+    def effective_support(self) -> int:
+        """Positions actually read when the context is longer than the support: 1 + W + b*B."""
+        return 1 + self.window + self.blocks * self.block_size
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "blocks": self.blocks, "effective_support": self.effective_support}

@@ -1,0 +1,106 @@
+"""Text corpora and prompt extraction (DESIGN.md section 6).
+
+* ``python-docs``: the interpreter's own ``pydoc_data.topics`` (~65K words of English prose); always present,
+  nothing to download; the offline default.
+* ``wikitext2``: the WikiText-2 raw test split through ``datasets`` (needs that package and a hub).
+* any local text file, or a folder of ``.txt``/``.md`` files (read in sorted order).
+
+Prompts are non-overlapping prefixes of the tokenised corpus: prompt ``i`` starts at ``i * stride`` with
+``stride = context + tokens + gap``, so the text a dense model continues never overlaps another prompt.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from ..errors import SparseDecodeError
+
+CORPORA = ("python-docs", "wikitext2")
+DEFAULT_CORPUS = "python-docs"
+GAP = 256
+
+
+def _python_docs() -> str:
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[name] for name in sorted(topics))
+
+
+def _wikitext2() -> str:
+    try:
+        import datasets
+    except ImportError as error:
+        raise SparseDecodeError(
+            "corpus wikitext2 needs the 'datasets' package (pip install 'sparsedecode[hub]') and a reachable "
+            "hub; use --corpus python-docs or a local text file offline"
+        ) from error
+    try:
+        rows = datasets.load_dataset("wikitext", "wikitext-2-raw-v1", split="test")
+    except Exception as error:  # noqa: BLE001 - any hub failure becomes one actionable line
+        raise SparseDecodeError(
+            f"could not load wikitext2 from the hub ({type(error).__name__}); use --corpus python-docs or a "
+            "local text file offline"
+        ) from error
+    return "".join(rows["text"])
+
+
+def _local(path: Path) -> str:
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in {".txt", ".md"} and p.is_file())
+        if not files:
+            raise SparseDecodeError(f"corpus folder {path} holds no .txt or .md files")
+        return "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+@lru_cache(maxsize=4)
+def load_text(name: str) -> str:
+    """The raw text of a corpus: ``python-docs``, ``wikitext2`` or a path."""
+    if name == "python-docs":
+        return _python_docs()
+    if name == "wikitext2":
+        return _wikitext2()
+    path = Path(name).expanduser()
+    if path.exists():
+        return _local(path)
+    raise SparseDecodeError(f"unknown corpus {name!r}: use python-docs, wikitext2, or a text file or folder")
+
+
+_TOKENS: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def corpus_ids(tokenizer, name: str) -> torch.Tensor:
+    """The whole corpus tokenised (no special tokens), as a 1-D LongTensor; memoised per tokenizer."""
+    key = (name, id(tokenizer))
+    if key not in _TOKENS:
+        ids = tokenizer(load_text(name), add_special_tokens=False)["input_ids"]
+        _TOKENS[key] = torch.tensor(ids, dtype=torch.long)
+    return _TOKENS[key]
+
+
+def prompt_count(tokenizer, name: str, context: int, tokens: int, gap: int = GAP) -> int:
+    """How many non-overlapping prompts of ``context`` tokens the corpus holds."""
+    total = len(corpus_ids(tokenizer, name))
+    stride = context + tokens + gap
+    return max(0, (total - context) // stride + 1) if total >= context else 0
+
+
+def prompt_ids(tokenizer, name: str, context: int, index: int, tokens: int, gap: int = GAP) -> torch.Tensor:
+    """Prompt ``index`` of ``context`` tokens, shape ``(1, context)``."""
+    if context < 1:
+        raise SparseDecodeError(f"context must be >= 1 (got {context})")
+    if index < 0:
+        raise SparseDecodeError(f"prompt index must be >= 0 (got {index})")
+    ids = corpus_ids(tokenizer, name)
+    available = prompt_count(tokenizer, name, context, tokens, gap)
+    if index >= available:
+        raise SparseDecodeError(
+            f"corpus {name} has {len(ids)} tokens: room for {available} prompt(s) of {context} tokens "
+            f"(stride {context + tokens + gap}), so prompt index {index} does not exist; use a shorter "
+            "context, a lower index or a bigger corpus"
+        )
+    start = index * (context + tokens + gap)
+    return ids[start : start + context].unsqueeze(0)

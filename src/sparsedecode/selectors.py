@@ -1,0 +1,160 @@
+"""Support selection for one decode step (DESIGN.md section 1).
+
+The support of a decode step with N cached positions (the current token included) is
+
+* the anchor, position 0;
+* the local window, the last ``W`` positions ``[N - W, N)``;
+* the top-``b`` distant blocks: the distant region ``[1, N - W)`` cut into blocks of ``B`` consecutive
+  positions starting at position 1 (the last block may be shorter).
+
+The mean-pooled block selector scores block ``j`` for KV head ``h`` by ``<q_h, c_j> / sqrt(d)``, with ``q_h``
+the mean of the post-RoPE queries of the heads sharing KV head ``h`` and ``c_j`` the mean key of the block.
+Ties are broken towards the lowest block index. Scores are computed in float32 whatever the cache dtype.
+
+Everything here is a pure function on tensors so it can be tested on its own; the attention step in
+:mod:`sparsedecode.attention` calls the same functions with incrementally cached block centroids.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .config import SELECTORS, SparseConfig
+from .errors import SparseDecodeError
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where the distant blocks lie for a context of ``n`` positions.
+
+    ``distant_end`` is the first window position; the distant region is ``[1, distant_end)``. ``n_blocks``
+    counts all distant blocks, ``n_full`` those with all ``block_size`` positions inside the region.
+    """
+
+    n: int
+    window: int
+    block_size: int
+
+    @property
+    def distant_end(self) -> int:
+        return max(self.n - self.window, 1)
+
+    @property
+    def n_blocks(self) -> int:
+        return -(-(self.distant_end - 1) // self.block_size)
+
+    @property
+    def n_full(self) -> int:
+        return (self.distant_end - 1) // self.block_size
+
+    def block_lengths(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Number of distant positions in each block index of ``blocks`` (same shape)."""
+        starts = 1 + blocks * self.block_size
+        return (self.distant_end - starts).clamp(max=self.block_size)
+
+
+def group_mean_queries(queries: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Mean query of each GQA group: ``(query_heads, d) -> (kv_heads, d)`` in float32.
+
+    Query heads ``h * G .. (h + 1) * G - 1`` share KV head ``h`` (the layout of ``repeat_kv`` in transformers).
+    """
+    query_heads, d = queries.shape
+    if query_heads % kv_heads:
+        raise SparseDecodeError(f"{query_heads} query heads cannot share {kv_heads} KV heads evenly")
+    return queries.float().view(kv_heads, query_heads // kv_heads, d).mean(dim=1)
+
+
+def block_centroids(keys: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
+    """Mean key of every distant block, recomputed from the keys: ``(kv_heads, N, d) -> (kv_heads, n_blocks, d)``.
+
+    This is the reference the incremental centroid cache must reproduce; float32 whatever the key dtype.
+    """
+    kv_heads, _, d = keys.shape
+    block = layout.block_size
+    full = keys[:, 1 : 1 + layout.n_full * block].float().reshape(kv_heads, layout.n_full, block, d).mean(dim=2)
+    if layout.n_blocks == layout.n_full:
+        return full
+    tail = keys[:, 1 + layout.n_full * block : layout.distant_end].float().mean(dim=1, keepdim=True)
+    return torch.cat([full, tail], dim=1)
+
+
+def mean_pooled_scores(query_means: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """``s_j = <q_h, c_j> / sqrt(d)``: ``(kv_heads, d), (kv_heads, n_blocks, d) -> (kv_heads, n_blocks)``."""
+    d = query_means.shape[-1]
+    return torch.bmm(centroids, query_means.unsqueeze(-1)).squeeze(-1) / math.sqrt(d)
+
+
+def top_blocks(scores: torch.Tensor, b: int) -> torch.Tensor:
+    """Indices of the ``b`` best blocks per row, ties towards the lowest index, returned in ascending order."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :b]
+    return order.sort(dim=-1).values
+
+
+def support_positions(blocks: torch.Tensor, layout: BlockLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions read per KV head: anchor, the chosen blocks (ascending), then the window.
+
+    Returns ``(index, valid)`` of shape ``(kv_heads, 1 + b*B + W)``. Positions of a chosen short last block
+    that fall past the distant region are marked invalid (and point at the anchor so a gather stays in
+    bounds); callers mask them out.
+    """
+    kv_heads, b = blocks.shape
+    block, device = layout.block_size, blocks.device
+    offsets = torch.arange(block, device=device)
+    distant = (1 + blocks.unsqueeze(-1) * block + offsets).reshape(kv_heads, b * block)
+    valid_distant = distant < layout.distant_end
+    anchor = torch.zeros(kv_heads, 1, dtype=torch.long, device=device)
+    window = torch.arange(layout.distant_end, layout.n, device=device).expand(kv_heads, -1)
+    index = torch.cat([anchor, distant.masked_fill(~valid_distant, 0), window], dim=1)
+    ones = torch.ones(kv_heads, 1, dtype=torch.bool, device=device)
+    valid = torch.cat([ones, valid_distant, ones.expand(kv_heads, window.shape[1])], dim=1)
+    return index, valid
+
+
+def select_support(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    *,
+    support: int,
+    window: int = 64,
+    block_size: int = 16,
+    method: str = "mean-pooled",
+) -> list[torch.Tensor]:
+    """Positions each KV head reads at one decode step.
+
+    Args:
+        queries: ``(query_heads, d)`` post-RoPE queries of the current token.
+        keys: ``(kv_heads, N, d)`` post-RoPE cached keys, the current token's included.
+        support: nominal support size; floored to ``1 + window + b * block_size`` (see
+            :attr:`SparseConfig.effective_support`).
+        window, block_size: ``W`` and ``B``.
+        method: the block selector; ``"mean-pooled"``.
+
+    Returns:
+        One sorted 1-D ``LongTensor`` per KV head: the anchor, the chosen blocks and the window, or all
+        ``N`` positions when ``N <= effective support``. A chosen short last block makes a list shorter.
+    """
+    cfg = SparseConfig(support=support, window=window, block_size=block_size, selector=method)
+    shapes_ok = queries.dim() == 2 and keys.dim() == 3 and queries.shape[-1] == keys.shape[-1]
+    if not shapes_ok or queries.shape[0] % keys.shape[0]:
+        raise SparseDecodeError(
+            f"expected queries (query_heads, d) and keys (kv_heads, N, d) with query_heads a multiple of "
+            f"kv_heads; got {tuple(queries.shape)} "
+            f"and {tuple(keys.shape)}"
+        )
+    kv_heads, n, _ = keys.shape
+    if n <= cfg.effective_support:
+        return [torch.arange(n, device=keys.device) for _ in range(kv_heads)]
+    layout = BlockLayout(n=n, window=window, block_size=block_size)
+    blocks = choose_blocks(cfg, group_mean_queries(queries, kv_heads), block_centroids(keys, layout))
+    index, valid = support_positions(blocks, layout)
+    return [index[h][valid[h]] for h in range(kv_heads)]
+
+
+def choose_blocks(cfg: SparseConfig, query_means: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """The ``cfg.blocks`` best distant blocks per KV head, ascending: ``(kv_heads, b)``."""
+    if cfg.selector == "mean-pooled":
+        return top_blocks(mean_pooled_scores(query_means, centroids), cfg.blocks)
+    raise SparseDecodeError(f"unknown selector {cfg.selector!r}; choose one of: {', '.join(SELECTORS)}")

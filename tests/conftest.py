@@ -1,0 +1,73 @@
+"""Shared fixtures: tiny randomly initialised Llama and Qwen2 models (no downloads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+ARCHS = ("llama", "qwen2")
+
+
+def tiny_model(arch: str = "llama", *, layers: int = 2, seed: int = 0, dtype=torch.float32, **overrides):
+    """A 2-layer GQA model (4 query heads sharing 2 KV heads, d = 16) with random weights."""
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        attn_implementation="sdpa",
+        dtype=dtype,
+        bos_token_id=None,
+        eos_token_id=None,  # generate() must not stop early: tests compare fixed-length outputs
+        pad_token_id=0,
+    )
+    common.update(overrides)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    else:
+        raise ValueError(arch)
+    # Random init gives near-uniform attention; sharpen it so the selector's choice matters.
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4.0)
+            layer.self_attn.k_proj.weight.mul_(4.0)
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def prompt(length: int, *, seed: int = 1, vocab: int = 96) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab, (1, length), generator=generator)  # 0 is the pad id
+
+
+@pytest.fixture(params=ARCHS)
+def arch(request) -> str:
+    return request.param
+
+
+def char_tokenizer():
+    """A character-level fast tokenizer over printable ASCII: 96 ids, matching the tiny models' vocab."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{chr(i): i - 31 for i in range(32, 127)}}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny Llama and its tokenizer saved as a local model directory (what `--model PATH` loads)."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model("llama").save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
+    return path

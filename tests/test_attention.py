@@ -1,0 +1,167 @@
+"""The sparse attention step on tiny Llama/Qwen2 models: exactness oracles and session behaviour."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from conftest import prompt, tiny_model
+from transformers import DynamicCache
+
+import sparsedecode.attention as attention
+from sparsedecode import SparseConfig, SparseDecodeError, select_support, sparse_decoding
+from sparsedecode.compare import crop_cache
+
+
+def greedy_loop(model, ids, steps, cache=None):
+    """Manual greedy decoding over a DynamicCache; returns tokens and per-step logits."""
+    cache = cache if cache is not None else DynamicCache(config=model.config)
+    with torch.no_grad():
+        logits = model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1]
+        tokens, all_logits = [], []
+        for _ in range(steps):
+            token = int(logits.argmax())
+            tokens.append(token)
+            logits = model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1]
+            all_logits.append(logits)
+    return tokens, torch.stack(all_logits)
+
+
+class Oracle:
+    """Checks every sparse step against fresh selection and float64 attention over the selected positions."""
+
+    def __init__(self, cfg: SparseConfig):
+        self.cfg, self.steps, self.max_error, self.blocks = cfg, 0, 0.0, []
+
+    def __call__(self, view) -> None:
+        n = view.layout.n
+        keys, values = view.keys[:, :n], view.values[:, :n]
+        kept = select_support(
+            view.query, keys, support=self.cfg.support, window=self.cfg.window, block_size=self.cfg.block_size
+        )
+        kv_heads, group = keys.shape[0], view.query.shape[0] // keys.shape[0]
+        for h in range(kv_heads):
+            got = view.index[h][view.valid[h]]
+            if self.cfg.reuse == 1:
+                assert torch.equal(got, kept[h]), "cached-centroid selection differs from fresh selection"
+            q = view.query[h * group : (h + 1) * group].double()
+            k, v = keys[h, got].double(), values[h, got].double()
+            expected = torch.softmax(q @ k.T * view.scaling, dim=-1) @ v
+            error = (expected - view.output[h * group : (h + 1) * group].double()).abs().max()
+            self.max_error = max(self.max_error, float(error))
+        self.blocks.append((view.layer, view.step, view.blocks.clone()))
+        self.steps += 1
+
+
+def test_full_support_reproduces_dense_exactly(arch):
+    model = tiny_model(arch)
+    ids = prompt(150)
+    dense_tokens, dense_logits = greedy_loop(model, ids, 40)
+    with sparse_decoding(model, SparseConfig(support=1 + 64 + 16 * 8)) as session:
+        tokens, logits = greedy_loop(model, ids, 40)
+    assert session.sparse_steps == 0 and session.dense_steps > 0
+    assert tokens == dense_tokens
+    assert torch.equal(logits, dense_logits)
+    # the same through generate()
+    reference = model.generate(ids, max_new_tokens=30, do_sample=False)
+    with sparse_decoding(model, SparseConfig(support=1000)):
+        assert torch.equal(model.generate(ids, max_new_tokens=30, do_sample=False), reference)
+
+
+@pytest.mark.parametrize("reuse", [1, 3])
+def test_sparse_step_matches_masked_dense_oracle(arch, reuse):
+    model = tiny_model(arch)
+    cfg = SparseConfig(support=97, reuse=reuse)
+    oracle = Oracle(cfg)
+    with sparse_decoding(model, cfg) as session:
+        session.observers.append(oracle)
+        tokens, logits = greedy_loop(model, prompt(180), 70)
+    assert session.sparse_steps == oracle.steps == 70 * 2
+    assert oracle.max_error < 1e-5
+    dense_tokens, dense_logits = greedy_loop(model, prompt(180), 70)
+    assert not torch.allclose(logits, dense_logits, atol=1e-4), "S=97 of 250 positions must change the logits"
+    if reuse > 1:
+        for layer in range(2):
+            steps = [(s, b) for lay, s, b in oracle.blocks if lay == layer]
+            for step, blocks in steps:
+                first = step - (step - 1) % reuse
+                assert torch.equal(blocks, dict(steps)[first]), "blocks are reused between selections"
+    assert all(s.centroids.rebuilds == 0 for s in session.layers.values())
+
+
+def test_centroid_cache_survives_new_prompts_and_crops(arch):
+    model = tiny_model(arch)
+    cfg = SparseConfig(support=97)
+    oracle = Oracle(cfg)
+    with sparse_decoding(model, cfg) as session:
+        session.observers.append(oracle)
+        cache = DynamicCache(config=model.config)
+        greedy_loop(model, prompt(200, seed=1), 20, cache=cache)
+        crop_cache(cache, 170)  # roll back past several completed blocks, then continue differently
+        with torch.no_grad():
+            for token in range(30):
+                model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True)
+        greedy_loop(model, prompt(260, seed=2), 20)  # a new generation in the same session
+    assert oracle.steps == (20 + 30 + 20) * 2
+    assert oracle.max_error < 1e-5
+    assert any(s.centroids.rebuilds for s in session.layers.values())
+
+
+def test_memory_overhead_is_about_one_block_fraction():
+    model = tiny_model("llama")
+    with sparse_decoding(model, SparseConfig(support=97)) as session:
+        cache = DynamicCache(config=model.config)
+        greedy_loop(model, prompt(600), 4, cache=cache)
+    key_bytes = sum(layer.keys.nelement() * layer.keys.element_size() for layer in cache.layers)
+    # centroids (d floats) + fingerprint (1 float) per block, capacity rounded up to a power-of-two growth
+    assert 0 < session.centroid_bytes() <= 2 * key_bytes * (16 + 1) / (16 * 16)
+
+
+def test_batch_larger_than_one_is_refused():
+    model = tiny_model("llama")
+    ids = torch.cat([prompt(120), prompt(120, seed=3)])
+    with sparse_decoding(model, SparseConfig(support=97)), pytest.raises(SparseDecodeError, match="batch"):
+        model.generate(ids, max_new_tokens=3, do_sample=False)
+
+
+def test_model_is_restored_even_after_an_error():
+    model = tiny_model("qwen2")
+    assert model.config._attn_implementation == "sdpa"
+    with pytest.raises(RuntimeError), sparse_decoding(model, SparseConfig(support=97)):
+        assert model.config._attn_implementation == attention.ATTENTION_NAME
+        raise RuntimeError("boom")
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_sessions_are_per_model_and_per_thread():
+    a, b = tiny_model("llama", seed=0), tiny_model("llama", seed=5)
+    ids = prompt(200)
+    dense_a, _ = greedy_loop(a, ids, 8)
+    dense_b, dense_b_logits = greedy_loop(b, ids, 8)
+    seen = {}
+    with sparse_decoding(a, SparseConfig(support=97)) as session, sparse_decoding(b, SparseConfig(support=1000)):
+        thread = threading.Thread(target=lambda: seen.update(a=greedy_loop(a, ids, 8)[0]))
+        thread.start()
+        thread.join()
+        _, logits_b = greedy_loop(b, ids, 8)
+        greedy_loop(a, ids, 8)
+    assert seen["a"] == dense_a, "another thread sees no session: dense"
+    assert torch.equal(logits_b, dense_b_logits), "b's session has full support: dense"
+    assert session.sparse_steps == 8 * 2, "only this thread's steps of model a ran sparse"
+
+
+def test_sparse_path_never_computes_dense_attention(monkeypatch):
+    model = tiny_model("llama")
+    calls = []
+    original = attention.sdpa_attention_forward
+
+    def counting(module, query, *args, **kwargs):
+        calls.append(query.shape[2])
+        return original(module, query, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "sdpa_attention_forward", counting)
+    with sparse_decoding(model, SparseConfig(support=97)) as session:
+        greedy_loop(model, prompt(200), 10)
+    assert session.sparse_steps == 20
+    assert calls and all(q_len > 1 for q_len in calls), "only the prefill went through dense SDPA"

@@ -1,0 +1,79 @@
+"""The command line on a tiny local model: results, JSON, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from sparsedecode.cli import main
+
+
+def run_cli(args, capsys):
+    code = main(args)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_run_writes_json_with_one_result_per_support(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "result.json"
+    code, stdout, _ = run_cli(
+        ["run", "--model", str(tiny_model_dir), "--context", "200", "--support", "97,1000", "--tokens", "12",
+         "--json", str(out)],
+        capsys,
+    )
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["settings"]["supports"] == [97, 1000] and data["settings"]["tokens"] == 12
+    sparse, full = data["results"]
+    for row in (sparse, full):
+        for name in ("first_divergence", "survives", "teacher_forced_match", "delta_ppl_percent", "dense_ppl",
+                     "sparse_ppl", "mean_unique_distant_positions_per_kv", "dense_tokens", "sparse_tokens"):
+            assert name in row
+        assert len(row["dense_tokens"]) == len(row["sparse_tokens"]) == 12
+    assert sparse["settings"]["effective_support"] == 97 and sparse["sparse_steps"] > 0
+    assert full["survives"] and full["teacher_forced_match"] == 100.0 and full["delta_ppl_percent"] == 0.0
+    assert "dense vs sparse, context 200" in stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["run", "--model", "no-such-alias"], "unknown model"),
+        (["run", "--support", "50"], "support 50"),
+        (["run", "--tokens", "0"], "--tokens"),
+        (["run", "--tokens", "-3"], "--tokens"),
+        (["run", "--dtype", "int8"], "invalid choice"),
+        (["run", "--context", "abc"], "comma-separated"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
+    code, _, err = run_cli(args, capsys)
+    assert code == 2
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err
+
+
+def test_context_beyond_model_positions_or_corpus(tiny_model_dir, tmp_path, capsys):
+    code, _, err = run_cli(["run", "--model", str(tiny_model_dir), "--context", "1020", "--tokens", "8"], capsys)
+    assert code == 2 and "exceeds the model's 1024 positions" in err and err.count("\n") == 1
+    small = tmp_path / "small.txt"
+    small.write_text("just a few words of text")
+    out = tmp_path / "never.json"
+    code, _, err = run_cli(
+        ["run", "--model", str(tiny_model_dir), "--corpus", str(small), "--context", "300", "--tokens", "8",
+         "--json", str(out)],
+        capsys,
+    )
+    assert code == 2 and "room for 0 prompt" in err and err.count("\n") == 1
+    assert not out.exists(), "nothing half-written"
+
+
+def test_module_entry_point_reports_without_traceback():
+    proc = subprocess.run(
+        [sys.executable, "-m", "sparsedecode", "run", "--support", "10"], capture_output=True, text=True
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "support 10" in proc.stderr

@@ -1,0 +1,69 @@
+"""The paired dense/sparse protocol on tiny models."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import prompt, tiny_model
+
+from sparsedecode import SparseConfig, SparseDecodeError, compare, dense_reference
+
+
+def test_dense_reference_is_greedy_generate(arch):
+    model = tiny_model(arch)
+    ids = prompt(130)
+    reference = dense_reference(model, ids, tokens=24)
+    generated = model.generate(ids, max_new_tokens=24, do_sample=False)[0, 130:].tolist()
+    assert reference.tokens == generated
+    assert reference.cache.get_seq_length() == 130, "cache cropped back to the prompt"
+    assert all(x >= 0 for x in reference.nll) and math.isfinite(reference.ppl)
+
+
+def test_full_support_survives_with_zero_delta(arch):
+    model = tiny_model(arch)
+    ids = prompt(160)
+    result = compare(model, None, ids, SparseConfig(support=1 + 64 + 16 * 8), tokens=32)  # 193 >= 160 + 32
+    assert result.survives and result.first_divergence == 32
+    assert result.teacher_forced_match == 100.0
+    assert result.delta_ppl_percent == pytest.approx(0.0, abs=1e-9)
+    assert result.sparse_tokens == result.dense_tokens
+    assert result.sparse_steps == 0
+
+
+def test_small_support_is_measured_consistently(arch):
+    model = tiny_model(arch)
+    ids = prompt(300)
+    reference = dense_reference(model, ids, tokens=40)
+    result = compare(model, None, ids, SparseConfig(support=97), tokens=40, reference=reference)
+    assert result.sparse_steps == 39 * 2
+    assert 0.0 <= result.teacher_forced_match <= 100.0
+    diverged = [i + 1 for i, (a, b) in enumerate(zip(result.dense_tokens, result.sparse_tokens)) if a != b]
+    assert result.survives == (not diverged)
+    assert result.first_divergence == (diverged[0] if diverged else 40)
+    # teacher-forced argmax agrees with free-running tokens until the first divergence
+    stop = result.first_divergence - 1
+    assert result.teacher_forced_tokens[: stop - 1] == result.sparse_tokens[1:stop]
+    expected = 100 * (math.exp(sum(result.sparse_nll[1:]) / 39) / math.exp(sum(result.dense_nll[1:]) / 39) - 1)
+    assert result.delta_ppl_percent == pytest.approx(expected, rel=1e-9)
+    # each layer/KV head read b blocks of B at every one of 39 steps: between b*B and all distant positions
+    assert 2 * 16 <= result.mean_unique_distant_positions_per_kv <= 300 + 40 - 64 - 1
+    # reusing the dense reference gives the same result as recomputing it
+    again = compare(model, None, ids, SparseConfig(support=97), tokens=40)
+    assert again.sparse_tokens == result.sparse_tokens and again.sparse_nll == result.sparse_nll
+    assert reference.cache.get_seq_length() == 300
+
+
+def test_bad_tokens_and_mismatched_reference():
+    model = tiny_model("llama")
+    ids = prompt(100)
+    with pytest.raises(SparseDecodeError):
+        dense_reference(model, ids, tokens=0)
+    reference = dense_reference(model, ids, tokens=8)
+    with pytest.raises(SparseDecodeError):
+        compare(model, None, prompt(100, seed=9), SparseConfig(), tokens=8, reference=reference)
+    with pytest.raises(SparseDecodeError):
+        compare(model, None, ids, SparseConfig(), tokens=9, reference=reference)
+    with pytest.raises(SparseDecodeError):
+        compare(model, None, torch.cat([ids, ids]), SparseConfig(), tokens=8)

@@ -1,0 +1,145 @@
+"""Selection invariants of the mean-pooled block selector (pure functions, no model)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparsedecode import SparseConfig, SparseDecodeError, select_support
+from sparsedecode.selectors import BlockLayout, block_centroids, group_mean_queries
+
+
+def brute_force_blocks(queries, keys, window, block, b):
+    """Reference: score every distant block by looping, sort by (-score, index)."""
+    kv_heads, n, d = keys.shape
+    group = queries.shape[0] // kv_heads
+    distant_end = n - window
+    chosen = []
+    for h in range(kv_heads):
+        q = queries[h * group : (h + 1) * group].double().mean(0)
+        scored = []
+        for j, start in enumerate(range(1, distant_end, block)):
+            c = keys[h, start : min(start + block, distant_end)].double().mean(0)
+            scored.append((-(float(q @ c) / math.sqrt(d)), j))
+        chosen.append(sorted(j for _, j in sorted(scored)[:b]))
+    return chosen
+
+
+@st.composite
+def problems(draw):
+    kv_heads = draw(st.integers(1, 3))
+    group = draw(st.integers(1, 3))
+    d = draw(st.sampled_from([4, 8]))
+    window = draw(st.integers(0, 12))
+    block = draw(st.integers(1, 6))
+    b = draw(st.integers(0, 5))
+    support = 1 + window + b * block + draw(st.integers(0, block - 1))
+    n = draw(st.integers(1, 120))
+    seed = draw(st.integers(0, 2**16))
+    g = torch.Generator().manual_seed(seed)
+    queries = torch.randn(kv_heads * group, d, generator=g)
+    keys = torch.randn(kv_heads, n, d, generator=g)
+    return queries, keys, support, window, block, b
+
+
+@settings(max_examples=200, deadline=None)
+@given(problems())
+def test_support_structure(problem):
+    queries, keys, support, window, block, b = problem
+    kv_heads, n, _ = keys.shape
+    kept = select_support(queries, keys, support=support, window=window, block_size=block)
+    assert len(kept) == kv_heads
+    effective = 1 + window + b * block
+    for positions in kept:
+        assert positions.dtype == torch.long
+        assert torch.equal(positions, torch.unique(positions)), "sorted and unique"
+        if n <= effective:
+            assert torch.equal(positions, torch.arange(n))
+            continue
+        distant_end = n - window
+        assert int(positions[0]) == 0, "anchor kept"
+        assert torch.equal(positions[-window:] if window else positions[:0], torch.arange(distant_end, n))
+        distant = positions[(positions >= 1) & (positions < distant_end)]
+        blocks = torch.unique((distant - 1) // block)
+        assert len(blocks) == b, "exactly b blocks"
+        for j in blocks.tolist():  # whole blocks (clipped to the distant region)
+            start, stop = 1 + j * block, min(1 + (j + 1) * block, distant_end)
+            assert torch.equal(distant[(distant >= start) & (distant < stop)], torch.arange(start, stop))
+        assert len(positions) <= effective
+
+
+@settings(max_examples=150, deadline=None)
+@given(problems())
+def test_top_blocks_match_brute_force(problem):
+    queries, keys, support, window, block, b = problem
+    kv_heads, n, _ = keys.shape
+    if n <= 1 + window + b * block:
+        return
+    kept = select_support(queries, keys, support=support, window=window, block_size=block)
+    expected = brute_force_blocks(queries, keys, window, block, b)
+    for h in range(kv_heads):
+        distant = kept[h][(kept[h] >= 1) & (kept[h] < n - window)]
+        assert sorted(torch.unique((distant - 1) // block).tolist()) == expected[h]
+
+
+def test_gqa_group_shares_blocks_from_mean_query():
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(2, 400, 8, generator=g)
+    queries = torch.randn(6, 8, generator=g)
+    kept = select_support(queries, keys, support=97, window=64, block_size=16)
+    # Replacing a group's queries by their mean (repeated) must not change its selection.
+    means = group_mean_queries(queries, 2)
+    pooled = means.repeat_interleave(3, dim=0)
+    assert all(torch.equal(a, b) for a, b in zip(kept, select_support(pooled, keys, support=97)))
+
+
+def test_ties_go_to_lowest_block_index():
+    keys = torch.ones(1, 1 + 10 * 4 + 8, 2)  # every block has the same centroid
+    queries = torch.ones(1, 2)
+    kept = select_support(queries, keys, support=1 + 8 + 3 * 4, window=8, block_size=4)[0]
+    assert kept.tolist() == [0, *range(1, 13), *range(41, 49)]
+
+
+def test_short_last_block_makes_list_shorter():
+    n, window, block = 1 + 3 * 16 + 5 + 64, 64, 16  # the distant region ends in a 5-position block
+    keys = torch.zeros(1, n, 4)
+    keys[0, 1 + 3 * 16 : n - window] = 10.0  # make the short block the best one
+    kept = select_support(torch.ones(1, 4), keys, support=1 + 64 + 16, window=window, block_size=block)[0]
+    assert len(kept) == 1 + 5 + 64
+    assert kept[1:6].tolist() == list(range(49, 54))
+
+
+def test_support_is_floored_to_whole_blocks():
+    cfg = SparseConfig(support=200)
+    assert cfg.blocks == 8 and cfg.effective_support == 193
+    assert [SparseConfig(support=s).blocks for s in (97, 193, 385, 769)] == [2, 8, 20, 44]
+
+
+def test_centroids_are_block_means():
+    keys = torch.randn(2, 100, 4, dtype=torch.float64)
+    layout = BlockLayout(n=100, window=10, block_size=16)
+    cents = block_centroids(keys, layout)
+    assert cents.shape == (2, layout.n_blocks, 4)
+    assert torch.allclose(cents[:, 0].double(), keys[:, 1:17].mean(1))
+    assert torch.allclose(cents[:, -1].double(), keys[:, 1 + 5 * 16 : 90].mean(1))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(support=64), dict(support=100, window=-1), dict(support=100, block_size=0), dict(support=100, reuse=0),
+     dict(support=100, selector="nope")],
+)
+def test_bad_configs_are_rejected(kwargs):
+    with pytest.raises(SparseDecodeError):
+        SparseConfig(**kwargs)
+
+
+def test_bad_shapes_are_rejected():
+    with pytest.raises(SparseDecodeError):
+        select_support(torch.ones(3, 4), torch.ones(2, 10, 4), support=97)
+    with pytest.raises(SparseDecodeError):
+        select_support(torch.ones(4), torch.ones(2, 10, 4), support=97)
