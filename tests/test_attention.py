@@ -140,7 +140,10 @@ def test_sessions_are_per_model_and_per_thread():
     dense_a, _ = greedy_loop(a, ids, 8)
     dense_b, dense_b_logits = greedy_loop(b, ids, 8)
     seen = {}
-    with sparse_decoding(a, SparseConfig(support=97)) as session, sparse_decoding(b, SparseConfig(support=1000)):
+    with (
+        sparse_decoding(a, SparseConfig(support=97)) as session,
+        sparse_decoding(b, SparseConfig(support=1000)),
+    ):
         thread = threading.Thread(target=lambda: seen.update(a=greedy_loop(a, ids, 8)[0]))
         thread.start()
         thread.join()

