@@ -77,9 +77,7 @@ def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
 
 
 def test_context_beyond_model_positions_or_corpus(tiny_model_dir, tmp_path, capsys):
-    code, _, err = run_cli(
-        ["run", "--model", str(tiny_model_dir), "--context", "1020", "--tokens", "8"], capsys
-    )
+    code, _, err = run_cli(["run", "--model", str(tiny_model_dir), "--context", "1020", "--tokens", "8"], capsys)
     assert code == 2 and "exceeds the model's 1024 positions" in err and err.count("\n") == 1
     small = tmp_path / "small.txt"
     small.write_text("just a few words of text")

@@ -45,9 +45,7 @@ def test_small_support_is_measured_consistently(arch):
     # teacher-forced argmax agrees with free-running tokens until the first divergence
     stop = result.first_divergence - 1
     assert result.teacher_forced_tokens[: stop - 1] == result.sparse_tokens[1:stop]
-    expected = 100 * (
-        math.exp(sum(result.sparse_nll[1:]) / 39) / math.exp(sum(result.dense_nll[1:]) / 39) - 1
-    )
+    expected = 100 * (math.exp(sum(result.sparse_nll[1:]) / 39) / math.exp(sum(result.dense_nll[1:]) / 39) - 1)
     assert result.delta_ppl_percent == pytest.approx(expected, rel=1e-9)
     # each layer/KV head read b blocks of B at every one of 39 steps: between b*B and all distant positions
     assert 2 * 16 <= result.mean_unique_distant_positions_per_kv <= 300 + 40 - 64 - 1

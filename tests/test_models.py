@@ -66,9 +66,7 @@ def tiny_model_and_tokenizer():
     words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(29)]
     backend = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     config = LlamaConfig(
         vocab_size=len(words),
         hidden_size=32,

@@ -19,9 +19,7 @@ def test_support_covering_everything_equals_dense_on_real_model(smollm2):
     model, tokenizer = smollm2
     ids = prompt_ids(tokenizer, "python-docs", 512, 1, 32)
     reference = dense_reference(model, ids, tokens=32)
-    full = compare(
-        model, tokenizer, ids, SparseConfig(support=609), 32, reference=reference
-    )  # 609 >= 512 + 32
+    full = compare(model, tokenizer, ids, SparseConfig(support=609), 32, reference=reference)  # 609 >= 512 + 32
     assert full.survives and full.teacher_forced_match == 100.0
     assert full.delta_ppl_percent == pytest.approx(0.0, abs=1e-9) and full.sparse_steps == 0
     sparse = compare(model, tokenizer, ids, SparseConfig(support=97), 32, reference=reference)

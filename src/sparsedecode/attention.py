@@ -114,9 +114,7 @@ class SparseSession:
 
     def unique_distant_positions(self) -> torch.Tensor:
         """Distinct distant positions read so far, per (layer, KV head): ``(layers, kv_heads)`` long."""
-        rows = [
-            s.read_lengths.sum(dim=1) for _, s in sorted(self.layers.items()) if s.read_lengths is not None
-        ]
+        rows = [s.read_lengths.sum(dim=1) for _, s in sorted(self.layers.items()) if s.read_lengths is not None]
         return torch.stack(rows) if rows else torch.zeros(0, 0, dtype=torch.long)
 
     def centroid_bytes(self) -> int:
@@ -255,9 +253,7 @@ def _switch_off(model: torch.nn.Module) -> None:
 
 
 @contextlib.contextmanager
-def sparse_decoding(
-    model: torch.nn.Module, config: SparseConfig | None = None, **overrides
-) -> Iterator[SparseSession]:
+def sparse_decoding(model: torch.nn.Module, config: SparseConfig | None = None, **overrides) -> Iterator[SparseSession]:
     """Decode with sparse attention inside the ``with`` block; restore the model afterwards.
 
     ``config`` (or keyword overrides of :class:`SparseConfig` fields) sets the support. Prefill stays dense.
@@ -282,9 +278,7 @@ def sparse_decoding(
         if hasattr(module, "layer_idx") and hasattr(module, "config")
     }
     if not owned:
-        raise SparseDecodeError(
-            f"{type(model).__name__} has no attention layers with a layer_idx to hook into"
-        )
+        raise SparseDecodeError(f"{type(model).__name__} has no attention layers with a layer_idx to hook into")
     _switch_on(model)
     active = _ACTIVE.get() or {}
     token = _ACTIVE.set({**active, **owned})

@@ -175,9 +175,7 @@ def dense_reference(
 
 def _check_tokens(tokens: int) -> None:
     if not isinstance(tokens, int) or tokens < 2:
-        raise SparseDecodeError(
-            f"tokens must be an integer >= 2 (got {tokens!r}): step 1 is shared with dense"
-        )
+        raise SparseDecodeError(f"tokens must be an integer >= 2 (got {tokens!r}): step 1 is shared with dense")
 
 
 def compare(

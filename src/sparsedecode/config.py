@@ -44,9 +44,7 @@ class SparseConfig:
                 f"use support >= {1 + self.window} or a smaller window"
             )
         if self.selector not in SELECTORS:
-            raise SparseDecodeError(
-                f"unknown selector {self.selector!r}; choose one of: {', '.join(SELECTORS)}"
-            )
+            raise SparseDecodeError(f"unknown selector {self.selector!r}; choose one of: {', '.join(SELECTORS)}")
 
     @property
     def blocks(self) -> int:

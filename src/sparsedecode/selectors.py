@@ -74,9 +74,7 @@ def block_centroids(keys: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
     """
     kv_heads, _, d = keys.shape
     block = layout.block_size
-    full = (
-        keys[:, 1 : 1 + layout.n_full * block].float().reshape(kv_heads, layout.n_full, block, d).mean(dim=2)
-    )
+    full = keys[:, 1 : 1 + layout.n_full * block].float().reshape(kv_heads, layout.n_full, block, d).mean(dim=2)
     if layout.n_blocks == layout.n_full:
         return full
     tail = keys[:, 1 + layout.n_full * block : layout.distant_end].float().mean(dim=1, keepdim=True)
