@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # A CPU build of torch; users who bring their own torch can install the package with plain pip.
 TORCH_PIN ?= torch==2.13.0
-DEMO_ARGS ?= --model smollm2-135m --context 2048 --support 97,193 --tokens 64
+DEMO_ARGS ?= --model smollm2-135m --context 2048 --support 97,193 --tokens 64 --prompt-index 2
 
 .PHONY: demo test lint venv clean
 
