@@ -108,3 +108,72 @@ def test_module_entry_point_reports_without_traceback():
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "support 10" in proc.stderr
+
+
+def test_run_audit_writes_npz_and_layer_tables(tiny_model_dir, tmp_path, capsys):
+    from sparsedecode.diagnostics import load_audit
+
+    out = tmp_path / "audit.json"
+    code, stdout, _ = run_cli(
+        [
+            "run",
+            "--model",
+            str(tiny_model_dir),
+            "--context",
+            "250",
+            "--support",
+            "97",
+            "--tokens",
+            "10",
+            "--audit",
+            "--json",
+            str(out),
+        ],
+        capsys,
+    )
+    assert code == 0
+    row = json.loads(out.read_text())["results"][0]
+    for name in (
+        "identity_residual_max",
+        "bound_violations",
+        "omitted_mass_mean",
+        "selector_recall_mean",
+        "captured_mass_ratio_mean",
+        "certified_fraction",
+        "flips",
+        "certificate_violations",
+        "margin_at_divergence",
+        "warning_regime",
+    ):
+        assert name in row
+    assert row["identity_residual_max"] <= 1e-5 and row["bound_violations"] == 0
+    assert len(row["audit"]["layers"]) == 2
+    arrays = load_audit(tmp_path / row["audit"]["arrays"])
+    assert arrays["omitted_mass"].shape == (9, 2, 4)
+    assert "audit, context 250, S=97" in stdout and "certified" in stdout
+
+
+def test_probe_mass_writes_heat_map(tiny_model_dir, tmp_path, capsys):
+    code, stdout, _ = run_cli(
+        [
+            "probe",
+            "mass",
+            "--model",
+            str(tiny_model_dir),
+            "--context",
+            "250",
+            "--support",
+            "97,1000",
+            "--tokens",
+            "5",
+            "--out",
+            str(tmp_path),
+        ],
+        capsys,
+    )
+    assert code == 0
+    png = tmp_path / "mass-c250-s97.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads((tmp_path / "mass.json").read_text())
+    assert [r["settings"]["support"] for r in data["results"]] == [97]  # S=1000 covers everything
+    assert "nothing to audit" in stdout

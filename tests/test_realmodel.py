@@ -25,3 +25,14 @@ def test_support_covering_everything_equals_dense_on_real_model(smollm2):
     sparse = compare(model, tokenizer, ids, SparseConfig(support=97), 32, reference=reference)
     assert sparse.sparse_steps == 31 * 30, "every decode step of every layer ran sparse"
     assert sparse.mean_unique_distant_positions_per_kv >= 2 * 16
+
+
+def test_audit_and_certificate_on_real_model_at_2k(smollm2):
+    model, tokenizer = smollm2
+    ids = prompt_ids(tokenizer, "python-docs", 2048, 2, 12)
+    result = compare(model, tokenizer, ids, SparseConfig(support=97, audit=True), 12)
+    assert result.audit["audited_steps"] == 11
+    assert result.identity_residual_max <= 1e-5, "exact omitted-mass identity at float32 round-off"
+    assert result.bound_violations == 0
+    assert result.certificate_violations == 0
+    assert 0 <= result.selector_recall_mean <= 1 and 0 <= result.captured_mass_ratio_mean <= 1

@@ -58,22 +58,39 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=DTYPES)
 
 
+def _add_prompt_args(parser: argparse.ArgumentParser, *, tokens: int) -> None:
+    parser.add_argument("--corpus", default="python-docs", help="python-docs (offline), wikitext2, or a path")
+    parser.add_argument("--context", type=int_list, default=[2048], help="prompt length(s), comma-separated")
+    parser.add_argument("--support", type=int_list, default=[97, 193], help="support size(s) S = 1 + W + b*B")
+    parser.add_argument("--window", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--reuse", type=int, default=1, help="selection reuse interval R (1 = fresh each step)")
+    parser.add_argument("--selector", default="mean-pooled")
+    parser.add_argument("--tokens", type=int, default=tokens, help="greedy tokens T per run")
+    parser.add_argument("--prompt-index", type=int, default=0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="sparsedecode", description="Sparse decoding, measured against dense decoding.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     run = sub.add_parser("run", help="paired dense vs sparse decoding of one prompt")
     _add_model_args(run)
-    run.add_argument("--corpus", default="python-docs", help="python-docs (offline), wikitext2, or a path")
-    run.add_argument("--context", type=int_list, default=[2048], help="prompt length(s), comma-separated")
-    run.add_argument("--support", type=int_list, default=[97, 193], help="support size(s) S = 1 + W + b*B")
-    run.add_argument("--window", type=int, default=64)
-    run.add_argument("--block-size", type=int, default=16)
-    run.add_argument("--reuse", type=int, default=1, help="selection reuse interval R (1 = fresh each step)")
-    run.add_argument("--selector", default="mean-pooled")
-    run.add_argument("--tokens", type=int, default=128, help="greedy tokens T per run")
-    run.add_argument("--prompt-index", type=int, default=0)
+    _add_prompt_args(run, tokens=128)
     run.add_argument("--json", type=Path, help="write {settings, results} here")
+    run.add_argument(
+        "--audit",
+        action="store_true",
+        help="omitted-mass audit of every sparse step (one extra dense attention pass per step); "
+        "per-step arrays go to .npz files next to --json",
+    )
+
+    probe = sub.add_parser("probe", help="probes: mass (attention-mass decomposition)")
+    probes = probe.add_subparsers(dest="probe", required=True, parser_class=_Parser)
+    mass = probes.add_parser("mass", help="attention-mass decomposition per layer and head for one prompt")
+    _add_model_args(mass)
+    _add_prompt_args(mass, tokens=16)
+    mass.add_argument("--out", type=Path, default=Path("runs/probe-mass"), help="folder for PNG and JSON")
 
     sub.add_parser("models", help="list built-in model aliases and what is cached")
     return parser
@@ -112,6 +129,7 @@ def write_json_atomic(path: Path, data: object) -> None:
         with os.fdopen(fd, "w") as handle:
             json.dump(data, handle, indent=1)
             handle.write("\n")
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -161,6 +179,8 @@ def _summary_table(title: str, results: list) -> Table:
         "TF match %",
         "sparse PPL",
         "ΔPPL %",
+        "certified %",
+        "flips",
         "distant/KV",
         "tok/s",
     )
@@ -175,13 +195,15 @@ def _summary_table(title: str, results: list) -> Table:
             f"{r.teacher_forced_match:.1f}",
             f"{r.sparse_ppl:.3f}",
             f"{r.delta_ppl_percent:+.2f}",
+            f"{100 * r.certified_fraction:.1f}",
+            str(r.flips),
             f"{r.mean_unique_distant_positions_per_kv:.0f}",
             f"{(r.tokens - 1) / r.sparse_decode_s:.1f}",
         )
     return table
 
 
-def _configs(args) -> list:
+def _configs(args, audit: bool = False) -> list:
     from .config import SparseConfig
 
     return [
@@ -191,6 +213,7 @@ def _configs(args) -> list:
             block_size=args.block_size,
             reuse=args.reuse,
             selector=args.selector,
+            audit=audit,
         )
         for s in args.support
     ]
@@ -201,10 +224,8 @@ def _check_json_target(path: Path | None) -> None:
         raise SparseDecodeError(f"--json {path} is a directory; give a file name")
 
 
-def cmd_run(args) -> int:
-    import torch
-
-    from .compare import compare, dense_reference
+def _prepare(args, audit: bool = False):
+    """Validate prompt arguments, load the model, cut the prompts: ``(configs, model, tokenizer, prompts)``."""
     from .experiments.corpus import prompt_ids
     from .models import load_model
 
@@ -212,8 +233,7 @@ def cmd_run(args) -> int:
         raise SparseDecodeError(f"--tokens must be >= 2 (got {args.tokens}): step 1 is shared with dense")
     if any(c < 1 for c in args.context):
         raise SparseDecodeError("--context values must be >= 1")
-    configs = _configs(args)
-    _check_json_target(args.json)
+    configs = _configs(args, audit=audit)
     with console.status(f"loading {args.model} ({args.dtype})"):
         model, tokenizer = load_model(args.model, dtype=args.dtype)
     limit = getattr(model.config, "max_position_embeddings", None)
@@ -224,27 +244,88 @@ def cmd_run(args) -> int:
                 "use a shorter --context or fewer --tokens"
             )
     prompts = {c: prompt_ids(tokenizer, args.corpus, c, args.prompt_index, args.tokens) for c in args.context}
+    return configs, model, tokenizer, prompts
 
-    settings = {
-        "command": "run",
-        "model": args.model,
-        "dtype": args.dtype,
-        "corpus": args.corpus,
+
+def _settings(args, command: str) -> dict:
+    keys = ("model", "dtype", "corpus", "window", "block_size", "reuse", "selector", "tokens", "prompt_index")
+    return {
+        "command": command,
+        **{key: getattr(args, key) for key in keys},
         "contexts": args.context,
         "supports": args.support,
-        "window": args.window,
-        "block_size": args.block_size,
-        "reuse": args.reuse,
-        "selector": args.selector,
-        "tokens": args.tokens,
-        "prompt_index": args.prompt_index,
         "environment": environment(),
     }
-    console.print(
+
+
+def _conditions(args) -> str:
+    import torch
+
+    return (
         f"[bold]{args.model}[/] {args.dtype} on cpu, {torch.get_num_threads()} threads; corpus {args.corpus}, "
-        f"prompt {args.prompt_index}; T = {args.tokens} greedy tokens; W = {args.window}, B = {args.block_size}, "
+        f"prompt {args.prompt_index}; T = {args.tokens}; W = {args.window}, B = {args.block_size}, "
         f"R = {args.reuse}, selector {args.selector}"
     )
+
+
+def _layer_table(title: str, summary: dict) -> Table:
+    table = Table(title=title, title_justify="left")
+    columns = (
+        "layer",
+        "omitted ε",
+        "anchor",
+        "window",
+        "blocks",
+        "recall",
+        "captured/best",
+        "max |residual|",
+        "bound viol.",
+    )
+    for name in columns:
+        table.add_column(name, justify="right")
+    for row in summary["layers"]:
+        table.add_row(
+            str(row["layer"]),
+            f"{row['omitted_mass_mean']:.4f}",
+            f"{row['mass_anchor_mean']:.3f}",
+            f"{row['mass_window_mean']:.3f}",
+            f"{row['mass_blocks_mean']:.3f}",
+            f"{row['selector_recall_mean']:.3f}",
+            f"{row['captured_mass_ratio_mean']:.3f}",
+            f"{row['identity_residual_max']:.1e}",
+            str(row["bound_violations"]),
+        )
+    return table
+
+
+def _margin_line(result) -> str:
+    cert = result.certificate
+    where = (
+        f"dense margin at the divergence (step {result.first_divergence}) {cert['margin_at_divergence']:.3f} vs "
+        f"logit error {cert['delta_at_divergence']:.3f}"
+        if cert["margin_at_divergence"] is not None
+        else "no free-running divergence"
+    )
+    line = (
+        f"S={result.settings['effective_support']}: {100 * result.certified_fraction:.1f}% of teacher-forced steps "
+        f"certified (margin > 2·max|Δlogit|); {result.flips} flips, {result.certificate_violations} at certified "
+        f"steps; median margin {cert['median_margin']:.3f}, median max|Δlogit| {cert['median_delta']:.3f}; {where}"
+    )
+    if result.warning_regime:
+        from .diagnostics import WARNING_NOTE
+
+        line += f"\n[red]warning regime:[/] {WARNING_NOTE}"
+    return line
+
+
+def cmd_run(args) -> int:
+    from .compare import compare, dense_reference
+    from .diagnostics import save_audit
+
+    _check_json_target(args.json)
+    configs, model, tokenizer, prompts = _prepare(args, audit=args.audit)
+    settings = {**_settings(args, "run"), "audit": args.audit}
+    console.print(_conditions(args))
     results = []
     for context, ids in prompts.items():
         with progress_bars() as progress:
@@ -260,16 +341,87 @@ def cmd_run(args) -> int:
         )
         console.print(_summary_table(f"dense vs sparse, context {context}", per_context))
         for result in per_context:
+            console.print(_margin_line(result))
+            if result.audit and result.audit.get("audited_steps"):
+                console.print(
+                    _layer_table(
+                        f"audit, context {context}, S={result.settings['effective_support']}: mean over "
+                        f"{result.audit['audited_steps']} sparse steps and all heads; max identity residual "
+                        f"{result.identity_residual_max:.1e} (relative), {result.bound_violations} bound violations",
+                        result.audit,
+                    )
+                )
+        for result in per_context:
             console.print(_continuation_table(tokenizer, result))
     console.print(
         "[dim]first div. = 1-based step of the first token that differs from dense (step 1 comes from dense "
         "prefill); TF = teacher-forced on the dense continuation; ΔPPL is on the dense model's own tokens, not "
-        "on free-running output; distant/KV = distinct distant positions read per layer and KV head. A support "
-        "covering context + tokens reproduces dense exactly.[/]"
+        "on free-running output; certified = dense top-1/top-2 margin > 2·max|Δlogit| on the same prefix, which "
+        "rules a flip out (the converse does not hold); distant/KV = distinct distant positions read per layer and "
+        "KV head. A support covering context + tokens reproduces dense exactly.[/]"
     )
     if args.json:
+        for result in results:
+            if result.audit_arrays is not None:
+                name = f"{args.json.stem}.audit-c{result.context}-s{result.settings['support']}.npz"
+                save_audit(args.json.with_name(name), result.audit_arrays)
+                result.audit["arrays"] = name
         write_json_atomic(args.json, {"settings": settings, "results": [r.to_dict() for r in results]})
         console.print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_probe(args) -> int:
+    return {"mass": cmd_probe_mass}[args.probe](args)
+
+
+def cmd_probe_mass(args) -> int:
+    from .compare import prefill
+    from .diagnostics import save_audit
+    from .experiments.probes import mass_probe
+    from .plots import heatmap
+
+    configs, model, _, prompts = _prepare(args, audit=True)
+    console.print(_conditions(args))
+    rows = []
+    for context, ids in prompts.items():
+        with progress_bars() as progress:
+            cache, logits = prefill(model, ids, progress=progress)
+            first = int(logits.argmax())
+            probes = [
+                mass_probe(model, ids, cfg, tokens=args.tokens, progress=progress, cache=cache, first=first)
+                for cfg in configs
+            ]
+        for probe in probes:
+            support = probe.settings["support"]
+            if not probe.summary.get("audited_steps"):
+                console.print(f"context {context}, S={support}: the support covers the context; nothing to audit")
+                continue
+            console.print(_layer_table(f"attention mass, context {context}, S={support}", probe.summary))
+            omitted = probe.per_head("omitted_mass")
+            stem = f"mass-c{context}-s{support}"
+            png = heatmap(
+                omitted,
+                args.out / f"{stem}.png",
+                title=f"{args.model}: omitted attention mass ε, context {context}, S={support}\n"
+                f"mean over {probe.summary['audited_steps']} sparse decode steps",
+                xlabel="query head",
+                ylabel="layer",
+                colorbar="omitted mass ε",
+                vmax=max(float(omitted.max()), 1e-6),
+            )
+            save_audit(args.out / f"{stem}.npz", probe.arrays)
+            rows.append(
+                {
+                    "context": context,
+                    "settings": probe.settings,
+                    "summary": probe.summary,
+                    "png": png.name,
+                    "seconds": probe.seconds,
+                }
+            )
+            console.print(f"wrote {png}")
+    write_json_atomic(args.out / "mass.json", {"settings": _settings(args, "probe mass"), "results": rows})
     return 0
 
 
@@ -291,7 +443,7 @@ def cmd_models(args) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "models": cmd_models}
+COMMANDS = {"run": cmd_run, "models": cmd_models, "probe": cmd_probe}
 
 
 def _quiet_transformers() -> None:

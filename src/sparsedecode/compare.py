@@ -23,6 +23,13 @@ from transformers import DynamicCache
 
 from .attention import SparseSession, sparse_decoding
 from .config import SparseConfig
+from .diagnostics import (
+    WARNING_MATCH_PERCENT,
+    MassAudit,
+    margin_certificate,
+    summarize_audit,
+    summarize_certificate,
+)
 from .errors import SparseDecodeError
 
 Progress = Callable[[str, int, int], None]
@@ -37,7 +44,9 @@ class DenseReference:
     """Dense prefill and greedy continuation of one prompt.
 
     ``tokens[0]`` is the first generated token (from prefill logits); ``nll[i]`` is the dense model's NLL of
-    ``tokens[i]``. The prefilled ``cache`` holds exactly the prompt between runs.
+    ``tokens[i]``; ``logits[s - 1]`` are the float32 logits of decode step ``s`` (fed ``tokens[s - 1]``,
+    predicting ``tokens[s]``), kept for the margin certificate. The prefilled ``cache`` holds exactly the
+    prompt between runs.
     """
 
     prompt_ids: torch.Tensor
@@ -46,6 +55,7 @@ class DenseReference:
     cache: DynamicCache = field(repr=False)
     prefill_s: float
     decode_s: float
+    logits: torch.Tensor = field(repr=False)
 
     @property
     def context(self) -> int:
@@ -79,14 +89,31 @@ class CompareResult:
     sparse_steps: int
     dense_fallback_steps: int
     centroid_cache_bytes: int
+    certified_fraction: float
+    flips: int
+    certificate_violations: int
+    margin_at_divergence: float | None
+    warning_regime: bool
+    certificate: dict
+    margins: list[float]
+    logit_errors: list[float]
     prefill_s: float
     dense_decode_s: float
     sparse_decode_s: float
     teacher_forced_s: float
-    extra: dict = field(default_factory=dict)
+    identity_residual_max: float | None = None
+    bound_violations: int | None = None
+    omitted_mass_mean: float | None = None
+    selector_recall_mean: float | None = None
+    captured_mass_ratio_mean: float | None = None
+    audit: dict | None = None
+    audit_arrays: dict | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """JSON-ready fields (the per-step audit arrays are left out: save them with ``save_audit``)."""
+        data = asdict(self)
+        data.pop("audit_arrays")
+        return data
 
 
 def _ppl(nll: list[float]) -> float:
@@ -120,7 +147,7 @@ def prefill(
 
 
 @torch.no_grad()
-def _decode(
+def greedy_decode(
     model: torch.nn.Module,
     cache: DynamicCache,
     first: int,
@@ -164,13 +191,22 @@ def dense_reference(
     prefill_s = time.perf_counter() - started
     first = int(logits.argmax())
     first_nll = float(torch.logsumexp(logits, dim=-1) - logits[first])
+    steps: list[torch.Tensor] = []
+
+    def keep(step: int, step_logits: torch.Tensor) -> None:
+        steps.append(step_logits)
+        if on_logits:
+            on_logits(step, step_logits)
+
     started = time.perf_counter()
-    argmaxes, nll = _decode(
-        model, cache, first, tokens - 1, progress=progress, stage="dense decode", on_logits=on_logits
+    argmaxes, nll = greedy_decode(
+        model, cache, first, tokens - 1, progress=progress, stage="dense decode", on_logits=keep
     )
     decode_s = time.perf_counter() - started
     crop_cache(cache, prompt_ids.shape[1])
-    return DenseReference(prompt_ids, [first, *argmaxes], [first_nll, *nll], cache, prefill_s, decode_s)
+    return DenseReference(
+        prompt_ids, [first, *argmaxes], [first_nll, *nll], cache, prefill_s, decode_s, torch.stack(steps)
+    )
 
 
 def _check_tokens(tokens: int) -> None:
@@ -188,14 +224,14 @@ def compare(
     reference: DenseReference | None = None,
     progress: Progress | None = None,
     session_hook: Callable[[str, SparseSession], None] | None = None,
-    teacher_logits: LogitsHook | None = None,
 ) -> CompareResult:
     """Paired dense/sparse comparison of one prompt under ``cfg`` (DESIGN.md section 3).
 
     Pass ``reference`` (from :func:`dense_reference`) to reuse one dense run across several settings;
     otherwise one is computed. ``tokenizer`` is accepted for symmetry with generation APIs and unused here.
-    ``session_hook(phase, session)`` is called as each sparse phase ("free", "teacher") starts, so
-    diagnostics can attach observers; ``teacher_logits`` sees every teacher-forced step's sparse logits.
+    The teacher-forced pass always yields the margin certificate (it reuses the dense logits kept by the
+    reference); ``cfg.audit`` adds the omitted-mass audit of every free-running sparse step.
+    ``session_hook(phase, session)`` is called as each sparse phase ("free", "teacher") starts.
     """
     del tokenizer
     if reference is None:
@@ -207,23 +243,27 @@ def compare(
         raise SparseDecodeError(f"the dense reference has {len(reference.tokens)} tokens; asked for {tokens}")
     dense_tokens = reference.tokens[:tokens]
     cache, context = reference.cache, reference.context
+    audit = MassAudit() if cfg.audit else None
 
     started = time.perf_counter()
     with sparse_decoding(model, cfg) as session:
+        if audit is not None:
+            session.observers.append(audit)
         if session_hook:
             session_hook("free", session)
-        free, _ = _decode(model, cache, dense_tokens[0], tokens - 1, progress=progress, stage="sparse decode")
+        free, _ = greedy_decode(model, cache, dense_tokens[0], tokens - 1, progress=progress, stage="sparse decode")
     sparse_decode_s = time.perf_counter() - started
     unique = session.unique_distant_positions()
     crop_cache(cache, context)
     sparse_tokens = [dense_tokens[0], *free]
     diverged = [i + 1 for i, (a, b) in enumerate(zip(dense_tokens, sparse_tokens)) if a != b]
 
+    teacher_logits: list[torch.Tensor] = []
     started = time.perf_counter()
     with sparse_decoding(model, cfg) as teacher_session:
         if session_hook:
             session_hook("teacher", teacher_session)
-        forced, sparse_nll = _decode(
+        forced, sparse_nll = greedy_decode(
             model,
             cache,
             dense_tokens[0],
@@ -231,7 +271,7 @@ def compare(
             teacher=dense_tokens,
             progress=progress,
             stage="teacher-forced",
-            on_logits=teacher_logits,
+            on_logits=lambda step, logits: teacher_logits.append(logits),
         )
     teacher_forced_s = time.perf_counter() - started
     crop_cache(cache, context)
@@ -239,13 +279,19 @@ def compare(
     dense_nll = reference.nll[:tokens]
     dense_ppl, sparse_ppl = _ppl(dense_nll[1:]), _ppl(sparse_nll)
     matches = sum(a == b for a, b in zip(forced, dense_tokens[1:]))
+    match_percent = 100.0 * matches / (tokens - 1)
+    certificate = margin_certificate(reference.logits[: tokens - 1], torch.stack(teacher_logits))
+    cert = summarize_certificate(certificate, diverged[0] if diverged else None)
+    audit_arrays = audit.arrays() if audit is not None else None
+    audit_summary = summarize_audit(audit_arrays) if audit_arrays is not None else None
+    audited = audit_summary is not None and audit_summary.get("audited_steps", 0) > 0
     return CompareResult(
         context=context,
         tokens=tokens,
         settings=cfg.to_dict(),
         first_divergence=diverged[0] if diverged else tokens,
         survives=not diverged,
-        teacher_forced_match=100.0 * matches / (tokens - 1),
+        teacher_forced_match=match_percent,
         delta_ppl_percent=100.0 * (sparse_ppl - dense_ppl) / dense_ppl,
         dense_ppl=dense_ppl,
         sparse_ppl=sparse_ppl,
@@ -258,8 +304,23 @@ def compare(
         sparse_steps=session.sparse_steps,
         dense_fallback_steps=session.dense_steps,
         centroid_cache_bytes=session.centroid_bytes(),
+        certified_fraction=cert["certified_fraction"],
+        flips=cert["flips"],
+        certificate_violations=cert["certificate_violations"],
+        margin_at_divergence=cert["margin_at_divergence"],
+        warning_regime=match_percent < WARNING_MATCH_PERCENT,
+        certificate=cert,
+        margins=certificate["gamma"].tolist(),
+        logit_errors=certificate["delta"].tolist(),
         prefill_s=reference.prefill_s,
         dense_decode_s=reference.decode_s * (tokens - 1) / max(len(reference.tokens) - 1, 1),
         sparse_decode_s=sparse_decode_s,
         teacher_forced_s=teacher_forced_s,
+        identity_residual_max=audit_summary["identity_residual_max"] if audited else None,
+        bound_violations=audit_summary["bound_violations"] if audited else None,
+        omitted_mass_mean=audit_summary["omitted_mass_mean"] if audited else None,
+        selector_recall_mean=audit_summary["selector_recall_mean"] if audited else None,
+        captured_mass_ratio_mean=audit_summary["captured_mass_ratio_mean"] if audited else None,
+        audit=audit_summary,
+        audit_arrays=audit_arrays,
     )

@@ -17,6 +17,8 @@ class SparseConfig:
     ``block_size`` keys, with ``b = (support - 1 - window) // block_size``. A ``support`` that is not of the
     form ``1 + window + b * block_size`` is floored to whole blocks: :attr:`effective_support` says what is
     actually read. ``reuse`` is the selection interval R (1 = fresh selection at every step).
+    ``audit`` turns on the omitted-mass audit of :mod:`sparsedecode.diagnostics`, which costs one dense
+    attention pass per sparse step; off, nothing beyond the support is ever read.
 
     Reference: "Attention-Mass Condensation for Sparse Decoding", arXiv 2602.06317.
     """
@@ -26,6 +28,7 @@ class SparseConfig:
     block_size: int = 16
     reuse: int = 1
     selector: str = "mean-pooled"
+    audit: bool = False
 
     def __post_init__(self) -> None:
         for name in ("support", "window", "block_size", "reuse"):
