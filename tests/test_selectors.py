@@ -13,20 +13,21 @@ from sparsedecode import SparseConfig, SparseDecodeError, select_support
 from sparsedecode.selectors import BlockLayout, block_centroids, group_mean_queries
 
 
-def brute_force_blocks(queries, keys, window, block, b):
-    """Reference: score every distant block by looping, sort by (-score, index)."""
+def brute_force_scores(queries, keys, window, block):
+    """Reference: score every distant block by looping, in float64: one list of scores per KV head."""
     kv_heads, n, d = keys.shape
     group = queries.shape[0] // kv_heads
     distant_end = n - window
-    chosen = []
+    scores = []
     for h in range(kv_heads):
         q = queries[h * group : (h + 1) * group].double().mean(0)
-        scored = []
-        for j, start in enumerate(range(1, distant_end, block)):
-            c = keys[h, start : min(start + block, distant_end)].double().mean(0)
-            scored.append((-(float(q @ c) / math.sqrt(d)), j))
-        chosen.append(sorted(j for _, j in sorted(scored)[:b]))
-    return chosen
+        scores.append(
+            [
+                float(q @ keys[h, start : min(start + block, distant_end)].double().mean(0)) / math.sqrt(d)
+                for start in range(1, distant_end, block)
+            ]
+        )
+    return scores
 
 
 @st.composite
@@ -80,10 +81,15 @@ def test_top_blocks_match_brute_force(problem):
     if n <= 1 + window + b * block:
         return
     kept = select_support(queries, keys, support=support, window=window, block_size=block)
-    expected = brute_force_blocks(queries, keys, window, block, b)
-    for h in range(kv_heads):
+    for h, scores in enumerate(brute_force_scores(queries, keys, window, block)):
         distant = kept[h][(kept[h] >= 1) & (kept[h] < n - window)]
-        assert sorted(torch.unique((distant - 1) // block).tolist()) == expected[h]
+        chosen = set(torch.unique((distant - 1) // block).tolist())
+        others = [s for j, s in enumerate(scores) if j not in chosen]
+        assert len(chosen) == b
+        if not chosen or not others:
+            continue
+        # every kept block scores at least as high as every dropped one (float32 vs float64 slack)
+        assert min(scores[j] for j in chosen) >= max(others) - 1e-5
 
 
 def test_gqa_group_shares_blocks_from_mean_query():

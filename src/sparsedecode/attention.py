@@ -29,7 +29,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .centroids import BlockCentroids
 from .config import SparseConfig
 from .errors import SparseDecodeError
-from .selectors import BlockLayout, choose_blocks, group_mean_queries, support_positions
+from .selectors import BlockLayout, block_scores, group_mean_queries, support_positions, top_blocks
 
 ATTENTION_NAME = "sparsedecode"
 
@@ -169,10 +169,53 @@ def sparse_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     session.sparse_steps += 1
-    return _sparse_step(session, state, query, key, value, n, scaling), None
+    return sparse_decode_step(session, state, query, key, value, n, scaling), None
 
 
-def _sparse_step(
+def select_blocks(
+    cfg: SparseConfig, centroids: BlockCentroids, q: torch.Tensor, keys: torch.Tensor, layout: BlockLayout
+) -> torch.Tensor:
+    """Selection half of a sparse step: ``(kv_heads, b)`` ascending block indices.
+
+    Reads the cached centroids of the completed blocks (extending the cache by any block completed since the
+    last call) and averages the partial tail block on the fly: ``N / B`` centroids, never ``N`` keys.
+    """
+    kv_heads = keys.shape[0]
+    query_means = group_mean_queries(q, kv_heads)
+    scores = block_scores(cfg, query_means, centroids.update(keys, layout.n_full))
+    if layout.n_blocks > layout.n_full:
+        tail = keys[:, 1 + layout.n_full * cfg.block_size : layout.distant_end].float().mean(dim=1, keepdim=True)
+        scores = torch.cat([scores, block_scores(cfg, query_means, tail)], dim=1)
+    return top_blocks(scores, cfg.blocks)
+
+
+def attend_support(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    blocks: torch.Tensor,
+    layout: BlockLayout,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention half of a sparse step: gather anchor + blocks + window, softmax over them alone (float32).
+
+    Returns ``(output (query_heads, d) float32, index, valid)``; all query heads of a GQA group share the
+    positions of their KV head.
+    """
+    query_heads, d = q.shape
+    kv_heads = keys.shape[0]
+    index, valid = support_positions(blocks, layout)
+    gather = index.unsqueeze(-1).expand(-1, -1, d)
+    kept_keys = keys.gather(1, gather).float()
+    kept_values = values.gather(1, gather).float()
+    qg = q.float().view(kv_heads, query_heads // kv_heads, d)
+    logits = torch.bmm(qg, kept_keys.transpose(1, 2)).mul_(scale)
+    logits.masked_fill_(~valid.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.bmm(probs, kept_values).reshape(query_heads, d), index, valid
+
+
+def sparse_decode_step(
     session: SparseSession,
     state: LayerState,
     query: torch.Tensor,
@@ -181,37 +224,24 @@ def _sparse_step(
     n: int,
     scaling: float | None,
 ) -> torch.Tensor:
+    """One sparse decode step of one layer: ``query (1, H, 1, d)``, ``key/value (1, KVH, >= n, d)``."""
     cfg = session.config
     q = query[0, :, 0, :]
     keys, values = key[0], value[0]
     query_heads, d = q.shape
-    kv_heads = keys.shape[0]
-    group = query_heads // kv_heads
     scale = scaling if scaling is not None else d**-0.5
     layout = BlockLayout(n=n, window=cfg.window, block_size=cfg.block_size)
 
     if n != state.last_n + 1:
         state.step, state.blocks = 0, None
     if state.blocks is None or state.step % cfg.reuse == 0:
-        centroids = state.centroids.update(keys, layout.n_full)
-        if layout.n_blocks > layout.n_full:
-            tail = keys[:, 1 + layout.n_full * cfg.block_size : layout.distant_end].float().mean(dim=1)
-            centroids = torch.cat([centroids, tail.unsqueeze(1)], dim=1)
-        state.blocks = choose_blocks(cfg, group_mean_queries(q, kv_heads), centroids)
+        state.blocks = select_blocks(cfg, state.centroids, q, keys, layout)
     blocks = state.blocks
     state.step += 1
     state.last_n = n
     state.note_reads(blocks, layout.block_lengths(blocks))
 
-    index, valid = support_positions(blocks, layout)
-    gather = index.unsqueeze(-1).expand(-1, -1, d)
-    kept_keys = keys.gather(1, gather).float()
-    kept_values = values.gather(1, gather).float()
-    qg = q.float().view(kv_heads, group, d)
-    logits = torch.bmm(qg, kept_keys.transpose(1, 2)).mul_(scale)
-    logits.masked_fill_(~valid.unsqueeze(1), float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    out = torch.bmm(probs, kept_values).reshape(query_heads, d)
+    out, index, valid = attend_support(q, keys, values, blocks, layout, scale)
     if session.observers:
         view = StepView(state.layer, state.step, q, keys, values, index, valid, out, scale, layout, blocks)
         for observe in session.observers:

@@ -88,9 +88,22 @@ def mean_pooled_scores(query_means: torch.Tensor, centroids: torch.Tensor) -> to
 
 
 def top_blocks(scores: torch.Tensor, b: int) -> torch.Tensor:
-    """Indices of the ``b`` best blocks per row, ties towards the lowest index, returned in ascending order."""
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :b]
-    return order.sort(dim=-1).values
+    """Indices of the ``b`` best blocks per row, ties towards the lowest index, returned in ascending order.
+
+    ``topk`` finds the b-th best score; every block above it is kept and the ties at it are taken in index
+    order, so no full sort is needed (``O(n_blocks)`` per row).
+    """
+    rows, n_blocks = scores.shape
+    if b >= n_blocks:
+        return torch.arange(n_blocks, device=scores.device).expand(rows, -1)
+    if b == 0:
+        return torch.zeros(rows, 0, dtype=torch.long, device=scores.device)
+    kth = scores.topk(b, dim=-1).values[:, -1:]
+    above = scores > kth
+    tied = scores == kth
+    needed = b - above.sum(dim=-1, keepdim=True)
+    take = above | (tied & (tied.cumsum(dim=-1) <= needed))
+    return take.nonzero()[:, 1].view(rows, b)
 
 
 def support_positions(blocks: torch.Tensor, layout: BlockLayout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,8 +166,13 @@ def select_support(
     return [index[h][valid[h]] for h in range(kv_heads)]
 
 
+def block_scores(cfg: SparseConfig, query_means: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """Score of every block under ``cfg.selector``: ``(kv_heads, n_blocks)`` float32."""
+    if cfg.selector == "mean-pooled":
+        return mean_pooled_scores(query_means, centroids)
+    raise SparseDecodeError(f"unknown selector {cfg.selector!r}; choose one of: {', '.join(SELECTORS)}")
+
+
 def choose_blocks(cfg: SparseConfig, query_means: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     """The ``cfg.blocks`` best distant blocks per KV head, ascending: ``(kv_heads, b)``."""
-    if cfg.selector == "mean-pooled":
-        return top_blocks(mean_pooled_scores(query_means, centroids), cfg.blocks)
-    raise SparseDecodeError(f"unknown selector {cfg.selector!r}; choose one of: {', '.join(SELECTORS)}")
+    return top_blocks(block_scores(cfg, query_means, centroids), cfg.blocks)
