@@ -9,7 +9,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -93,12 +92,38 @@ def build_parser() -> argparse.ArgumentParser:
     mass.add_argument("--out", type=Path, default=Path("runs/probe-mass"), help="folder for PNG and JSON")
 
     sub.add_parser("models", help="list built-in model aliases and what is cached")
+    _add_experiment_parsers(sub, probes)
     return parser
 
 
+def _add_experiment_parsers(sub, probes) -> None:
+    """``sweep``, ``merge``, ``report`` and ``probe retrieval``."""
+    sweep = sub.add_parser("sweep", help="survival sweep: paired dense/sparse runs over contexts x prompts x supports")
+    _add_model_args(sweep)
+    sweep.add_argument("--corpus", default="python-docs", help="python-docs (offline), wikitext2, or a path")
+    sweep.add_argument("--context", type=int_list, default=[2048], help="prompt lengths, comma-separated")
+    sweep.add_argument("--support", type=int_list, default=[97, 193, 385, 769], help="supports S, comma-separated")
+    sweep.add_argument("--reuse", type=int_list, default=[1], help="selection reuse intervals R, comma-separated")
+    sweep.add_argument("--selector", default="mean-pooled")
+    sweep.add_argument("--prompts", type=int, default=5, help="prompts per context (corpus prefixes 0..n-1)")
+    sweep.add_argument("--tokens", type=int, default=128, help="greedy tokens T per run")
+    sweep.add_argument("--window", type=int, default=64)
+    sweep.add_argument("--block-size", type=int, default=16)
+    sweep.add_argument("--audit", action="store_true", help="omitted-mass audit of every sparse step (slower)")
+    sweep.add_argument("--shard", default=None, help="i/n: run every n-th (context, prompt) group from the i-th")
+    sweep.add_argument("--out", type=Path, required=True, help="sweep folder (sweep.json, runs.jsonl); resumable")
+
+    merge = sub.add_parser("merge", help="combine shard folders of one sweep into one folder")
+    merge.add_argument("sources", type=Path, nargs="+", help="sweep folders with the same settings")
+    merge.add_argument("--out", type=Path, required=True, help="folder for the merged sweep.json and runs.jsonl")
+
+
 @contextlib.contextmanager
-def progress_bars() -> Iterator:
-    """A ``progress(stage, done, total)`` callback drawing one rich bar per stage."""
+def progress_bars(speed_estimate_period: float = 30.0) -> Iterator:
+    """A ``progress(stage, done, total)`` callback drawing one rich bar per stage.
+
+    The ETA of a bar comes from its progress over the last ``speed_estimate_period`` seconds.
+    """
     bars = Progress(
         TextColumn("{task.description:>16}"),
         BarColumn(),
@@ -107,12 +132,13 @@ def progress_bars() -> Iterator:
         TimeRemainingColumn(),
         console=console,
         transient=True,
+        speed_estimate_period=speed_estimate_period,
     )
     tasks: dict[str, int] = {}
 
     def update(stage: str, done: int, total: int) -> None:
         if stage not in tasks:
-            tasks[stage] = bars.add_task(stage, total=total)
+            tasks[stage] = bars.add_task(stage, total=total, completed=done)  # work done before is not speed
         bars.update(tasks[stage], completed=done, total=total)
         if done >= total:
             bars.remove_task(tasks.pop(stage))
@@ -138,18 +164,9 @@ def write_json_atomic(path: Path, data: object) -> None:
 
 def environment() -> dict:
     """Where numbers were measured: library versions, device, threads."""
-    import torch
-    import transformers
+    from .experiments.environment import environment as measured_environment
 
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "device": "cpu",
-        "threads": torch.get_num_threads(),
-        "machine": platform.machine(),
-        "processor": platform.processor() or platform.machine(),
-    }
+    return measured_environment()
 
 
 def _continuation_table(tokenizer, result) -> Table:
@@ -443,7 +460,84 @@ def cmd_models(args) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "models": cmd_models, "probe": cmd_probe}
+def _sweep_spec(args):
+    from .experiments.sweep import SweepSpec
+
+    return SweepSpec(
+        model=args.model,
+        dtype=args.dtype,
+        corpus=args.corpus,
+        contexts=tuple(args.context),
+        supports=tuple(args.support),
+        reuse=tuple(args.reuse),
+        selector=args.selector,
+        prompts=args.prompts,
+        tokens=args.tokens,
+        window=args.window,
+        block_size=args.block_size,
+        audit=args.audit,
+    )
+
+
+def _row_line(row: dict) -> str:
+    fate = "[green]survives[/]" if row["survives"] else f"first divergence at step {row['first_divergence']}"
+    return (
+        f"context {row['context']}, prompt {row['prompt_index']}, S={row['support']}, R={row['reuse']}: {fate}; "
+        f"TF match {row['teacher_forced_match']:.1f}%, ΔPPL {row['delta_ppl_percent']:+.2f}% ({row['run_s']:.1f} s)"
+    )
+
+
+def cmd_sweep(args) -> int:
+    from .experiments.sweep import Shard, read_meta, run_sweep
+    from .models import load_model
+
+    spec = _sweep_spec(args)
+    shard = Shard.parse(args.shard) if args.shard else None
+    meta = read_meta(args.out)
+    if meta is not None:  # refuse a changed spec before spending time on the model
+        from .experiments.sweep import check_meta
+
+        check_meta(args.out, meta, spec, None, shard or Shard())
+    with console.status(f"loading {args.model} ({args.dtype})"):
+        loaded = load_model(args.model, dtype=args.dtype)
+    console.print(
+        f"[bold]{args.model}[/] {args.dtype}; corpus {args.corpus}; contexts {args.context}; supports {args.support}; "
+        f"R {args.reuse}; {args.prompts} prompts; T = {args.tokens}; W = {args.window}, B = {args.block_size}; "
+        f"selector {args.selector}" + (f"; shard {shard}" if shard else "")
+    )
+    with progress_bars(speed_estimate_period=24 * 3600.0) as progress:
+
+        def started(done: int, total: int) -> None:
+            if done:
+                console.print(f"resuming {args.out}: {done} of {total} runs already done")
+            progress("runs", done, total)
+
+        def finished(row: dict, done: int, total: int) -> None:
+            console.print(_row_line(row))
+            progress("runs", done, total)
+
+        outcome = run_sweep(
+            spec, args.out, shard=shard, loaded=loaded, progress=progress, on_row=finished, on_start=started
+        )
+    console.print(
+        f"{outcome.ran} runs now, {outcome.done_before} before: {outcome.done_before + outcome.ran} of {outcome.total}"
+        f" in {args.out / 'runs.jsonl'}; `sparsedecode report {args.out}` summarises them"
+    )
+    return 0
+
+
+def cmd_merge(args) -> int:
+    from .experiments.sweep import merge_sweeps
+
+    outcome = merge_sweeps(args.sources, args.out)
+    console.print(
+        f"merged {len(args.sources)} folder(s) into {args.out}: {outcome.rows} runs, {outcome.duplicates} duplicate(s) "
+        f"dropped, {outcome.missing} run(s) of the grid still missing"
+    )
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "models": cmd_models, "probe": cmd_probe, "sweep": cmd_sweep, "merge": cmd_merge}
 
 
 def _quiet_transformers() -> None:

@@ -1,0 +1,34 @@
+"""Where numbers were measured: library versions, device, threads (stored with every result file)."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+
+def environment(model: torch.nn.Module | None = None) -> dict:
+    """Library versions, the device the model's weights are on (``cpu`` without a model), threads, machine."""
+    import numpy
+    import transformers
+
+    from .. import __version__
+
+    device = "cpu"
+    if model is not None:
+        parameter = next(model.parameters(), None)
+        if parameter is not None:
+            device = str(parameter.device)
+    return {
+        "sparsedecode": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "numpy": numpy.__version__,
+        "device": device,
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or platform.machine(),
+    }
