@@ -26,50 +26,53 @@ class BlockCentroids:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.count = 0
-        self._means: torch.Tensor | None = None
+        self._means_t: torch.Tensor | None = None
         self._prints: torch.Tensor | None = None
         self.rebuilds = 0
 
     @property
     def nbytes(self) -> int:
-        if self._means is None:
+        if self._means_t is None:
             return 0
-        return self._means.nelement() * 4 + self._prints.nelement() * 4
+        return self._means_t.nelement() * 4 + self._prints.nelement() * 4
 
-    def _fingerprints(self, keys: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        last = 1 + (blocks + 1) * self.block_size - 1
-        return keys[:, last].float().sum(dim=-1)
+    def _fingerprints(self, keys: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Float32 sum of the last key of blocks ``start .. stop - 1``: ``(kv_heads, stop - start)``."""
+        block = self.block_size
+        lasts = keys[:, block * (start + 1) : block * stop + 1 : block]
+        return lasts.float().sum(dim=-1)
 
     def _drop_stale(self, keys: torch.Tensor, n_full: int) -> None:
         self.count = min(self.count, n_full)
         if self.count == 0:
             return
-        last = torch.tensor([self.count - 1], device=keys.device)
-        if torch.equal(self._fingerprints(keys, last), self._prints[:, self.count - 1 : self.count]):
+        if torch.equal(
+            self._fingerprints(keys, self.count - 1, self.count), self._prints[:, self.count - 1 : self.count]
+        ):
             return
-        stored = torch.arange(self.count, device=keys.device)
-        same = (self._fingerprints(keys, stored) == self._prints[:, : self.count]).all(dim=0)
+        same = (self._fingerprints(keys, 0, self.count) == self._prints[:, : self.count]).all(dim=0)
         mismatch = (~same).nonzero()
         self.count = int(mismatch[0]) if len(mismatch) else self.count
         self.rebuilds += 1
 
     def _reserve(self, keys: torch.Tensor, n: int) -> None:
         kv_heads, _, d = keys.shape
-        capacity = 0 if self._means is None else self._means.shape[1]
-        if n <= capacity and self._means.shape[0] == kv_heads and self._means.shape[2] == d:
+        capacity = 0 if self._means_t is None else self._means_t.shape[2]
+        if n <= capacity and self._means_t.shape[:2] == (kv_heads, d):
             return
         new_capacity = max(n, 2 * capacity, 64)
-        means = torch.empty(kv_heads, new_capacity, d, dtype=torch.float32, device=keys.device)
+        means_t = torch.empty(kv_heads, d, new_capacity, dtype=torch.float32, device=keys.device)
         prints = torch.empty(kv_heads, new_capacity, dtype=torch.float32, device=keys.device)
         if self.count:
-            means[:, : self.count] = self._means[:, : self.count]
+            means_t[:, :, : self.count] = self._means_t[:, :, : self.count]
             prints[:, : self.count] = self._prints[:, : self.count]
-        self._means, self._prints = means, prints
+        self._means_t, self._prints = means_t, prints
 
     def update(self, keys: torch.Tensor, n_full: int) -> torch.Tensor:
         """Centroids of blocks ``0 .. n_full - 1`` for ``keys`` of shape ``(kv_heads, N, d)``.
 
-        Returns a ``(kv_heads, n_full, d)`` float32 view into the cache (valid until the next update).
+        Returns a ``(kv_heads, n_full, d)`` float32 view into the cache (valid until the next update). The
+        storage is ``(kv_heads, d, capacity)``, so scoring a query against all centroids reads contiguous rows.
         """
         self._drop_stale(keys, n_full)
         if self.count < n_full:
@@ -78,10 +81,9 @@ class BlockCentroids:
             block = self.block_size
             start, stop = 1 + self.count * block, 1 + n_full * block
             new = keys[:, start:stop].float().reshape(kv_heads, n_full - self.count, block, d)
-            self._means[:, self.count : n_full] = new.mean(dim=2)
-            added = torch.arange(self.count, n_full, device=keys.device)
-            self._prints[:, self.count : n_full] = self._fingerprints(keys, added)
+            self._means_t[:, :, self.count : n_full] = new.mean(dim=2).transpose(1, 2)
+            self._prints[:, self.count : n_full] = self._fingerprints(keys, self.count, n_full)
             self.count = n_full
-        if self._means is None:
+        if self._means_t is None:
             return keys.new_zeros(keys.shape[0], 0, keys.shape[2], dtype=torch.float32)
-        return self._means[:, :n_full]
+        return self._means_t[:, :, :n_full].transpose(1, 2)

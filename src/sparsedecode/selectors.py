@@ -84,7 +84,8 @@ def block_centroids(keys: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
 def mean_pooled_scores(query_means: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     """``s_j = <q_h, c_j> / sqrt(d)``: ``(kv_heads, d), (kv_heads, n_blocks, d) -> (kv_heads, n_blocks)``."""
     d = query_means.shape[-1]
-    return torch.bmm(centroids, query_means.unsqueeze(-1)).squeeze(-1) / math.sqrt(d)
+    # (kv, 1, d) @ (kv, d, n_blocks): a row-vector product, fast when the centroids are stored transposed
+    return torch.bmm(query_means.unsqueeze(1), centroids.transpose(1, 2)).squeeze(1).mul_(1 / math.sqrt(d))
 
 
 def top_blocks(scores: torch.Tensor, b: int) -> torch.Tensor:
@@ -98,7 +99,10 @@ def top_blocks(scores: torch.Tensor, b: int) -> torch.Tensor:
         return torch.arange(n_blocks, device=scores.device).expand(rows, -1)
     if b == 0:
         return torch.zeros(rows, 0, dtype=torch.long, device=scores.device)
-    kth = scores.topk(b, dim=-1).values[:, -1:]
+    best = scores.topk(b, dim=-1)
+    kth = best.values[:, -1:]
+    if bool(((scores >= kth).sum() == rows * b)):  # no tie straddles the cut: topk's set is the answer
+        return best.indices.sort(dim=-1).values
     above = scores > kth
     tied = scores == kth
     needed = b - above.sum(dim=-1, keepdim=True)
