@@ -94,6 +94,8 @@ class SparseSession:
         config: the settings in force.
         sparse_steps / dense_steps: decode-step layer calls that ran sparse, or dense because
             ``N <= effective support`` (or the layer is a sliding-window layer).
+        track_reads: record which distant positions each layer and KV head read (for
+            :meth:`unique_distant_positions`); off by default to keep the decode step lean.
         observers: callables receiving a :class:`StepView` after every sparse step (the audit uses this;
             with none registered nothing beyond the support is ever read).
     """
@@ -102,6 +104,7 @@ class SparseSession:
     model: torch.nn.Module
     sparse_steps: int = 0
     dense_steps: int = 0
+    track_reads: bool = False
     observers: list[Callable[[StepView], None]] = field(default_factory=list)
     layers: dict[int, LayerState] = field(default_factory=dict)
 
@@ -161,7 +164,7 @@ def sparse_attention_forward(
     if n <= cfg.effective_support or (sliding is not None and n > sliding):
         session.dense_steps += 1
         layout = BlockLayout(n=n, window=cfg.window, block_size=cfg.block_size)
-        if layout.n_blocks:
+        if session.track_reads and layout.n_blocks:
             every = torch.arange(layout.n_blocks).expand(key.shape[1], -1)
             state.note_reads(every, layout.block_lengths(every))
         state.last_n = n
@@ -196,21 +199,30 @@ def attend_support(
     blocks: torch.Tensor,
     layout: BlockLayout,
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Attention half of a sparse step: gather anchor + blocks + window, softmax over them alone (float32).
 
-    Returns ``(output (query_heads, d) float32, index, valid)``; all query heads of a GQA group share the
-    positions of their KV head.
+    Returns ``(output (query_heads, d) float32, index, valid)``; ``valid`` is ``None`` when every gathered
+    position is real (it is only needed when a chosen block is the short last one). All query heads of a
+    GQA group share the positions of their KV head.
     """
     query_heads, d = q.shape
     kv_heads = keys.shape[0]
-    index, valid = support_positions(blocks, layout)
+    short_tail = layout.n_blocks > layout.n_full and bool(blocks[:, -1].max() == layout.n_blocks - 1)
+    if short_tail:
+        index, valid = support_positions(blocks, layout)
+    else:
+        block = layout.block_size
+        distant = (blocks.unsqueeze(-1) * block + torch.arange(1, block + 1)).view(kv_heads, -1)
+        window = torch.arange(layout.distant_end, layout.n).expand(kv_heads, -1)
+        index, valid = torch.cat([blocks.new_zeros(kv_heads, 1), distant, window], dim=1), None
     gather = index.unsqueeze(-1).expand(-1, -1, d)
     kept_keys = keys.gather(1, gather).float()
     kept_values = values.gather(1, gather).float()
     qg = q.float().view(kv_heads, query_heads // kv_heads, d)
     logits = torch.bmm(qg, kept_keys.transpose(1, 2)).mul_(scale)
-    logits.masked_fill_(~valid.unsqueeze(1), float("-inf"))
+    if valid is not None:
+        logits.masked_fill_(~valid.unsqueeze(1), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return torch.bmm(probs, kept_values).reshape(query_heads, d), index, valid
 
@@ -239,10 +251,13 @@ def sparse_decode_step(
     blocks = state.blocks
     state.step += 1
     state.last_n = n
-    state.note_reads(blocks, layout.block_lengths(blocks))
+    if session.track_reads:
+        state.note_reads(blocks, layout.block_lengths(blocks))
 
     out, index, valid = attend_support(q, keys, values, blocks, layout, scale)
     if session.observers:
+        if valid is None:
+            valid = torch.ones_like(index, dtype=torch.bool)
         view = StepView(state.layer, state.step, q, keys, values, index, valid, out, scale, layout, blocks)
         for observe in session.observers:
             observe(view)

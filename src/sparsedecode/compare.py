@@ -129,12 +129,18 @@ def crop_cache(cache: DynamicCache, length: int) -> None:
 
 @torch.no_grad()
 def prefill(
-    model: torch.nn.Module, prompt_ids: torch.Tensor, *, chunk: int = 1024, progress: Progress | None = None
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    *,
+    chunk: int = 1024,
+    progress: Progress | None = None,
+    cache: DynamicCache | None = None,
 ) -> tuple[DynamicCache, torch.Tensor]:
-    """Dense prefill in chunks (bounded memory, visible progress); returns the cache and last logits."""
+    """Dense prefill in chunks (bounded memory, visible progress) into ``cache`` (a new ``DynamicCache`` by
+    default); returns the cache and the last position's logits."""
     if prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1:
         raise SparseDecodeError(f"expected prompt ids of shape (1, length), got {tuple(prompt_ids.shape)}")
-    cache = DynamicCache(config=model.config)
+    cache = cache if cache is not None else DynamicCache(config=model.config)
     length = prompt_ids.shape[1]
     logits = None
     for start in range(0, length, chunk):
@@ -247,6 +253,7 @@ def compare(
 
     started = time.perf_counter()
     with sparse_decoding(model, cfg) as session:
+        session.track_reads = True
         if audit is not None:
             session.observers.append(audit)
         if session_hook:

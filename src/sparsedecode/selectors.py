@@ -101,7 +101,7 @@ def top_blocks(scores: torch.Tensor, b: int) -> torch.Tensor:
         return torch.zeros(rows, 0, dtype=torch.long, device=scores.device)
     best = scores.topk(b, dim=-1)
     kth = best.values[:, -1:]
-    if bool(((scores >= kth).sum() == rows * b)):  # no tie straddles the cut: topk's set is the answer
+    if bool((scores >= kth).sum() == rows * b):  # no tie straddles the cut: topk's set is the answer
         return best.indices.sort(dim=-1).values
     above = scores > kth
     tied = scores == kth

@@ -1,0 +1,262 @@
+"""Benchmarks (DESIGN.md section 4, "Operator timings"): timings live here, never in tests.
+
+* :func:`bench_op`: one decode-attention call of one layer on synthetic post-RoPE queries/keys/values: torch
+  SDPA dense against the sparse step (selection over cached block centroids, then attention over the gathered
+  support), with bytes touched and the machine's read bandwidth measured in the same run.
+* :func:`bench_e2e`: a real model, real prefill, then greedy decoding dense vs sparse in the same process.
+
+Every time is a median over repeated calls, measured side by side in one process; isolated operator timings
+say nothing about matched-quality or end-to-end speed.
+"""
+
+from __future__ import annotations
+
+import gc
+import platform
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import LayerState, SparseSession, attend_support, select_blocks, sparse_decode_step, sparse_decoding
+from ..centroids import BlockCentroids
+from ..compare import Progress, crop_cache, greedy_decode, prefill
+from ..config import SparseConfig
+from ..selectors import BlockLayout
+
+SHAPES = {
+    "qwen2-0.5b": (14, 2, 64),  # query heads, KV heads, head dim (also Qwen2.5-Coder-0.5B)
+    "llama3-8b": (32, 8, 128),
+    "smollm2-135m": (9, 3, 64),
+}
+DEFAULT_CONTEXTS = (2048, 8192, 32768, 131072)
+DEFAULT_SUPPORTS = (97, 193, 769)
+
+
+def median_time(fn: Callable[[], object], *, min_calls: int = 10, budget_s: float = 0.6) -> float:
+    """Median seconds per call: a warm-up, then calls until ``min_calls`` and ``budget_s`` are both spent."""
+    fn()
+    times: list[float] = []
+    spent = 0.0
+    while len(times) < min_calls or spent < budget_s:
+        started = time.perf_counter()
+        fn()
+        elapsed = time.perf_counter() - started
+        times.append(elapsed)
+        spent += elapsed
+        if len(times) >= 2000:
+            break
+    return statistics.median(times)
+
+
+def read_bandwidth_gbs(megabytes: int = 512) -> float:
+    """This machine's read bandwidth now: median GB/s of summing a float32 buffer larger than the caches."""
+    buffer = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32)
+    seconds = median_time(buffer.sum, min_calls=7, budget_s=1.0)
+    return buffer.nelement() * 4 / seconds / 1e9
+
+
+def machine_info() -> dict:
+    import transformers
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": "cpu",
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or platform.machine(),
+    }
+
+
+@dataclass
+class OpRow:
+    shape: str
+    context: int
+    support: int
+    selector: str
+    dtype: str
+    dense_ms: float
+    sparse_ms: float
+    select_ms: float
+    attend_ms: float
+    bytes_dense: int
+    bytes_sparse: int
+    bandwidth_gbs: float
+    speedup: float
+    bound_ratio: float
+    dense_bound_ratio: float
+    dense_gbs: float
+    sparse_gbs: float
+
+
+def _fresh_step(session, state, query, keys, values, n, scale):
+    """One whole sparse step at context ``n`` as the next contiguous step (fresh selection, no rebuild)."""
+    state.last_n, state.blocks = n - 1, None
+    return sparse_decode_step(session, state, query, keys, values, n, scale)
+
+
+def _op_bytes(cfg: SparseConfig, n: int, kv_heads: int, query_heads: int, d: int, element: int) -> tuple[int, int]:
+    """Bytes one call must read: dense = all keys and values; sparse = centroids + tail keys + support K/V."""
+    layout = BlockLayout(n=n, window=cfg.window, block_size=cfg.block_size)
+    query = query_heads * d * element
+    dense = 2 * kv_heads * n * d * element + query
+    tail = (layout.distant_end - 1 - layout.n_full * cfg.block_size) * kv_heads * d * element
+    centroids = kv_heads * layout.n_full * (d + 1) * 4
+    support = 2 * kv_heads * cfg.effective_support * d * element
+    return dense, centroids + tail + support + query
+
+
+def bench_op(
+    shape: str = "qwen2-0.5b",
+    contexts: tuple[int, ...] = DEFAULT_CONTEXTS,
+    supports: tuple[int, ...] = DEFAULT_SUPPORTS,
+    *,
+    dtype: torch.dtype = torch.float32,
+    selector: str = "mean-pooled",
+    budget_s: float = 0.6,
+    progress: Progress | None = None,
+) -> tuple[list[OpRow], float]:
+    """Time one decode-attention call per (context, support); returns rows and the measured bandwidth."""
+    query_heads, kv_heads, d = SHAPES[shape]
+    element = torch.finfo(dtype).bits // 8
+    bandwidth = read_bandwidth_gbs()
+    rows: list[OpRow] = []
+    total = len(contexts) * len(supports)
+    generator = torch.Generator().manual_seed(0)
+    for n in contexts:
+        keys = torch.randn(1, kv_heads, n, d, generator=generator).to(dtype)
+        values = torch.randn(1, kv_heads, n, d, generator=generator).to(dtype)
+        query = torch.randn(1, query_heads, 1, d, generator=generator).to(dtype)
+        scale = d**-0.5
+        packed = query.view(1, kv_heads, query_heads // kv_heads, d)
+        # transformers' one-token SDPA path: query heads packed per KV head, no repeat_kv
+        dense = partial(F.scaled_dot_product_attention, packed, keys, values, scale=scale)
+        dense_s = median_time(dense, budget_s=budget_s)
+        for support in supports:
+            cfg = SparseConfig(support=support, selector=selector)
+            layout = BlockLayout(n=n, window=cfg.window, block_size=cfg.block_size)
+            session = SparseSession(config=cfg, model=None)
+            state = LayerState(0, BlockCentroids(cfg.block_size))
+            q, k, v = query[0, :, 0], keys[0], values[0]
+            state.centroids.update(k, layout.n_full)  # built once after prefill, as in decoding
+            whole = partial(_fresh_step, session, state, query, keys, values, n, scale)
+            select = partial(select_blocks, cfg, state.centroids, q, k, layout)
+            attend = partial(attend_support, q, k, v, select(), layout, scale)
+            sparse_s = median_time(whole, budget_s=budget_s)
+            select_s = median_time(select, budget_s=budget_s / 2)
+            attend_s = median_time(attend, budget_s=budget_s / 2)
+            bytes_dense, bytes_sparse = _op_bytes(cfg, n, kv_heads, query_heads, d, element)
+            rows.append(
+                OpRow(
+                    shape=shape,
+                    context=n,
+                    support=cfg.effective_support,
+                    selector=selector,
+                    dtype=str(dtype).removeprefix("torch."),
+                    dense_ms=dense_s * 1e3,
+                    sparse_ms=sparse_s * 1e3,
+                    select_ms=select_s * 1e3,
+                    attend_ms=attend_s * 1e3,
+                    bytes_dense=bytes_dense,
+                    bytes_sparse=bytes_sparse,
+                    bandwidth_gbs=bandwidth,
+                    speedup=dense_s / sparse_s,
+                    bound_ratio=sparse_s / (bytes_sparse / (bandwidth * 1e9)),
+                    dense_bound_ratio=dense_s / (bytes_dense / (bandwidth * 1e9)),
+                    dense_gbs=bytes_dense / dense_s / 1e9,
+                    sparse_gbs=bytes_sparse / sparse_s / 1e9,
+                )
+            )
+            if progress:
+                progress("bench op", len(rows), total)
+        del keys, values
+        gc.collect()
+    return rows, bandwidth
+
+
+def op_rows_as_dicts(rows: list[OpRow]) -> list[dict]:
+    return [asdict(row) for row in rows]
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process so far, in MB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@dataclass
+class E2ERow:
+    model: str
+    mode: str
+    context: int
+    support: int | None
+    tokens: int
+    prefill_s: float
+    decode_s: float
+    decode_tokens_per_s: float
+    speedup_vs_dense: float
+    peak_rss_mb: float
+    same_tokens_as_dense: int
+
+
+def bench_e2e(
+    model: torch.nn.Module,
+    name: str,
+    prompt_ids: torch.Tensor,
+    supports: tuple[int, ...] = (193,),
+    *,
+    tokens: int = 64,
+    progress: Progress | None = None,
+) -> list[E2ERow]:
+    """Dense prefill once, then ``tokens`` greedy tokens dense and sparse (per support) from the same cache.
+
+    Dense runs first and again last; its throughput is the median of the two so that a drift of the shared
+    machine during the run shows up rather than favouring one mode. Peak RSS is the process peak so far.
+    """
+    started = time.perf_counter()
+    cache, logits = prefill(model, prompt_ids, progress=progress)
+    prefill_s = time.perf_counter() - started
+    first = int(logits.argmax())
+    context = int(prompt_ids.shape[1])
+
+    def timed(stage: str) -> tuple[float, list[int]]:
+        begun = time.perf_counter()
+        out, _ = greedy_decode(model, cache, first, tokens, progress=progress, stage=stage)
+        elapsed = time.perf_counter() - begun
+        crop_cache(cache, context)
+        return elapsed, out
+
+    dense_first, dense_tokens = timed("dense decode")
+    sparse_runs = []
+    for support in supports:
+        with sparse_decoding(model, SparseConfig(support=support)):
+            sparse_runs.append((support, *timed(f"sparse S={support}")))
+    dense_last, _ = timed("dense decode (again)")
+    dense_s = statistics.median([dense_first, dense_last])
+    rows = [
+        E2ERow(name, "dense", context, None, tokens, prefill_s, dense_s, tokens / dense_s, 1.0, peak_rss_mb(), tokens)
+    ]
+    for support, seconds, out in sparse_runs:
+        same = next((i for i, (a, b) in enumerate(zip(out, dense_tokens)) if a != b), tokens)
+        rows.append(
+            E2ERow(
+                name,
+                "sparse",
+                context,
+                support,
+                tokens,
+                prefill_s,
+                seconds,
+                tokens / seconds,
+                dense_s / seconds,
+                peak_rss_mb(),
+                same,
+            )
+        )
+    return rows
