@@ -1,4 +1,4 @@
-"""Command-line interface: ``sparsedecode run | models`` (more subcommands as experiments land).
+"""Command-line interface: ``sparsedecode run | sweep | merge | report | probe mass | probe retrieval | models``.
 
 Bad input gets one line on stderr and exit status 2, never a traceback, and nothing half-written.
 """
@@ -50,6 +50,17 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def float_list(text: str) -> list[float]:
+    """Parse ``"0,0.5,1"`` into ``[0.0, 0.5, 1.0]``."""
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from error
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one number")
+    return values
+
+
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     from .models import DEFAULT_MODEL
 
@@ -84,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         "per-step arrays go to .npz files next to --json",
     )
 
-    probe = sub.add_parser("probe", help="probes: mass (attention-mass decomposition)")
+    probe = sub.add_parser("probe", help="probes: mass (attention-mass decomposition), retrieval (passkey)")
     probes = probe.add_subparsers(dest="probe", required=True, parser_class=_Parser)
     mass = probes.add_parser("mass", help="attention-mass decomposition per layer and head for one prompt")
     _add_model_args(mass)
@@ -116,6 +127,26 @@ def _add_experiment_parsers(sub, probes) -> None:
     merge = sub.add_parser("merge", help="combine shard folders of one sweep into one folder")
     merge.add_argument("sources", type=Path, nargs="+", help="sweep folders with the same settings")
     merge.add_argument("--out", type=Path, required=True, help="folder for the merged sweep.json and runs.jsonl")
+
+    report = sub.add_parser("report", help="report.md with tables, CSVs and plots for a sweep and/or retrieval folder")
+    report.add_argument("directory", type=Path, help="a sweep folder (sweep.json) or a retrieval folder")
+    report.add_argument("--retrieval", type=Path, help="retrieval.json (or its folder) to include")
+
+    retrieval = probes.add_parser("retrieval", help="passkey retrieval, dense vs sparse, with captured mass")
+    _add_model_args(retrieval)
+    retrieval.add_argument("--context", type=int_list, default=[2048], help="prompt lengths, question included")
+    retrieval.add_argument("--depths", type=float_list, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="0 = start")
+    retrieval.add_argument("--trials", type=int, default=3, help="passkeys per (context, depth)")
+    retrieval.add_argument("--support", type=int_list, default=[97, 193], help="supports S, comma-separated")
+    retrieval.add_argument("--window", type=int, default=64)
+    retrieval.add_argument("--block-size", type=int, default=16)
+    retrieval.add_argument("--reuse", type=int, default=1)
+    retrieval.add_argument("--selector", default="mean-pooled")
+    retrieval.add_argument("--haystack", default="filler", help="filler (repeated sentences), or a corpus name/path")
+    retrieval.add_argument("--digits", type=int, default=5, help="passkey length")
+    retrieval.add_argument("--answer-tokens", type=int, default=8)
+    retrieval.add_argument("--seed", type=int, default=0)
+    retrieval.add_argument("--out", type=Path, default=Path("runs/probe-retrieval"), help="folder for retrieval.json")
 
 
 @contextlib.contextmanager
@@ -389,7 +420,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_probe(args) -> int:
-    return {"mass": cmd_probe_mass}[args.probe](args)
+    return {"mass": cmd_probe_mass, "retrieval": cmd_probe_retrieval}[args.probe](args)
 
 
 def cmd_probe_mass(args) -> int:
@@ -537,7 +568,89 @@ def cmd_merge(args) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "models": cmd_models, "probe": cmd_probe, "sweep": cmd_sweep, "merge": cmd_merge}
+def cmd_report(args) -> int:
+    from .report import write_report
+
+    with console.status(f"writing the report for {args.directory}"):
+        path = write_report(args.directory, retrieval=args.retrieval)
+    console.print(f"wrote {path}")
+    return 0
+
+
+def _retrieval_command(args) -> str:
+    return (
+        f"sparsedecode probe retrieval --model {args.model} --dtype {args.dtype} "
+        f"--context {','.join(map(str, args.context))} --depths {','.join(f'{d:g}' for d in args.depths)} "
+        f"--trials {args.trials} --support {','.join(map(str, args.support))} --haystack {args.haystack} "
+        f"--out {args.out}"
+    )
+
+
+def cmd_probe_retrieval(args) -> int:
+    from .experiments.environment import environment as measured_environment
+    from .experiments.retrieval import RetrievalSpec, accuracy, run_retrieval
+    from .models import load_model
+
+    spec = RetrievalSpec(
+        model=args.model,
+        dtype=args.dtype,
+        contexts=tuple(args.context),
+        depths=tuple(args.depths),
+        trials=args.trials,
+        supports=tuple(args.support),
+        window=args.window,
+        block_size=args.block_size,
+        reuse=args.reuse,
+        selector=args.selector,
+        haystack=args.haystack,
+        digits=args.digits,
+        answer_tokens=args.answer_tokens,
+        seed=args.seed,
+    )
+    with console.status(f"loading {args.model} ({args.dtype})"):
+        loaded = load_model(args.model, dtype=args.dtype)
+    console.print(
+        f"[bold]{args.model}[/] {args.dtype}; passkey retrieval, haystack {args.haystack}; contexts {args.context}; "
+        f"depths {args.depths}; {args.trials} trials; supports {args.support}"
+    )
+
+    def show(trial: dict) -> None:
+        mode = "dense" if trial["mode"] == "dense" else f"S={trial['support']}"
+        mass = trial["captured_mass_ratio_mean"]
+        console.print(
+            f"context {trial['context']}, depth {trial['depth']:g}, trial {trial['trial']}, {mode}: "
+            + ("[green]found[/]" if trial["correct"] else "[red]missed[/]")
+            + f" {trial['passkey']} in {trial['answer']!r}"
+            + (f"; captured mass {mass:.3f}, needle read {trial['needle_read_mean']:.2f}" if mass is not None else "")
+        )
+
+    with progress_bars(speed_estimate_period=3600.0) as progress:
+        trials = run_retrieval(spec, loaded=loaded, progress=progress, on_trial=show)
+    data = {
+        "spec": spec.to_dict(),
+        "command": _retrieval_command(args),
+        "environment": measured_environment(loaded[0]),
+        "trials": trials,
+    }
+    write_json_atomic(args.out / "retrieval.json", data)
+    table = Table(title="passkey exact-match accuracy")
+    for name in ("mode", "context", "depth", "correct"):
+        table.add_column(name, justify="right")
+    for row in accuracy(trials):
+        table.add_row(row["mode"], str(row["context"]), f"{row['depth']:g}", f"{row['correct']}/{row['trials']}")
+    console.print(table)
+    console.print(f"wrote {args.out / 'retrieval.json'}; `sparsedecode report {args.out}` renders it")
+    return 0
+
+
+COMMANDS = {
+    "run": cmd_run,
+    "models": cmd_models,
+    "probe": cmd_probe,
+    "sweep": cmd_sweep,
+    "merge": cmd_merge,
+    "report": cmd_report,
+}
 
 
 def _quiet_transformers() -> None:

@@ -46,3 +46,108 @@ def heatmap(
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _support_colors(supports: list[int]) -> dict[int, tuple]:
+    cmap = plt.get_cmap("viridis")
+    return {s: cmap(i / max(len(supports) - 1, 1) * 0.9) for i, s in enumerate(sorted(supports))}
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def match_vs_delta_ppl(rows: list[dict], path: Path, *, title: str, threshold: float = 70.0) -> Path:
+    """Teacher-forced match (%) against delta-PPL (%, symlog) per run, coloured by support, with the 70% line."""
+    colors = _support_colors(sorted({r["support"] for r in rows}))
+    markers = dict(zip(sorted({r["context"] for r in rows}), "osD^v<>p*"))
+    fig, ax = plt.subplots(figsize=(6.4, 4.6))
+    for (support, context), color_marker in sorted(
+        {(r["support"], r["context"]): (colors[r["support"]], markers[r["context"]]) for r in rows}.items()
+    ):
+        group = [r for r in rows if (r["support"], r["context"]) == (support, context)]
+        ax.scatter(
+            [r["teacher_forced_match"] for r in group],
+            [r["delta_ppl_percent"] for r in group],
+            color=color_marker[0],
+            marker=color_marker[1],
+            label=f"S={support}, context {context}",
+            alpha=0.8,
+            edgecolors="none",
+        )
+    ax.axvline(threshold, color="red", linestyle="--", linewidth=1, label=f"{threshold:.0f}% match")
+    ax.axhline(5, color="grey", linestyle=":", linewidth=1, label="ΔPPL = 5%")
+    ax.axhline(100, color="grey", linestyle="-.", linewidth=1, label="ΔPPL = 100%")
+    ax.set_yscale("symlog", linthresh=1.0)
+    ax.set_xlabel("teacher-forced match (% of steps)")
+    ax.set_ylabel("ΔPPL (%, symlog)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, loc="best")
+    return _save(fig, path)
+
+
+def delta_ppl_by_support(rows: list[dict], path: Path, *, title: str) -> Path:
+    """Delta-PPL (%, symlog) against support, one panel per context: every run as a dot, the median as a line."""
+    contexts = sorted({r["context"] for r in rows})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(3.6 * len(contexts) + 0.8, 3.8), sharey=True, squeeze=False)
+    for ax, context in zip(axes[0], contexts):
+        group = [r for r in rows if r["context"] == context]
+        supports = sorted({r["support"] for r in group})
+        for i, support in enumerate(supports):
+            values = [r["delta_ppl_percent"] for r in group if r["support"] == support]
+            jitter = np.linspace(-0.12, 0.12, len(values)) if len(values) > 1 else [0.0]
+            ax.scatter(i + np.asarray(jitter), values, color="tab:blue", alpha=0.6, s=18, edgecolors="none")
+        medians = [float(np.median([r["delta_ppl_percent"] for r in group if r["support"] == s])) for s in supports]
+        ax.plot(range(len(supports)), medians, color="black", marker="_", markersize=14, linewidth=1, label="median")
+        ax.axhspan(-5, 5, color="green", alpha=0.08, label="within 5%")
+        ax.set_xticks(range(len(supports)), [str(s) for s in supports])
+        ax.set_yscale("symlog", linthresh=1.0)
+        ax.set_xlabel("support S")
+        ax.set_title(f"context {context}", fontsize=10)
+    axes[0][0].set_ylabel("ΔPPL (%, symlog)")
+    axes[0][0].legend(fontsize=7, loc="upper right")
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, path)
+
+
+def first_divergence_histogram(rows: list[dict], path: Path, *, title: str) -> Path:
+    """Histogram of first-divergence steps, stacked by support; runs that never diverge sit in the last bin."""
+    tokens = max(r["tokens"] for r in rows)
+    supports = sorted({r["support"] for r in rows})
+    colors = _support_colors(supports)
+    bins = np.arange(0.5, tokens + 1.5, max(1, tokens // 32))
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    ax.hist(
+        [[r["first_divergence"] for r in rows if r["support"] == s] for s in supports],
+        bins=bins,
+        stacked=True,
+        color=[colors[s] for s in supports],
+        label=[f"S={s}" for s in supports],
+    )
+    ax.set_xlabel(f"first divergence (1-based step; {tokens} = never diverged)")
+    ax.set_ylabel("runs")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def captured_mass_vs_success(trials: list[dict], path: Path, *, title: str) -> Path:
+    """Retrieval success (jittered 0/1) against the selector's captured-mass ratio, per support."""
+    audited = [t for t in trials if t.get("captured_mass_ratio_mean") is not None]
+    supports = sorted({t["support"] for t in audited})
+    colors = _support_colors(supports)
+    fig, ax = plt.subplots(figsize=(6.0, 3.8))
+    rng = np.random.default_rng(0)
+    for support in supports:
+        group = [t for t in audited if t["support"] == support]
+        y = np.array([float(t["correct"]) for t in group]) + rng.uniform(-0.08, 0.08, len(group))
+        ax.scatter([t["captured_mass_ratio_mean"] for t in group], y, color=colors[support], label=f"S={support}")
+    ax.set_yticks([0, 1], ["missed", "found"])
+    ax.set_xlabel("captured mass ratio (selected blocks / best b blocks), mean over steps, layers, heads")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7)
+    return _save(fig, path)

@@ -498,10 +498,14 @@ def merge_sweeps(sources: list[Path], directory: Path) -> MergeOutcome:
         if own is not None:
             metas.insert(0, (directory, own))
         for source, meta in metas:
-            try:
-                check_meta(source, meta, spec, corpus, None)
-            except SparseDecodeError as error:
-                raise SparseDecodeError(f"cannot merge {source} with {first_dir}: {error}") from error
+            differences = spec.differences(SweepSpec.from_dict(meta["spec"]))
+            if differences:
+                raise SparseDecodeError(
+                    f"cannot merge {source} with {first_dir}: their settings differ ({'; '.join(differences)}, "
+                    f"{first_dir.name} vs {source.name})"
+                )
+            if corpus is not None and meta.get("corpus_sha256") not in (None, corpus):
+                raise SparseDecodeError(f"cannot merge {source} with {first_dir}: their corpus texts differ")
         order = {key: i for i, key in enumerate(spec.keys())}
         merged: dict[RunKey, dict] = {}
         duplicates = 0

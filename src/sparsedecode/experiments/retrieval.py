@@ -1,0 +1,360 @@
+"""Passkey retrieval probe (DESIGN.md section 4), with the selector's captured mass per trial.
+
+A passkey (random digits from a fixed seed) is planted at a depth of a haystack, followed by the question:
+
+    <intro> <haystack ... "The pass key is 40213. Remember it. 40213 is the pass key." ... haystack> <question>
+
+The haystack is repeated filler sentences (the classic passkey task) or corpus text. ``context`` counts every
+prompt token, question included. Everything before the question is prefilled densely; the question is then fed
+one token at a time, each a decode step under the attention mode being tested (dense, or sparse inside
+:func:`~sparsedecode.attention.sparse_decoding`), as in Quest's passkey protocol, so the selector decides what
+the question reads; then a few answer tokens are decoded greedily. A trial succeeds when the passkey digits
+appear in the decoded answer (exact substring match).
+
+Each sparse trial also records what the selector did while answering: the omitted-mass audit of
+:class:`~sparsedecode.diagnostics.MassAudit` (captured-mass ratio, omitted mass, selector recall) and, from
+:class:`NeedleReads`, the share of needle positions inside the support and the true (dense) attention mass on
+the needle. Relating those to success shows whether captured mass alone predicts retrieval.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+from ..attention import StepView, sparse_decoding
+from ..compare import Progress, crop_cache, prefill
+from ..config import SparseConfig
+from ..diagnostics import MassAudit, summarize_audit
+from ..errors import SparseDecodeError
+from .corpus import corpus_ids
+
+INTRO = (
+    "There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the pass key.\n\n"
+)
+FILLER = (
+    "The grass is green.",
+    " The sky is blue.",
+    " The sun is yellow.",
+    " Here we go.",
+    " There and back again.",
+)
+NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = "\n\nWhat is the pass key? The pass key is"
+
+
+@dataclass(frozen=True)
+class RetrievalSpec:
+    """Everything that defines the probe's results. ``haystack`` is ``filler`` or a corpus name or path."""
+
+    model: str
+    dtype: str = "float32"
+    contexts: tuple[int, ...] = (2048,)
+    depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    trials: int = 3
+    supports: tuple[int, ...] = (97, 193)
+    window: int = 64
+    block_size: int = 16
+    reuse: int = 1
+    selector: str = "mean-pooled"
+    haystack: str = "filler"
+    digits: int = 5
+    answer_tokens: int = 8
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("contexts", "depths", "supports"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+            if not getattr(self, name):
+                raise SparseDecodeError(f"{name} must not be empty")
+        if any(not 0.0 <= d <= 1.0 for d in self.depths):
+            raise SparseDecodeError(f"depths must lie in [0, 1], got {list(self.depths)}")
+        for name in ("trials", "digits", "answer_tokens"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise SparseDecodeError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        self.configs()
+
+    def configs(self) -> list[SparseConfig]:
+        return [
+            SparseConfig(
+                support=s, window=self.window, block_size=self.block_size, reuse=self.reuse, selector=self.selector
+            )
+            for s in self.supports
+        ]
+
+    def to_dict(self) -> dict:
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
+
+
+def passkey(seed: int, trial: int, digits: int = 5) -> str:
+    """The passkey of one trial: ``digits`` random digits (no leading zero), fixed by ``(seed, trial)``."""
+    rng = random.Random(f"passkey-{seed}-{trial}")
+    return str(rng.randint(10 ** (digits - 1), 10**digits - 1))
+
+
+@dataclass
+class PasskeyPrompt:
+    """A prompt of exactly ``context`` tokens; ``ids[:, question_start:]`` is the question."""
+
+    ids: torch.Tensor
+    passkey: str
+    question_start: int
+    needle_start: int
+    needle_end: int
+    depth: float
+    needle_depth: float
+    """Where the needle actually starts, as a fraction of the haystack (sentence boundaries round ``depth``)."""
+
+    @property
+    def context(self) -> int:
+        return int(self.ids.shape[1])
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def build_prompt(
+    tokenizer, context: int, depth: float, key: str, *, haystack: str = "filler", offset: int = 0
+) -> PasskeyPrompt:
+    """Plant ``key`` at ``depth`` (0 = right after the intro, 1 = right before the question) of a haystack.
+
+    With the filler haystack the needle goes at the sentence boundary nearest to ``depth``; with a corpus
+    haystack (tokens ``offset ..`` of the tokenised corpus) at the nearest token.
+    """
+    intro, needle, question = (_encode(tokenizer, t) for t in (INTRO, NEEDLE.format(key=key), QUESTION))
+    length = context - len(intro) - len(needle) - len(question)
+    if length < 1:
+        raise SparseDecodeError(
+            f"context {context} is too short for the passkey prompt ({context - length} tokens without haystack)"
+        )
+    if haystack == "filler":
+        sentences = [_encode(tokenizer, s) for s in FILLER]
+        hay: list[int] = []
+        boundaries = [0]
+        while len(hay) < length:
+            hay.extend(sentences[(len(boundaries) - 1) % len(sentences)])
+            boundaries.append(len(hay))
+        hay = hay[:length]
+        boundaries = [b for b in boundaries if b < length] + [length]  # the end (right before the question) too
+    else:
+        text = corpus_ids(tokenizer, haystack)
+        if len(text) < offset + length:
+            offset = 0
+        if len(text) < length:
+            raise SparseDecodeError(f"corpus {haystack} has {len(text)} tokens, fewer than the {length} needed")
+        hay = text[offset : offset + length].tolist()
+        boundaries = list(range(length + 1))
+    target = depth * length
+    cut = min(boundaries, key=lambda b: (abs(b - target), b))
+    ids = [*intro, *hay[:cut], *needle, *hay[cut:], *question]
+    return PasskeyPrompt(
+        ids=torch.tensor([ids], dtype=torch.long),
+        passkey=key,
+        question_start=len(ids) - len(question),
+        needle_start=len(intro) + cut,
+        needle_end=len(intro) + cut + len(needle),
+        depth=depth,
+        needle_depth=cut / length,
+    )
+
+
+@dataclass
+class NeedleReads:
+    """Session observer: per sparse step and layer, how much of the needle the support holds and attracts.
+
+    ``read``: share of the needle positions inside the support, averaged over KV heads; ``mass``: the true
+    (dense, float64) attention mass on the needle positions, averaged over query heads.
+    """
+
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        self.read: list[float] = []
+        self.mass: list[float] = []
+
+    def __call__(self, view: StepView) -> None:
+        n = view.layout.n
+        width = self.end - self.start
+        index = torch.where(view.valid, view.index, -1)
+        inside = (index >= self.start) & (index < self.end)
+        self.read.append(float(inside.sum(dim=1).double().mean()) / width)  # support positions are unique
+        keys = view.keys[:, :n].double()
+        kv_heads, _, d = keys.shape
+        q = view.query.double().view(kv_heads, -1, d)
+        probs = torch.softmax(torch.bmm(q, keys.transpose(1, 2)) * view.scaling, dim=-1)
+        self.mass.append(float(probs[:, :, self.start : self.end].sum(-1).mean()))
+
+
+@torch.no_grad()
+def answer(
+    model: torch.nn.Module,
+    tokenizer,
+    prompt: PasskeyPrompt,
+    cache,
+    cfg: SparseConfig | None,
+    *,
+    answer_tokens: int = 8,
+) -> dict:
+    """Feed the question token by token and decode ``answer_tokens`` greedily, densely (``cfg=None``) or sparsely.
+
+    ``cache`` holds exactly ``prompt.ids[:, :question_start]`` (it is cropped back afterwards).
+    """
+    device = next(model.parameters()).device
+    audit = MassAudit()
+    needle = NeedleReads(prompt.needle_start, prompt.needle_end)
+    question = prompt.ids[0, prompt.question_start :].tolist()
+    started = time.perf_counter()
+    with sparse_decoding(model, cfg) if cfg is not None else contextlib.nullcontext() as session:
+        if session is not None:
+            session.observers.extend([audit, needle])
+        logits = None
+        for token in question:
+            logits = model(input_ids=torch.tensor([[token]], device=device), cache=cache, use_cache=True).logits
+        generated = []
+        for step in range(answer_tokens):
+            token = int(logits[0, -1].argmax())
+            generated.append(token)
+            if step + 1 < answer_tokens:
+                logits = model(input_ids=torch.tensor([[token]], device=device), cache=cache, use_cache=True).logits
+    decode_s = time.perf_counter() - started
+    crop_cache(cache, prompt.question_start)
+    text = tokenizer.decode(generated)
+    audit_summary = summarize_audit(audit.arrays()) if audit.steps else {}
+    return {
+        "mode": "dense" if cfg is None else "sparse",
+        "support": None if cfg is None else cfg.support,
+        "effective_support": None if cfg is None else cfg.effective_support,
+        "answer_ids": generated,
+        "answer": text,
+        "correct": prompt.passkey in text,
+        "sparse_steps": 0 if session is None else session.sparse_steps,
+        "captured_mass_ratio_mean": audit_summary.get("captured_mass_ratio_mean"),
+        "omitted_mass_mean": audit_summary.get("omitted_mass_mean"),
+        "selector_recall_mean": audit_summary.get("selector_recall_mean"),
+        "needle_read_mean": float(np.mean(needle.read)) if needle.read else None,
+        "needle_mass_mean": float(np.mean(needle.mass)) if needle.mass else None,
+        "decode_s": decode_s,
+    }
+
+
+TrialHook = Callable[[dict], None]
+
+
+def run_retrieval(
+    spec: RetrievalSpec,
+    *,
+    loaded: tuple | None = None,
+    progress: Progress | None = None,
+    on_trial: TrialHook | None = None,
+) -> list[dict]:
+    """Every (context, depth, trial): one dense prefill, then the dense answer and one sparse answer per support.
+
+    Returns one dict per (context, depth, trial, mode), in run order.
+    """
+    if loaded is None:
+        from ..models import load_model
+
+        loaded = load_model(spec.model, dtype=spec.dtype)
+    model, tokenizer = loaded
+    limit = getattr(model.config, "max_position_embeddings", None)
+    for context in spec.contexts:
+        if limit is not None and context + spec.answer_tokens > limit:
+            raise SparseDecodeError(f"context {context} + {spec.answer_tokens} answer tokens exceeds {limit} positions")
+    configs = spec.configs()
+    cells = [(c, d, t) for c in spec.contexts for d in spec.depths for t in range(spec.trials)]
+    results = []
+    for number, (context, depth, trial) in enumerate(cells, start=1):
+        key = passkey(spec.seed, trial, spec.digits)
+        prompt = build_prompt(tokenizer, context, depth, key, haystack=spec.haystack, offset=trial * context)
+        started = time.perf_counter()
+        cache, _ = prefill(model, prompt.ids[:, : prompt.question_start])
+        prefill_s = time.perf_counter() - started
+        for cfg in [None, *configs]:
+            result = {
+                "context": context,
+                "depth": depth,
+                "trial": trial,
+                "passkey": key,
+                "needle_start": prompt.needle_start,
+                "needle_depth": prompt.needle_depth,
+                "question_tokens": prompt.context - prompt.question_start,
+                **answer(model, tokenizer, prompt, cache, cfg, answer_tokens=spec.answer_tokens),
+                "prefill_s": prefill_s,
+            }
+            results.append(result)
+            if on_trial:
+                on_trial(result)
+        if progress:
+            progress("retrieval", number, len(cells))
+    return results
+
+
+def mode_label(trial: dict) -> str:
+    return "dense" if trial["mode"] == "dense" else f"S={trial['support']}"
+
+
+def accuracy(trials: list[dict]) -> list[dict]:
+    """Exact-match accuracy per (context, depth, mode), sorted by mode (dense first), context, depth."""
+    cells: dict[tuple, list[dict]] = {}
+    for t in trials:
+        cells.setdefault((t["support"] or 0, t["context"], t["depth"]), []).append(t)
+    return [
+        {
+            "mode": mode_label(group[0]),
+            "support": group[0]["support"],
+            "context": context,
+            "depth": depth,
+            "trials": len(group),
+            "correct": sum(t["correct"] for t in group),
+            "accuracy": sum(t["correct"] for t in group) / len(group),
+        }
+        for (_, context, depth), group in sorted(cells.items())
+    ]
+
+
+def mass_vs_success(trials: list[dict], *, high: float = 0.9) -> list[dict]:
+    """Per support: does the selector's captured mass tell successful sparse trials from failed ones?
+
+    ``high``: a captured-mass ratio at least this is "high"; ``failed_with_high_mass`` counts failures despite it,
+    ``failed_where_dense_succeeded`` the failures that are the selector's (dense found the passkey).
+    """
+    dense = {(t["context"], t["depth"], t["trial"]): t["correct"] for t in trials if t["mode"] == "dense"}
+    out = []
+    for support in sorted({t["support"] for t in trials if t["mode"] == "sparse"}):
+        group = [t for t in trials if t["mode"] == "sparse" and t["support"] == support]
+        audited = [t for t in group if t["captured_mass_ratio_mean"] is not None]
+        good = [t["captured_mass_ratio_mean"] for t in audited if t["correct"]]
+        bad = [t["captured_mass_ratio_mean"] for t in audited if not t["correct"]]
+        out.append(
+            {
+                "support": support,
+                "trials": len(group),
+                "audited": len(audited),
+                "accuracy": sum(t["correct"] for t in group) / len(group),
+                "captured_mass_correct_mean": float(np.mean(good)) if good else None,
+                "captured_mass_failed_mean": float(np.mean(bad)) if bad else None,
+                "failed_with_high_mass": sum(
+                    1 for t in audited if not t["correct"] and t["captured_mass_ratio_mean"] >= high
+                ),
+                "failed_where_dense_succeeded": sum(
+                    1 for t in group if not t["correct"] and dense.get((t["context"], t["depth"], t["trial"]))
+                ),
+                "needle_read_failed_mean": _mean(t["needle_read_mean"] for t in audited if not t["correct"]),
+                "needle_read_correct_mean": _mean(t["needle_read_mean"] for t in audited if t["correct"]),
+            }
+        )
+    return out
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return float(np.mean(values)) if values else None

@@ -1,0 +1,113 @@
+"""The reference study's summary of a survival sweep, computed from ``runs.jsonl`` rows (DESIGN.md section 3).
+
+Pure functions from rows (plain dicts) to plain dicts and lists, so the report, the CLI and the tests share them:
+
+* :func:`conditions`: per (context, support, reuse) the runs surviving all ``T`` tokens, median and range of
+  first divergence, teacher-forced match and delta-PPL;
+* :func:`within_tolerance`: how many conditions with ``S >= 193`` have a median ``|delta-PPL|`` of at most 5%;
+* :func:`warning_runs`: the runs with teacher-forced match below 70%, with their delta-PPL;
+* :func:`overview`: totals over all runs (the reference study: none of 60 runs survived 128 tokens).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+
+from ..diagnostics import WARNING_MATCH_PERCENT
+
+CONDITION_KEY = ("context", "support", "reuse", "selector")
+
+
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def _stats(values: list[float], prefix: str) -> dict:
+    return {
+        f"{prefix}_median": _median(values),
+        f"{prefix}_min": min(values) if values else float("nan"),
+        f"{prefix}_max": max(values) if values else float("nan"),
+    }
+
+
+def _by_condition(rows: Iterable[dict]) -> dict[tuple, list[dict]]:
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(tuple(row[name] for name in CONDITION_KEY), []).append(row)
+    return dict(sorted(groups.items(), key=lambda item: (item[0][0], item[0][1], item[0][2], item[0][3])))
+
+
+def conditions(rows: Iterable[dict]) -> list[dict]:
+    """One dict per (context, support, reuse, selector), sorted by context, then support, then reuse."""
+    table = []
+    for (context, support, reuse, selector), group in _by_condition(rows).items():
+        divergence = [r["first_divergence"] for r in group if not r["survives"]]
+        entry = {
+            "context": context,
+            "support": support,
+            "effective_support": group[0].get("effective_support", support),
+            "reuse": reuse,
+            "selector": selector,
+            "tokens": group[0].get("tokens"),
+            "runs": len(group),
+            "survived": sum(bool(r["survives"]) for r in group),
+            **_stats([r["first_divergence"] for r in group], "first_divergence"),
+            "diverged_runs_first_divergence_median": _median(divergence),
+            **_stats([r["teacher_forced_match"] for r in group], "teacher_forced_match"),
+            **_stats([r["delta_ppl_percent"] for r in group], "delta_ppl_percent"),
+            "abs_delta_ppl_percent_median": _median([abs(r["delta_ppl_percent"]) for r in group]),
+            "warning_runs": sum(r["teacher_forced_match"] < WARNING_MATCH_PERCENT for r in group),
+        }
+        table.append(entry)
+    return table
+
+
+def within_tolerance(rows: Iterable[dict], *, min_support: int = 193, tolerance_percent: float = 5.0) -> dict:
+    """Conditions with ``support >= min_support`` whose median ``|delta-PPL|`` is at most ``tolerance_percent``.
+
+    The reference study reports 7 of its 9 conditions with S >= 193 within 5% of dense.
+    """
+    eligible = [c for c in conditions(rows) if c["support"] >= min_support]
+    within = [c for c in eligible if c["abs_delta_ppl_percent_median"] <= tolerance_percent]
+    return {
+        "min_support": min_support,
+        "tolerance_percent": tolerance_percent,
+        "conditions": len(eligible),
+        "within": len(within),
+        "within_conditions": [(c["context"], c["support"], c["reuse"]) for c in within],
+        "outside_conditions": [(c["context"], c["support"], c["reuse"]) for c in eligible if c not in within],
+    }
+
+
+def warning_runs(rows: Iterable[dict], *, threshold: float = WARNING_MATCH_PERCENT) -> list[dict]:
+    """Runs whose teacher-forced match is below ``threshold`` percent, worst match first, with their delta-PPL."""
+    picked = [r for r in rows if r["teacher_forced_match"] < threshold]
+    picked.sort(key=lambda r: (r["teacher_forced_match"], r["context"], r["prompt_index"], r["support"], r["reuse"]))
+    return [
+        {
+            "context": r["context"],
+            "prompt_index": r["prompt_index"],
+            "support": r["support"],
+            "reuse": r["reuse"],
+            "teacher_forced_match": r["teacher_forced_match"],
+            "delta_ppl_percent": r["delta_ppl_percent"],
+            "first_divergence": r["first_divergence"],
+        }
+        for r in picked
+    ]
+
+
+def overview(rows: list[dict], *, threshold: float = WARNING_MATCH_PERCENT) -> dict:
+    """Totals: runs, survivors, median first divergence, and how the warning runs' delta-PPL fall."""
+    warnings = warning_runs(rows, threshold=threshold)
+    return {
+        "runs": len(rows),
+        "survived": sum(bool(r["survives"]) for r in rows),
+        "first_divergence_median": _median([r["first_divergence"] for r in rows]),
+        "warning_runs": len(warnings),
+        "warning_runs_prompts": sorted({(w["context"], w["prompt_index"]) for w in warnings}),
+        "warning_runs_above_100_percent": sum(w["delta_ppl_percent"] > 100 for w in warnings),
+        "runs_above_100_percent": sum(r["delta_ppl_percent"] > 100 for r in rows),
+        "max_delta_ppl_percent": max((r["delta_ppl_percent"] for r in rows), default=float("nan")),
+    }

@@ -1,0 +1,414 @@
+"""``sparsedecode report DIR``: a sweep folder (and optional retrieval results) rendered as Markdown, CSV and PNG.
+
+Reads ``sweep.json`` and ``runs.jsonl`` (see :mod:`sparsedecode.experiments.sweep`) and, when present,
+``retrieval.json`` (see :mod:`sparsedecode.experiments.retrieval`), and writes next to them ``report.md``,
+one CSV per table and the plots. Every number is computed from the rows by
+:mod:`sparsedecode.experiments.summary`; the report states the conditions the rows were measured under and
+what they do not establish. This module sits on top of the library; the library never imports it.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+from .errors import SparseDecodeError
+from .experiments import summary
+from .experiments.sweep import RUNS_FILE, SPEC_FILE, SweepSpec, load_sweep
+
+REPORT_FILE = "report.md"
+RETRIEVAL_FILE = "retrieval.json"
+REFERENCE = "reference study (Qwen2-0.5B, fp16 GPU, WikiText-2; contexts 2K/8K/16K; S in 97..769; 5 prefixes; T = 128)"
+
+
+def _fmt(value, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "-"
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _range(entry: dict, name: str, digits: int = 1, sign: str = "") -> str:
+    median, low, high = (entry[f"{name}_{part}"] for part in ("median", "min", "max"))
+    return f"{median:{sign}.{digits}f} [{low:{sign}.{digits}f}, {high:{sign}.{digits}f}]"
+
+
+def _markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" ---: " for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_csv(path: Path, rows: list[dict]) -> Path:
+    """Rows of dicts as CSV (columns in first-seen order; lists written as JSON)."""
+    columns: list[str] = []
+    for row in rows:
+        columns += [name for name in row if name not in columns]
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: json.dumps(v) if isinstance(v, (list, tuple, dict)) else v for k, v in row.items()})
+    return path
+
+
+def sweep_command(spec: SweepSpec, directory: Path) -> str:
+    """The ``sparsedecode sweep`` command line that reproduces ``spec`` into ``directory``."""
+    default = SweepSpec(model=spec.model)
+    parts = ["sparsedecode sweep", f"--model {spec.model}"]
+    if spec.dtype != default.dtype:
+        parts.append(f"--dtype {spec.dtype}")
+    if spec.corpus != default.corpus:
+        parts.append(f"--corpus {spec.corpus}")
+    parts += [
+        f"--context {','.join(map(str, spec.contexts))}",
+        f"--support {','.join(map(str, spec.supports))}",
+        f"--reuse {','.join(map(str, spec.reuse))}",
+        f"--prompts {spec.prompts}",
+        f"--tokens {spec.tokens}",
+    ]
+    for name, flag in (("window", "--window"), ("block_size", "--block-size"), ("selector", "--selector")):
+        if getattr(spec, name) != getattr(default, name):
+            parts.append(f"{flag} {getattr(spec, name)}")
+    if spec.audit:
+        parts.append("--audit")
+    parts.append(f"--out {directory}")
+    return " ".join(parts)
+
+
+def _environment_lines(meta: dict) -> list[str]:
+    sessions = meta.get("sessions", [])
+    seen: list[dict] = []
+    for s in sessions:
+        if s.get("environment") not in seen:
+            seen.append(s.get("environment"))
+    lines = []
+    for env in seen:
+        if not env:
+            continue
+        lines.append(
+            f"- device {env.get('device')}, {env.get('threads')} threads ({env.get('cpu_count')} CPUs, "
+            f"{env.get('processor')}); Python {env.get('python')}, torch {env.get('torch')}, transformers "
+            f"{env.get('transformers')}, numpy {env.get('numpy')}, sparsedecode {env.get('sparsedecode')}"
+        )
+    starts = [s.get("started") for s in sessions if s.get("started")]
+    if starts:
+        lines.append(f"- {len(sessions)} session(s) wrote this folder, the first started {starts[0]}")
+    return lines
+
+
+def _sweep_section(directory: Path, meta: dict, rows: list[dict], out: list[str]) -> None:
+    from . import plots
+
+    spec = SweepSpec.from_dict(meta["spec"])
+    grid = len(spec.keys())
+    conditions = summary.conditions(rows)
+    tolerance = summary.within_tolerance(rows)
+    warnings = summary.warning_runs(rows)
+    overview = summary.overview(rows)
+    covered = f"{len(rows)} of the {grid} runs of the grid"
+    out += [
+        f"# Survival sweep: {spec.model}",
+        "",
+        f"**{covered}** ({len(spec.contexts)} contexts x {spec.prompts} prompts x {len(spec.supports)} supports x "
+        f"{len(spec.reuse)} reuse intervals)"
+        + ("." if len(rows) == grid else "; the missing runs were not measured and are not in any number below."),
+        "",
+        "## Conditions",
+        "",
+        f"- model `{spec.model}`, dtype {spec.dtype}; corpus `{spec.corpus}` (text sha256 "
+        f"`{(meta.get('corpus_sha256') or '?')[:16]}…`), prompts = non-overlapping prefixes 0..{spec.prompts - 1} "
+        f"(stride context + T + {spec.gap})",
+        f"- contexts {list(spec.contexts)}; supports S {list(spec.supports)}; reuse R {list(spec.reuse)}; selector "
+        f"{spec.selector}; window W = {spec.window}, block B = {spec.block_size}; T = {spec.tokens} greedy tokens",
+        *_environment_lines(meta),
+        "",
+        "Command:",
+        "",
+        "```sh",
+        sweep_command(spec, directory),
+        f"sparsedecode report {directory}",
+        "```",
+        "",
+    ]
+    if not rows:
+        out += ["No runs finished yet.", ""]
+        return
+
+    out += [
+        "## Findings, in the reference study's terms",
+        "",
+        f"Reference: {REFERENCE}.",
+        "",
+        f"- **Survival**: {overview['survived']} of {overview['runs']} runs stayed identical to dense greedy "
+        f"decoding for all {spec.tokens} tokens (reference: 0 of 60); median first divergence over all runs "
+        f"{_fmt(overview['first_divergence_median'])} (runs that never diverge count as {spec.tokens}).",
+        f"- **Perplexity**: {tolerance['within']} of the {tolerance['conditions']} conditions with S >= 193 have a "
+        f"median |ΔPPL| of at most 5% (reference: 7 of 9); largest ΔPPL of any run "
+        f"{_fmt(overview['max_delta_ppl_percent'], 2)}%.",
+        f"- **Warning regime**: {overview['warning_runs']} run(s) have teacher-forced match below 70%, from "
+        f"{len(overview['warning_runs_prompts'])} (context, prompt) pair(s); "
+        f"{overview['warning_runs_above_100_percent']} of them have ΔPPL above 100% (reference: all 7, from two "
+        f"prefixes). {overview['runs_above_100_percent']} run(s) in all have ΔPPL above 100%.",
+        "",
+        "## Per condition",
+        "",
+        "First divergence: 1-based step of the first sparse token that differs from dense (step 1 is shared; a run "
+        f"that never diverges counts as {spec.tokens}). TF match: % of the T - 1 teacher-forced steps whose sparse "
+        "argmax is the dense token. ΔPPL: sparse vs dense perplexity of the dense continuation. Median [min, max].",
+        "",
+    ]
+    table = [
+        [
+            str(c["context"]),
+            str(c["support"]),
+            *([str(c["reuse"])] if len(spec.reuse) > 1 else []),
+            f"{c['survived']}/{c['runs']}",
+            _range(c, "first_divergence", 0),
+            _range(c, "teacher_forced_match", 1),
+            _range(c, "delta_ppl_percent", 2, "+"),
+            _fmt(c["abs_delta_ppl_percent_median"], 2),
+            str(c["warning_runs"]),
+        ]
+        for c in conditions
+    ]
+    header = [
+        "context",
+        "S",
+        *(["R"] if len(spec.reuse) > 1 else []),
+        "survived",
+        "first divergence",
+        "TF match %",
+        "ΔPPL %",
+        "median abs ΔPPL %",
+        "TF < 70%",
+    ]
+    out += [_markdown_table(header, table), "", "CSV: [conditions.csv](conditions.csv), all runs: [runs.csv](runs.csv)"]
+    write_csv(directory / "conditions.csv", conditions)
+    write_csv(directory / "runs.csv", [{k: v for k, v in r.items() if not isinstance(v, list)} for r in rows])
+
+    out += ["", "## Runs with teacher-forced match below 70%", ""]
+    if warnings:
+        out += [
+            _markdown_table(
+                ["context", "prompt", "S", "R", "TF match %", "ΔPPL %", "first divergence"],
+                [
+                    [
+                        str(w["context"]),
+                        str(w["prompt_index"]),
+                        str(w["support"]),
+                        str(w["reuse"]),
+                        _fmt(w["teacher_forced_match"]),
+                        f"{w['delta_ppl_percent']:+.2f}",
+                        str(w["first_divergence"]),
+                    ]
+                    for w in warnings
+                ],
+            ),
+            "",
+            "CSV: [warning_runs.csv](warning_runs.csv)",
+        ]
+    else:
+        out.append("None.")
+    write_csv(directory / "warning_runs.csv", warnings)
+
+    title = f"{spec.model}, {spec.corpus}, T = {spec.tokens}"
+    plots.match_vs_delta_ppl(rows, directory / "match_vs_delta_ppl.png", title=f"{title}: one dot per run")
+    plots.delta_ppl_by_support(rows, directory / "delta_ppl_by_support.png", title=title)
+    plots.first_divergence_histogram(rows, directory / "first_divergence.png", title=title)
+    out += [
+        "",
+        "## Plots",
+        "",
+        "Teacher-forced match against ΔPPL, one dot per run; the dashed line is the 70% warning threshold:",
+        "",
+        "![teacher-forced match vs delta-PPL](match_vs_delta_ppl.png)",
+        "",
+        "ΔPPL by support, per context (dots: runs; bars: medians; green band: within 5%):",
+        "",
+        "![delta-PPL by support](delta_ppl_by_support.png)",
+        "",
+        "First divergence, stacked by support:",
+        "",
+        "![first divergence](first_divergence.png)",
+        "",
+    ]
+
+
+def _retrieval_section(directory: Path, data: dict, out: list[str]) -> None:
+    from . import plots
+    from .experiments.retrieval import accuracy, mass_vs_success
+
+    spec, trials = data["spec"], data["trials"]
+    env = data.get("environment", {})
+    out += [
+        f"# Passkey retrieval: {spec['model']}",
+        "",
+        f"- model `{spec['model']}`, dtype {spec['dtype']}; haystack `{spec['haystack']}`; contexts "
+        f"{spec['contexts']}; depths {spec['depths']}; {spec['trials']} trial(s) per cell; {spec['digits']}-digit "
+        f"passkeys (seed {spec['seed']}); {spec['answer_tokens']} answer tokens; supports {spec['supports']}, "
+        f"W = {spec['window']}, B = {spec['block_size']}, R = {spec['reuse']}, selector {spec['selector']}",
+        f"- device {env.get('device')}, {env.get('threads')} threads; torch {env.get('torch')}, transformers "
+        f"{env.get('transformers')}",
+        "- the prompt before the question is prefilled densely; the question is fed token by token under the mode "
+        "tested, then the answer is decoded greedily; success = the passkey digits appear in the answer",
+    ]
+    if data.get("command"):
+        out += ["", "```sh", data["command"], "```"]
+    table = accuracy(trials)
+    write_csv(directory / "retrieval_accuracy.csv", table)
+    modes = list(dict.fromkeys(row["mode"] for row in table))
+    contexts = sorted({row["context"] for row in table})
+    depths = sorted({row["depth"] for row in table})
+    cell = {(r["mode"], r["context"], r["depth"]): r for r in table}
+    out += ["", "Exact-match accuracy (correct / trials), per context (rows) and depth (columns):", ""]
+    for mode in modes:
+        out += [
+            f"**{mode}**",
+            "",
+            _markdown_table(
+                ["context", *[f"depth {d:g}" for d in depths]],
+                [
+                    [
+                        str(c),
+                        *[
+                            f"{cell[mode, c, d]['correct']}/{cell[mode, c, d]['trials']}"
+                            if (mode, c, d) in cell
+                            else "-"
+                            for d in depths
+                        ],
+                    ]
+                    for c in contexts
+                ],
+            ),
+            "",
+        ]
+    import numpy as np
+
+    for mode in modes:
+        matrix = np.array(
+            [[cell[mode, c, d]["accuracy"] if (mode, c, d) in cell else np.nan for d in depths] for c in contexts]
+        )
+        name = f"retrieval_{mode.replace('=', '').lower()}.png"
+        plots.heatmap(
+            matrix,
+            directory / name,
+            title=f"{spec['model']}: passkey accuracy, {mode}",
+            xlabel="depth of the passkey",
+            ylabel="context",
+            colorbar="exact-match accuracy",
+            xticks=[f"{d:g}" for d in depths],
+            yticks=[str(c) for c in contexts],
+            vmin=0.0,
+            vmax=1.0,
+            annotate=True,
+        )
+        out += [f"![retrieval {mode}]({name})", ""]
+    out += ["CSV: [retrieval_accuracy.csv](retrieval_accuracy.csv)", ""]
+
+    mass = mass_vs_success(trials)
+    write_csv(directory / "mass_vs_retrieval.csv", mass)
+    out += [
+        "## Captured attention mass vs retrieval",
+        "",
+        "Per sparse trial, the omitted-mass audit measures the selector's captured-mass ratio (mass of the chosen "
+        "blocks over the best mass any b blocks could capture, mean over the question and answer steps, layers and "
+        "heads) and the share of passkey positions inside the support. If captured mass were a retrieval guarantee, "
+        "failures would have low captured mass.",
+        "",
+        _markdown_table(
+            [
+                "S",
+                "trials",
+                "accuracy",
+                "captured mass (found)",
+                "captured mass (missed)",
+                "missed with captured >= 0.9",
+                "missed where dense found it",
+                "needle read (found)",
+                "needle read (missed)",
+            ],
+            [
+                [
+                    str(m["support"]),
+                    str(m["trials"]),
+                    _fmt(m["accuracy"], 2),
+                    _fmt(m["captured_mass_correct_mean"], 3),
+                    _fmt(m["captured_mass_failed_mean"], 3),
+                    str(m["failed_with_high_mass"]),
+                    str(m["failed_where_dense_succeeded"]),
+                    _fmt(m["needle_read_correct_mean"], 3),
+                    _fmt(m["needle_read_failed_mean"], 3),
+                ]
+                for m in mass
+            ],
+        ),
+        "",
+        "CSV: [mass_vs_retrieval.csv](mass_vs_retrieval.csv), per trial: [retrieval_trials.csv](retrieval_trials.csv)",
+        "",
+    ]
+    write_csv(directory / "retrieval_trials.csv", [{k: v for k, v in t.items() if k != "answer_ids"} for t in trials])
+    if any(t.get("captured_mass_ratio_mean") is not None for t in trials):
+        plots.captured_mass_vs_success(
+            trials, directory / "mass_vs_retrieval.png", title=f"{spec['model']}: captured mass vs passkey found"
+        )
+        out += ["![captured mass vs retrieval](mass_vs_retrieval.png)", ""]
+
+
+CAVEATS = [
+    "Each run is one prompt under one setting on CPU, in float32 unless stated; nothing here measures speed at "
+    "matched quality or end-to-end throughput, and the timing fields in runs.jsonl were taken on a shared machine.",
+    "The model, quantisation (a dequantised GGUF), corpus and prompts differ from the reference study's "
+    "(Qwen2-0.5B, fp16, WikiText-2): agreement or disagreement is qualitative, not a replication of its numbers.",
+    "Teacher-forced ΔPPL is measured on the dense model's own greedy continuation, not on text the sparse model "
+    "produced, nor on held-out human text; a small ΔPPL does not mean free-running output stays close.",
+    "A few prompts per condition: medians and ranges are descriptive; there are no confidence intervals, and a "
+    "single bad prefix can move a condition.",
+    "Greedy decoding only; sampling, batch > 1, other selectors, reuse intervals and window sizes are not covered "
+    "unless listed in the conditions.",
+    "The 70% teacher-forced-match line is the reference study's observation, used as a warning, not a threshold "
+    "with any guarantee.",
+    "Retrieval: passkey exact match on small models and few trials says little about other retrieval tasks; "
+    "captured-mass ratios are averages over steps, layers and heads and can hide the one head that matters.",
+]
+
+
+def write_report(directory: Path, *, retrieval: Path | None = None) -> Path:
+    """Write ``report.md`` (with CSVs and PNGs) into ``directory``; returns its path.
+
+    ``directory`` holds a sweep (``sweep.json``), retrieval results (``retrieval.json``), or both; ``retrieval``
+    points at a retrieval result file or folder elsewhere.
+    """
+    directory = Path(directory)
+    has_sweep = (directory / SPEC_FILE).exists()
+    if retrieval is None:
+        for candidate in (directory / RETRIEVAL_FILE, directory / "retrieval" / RETRIEVAL_FILE):
+            if candidate.exists():
+                retrieval = candidate
+                break
+    elif Path(retrieval).is_dir():
+        retrieval = Path(retrieval) / RETRIEVAL_FILE
+    if retrieval is not None and not Path(retrieval).exists():
+        raise SparseDecodeError(f"retrieval results {retrieval} not found")
+    if not has_sweep and retrieval is None:
+        raise SparseDecodeError(f"{directory} holds neither a sweep ({SPEC_FILE}) nor retrieval results")
+    out: list[str] = []
+    if has_sweep:
+        meta, rows = load_sweep(directory)
+        _sweep_section(directory, meta, rows, out)
+    if retrieval is not None:
+        data = json.loads(Path(retrieval).read_text())
+        _retrieval_section(directory, data, out)
+    out += ["# What these numbers do not establish", "", *[f"- {line}" for line in CAVEATS], ""]
+    files = sorted(p.name for p in directory.iterdir() if p.suffix in {".csv", ".png"} or p.name in (RUNS_FILE,))
+    out += ["Files: " + ", ".join(f"[{name}]({name})" for name in files), ""]
+    path = directory / REPORT_FILE
+    path.write_text("\n".join(out))
+    return path

@@ -1,0 +1,139 @@
+"""The paper-like summary (pure functions) and the rendered report of a tiny sweep."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+from conftest import char_tokenizer, tiny_model
+
+from sparsedecode.cli import main
+from sparsedecode.experiments import summary
+from sparsedecode.experiments.sweep import RUNS_FILE, SweepSpec, run_sweep
+from sparsedecode.report import sweep_command, write_report
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def row(context, prompt, support, fd, tf, dppl, tokens=128):
+    return {
+        "context": context,
+        "prompt_index": prompt,
+        "support": support,
+        "effective_support": support,
+        "reuse": 1,
+        "selector": "mean-pooled",
+        "tokens": tokens,
+        "first_divergence": fd,
+        "survives": fd == tokens,
+        "teacher_forced_match": tf,
+        "delta_ppl_percent": dppl,
+    }
+
+
+ROWS = [
+    row(2048, 0, 97, 3, 60.0, 150.0),
+    row(2048, 1, 97, 9, 90.0, 4.0),
+    row(2048, 2, 97, 128, 100.0, 0.0),
+    row(2048, 0, 193, 20, 95.0, -6.0),
+    row(2048, 1, 193, 30, 99.0, 1.0),
+    row(2048, 2, 193, 40, 98.0, 2.0),
+    row(8192, 0, 193, 2, 50.0, 40.0),
+    row(8192, 1, 193, 5, 80.0, 8.0),
+    row(8192, 2, 193, 7, 85.0, 6.0),
+]
+
+
+def test_conditions_count_survivors_and_ranges():
+    table = summary.conditions(ROWS)
+    assert [(c["context"], c["support"]) for c in table] == [(2048, 97), (2048, 193), (8192, 193)]
+    first = table[0]
+    assert first["runs"] == 3 and first["survived"] == 1 and first["warning_runs"] == 1
+    assert (first["first_divergence_median"], first["first_divergence_min"], first["first_divergence_max"]) == (
+        9,
+        3,
+        128,
+    )
+    assert first["diverged_runs_first_divergence_median"] == 6
+    assert first["delta_ppl_percent_median"] == 4.0 and first["teacher_forced_match_min"] == 60.0
+    assert table[1]["abs_delta_ppl_percent_median"] == 2.0
+
+
+def test_within_tolerance_and_warning_runs():
+    tolerance = summary.within_tolerance(ROWS)
+    assert tolerance["conditions"] == 2 and tolerance["within"] == 1  # (2048, 193): median |ΔPPL| 2; (8192, 193): 8
+    assert tolerance["within_conditions"] == [(2048, 193, 1)] and tolerance["outside_conditions"] == [(8192, 193, 1)]
+    warnings = summary.warning_runs(ROWS)
+    assert [(w["context"], w["support"], w["teacher_forced_match"]) for w in warnings] == [
+        (8192, 193, 50.0),
+        (2048, 97, 60.0),
+    ]
+    overview = summary.overview(ROWS)
+    assert overview["runs"] == 9 and overview["survived"] == 1 and overview["warning_runs"] == 2
+    assert overview["warning_runs_above_100_percent"] == 1 and overview["warning_runs_prompts"] == [
+        (2048, 0),
+        (8192, 0),
+    ]
+
+
+@pytest.fixture(scope="module")
+def sweep_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("sweep")
+    spec = SweepSpec(model="tiny-llama", contexts=(150, 220), supports=(97, 113), prompts=2, tokens=12)
+    run_sweep(spec, directory, loaded=(tiny_model("llama"), char_tokenizer()))
+    return directory
+
+
+def test_report_renders_tables_csv_and_plots(sweep_dir):
+    path = write_report(sweep_dir)
+    text = path.read_text()
+    for needle in (
+        "# Survival sweep: tiny-llama",
+        "8 of the 8 runs of the grid",
+        "dtype float32",
+        "device cpu",
+        "corpus `python-docs`",
+        "## Per condition",
+        "Runs with teacher-forced match below 70%",
+        "conditions with S >= 193",
+        "What these numbers do not establish",
+        "sparsedecode sweep --model tiny-llama --context 150,220 --support 97,113 --reuse 1 --prompts 2 --tokens 12",
+    ):
+        assert needle in text, needle
+    for name in ("match_vs_delta_ppl.png", "delta_ppl_by_support.png", "first_divergence.png"):
+        assert (sweep_dir / name).read_bytes()[:8] == PNG, name
+        assert f"]({name})" in text
+    with open(sweep_dir / "conditions.csv") as handle:
+        conditions = list(csv.DictReader(handle))
+    assert [(c["context"], c["support"]) for c in conditions] == [
+        ("150", "97"),
+        ("150", "113"),
+        ("220", "97"),
+        ("220", "113"),
+    ]
+    with open(sweep_dir / "runs.csv") as handle:
+        assert len(list(csv.DictReader(handle))) == 8
+    assert (sweep_dir / "warning_runs.csv").exists()
+
+
+def test_report_says_how_much_of_the_grid_a_partial_sweep_covers(sweep_dir, tmp_path):
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "sweep.json").write_bytes((sweep_dir / "sweep.json").read_bytes())
+    lines = (sweep_dir / RUNS_FILE).read_text().splitlines(keepends=True)
+    (partial / RUNS_FILE).write_text("".join(lines[:3]))
+    text = write_report(partial).read_text()
+    assert "3 of the 8 runs of the grid" in text and "missing runs were not measured" in text
+
+
+def test_sweep_command_round_trips_non_defaults():
+    spec = SweepSpec(model="m", dtype="bfloat16", contexts=(1024,), supports=(97,), window=32, audit=True)
+    command = sweep_command(spec, "out")
+    assert "--dtype bfloat16" in command and "--window 32" in command and "--audit" in command
+    assert "--block-size" not in command and command.endswith("--out out")
+
+
+def test_report_cli_errors_are_one_line(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "neither a sweep" in err

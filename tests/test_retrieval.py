@@ -1,0 +1,129 @@
+"""The passkey retrieval probe: prompt construction, dense vs full-support sparse, audit fields, summaries."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import char_tokenizer, tiny_model
+
+from sparsedecode import SparseConfig, SparseDecodeError
+from sparsedecode.cli import main
+from sparsedecode.compare import prefill
+from sparsedecode.experiments.retrieval import (
+    NEEDLE,
+    QUESTION,
+    RetrievalSpec,
+    accuracy,
+    answer,
+    build_prompt,
+    mass_vs_success,
+    passkey,
+    run_retrieval,
+)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return tiny_model("llama"), char_tokenizer()
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 0.75, 1.0])
+def test_needle_lands_at_the_requested_depth(depth):
+    tokenizer = char_tokenizer()
+    key = passkey(0, 0)
+    prompt = build_prompt(tokenizer, 900, depth, key)
+    ids = prompt.ids[0].tolist()
+    assert len(ids) == prompt.context == 900
+    assert tokenizer.decode(ids[prompt.needle_start : prompt.needle_end]) == NEEDLE.format(key=key)
+    assert tokenizer.decode(ids[prompt.question_start :]).endswith(QUESTION.strip())  # no newline in the char vocab
+    longest_sentence = 23  # characters, so tokens, of the longest filler sentence; the haystack is > 600 tokens
+    assert abs(prompt.needle_depth - depth) <= longest_sentence / 600
+    if depth == 0.0:
+        assert prompt.needle_depth == 0.0
+    if depth == 1.0:
+        assert prompt.needle_end == prompt.question_start, "depth 1 sits right before the question"
+
+
+def test_corpus_haystack_places_the_needle_at_the_token():
+    tokenizer = char_tokenizer()
+    prompt = build_prompt(tokenizer, 800, 0.5, "12345", haystack="python-docs")
+    assert prompt.context == 800 and abs(prompt.needle_depth - 0.5) < 1 / 500
+    assert "12345" in tokenizer.decode(prompt.ids[0, prompt.needle_start : prompt.needle_end].tolist())
+
+
+def test_passkeys_are_fixed_by_seed_and_trial():
+    assert passkey(0, 1) == passkey(0, 1) and len(passkey(0, 1, digits=7)) == 7
+    assert len({passkey(0, t) for t in range(20)}) > 15 and passkey(1, 0) != passkey(0, 0)
+
+
+def test_full_support_answers_like_dense_and_small_support_is_audited(loaded):
+    model, tokenizer = loaded
+    prompt = build_prompt(tokenizer, 400, 0.5, passkey(0, 0))
+    cache, _ = prefill(model, prompt.ids[:, : prompt.question_start])
+    dense = answer(model, tokenizer, prompt, cache, None)
+    full = answer(model, tokenizer, prompt, cache, SparseConfig(support=1 + 64 + 16 * 30))
+    small = answer(model, tokenizer, prompt, cache, SparseConfig(support=97))
+    assert cache.get_seq_length() == prompt.question_start, "cache cropped back after each answer"
+    assert full["answer_ids"] == dense["answer_ids"] and full["sparse_steps"] == 0
+    assert dense["captured_mass_ratio_mean"] is None and full["captured_mass_ratio_mean"] is None
+    questions = prompt.context - prompt.question_start
+    assert small["sparse_steps"] == (questions + 8 - 1) * 2  # every question and answer step, both layers
+    for name in ("captured_mass_ratio_mean", "omitted_mass_mean", "needle_read_mean", "needle_mass_mean"):
+        assert 0.0 <= small[name] <= 1.0 + 1e-12, name
+    again = answer(model, tokenizer, prompt, cache, None)
+    assert again["answer_ids"] == dense["answer_ids"], "deterministic"
+
+
+def test_run_retrieval_grid_and_summaries(loaded):
+    spec = RetrievalSpec(model="tiny", contexts=(300,), depths=(0.0, 1.0), trials=2, supports=(97,), answer_tokens=4)
+    trials = run_retrieval(spec, loaded=loaded)
+    assert len(trials) == 1 * 2 * 2 * 2  # contexts x depths x trials x (dense + supports)
+    table = accuracy(trials)
+    assert [row["mode"] for row in table] == ["dense", "dense", "S=97", "S=97"]
+    assert all(row["trials"] == 2 for row in table)
+    synthetic = [
+        {"mode": "dense", "support": None, "context": 1, "depth": 0.0, "trial": 0, "correct": True},
+        {"mode": "dense", "support": None, "context": 1, "depth": 0.0, "trial": 1, "correct": False},
+        *[
+            {
+                "mode": "sparse",
+                "support": 97,
+                "context": 1,
+                "depth": 0.0,
+                "trial": t,
+                "correct": ok,
+                "captured_mass_ratio_mean": mass,
+                "needle_read_mean": read,
+            }
+            for t, ok, mass, read in [(0, False, 0.95, 0.0), (1, False, 0.5, 0.2)]
+        ],
+    ]
+    (row,) = mass_vs_success(synthetic)
+    assert row["accuracy"] == 0.0 and row["failed_with_high_mass"] == 1 and row["failed_where_dense_succeeded"] == 1
+    assert row["captured_mass_failed_mean"] == pytest.approx(0.725) and row["captured_mass_correct_mean"] is None
+
+
+def test_bad_retrieval_input():
+    tokenizer = char_tokenizer()
+    with pytest.raises(SparseDecodeError, match="too short"):
+        build_prompt(tokenizer, 100, 0.5, "12345")
+    with pytest.raises(SparseDecodeError, match="depths"):
+        RetrievalSpec(model="m", depths=(1.5,))
+    with pytest.raises(SparseDecodeError):
+        RetrievalSpec(model="m", supports=(10,))
+
+
+def test_cli_probe_retrieval_then_report(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "retrieval"
+    args = ["probe", "retrieval", "--model", str(tiny_model_dir), "--context", "300", "--depths", "0,1"]
+    assert main([*args, "--trials", "1", "--support", "97", "--answer-tokens", "3", "--out", str(out)]) == 0
+    data = json.loads((out / "retrieval.json").read_text())
+    assert len(data["trials"]) == 4 and data["spec"]["depths"] == [0.0, 1.0] and "--depths 0,1" in data["command"]
+    assert "passkey exact-match accuracy" in capsys.readouterr().out
+    assert main(["report", str(out)]) == 0
+    report = (out / "report.md").read_text()
+    assert "Passkey retrieval" in report and "Captured attention mass vs retrieval" in report
+    for name in ("retrieval_dense.png", "retrieval_s97.png", "mass_vs_retrieval.png", "retrieval_accuracy.csv"):
+        assert (out / name).exists(), name
+    assert "What these numbers do not establish" in report

@@ -1,0 +1,231 @@
+"""The survival sweep on a tiny model: determinism, kill and resume, refusal of changed settings, shards, merge."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import char_tokenizer, tiny_model
+
+from sparsedecode import SparseDecodeError
+from sparsedecode.cli import main
+from sparsedecode.experiments.sweep import (
+    RUNS_FILE,
+    Shard,
+    SweepSpec,
+    key_of,
+    load_sweep,
+    locked,
+    merge_sweeps,
+    read_rows,
+    run_sweep,
+    without_timings,
+)
+
+REQUIRED = (
+    "context",
+    "prompt_index",
+    "support",
+    "reuse",
+    "selector",
+    "effective_support",
+    "first_divergence",
+    "survives",
+    "teacher_forced_match",
+    "delta_ppl_percent",
+    "dense_ppl",
+    "sparse_ppl",
+    "dense_tokens",
+    "sparse_tokens",
+)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return tiny_model("llama"), char_tokenizer()
+
+
+def small_spec(**overrides) -> SweepSpec:
+    settings = dict(model="tiny", contexts=(150, 220), supports=(97, 1000), prompts=2, tokens=10)
+    settings.update(overrides)
+    return SweepSpec(**settings)
+
+
+def rows_of(directory: Path) -> list[dict]:
+    return read_rows(directory / RUNS_FILE)
+
+
+def stripped(rows: list[dict]) -> list[dict]:
+    return [without_timings(row) for row in rows]
+
+
+def test_rows_have_the_fields_and_full_support_is_exact(loaded, tmp_path):
+    spec = small_spec()
+    outcome = run_sweep(spec, tmp_path / "s", loaded=loaded)
+    rows = rows_of(tmp_path / "s")
+    assert outcome.complete and outcome.ran == len(rows) == 2 * 2 * 2
+    assert [key_of(row) for row in rows] == spec.keys()
+    for row in rows:
+        assert all(name in row for name in REQUIRED)
+        assert {"prefill_s", "sparse_decode_s", "teacher_forced_s", "run_s"} <= {n for n in row if n.endswith("_s")}
+        assert len(row["dense_tokens"]) == len(row["sparse_tokens"]) == 10
+    full = [row for row in rows if row["support"] == 1000]
+    assert all(r["survives"] and r["teacher_forced_match"] == 100.0 and r["delta_ppl_percent"] == 0.0 for r in full)
+    # one dense reference per (context, prompt): every support of a group sees the same dense run
+    for context, prompt in spec.groups():
+        group = [r for r in rows if (r["context"], r["prompt_index"]) == (context, prompt)]
+        assert len({json.dumps(r["dense_tokens"]) for r in group}) == 1 and len({r["dense_ppl"] for r in group}) == 1
+
+
+def test_two_runs_give_identical_rows_except_timings(loaded, tmp_path):
+    spec = small_spec(supports=(97, 113))
+    run_sweep(spec, tmp_path / "a", loaded=loaded)
+    run_sweep(spec, tmp_path / "b", loaded=loaded)
+    a, b = rows_of(tmp_path / "a"), rows_of(tmp_path / "b")
+    assert stripped(a) == stripped(b)
+    assert any(not row["survives"] for row in a), "a sweep where nothing diverges would test little"
+
+
+def test_torn_last_line_is_dropped_and_the_run_redone(loaded, tmp_path):
+    spec = small_spec()
+    reference = tmp_path / "ref"
+    run_sweep(spec, reference, loaded=loaded)
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    (killed / "sweep.json").write_bytes((reference / "sweep.json").read_bytes())
+    lines = (reference / RUNS_FILE).read_bytes().splitlines(keepends=True)
+    (killed / RUNS_FILE).write_bytes(b"".join(lines[:3]) + lines[3][:40])  # a write cut by SIGKILL
+    assert len(rows_of(killed)) == 3, "the torn line is not a row"
+    outcome = run_sweep(spec, killed, loaded=loaded)
+    assert outcome.done_before == 3 and outcome.ran == 5
+    assert stripped(rows_of(killed)) == stripped(rows_of(reference))
+
+
+def test_a_finished_group_skips_its_dense_reference(loaded, tmp_path, monkeypatch):
+    import sparsedecode.experiments.sweep as sweep
+
+    spec = small_spec(contexts=(150,), prompts=2)
+    run_sweep(spec, tmp_path / "s", shard=Shard(1, 2), loaded=loaded)  # group (150, 0)
+    calls = []
+    real = sweep.dense_reference
+    monkeypatch.setattr(sweep, "dense_reference", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    merge_sweeps([tmp_path / "s"], tmp_path / "s")  # now an unsharded folder holding group (150, 0)
+    outcome = run_sweep(spec, tmp_path / "s", loaded=loaded)
+    assert outcome.done_before == 2 and outcome.ran == 2 and len(calls) == 1
+
+
+def test_sigkill_then_rerun_equals_an_uninterrupted_run(tiny_model_dir, tmp_path):
+    args = [
+        "sweep",
+        "--model",
+        str(tiny_model_dir),
+        "--context",
+        "150,220",
+        "--support",
+        "97,113",
+        "--prompts",
+        "3",
+        "--tokens",
+        "16",
+    ]
+    killed = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sparsedecode", *args, "--out", str(killed)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
+    runs = killed / RUNS_FILE
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and proc.poll() is None:
+        if runs.exists() and runs.read_bytes().count(b"\n") >= 2:
+            break
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = len(rows_of(killed))
+    total = 2 * 3 * 2
+    assert 2 <= before < total, f"the kill should land mid-sweep ({before} of {total} rows)"
+    assert main([*args, "--out", str(killed)]) == 0
+    assert main([*args, "--out", str(tmp_path / "whole")]) == 0
+    resumed, whole = rows_of(killed), rows_of(tmp_path / "whole")
+    assert len({key_of(row) for row in resumed}) == len(resumed) == total, "no row duplicated or missing"
+    assert stripped(resumed) == stripped(whole)
+
+
+def test_changed_settings_are_refused_with_the_differing_fields(tiny_model_dir, tmp_path, capsys):
+    base = ["sweep", "--model", str(tiny_model_dir), "--context", "150", "--support", "97", "--prompts", "1"]
+    out = ["--out", str(tmp_path / "s")]
+    assert main([*base, "--tokens", "6", *out]) == 0
+    before = (tmp_path / "s" / RUNS_FILE).read_bytes()
+    capsys.readouterr()
+    assert main([*base, "--tokens", "8", "--support", "97,113", *out]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "tokens: 6 vs 8" in err and "supports: [97] vs [97, 113]" in err
+    assert main([*base, "--tokens", "6", "--shard", "1/2", *out]) == 2
+    assert "sparsedecode merge" in capsys.readouterr().err
+    assert (tmp_path / "s" / RUNS_FILE).read_bytes() == before, "nothing written by a refused run"
+    assert main([*base, "--tokens", "6", *out]) == 0  # same settings: resumes (nothing left to do)
+    assert (tmp_path / "s" / RUNS_FILE).read_bytes() == before
+
+
+def test_shards_partition_groups_and_merge_equals_unsharded(loaded, tmp_path):
+    spec = small_spec(contexts=(150, 220), prompts=3, supports=(97, 113))
+    run_sweep(spec, tmp_path / "all", loaded=loaded)
+    shards = [Shard(i, 3) for i in (1, 2, 3)]
+    groups = [g for shard in shards for g in shard.groups(spec)]
+    assert sorted(groups) == sorted(spec.groups()) and len(set(groups)) == len(groups)
+    for shard in shards:
+        run_sweep(spec, tmp_path / f"shard{shard.index}", shard=shard, loaded=loaded)
+    # merging the shards in any order, twice over, yields the unsharded rows once each
+    sources = [tmp_path / "shard3", tmp_path / "shard1", tmp_path / "shard2", tmp_path / "shard1", tmp_path / "all"]
+    outcome = merge_sweeps(sources, tmp_path / "merged")
+    assert outcome.rows == 12 and outcome.missing == 0 and outcome.duplicates == 12  # a folder listed twice counts once
+    meta, merged = load_sweep(tmp_path / "merged")
+    assert stripped(merged) == stripped(rows_of(tmp_path / "all"))
+    assert meta["shard"] is None and SweepSpec.from_dict(meta["spec"]) == spec
+    # a merged folder resumes like an unsharded one
+    assert run_sweep(spec, tmp_path / "merged", loaded=loaded).ran == 0
+
+
+def test_merge_refuses_another_spec(loaded, tmp_path):
+    run_sweep(small_spec(contexts=(150,), prompts=1), tmp_path / "a", loaded=loaded)
+    run_sweep(small_spec(contexts=(150,), prompts=1, tokens=8), tmp_path / "b", loaded=loaded)
+    with pytest.raises(SparseDecodeError, match="tokens: 10 vs 8"):
+        merge_sweeps([tmp_path / "a", tmp_path / "b"], tmp_path / "m")
+    with pytest.raises(SparseDecodeError, match="not a sweep directory"):
+        merge_sweeps([tmp_path / "a", tmp_path / "nothing"], tmp_path / "m")
+
+
+def test_concurrent_writer_is_refused(loaded, tmp_path):
+    with locked(tmp_path / "s"), pytest.raises(SparseDecodeError, match="another process"):
+        run_sweep(small_spec(contexts=(150,), prompts=1), tmp_path / "s", loaded=loaded)
+
+
+def test_corrupt_middle_line_and_bad_specs(tmp_path):
+    path = tmp_path / RUNS_FILE
+    path.write_text('{"a": 1}\nnot json\n{"b": 2}\n')
+    with pytest.raises(SparseDecodeError, match="line 2"):
+        read_rows(path)
+    for bad in (dict(supports=(97, 97)), dict(supports=(50,)), dict(prompts=0), dict(tokens=1), dict(reuse=())):
+        with pytest.raises(SparseDecodeError):
+            small_spec(**bad)
+    for text in ("0/2", "3/2", "a/b", "1"):
+        with pytest.raises(SparseDecodeError):
+            Shard.parse(text)
+    assert SweepSpec.from_dict({"model": "m"}) == SweepSpec(model="m")
+
+
+def test_too_few_prompts_in_the_corpus(loaded, tmp_path):
+    small = tmp_path / "small.txt"
+    small.write_text("x" * 400)
+    with pytest.raises(SparseDecodeError, match="fewer than --prompts 2"):
+        run_sweep(small_spec(corpus=str(small), contexts=(150,)), tmp_path / "s", loaded=loaded)
+    assert not (tmp_path / "s").exists(), "nothing written for a refused sweep"
