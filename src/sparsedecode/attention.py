@@ -149,6 +149,8 @@ def sparse_attention_forward(
     """transformers attention function: dense SDPA, or sparse decode inside an active session."""
     active = _ACTIVE.get()
     entry = active.get(id(module)) if active else None
+    if entry is not None and query.shape[2] != 1:
+        entry[1].last_n = -1  # a multi-token forward (prefill, verification) breaks the chain of decode steps
     if entry is None or query.shape[2] != 1:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -176,20 +178,39 @@ def sparse_attention_forward(
 
 
 def select_blocks(
-    cfg: SparseConfig, centroids: BlockCentroids, q: torch.Tensor, keys: torch.Tensor, layout: BlockLayout
+    cfg: SparseConfig,
+    centroids: BlockCentroids,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    layout: BlockLayout,
+    *,
+    verify: bool = True,
 ) -> torch.Tensor:
     """Selection half of a sparse step: ``(kv_heads, b)`` ascending block indices.
 
     Reads the cached centroids of the completed blocks (extending the cache by any block completed since the
     last call) and averages the partial tail block on the fly: ``N / B`` centroids, never ``N`` keys.
+    ``verify=False`` skips the staleness check; only safe when this step directly follows the last one.
     """
     kv_heads = keys.shape[0]
     query_means = group_mean_queries(q, kv_heads)
-    scores = block_scores(cfg, query_means, centroids.update(keys, layout.n_full))
+    scores = block_scores(cfg, query_means, centroids.update(keys, layout.n_full, verify=verify))
     if layout.n_blocks > layout.n_full:
         tail = keys[:, 1 + layout.n_full * cfg.block_size : layout.distant_end].float().mean(dim=1, keepdim=True)
         scores = torch.cat([scores, block_scores(cfg, query_means, tail)], dim=1)
     return top_blocks(scores, cfg.blocks)
+
+
+def _gather_support(cache: torch.Tensor, blocks: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
+    """Anchor, chosen full blocks and window of one layer's keys or values: ``(kv_heads, S, d)``.
+
+    The anchor and the window are slices; the blocks are one gather over a ``(kv, blocks, B, d)`` view.
+    """
+    kv_heads, _, d = cache.shape
+    block = layout.block_size
+    full = cache[:, 1 : 1 + layout.n_full * block].reshape(kv_heads, layout.n_full, block, d)  # a view for KV caches
+    picked = full.gather(1, blocks[:, :, None, None].expand(-1, -1, block, d)).view(kv_heads, -1, d)
+    return torch.cat([cache[:, :1], picked, cache[:, layout.distant_end : layout.n]], dim=1)
 
 
 def attend_support(
@@ -199,32 +220,26 @@ def attend_support(
     blocks: torch.Tensor,
     layout: BlockLayout,
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Attention half of a sparse step: gather anchor + blocks + window, softmax over them alone (float32).
+) -> torch.Tensor:
+    """Attention half of a sparse step: gather anchor + blocks + window and attend over them alone (float32).
 
-    Returns ``(output (query_heads, d) float32, index, valid)``; ``valid`` is ``None`` when every gathered
-    position is real (it is only needed when a chosen block is the short last one). All query heads of a
-    GQA group share the positions of their KV head.
+    Returns the output ``(query_heads, d)`` in float32. All query heads of a GQA group share the positions of
+    their KV head. Positions are those of :func:`~sparsedecode.selectors.support_positions`.
     """
     query_heads, d = q.shape
     kv_heads = keys.shape[0]
-    short_tail = layout.n_blocks > layout.n_full and bool(blocks[:, -1].max() == layout.n_blocks - 1)
-    if short_tail:
-        index, valid = support_positions(blocks, layout)
-    else:
-        block = layout.block_size
-        distant = (blocks.unsqueeze(-1) * block + torch.arange(1, block + 1)).view(kv_heads, -1)
-        window = torch.arange(layout.distant_end, layout.n).expand(kv_heads, -1)
-        index, valid = torch.cat([blocks.new_zeros(kv_heads, 1), distant, window], dim=1), None
-    gather = index.unsqueeze(-1).expand(-1, -1, d)
-    kept_keys = keys.gather(1, gather).float()
-    kept_values = values.gather(1, gather).float()
     qg = q.float().view(kv_heads, query_heads // kv_heads, d)
-    logits = torch.bmm(qg, kept_keys.transpose(1, 2)).mul_(scale)
-    if valid is not None:
-        logits.masked_fill_(~valid.unsqueeze(1), float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    return torch.bmm(probs, kept_values).reshape(query_heads, d), index, valid
+    short_tail = layout.n_blocks > layout.n_full and bool(blocks[:, -1].max() == layout.n_blocks - 1)
+    if short_tail:  # a chosen block is the short last one: gather by position and mask the padding
+        index, valid = support_positions(blocks, layout)
+        gather = index.unsqueeze(-1).expand(-1, -1, d)
+        kept_keys, kept_values = keys.gather(1, gather).float(), values.gather(1, gather).float()
+        mask = valid.unsqueeze(1)
+    else:
+        kept_keys, kept_values = _gather_support(keys, blocks, layout), _gather_support(values, blocks, layout)
+        kept_keys, kept_values, mask = kept_keys.float(), kept_values.float(), None
+    out = torch.nn.functional.scaled_dot_product_attention(qg, kept_keys, kept_values, attn_mask=mask, scale=scale)
+    return out.reshape(query_heads, d)
 
 
 def sparse_decode_step(
@@ -244,20 +259,20 @@ def sparse_decode_step(
     scale = scaling if scaling is not None else d**-0.5
     layout = BlockLayout(n=n, window=cfg.window, block_size=cfg.block_size)
 
-    if n != state.last_n + 1:
+    follows = n == state.last_n + 1  # the previous call on this layer was the decode step at n - 1
+    if not follows:
         state.step, state.blocks = 0, None
     if state.blocks is None or state.step % cfg.reuse == 0:
-        state.blocks = select_blocks(cfg, state.centroids, q, keys, layout)
+        state.blocks = select_blocks(cfg, state.centroids, q, keys, layout, verify=not follows)
     blocks = state.blocks
     state.step += 1
     state.last_n = n
     if session.track_reads:
         state.note_reads(blocks, layout.block_lengths(blocks))
 
-    out, index, valid = attend_support(q, keys, values, blocks, layout, scale)
+    out = attend_support(q, keys, values, blocks, layout, scale)
     if session.observers:
-        if valid is None:
-            valid = torch.ones_like(index, dtype=torch.bool)
+        index, valid = support_positions(blocks, layout)
         view = StepView(state.layer, state.step, q, keys, values, index, valid, out, scale, layout, blocks)
         for observe in session.observers:
             observe(view)

@@ -68,13 +68,17 @@ class BlockCentroids:
             prints[:, : self.count] = self._prints[:, : self.count]
         self._means_t, self._prints = means_t, prints
 
-    def update(self, keys: torch.Tensor, n_full: int) -> torch.Tensor:
+    def update(self, keys: torch.Tensor, n_full: int, *, verify: bool = True) -> torch.Tensor:
         """Centroids of blocks ``0 .. n_full - 1`` for ``keys`` of shape ``(kv_heads, N, d)``.
 
         Returns a ``(kv_heads, n_full, d)`` float32 view into the cache (valid until the next update). The
         storage is ``(kv_heads, d, capacity)``, so scoring a query against all centroids reads contiguous rows.
+        ``verify=False`` skips the fingerprint check (for a step that directly follows the previous one).
         """
-        self._drop_stale(keys, n_full)
+        if verify:
+            self._drop_stale(keys, n_full)
+        else:
+            self.count = min(self.count, n_full)
         if self.count < n_full:
             self._reserve(keys, n_full)
             kv_heads, _, d = keys.shape

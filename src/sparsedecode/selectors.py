@@ -99,10 +99,10 @@ def top_blocks(scores: torch.Tensor, b: int) -> torch.Tensor:
         return torch.arange(n_blocks, device=scores.device).expand(rows, -1)
     if b == 0:
         return torch.zeros(rows, 0, dtype=torch.long, device=scores.device)
-    best = scores.topk(b, dim=-1)
-    kth = best.values[:, -1:]
-    if bool((scores >= kth).sum() == rows * b):  # no tie straddles the cut: topk's set is the answer
-        return best.indices.sort(dim=-1).values
+    best = scores.topk(b + 1, dim=-1)
+    if not bool((best.values[:, b - 1] == best.values[:, b]).any()):  # no tie at the cut: topk's set is the answer
+        return best.indices[:, :b].sort(dim=-1).values
+    kth = best.values[:, b - 1 : b]
     above = scores > kth
     tied = scores == kth
     needed = b - above.sum(dim=-1, keepdim=True)
