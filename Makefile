@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 DEMO_ARGS ?= --model smollm2-135m --context 2048 --support 97,193 --tokens 64 --prompt-index 2
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test test-slow lint venv clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,8 +22,11 @@ demo: venv
 
 # pytest exits 5 when it collected no test; that is a failure of the suite, not a pass.
 test: venv
-	@$(PY) -m pytest -q -ra; rc=$$?; \
+	@$(PY) -m pytest -q -ra -m "not slow"; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
+
+test-slow: venv
+	$(PY) -m pytest -q -ra -m slow
 
 lint: venv
 	$(VENV)/bin/ruff check src tests

@@ -36,3 +36,24 @@ def test_audit_and_certificate_on_real_model_at_2k(smollm2):
     assert result.bound_violations == 0
     assert result.certificate_violations == 0
     assert 0 <= result.selector_recall_mean <= 1 and 0 <= result.captured_mass_ratio_mean <= 1
+
+
+def _lossless_grid(model, ids):
+    from sparsedecode.speculative import compare_lossless, generate
+
+    dense = generate(model, ids, None, 128, mode="dense")
+    for support in (97, 193):
+        for k in (1, 4, 8):
+            check = compare_lossless(model, ids, SparseConfig(support=support), 128, draft_tokens=k, dense=dense)
+            assert check.mismatches == [], (support, k, check.mismatches)
+
+
+def test_lossless_equals_dense_on_real_model_at_2k(smollm2):
+    model, tokenizer = smollm2
+    _lossless_grid(model, prompt_ids(tokenizer, "python-docs", 2048, 2, 128))
+
+
+@pytest.mark.slow
+def test_lossless_equals_dense_on_real_model_at_8k(smollm2):
+    model, tokenizer = smollm2
+    _lossless_grid(model, prompt_ids(tokenizer, "python-docs", 8000, 1, 128))

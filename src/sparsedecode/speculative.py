@@ -1,0 +1,211 @@
+"""Greedy generation: dense, sparse, or lossless (self-speculative: sparse drafts, dense verification).
+
+Sparse greedy decoding does not stay identical to dense decoding. Lossless mode keeps dense output and uses
+sparse attention only to *guess*: the same model with sparse attention drafts ``k`` tokens; one dense forward
+over the last accepted token and the ``k`` drafts verifies them; the longest prefix on which the dense argmax
+agrees is accepted, plus the dense model's own next token. The KV cache is rolled back past everything the
+dense pass did not confirm (draft-time keys and values, computed under sparse attention, are never kept).
+TriForce and MagicDec use this scheme with sparse KV drafts.
+
+Floating point: a ``(k+1)``-token dense forward and one-token dense steps round differently in the last bits,
+so at a near-tie the verifier can pick another token than plain dense decoding would. The run cannot detect
+that by itself; :func:`compare_lossless` runs plain dense greedy decoding too and reports every position where
+the two differ with the dense top-1/top-2 margin there.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .attention import sparse_decoding
+from .cache import GrowingCache
+from .compare import Progress, crop_cache, greedy_decode, prefill
+from .config import SparseConfig
+from .errors import SparseDecodeError
+
+MODES = ("dense", "sparse", "lossless")
+
+
+@dataclass
+class Generation:
+    """Tokens generated after the prompt, and how the time was spent."""
+
+    mode: str
+    tokens: list[int]
+    prefill_s: float
+    decode_s: float
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    verifications: int = 0
+    accepted: list[int] = field(default_factory=list)
+    draft_lengths: list[int] = field(default_factory=list)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return (len(self.tokens) - 1) / self.decode_s if self.decode_s else float("nan")
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean drafts accepted per verification (the dense model's own next token not counted)."""
+        return sum(self.accepted) / len(self.accepted) if self.accepted else float("nan")
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts over drafted tokens."""
+        drafted = sum(self.draft_lengths)
+        return sum(self.accepted) / drafted if drafted else float("nan")
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data.update(
+            decode_tokens_per_s=self.decode_tokens_per_s,
+            mean_accepted=self.mean_accepted,
+            acceptance_rate=self.acceptance_rate,
+        )
+        return data
+
+
+def _step(model: torch.nn.Module, cache, token: int) -> torch.Tensor:
+    ids = torch.tensor([[token]], device=next(model.parameters()).device)
+    return model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1]
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    cfg: SparseConfig | None,
+    max_new_tokens: int,
+    *,
+    mode: str = "lossless",
+    draft_tokens: int = 4,
+    adaptive: bool = False,
+    max_draft_tokens: int = 16,
+    progress: Progress | None = None,
+) -> Generation:
+    """Greedy generation of ``max_new_tokens`` tokens after ``input_ids`` ``(1, P)``; the prefill is dense.
+
+    ``mode="lossless"`` drafts ``draft_tokens`` tokens with sparse attention (``cfg``) and verifies them with one
+    dense forward; ``adaptive=True`` doubles ``k`` after a fully accepted draft (up to ``max_draft_tokens``) and
+    halves it when fewer than half were accepted. ``"dense"`` and ``"sparse"`` decode one token per step. All
+    modes use an in-place :class:`~sparsedecode.cache.GrowingCache`.
+    """
+    if mode not in MODES:
+        raise SparseDecodeError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
+    if max_new_tokens < 1:
+        raise SparseDecodeError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
+    if mode != "dense" and cfg is None:
+        raise SparseDecodeError(f"mode {mode} needs a SparseConfig")
+    if draft_tokens < 1:
+        raise SparseDecodeError(f"draft_tokens must be >= 1 (got {draft_tokens})")
+    started = time.perf_counter()
+    cache, logits = prefill(model, input_ids, progress=progress, cache=GrowingCache(config=model.config))
+    prefill_s = time.perf_counter() - started
+    first = int(logits.argmax())
+    started = time.perf_counter()
+    if mode == "dense":
+        rest, _ = greedy_decode(model, cache, first, max_new_tokens - 1, progress=progress, stage="dense decode")
+        return Generation(mode, [first, *rest], prefill_s, time.perf_counter() - started)
+    if mode == "sparse":
+        with sparse_decoding(model, cfg):
+            rest, _ = greedy_decode(model, cache, first, max_new_tokens - 1, progress=progress, stage="sparse decode")
+        return Generation(mode, [first, *rest], prefill_s, time.perf_counter() - started)
+
+    result = Generation(mode, [first], prefill_s, 0.0)
+    length = int(input_ids.shape[1])  # positions in the cache; the last token of result.tokens is not yet in it
+    k = draft_tokens
+    with sparse_decoding(model, cfg):  # one session: its centroid cache lives across rounds
+        while len(result.tokens) < max_new_tokens:
+            k_now = min(k, max_new_tokens - len(result.tokens))
+            begun = time.perf_counter()
+            drafts, token = [], result.tokens[-1]
+            for _ in range(k_now):
+                token = int(_step(model, cache, token).argmax())
+                drafts.append(token)
+            crop_cache(cache, length)
+            result.draft_s += time.perf_counter() - begun
+
+            begun = time.perf_counter()
+            ids = torch.tensor([[result.tokens[-1], *drafts]], device=input_ids.device)
+            dense = model(input_ids=ids, cache=cache, use_cache=True).logits[0].argmax(dim=-1).tolist()
+            accepted = 0
+            while accepted < k_now and dense[accepted] == drafts[accepted]:
+                accepted += 1
+            result.tokens.extend([*drafts[:accepted], dense[accepted]][: max_new_tokens - len(result.tokens)])
+            length += accepted + 1
+            crop_cache(cache, length)
+            result.verify_s += time.perf_counter() - begun
+
+            result.verifications += 1
+            result.accepted.append(accepted)
+            result.draft_lengths.append(k_now)
+            if adaptive:
+                k = min(2 * k, max_draft_tokens) if accepted == k_now else max(1, k // 2) if 2 * accepted < k_now else k
+            if progress:
+                progress("lossless decode", len(result.tokens), max_new_tokens)
+    result.decode_s = result.draft_s + result.verify_s
+    return result
+
+
+@dataclass
+class LosslessCheck:
+    """Lossless output against plain dense greedy decoding of the same prompt."""
+
+    equal: bool
+    mismatches: list[dict]
+    dense: Generation
+    lossless: Generation
+
+    def to_dict(self) -> dict:
+        return {
+            "equal": self.equal,
+            "mismatches": self.mismatches,
+            "dense": self.dense.to_dict(),
+            "lossless": self.lossless.to_dict(),
+        }
+
+
+@torch.no_grad()
+def compare_lossless(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    cfg: SparseConfig,
+    max_new_tokens: int,
+    *,
+    draft_tokens: int = 4,
+    adaptive: bool = False,
+    progress: Progress | None = None,
+    dense: Generation | None = None,
+) -> LosslessCheck:
+    """Run dense and lossless generation and report every position where they differ.
+
+    For the first differing position the dense top-1/top-2 margin (from one-token dense steps) is reported:
+    a tiny margin means a floating-point near-tie, not a flaw of the scheme. Later positions are conditioned
+    on different prefixes and only listed. Pass ``dense`` (a dense :class:`Generation` of the same prompt and
+    length) to reuse it across settings.
+    """
+    if dense is None or len(dense.tokens) != max_new_tokens:
+        dense = generate(model, input_ids, None, max_new_tokens, mode="dense", progress=progress)
+    lossless = generate(
+        model, input_ids, cfg, max_new_tokens, draft_tokens=draft_tokens, adaptive=adaptive, progress=progress
+    )
+    mismatches = [
+        {"position": i + 1, "dense": a, "lossless": b}
+        for i, (a, b) in enumerate(zip(dense.tokens, lossless.tokens))
+        if a != b
+    ]
+    if mismatches:
+        mismatches[0]["dense_margin"] = _dense_margin(model, input_ids, dense.tokens, mismatches[0]["position"])
+    return LosslessCheck(not mismatches, mismatches, dense, lossless)
+
+
+def _dense_margin(model: torch.nn.Module, input_ids: torch.Tensor, tokens: list[int], position: int) -> float:
+    """Dense top-1 minus top-2 logit when predicting ``tokens[position - 1]`` by one-token steps."""
+    cache, logits = prefill(model, input_ids, cache=GrowingCache(config=model.config))
+    for token in tokens[: position - 1]:
+        logits = _step(model, cache, token)
+    top = logits.float().topk(2).values
+    return float(top[0] - top[1])

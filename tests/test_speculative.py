@@ -1,0 +1,45 @@
+"""Lossless self-speculative decoding reproduces dense greedy decoding."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import prompt, tiny_model
+
+from sparsedecode import SparseConfig, SparseDecodeError
+from sparsedecode.compare import dense_reference
+from sparsedecode.speculative import compare_lossless, generate
+
+
+@pytest.mark.parametrize("support", [97, 193])
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_lossless_equals_dense_greedy(arch, support, k):
+    model = tiny_model(arch)
+    ids = prompt(400)
+    check = compare_lossless(model, ids, SparseConfig(support=support), 128, draft_tokens=k)
+    assert check.mismatches == [] and check.equal
+    assert len(check.lossless.tokens) == 128
+    assert check.dense.tokens == dense_reference(model, ids, tokens=128).tokens, "dense mode is plain greedy"
+    lossless = check.lossless
+    assert lossless.verifications == len(lossless.accepted) and sum(lossless.draft_lengths) >= lossless.verifications
+    assert 0 <= lossless.acceptance_rate <= 1
+
+
+def test_sparse_mode_is_the_plain_sparse_decode():
+    model = tiny_model("llama")
+    ids = prompt(300)
+    sparse = generate(model, ids, SparseConfig(support=97), 40, mode="sparse")
+    dense = generate(model, ids, None, 40, mode="dense")
+    lossless = generate(model, ids, SparseConfig(support=97), 40, draft_tokens=4, adaptive=True)
+    assert sparse.tokens != dense.tokens, "S=97 of 340 positions must depart from dense on this model"
+    assert lossless.tokens == dense.tokens
+    assert lossless.mean_accepted < 4, "some drafts were rejected, so verification did real work"
+
+
+def test_bad_arguments():
+    model = tiny_model("llama")
+    with pytest.raises(SparseDecodeError):
+        generate(model, prompt(10), None, 5, mode="sparse")
+    with pytest.raises(SparseDecodeError):
+        generate(model, prompt(10), SparseConfig(), 5, mode="fast")
+    with pytest.raises(SparseDecodeError):
+        generate(model, prompt(10), SparseConfig(), 5, draft_tokens=0)
