@@ -9,6 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 
 def heatmap(
@@ -130,6 +131,7 @@ def first_divergence_histogram(rows: list[dict], path: Path, *, title: str) -> P
     )
     ax.set_xlabel(f"first divergence (1-based step; {tokens} = never diverged)")
     ax.set_ylabel("runs")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7)
     return _save(fig, path)

@@ -20,7 +20,9 @@ from .experiments.sweep import RUNS_FILE, SPEC_FILE, SweepSpec, load_sweep
 
 REPORT_FILE = "report.md"
 RETRIEVAL_FILE = "retrieval.json"
-REFERENCE = "reference study (Qwen2-0.5B, fp16 GPU, WikiText-2; contexts 2K/8K/16K; S in 97..769; 5 prefixes; T = 128)"
+REFERENCE = (
+    "Qwen2-0.5B, fp16 GPU, WikiText-2 test prefixes; contexts 2K/8K/16K; S in 97..769; 5 prefixes; T = 128; 60 runs"
+)
 
 
 def _fmt(value, digits: int = 1) -> str:
@@ -145,7 +147,7 @@ def _sweep_section(directory: Path, meta: dict, rows: list[dict], out: list[str]
     out += [
         "## Findings, in the reference study's terms",
         "",
-        f"Reference: {REFERENCE}.",
+        f"The reference study (DESIGN.md section 3): {REFERENCE}.",
         "",
         f"- **Survival**: {overview['survived']} of {overview['runs']} runs stayed identical to dense greedy "
         f"decoding for all {spec.tokens} tokens (reference: 0 of 60); median first divergence over all runs "
@@ -363,8 +365,9 @@ def _retrieval_section(directory: Path, data: dict, out: list[str]) -> None:
 
 
 CAVEATS = [
-    "Each run is one prompt under one setting on CPU, in float32 unless stated; nothing here measures speed at "
-    "matched quality or end-to-end throughput, and the timing fields in runs.jsonl were taken on a shared machine.",
+    "Each run is one prompt under one setting, measured on the device and dtype stated above; nothing here measures "
+    "speed at matched quality or end-to-end throughput, and the timing fields (names ending in _s) were taken on a "
+    "machine that may have been running other work.",
     "The model, quantisation (a dequantised GGUF), corpus and prompts differ from the reference study's "
     "(Qwen2-0.5B, fp16, WikiText-2): agreement or disagreement is qualitative, not a replication of its numbers.",
     "Teacher-forced ΔPPL is measured on the dense model's own greedy continuation, not on text the sparse model "
@@ -375,8 +378,12 @@ CAVEATS = [
     "unless listed in the conditions.",
     "The 70% teacher-forced-match line is the reference study's observation, used as a warning, not a threshold "
     "with any guarantee.",
-    "Retrieval: passkey exact match on small models and few trials says little about other retrieval tasks; "
-    "captured-mass ratios are averages over steps, layers and heads and can hide the one head that matters.",
+]
+RETRIEVAL_CAVEATS = [
+    "Retrieval: passkey exact match with a few trials per cell on a small model says little about other retrieval "
+    "tasks or longer contexts; a model that fails densely tells nothing about the selector.",
+    "Captured-mass ratios are averages over steps, layers and heads and can hide the one head that matters; the "
+    "relation to success is observed on these trials, not a general law.",
 ]
 
 
@@ -406,7 +413,8 @@ def write_report(directory: Path, *, retrieval: Path | None = None) -> Path:
     if retrieval is not None:
         data = json.loads(Path(retrieval).read_text())
         _retrieval_section(directory, data, out)
-    out += ["# What these numbers do not establish", "", *[f"- {line}" for line in CAVEATS], ""]
+    caveats = CAVEATS + (RETRIEVAL_CAVEATS if retrieval is not None else [])
+    out += ["# What these numbers do not establish", "", *[f"- {line}" for line in caveats], ""]
     files = sorted(p.name for p in directory.iterdir() if p.suffix in {".csv", ".png"} or p.name in (RUNS_FILE,))
     out += ["Files: " + ", ".join(f"[{name}]({name})" for name in files), ""]
     path = directory / REPORT_FILE
