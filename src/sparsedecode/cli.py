@@ -89,6 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prompt_args(run, tokens=128)
     run.add_argument("--json", type=Path, help="write {settings, results} here")
     run.add_argument(
+        "--mode",
+        default="compare",
+        choices=("compare", "lossless"),
+        help="compare: paired dense/sparse protocol; lossless: sparse drafts verified densely (output = dense)",
+    )
+    run.add_argument("--draft-tokens", type=int, default=4, help="draft length k for --mode lossless")
+    run.add_argument("--adaptive", action="store_true", help="adapt k from the recent acceptance (lossless)")
+    run.add_argument(
         "--audit",
         action="store_true",
         help="omitted-mass audit of every sparse step (one extra dense attention pass per step); "
@@ -104,7 +112,38 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("models", help="list built-in model aliases and what is cached")
     _add_experiment_parsers(sub, probes)
+    _add_bench_parsers(sub)
     return parser
+
+
+def _add_bench_parsers(sub) -> None:
+    from .experiments.bench import DEFAULT_CONTEXTS, DEFAULT_SUPPORTS, SHAPES
+
+    bench = sub.add_parser("bench", help="benchmarks: op (one decode-attention call), e2e (real model decoding)")
+    benches = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
+    op = benches.add_parser("op", help="one decode-attention call: torch SDPA dense vs sparse select + attend")
+    op.add_argument("--shape", default="qwen2-0.5b", choices=sorted(SHAPES))
+    op.add_argument("--context", type=int_list, default=list(DEFAULT_CONTEXTS))
+    op.add_argument("--support", type=int_list, default=list(DEFAULT_SUPPORTS))
+    op.add_argument("--dtype", default="float32", choices=DTYPES)
+    op.add_argument("--budget", type=float, default=0.6, help="seconds of calls per timing (at least 10 calls)")
+    op.add_argument("--json", type=Path, help="write {machine, bandwidth_gbs, rows} here")
+    e2e = benches.add_parser("e2e", help="real model: prefill, then greedy decoding dense vs sparse, same process")
+    _add_model_args(e2e)
+    e2e.add_argument("--corpus", default="python-docs")
+    e2e.add_argument("--context", type=int_list, default=[8192])
+    e2e.add_argument("--support", type=int_list, default=[193])
+    e2e.add_argument("--tokens", type=int, default=64)
+    e2e.add_argument("--prompt-index", type=int, default=0)
+    e2e.add_argument("--json", type=Path, help="write {machine, rows} here")
+    e2e.add_argument(
+        "--mode",
+        default="standard",
+        choices=("standard", "lossless"),
+        help="lossless adds self-speculative rows (sparse drafts, dense verification) beside dense and sparse",
+    )
+    e2e.add_argument("--draft-tokens", type=int_list, default=[4], help="draft length(s) k for --mode lossless")
+    e2e.add_argument("--adaptive", action="store_true", help="adapt k from the acceptance (lossless)")
 
 
 def _add_experiment_parsers(sub, probes) -> None:
@@ -370,6 +409,8 @@ def cmd_run(args) -> int:
     from .compare import compare, dense_reference
     from .diagnostics import save_audit
 
+    if args.mode == "lossless":
+        return cmd_run_lossless(args)
     _check_json_target(args.json)
     configs, model, tokenizer, prompts = _prepare(args, audit=args.audit)
     settings = {**_settings(args, "run"), "audit": args.audit}
@@ -415,6 +456,79 @@ def cmd_run(args) -> int:
                 save_audit(args.json.with_name(name), result.audit_arrays)
                 result.audit["arrays"] = name
         write_json_atomic(args.json, {"settings": settings, "results": [r.to_dict() for r in results]})
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_run_lossless(args) -> int:
+    from .speculative import compare_lossless, generate
+
+    _check_json_target(args.json)
+    if args.draft_tokens < 1:
+        raise SparseDecodeError(f"--draft-tokens must be >= 1 (got {args.draft_tokens})")
+    configs, model, tokenizer, prompts = _prepare(args)
+    console.print(_conditions(args) + f"; lossless, k = {args.draft_tokens}{' (adaptive)' if args.adaptive else ''}")
+    table = Table(title="lossless self-speculative decoding against plain dense greedy decoding (same process)")
+    for name in (
+        "context",
+        "S",
+        "equal to dense",
+        "first mismatch",
+        "accepted / draft",
+        "verifications",
+        "draft s",
+        "verify s",
+        "lossless tok/s",
+        "dense tok/s",
+        "speedup",
+    ):
+        table.add_column(name, justify="right")
+    results = []
+    for context, ids in prompts.items():
+        with progress_bars() as progress:
+            dense = generate(model, ids, None, args.tokens, mode="dense", progress=progress)
+            checks = [
+                compare_lossless(
+                    model,
+                    ids,
+                    cfg,
+                    args.tokens,
+                    draft_tokens=args.draft_tokens,
+                    adaptive=args.adaptive,
+                    progress=progress,
+                    dense=dense,
+                )
+                for cfg in configs
+            ]
+        for cfg, check in zip(configs, checks):
+            lossless = check.lossless
+            first = check.mismatches[0] if check.mismatches else None
+            table.add_row(
+                str(context),
+                str(cfg.effective_support),
+                "[green]yes[/]" if check.equal else "[red]no[/]",
+                f"step {first['position']} (dense margin {first['dense_margin']:.2e})" if first else "-",
+                f"{100 * lossless.acceptance_rate:.0f}% ({lossless.mean_accepted:.2f}/round)",
+                str(lossless.verifications),
+                f"{lossless.draft_s:.2f}",
+                f"{lossless.verify_s:.2f}",
+                f"{lossless.decode_tokens_per_s:.2f}",
+                f"{dense.decode_tokens_per_s:.2f}",
+                f"{lossless.decode_tokens_per_s / dense.decode_tokens_per_s:.2f}x",
+            )
+            results.append({"context": context, "settings": cfg.to_dict(), **check.to_dict()})
+    console.print(table)
+    console.print(
+        "[dim]A mismatch can only come from floating point: a (k+1)-token dense pass rounds differently from "
+        "one-token steps, which can flip a near-tie; its dense top-1/top-2 margin is shown.[/]"
+    )
+    if args.json:
+        settings = {
+            **_settings(args, "run --mode lossless"),
+            "draft_tokens": args.draft_tokens,
+            "adaptive": args.adaptive,
+        }
+        write_json_atomic(args.json, {"settings": settings, "results": results})
         console.print(f"wrote {args.json}")
     return 0
 
@@ -643,7 +757,142 @@ def cmd_probe_retrieval(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    return {"op": cmd_bench_op, "e2e": cmd_bench_e2e}[args.bench](args)
+
+
+def cmd_bench_op(args) -> int:
+    import torch
+
+    from .experiments.bench import bench_op, op_rows_as_dicts
+
+    _check_json_target(args.json)
+    dtype = getattr(torch, args.dtype)
+    console.print(
+        f"bench op: shape {args.shape}, {args.dtype}, cpu, {torch.get_num_threads()} threads; medians over repeated "
+        "calls, dense and sparse measured side by side in this process"
+    )
+    with progress_bars() as progress:
+        rows, bandwidth = bench_op(
+            args.shape, tuple(args.context), tuple(args.support), dtype=dtype, budget_s=args.budget, progress=progress
+        )
+    table = Table(title=f"one decode-attention call, {args.shape}; read bandwidth measured now: {bandwidth:.1f} GB/s")
+    for name in (
+        "N",
+        "S",
+        "dense ms",
+        "sparse ms",
+        "select ms",
+        "attend ms",
+        "speedup",
+        "dense MB",
+        "sparse MB",
+        "sparse / bound",
+        "dense / bound",
+    ):
+        table.add_column(name, justify="right")
+    for r in rows:
+        table.add_row(
+            str(r.context),
+            str(r.support),
+            f"{r.dense_ms:.3f}",
+            f"{r.sparse_ms:.3f}",
+            f"{r.select_ms:.3f}",
+            f"{r.attend_ms:.3f}",
+            f"{r.speedup:.1f}x",
+            f"{r.bytes_dense / 1e6:.1f}",
+            f"{r.bytes_sparse / 1e6:.2f}",
+            f"{r.bound_ratio:.1f}x",
+            f"{r.dense_bound_ratio:.1f}x",
+        )
+    console.print(table)
+    console.print(
+        "[dim]bound = bytes that must be read / measured read bandwidth. Isolated operator timings say nothing about "
+        "matched-quality or end-to-end speed.[/]"
+    )
+    if args.json:
+        data = {"machine": environment(), "bandwidth_gbs": bandwidth, "rows": op_rows_as_dicts(rows)}
+        write_json_atomic(args.json, data)
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_bench_e2e(args) -> int:
+    from dataclasses import asdict
+
+    from .config import SparseConfig
+    from .experiments.bench import bench_e2e
+    from .experiments.corpus import prompt_ids
+    from .models import load_model
+
+    _check_json_target(args.json)
+    if args.tokens < 1:
+        raise SparseDecodeError(f"--tokens must be >= 1 (got {args.tokens})")
+    if min(args.draft_tokens) < 1:
+        raise SparseDecodeError("--draft-tokens values must be >= 1")
+    for support in args.support:
+        SparseConfig(support=support)
+    with console.status(f"loading {args.model} ({args.dtype})"):
+        model, tokenizer = load_model(args.model, dtype=args.dtype)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    rows = []
+    for context in args.context:
+        if limit is not None and context + args.tokens > limit:
+            raise SparseDecodeError(f"context {context} + {args.tokens} tokens exceeds the model's {limit} positions")
+        ids = prompt_ids(tokenizer, args.corpus, context, args.prompt_index, args.tokens)
+        with progress_bars() as progress:
+            rows.extend(
+                bench_e2e(
+                    model,
+                    args.model,
+                    ids,
+                    tuple(args.support),
+                    tokens=args.tokens,
+                    progress=progress,
+                    lossless=tuple(args.draft_tokens) if args.mode == "lossless" else (),
+                    adaptive=args.adaptive,
+                )
+            )
+    table = Table(
+        title=f"end to end, {args.model} {args.dtype} on cpu: {args.tokens} greedy tokens after a dense prefill"
+    )
+    for name in (
+        "context",
+        "mode",
+        "KV cache",
+        "S",
+        "prefill s",
+        "decode tok/s",
+        "vs best dense",
+        "same tokens",
+        "peak RSS MB",
+    ):
+        table.add_column(name, justify="right")
+    for r in rows:
+        table.add_row(
+            str(r.context),
+            r.mode,
+            r.cache,
+            str(r.support or "-"),
+            f"{r.prefill_s:.1f}",
+            f"{r.decode_tokens_per_s:.2f}",
+            f"{r.speedup_vs_best_dense:.2f}x",
+            f"{r.tokens_equal_to_dense}/{r.tokens}",
+            f"{r.peak_rss_mb:.0f}",
+        )
+    console.print(table)
+    console.print(
+        "[dim]dense runs twice (first and last) and reports the median; 'same tokens' = leading tokens equal to dense "
+        "greedy output; peak RSS is the process peak so far.[/]"
+    )
+    if args.json:
+        write_json_atomic(args.json, {"machine": environment(), "rows": [asdict(r) for r in rows]})
+        console.print(f"wrote {args.json}")
+    return 0
+
+
 COMMANDS = {
+    "bench": cmd_bench,
     "run": cmd_run,
     "models": cmd_models,
     "probe": cmd_probe,

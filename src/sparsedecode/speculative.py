@@ -114,9 +114,43 @@ def generate(
             rest, _ = greedy_decode(model, cache, first, max_new_tokens - 1, progress=progress, stage="sparse decode")
         return Generation(mode, [first, *rest], prefill_s, time.perf_counter() - started)
 
-    result = Generation(mode, [first], prefill_s, 0.0)
-    length = int(input_ids.shape[1])  # positions in the cache; the last token of result.tokens is not yet in it
+    result = lossless_decode(
+        model,
+        cache,
+        int(input_ids.shape[1]),
+        first,
+        cfg,
+        max_new_tokens,
+        draft_tokens=draft_tokens,
+        adaptive=adaptive,
+        max_draft_tokens=max_draft_tokens,
+        progress=progress,
+    )
+    result.prefill_s = prefill_s
+    return result
+
+
+@torch.no_grad()
+def lossless_decode(
+    model: torch.nn.Module,
+    cache,
+    length: int,
+    first: int,
+    cfg: SparseConfig,
+    max_new_tokens: int,
+    *,
+    draft_tokens: int = 4,
+    adaptive: bool = False,
+    max_draft_tokens: int = 16,
+    progress: Progress | None = None,
+) -> Generation:
+    """The lossless loop from a prefilled ``cache`` holding ``length`` positions and the first token ``first``.
+
+    The cache is left holding the prompt and every generated token except the last.
+    """
+    result = Generation("lossless", [first], 0.0, 0.0)
     k = draft_tokens
+    device = next(model.parameters()).device
     with sparse_decoding(model, cfg):  # one session: its centroid cache lives across rounds
         while len(result.tokens) < max_new_tokens:
             k_now = min(k, max_new_tokens - len(result.tokens))
@@ -129,7 +163,7 @@ def generate(
             result.draft_s += time.perf_counter() - begun
 
             begun = time.perf_counter()
-            ids = torch.tensor([[result.tokens[-1], *drafts]], device=input_ids.device)
+            ids = torch.tensor([[result.tokens[-1], *drafts]], device=device)
             dense = model(input_ids=ids, cache=cache, use_cache=True).logits[0].argmax(dim=-1).tolist()
             accepted = 0
             while accepted < k_now and dense[accepted] == drafts[accepted]:

@@ -28,6 +28,7 @@ from ..centroids import BlockCentroids
 from ..compare import Progress, crop_cache, greedy_decode, prefill
 from ..config import SparseConfig
 from ..selectors import BlockLayout
+from ..speculative import lossless_decode
 
 SHAPES = {
     "qwen2-0.5b": (14, 2, 64),  # query heads, KV heads, head dim (also Qwen2.5-Coder-0.5B)
@@ -190,6 +191,11 @@ class E2ERow:
     speedup_vs_best_dense: float
     peak_rss_mb: float
     tokens_equal_to_dense: int
+    draft_tokens: int | None = None
+    acceptance_rate: float | None = None
+    mean_accepted: float | None = None
+    draft_s: float | None = None
+    verify_s: float | None = None
 
 
 def bench_e2e(
@@ -199,6 +205,8 @@ def bench_e2e(
     supports: tuple[int, ...] = (193,),
     *,
     tokens: int = 64,
+    lossless: tuple[int, ...] = (),
+    adaptive: bool = False,
     progress: Progress | None = None,
 ) -> list[E2ERow]:
     """Dense prefill once, then ``tokens`` greedy tokens per mode from the same prefilled KV cache.
@@ -207,6 +215,7 @@ def bench_e2e(
     (appends in place), and sparse on ``GrowingCache`` per support. The dense modes run first and again last and
     report the median of their two runs, so a drift of the shared machine shows up instead of favouring one
     mode. ``speedup_vs_best_dense`` divides by the faster dense mode. Peak RSS is the process peak so far.
+    ``lossless`` lists draft lengths k for self-speculative rows (sparse drafts, dense verification) per support.
     """
     started = time.perf_counter()
     dynamic, logits = prefill(model, prompt_ids, progress=progress)
@@ -232,6 +241,22 @@ def bench_e2e(
     for support in supports:
         with sparse_decoding(model, SparseConfig(support=support)):
             sparse_runs.append((support, *timed(growing, f"sparse S={support}")))
+    lossless_runs = []
+    for support in supports:
+        for k in lossless:
+            generation = lossless_decode(
+                model,
+                growing,
+                context,
+                first,
+                SparseConfig(support=support),
+                tokens + 1,
+                draft_tokens=k,
+                adaptive=adaptive,
+                progress=progress,
+            )
+            crop_cache(growing, context)
+            lossless_runs.append((support, k, generation))
     dense_runs["growing"].append(timed(growing, "dense, GrowingCache (again)"))
     dense_runs["dynamic"].append(timed(dynamic, "dense, DynamicCache (again)"))
     dense_tokens = dense_runs["dynamic"][0][1]
