@@ -99,6 +99,7 @@ def _environment_lines(meta: dict) -> list[str]:
             f"- device {env.get('device')}, {env.get('threads')} threads ({env.get('cpu_count')} CPUs, "
             f"{env.get('processor')}); Python {env.get('python')}, torch {env.get('torch')}, transformers "
             f"{env.get('transformers')}, numpy {env.get('numpy')}, sparsedecode {env.get('sparsedecode')}"
+            + (f" (source {env['revision']})" if env.get("revision") else "")
         )
     starts = [s.get("started") for s in sessions if s.get("started")]
     if starts:

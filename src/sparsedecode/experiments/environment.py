@@ -4,8 +4,24 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
+from pathlib import Path
 
 import torch
+
+
+def source_revision() -> str | None:
+    """``git describe --always --dirty`` of the checkout this package runs from (``None`` outside a checkout)."""
+    root = Path(__file__).resolve().parents[3]
+    if not (root / ".git").exists():
+        return None
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(root), "describe", "--always", "--dirty"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None if done.returncode == 0 else None
 
 
 def environment(model: torch.nn.Module | None = None) -> dict:
@@ -22,6 +38,7 @@ def environment(model: torch.nn.Module | None = None) -> dict:
             device = str(parameter.device)
     return {
         "sparsedecode": __version__,
+        "revision": source_revision(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
