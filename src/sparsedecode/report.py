@@ -369,8 +369,11 @@ CAVEATS = [
     "Each run is one prompt under one setting, measured on the device and dtype stated above; nothing here measures "
     "speed at matched quality or end-to-end throughput, and the timing fields (names ending in _s) were taken on a "
     "machine that may have been running other work.",
-    "The model, quantisation (a dequantised GGUF), corpus and prompts differ from the reference study's "
-    "(Qwen2-0.5B, fp16, WikiText-2): agreement or disagreement is qualitative, not a replication of its numbers.",
+    "The model (the built-in aliases are dequantised 4-bit GGUF weights), corpus and prompts differ from the "
+    "reference study's (Qwen2-0.5B, fp16, WikiText-2): agreement or disagreement with it is qualitative, not a "
+    "replication of its numbers.",
+]
+SWEEP_CAVEATS = [
     "Teacher-forced ΔPPL is measured on the dense model's own greedy continuation, not on text the sparse model "
     "produced, nor on held-out human text; a small ΔPPL does not mean free-running output stays close.",
     "A few prompts per condition: medians and ranges are descriptive; there are no confidence intervals, and a "
@@ -414,7 +417,7 @@ def write_report(directory: Path, *, retrieval: Path | None = None) -> Path:
     if retrieval is not None:
         data = json.loads(Path(retrieval).read_text())
         _retrieval_section(directory, data, out)
-    caveats = CAVEATS + (RETRIEVAL_CAVEATS if retrieval is not None else [])
+    caveats = CAVEATS + (SWEEP_CAVEATS if has_sweep else []) + (RETRIEVAL_CAVEATS if retrieval is not None else [])
     out += ["# What these numbers do not establish", "", *[f"- {line}" for line in caveats], ""]
     files = sorted(p.name for p in directory.iterdir() if p.suffix in {".csv", ".png"} or p.name in (RUNS_FILE,))
     out += ["Files: " + ", ".join(f"[{name}]({name})" for name in files), ""]
