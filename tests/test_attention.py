@@ -38,7 +38,12 @@ class Oracle:
         n = view.layout.n
         keys, values = view.keys[:, :n], view.values[:, :n]
         kept = select_support(
-            view.query, keys, support=self.cfg.support, window=self.cfg.window, block_size=self.cfg.block_size
+            view.query,
+            keys,
+            support=self.cfg.support,
+            window=self.cfg.window,
+            block_size=self.cfg.block_size,
+            method=self.cfg.selector,
         )
         kv_heads, group = keys.shape[0], view.query.shape[0] // keys.shape[0]
         for h in range(kv_heads):
@@ -50,7 +55,7 @@ class Oracle:
             expected = torch.softmax(q @ k.T * view.scaling, dim=-1) @ v
             error = (expected - view.output[h * group : (h + 1) * group].double()).abs().max()
             self.max_error = max(self.max_error, float(error))
-        self.blocks.append((view.layer, view.step, view.blocks.clone()))
+        self.blocks.append((view.layer, view.step, None if view.blocks is None else view.blocks.clone()))
         self.steps += 1
 
 

@@ -29,7 +29,16 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .centroids import BlockCentroids
 from .config import SparseConfig
 from .errors import SparseDecodeError
-from .selectors import BlockLayout, block_scores, group_mean_queries, support_positions, top_blocks
+from .selectors import (
+    STAT_KINDS,
+    BlockLayout,
+    group_attention,
+    select_blocks,
+    select_positions,
+    streaming_index,
+    support_positions,
+    token_index,
+)
 
 ATTENTION_NAME = "sparsedecode"
 
@@ -60,19 +69,49 @@ class StepView:
     output: torch.Tensor
     scaling: float
     layout: BlockLayout
-    blocks: torch.Tensor
+    blocks: torch.Tensor | None
 
 
 @dataclass
 class LayerState:
-    """Per-layer state of one session: centroid cache, reuse bookkeeping, and what was read."""
+    """Per-layer state of one session: block-statistics cache, reuse bookkeeping, H2O history, reads.
+
+    ``blocks`` (block selectors) or ``positions`` (token-level selectors) is the current selection.
+    """
 
     layer: int
     centroids: BlockCentroids
     step: int = 0
     last_n: int = -1
     blocks: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    accumulated: torch.Tensor | None = None
     read_lengths: torch.Tensor | None = None
+    read_positions: torch.Tensor | None = None
+
+    def note_positions(self, index: torch.Tensor, layout: BlockLayout) -> None:
+        """Remember which distant positions each KV head read (token-level selectors)."""
+        have = 0 if self.read_positions is None else self.read_positions.shape[1]
+        if layout.n > have:
+            grown = torch.zeros(index.shape[0], max(layout.n, 2 * have), dtype=torch.bool)
+            if have:
+                grown[:, :have] = self.read_positions
+            self.read_positions = grown
+        distant = (index >= 1) & (index < layout.distant_end)
+        self.read_positions.scatter_(1, index.masked_fill(~distant, 0), True)
+        self.read_positions[:, 0] = False
+
+    def accumulate(self, weights: torch.Tensor) -> torch.Tensor:
+        """Add this step's attention ``(kv, n)`` to the H2O history and return the history over ``[0, n)``."""
+        kv_heads, n = weights.shape
+        have = 0 if self.accumulated is None else self.accumulated.shape[1]
+        if n > have:
+            grown = torch.zeros(kv_heads, max(n, 2 * have), dtype=torch.float32)
+            if have:
+                grown[:, :have] = self.accumulated
+            self.accumulated = grown
+        self.accumulated[:, :n] += weights
+        return self.accumulated[:, :n]
 
     def note_reads(self, blocks: torch.Tensor, lengths: torch.Tensor) -> None:
         """Remember the longest extent of each distant block read so far, per KV head."""
@@ -112,12 +151,18 @@ class SparseSession:
         layer = int(getattr(module, "layer_idx", 0) or 0)
         state = self.layers.get(layer)
         if state is None:
-            state = self.layers[layer] = LayerState(layer, BlockCentroids(self.config.block_size))
+            kinds = STAT_KINDS.get(self.config.selector, ("mean",))
+            state = self.layers[layer] = LayerState(layer, BlockCentroids(self.config.block_size, kinds))
         return state
 
     def unique_distant_positions(self) -> torch.Tensor:
         """Distinct distant positions read so far, per (layer, KV head): ``(layers, kv_heads)`` long."""
-        rows = [s.read_lengths.sum(dim=1) for _, s in sorted(self.layers.items()) if s.read_lengths is not None]
+        rows = [
+            (s.read_lengths.sum(dim=1) if s.read_lengths is not None else 0)
+            + (s.read_positions.sum(dim=1) if s.read_positions is not None else 0)
+            for _, s in sorted(self.layers.items())
+            if s.read_lengths is not None or s.read_positions is not None
+        ]
         return torch.stack(rows) if rows else torch.zeros(0, 0, dtype=torch.long)
 
     def centroid_bytes(self) -> int:
@@ -177,30 +222,6 @@ def sparse_attention_forward(
     return sparse_decode_step(session, state, query, key, value, n, scaling), None
 
 
-def select_blocks(
-    cfg: SparseConfig,
-    centroids: BlockCentroids,
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    layout: BlockLayout,
-    *,
-    verify: bool = True,
-) -> torch.Tensor:
-    """Selection half of a sparse step: ``(kv_heads, b)`` ascending block indices.
-
-    Reads the cached centroids of the completed blocks (extending the cache by any block completed since the
-    last call) and averages the partial tail block on the fly: ``N / B`` centroids, never ``N`` keys.
-    ``verify=False`` skips the staleness check; only safe when this step directly follows the last one.
-    """
-    kv_heads = keys.shape[0]
-    query_means = group_mean_queries(q, kv_heads)
-    scores = block_scores(cfg, query_means, centroids.update(keys, layout.n_full, verify=verify))
-    if layout.n_blocks > layout.n_full:
-        tail = keys[:, 1 + layout.n_full * cfg.block_size : layout.distant_end].float().mean(dim=1, keepdim=True)
-        scores = torch.cat([scores, block_scores(cfg, query_means, tail)], dim=1)
-    return top_blocks(scores, cfg.blocks)
-
-
 def _gather_support(cache: torch.Tensor, blocks: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
     """Anchor, chosen full blocks and window of one layer's keys or values: ``(kv_heads, S, d)``.
 
@@ -211,6 +232,18 @@ def _gather_support(cache: torch.Tensor, blocks: torch.Tensor, layout: BlockLayo
     full = cache[:, 1 : 1 + layout.n_full * block].reshape(kv_heads, layout.n_full, block, d)  # a view for KV caches
     picked = full.gather(1, blocks[:, :, None, None].expand(-1, -1, block, d)).view(kv_heads, -1, d)
     return torch.cat([cache[:, :1], picked, cache[:, layout.distant_end : layout.n]], dim=1)
+
+
+def attend_positions(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, scale: float):
+    """Attention over arbitrary positions ``index`` ``(kv, S)`` of each KV head (token-level selectors)."""
+    query_heads, d = q.shape
+    kv_heads = keys.shape[0]
+    gather = index.unsqueeze(-1).expand(-1, -1, d)
+    kept_keys, kept_values = keys.gather(1, gather).float(), values.gather(1, gather).float()
+    qg = q.float().view(kv_heads, query_heads // kv_heads, d)
+    return torch.nn.functional.scaled_dot_product_attention(qg, kept_keys, kept_values, scale=scale).reshape(
+        query_heads, d
+    )
 
 
 def attend_support(
@@ -261,18 +294,39 @@ def sparse_decode_step(
 
     follows = n == state.last_n + 1  # the previous call on this layer was the decode step at n - 1
     if not follows:
-        state.step, state.blocks = 0, None
-    if state.blocks is None or state.step % cfg.reuse == 0:
-        state.blocks = select_blocks(cfg, state.centroids, q, keys, layout, verify=not follows)
-    blocks = state.blocks
+        state.step, state.blocks, state.positions, state.accumulated = 0, None, None, None
+    fresh = state.step % cfg.reuse == 0 or (state.blocks is None and state.positions is None)
+    if cfg.selector == "h2o":  # the history gathers every decode step's attention, reused or not
+        history = state.accumulate(group_attention(q, keys[:, :n], scale))
+    if fresh and cfg.token_level:
+        index = select_positions(
+            cfg, q, keys, layout, scale=scale, accumulated=history if cfg.selector == "h2o" else None
+        )
+        state.positions = index[:, 1 : 1 + cfg.distant_positions]
+    elif fresh:
+        state.blocks = select_blocks(
+            cfg, state.centroids, q, keys, layout, scale=scale, salt=state.layer, verify=not follows
+        )
     state.step += 1
     state.last_n = n
-    if session.track_reads:
-        state.note_reads(blocks, layout.block_lengths(blocks))
 
-    out = attend_support(q, keys, values, blocks, layout, scale)
+    blocks = state.blocks
+    if cfg.selector == "streaming":
+        index = streaming_index(keys.shape[0], n, cfg.support)
+    elif cfg.token_level:
+        index = token_index(state.positions, layout)  # reused distant positions, the window slides
+    if cfg.token_level:
+        out = attend_positions(q, keys, values, index, scale)
+        valid = torch.ones_like(index, dtype=torch.bool)
+        if session.track_reads:
+            state.note_positions(index, layout)
+    else:
+        out = attend_support(q, keys, values, blocks, layout, scale)
+        if session.track_reads:
+            state.note_reads(blocks, layout.block_lengths(blocks))
     if session.observers:
-        index, valid = support_positions(blocks, layout)
+        if blocks is not None:
+            index, valid = support_positions(blocks, layout)
         view = StepView(state.layer, state.step, q, keys, values, index, valid, out, scale, layout, blocks)
         for observe in session.observers:
             observe(view)

@@ -126,6 +126,7 @@ def _add_bench_parsers(sub) -> None:
     op.add_argument("--context", type=int_list, default=list(DEFAULT_CONTEXTS))
     op.add_argument("--support", type=int_list, default=list(DEFAULT_SUPPORTS))
     op.add_argument("--dtype", default="float32", choices=DTYPES)
+    op.add_argument("--selector", default="mean-pooled", help="any selector (see `run --help`)")
     op.add_argument("--budget", type=float, default=0.6, help="seconds of calls per timing (at least 10 calls)")
     op.add_argument("--json", type=Path, help="write {machine, bandwidth_gbs, rows} here")
     e2e = benches.add_parser("e2e", help="real model: prefill, then greedy decoding dense vs sparse, same process")
@@ -774,7 +775,13 @@ def cmd_bench_op(args) -> int:
     )
     with progress_bars() as progress:
         rows, bandwidth = bench_op(
-            args.shape, tuple(args.context), tuple(args.support), dtype=dtype, budget_s=args.budget, progress=progress
+            args.shape,
+            tuple(args.context),
+            tuple(args.support),
+            dtype=dtype,
+            selector=args.selector,
+            budget_s=args.budget,
+            progress=progress,
         )
     table = Table(title=f"one decode-attention call, {args.shape}; read bandwidth measured now: {bandwidth:.1f} GB/s")
     for name in (

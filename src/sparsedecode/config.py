@@ -6,7 +6,12 @@ from dataclasses import asdict, dataclass
 
 from .errors import SparseDecodeError
 
-SELECTORS = ("mean-pooled",)
+BLOCK_SELECTORS = ("mean-pooled", "quest", "oracle-blocks", "random-blocks")
+"""Keep the anchor, the window and ``b`` whole distant blocks of ``block_size`` positions."""
+TOKEN_SELECTORS = ("oracle-tokens", "h2o", "streaming")
+"""Keep exactly ``support`` positions: the anchor, the window and ``support - 1 - window`` single distant positions
+(``streaming``: the anchor and the last ``support - 1`` positions, no distant ones)."""
+SELECTORS = BLOCK_SELECTORS + TOKEN_SELECTORS
 
 
 @dataclass(frozen=True)
@@ -17,8 +22,9 @@ class SparseConfig:
     ``block_size`` keys, with ``b = (support - 1 - window) // block_size``. A ``support`` that is not of the
     form ``1 + window + b * block_size`` is floored to whole blocks: :attr:`effective_support` says what is
     actually read. ``reuse`` is the selection interval R (1 = fresh selection at every step).
-    ``audit`` turns on the omitted-mass audit of :mod:`sparsedecode.diagnostics`, which costs one dense
-    attention pass per sparse step; off, nothing beyond the support is ever read.
+    Token-level selectors (:data:`TOKEN_SELECTORS`) read exactly ``support`` positions. ``seed`` seeds
+    ``random-blocks``. ``audit`` turns on the omitted-mass audit of :mod:`sparsedecode.diagnostics`, which
+    costs one dense attention pass per sparse step; off, nothing beyond the support is ever read.
 
     Reference: "Attention-Mass Condensation for Sparse Decoding", arXiv 2602.06317.
     """
@@ -29,6 +35,7 @@ class SparseConfig:
     reuse: int = 1
     selector: str = "mean-pooled"
     audit: bool = False
+    seed: int = 0
 
     def __post_init__(self) -> None:
         for name in ("support", "window", "block_size", "reuse"):
@@ -50,14 +57,25 @@ class SparseConfig:
             raise SparseDecodeError(f"unknown selector {self.selector!r}; choose one of: {', '.join(SELECTORS)}")
 
     @property
+    def token_level(self) -> bool:
+        return self.selector in TOKEN_SELECTORS
+
+    @property
     def blocks(self) -> int:
-        """Number of distant blocks kept, b."""
-        return (self.support - 1 - self.window) // self.block_size
+        """Number of distant blocks kept, b (0 for token-level selectors)."""
+        return 0 if self.token_level else (self.support - 1 - self.window) // self.block_size
+
+    @property
+    def distant_positions(self) -> int:
+        """Distant positions kept per KV head: ``b * B`` for block selectors, ``S - 1 - W`` for token ones."""
+        if self.selector == "streaming":
+            return 0
+        return self.support - 1 - self.window if self.token_level else self.blocks * self.block_size
 
     @property
     def effective_support(self) -> int:
-        """Positions actually read when the context is longer than the support: 1 + W + b*B."""
-        return 1 + self.window + self.blocks * self.block_size
+        """Positions actually read when the context is longer than the support (``1 + W + b*B`` for blocks)."""
+        return self.support if self.token_level else 1 + self.window + self.blocks * self.block_size
 
     def to_dict(self) -> dict:
         return {**asdict(self), "blocks": self.blocks, "effective_support": self.effective_support}

@@ -8,7 +8,8 @@
   - ``||o_sparse - o_dense||``, ``||o_kept - o_omitted||``, the residual of the exact identity
     ``o_sparse - o_dense = eps * (o_kept - o_omitted)`` and the bound ``2 * eps * max ||v||``;
   - selector recall (share of the dense top-b blocks by true mass that the selector chose) and the captured
-    mass ratio (mass of the chosen blocks over the best mass any b blocks could capture).
+    mass ratio (mass of the chosen blocks over the best mass any b blocks could capture); for token-level
+    selectors the same against the best ``m`` single distant positions, ``m`` being how many were kept.
 
 * :func:`margin_certificate`: per teacher-forced step, the dense top-1/top-2 margin ``gamma`` and the logit
   error ``delta = max |z_sparse - z_dense|``; a step is certified when ``gamma > 2 * delta``, in which case its
@@ -75,13 +76,19 @@ def audit_step(view: StepView) -> dict[str, torch.Tensor]:
     max_value_norm = values.norm(dim=-1).amax(-1)  # (kv,)
 
     distant = probs[:, :, 1 : layout.distant_end]
-    pad = layout.n_blocks * layout.block_size - distant.shape[-1]
-    block_mass = torch.nn.functional.pad(distant, (0, pad)).view(kv_heads, group, layout.n_blocks, -1).sum(-1)
-    b = view.blocks.shape[1]
-    chosen = view.blocks.unsqueeze(1).expand(-1, group, -1)
-    chosen_mass = block_mass.gather(-1, chosen).sum(-1)
-    best = block_mass.topk(b, dim=-1)
-    in_best = (best.indices.unsqueeze(-1) == chosen.unsqueeze(-2)).any(-1).sum(-1)
+    chosen_mass = kept_probs[:, :, 1 : layout.distant_end].sum(-1)
+    if view.blocks is not None:  # block selectors: against the best b blocks by true mass
+        pad = layout.n_blocks * layout.block_size - distant.shape[-1]
+        block_mass = torch.nn.functional.pad(distant, (0, pad)).view(kv_heads, group, layout.n_blocks, -1).sum(-1)
+        b = view.blocks.shape[1]
+        chosen = view.blocks.unsqueeze(1).expand(-1, group, -1)
+        best = block_mass.topk(b, dim=-1)
+        in_best = (best.indices.unsqueeze(-1) == chosen.unsqueeze(-2)).any(-1).sum(-1)
+    else:  # token-level selectors: against the best m single distant positions, m = what was kept
+        kept_distant = kept[:, 1 : layout.distant_end]
+        b = int(kept_distant.sum(-1).max())
+        best = distant.topk(b, dim=-1)
+        in_best = kept_distant.unsqueeze(1).expand(-1, group, -1).gather(-1, best.indices).sum(-1)
     best_mass = best.values.sum(-1)
 
     out = {

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import SELECTORS, SparseConfig
+from .centroids import BlockCentroids, reduce_blocks
+from .config import SparseConfig
 from .errors import SparseDecodeError
 
 
@@ -130,6 +131,129 @@ def support_positions(blocks: torch.Tensor, layout: BlockLayout) -> tuple[torch.
     return index, valid
 
 
+def quest_scores(query_means: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor) -> torch.Tensor:
+    """Quest's bound ``sum_i max(q_i * min_i, q_i * max_i) >= q . k`` for every key of the block.
+
+    ``(kv, d), (kv, n_blocks, d), (kv, n_blocks, d) -> (kv, n_blocks)`` (Quest, arXiv 2406.10774).
+    """
+    q = query_means.unsqueeze(1)
+    return torch.maximum(q * mins, q * maxs).sum(dim=-1)
+
+
+def group_attention(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """True attention probabilities of each query head over all ``N`` keys, summed over each GQA group.
+
+    ``(query_heads, d), (kv, N, d) -> (kv, N)`` float32. This reads every key: oracles and H2O only.
+    """
+    kv_heads, _, d = keys.shape
+    qg = queries.float().view(kv_heads, -1, d)
+    return torch.softmax(torch.bmm(qg, keys.float().transpose(1, 2)) * scale, dim=-1).sum(dim=1)
+
+
+def block_masses(weights: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
+    """Sum of per-position weights ``(kv, N)`` over each distant block: ``(kv, n_blocks)``."""
+    distant = weights[:, 1 : layout.distant_end]
+    pad = layout.n_blocks * layout.block_size - distant.shape[1]
+    return torch.nn.functional.pad(distant, (0, pad)).view(weights.shape[0], layout.n_blocks, -1).sum(dim=-1)
+
+
+def random_blocks(kv_heads: int, n_blocks: int, b: int, seed: int) -> torch.Tensor:
+    """``b`` distinct blocks per KV head drawn uniformly with a seeded generator, ascending."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = [torch.randperm(n_blocks, generator=generator)[:b].sort().values for _ in range(kv_heads)]
+    return torch.stack(rows)
+
+
+def top_positions(weights: torch.Tensor, layout: BlockLayout, count: int) -> torch.Tensor:
+    """The ``count`` distant positions with the largest weight per KV head, ascending (ties: lowest first)."""
+    return top_blocks(weights[:, 1 : layout.distant_end], count) + 1
+
+
+def token_index(distant: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
+    """Anchor, the given distant positions and the window: ``(kv, 1 + m + W)``."""
+    kv_heads = distant.shape[0]
+    window = torch.arange(layout.distant_end, layout.n, device=distant.device).expand(kv_heads, -1)
+    return torch.cat([distant.new_zeros(kv_heads, 1), distant, window], dim=1)
+
+
+def streaming_index(kv_heads: int, n: int, support: int) -> torch.Tensor:
+    """StreamingLLM at the same budget: the anchor and the last ``support - 1`` positions."""
+    recent = torch.arange(n - support + 1, n)
+    return torch.cat([torch.zeros(1, dtype=torch.long), recent]).expand(kv_heads, -1)
+
+
+STAT_KINDS = {"mean-pooled": ("mean",), "quest": ("min", "max")}
+
+
+def _stat_scores(selector: str, query_means: torch.Tensor, stats: dict[str, torch.Tensor]) -> torch.Tensor:
+    if selector == "mean-pooled":
+        return mean_pooled_scores(query_means, stats["mean"])
+    return quest_scores(query_means, stats["min"], stats["max"])
+
+
+def select_blocks(
+    cfg: SparseConfig,
+    cache: BlockCentroids,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    layout: BlockLayout,
+    *,
+    scale: float,
+    salt: int = 0,
+    verify: bool = True,
+) -> torch.Tensor:
+    """The ``cfg.blocks`` distant blocks a block selector keeps, per KV head, ascending: ``(kv, b)``.
+
+    ``mean-pooled`` and ``quest`` read the cached block statistics of ``cache`` (extended by any block
+    completed since the last call) and reduce the partial tail block on the fly: ``N / B`` statistics, never
+    ``N`` keys. ``oracle-blocks`` reads every key (true block attention mass, summed over the group).
+    ``random-blocks`` draws with a generator seeded by ``cfg.seed``, ``salt`` (the layer) and ``N``.
+    ``verify=False`` skips the cache's staleness check; only safe when this step directly follows the last.
+    """
+    kv_heads = keys.shape[0]
+    if cfg.selector in STAT_KINDS:
+        query_means = group_mean_queries(queries, kv_heads)
+        scores = _stat_scores(cfg.selector, query_means, cache.update_all(keys, layout.n_full, verify=verify))
+        if layout.n_blocks > layout.n_full:
+            tail = keys[:, 1 + layout.n_full * cfg.block_size : layout.distant_end].float().unsqueeze(1)
+            tail_stats = {kind: reduce_blocks(tail, kind) for kind in cache.kinds}
+            scores = torch.cat([scores, _stat_scores(cfg.selector, query_means, tail_stats)], dim=1)
+        return top_blocks(scores, cfg.blocks)
+    if cfg.selector == "oracle-blocks":
+        masses = block_masses(group_attention(queries, keys[:, : layout.n], scale), layout)
+        return top_blocks(masses, cfg.blocks)
+    if cfg.selector == "random-blocks":
+        return random_blocks(kv_heads, layout.n_blocks, cfg.blocks, cfg.seed * 1_000_003 + salt * 65_537 + layout.n)
+    raise SparseDecodeError(f"{cfg.selector!r} is not a block selector")
+
+
+def select_positions(
+    cfg: SparseConfig,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    layout: BlockLayout,
+    *,
+    scale: float,
+    accumulated: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Positions a token-level selector reads, per KV head, ascending: ``(kv, S)`` (all valid).
+
+    ``oracle-tokens`` keeps the ``S - 1 - W`` distant positions of largest true attention (summed over the
+    group); ``h2o`` those of largest ``accumulated`` attention (attention summed over past decode steps, which
+    also reads every key; without history it equals ``oracle-tokens``); ``streaming`` the last ``S - 1``.
+    """
+    kv_heads = keys.shape[0]
+    if cfg.selector == "streaming":
+        return streaming_index(kv_heads, layout.n, cfg.support)
+    if cfg.selector == "oracle-tokens" or (cfg.selector == "h2o" and accumulated is None):
+        weights = group_attention(queries, keys[:, : layout.n], scale)
+    elif cfg.selector == "h2o":
+        weights = accumulated
+    else:
+        raise SparseDecodeError(f"{cfg.selector!r} is not a token-level selector")
+    return token_index(top_positions(weights, layout, cfg.distant_positions), layout)
+
+
 def select_support(
     queries: torch.Tensor,
     keys: torch.Tensor,
@@ -138,6 +262,7 @@ def select_support(
     window: int = 64,
     block_size: int = 16,
     method: str = "mean-pooled",
+    seed: int = 0,
 ) -> list[torch.Tensor]:
     """Positions each KV head reads at one decode step.
 
@@ -147,13 +272,17 @@ def select_support(
         support: nominal support size; floored to ``1 + window + b * block_size`` (see
             :attr:`SparseConfig.effective_support`).
         window, block_size: ``W`` and ``B``.
-        method: the block selector; ``"mean-pooled"``.
+        method: a selector of :data:`~sparsedecode.config.SELECTORS` (``"mean-pooled"`` by default). The
+            scale of attention-reading selectors is ``1/sqrt(d)``; ``h2o`` has no history here, so it
+            equals ``oracle-tokens``.
+        seed: seeds ``random-blocks``.
 
     Returns:
         One sorted 1-D ``LongTensor`` per KV head: the anchor, the chosen blocks and the window, or all
         ``N`` positions when ``N <= effective support``. A chosen short last block makes a list shorter.
+        Token-level selectors return exactly ``support`` positions.
     """
-    cfg = SparseConfig(support=support, window=window, block_size=block_size, selector=method)
+    cfg = SparseConfig(support=support, window=window, block_size=block_size, selector=method, seed=seed)
     shapes_ok = queries.dim() == 2 and keys.dim() == 3 and queries.shape[-1] == keys.shape[-1]
     if not shapes_ok or queries.shape[0] % keys.shape[0]:
         raise SparseDecodeError(
@@ -161,22 +290,15 @@ def select_support(
             f"kv_heads; got {tuple(queries.shape)} "
             f"and {tuple(keys.shape)}"
         )
-    kv_heads, n, _ = keys.shape
+    kv_heads, n, d = keys.shape
     if n <= cfg.effective_support:
         return [torch.arange(n, device=keys.device) for _ in range(kv_heads)]
     layout = BlockLayout(n=n, window=window, block_size=block_size)
-    blocks = choose_blocks(cfg, group_mean_queries(queries, kv_heads), block_centroids(keys, layout))
+    scale = d**-0.5
+    if cfg.token_level:
+        index = select_positions(cfg, queries, keys, layout, scale=scale)
+        return [index[h] for h in range(kv_heads)]
+    cache = BlockCentroids(block_size, STAT_KINDS.get(method, ("mean",)))
+    blocks = select_blocks(cfg, cache, queries, keys, layout, scale=scale)
     index, valid = support_positions(blocks, layout)
     return [index[h][valid[h]] for h in range(kv_heads)]
-
-
-def block_scores(cfg: SparseConfig, query_means: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
-    """Score of every block under ``cfg.selector``: ``(kv_heads, n_blocks)`` float32."""
-    if cfg.selector == "mean-pooled":
-        return mean_pooled_scores(query_means, centroids)
-    raise SparseDecodeError(f"unknown selector {cfg.selector!r}; choose one of: {', '.join(SELECTORS)}")
-
-
-def choose_blocks(cfg: SparseConfig, query_means: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
-    """The ``cfg.blocks`` best distant blocks per KV head, ascending: ``(kv_heads, b)``."""
-    return top_blocks(block_scores(cfg, query_means, centroids), cfg.blocks)

@@ -22,12 +22,12 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from ..attention import LayerState, SparseSession, attend_support, select_blocks, sparse_decode_step, sparse_decoding
+from ..attention import LayerState, SparseSession, attend_positions, attend_support, sparse_decode_step, sparse_decoding
 from ..cache import GrowingCache
 from ..centroids import BlockCentroids
 from ..compare import Progress, crop_cache, greedy_decode, prefill
 from ..config import SparseConfig
-from ..selectors import BlockLayout
+from ..selectors import STAT_KINDS, BlockLayout, select_blocks, select_positions
 from ..speculative import lossless_decode
 
 SHAPES = {
@@ -90,14 +90,24 @@ def _fresh_step(session, state, query, keys, values, n, scale):
 
 
 def _op_bytes(cfg: SparseConfig, n: int, kv_heads: int, query_heads: int, d: int, element: int) -> tuple[int, int]:
-    """Bytes one call must read: dense = all keys and values; sparse = centroids + tail keys + support K/V."""
+    """Bytes one call must read: dense = all keys and values; sparse = what selection reads + support K/V.
+
+    Selection reads: float32 block statistics (+ a fingerprint) and the tail keys for ``mean-pooled`` (one
+    statistic) and ``quest`` (two); every key for the oracles and H2O; nothing for random blocks and streaming.
+    """
     layout = BlockLayout(n=n, window=cfg.window, block_size=cfg.block_size)
     query = query_heads * d * element
     dense = 2 * kv_heads * n * d * element + query
-    tail = (layout.distant_end - 1 - layout.n_full * cfg.block_size) * kv_heads * d * element
-    centroids = kv_heads * layout.n_full * (d + 1) * 4
     support = 2 * kv_heads * cfg.effective_support * d * element
-    return dense, centroids + tail + support + query
+    if cfg.selector in STAT_KINDS:
+        tail = (layout.distant_end - 1 - layout.n_full * cfg.block_size) * kv_heads * d * element
+        statistics = kv_heads * layout.n_full * (len(STAT_KINDS[cfg.selector]) * d + 1) * 4
+        selection = statistics + tail
+    elif cfg.selector in ("oracle-blocks", "oracle-tokens", "h2o"):
+        selection = kv_heads * n * d * element
+    else:
+        selection = 0
+    return dense, selection + support + query
 
 
 def bench_op(
@@ -130,12 +140,16 @@ def bench_op(
             cfg = SparseConfig(support=support, selector=selector)
             layout = BlockLayout(n=n, window=cfg.window, block_size=cfg.block_size)
             session = SparseSession(config=cfg, model=None)
-            state = LayerState(0, BlockCentroids(cfg.block_size))
+            state = LayerState(0, BlockCentroids(cfg.block_size, STAT_KINDS.get(selector, ("mean",))))
             q, k, v = query[0, :, 0], keys[0], values[0]
             state.centroids.update(k, layout.n_full)  # built once after prefill, as in decoding
             whole = partial(_fresh_step, session, state, query, keys, values, n, scale)
-            select = partial(select_blocks, cfg, state.centroids, q, k, layout)
-            attend = partial(attend_support, q, k, v, select(), layout, scale)
+            if cfg.token_level:
+                select = partial(select_positions, cfg, q, k, layout, scale=scale)
+                attend = partial(attend_positions, q, k, v, select(), scale)
+            else:
+                select = partial(select_blocks, cfg, state.centroids, q, k, layout, scale=scale, verify=False)
+                attend = partial(attend_support, q, k, v, select(), layout, scale)
             sparse_s = median_time(whole, budget_s=budget_s)
             select_s = median_time(select, budget_s=budget_s / 2)
             attend_s = median_time(attend, budget_s=budget_s / 2)
