@@ -82,6 +82,10 @@ def test_bench_cli_writes_json(tiny_model_dir, tmp_path, capsys):
                 "97,1000",
                 "--tokens",
                 "6",
+                "--mode",
+                "lossless",
+                "--draft-tokens",
+                "2",
                 "--json",
                 str(e2e),
             ]
@@ -94,9 +98,13 @@ def test_bench_cli_writes_json(tiny_model_dir, tmp_path, capsys):
         ("dense", "growing", None),
         ("sparse", "growing", 97),
         ("sparse", "growing", 1000),
+        ("lossless", "growing", 97),
+        ("lossless", "growing", 1000),
     ]
     for row in rows:
         assert set(E2E_FIELDS) <= set(row)
     assert rows[1]["tokens_equal_to_dense"] == 6, "the in-place cache decodes exactly like DynamicCache"
     assert rows[3]["tokens_equal_to_dense"] == 6, "a support covering everything is dense"
+    assert rows[4]["tokens_equal_to_dense"] == 6 and rows[4]["draft_tokens"] == 2, "lossless output is dense output"
+    assert 0 <= rows[4]["acceptance_rate"] <= 1
     assert "end to end" in capsys.readouterr().out

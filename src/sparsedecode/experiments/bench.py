@@ -315,4 +315,27 @@ def bench_e2e(
                 agreeing(out),
             )
         )
+    for support, k, generation in lossless_runs:
+        seconds = generation.decode_s
+        row = E2ERow(
+            name,
+            "lossless",
+            "growing",
+            context,
+            support,
+            tokens,
+            prefill_s,
+            seconds,
+            tokens / seconds,
+            best / seconds,
+            rss,
+            agreeing(generation.tokens[1:]),
+        )
+        row.draft_tokens, row.acceptance_rate, row.mean_accepted = (
+            k,
+            generation.acceptance_rate,
+            generation.mean_accepted,
+        )
+        row.draft_s, row.verify_s = generation.draft_s, generation.verify_s
+        rows.append(row)
     return rows
