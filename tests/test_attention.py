@@ -173,3 +173,19 @@ def test_sparse_path_never_computes_dense_attention(monkeypatch):
         greedy_loop(model, prompt(200), 10)
     assert session.sparse_steps == 20
     assert calls and all(q_len > 1 for q_len in calls), "only the prefill went through dense SDPA"
+
+
+def test_short_multi_token_forward_in_a_session_is_exact_dense(arch):
+    """Verification-sized forwards inside a session skip repeat_kv but compute the same causal attention."""
+    model = tiny_model(arch)
+    ids = prompt(200)
+    chunk = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids, cache=cache, use_cache=True)
+        expected = model(input_ids=chunk, cache=cache, use_cache=True).logits
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids, cache=cache, use_cache=True)
+        with sparse_decoding(model, SparseConfig(support=97)):
+            got = model(input_ids=chunk, cache=cache, use_cache=True).logits
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)

@@ -174,6 +174,34 @@ class SparseSession:
         self.layers.clear()
 
 
+SHORT_FORWARD = 32
+"""Multi-token forwards up to this many tokens inside a session (speculative verification) use
+:func:`dense_short_forward`."""
+
+
+def dense_short_forward(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, n: int, scaling: float | None
+) -> torch.Tensor:
+    """Exact causal dense attention of ``q`` new tokens over a cache of ``n`` positions, without ``repeat_kv``.
+
+    transformers' SDPA path expands the keys and values of every KV head to all its query heads when a mask is
+    present (any multi-token forward over a cache), copying the whole cache per layer; here the query heads of a
+    group are stacked against their one KV head instead. Returns ``(1, q, query_heads, d)`` in the query dtype.
+    """
+    _, query_heads, q_len, d = query.shape
+    kv_heads = key.shape[1]
+    group = query_heads // kv_heads
+    scale = scaling if scaling is not None else d**-0.5
+    keys, values = key[0, :, :n].float(), value[0, :, :n].float()
+    q = query[0].float().reshape(kv_heads, group * q_len, d)
+    logits = torch.bmm(q, keys.transpose(1, 2)).mul_(scale).view(kv_heads, group, q_len, n)
+    future = torch.arange(n) > torch.arange(n - q_len, n).unsqueeze(1)  # key j is after query i's position
+    logits.masked_fill_(future, float("-inf"))
+    probs = torch.softmax(logits, dim=-1).view(kv_heads, group * q_len, n)
+    out = torch.bmm(probs, values).view(query_heads, q_len, d)
+    return out.transpose(0, 1).unsqueeze(0).to(query.dtype)
+
+
 def _context_length(key: torch.Tensor, kwargs: dict) -> int:
     position_ids = kwargs.get("position_ids")
     if isinstance(position_ids, torch.Tensor) and position_ids.numel():
@@ -196,6 +224,8 @@ def sparse_attention_forward(
     entry = active.get(id(module)) if active else None
     if entry is not None and query.shape[2] != 1:
         entry[1].last_n = -1  # a multi-token forward (prefill, verification) breaks the chain of decode steps
+        if query.shape[0] == 1 and query.shape[2] <= SHORT_FORWARD and kwargs.get("sliding_window") is None:
+            return dense_short_forward(query, key, value, _context_length(key, kwargs), scaling), None
     if entry is None or query.shape[2] != 1:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
