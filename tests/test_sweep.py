@@ -229,3 +229,17 @@ def test_too_few_prompts_in_the_corpus(loaded, tmp_path):
     with pytest.raises(SparseDecodeError, match="fewer than --prompts 2"):
         run_sweep(small_spec(corpus=str(small), contexts=(150,)), tmp_path / "s", loaded=loaded)
     assert not (tmp_path / "s").exists(), "nothing written for a refused sweep"
+
+
+def test_resume_refuses_a_dense_reference_that_changed(loaded, tmp_path):
+    spec = small_spec(contexts=(150,), prompts=1)
+    run_sweep(spec, tmp_path / "ref", loaded=loaded)
+    first = rows_of(tmp_path / "ref")[0]
+    first["dense_tokens"] = [t + 1 for t in first["dense_tokens"]]  # as if made with another thread count
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "sweep.json").write_bytes((tmp_path / "ref" / "sweep.json").read_bytes())
+    (partial / RUNS_FILE).write_text(json.dumps(first) + "\n")
+    with pytest.raises(SparseDecodeError, match="dense reference of context 150, prompt 0 differs"):
+        run_sweep(spec, partial, loaded=loaded)
+    assert len(rows_of(partial)) == 1

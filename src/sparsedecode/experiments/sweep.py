@@ -445,6 +445,9 @@ def run_sweep(
             context, prompt_index = group
             ids = prompt_ids(tokenizer, spec.corpus, context, prompt_index, spec.tokens, spec.gap)
             reference = dense_reference(model, ids, tokens=spec.tokens, progress=progress)
+            _check_reference(
+                directory, group, reference.tokens, [r for r in rows if (r["context"], r["prompt_index"]) == group]
+            )
             for key in pending:
                 started = time.perf_counter()
                 result = compare(
@@ -458,6 +461,18 @@ def run_sweep(
                 if on_row:
                     on_row(row, outcome.done_before + outcome.ran, total)
     return outcome
+
+
+def _check_reference(directory: Path, group: Group, tokens: list[int], stored: list[dict]) -> None:
+    """Refuse to pair new runs with a dense reference that differs from the one the group's stored rows used."""
+    for row in stored:
+        if row["dense_tokens"] != tokens[: len(row["dense_tokens"])]:
+            context, prompt_index = group
+            raise SparseDecodeError(
+                f"the dense reference of context {context}, prompt {prompt_index} differs from the one the rows in "
+                f"{directory} were paired with (another thread count, library version or machine?): rerun where "
+                "they were made, or remove that group's rows from runs.jsonl to redo the whole group"
+            )
 
 
 def load_sweep(directory: Path) -> tuple[dict, list[dict]]:
