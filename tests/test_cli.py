@@ -177,3 +177,34 @@ def test_probe_mass_writes_heat_map(tiny_model_dir, tmp_path, capsys):
     data = json.loads((tmp_path / "mass.json").read_text())
     assert [r["settings"]["support"] for r in data["results"]] == [97]  # S=1000 covers everything
     assert "nothing to audit" in stdout
+
+
+def test_compare_selectors_writes_a_table_for_every_selector(tiny_model_dir, tmp_path, capsys):
+    from sparsedecode.config import SELECTORS
+
+    code, stdout, _ = run_cli(
+        [
+            "compare-selectors",
+            "--model",
+            str(tiny_model_dir),
+            "--context",
+            "250",
+            "--support",
+            "97",
+            "--prompts",
+            "1",
+            "--tokens",
+            "6",
+            "--audit",
+            "--out",
+            str(tmp_path),
+        ],
+        capsys,
+    )
+    assert code == 0
+    data = json.loads((tmp_path / "selectors.json").read_text())
+    assert [row["selector"] for row in data["summary"]] == list(SELECTORS)
+    assert all(row["op_ms"] > 0 and 0 <= row["captured_mass_ratio"] <= 1 + 1e-9 for row in data["summary"])
+    markdown = (tmp_path / "selectors.md").read_text()
+    assert "sparsedecode compare-selectors" in markdown and "| `quest` | practical |" in markdown
+    assert (tmp_path / "selectors.csv").read_text().count("\n") == len(SELECTORS) + 1

@@ -111,7 +111,7 @@ def _op_bytes(cfg: SparseConfig, n: int, kv_heads: int, query_heads: int, d: int
 
 
 def bench_op(
-    shape: str = "qwen2-0.5b",
+    shape: str | tuple[int, int, int] = "qwen2-0.5b",
     contexts: tuple[int, ...] = DEFAULT_CONTEXTS,
     supports: tuple[int, ...] = DEFAULT_SUPPORTS,
     *,
@@ -121,7 +121,10 @@ def bench_op(
     progress: Progress | None = None,
 ) -> tuple[list[OpRow], float]:
     """Time one decode-attention call per (context, support); returns rows and the measured bandwidth."""
-    query_heads, kv_heads, d = SHAPES[shape]
+    dims = SHAPES[shape] if isinstance(shape, str) else tuple(shape)  # or (query heads, KV heads, head dim)
+    if not isinstance(shape, str):
+        shape = next((name for name, known in SHAPES.items() if known == dims), "{}q-{}kv-d{}".format(*dims))
+    query_heads, kv_heads, d = dims
     element = torch.finfo(dtype).bits // 8
     bandwidth = read_bandwidth_gbs()
     rows: list[OpRow] = []

@@ -1,0 +1,114 @@
+"""All selectors on the same model, prompts and budget, side by side.
+
+For each (context, prompt) one dense reference is computed; every selector then runs the paired protocol of
+:func:`sparsedecode.compare.compare` at every support (optionally with the omitted-mass audit, which gives the
+captured-mass ratio). The operator time of one decode-attention call per selector is measured on synthetic
+data of the model's shape at each context, in the same process (:func:`sparsedecode.experiments.bench.bench_op`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+from ..compare import Progress, compare, dense_reference
+from ..config import SELECTORS, SparseConfig
+from .bench import bench_op
+from .corpus import prompt_ids
+
+PRACTICAL = {
+    "mean-pooled": (True, "N/B float32 centroids (cached) + the tail block's keys"),
+    "quest": (True, "2N/B float32 per-channel min/max (cached) + the tail block's keys"),
+    "oracle-blocks": (False, "every key (true block attention mass): an upper reference"),
+    "oracle-tokens": (False, "every key (true per-position attention): an upper reference"),
+    "streaming": (True, "nothing: anchor + the last S - 1 positions"),
+    "random-blocks": (True, "nothing: b blocks drawn with a fixed seed (the floor)"),
+    "h2o": (False, "every key at every step (accumulated dense attention); a reference here"),
+}
+
+
+@dataclass
+class SelectorRow:
+    """Paired results of one selector at one (context, support) over all prompts."""
+
+    selector: str
+    practical: bool
+    reads: str
+    context: int
+    support: int
+    runs: int
+    survived: int
+    median_first_divergence: float
+    median_teacher_forced_match: float
+    median_delta_ppl_percent: float
+    certified_fraction: float
+    captured_mass_ratio: float | None
+    op_ms: float | None
+
+
+def compare_selectors(
+    model: torch.nn.Module,
+    tokenizer,
+    *,
+    corpus: str,
+    contexts: tuple[int, ...],
+    supports: tuple[int, ...],
+    prompts: int,
+    tokens: int,
+    selectors: tuple[str, ...] = SELECTORS,
+    audit: bool = False,
+    op_shape: tuple[int, int, int] | None = None,
+    progress: Progress | None = None,
+) -> tuple[list[SelectorRow], list[dict]]:
+    """Run every selector on the same prompts; returns summary rows and the per-run results (JSON-ready)."""
+    runs: list[dict] = []
+    for context in contexts:
+        for index in range(prompts):
+            ids = prompt_ids(tokenizer, corpus, context, index, tokens)
+            reference = dense_reference(model, ids, tokens=tokens, progress=progress)
+            for selector in selectors:
+                for support in supports:
+                    cfg = SparseConfig(support=support, selector=selector, audit=audit)
+                    result = compare(model, tokenizer, ids, cfg, tokens, reference=reference, progress=progress)
+                    row = result.to_dict()
+                    for name in ("dense_nll", "sparse_nll", "teacher_forced_tokens", "margins", "logit_errors"):
+                        row.pop(name)
+                    runs.append({"selector": selector, "support": support, "prompt_index": index, **row})
+    op_ms = _op_times(op_shape, contexts, supports, selectors) if op_shape else {}
+    rows = []
+    for context in contexts:
+        for selector in selectors:
+            for support in supports:
+                mine = [r for r in runs if (r["context"], r["selector"], r["support"]) == (context, selector, support)]
+                captured = [r["captured_mass_ratio_mean"] for r in mine if r["captured_mass_ratio_mean"] is not None]
+                rows.append(
+                    SelectorRow(
+                        selector=selector,
+                        practical=PRACTICAL[selector][0],
+                        reads=PRACTICAL[selector][1],
+                        context=context,
+                        support=support,
+                        runs=len(mine),
+                        survived=sum(r["survives"] for r in mine),
+                        median_first_divergence=statistics.median(r["first_divergence"] for r in mine),
+                        median_teacher_forced_match=statistics.median(r["teacher_forced_match"] for r in mine),
+                        median_delta_ppl_percent=statistics.median(r["delta_ppl_percent"] for r in mine),
+                        certified_fraction=statistics.mean(r["certified_fraction"] for r in mine),
+                        captured_mass_ratio=statistics.mean(captured) if captured else None,
+                        op_ms=op_ms.get((context, selector, support)),
+                    )
+                )
+    return rows, runs
+
+
+def _op_times(shape, contexts, supports, selectors) -> dict[tuple[int, str, int], float]:
+    """Median ms of one sparse decode-attention call per (context, selector, support), synthetic data."""
+    times = {}
+    for selector in selectors:
+        rows, _ = bench_op(shape, tuple(contexts), tuple(supports), selector=selector, budget_s=0.2)
+        for row, (context, support) in zip(rows, itertools.product(contexts, supports)):
+            times[(context, selector, support)] = row.sparse_ms
+    return times
