@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .errors import SparseDecodeError
+from .experiments.sweep import write_json_atomic
 
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 132)
 DTYPES = ("float32", "bfloat16", "float16")
@@ -226,21 +224,6 @@ def progress_bars(speed_estimate_period: float = 30.0) -> Iterator:
 
     with bars:
         yield update
-
-
-def write_json_atomic(path: Path, data: object) -> None:
-    """Write JSON to ``path`` via a temporary file and a rename, so readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle, indent=1)
-            handle.write("\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def environment() -> dict:

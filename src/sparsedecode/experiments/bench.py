@@ -284,46 +284,11 @@ def bench_e2e(
     def agreeing(out: list[int]) -> int:
         return next((i for i, (a, b) in enumerate(zip(out, dense_tokens)) if a != b), tokens)
 
-    rows = [
-        E2ERow(
+    def row(mode: str, cache: str, support: int | None, seconds: float, out: list[int], **extra) -> E2ERow:
+        return E2ERow(
             name,
-            "dense",
+            mode,
             cache,
-            context,
-            None,
-            tokens,
-            prefill_s,
-            seconds,
-            tokens / seconds,
-            best / seconds,
-            rss,
-            agreeing(dense_runs[cache][0][1]),
-        )
-        for cache, seconds in dense_s.items()
-    ]
-    for support, seconds, out in sparse_runs:
-        rows.append(
-            E2ERow(
-                name,
-                "sparse",
-                "growing",
-                context,
-                support,
-                tokens,
-                prefill_s,
-                seconds,
-                tokens / seconds,
-                best / seconds,
-                rss,
-                agreeing(out),
-            )
-        )
-    for support, k, generation in lossless_runs:
-        seconds = generation.decode_s
-        row = E2ERow(
-            name,
-            "lossless",
-            "growing",
             context,
             support,
             tokens,
@@ -332,13 +297,25 @@ def bench_e2e(
             tokens / seconds,
             best / seconds,
             rss,
-            agreeing(generation.tokens[1:]),
+            agreeing(out),
+            **extra,
         )
-        row.draft_tokens, row.acceptance_rate, row.mean_accepted = (
-            k,
-            generation.acceptance_rate,
-            generation.mean_accepted,
+
+    rows = [row("dense", cache, None, seconds, dense_runs[cache][0][1]) for cache, seconds in dense_s.items()]
+    rows += [row("sparse", "growing", support, seconds, out) for support, seconds, out in sparse_runs]
+    rows += [
+        row(
+            "lossless",
+            "growing",
+            support,
+            g.decode_s,
+            g.tokens[1:],
+            draft_tokens=k,
+            acceptance_rate=g.acceptance_rate,
+            mean_accepted=g.mean_accepted,
+            draft_s=g.draft_s,
+            verify_s=g.verify_s,
         )
-        row.draft_s, row.verify_s = generation.draft_s, generation.verify_s
-        rows.append(row)
+        for support, k, g in lossless_runs
+    ]
     return rows
