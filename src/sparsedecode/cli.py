@@ -307,7 +307,7 @@ def _check_json_target(path: Path | None) -> None:
 
 def _prepare(args, audit: bool = False):
     """Validate prompt arguments, load the model, cut the prompts: ``(configs, model, tokenizer, prompts)``."""
-    from .experiments.corpus import prompt_ids
+    from .experiments.corpus import check_context_fits, prompt_ids
     from .models import load_model
 
     if args.tokens < 2:
@@ -317,13 +317,7 @@ def _prepare(args, audit: bool = False):
     configs = _configs(args, audit=audit)
     with console.status(f"loading {args.model} ({args.dtype})"):
         model, tokenizer = load_model(args.model, dtype=args.dtype)
-    limit = getattr(model.config, "max_position_embeddings", None)
-    for context in args.context:
-        if limit is not None and context + args.tokens > limit:
-            raise SparseDecodeError(
-                f"context {context} + {args.tokens} tokens exceeds the model's {limit} positions; "
-                "use a shorter --context or fewer --tokens"
-            )
+    check_context_fits(model, args.context, args.tokens)
     prompts = {c: prompt_ids(tokenizer, args.corpus, c, args.prompt_index, args.tokens) for c in args.context}
     return configs, model, tokenizer, prompts
 
@@ -586,6 +580,7 @@ def cmd_compare_selectors(args) -> int:
     from dataclasses import asdict
 
     from .config import SELECTORS, SparseConfig
+    from .experiments.corpus import check_context_fits
     from .experiments.selector_comparison import PRACTICAL, compare_selectors
     from .models import load_model
 
@@ -597,11 +592,7 @@ def cmd_compare_selectors(args) -> int:
         raise SparseDecodeError("--tokens must be >= 2 and --prompts >= 1")
     with console.status(f"loading {args.model} ({args.dtype})"):
         model, tokenizer = load_model(args.model, dtype=args.dtype)
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if limit is not None and max(args.context) + args.tokens > limit:
-        raise SparseDecodeError(
-            f"context {max(args.context)} + {args.tokens} tokens exceeds the model's {limit} positions"
-        )
+    check_context_fits(model, args.context, args.tokens)
     config = model.config
     shape = (
         config.num_attention_heads,
@@ -952,7 +943,7 @@ def cmd_bench_e2e(args) -> int:
 
     from .config import SparseConfig
     from .experiments.bench import bench_e2e
-    from .experiments.corpus import prompt_ids
+    from .experiments.corpus import check_context_fits, prompt_ids
     from .models import load_model
 
     _check_json_target(args.json)
@@ -964,11 +955,9 @@ def cmd_bench_e2e(args) -> int:
         SparseConfig(support=support)
     with console.status(f"loading {args.model} ({args.dtype})"):
         model, tokenizer = load_model(args.model, dtype=args.dtype)
-    limit = getattr(model.config, "max_position_embeddings", None)
+    check_context_fits(model, args.context, args.tokens)
     rows = []
     for context in args.context:
-        if limit is not None and context + args.tokens > limit:
-            raise SparseDecodeError(f"context {context} + {args.tokens} tokens exceeds the model's {limit} positions")
         ids = prompt_ids(tokenizer, args.corpus, context, args.prompt_index, args.tokens)
         with progress_bars() as progress:
             rows.extend(

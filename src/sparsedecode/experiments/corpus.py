@@ -104,3 +104,14 @@ def prompt_ids(tokenizer, name: str, context: int, index: int, tokens: int, gap:
         )
     start = index * (context + tokens + gap)
     return ids[start : start + context].unsqueeze(0)
+
+
+def check_context_fits(model, contexts, tokens: int) -> None:
+    """Refuse contexts whose prompt plus ``tokens`` generated tokens exceed the model's maximum positions."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    for context in contexts:
+        if limit is not None and context + tokens > limit:
+            raise SparseDecodeError(
+                f"context {context} + {tokens} tokens exceeds the model's {limit} positions; "
+                "use a shorter --context or fewer --tokens"
+            )

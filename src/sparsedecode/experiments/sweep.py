@@ -33,7 +33,7 @@ from pathlib import Path
 from ..compare import CompareResult, Progress, compare, dense_reference
 from ..config import SparseConfig
 from ..errors import SparseDecodeError
-from .corpus import DEFAULT_CORPUS, GAP, load_text, prompt_count, prompt_ids
+from .corpus import DEFAULT_CORPUS, GAP, check_context_fits, load_text, prompt_count, prompt_ids
 from .environment import environment
 
 SPEC_FILE = "sweep.json"
@@ -405,13 +405,8 @@ def run_sweep(
 
         loaded = load_model(spec.model, dtype=spec.dtype)
     model, tokenizer = loaded
-    limit = getattr(model.config, "max_position_embeddings", None)
+    check_context_fits(model, spec.contexts, spec.tokens)
     for context in spec.contexts:
-        if limit is not None and context + spec.tokens > limit:
-            raise SparseDecodeError(
-                f"context {context} + {spec.tokens} tokens exceeds the model's {limit} positions; "
-                "use a shorter --context or fewer --tokens"
-            )
         available = prompt_count(tokenizer, spec.corpus, context, spec.tokens, spec.gap)
         if available < spec.prompts:
             raise SparseDecodeError(
