@@ -72,6 +72,17 @@ class StepView:
     blocks: torch.Tensor | None
 
 
+def _with_columns(table: torch.Tensor | None, rows: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
+    """``table`` with at least ``columns`` columns: zero-filled, growing by doubling and keeping its contents."""
+    have = 0 if table is None else table.shape[1]
+    if columns <= have:
+        return table
+    grown = torch.zeros(rows, max(columns, 2 * have), dtype=dtype)
+    if have:
+        grown[:, :have] = table
+    return grown
+
+
 @dataclass
 class LayerState:
     """Per-layer state of one session: block-statistics cache, reuse bookkeeping, H2O history, reads.
@@ -91,37 +102,22 @@ class LayerState:
 
     def note_positions(self, index: torch.Tensor, layout: BlockLayout) -> None:
         """Remember which distant positions each KV head read (token-level selectors)."""
-        have = 0 if self.read_positions is None else self.read_positions.shape[1]
-        if layout.n > have:
-            grown = torch.zeros(index.shape[0], max(layout.n, 2 * have), dtype=torch.bool)
-            if have:
-                grown[:, :have] = self.read_positions
-            self.read_positions = grown
+        self.read_positions = _with_columns(self.read_positions, index.shape[0], layout.n, torch.bool)
         distant = (index >= 1) & (index < layout.distant_end)
         self.read_positions.scatter_(1, index.masked_fill(~distant, 0), True)
         self.read_positions[:, 0] = False
 
     def accumulate(self, weights: torch.Tensor) -> torch.Tensor:
         """Add this step's attention ``(kv, n)`` to the H2O history and return the history over ``[0, n)``."""
-        kv_heads, n = weights.shape
-        have = 0 if self.accumulated is None else self.accumulated.shape[1]
-        if n > have:
-            grown = torch.zeros(kv_heads, max(n, 2 * have), dtype=torch.float32)
-            if have:
-                grown[:, :have] = self.accumulated
-            self.accumulated = grown
+        n = weights.shape[1]
+        self.accumulated = _with_columns(self.accumulated, weights.shape[0], n, torch.float32)
         self.accumulated[:, :n] += weights
         return self.accumulated[:, :n]
 
     def note_reads(self, blocks: torch.Tensor, lengths: torch.Tensor) -> None:
         """Remember the longest extent of each distant block read so far, per KV head."""
         need = int(blocks.max()) + 1 if blocks.numel() else 0
-        have = 0 if self.read_lengths is None else self.read_lengths.shape[1]
-        if need > have:
-            grown = torch.zeros(blocks.shape[0], max(need, 2 * have), dtype=torch.long)
-            if self.read_lengths is not None:
-                grown[:, :have] = self.read_lengths
-            self.read_lengths = grown
+        self.read_lengths = _with_columns(self.read_lengths, blocks.shape[0], need, torch.long)
         self.read_lengths.scatter_reduce_(1, blocks.cpu(), lengths.cpu(), reduce="amax")
 
 
