@@ -67,3 +67,11 @@ def test_bad_tokens_and_mismatched_reference():
         compare(model, None, ids, SparseConfig(), tokens=9, reference=reference)
     with pytest.raises(SparseDecodeError):
         compare(model, None, torch.cat([ids, ids]), SparseConfig(), tokens=8)
+
+
+def test_anchor_and_window_only_support_runs(arch):
+    """b = 0 (support = 1 + W) keeps no distant block: the step must still run and read nothing distant."""
+    model = tiny_model(arch)
+    result = compare(model, None, prompt(200), SparseConfig(support=65), tokens=6)
+    assert result.settings["blocks"] == 0 and result.sparse_steps == 5 * 2
+    assert result.mean_unique_distant_positions_per_kv == 0

@@ -75,7 +75,7 @@ class StepView:
 def _with_columns(table: torch.Tensor | None, rows: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
     """``table`` with at least ``columns`` columns: zero-filled, growing by doubling and keeping its contents."""
     have = 0 if table is None else table.shape[1]
-    if columns <= have:
+    if table is not None and columns <= have:
         return table
     grown = torch.zeros(rows, max(columns, 2 * have), dtype=dtype)
     if have:
@@ -256,7 +256,9 @@ def _gather_support(cache: torch.Tensor, blocks: torch.Tensor, layout: BlockLayo
     kv_heads, _, d = cache.shape
     block = layout.block_size
     full = cache[:, 1 : 1 + layout.n_full * block].reshape(kv_heads, layout.n_full, block, d)  # a view for KV caches
-    picked = full.gather(1, blocks[:, :, None, None].expand(-1, -1, block, d)).view(kv_heads, -1, d)
+    picked = full.gather(1, blocks[:, :, None, None].expand(-1, -1, block, d)).view(
+        kv_heads, blocks.shape[1] * block, d
+    )
     return torch.cat([cache[:, :1], picked, cache[:, layout.distant_end : layout.n]], dim=1)
 
 
@@ -288,7 +290,9 @@ def attend_support(
     query_heads, d = q.shape
     kv_heads = keys.shape[0]
     qg = q.float().view(kv_heads, query_heads // kv_heads, d)
-    short_tail = layout.n_blocks > layout.n_full and bool(blocks[:, -1].max() == layout.n_blocks - 1)
+    short_tail = (
+        blocks.shape[1] > 0 and layout.n_blocks > layout.n_full and bool(blocks[:, -1].max() == layout.n_blocks - 1)
+    )
     if short_tail:  # a chosen block is the short last one: gather by position and mask the padding
         index, valid = support_positions(blocks, layout)
         gather = index.unsqueeze(-1).expand(-1, -1, d)
