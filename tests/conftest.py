@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
-from hypothesis import settings
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+# Triton reads this when it is first imported (possibly by torch or transformers below): without a GPU, the tests
+# run the optional Triton kernels through its interpreter. Export TRITON_INTERPRET=0 to test them on a GPU.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 ARCHS = ("llama", "qwen2")
 

@@ -26,6 +26,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from . import triton_attention
 from .centroids import BlockCentroids
 from .config import SparseConfig
 from .errors import SparseDecodeError
@@ -305,6 +306,19 @@ def attend_support(
     return out.reshape(query_heads, d)
 
 
+def _attend_blocks(cfg, q, keys, values, blocks, layout, scale) -> torch.Tensor:
+    """Attention over a block selector's support with the kernel ``cfg.kernel`` asks for (see ``KERNELS``)."""
+    wanted = cfg.kernel == "triton" or (cfg.kernel == "auto" and keys.is_cuda)
+    if wanted and triton_attention.usable(keys.device, cfg.block_size):
+        return triton_attention.support_attention(q, keys, values, blocks, layout, scale)
+    if cfg.kernel == "triton":
+        raise SparseDecodeError(
+            "kernel='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1 on CPU) and a power-of-two "
+            f"block size >= 16 (got {cfg.block_size}); use kernel='auto' or 'torch'"
+        )
+    return attend_support(q, keys, values, blocks, layout, scale)
+
+
 def sparse_decode_step(
     session: SparseSession,
     state: LayerState,
@@ -351,7 +365,7 @@ def sparse_decode_step(
         if session.track_reads:
             state.note_positions(index, layout)
     else:
-        out = attend_support(q, keys, values, blocks, layout, scale)
+        out = _attend_blocks(cfg, q, keys, values, blocks, layout, scale)
         if session.track_reads:
             state.note_reads(blocks, layout.block_lengths(blocks))
     if session.observers:

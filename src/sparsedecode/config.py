@@ -12,6 +12,10 @@ TOKEN_SELECTORS = ("oracle-tokens", "h2o", "streaming")
 """Keep exactly ``support`` positions: the anchor, the window and ``support - 1 - window`` single distant positions
 (``streaming``: the anchor and the last ``support - 1`` positions, no distant ones)."""
 SELECTORS = BLOCK_SELECTORS + TOKEN_SELECTORS
+KERNELS = ("auto", "torch", "triton")
+"""How a block selector's support is attended: ``torch`` (gather + SDPA, any device), ``triton`` (one fused
+kernel reading the support in place; CUDA, or the Triton interpreter on CPU), ``auto`` (Triton on CUDA when it is
+installed, torch otherwise)."""
 
 
 @dataclass(frozen=True)
@@ -24,7 +28,8 @@ class SparseConfig:
     actually read. ``reuse`` is the selection interval R (1 = fresh selection at every step).
     Token-level selectors (:data:`TOKEN_SELECTORS`) read exactly ``support`` positions. ``seed`` seeds
     ``random-blocks``. ``audit`` turns on the omitted-mass audit of :mod:`sparsedecode.diagnostics`, which
-    costs one dense attention pass per sparse step; off, nothing beyond the support is ever read.
+    costs one dense attention pass per sparse step; off, nothing beyond the support is ever read. ``kernel``
+    picks the attention implementation (:data:`KERNELS`); it changes speed, not what is read.
 
     Reference: "Attention-Mass Condensation for Sparse Decoding", arXiv 2602.06317.
     """
@@ -36,6 +41,7 @@ class SparseConfig:
     selector: str = "mean-pooled"
     audit: bool = False
     seed: int = 0
+    kernel: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("support", "window", "block_size", "reuse"):
@@ -55,6 +61,8 @@ class SparseConfig:
             )
         if self.selector not in SELECTORS:
             raise SparseDecodeError(f"unknown selector {self.selector!r}; choose one of: {', '.join(SELECTORS)}")
+        if self.kernel not in KERNELS:
+            raise SparseDecodeError(f"unknown kernel {self.kernel!r}; choose one of: {', '.join(KERNELS)}")
 
     @property
     def token_level(self) -> bool:

@@ -1,0 +1,116 @@
+"""The optional Triton kernel of the sparse step, run on CPU through Triton's interpreter (no GPU needed).
+
+The kernel must compute what the torch path (:func:`attend_support`: gather + SDPA) computes, for every shape of
+support: splits or none, a chosen short last block, no distant blocks, contexts shorter than the window, GQA
+groups of 1..8, float32 and float16 caches. Triton's interpreter multiplies bfloat16 wrongly (a numpy limitation
+of the interpreter, not of the kernel), so bfloat16 is left to the GPU check (``bench op --device cuda``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import prompt, tiny_model
+from test_attention import greedy_loop
+
+from sparsedecode import SparseConfig, SparseDecodeError, sparse_decoding
+from sparsedecode.attention import attend_support
+from sparsedecode.selectors import BlockLayout
+
+pytest.importorskip("triton", reason="the Triton kernel tests need the test extra (pip install -e '.[test]')")
+
+
+def random_case(query_heads, kv_heads, d, n, b, *, dtype, seed, short_tail=False):
+    generator = torch.Generator().manual_seed(seed)
+    layout = BlockLayout(n=n, window=64, block_size=16)
+    keys = torch.randn(kv_heads, n + 7, d, generator=generator).to(dtype)  # spare capacity, as in a KV cache
+    values = torch.randn(kv_heads, n + 7, d, generator=generator).to(dtype)
+    q = (3 * torch.randn(query_heads, d, generator=generator)).to(dtype)
+    b = min(b, layout.n_blocks)
+    rows = []
+    for _ in range(kv_heads):
+        chosen = torch.randperm(layout.n_blocks, generator=generator)[:b]
+        if short_tail and b:
+            chosen[0] = layout.n_blocks - 1
+            chosen = chosen.unique()
+            chosen = torch.cat([chosen, torch.tensor([i for i in range(layout.n_blocks) if i not in chosen])])[:b]
+        rows.append(chosen.sort().values)
+    blocks = torch.stack(rows) if b else torch.zeros(kv_heads, 0, dtype=torch.long)
+    return q, keys, values, blocks, layout
+
+
+CASES = [
+    # query heads, KV heads, head dim, context, blocks, splits
+    (14, 2, 64, 2048, 8, None),  # qwen2 0.5B shape, S = 193
+    (14, 2, 64, 2048, 8, 1),  # one split: the kernel normalises its own output
+    (14, 2, 64, 2048, 8, 13),  # one tile per split
+    (32, 8, 128, 1100, 44, 7),  # llama3-8b shape, S = 769
+    (4, 4, 16, 300, 3, 5),  # no GQA
+    (8, 1, 32, 500, 4, 2),  # one KV head for 8 query heads
+    (4, 2, 16, 70, 2, 3),  # one distant block, a short one
+    (4, 2, 16, 20, 0, 2),  # context inside the window: no distant block, empty window tiles
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x) for x in c))
+def test_kernel_matches_gather_and_sdpa(case):
+    from sparsedecode.triton_attention import support_attention
+
+    *shape, splits = case
+    q, keys, values, blocks, layout = random_case(*shape, dtype=torch.float32, seed=sum(shape))
+    scale = shape[2] ** -0.5
+    out = support_attention(q, keys, values, blocks, layout, scale, splits=splits)
+    reference = attend_support(q, keys, values, blocks, layout, scale)
+    assert out.shape == reference.shape and out.dtype == torch.float32
+    assert torch.isfinite(out).all()
+    assert (out - reference).norm() / reference.norm() < 1e-5
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_kernel_masks_a_chosen_short_last_block(splits):
+    from sparsedecode.triton_attention import support_attention
+
+    # n = 2048: distant region [1, 1984) holds 123 full blocks and a 15-position last one
+    q, keys, values, blocks, layout = random_case(14, 2, 64, 2048, 8, dtype=torch.float32, seed=3, short_tail=True)
+    assert layout.n_blocks > layout.n_full and bool((blocks == layout.n_blocks - 1).any())
+    out = support_attention(q, keys, values, blocks, layout, 0.125, splits=splits)
+    reference = attend_support(q, keys, values, blocks, layout, 0.125)
+    assert (out - reference).norm() / reference.norm() < 1e-5
+    # the position just past the distant region is a window key: counting it twice would move the output
+    keys[:, layout.distant_end] += 5.0
+    moved = support_attention(q, keys, values, blocks, layout, 0.125, splits=splits)
+    assert (moved - attend_support(q, keys, values, blocks, layout, 0.125)).norm() / reference.norm() < 1e-5
+
+
+def test_kernel_in_half_precision():
+    from sparsedecode.triton_attention import support_attention
+
+    q, keys, values, blocks, layout = random_case(14, 2, 64, 2048, 8, dtype=torch.float16, seed=5)
+    out = support_attention(q, keys, values, blocks, layout, 0.125, splits=3)
+    reference = attend_support(q, keys, values, blocks, layout, 0.125)
+    assert (out - reference).norm() / reference.norm() < 2e-3
+
+
+def test_decoding_with_the_triton_kernel_matches_torch(arch):
+    model = tiny_model(arch)
+    ids = prompt(180)
+    results = {}
+    for kernel in ("torch", "triton"):
+        with sparse_decoding(model, SparseConfig(support=97, kernel=kernel)) as session:
+            results[kernel] = greedy_loop(model, ids, 12)
+        assert session.sparse_steps == 12 * 2
+    (torch_tokens, torch_logits), (triton_tokens, triton_logits) = results["torch"], results["triton"]
+    assert triton_tokens == torch_tokens
+    assert torch.allclose(triton_logits, torch_logits, atol=1e-4)
+
+
+def test_triton_kernel_refused_where_it_cannot_run(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")  # CPU without the interpreter: the kernel cannot run
+    model = tiny_model("llama")
+    with (
+        sparse_decoding(model, SparseConfig(support=97, kernel="triton")),
+        pytest.raises(SparseDecodeError, match="CUDA"),
+    ):
+        greedy_loop(model, prompt(180), 2)
+    with pytest.raises(SparseDecodeError, match="kernel"):
+        SparseConfig(kernel="cuda")
