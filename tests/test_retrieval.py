@@ -79,6 +79,7 @@ def test_run_retrieval_grid_and_summaries(loaded):
     spec = RetrievalSpec(model="tiny", contexts=(300,), depths=(0.0, 1.0), trials=2, supports=(97,), answer_tokens=4)
     trials = run_retrieval(spec, loaded=loaded)
     assert len(trials) == 1 * 2 * 2 * 2  # contexts x depths x trials x (dense + supports)
+    assert [(t["mode"], t["selector"]) for t in trials[:2]] == [("dense", None), ("sparse", "mean-pooled")]
     table = accuracy(trials)
     assert [row["mode"] for row in table] == ["dense", "dense", "S=97", "S=97"]
     assert all(row["trials"] == 2 for row in table)

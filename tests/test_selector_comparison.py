@@ -1,10 +1,167 @@
-"""compare-selectors on a tiny random model (no downloads)."""
+"""compare-selectors with the passkey retrieval column, on a tiny random model (no downloads)."""
 
 from __future__ import annotations
 
+import csv
 import json
 
+import pytest
+from conftest import char_tokenizer, tiny_model
+
+from sparsedecode import SparseDecodeError
 from sparsedecode.cli import main
+from sparsedecode.experiments import selector_comparison
+from sparsedecode.experiments.selector_comparison import compare_selectors, retrieval_depths
+
+FULL = 1000  # covers every position of a 300-token prompt plus its question and answer: sparse reads everything
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return tiny_model("llama"), char_tokenizer()
+
+
+def run(loaded, **overrides):
+    """compare_selectors on one short prompt (T = 3) of the python-docs corpus."""
+    settings = dict(
+        corpus="python-docs", contexts=(300,), supports=(97,), prompts=1, tokens=3, selectors=("streaming",)
+    )
+    settings.update(overrides)
+    return compare_selectors(*loaded, **settings)
+
+
+def test_retrieval_depths_spread_from_start_to_question():
+    assert retrieval_depths(0) == () and retrieval_depths(1) == (0.5,)
+    assert retrieval_depths(3) == (0.0, 0.5, 1.0) and retrieval_depths(5)[1] == 0.25
+
+
+def test_retrieval_is_off_by_default(loaded):
+    rows, _, trials = run(loaded, contexts=(200,))
+    assert trials == []
+    assert [
+        (r.retrieval_trials, r.retrieval_correct, r.retrieval_accuracy, r.dense_retrieval_correct) for r in rows
+    ] == [(0, None, None, None)]
+
+
+def test_every_selector_answers_the_same_passkey_trials_and_full_support_answers_like_dense(loaded):
+    selectors = ("mean-pooled", "streaming", "oracle-tokens")
+    rows, runs, trials = run(loaded, supports=(97, FULL), selectors=selectors, retrieval=2)
+    assert len(runs) == len(selectors) * 2
+    assert len(trials) == 2 * (1 + len(selectors) * 2)  # per trial: dense + every (selector, support)
+    dense = {t["trial"]: t for t in trials if t["mode"] == "dense"}
+    assert [dense[i]["depth"] for i in (0, 1)] == [0.0, 1.0] and dense[0]["passkey"] != dense[1]["passkey"]
+    sparse = [t for t in trials if t["mode"] == "sparse"]
+    assert sorted((t["selector"], t["support"], t["trial"]) for t in sparse) == sorted(
+        (s, S, i) for s in selectors for S in (97, FULL) for i in (0, 1)
+    )
+    for t in sparse:
+        assert t["passkey"] == dense[t["trial"]]["passkey"], "every selector answers the dense trial's prompt"
+        if t["support"] == FULL:
+            assert t["answer_ids"] == dense[t["trial"]]["answer_ids"] and t["sparse_steps"] == 0
+        else:
+            assert t["sparse_steps"] > 0 and t["captured_mass_ratio_mean"] is not None
+    dense_correct = sum(t["correct"] for t in dense.values())
+    for row in rows:
+        assert row.retrieval_trials == 2 and row.dense_retrieval_correct == dense_correct
+        mine = [t["correct"] for t in sparse if (t["selector"], t["support"]) == (row.selector, row.support)]
+        assert row.retrieval_correct == sum(mine) and row.retrieval_accuracy == sum(mine) / 2
+        if row.support == FULL:
+            assert row.retrieval_correct == dense_correct
+
+
+def test_retrieval_accuracy_is_counted_per_context_selector_and_support(loaded, monkeypatch):
+    """A random model finds no passkey, so the aggregation is checked on trials whose outcome is fixed here."""
+    outcome = {  # (context, selector, support) -> correct answers of trial 0, 1, 2; None: dense
+        (300, None, None): [True, True, False],
+        (300, "streaming", 97): [True, False, False],
+        (300, "streaming", 113): [True, True, False],
+        (300, "quest", 97): [False, False, False],
+        (300, "quest", 113): [True, True, True],
+        (320, None, None): [False, False, False],
+        (320, "streaming", 97): [False, True, False],
+        (320, "streaming", 113): [False, False, False],
+        (320, "quest", 97): [True, False, False],
+        (320, "quest", 113): [False, False, True],
+    }
+
+    def fake_trial(model, tokenizer, prompt, configs, *, trial, answer_tokens):
+        assert [(c.selector, c.support) for c in configs] == [(s, S) for s in ("streaming", "quest") for S in (97, 113)]
+        trials = []
+        for cfg in [None, *configs]:
+            selector, support = (None, None) if cfg is None else (cfg.selector, cfg.support)
+            mode = "dense" if cfg is None else "sparse"
+            correct = outcome[prompt.context, selector, support][trial]
+            trials.append(
+                {
+                    "context": prompt.context,
+                    "mode": mode,
+                    "selector": selector,
+                    "support": support,
+                    "trial": trial,
+                    "correct": correct,
+                }
+            )
+        return trials
+
+    monkeypatch.setattr(selector_comparison, "run_trial", fake_trial)
+    rows, _, trials = run(
+        loaded, contexts=(300, 320), supports=(97, 113), selectors=("streaming", "quest"), retrieval=3
+    )
+    assert len(trials) == 2 * 3 * 5
+    got = {(r.context, r.selector, r.support): (r.retrieval_correct, r.retrieval_trials) for r in rows}
+    assert got == {key: (sum(found), 3) for key, found in outcome.items() if key[1] is not None}
+    assert {r.context: r.dense_retrieval_correct for r in rows} == {300: 2, 320: 0}
+    assert next(r for r in rows if (r.context, r.selector, r.support) == (320, "quest", 97)).retrieval_accuracy == 1 / 3
+
+
+def test_bad_retrieval_counts_and_too_short_contexts_are_refused_before_any_run(loaded, monkeypatch):
+    monkeypatch.setattr(selector_comparison, "dense_reference", lambda *a, **k: pytest.fail("ran before refusing"))
+    with pytest.raises(SparseDecodeError, match="retrieval must be an integer >= 0"):
+        run(loaded, retrieval=-1)
+    with pytest.raises(SparseDecodeError, match="too short for the passkey prompt"):
+        run(loaded, contexts=(150,), retrieval=1)
+
+
+def test_cli_writes_the_retrieval_column(tiny_model_dir, tmp_path, capsys):
+    args = ["compare-selectors", "--model", str(tiny_model_dir), "--context", "300", "--support", f"97,{FULL}"]
+    args += ["--prompts", "1", "--tokens", "3", "--selectors", "streaming,random-blocks", "--out", str(tmp_path)]
+    assert main([*args, "--retrieval", "2"]) == 0
+    stdout = capsys.readouterr().out
+    data = json.loads((tmp_path / "selectors.json").read_text())
+    assert data["settings"]["retrieval"] == 2 and len(data["retrieval"]) == 2 * (1 + 2 * 2)
+    assert all(row["retrieval_trials"] == 2 and 0 <= row["retrieval_accuracy"] <= 1 for row in data["summary"])
+    with open(tmp_path / "selectors.csv") as handle:
+        table = list(csv.DictReader(handle))
+    assert [(r["selector"], r["support"], r["retrieval_trials"]) for r in table] == [
+        ("streaming", "97", "2"),
+        ("streaming", str(FULL), "2"),
+        ("random-blocks", "97", "2"),
+        ("random-blocks", str(FULL), "2"),
+    ]
+    markdown = (tmp_path / "selectors.md").read_text()
+    assert "--retrieval 2`" in markdown and "| passkey found |" in markdown
+    header, *lines = [line for line in markdown.splitlines() if line.startswith("| 300 |") or "| context |" in line]
+    column = header.split(" | ").index("passkey found")
+    dense = sum(t["correct"] for t in data["retrieval"] if t["mode"] == "dense")
+    assert [line.split(" | ")[column] for line in lines] == [f"{row['retrieval_correct']}/2" for row in data["summary"]]
+    assert f"Dense attention found the passkey in {dense}/2 at context 300" in markdown
+    assert "Dense attention found the passkey" in stdout
+
+
+def test_cli_without_retrieval_shows_a_dash_and_refuses_a_negative_count(tiny_model_dir, tmp_path, capsys):
+    args = ["compare-selectors", "--model", str(tiny_model_dir), "--context", "200", "--support", "97"]
+    args += ["--prompts", "1", "--tokens", "3", "--selectors", "streaming", "--out", str(tmp_path)]
+    assert main(args) == 0
+    markdown = (tmp_path / "selectors.md").read_text()
+    (line,) = [line for line in markdown.splitlines() if line.startswith("| 200 |")]
+    header = next(line for line in markdown.splitlines() if "| context |" in line)
+    assert line.split(" | ")[header.split(" | ").index("passkey found")] == "-"
+    produced = next(line for line in markdown.splitlines() if line.startswith("Produced by"))
+    assert "Dense attention found the passkey" not in markdown and "--retrieval" not in produced
+    capsys.readouterr()
+    assert main([*args, "--retrieval", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--retrieval must be >= 0" in err
 
 
 def test_op_time_only_where_the_support_is_sparse(tiny_model_dir, tmp_path, capsys):

@@ -231,6 +231,7 @@ def answer(
     audit_summary = summarize_audit(audit.arrays()) if audit.steps else {}
     return {
         "mode": "dense" if cfg is None else "sparse",
+        "selector": None if cfg is None else cfg.selector,
         "support": None if cfg is None else cfg.support,
         "effective_support": None if cfg is None else cfg.effective_support,
         "answer_ids": generated,
@@ -247,6 +248,53 @@ def answer(
 
 
 TrialHook = Callable[[dict], None]
+
+
+def trial_prompt(
+    tokenizer, context: int, depth: float, trial: int, *, haystack: str = "filler", digits: int = 5, seed: int = 0
+) -> PasskeyPrompt:
+    """The prompt of one trial: ``passkey(seed, trial, digits)`` planted at ``depth`` of ``context`` tokens.
+
+    A corpus haystack starts ``trial * context`` tokens into the corpus, so different trials read different text.
+    """
+    key = passkey(seed, trial, digits)
+    return build_prompt(tokenizer, context, depth, key, haystack=haystack, offset=trial * context)
+
+
+def run_trial(
+    model: torch.nn.Module,
+    tokenizer,
+    prompt: PasskeyPrompt,
+    configs: list[SparseConfig],
+    *,
+    trial: int,
+    answer_tokens: int = 8,
+    on_trial: TrialHook | None = None,
+) -> list[dict]:
+    """One dense prefill of ``prompt``, then the dense answer and one sparse answer per config (any selectors).
+
+    Returns one dict per answer (dense first); ``on_trial`` is called with each as soon as it is done.
+    """
+    started = time.perf_counter()
+    cache, _ = prefill(model, prompt.ids[:, : prompt.question_start])
+    prefill_s = time.perf_counter() - started
+    results = []
+    for cfg in [None, *configs]:
+        result = {
+            "context": prompt.context,
+            "depth": prompt.depth,
+            "trial": trial,
+            "passkey": prompt.passkey,
+            "needle_start": prompt.needle_start,
+            "needle_depth": prompt.needle_depth,
+            "question_tokens": prompt.context - prompt.question_start,
+            **answer(model, tokenizer, prompt, cache, cfg, answer_tokens=answer_tokens),
+            "prefill_s": prefill_s,
+        }
+        results.append(result)
+        if on_trial:
+            on_trial(result)
+    return results
 
 
 def run_retrieval(
@@ -273,26 +321,12 @@ def run_retrieval(
     cells = [(c, d, t) for c in spec.contexts for d in spec.depths for t in range(spec.trials)]
     results = []
     for number, (context, depth, trial) in enumerate(cells, start=1):
-        key = passkey(spec.seed, trial, spec.digits)
-        prompt = build_prompt(tokenizer, context, depth, key, haystack=spec.haystack, offset=trial * context)
-        started = time.perf_counter()
-        cache, _ = prefill(model, prompt.ids[:, : prompt.question_start])
-        prefill_s = time.perf_counter() - started
-        for cfg in [None, *configs]:
-            result = {
-                "context": context,
-                "depth": depth,
-                "trial": trial,
-                "passkey": key,
-                "needle_start": prompt.needle_start,
-                "needle_depth": prompt.needle_depth,
-                "question_tokens": prompt.context - prompt.question_start,
-                **answer(model, tokenizer, prompt, cache, cfg, answer_tokens=spec.answer_tokens),
-                "prefill_s": prefill_s,
-            }
-            results.append(result)
-            if on_trial:
-                on_trial(result)
+        prompt = trial_prompt(
+            tokenizer, context, depth, trial, haystack=spec.haystack, digits=spec.digits, seed=spec.seed
+        )
+        results += run_trial(
+            model, tokenizer, prompt, configs, trial=trial, answer_tokens=spec.answer_tokens, on_trial=on_trial
+        )
         if progress:
             progress("retrieval", number, len(cells))
     return results

@@ -4,6 +4,11 @@ For each (context, prompt) one dense reference is computed; every selector then 
 :func:`sparsedecode.compare.compare` at every support (optionally with the omitted-mass audit, which gives the
 captured-mass ratio). The operator time of one decode-attention call per selector is measured on synthetic
 data of the model's shape at each context, in the same process (:func:`sparsedecode.experiments.bench.bench_op`).
+
+Optionally (``retrieval`` trials per context) the passkey probe of :mod:`sparsedecode.experiments.retrieval`
+runs on the same model and contexts: each trial plants its own passkey at its own depth (spread evenly from the
+start of the haystack to right before the question), is prefilled densely once and answered densely (the
+baseline) and then by every selector at every support.
 """
 
 from __future__ import annotations
@@ -16,8 +21,13 @@ import torch
 
 from ..compare import Progress, compare, dense_reference
 from ..config import SELECTORS, SparseConfig
+from ..errors import SparseDecodeError
 from .bench import bench_op
 from .corpus import prompt_ids
+from .retrieval import run_trial, trial_prompt
+
+ANSWER_TOKENS = 8
+"""Greedy answer tokens per retrieval trial (the retrieval probe's default)."""
 
 PRACTICAL = {
     "mean-pooled": (True, "N/B float32 centroids (cached) + the tail block's keys"),
@@ -46,6 +56,12 @@ class SelectorRow:
     median_delta_ppl_percent: float
     certified_fraction: float
     captured_mass_ratio: float | None
+    retrieval_trials: int
+    """Passkey trials at this context (0: retrieval not measured)."""
+    retrieval_correct: int | None
+    retrieval_accuracy: float | None
+    dense_retrieval_correct: int | None
+    """Dense attention on the same trials: the baseline (a model that fails densely says nothing of a selector)."""
     op_ms: float | None
 
 
@@ -60,10 +76,23 @@ def compare_selectors(
     tokens: int,
     selectors: tuple[str, ...] = SELECTORS,
     audit: bool = False,
+    retrieval: int = 0,
     op_shape: tuple[int, int, int] | None = None,
     progress: Progress | None = None,
-) -> tuple[list[SelectorRow], list[dict]]:
-    """Run every selector on the same prompts; returns summary rows and the per-run results (JSON-ready)."""
+) -> tuple[list[SelectorRow], list[dict], list[dict]]:
+    """Run every selector on the same prompts; returns summary rows, the per-run results and the retrieval trials.
+
+    ``retrieval``: passkey trials per context (0 = none); the trials are dicts of
+    :func:`~sparsedecode.experiments.retrieval.run_trial` (JSON-ready, like the runs).
+    """
+    if not isinstance(retrieval, int) or retrieval < 0:
+        raise SparseDecodeError(f"retrieval must be an integer >= 0 (trials per context), got {retrieval!r}")
+    # Built first, so a context too short for the passkey prompt is refused before any run.
+    passkey_prompts = {
+        (context, trial): trial_prompt(tokenizer, context, depth, trial)
+        for context in contexts
+        for trial, depth in enumerate(retrieval_depths(retrieval))
+    }
     runs: list[dict] = []
     for context in contexts:
         for index in range(prompts):
@@ -77,6 +106,12 @@ def compare_selectors(
                     for name in ("dense_nll", "sparse_nll", "teacher_forced_tokens", "margins", "logit_errors"):
                         row.pop(name)
                     runs.append({"selector": selector, "support": support, "prompt_index": index, **row})
+    configs = [SparseConfig(support=support, selector=selector) for selector in selectors for support in supports]
+    trials: list[dict] = []
+    for number, ((_, trial), prompt) in enumerate(passkey_prompts.items(), start=1):
+        trials += run_trial(model, tokenizer, prompt, configs, trial=trial, answer_tokens=ANSWER_TOKENS)
+        if progress:
+            progress("retrieval", number, len(passkey_prompts))
     op_ms = _op_times(op_shape, contexts, supports, selectors) if op_shape else {}
     rows = []
     for context in contexts:
@@ -84,6 +119,12 @@ def compare_selectors(
             for support in supports:
                 mine = [r for r in runs if (r["context"], r["selector"], r["support"]) == (context, selector, support)]
                 captured = [r["captured_mass_ratio_mean"] for r in mine if r["captured_mass_ratio_mean"] is not None]
+                found = [
+                    t["correct"]
+                    for t in trials
+                    if (t["context"], t["selector"], t["support"]) == (context, selector, support)
+                ]
+                dense = [t["correct"] for t in trials if t["context"] == context and t["mode"] == "dense"]
                 rows.append(
                     SelectorRow(
                         selector=selector,
@@ -98,10 +139,21 @@ def compare_selectors(
                         median_delta_ppl_percent=statistics.median(r["delta_ppl_percent"] for r in mine),
                         certified_fraction=statistics.mean(r["certified_fraction"] for r in mine),
                         captured_mass_ratio=statistics.mean(captured) if captured else None,
+                        retrieval_trials=len(found),
+                        retrieval_correct=sum(found) if found else None,
+                        retrieval_accuracy=sum(found) / len(found) if found else None,
+                        dense_retrieval_correct=sum(dense) if dense else None,
                         op_ms=op_ms.get((context, selector, support)),
                     )
                 )
-    return rows, runs
+    return rows, runs, trials
+
+
+def retrieval_depths(trials: int) -> tuple[float, ...]:
+    """Needle depths of ``trials`` passkey trials, evenly spread over [0, 1] (one trial: the middle)."""
+    if trials == 1:
+        return (0.5,)
+    return tuple(i / (trials - 1) for i in range(trials))
 
 
 def _op_times(shape, contexts, supports, selectors) -> dict[tuple[int, str, int], float]:
