@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 
 import pytest
 from conftest import char_tokenizer, tiny_model
@@ -62,7 +63,8 @@ def test_conditions_count_survivors_and_ranges():
 def test_within_tolerance_and_warning_runs():
     tolerance = summary.within_tolerance(ROWS)
     assert tolerance["conditions"] == 2 and tolerance["within"] == 1  # (2048, 193): median |ΔPPL| 2; (8192, 193): 8
-    assert tolerance["within_conditions"] == [(2048, 193, 1)] and tolerance["outside_conditions"] == [(8192, 193, 1)]
+    assert tolerance["within_conditions"] == [(2048, 193, 1, "mean-pooled")]
+    assert tolerance["outside_conditions"] == [(8192, 193, 1, "mean-pooled")]
     warnings = summary.warning_runs(ROWS)
     assert [(w["context"], w["support"], w["teacher_forced_match"]) for w in warnings] == [
         (8192, 193, 50.0),
@@ -114,6 +116,8 @@ def test_report_renders_tables_csv_and_plots(sweep_dir):
     with open(sweep_dir / "runs.csv") as handle:
         assert len(list(csv.DictReader(handle))) == 8
     assert (sweep_dir / "warning_runs.csv").exists()
+    assert "## Per selector" not in text and not (sweep_dir / "selectors.csv").exists(), "one selector: no table"
+    assert "| context | S | survived |" in text and "selector mean-pooled (the same dense references)" in text
 
 
 def test_report_says_how_much_of_the_grid_a_partial_sweep_covers(sweep_dir, tmp_path):
@@ -126,11 +130,82 @@ def test_report_says_how_much_of_the_grid_a_partial_sweep_covers(sweep_dir, tmp_
     assert "3 of the 8 runs of the grid" in text and "missing runs were not measured" in text
 
 
+def test_by_selector_totals_and_tolerance_per_selector():
+    rows = ROWS + [{**r, "selector": "streaming", "delta_ppl_percent": 2 * r["delta_ppl_percent"]} for r in ROWS[3:]]
+    table = summary.by_selector(rows)
+    assert [t["selector"] for t in table] == ["mean-pooled", "streaming"]
+    mean_pooled, streaming = table
+    assert (mean_pooled["runs"], mean_pooled["survived"], mean_pooled["warning_runs"]) == (9, 1, 2)
+    assert (mean_pooled["conditions_min_support"], mean_pooled["conditions_within_tolerance"]) == (2, 1)
+    assert (streaming["runs"], streaming["survived"], streaming["delta_ppl_percent_median"]) == (6, 0, 8.0)
+    assert (streaming["conditions_min_support"], streaming["conditions_within_tolerance"]) == (
+        2,
+        1,
+    )  # medians |ΔPPL| 4% and 16%
+    assert summary.within_tolerance(rows)["conditions"] == 4, "conditions are per selector"
+    warnings = summary.warning_runs(rows)
+    assert [(w["selector"], w["teacher_forced_match"]) for w in warnings[:2]] == [
+        ("mean-pooled", 50.0),
+        ("streaming", 50.0),
+    ]
+
+
+@pytest.fixture(scope="module")
+def selectors_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("selectors")
+    spec = SweepSpec(
+        model="tiny-llama", contexts=(150,), supports=(97, 113), selectors=("streaming", "quest"), prompts=2, tokens=8
+    )
+    run_sweep(spec, directory, loaded=(tiny_model("llama"), char_tokenizer()))
+    return directory
+
+
+def test_report_of_several_selectors_has_a_selector_table_and_column(selectors_dir):
+    text = write_report(selectors_dir).read_text()
+    for needle in (
+        "8 of the 8 runs of the grid** (1 contexts x 2 prompts x 2 selectors x 2 supports x 1 reuse intervals)",
+        "selectors streaming, quest (the same dense references)",
+        "--selectors streaming,quest",
+        "## Per selector",
+        "| context | S | selector | survived |",
+        "stacked by selector",
+    ):
+        assert needle in text, needle
+    with open(selectors_dir / "selectors.csv") as handle:
+        table = list(csv.DictReader(handle))
+    assert [(t["selector"], t["runs"]) for t in table] == [("streaming", "4"), ("quest", "4")]
+    section = text[text.index("## Per selector") : text.index("## Per condition")]
+    assert "| `streaming` |" in section and "| `quest` |" in section
+    with open(selectors_dir / "conditions.csv") as handle:
+        conditions = list(csv.DictReader(handle))
+    assert [(c["support"], c["selector"], c["runs"]) for c in conditions] == [
+        ("97", "quest", "2"),
+        ("97", "streaming", "2"),
+        ("113", "quest", "2"),
+        ("113", "streaming", "2"),
+    ]
+    for name in ("match_vs_delta_ppl.png", "delta_ppl_by_support.png", "first_divergence.png"):
+        assert (selectors_dir / name).read_bytes()[:8] == PNG, name
+
+
+def test_report_of_a_sweep_folder_written_before_selectors(sweep_dir, tmp_path):
+    old = tmp_path / "old"
+    old.mkdir()
+    meta = json.loads((sweep_dir / "sweep.json").read_text())
+    meta["spec"]["selector"] = meta["spec"].pop("selectors")[0]
+    (old / "sweep.json").write_text(json.dumps(meta))
+    (old / RUNS_FILE).write_bytes((sweep_dir / RUNS_FILE).read_bytes())
+    text = write_report(old).read_text()
+    assert "8 of the 8 runs of the grid" in text and "selector mean-pooled" in text and "--selector" not in text
+
+
 def test_sweep_command_round_trips_non_defaults():
     spec = SweepSpec(model="m", dtype="bfloat16", contexts=(1024,), supports=(97,), window=32, audit=True)
     command = sweep_command(spec, "out")
     assert "--dtype bfloat16" in command and "--window 32" in command and "--audit" in command
-    assert "--block-size" not in command and command.endswith("--out out")
+    assert "--block-size" not in command and "--selector" not in command and command.endswith("--out out")
+    assert "--selector quest " in sweep_command(SweepSpec(model="m", selectors=("quest",)), "out")
+    assert "--selectors h2o,quest " in sweep_command(SweepSpec(model="m", selectors=("h2o", "quest")), "out")
 
 
 def test_report_cli_errors_are_one_line(tmp_path, capsys):

@@ -243,3 +243,117 @@ def test_resume_refuses_a_dense_reference_that_changed(loaded, tmp_path):
     with pytest.raises(SparseDecodeError, match="dense reference of context 150, prompt 0 differs"):
         run_sweep(spec, partial, loaded=loaded)
     assert len(rows_of(partial)) == 1
+
+
+# --- several selectors: one more dimension of the grid ---------------------------------------------------------
+
+TWO = ("mean-pooled", "streaming")
+
+
+def test_several_selectors_share_each_dense_reference_and_resume(loaded, tmp_path, monkeypatch):
+    import sparsedecode.experiments.sweep as sweep
+
+    spec = small_spec(contexts=(150,), prompts=2, selectors=TWO)
+    assert spec.keys() == [(150, p, s, 1, sel) for p in (0, 1) for sel in TWO for s in (97, 1000)]
+    calls = []
+    real = sweep.dense_reference
+    monkeypatch.setattr(sweep, "dense_reference", lambda *a, **k: calls.append(1) or real(*a, **k))
+    run_sweep(spec, tmp_path / "whole", loaded=loaded)
+    rows = rows_of(tmp_path / "whole")
+    assert [key_of(r) for r in rows] == spec.keys() and len(calls) == 2, "one dense reference per group"
+    for group in spec.groups():
+        mine = [r for r in rows if (r["context"], r["prompt_index"]) == group]
+        assert len({json.dumps(r["dense_tokens"]) for r in mine}) == 1
+    assert all(r["survives"] and r["delta_ppl_percent"] == 0.0 for r in rows if r["support"] == 1000)
+    at_97 = {r["selector"]: r["sparse_ppl"] for r in rows if (r["prompt_index"], r["support"]) == (0, 97)}
+    assert at_97["mean-pooled"] != at_97["streaming"], "each run used its own selector"
+    # killed after 3 of 8 rows (the middle of group 0), torn line included: the rerun adds exactly the rest
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    (killed / "sweep.json").write_bytes((tmp_path / "whole" / "sweep.json").read_bytes())
+    lines = (tmp_path / "whole" / RUNS_FILE).read_bytes().splitlines(keepends=True)
+    (killed / RUNS_FILE).write_bytes(b"".join(lines[:3]) + lines[3][:30])
+    outcome = run_sweep(spec, killed, loaded=loaded)
+    assert (outcome.done_before, outcome.ran) == (3, 5)
+    assert stripped(rows_of(killed)) == stripped(rows)
+    # and with a selector list in another order the spec differs: refused, not silently mixed
+    with pytest.raises(SparseDecodeError, match=r"selectors: \['mean-pooled', 'streaming'\] vs \['streaming'"):
+        run_sweep(small_spec(contexts=(150,), prompts=2, selectors=TWO[::-1]), killed, loaded=loaded)
+
+
+def test_shards_of_a_several_selector_sweep_merge_into_the_unsharded_one(loaded, tmp_path):
+    spec = small_spec(contexts=(150,), prompts=2, supports=(97,), tokens=6, selectors=("random-blocks", "quest"))
+    run_sweep(spec, tmp_path / "all", loaded=loaded)
+    for index in (1, 2):
+        run_sweep(spec, tmp_path / f"shard{index}", shard=Shard(index, 2), loaded=loaded)
+    outcome = merge_sweeps([tmp_path / "shard2", tmp_path / "shard1"], tmp_path / "merged")
+    assert (outcome.rows, outcome.missing) == (4, 0)
+    meta, merged = load_sweep(tmp_path / "merged")
+    assert stripped(merged) == stripped(rows_of(tmp_path / "all"))
+    assert meta["spec"]["selectors"] == ["random-blocks", "quest"] and SweepSpec.from_dict(meta["spec"]) == spec
+
+
+def legacy(directory: Path) -> dict:
+    """Rewrite a one-selector sweep.json as the versions before ``selectors`` wrote it: ``"selector": name``."""
+    meta = json.loads((directory / "sweep.json").read_text())
+    meta["spec"]["selector"] = meta["spec"].pop("selectors")[0]
+    (directory / "sweep.json").write_text(json.dumps(meta))
+    return meta
+
+
+def test_a_one_selector_folder_of_the_old_format_loads_and_resumes(tiny_model_dir, tmp_path, capsys):
+    base = ["sweep", "--model", str(tiny_model_dir), "--context", "150", "--support", "97,113", "--prompts", "1"]
+    out = tmp_path / "old"
+    assert main([*base, "--tokens", "6", "--selector", "quest", "--out", str(out)]) == 0
+    whole = rows_of(out)
+    assert legacy(out)["spec"]["selector"] == "quest"
+    (out / RUNS_FILE).write_bytes((out / RUNS_FILE).read_bytes().splitlines(keepends=True)[0])  # stopped after 1
+    meta, rows = load_sweep(out)
+    assert SweepSpec.from_dict(meta["spec"]).selectors == ("quest",) and len(rows) == 1
+    capsys.readouterr()
+    assert main([*base, "--tokens", "6", "--selector", "quest", "--out", str(out)]) == 0
+    assert "resuming" in capsys.readouterr().out
+    assert stripped(rows_of(out)) == stripped(whole)
+    assert json.loads((out / "sweep.json").read_text())["spec"]["selector"] == "quest", "the stored spec is kept"
+    # the same folder named through --selectors resumes too (nothing left); another selector is refused
+    assert main([*base, "--tokens", "6", "--selectors", "quest", "--out", str(out)]) == 0
+    assert main([*base, "--tokens", "6", "--out", str(out)]) == 2
+    assert "selectors: ['quest'] vs ['mean-pooled']" in capsys.readouterr().err
+
+
+def test_the_committed_qwen_sweep_still_loads():
+    directory = Path(__file__).parents[1] / "docs" / "reports" / "qwen2.5-coder-0.5b"
+    meta, rows = load_sweep(directory)
+    assert "selector" in meta["spec"], "written before selectors"
+    spec = SweepSpec.from_dict(meta["spec"])
+    assert spec.selectors == ("mean-pooled",) and {key_of(r) for r in rows} <= set(spec.keys()) and rows
+
+
+def test_cli_selectors_list_and_the_one_line_refusal_of_both_flags(tiny_model_dir, tmp_path, capsys):
+    base = ["sweep", "--model", str(tiny_model_dir), "--context", "150", "--support", "97", "--prompts", "1"]
+    out = tmp_path / "s"
+    assert main([*base, "--tokens", "5", "--selectors", "streaming, oracle-tokens", "--out", str(out)]) == 0
+    assert [r["selector"] for r in rows_of(out)] == ["streaming", "oracle-tokens"]
+    assert json.loads((out / "sweep.json").read_text())["spec"]["selectors"] == ["streaming", "oracle-tokens"]
+    capsys.readouterr()
+    bogus = ["sweep", "--model", str(tmp_path / "no-such-model"), "--out", str(tmp_path / "t")]
+    assert main([*bogus, "--selector", "quest", "--selectors", "quest,h2o"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--selector NAME or --selectors A,B,C, not both" in err
+    assert main([*bogus, "--selectors", "quest,nope"]) == 2
+    assert "unknown selector 'nope'" in capsys.readouterr().err
+    assert main([*bogus, "--selectors", "quest,quest"]) == 2
+    assert "selectors lists a selector twice" in capsys.readouterr().err
+    assert not (tmp_path / "t").exists()
+
+
+def test_selectors_spec_validation():
+    from sparsedecode.config import SELECTORS
+
+    assert small_spec(selectors="quest").selectors == ("quest",)
+    assert SweepSpec.from_dict(small_spec(selectors=SELECTORS).to_dict()).selectors == SELECTORS
+    for bad in ((), ("quest", "quest"), ("nope",), (1,)):
+        with pytest.raises(SparseDecodeError):
+            small_spec(selectors=bad)
+    with pytest.raises(SparseDecodeError, match="both 'selector' and 'selectors'"):
+        SweepSpec.from_dict({"model": "m", "selector": "quest", "selectors": ["quest"]})

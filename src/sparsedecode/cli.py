@@ -170,7 +170,10 @@ def _add_experiment_parsers(sub, probes) -> None:
     sweep.add_argument("--context", type=int_list, default=[2048], help="prompt lengths, comma-separated")
     sweep.add_argument("--support", type=int_list, default=[97, 193, 385, 769], help="supports S, comma-separated")
     sweep.add_argument("--reuse", type=int_list, default=[1], help="selection reuse intervals R, comma-separated")
-    sweep.add_argument("--selector", default="mean-pooled")
+    sweep.add_argument("--selector", default=None, help="one selector (default mean-pooled)")
+    sweep.add_argument(
+        "--selectors", default=None, help="comma-separated selectors, or all: one more dimension of the grid"
+    )
     sweep.add_argument("--prompts", type=int, default=5, help="prompts per context (corpus prefixes 0..n-1)")
     sweep.add_argument("--tokens", type=int, default=128, help="greedy tokens T per run")
     sweep.add_argument("--window", type=int, default=64)
@@ -760,7 +763,7 @@ def _sweep_spec(args):
         contexts=tuple(args.context),
         supports=tuple(args.support),
         reuse=tuple(args.reuse),
-        selector=args.selector,
+        selectors=_sweep_selectors(args),
         prompts=args.prompts,
         tokens=args.tokens,
         window=args.window,
@@ -769,10 +772,27 @@ def _sweep_spec(args):
     )
 
 
+def _sweep_selectors(args) -> tuple[str, ...]:
+    """``--selector NAME`` or ``--selectors A,B,C`` (or ``all``); not both."""
+    from .config import SELECTORS
+
+    if args.selector is not None and args.selectors is not None:
+        raise SparseDecodeError("give --selector NAME or --selectors A,B,C, not both")
+    if args.selectors is None:
+        return (args.selector or "mean-pooled",)
+    if args.selectors.strip() == "all":
+        return SELECTORS
+    chosen = tuple(part.strip() for part in args.selectors.split(",") if part.strip())
+    if not chosen:
+        raise SparseDecodeError("--selectors expects comma-separated selector names, or all")
+    return chosen
+
+
 def _row_line(row: dict) -> str:
     fate = "[green]survives[/]" if row["survives"] else f"first divergence at step {row['first_divergence']}"
     return (
-        f"context {row['context']}, prompt {row['prompt_index']}, S={row['support']}, R={row['reuse']}: {fate}; "
+        f"context {row['context']}, prompt {row['prompt_index']}, {row['selector']}, S={row['support']}, "
+        f"R={row['reuse']}: {fate}; "
         f"TF match {row['teacher_forced_match']:.1f}%, ΔPPL {row['delta_ppl_percent']:+.2f}% ({row['run_s']:.1f} s)"
     )
 
@@ -793,7 +813,7 @@ def cmd_sweep(args) -> int:
     console.print(
         f"[bold]{args.model}[/] {args.dtype}; corpus {args.corpus}; contexts {args.context}; supports {args.support}; "
         f"R {args.reuse}; {args.prompts} prompts; T = {args.tokens}; W = {args.window}, B = {args.block_size}; "
-        f"selector {args.selector}" + (f"; shard {shard}" if shard else "")
+        f"selector(s) {', '.join(spec.selectors)}" + (f"; shard {shard}" if shard else "")
     )
     with progress_bars(speed_estimate_period=24 * 3600.0) as progress:
 

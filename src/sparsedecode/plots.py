@@ -62,21 +62,30 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def _selectors(rows: list[dict]) -> list[str]:
+    """The selectors of the rows, in first-seen order."""
+    return list(dict.fromkeys(r["selector"] for r in rows))
+
+
 def match_vs_delta_ppl(rows: list[dict], path: Path, *, title: str, threshold: float = 70.0) -> Path:
-    """Teacher-forced match (%) against delta-PPL (%, symlog) per run, coloured by support, with the 70% line."""
+    """Teacher-forced match (%) against delta-PPL (%, symlog) per run, coloured by support, with the 70% line.
+
+    Markers tell the contexts apart, or the selectors when the rows hold several (contexts are then pooled).
+    """
     colors = _support_colors(sorted({r["support"] for r in rows}))
-    markers = dict(zip(sorted({r["context"] for r in rows}), "osD^v<>p*"))
+    several = len(_selectors(rows)) > 1
+    kind = "selector" if several else "context"
+    values = _selectors(rows) if several else sorted({r["context"] for r in rows})
+    markers = dict(zip(values, "osD^v<>p*"))
     fig, ax = plt.subplots(figsize=(6.4, 4.6))
-    for (support, context), color_marker in sorted(
-        {(r["support"], r["context"]): (colors[r["support"]], markers[r["context"]]) for r in rows}.items()
-    ):
-        group = [r for r in rows if (r["support"], r["context"]) == (support, context)]
+    for support, value in sorted({(r["support"], r[kind]) for r in rows}, key=lambda k: (k[0], values.index(k[1]))):
+        group = [r for r in rows if (r["support"], r[kind]) == (support, value)]
         ax.scatter(
             [r["teacher_forced_match"] for r in group],
             [r["delta_ppl_percent"] for r in group],
-            color=color_marker[0],
-            marker=color_marker[1],
-            label=f"S={support}, context {context}",
+            color=colors[support],
+            marker=markers.get(value, "x"),
+            label=f"S={support}, {value}" if several else f"S={support}, context {value}",
             alpha=0.8,
             edgecolors="none",
         )
@@ -92,18 +101,41 @@ def match_vs_delta_ppl(rows: list[dict], path: Path, *, title: str, threshold: f
 
 
 def delta_ppl_by_support(rows: list[dict], path: Path, *, title: str) -> Path:
-    """Delta-PPL (%, symlog) against support, one panel per context: every run as a dot, the median as a line."""
+    """Delta-PPL (%, symlog) against support, one panel per context: every run as a dot, the median as a line.
+
+    With several selectors each gets its own colour, offset and median line.
+    """
     contexts = sorted({r["context"] for r in rows})
+    selectors = _selectors(rows)
+    several = len(selectors) > 1
+    cmap = plt.get_cmap("tab10")
     fig, axes = plt.subplots(1, len(contexts), figsize=(3.6 * len(contexts) + 0.8, 3.8), sharey=True, squeeze=False)
     for ax, context in zip(axes[0], contexts):
         group = [r for r in rows if r["context"] == context]
         supports = sorted({r["support"] for r in group})
-        for i, support in enumerate(supports):
-            values = [r["delta_ppl_percent"] for r in group if r["support"] == support]
-            jitter = np.linspace(-0.12, 0.12, len(values)) if len(values) > 1 else [0.0]
-            ax.scatter(i + np.asarray(jitter), values, color="tab:blue", alpha=0.6, s=18, edgecolors="none")
-        medians = [float(np.median([r["delta_ppl_percent"] for r in group if r["support"] == s])) for s in supports]
-        ax.plot(range(len(supports)), medians, color="black", marker="_", markersize=14, linewidth=1, label="median")
+        for number, selector in enumerate(selectors):
+            mine = [r for r in group if r["selector"] == selector]
+            shift = (number - (len(selectors) - 1) / 2) * 0.6 / len(selectors) if several else 0.0
+            color = cmap(number % 10) if several else "tab:blue"
+            positions, medians = [], []
+            for i, support in enumerate(supports):
+                values = [r["delta_ppl_percent"] for r in mine if r["support"] == support]
+                if not values:
+                    continue
+                spread = 0.12 / len(selectors)
+                jitter = np.linspace(-spread, spread, len(values)) if len(values) > 1 else [0.0]
+                ax.scatter(i + shift + np.asarray(jitter), values, color=color, alpha=0.6, s=18, edgecolors="none")
+                positions.append(i + shift)
+                medians.append(float(np.median(values)))
+            ax.plot(
+                positions,
+                medians,
+                color=color if several else "black",
+                marker="_",
+                markersize=14,
+                linewidth=1,
+                label=f"{selector} (median)" if several else "median",
+            )
         ax.axhspan(-5, 5, color="green", alpha=0.08, label="within 5%")
         ax.set_xticks(range(len(supports)), [str(s) for s in supports])
         ax.set_yscale("symlog", linthresh=1.0)
@@ -116,19 +148,24 @@ def delta_ppl_by_support(rows: list[dict], path: Path, *, title: str) -> Path:
 
 
 def first_divergence_histogram(rows: list[dict], path: Path, *, title: str) -> Path:
-    """Histogram of first-divergence steps, stacked by support; runs that never diverge sit in the last bin."""
+    """Histogram of first-divergence steps, stacked by support (by selector when the rows hold several).
+
+    Runs that never diverge sit in the last bin.
+    """
     tokens = max(r["tokens"] for r in rows)
-    supports = sorted({r["support"] for r in rows})
-    colors = _support_colors(supports)
+    selectors = _selectors(rows)
+    if len(selectors) > 1:
+        cmap = plt.get_cmap("tab10")
+        stacks = [[r["first_divergence"] for r in rows if r["selector"] == s] for s in selectors]
+        colors, labels = [cmap(i % 10) for i in range(len(selectors))], selectors
+    else:
+        supports = sorted({r["support"] for r in rows})
+        by_support = _support_colors(supports)
+        stacks = [[r["first_divergence"] for r in rows if r["support"] == s] for s in supports]
+        colors, labels = [by_support[s] for s in supports], [f"S={s}" for s in supports]
     bins = np.arange(0.5, tokens + 1.5, max(1, tokens // 32))
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    ax.hist(
-        [[r["first_divergence"] for r in rows if r["support"] == s] for s in supports],
-        bins=bins,
-        stacked=True,
-        color=[colors[s] for s in supports],
-        label=[f"S={s}" for s in supports],
-    )
+    ax.hist(stacks, bins=bins, stacked=True, color=colors, label=labels)
     ax.set_xlabel(f"first divergence (1-based step; {tokens} = never diverged)")
     ax.set_ylabel("runs")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))

@@ -76,9 +76,13 @@ def sweep_command(spec: SweepSpec, directory: Path) -> str:
         f"--prompts {spec.prompts}",
         f"--tokens {spec.tokens}",
     ]
-    for name, flag in (("window", "--window"), ("block_size", "--block-size"), ("selector", "--selector")):
+    for name, flag in (("window", "--window"), ("block_size", "--block-size")):
         if getattr(spec, name) != getattr(default, name):
             parts.append(f"{flag} {getattr(spec, name)}")
+    if len(spec.selectors) > 1:
+        parts.append(f"--selectors {','.join(spec.selectors)}")
+    elif spec.selectors != default.selectors:
+        parts.append(f"--selector {spec.selectors[0]}")
     if spec.audit:
         parts.append("--audit")
     parts.append(f"--out {directory}")
@@ -116,12 +120,14 @@ def _sweep_section(directory: Path, meta: dict, rows: list[dict], out: list[str]
     tolerance = summary.within_tolerance(rows)
     warnings = summary.warning_runs(rows)
     overview = summary.overview(rows)
+    several = len(spec.selectors) > 1
     covered = f"{len(rows)} of the {grid} runs of the grid"
     out += [
         f"# Survival sweep: {spec.model}",
         "",
-        f"**{covered}** ({len(spec.contexts)} contexts x {spec.prompts} prompts x {len(spec.supports)} supports x "
-        f"{len(spec.reuse)} reuse intervals)"
+        f"**{covered}** ({len(spec.contexts)} contexts x {spec.prompts} prompts x "
+        + (f"{len(spec.selectors)} selectors x " if several else "")
+        + f"{len(spec.supports)} supports x {len(spec.reuse)} reuse intervals)"
         + ("." if len(rows) == grid else "; the missing runs were not measured and are not in any number below."),
         "",
         "## Conditions",
@@ -129,8 +135,9 @@ def _sweep_section(directory: Path, meta: dict, rows: list[dict], out: list[str]
         f"- model `{spec.model}`, dtype {spec.dtype}; corpus `{spec.corpus}` (text sha256 "
         f"`{(meta.get('corpus_sha256') or '?')[:16]}…`), prompts = non-overlapping prefixes 0..{spec.prompts - 1} "
         f"(stride context + T + {spec.gap})",
-        f"- contexts {list(spec.contexts)}; supports S {list(spec.supports)}; reuse R {list(spec.reuse)}; selector "
-        f"{spec.selector}; window W = {spec.window}, block B = {spec.block_size}; T = {spec.tokens} greedy tokens",
+        f"- contexts {list(spec.contexts)}; supports S {list(spec.supports)}; reuse R {list(spec.reuse)}; "
+        f"{'selectors' if several else 'selector'} {', '.join(spec.selectors)} (the same dense references); "
+        f"window W = {spec.window}, block B = {spec.block_size}; T = {spec.tokens} greedy tokens",
         *_environment_lines(meta),
         "",
         "Command:",
@@ -161,6 +168,38 @@ def _sweep_section(directory: Path, meta: dict, rows: list[dict], out: list[str]
         f"{overview['warning_runs_above_100_percent']} of them have ΔPPL above 100% (reference: all 7, from two "
         f"prefixes). {overview['runs_above_100_percent']} run(s) in all have ΔPPL above 100%.",
         "",
+    ]
+    if several:
+        selectors = summary.by_selector(rows)
+        out += [
+            "## Per selector",
+            "",
+            "All runs of each selector (every context, prompt, support and reuse interval), against the same dense "
+            "references. Medians over runs; within 5% counts the selector's conditions with S >= 193 whose median "
+            "|ΔPPL| is at most 5%.",
+            "",
+            _markdown_table(
+                ["selector", "survived", "median first divergence", "median TF match %", "median ΔPPL %"]
+                + ["within 5% (S >= 193)", "TF < 70%"],
+                [
+                    [
+                        f"`{c['selector']}`",
+                        f"{c['survived']}/{c['runs']}",
+                        _fmt(c["first_divergence_median"], 0),
+                        _fmt(c["teacher_forced_match_median"]),
+                        f"{c['delta_ppl_percent_median']:+.2f}",
+                        f"{c['conditions_within_tolerance']}/{c['conditions_min_support']}",
+                        str(c["warning_runs"]),
+                    ]
+                    for c in selectors
+                ],
+            ),
+            "",
+            "CSV: [selectors.csv](selectors.csv)",
+            "",
+        ]
+        write_csv(directory / "selectors.csv", selectors)
+    out += [
         "## Per condition",
         "",
         "First divergence: 1-based step of the first sparse token that differs from dense (step 1 is shared; a run "
@@ -173,6 +212,7 @@ def _sweep_section(directory: Path, meta: dict, rows: list[dict], out: list[str]
             str(c["context"]),
             str(c["support"]),
             *([str(c["reuse"])] if len(spec.reuse) > 1 else []),
+            *([f"`{c['selector']}`"] if several else []),
             f"{c['survived']}/{c['runs']}",
             _range(c, "first_divergence", 0),
             _range(c, "teacher_forced_match", 1),
@@ -186,6 +226,7 @@ def _sweep_section(directory: Path, meta: dict, rows: list[dict], out: list[str]
         "context",
         "S",
         *(["R"] if len(spec.reuse) > 1 else []),
+        *(["selector"] if several else []),
         "survived",
         "first divergence",
         "TF match %",
@@ -201,13 +242,15 @@ def _sweep_section(directory: Path, meta: dict, rows: list[dict], out: list[str]
     if warnings:
         out += [
             _markdown_table(
-                ["context", "prompt", "S", "R", "TF match %", "ΔPPL %", "first divergence"],
+                ["context", "prompt", "S", "R", *(["selector"] if several else []), "TF match %", "ΔPPL %"]
+                + ["first divergence"],
                 [
                     [
                         str(w["context"]),
                         str(w["prompt_index"]),
                         str(w["support"]),
                         str(w["reuse"]),
+                        *([f"`{w['selector']}`"] if several else []),
                         _fmt(w["teacher_forced_match"]),
                         f"{w['delta_ppl_percent']:+.2f}",
                         str(w["first_divergence"]),
@@ -230,15 +273,19 @@ def _sweep_section(directory: Path, meta: dict, rows: list[dict], out: list[str]
         "",
         "## Plots",
         "",
-        "Teacher-forced match against ΔPPL, one dot per run; the dashed line is the 70% warning threshold:",
+        "Teacher-forced match against ΔPPL, one dot per run"
+        + (" (marker: selector; contexts pooled)" if several else "")
+        + "; the dashed line is the 70% warning threshold:",
         "",
         "![teacher-forced match vs delta-PPL](match_vs_delta_ppl.png)",
         "",
-        "ΔPPL by support, per context (dots: runs; bars: medians; green band: within 5%):",
+        "ΔPPL by support, per context (dots: runs; bars: medians"
+        + (", one colour per selector" if several else "")
+        + "; green band: within 5%):",
         "",
         "![delta-PPL by support](delta_ppl_by_support.png)",
         "",
-        "First divergence, stacked by support:",
+        f"First divergence, stacked by {'selector' if several else 'support'}:",
         "",
         "![first divergence](first_divergence.png)",
         "",

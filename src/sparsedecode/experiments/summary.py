@@ -2,8 +2,9 @@
 
 Pure functions from rows (plain dicts) to plain dicts and lists, so the report, the CLI and the tests share them:
 
-* :func:`conditions`: per (context, support, reuse) the runs surviving all ``T`` tokens, median and range of
-  first divergence, teacher-forced match and delta-PPL;
+* :func:`conditions`: per (context, support, reuse, selector) the runs surviving all ``T`` tokens, median and
+  range of first divergence, teacher-forced match and delta-PPL;
+* :func:`by_selector`: the same totals and medians per selector, over all its conditions (a multi-selector sweep);
 * :func:`within_tolerance`: how many conditions with ``S >= 193`` have a median ``|delta-PPL|`` of at most 5%;
 * :func:`warning_runs`: the runs with teacher-forced match below 70%, with their delta-PPL;
 * :func:`overview`: totals over all runs (the reference study: none of 60 runs survived 128 tokens).
@@ -75,27 +76,66 @@ def within_tolerance(rows: Iterable[dict], *, min_support: int = 193, tolerance_
         "tolerance_percent": tolerance_percent,
         "conditions": len(eligible),
         "within": len(within),
-        "within_conditions": [(c["context"], c["support"], c["reuse"]) for c in within],
-        "outside_conditions": [(c["context"], c["support"], c["reuse"]) for c in eligible if c not in within],
+        "within_conditions": [(c["context"], c["support"], c["reuse"], c["selector"]) for c in within],
+        "outside_conditions": [
+            (c["context"], c["support"], c["reuse"], c["selector"]) for c in eligible if c not in within
+        ],
     }
 
 
 def warning_runs(rows: Iterable[dict], *, threshold: float = WARNING_MATCH_PERCENT) -> list[dict]:
     """Runs whose teacher-forced match is below ``threshold`` percent, worst match first, with their delta-PPL."""
     picked = [r for r in rows if r["teacher_forced_match"] < threshold]
-    picked.sort(key=lambda r: (r["teacher_forced_match"], r["context"], r["prompt_index"], r["support"], r["reuse"]))
+    picked.sort(
+        key=lambda r: (
+            r["teacher_forced_match"],
+            r["context"],
+            r["prompt_index"],
+            r["support"],
+            r["reuse"],
+            r["selector"],
+        )
+    )
     return [
         {
             "context": r["context"],
             "prompt_index": r["prompt_index"],
             "support": r["support"],
             "reuse": r["reuse"],
+            "selector": r["selector"],
             "teacher_forced_match": r["teacher_forced_match"],
             "delta_ppl_percent": r["delta_ppl_percent"],
             "first_divergence": r["first_divergence"],
         }
         for r in picked
     ]
+
+
+def by_selector(rows: Iterable[dict], *, min_support: int = 193, tolerance_percent: float = 5.0) -> list[dict]:
+    """Totals and medians per selector (in first-seen order) over all its runs.
+
+    ``conditions_within_tolerance``: how many of the selector's conditions with ``support >= min_support`` have a
+    median ``|delta-PPL|`` of at most ``tolerance_percent`` (out of ``conditions_min_support``).
+    """
+    rows = list(rows)
+    table = []
+    for selector in dict.fromkeys(r["selector"] for r in rows):
+        mine = [r for r in rows if r["selector"] == selector]
+        tolerance = within_tolerance(mine, min_support=min_support, tolerance_percent=tolerance_percent)
+        table.append(
+            {
+                "selector": selector,
+                "runs": len(mine),
+                "survived": sum(bool(r["survives"]) for r in mine),
+                "first_divergence_median": _median([r["first_divergence"] for r in mine]),
+                "teacher_forced_match_median": _median([r["teacher_forced_match"] for r in mine]),
+                "delta_ppl_percent_median": _median([r["delta_ppl_percent"] for r in mine]),
+                "warning_runs": sum(r["teacher_forced_match"] < WARNING_MATCH_PERCENT for r in mine),
+                "conditions_min_support": tolerance["conditions"],
+                "conditions_within_tolerance": tolerance["within"],
+            }
+        )
+    return table
 
 
 def overview(rows: list[dict], *, threshold: float = WARNING_MATCH_PERCENT) -> dict:

@@ -1,7 +1,7 @@
-"""The survival sweep: the paired protocol of DESIGN.md section 3 over contexts x prompts x supports x reuse.
+"""The survival sweep: the paired protocol of DESIGN.md section 3 over contexts, prompts, selectors, supports, reuse.
 
 One dense reference per (context, prompt) group, then one paired sparse run (free-running and teacher-forced)
-per (support, reuse). A sweep directory holds
+per (selector, support, reuse). A sweep directory holds
 
 * ``sweep.json``: the :class:`SweepSpec` (every argument that defines the results), the sha256 of the corpus
   text, the shard, and one entry per session (start time and :func:`environment`). Written before any row; a
@@ -52,7 +52,8 @@ class SweepSpec:
     """Everything that defines a sweep's results (and nothing that does not, such as the output folder).
 
     ``prompts`` counts prompts per context (prompt indices ``0 .. prompts - 1``, non-overlapping corpus
-    prefixes spaced ``context + tokens + gap`` tokens apart). ``reuse`` is a list of selection intervals R.
+    prefixes spaced ``context + tokens + gap`` tokens apart). ``reuse`` is a list of selection intervals R,
+    ``selectors`` a list of selector names (every selector runs against the same dense references).
     """
 
     model: str
@@ -61,7 +62,7 @@ class SweepSpec:
     contexts: tuple[int, ...] = (2048,)
     supports: tuple[int, ...] = (97, 193, 385, 769)
     reuse: tuple[int, ...] = (1,)
-    selector: str = "mean-pooled"
+    selectors: tuple[str, ...] = ("mean-pooled",)
     prompts: int = 5
     tokens: int = 128
     window: int = 64
@@ -77,6 +78,12 @@ class SweepSpec:
                 raise SparseDecodeError(f"{name} must be a non-empty list of integers, got {values!r}")
             if len(set(values)) != len(values):
                 raise SparseDecodeError(f"{name} lists a value twice: {', '.join(map(str, values))}")
+        selectors = (self.selectors,) if isinstance(self.selectors, str) else tuple(self.selectors)
+        object.__setattr__(self, "selectors", selectors)
+        if not selectors or not all(isinstance(s, str) for s in selectors):
+            raise SparseDecodeError(f"selectors must be a non-empty list of selector names, got {selectors!r}")
+        if len(set(selectors)) != len(selectors):
+            raise SparseDecodeError(f"selectors lists a selector twice: {', '.join(selectors)}")
         if any(c < 1 for c in self.contexts):
             raise SparseDecodeError("contexts must be >= 1")
         if not isinstance(self.prompts, int) or self.prompts < 1:
@@ -85,19 +92,20 @@ class SweepSpec:
             raise SparseDecodeError(f"tokens must be an integer >= 2 (got {self.tokens!r}): step 1 is shared")
         if not isinstance(self.gap, int) or self.gap < 0:
             raise SparseDecodeError(f"gap must be an integer >= 0, got {self.gap!r}")
-        self.configs()  # validates supports, window, block size, reuse and selector
+        self.configs()  # validates supports, window, block size, reuse and selectors
 
     def configs(self) -> list[SparseConfig]:
-        """One :class:`SparseConfig` per (support, reuse), supports outer."""
+        """One :class:`SparseConfig` per (selector, support, reuse): selectors outer, then supports."""
         return [
             SparseConfig(
                 support=s,
                 window=self.window,
                 block_size=self.block_size,
                 reuse=r,
-                selector=self.selector,
+                selector=selector,
                 audit=self.audit,
             )
+            for selector in self.selectors
             for s in self.supports
             for r in self.reuse
         ]
@@ -119,7 +127,15 @@ class SweepSpec:
 
     @classmethod
     def from_dict(cls, data: dict) -> SweepSpec:
-        """Inverse of :meth:`to_dict`; fields missing from older files take their defaults."""
+        """Inverse of :meth:`to_dict`; fields missing from older files take their defaults.
+
+        Files written before several selectors per sweep hold one ``selector``: read as ``selectors = [it]``.
+        """
+        data = dict(data)
+        if "selector" in data:
+            if "selectors" in data:
+                raise SparseDecodeError("sweep spec has both 'selector' and 'selectors'; keep one")
+            data["selectors"] = [data.pop("selector")]
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -432,7 +448,7 @@ def run_sweep(
         outcome = SweepOutcome(directory, total, done_before, 0, rows)
         if on_start:
             on_start(done_before, total)
-        configs = {(cfg.support, cfg.reuse): cfg for cfg in spec.configs()}
+        configs = {(cfg.support, cfg.reuse, cfg.selector): cfg for cfg in spec.configs()}
         for group in groups:
             pending = [key for key in spec.group_keys(group) if key not in done]
             if not pending:
@@ -446,7 +462,7 @@ def run_sweep(
             for key in pending:
                 started = time.perf_counter()
                 result = compare(
-                    model, tokenizer, ids, configs[key[2], key[3]], spec.tokens, reference=reference, progress=progress
+                    model, tokenizer, ids, configs[key[2:]], spec.tokens, reference=reference, progress=progress
                 )
                 row = make_row(key, result, run_s=time.perf_counter() - started, audit=spec.audit)
                 append_row(runs, row)
