@@ -15,7 +15,8 @@ from test_attention import greedy_loop
 
 from sparsedecode import SparseConfig, SparseDecodeError, sparse_decoding
 from sparsedecode.attention import attend_support
-from sparsedecode.selectors import BlockLayout
+from sparsedecode.centroids import BlockCentroids
+from sparsedecode.selectors import BlockLayout, select_blocks
 
 pytest.importorskip("triton", reason="the Triton kernel tests need the test extra (pip install -e '.[test]')")
 
@@ -114,3 +115,37 @@ def test_triton_kernel_refused_where_it_cannot_run(monkeypatch):
         greedy_loop(model, prompt(180), 2)
     with pytest.raises(SparseDecodeError, match="kernel"):
         SparseConfig(kernel="cuda")
+
+
+@pytest.mark.parametrize(
+    "query_heads, kv_heads, d, n, b",
+    [(14, 2, 64, 2048, 8), (14, 2, 64, 4100, 44), (32, 8, 128, 1500, 8), (4, 2, 16, 200, 2), (8, 1, 32, 90, 1)],
+)
+def test_triton_selection_picks_the_blocks_top_blocks_picks(query_heads, kv_heads, d, n, b):
+    from sparsedecode.triton_attention import mean_pooled_top_blocks
+
+    generator = torch.Generator().manual_seed(n + b)
+    layout = BlockLayout(n=n, window=64, block_size=16)
+    keys = torch.randn(kv_heads, n + 3, d, generator=generator)
+    q = torch.randn(query_heads, d, generator=generator)
+    cfg = SparseConfig(support=1 + 64 + 16 * b, kernel="torch")
+    cache = BlockCentroids(16)
+    expected = select_blocks(cfg, cache, q, keys, layout, scale=d**-0.5)  # torch scores + top_blocks
+    centroids = cache.update(keys, layout.n_full)
+    chosen = mean_pooled_top_blocks(q, keys, centroids, layout, min(b, layout.n_blocks))
+    assert torch.equal(chosen.sort(dim=-1).values, expected)
+    if layout.n_blocks > layout.n_full:  # the short tail block is scored from its keys: make it the best
+        keys[:, 1 + layout.n_full * 16 : layout.distant_end] = 10 * q.view(kv_heads, -1, d).mean(1, keepdim=True)
+        chosen = mean_pooled_top_blocks(q, keys, centroids, layout, min(b, layout.n_blocks))
+        assert bool((chosen[:, 0] == layout.n_blocks - 1).all())
+
+
+def test_triton_selection_breaks_ties_towards_the_lowest_block():
+    from sparsedecode.triton_attention import mean_pooled_top_blocks
+
+    layout = BlockLayout(n=64 + 1 + 16 * 10, window=64, block_size=16)
+    keys = torch.zeros(2, layout.n, 16)
+    keys[:, 1 + 16 * 7 : 1 + 16 * 8] = 1.0  # block 7 is best; the other nine tie at 0
+    centroids = BlockCentroids(16).update(keys, layout.n_full)
+    chosen = mean_pooled_top_blocks(torch.ones(4, 16), keys, centroids, layout, 3)
+    assert chosen.tolist() == [[7, 0, 1], [7, 0, 1]]

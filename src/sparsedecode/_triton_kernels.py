@@ -107,3 +107,66 @@ def combine_kernel(
     weights = tl.exp2(m - tl.max(m, 0))
     out = tl.sum(acc * weights[:, None], 0) / tl.sum(l_part * weights, 0)
     tl.store(out_ptr + row * HEAD_DIM + dims, out)
+
+
+@triton.jit
+def mean_pooled_scores_kernel(
+    q_ptr,
+    c_ptr,
+    k_ptr,
+    scores_ptr,
+    n_full,
+    n_blocks,
+    distant_end,
+    stride_qh,
+    stride_qg,
+    stride_ch,
+    stride_cb,
+    stride_cd,
+    stride_kh,
+    stride_kn,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    """<group mean query, block centroid> for TILE blocks of one KV head; the short tail block (index n_full,
+    not in the centroid cache) is averaged from its keys by the program whose tile holds it."""
+    head = tl.program_id(0)
+    tile = tl.program_id(1)
+    rows = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + head * stride_qh + rows[:, None] * stride_qg + dims[None, :], mask=(rows < GROUP)[:, None], other=0.0
+    )
+    q_mean = tl.sum(q.to(tl.float32), 0) / GROUP
+    blocks = tile * TILE + tl.arange(0, TILE)
+    centroids = tl.load(
+        c_ptr + head * stride_ch + blocks[:, None] * stride_cb + dims[None, :] * stride_cd,
+        mask=(blocks < n_full)[:, None],
+        other=0.0,
+    )
+    scores = tl.sum(centroids * q_mean[None, :], 1)
+    if (n_blocks > n_full) & (n_full >= tile * TILE) & (n_full < tile * TILE + TILE):
+        offsets = tl.arange(0, BLOCK)
+        positions = 1 + n_full * BLOCK + offsets
+        valid = positions < distant_end
+        tail = tl.load(
+            k_ptr + head * stride_kh + positions[:, None] * stride_kn + dims[None, :], mask=valid[:, None], other=0.0
+        )
+        tail_mean = tl.sum(tail.to(tl.float32), 0) / tl.sum(valid.to(tl.float32), 0)
+        scores = tl.where(blocks == n_full, tl.sum(tail_mean * q_mean, 0), scores)
+    tl.store(scores_ptr + head * n_blocks + blocks, scores, mask=blocks < n_blocks)
+
+
+@triton.jit
+def top_blocks_kernel(scores_ptr, out_ptr, n_blocks, CHOSEN: tl.constexpr, BLOCKS_PAD: tl.constexpr):
+    """The CHOSEN best scores of one KV head by repeated argmax (ties: the lowest index first)."""
+    head = tl.program_id(0)
+    offsets = tl.arange(0, BLOCKS_PAD)
+    scores = tl.load(scores_ptr + head * n_blocks + offsets, mask=offsets < n_blocks, other=float("-inf"))
+    for i in range(CHOSEN):
+        best = tl.argmax(scores, 0, tie_break_left=True)
+        tl.store(out_ptr + head * CHOSEN + i, best)
+        scores = tl.where(offsets == best, float("-inf"), scores)

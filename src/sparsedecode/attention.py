@@ -73,12 +73,14 @@ class StepView:
     blocks: torch.Tensor | None
 
 
-def _with_columns(table: torch.Tensor | None, rows: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
+def _with_columns(
+    table: torch.Tensor | None, rows: int, columns: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """``table`` with at least ``columns`` columns: zero-filled, growing by doubling and keeping its contents."""
     have = 0 if table is None else table.shape[1]
     if table is not None and columns <= have:
         return table
-    grown = torch.zeros(rows, max(columns, 2 * have), dtype=dtype)
+    grown = torch.zeros(rows, max(columns, 2 * have), dtype=dtype, device=device)
     if have:
         grown[:, :have] = table
     return grown
@@ -103,7 +105,7 @@ class LayerState:
 
     def note_positions(self, index: torch.Tensor, layout: BlockLayout) -> None:
         """Remember which distant positions each KV head read (token-level selectors)."""
-        self.read_positions = _with_columns(self.read_positions, index.shape[0], layout.n, torch.bool)
+        self.read_positions = _with_columns(self.read_positions, index.shape[0], layout.n, torch.bool, index.device)
         distant = (index >= 1) & (index < layout.distant_end)
         self.read_positions.scatter_(1, index.masked_fill(~distant, 0), True)
         self.read_positions[:, 0] = False
@@ -111,7 +113,7 @@ class LayerState:
     def accumulate(self, weights: torch.Tensor) -> torch.Tensor:
         """Add this step's attention ``(kv, n)`` to the H2O history and return the history over ``[0, n)``."""
         n = weights.shape[1]
-        self.accumulated = _with_columns(self.accumulated, weights.shape[0], n, torch.float32)
+        self.accumulated = _with_columns(self.accumulated, weights.shape[0], n, torch.float32, weights.device)
         self.accumulated[:, :n] += weights
         return self.accumulated[:, :n]
 
@@ -192,7 +194,8 @@ def dense_short_forward(
     keys, values = key[0, :, :n].float(), value[0, :, :n].float()
     q = query[0].float().reshape(kv_heads, group * q_len, d)
     logits = torch.bmm(q, keys.transpose(1, 2)).mul_(scale).view(kv_heads, group, q_len, n)
-    future = torch.arange(n) > torch.arange(n - q_len, n).unsqueeze(1)  # key j is after query i's position
+    positions = torch.arange(n, device=key.device)
+    future = positions > positions[n - q_len :].unsqueeze(1)  # key j is after query i's position
     logits.masked_fill_(future, float("-inf"))
     probs = torch.softmax(logits, dim=-1).view(kv_heads, group * q_len, n)
     out = torch.bmm(probs, values).view(query_heads, q_len, d)
@@ -308,8 +311,7 @@ def attend_support(
 
 def _attend_blocks(cfg, q, keys, values, blocks, layout, scale) -> torch.Tensor:
     """Attention over a block selector's support with the kernel ``cfg.kernel`` asks for (see ``KERNELS``)."""
-    wanted = cfg.kernel == "triton" or (cfg.kernel == "auto" and keys.is_cuda)
-    if wanted and triton_attention.usable(keys.device, cfg.block_size):
+    if triton_attention.wanted(cfg.kernel, keys.device, cfg.block_size):
         return triton_attention.support_attention(q, keys, values, blocks, layout, scale)
     if cfg.kernel == "triton":
         raise SparseDecodeError(
@@ -356,7 +358,7 @@ def sparse_decode_step(
 
     blocks = state.blocks
     if cfg.selector == "streaming":
-        index = streaming_index(keys.shape[0], n, cfg.support)
+        index = streaming_index(keys.shape[0], n, cfg.support, device=keys.device)
     elif cfg.token_level:
         index = token_index(state.positions, layout)  # reused distant positions, the window slides
     if cfg.token_level:

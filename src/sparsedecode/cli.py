@@ -143,6 +143,11 @@ def _add_bench_parsers(sub) -> None:
     op.add_argument("--dtype", default="float32", choices=DTYPES)
     op.add_argument("--selector", default="mean-pooled", help="any selector (see `run --help`)")
     op.add_argument("--budget", type=float, default=0.6, help="seconds of calls per timing (at least 10 calls)")
+    op.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu, or cuda[:i]: device-event timings, and the Triton kernel beside torch's gather + SDPA",
+    )
     op.add_argument("--json", type=Path, help="write {machine, bandwidth_gbs, rows} here")
     e2e = benches.add_parser("e2e", help="real model: prefill, then greedy decoding dense vs sparse, same process")
     _add_model_args(e2e)
@@ -933,9 +938,17 @@ def cmd_bench_op(args) -> int:
 
     _check_json_target(args.json)
     dtype = getattr(torch, args.dtype)
+    if args.device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise SparseDecodeError(f"--device {args.device}: torch sees no CUDA device here")
+        where = f"{torch.cuda.get_device_name(args.device)}, torch SDPA dense (its own backend choice)"
+    elif args.device == "cpu":
+        where = f"cpu, {torch.get_num_threads()} threads"
+    else:
+        raise SparseDecodeError(f"--device must be cpu or cuda[:i] (got {args.device!r})")
     console.print(
-        f"bench op: shape {args.shape}, {args.dtype}, cpu, {torch.get_num_threads()} threads; medians over repeated "
-        "calls, dense and sparse measured side by side in this process"
+        f"bench op: shape {args.shape}, {args.dtype}, {where}; medians over repeated calls, dense and sparse "
+        "measured side by side in this process"
     )
     with progress_bars() as progress:
         rows, bandwidth = bench_op(
@@ -945,12 +958,14 @@ def cmd_bench_op(args) -> int:
             dtype=dtype,
             selector=args.selector,
             budget_s=args.budget,
+            device=args.device,
             progress=progress,
         )
     table = Table(title=f"one decode-attention call, {args.shape}; read bandwidth measured now: {bandwidth:.1f} GB/s")
     for name in (
         "N",
         "S",
+        "kernel",
         "dense ms",
         "sparse ms",
         "select ms",
@@ -966,6 +981,7 @@ def cmd_bench_op(args) -> int:
         table.add_row(
             str(r.context),
             str(r.support),
+            r.kernel,
             f"{r.dense_ms:.3f}",
             f"{r.sparse_ms:.3f}",
             f"{r.select_ms:.3f}",

@@ -60,7 +60,7 @@ def audit_step(view: StepView) -> dict[str, torch.Tensor]:
     q = view.query.double().view(kv_heads, group, d)
 
     probs = torch.softmax(torch.bmm(q, keys.transpose(1, 2)) * view.scaling, dim=-1)  # (kv, G, N)
-    kept = torch.zeros(kv_heads, n, dtype=torch.bool)
+    kept = torch.zeros(kv_heads, n, dtype=torch.bool, device=keys.device)
     kept.scatter_(1, view.index, True)  # invalid slots point at the anchor, which is always kept
     kept_probs = probs * kept.unsqueeze(1)
     omitted_probs = probs - kept_probs

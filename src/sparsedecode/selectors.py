@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import triton_attention
 from .centroids import BlockCentroids, reduce_blocks
 from .config import SparseConfig
 from .errors import SparseDecodeError
@@ -176,10 +177,10 @@ def token_index(distant: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
     return torch.cat([distant.new_zeros(kv_heads, 1), distant, window], dim=1)
 
 
-def streaming_index(kv_heads: int, n: int, support: int) -> torch.Tensor:
+def streaming_index(kv_heads: int, n: int, support: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """StreamingLLM at the same budget: the anchor and the last ``support - 1`` positions."""
-    recent = torch.arange(n - support + 1, n)
-    return torch.cat([torch.zeros(1, dtype=torch.long), recent]).expand(kv_heads, -1)
+    recent = torch.arange(n - support + 1, n, device=device)
+    return torch.cat([recent.new_zeros(1), recent]).expand(kv_heads, -1)
 
 
 STAT_KINDS = {"mean-pooled": ("mean",), "quest": ("min", "max")}
@@ -209,8 +210,14 @@ def select_blocks(
     ``N`` keys. ``oracle-blocks`` reads every key (true block attention mass, summed over the group).
     ``random-blocks`` draws with a generator seeded by ``cfg.seed``, ``salt`` (the layer) and ``N``.
     ``verify=False`` skips the cache's staleness check; only safe when this step directly follows the last.
+    With the Triton kernels (``cfg.kernel``, CUDA) ``mean-pooled`` scores and picks in two kernels, without a host
+    synchronisation; the same set, best first instead of ascending.
     """
     kv_heads = keys.shape[0]
+    if cfg.selector == "mean-pooled" and triton_attention.wanted(cfg.kernel, keys.device, cfg.block_size):
+        if layout.n_blocks <= triton_attention.MAX_TRITON_BLOCKS:
+            centroids = cache.update_all(keys, layout.n_full, verify=verify)["mean"]
+            return triton_attention.mean_pooled_top_blocks(queries, keys, centroids, layout, cfg.blocks)
     if cfg.selector in STAT_KINDS:
         query_means = group_mean_queries(queries, kv_heads)
         scores = _stat_scores(cfg.selector, query_means, cache.update_all(keys, layout.n_full, verify=verify))
@@ -223,7 +230,8 @@ def select_blocks(
         masses = block_masses(group_attention(queries, keys[:, : layout.n], scale), layout)
         return top_blocks(masses, cfg.blocks)
     if cfg.selector == "random-blocks":
-        return random_blocks(kv_heads, layout.n_blocks, cfg.blocks, cfg.seed * 1_000_003 + salt * 65_537 + layout.n)
+        seed = cfg.seed * 1_000_003 + salt * 65_537 + layout.n
+        return random_blocks(kv_heads, layout.n_blocks, cfg.blocks, seed).to(keys.device)
     raise SparseDecodeError(f"{cfg.selector!r} is not a block selector")
 
 
@@ -244,7 +252,7 @@ def select_positions(
     """
     kv_heads = keys.shape[0]
     if cfg.selector == "streaming":
-        return streaming_index(kv_heads, layout.n, cfg.support)
+        return streaming_index(kv_heads, layout.n, cfg.support, device=keys.device)
     if cfg.selector == "oracle-tokens" or (cfg.selector == "h2o" and accumulated is None):
         weights = group_attention(queries, keys[:, : layout.n], scale)
     elif cfg.selector == "h2o":

@@ -17,11 +17,14 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import SparseDecodeError
-from .selectors import BlockLayout
+
+if TYPE_CHECKING:  # selectors imports this module
+    from .selectors import BlockLayout
 
 
 def triton_installed() -> bool:
@@ -36,6 +39,66 @@ def usable(device: torch.device, block_size: int) -> bool:
     if device.type == "cuda":
         return True
     return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def wanted(kernel: str, device: torch.device, block_size: int) -> bool:
+    """Whether a step with ``SparseConfig.kernel == kernel`` on ``device`` should run the Triton kernels."""
+    return (kernel == "triton" or (kernel == "auto" and device.type == "cuda")) and usable(device, block_size)
+
+
+MAX_TRITON_BLOCKS = 1 << 15
+"""Above this many distant blocks (512K positions at B = 16) selection stays with torch's top-k."""
+
+
+def mean_pooled_top_blocks(
+    q: torch.Tensor, keys: torch.Tensor, centroids: torch.Tensor, layout: BlockLayout, b: int
+) -> torch.Tensor:
+    """The ``b`` best distant blocks per KV head by the mean-pooled score, ``(kv, b)`` int64, best first.
+
+    ``q (H, d)``, ``keys (kv, >= n, d)``, ``centroids (kv, n_full, d)`` float32 (the cached ones, any strides).
+    Two kernels and no host synchronisation: scores for every block (the short tail block averaged from its keys
+    on the fly), then ``b`` rounds of argmax per KV head, ties to the lowest index as
+    :func:`sparsedecode.selectors.top_blocks`; the same set, in score order rather than ascending.
+    """
+    from . import _triton_kernels as kernels
+
+    query_heads, d = q.shape
+    kv_heads = keys.shape[0]
+    group = query_heads // kv_heads
+    n_blocks = layout.n_blocks
+    if b >= n_blocks:
+        return torch.arange(n_blocks, device=keys.device).expand(kv_heads, -1)
+    if b == 0:
+        return torch.zeros(kv_heads, 0, dtype=torch.long, device=keys.device)
+    qg = q.reshape(kv_heads, group, d)
+    scores = torch.empty(kv_heads, n_blocks, dtype=torch.float32, device=keys.device)
+    tile = 64
+    kernels.mean_pooled_scores_kernel[(kv_heads, -(-n_blocks // tile))](
+        qg,
+        centroids,
+        keys,
+        scores,
+        layout.n_full,
+        n_blocks,
+        layout.distant_end,
+        qg.stride(0),
+        qg.stride(1),
+        centroids.stride(0),
+        centroids.stride(1),
+        centroids.stride(2),
+        keys.stride(0),
+        keys.stride(1),
+        GROUP=group,
+        GROUP_PAD=max(2, triton_next_power_of_2(group)),
+        HEAD_DIM=d,
+        BLOCK=layout.block_size,
+        TILE=tile,
+    )
+    chosen = torch.empty(kv_heads, b, dtype=torch.int32, device=keys.device)
+    kernels.top_blocks_kernel[(kv_heads,)](
+        scores, chosen, n_blocks, CHOSEN=b, BLOCKS_PAD=triton_next_power_of_2(n_blocks)
+    )
+    return chosen.long()
 
 
 def default_splits(tiles: int, kv_heads: int, device: torch.device) -> int:

@@ -22,6 +22,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from .. import triton_attention
 from ..attention import LayerState, SparseSession, attend_positions, attend_support, sparse_decode_step, sparse_decoding
 from ..cache import GrowingCache
 from ..centroids import BlockCentroids
@@ -55,10 +56,23 @@ def median_time(fn: Callable[[], object], *, min_calls: int = 10, budget_s: floa
     return statistics.median(times)
 
 
-def read_bandwidth_gbs(megabytes: int = 512) -> float:
-    """This machine's read bandwidth now: median GB/s of summing a float32 buffer larger than the caches."""
-    buffer = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32)
-    seconds = median_time(buffer.sum, min_calls=7, budget_s=1.0)
+def cuda_median_time(fn: Callable[[], object], *, budget_s: float = 0.6, **_) -> float:
+    """Median seconds per call on a CUDA device, timed with device events by ``triton.testing.do_bench``, which
+    also flushes the L2 cache before every call (so a context that fits in L2 is not timed from L2)."""
+    from triton.testing import do_bench
+
+    return (
+        do_bench(fn, warmup=max(25, int(budget_s * 100)), rep=max(100, int(budget_s * 1000)), return_mode="median")
+        / 1e3
+    )
+
+
+def read_bandwidth_gbs(megabytes: int = 512, device: str = "cpu") -> float:
+    """The device's read bandwidth now: median GB/s of summing a float32 buffer larger than the caches."""
+    megabytes = megabytes if device == "cpu" else 4 * megabytes
+    buffer = torch.ones(megabytes * (1 << 20) // 4, dtype=torch.float32, device=device)
+    timer = median_time if device == "cpu" else cuda_median_time
+    seconds = timer(buffer.sum, min_calls=7, budget_s=1.0)
     return buffer.nelement() * 4 / seconds / 1e9
 
 
@@ -81,6 +95,9 @@ class OpRow:
     dense_bound_ratio: float
     dense_gbs: float
     sparse_gbs: float
+    kernel: str = "torch"
+    device: str = "cpu"
+    dense_triton_ms: float | None = None
 
 
 def _fresh_step(session, state, query, keys, values, n, scale):
@@ -118,29 +135,52 @@ def bench_op(
     dtype: torch.dtype = torch.float32,
     selector: str = "mean-pooled",
     budget_s: float = 0.6,
+    device: str = "cpu",
+    kernels: tuple[str, ...] | None = None,
     progress: Progress | None = None,
 ) -> tuple[list[OpRow], float]:
-    """Time one decode-attention call per (context, support); returns rows and the measured bandwidth."""
+    """Time one decode-attention call per (context, support, kernel); returns rows and the measured bandwidth.
+
+    ``device="cuda"`` times with device events (L2 flushed before every call) and, by default, times the sparse
+    attention both with torch (gather + SDPA) and with the Triton kernel; on the CPU only torch runs.
+    """
     dims = SHAPES[shape] if isinstance(shape, str) else tuple(shape)  # or (query heads, KV heads, head dim)
     if not isinstance(shape, str):
         shape = next((name for name, known in SHAPES.items() if known == dims), "{}q-{}kv-d{}".format(*dims))
     query_heads, kv_heads, d = dims
     element = torch.finfo(dtype).bits // 8
-    bandwidth = read_bandwidth_gbs()
+    if kernels is None:
+        kernels = (
+            ("torch", "triton") if device != "cpu" and triton_attention.usable(torch.device(device), 16) else ("torch",)
+        )
+    token_level = SparseConfig(selector=selector).token_level
+    kernels = ("torch",) if token_level else kernels  # the Triton kernel serves block selectors
+    timer = median_time if device == "cpu" else cuda_median_time
+    bandwidth = read_bandwidth_gbs(device=device)
     rows: list[OpRow] = []
-    total = len(contexts) * len(supports)
+    total = len(contexts) * len(supports) * len(kernels)
     generator = torch.Generator().manual_seed(0)
     for n in contexts:
-        keys = torch.randn(1, kv_heads, n, d, generator=generator).to(dtype)
-        values = torch.randn(1, kv_heads, n, d, generator=generator).to(dtype)
-        query = torch.randn(1, query_heads, 1, d, generator=generator).to(dtype)
+        keys = torch.randn(1, kv_heads, n, d, generator=generator).to(device, dtype)
+        values = torch.randn(1, kv_heads, n, d, generator=generator).to(device, dtype)
+        query = torch.randn(1, query_heads, 1, d, generator=generator).to(device, dtype)
         scale = d**-0.5
         packed = query.view(1, kv_heads, query_heads // kv_heads, d)
         # transformers' one-token SDPA path: query heads packed per KV head, no repeat_kv
         dense = partial(F.scaled_dot_product_attention, packed, keys, values, scale=scale)
-        dense_s = median_time(dense, budget_s=budget_s)
-        for support in supports:
-            cfg = SparseConfig(support=support, selector=selector)
+        dense_s = timer(dense, budget_s=budget_s)
+        dense_triton_s = None
+        if "triton" in kernels:  # a split-KV dense baseline: the same kernel over every position
+            layout = BlockLayout(n=n, window=64, block_size=16)
+            every = torch.arange(layout.n_blocks, device=device).expand(kv_heads, -1)
+            whole_cache = partial(
+                triton_attention.support_attention, query[0, :, 0], keys[0], values[0], every, layout, d**-0.5
+            )
+            dense_triton_s = timer(whole_cache, budget_s=budget_s)
+        for support, kernel in ((s, k) for s in supports for k in kernels):
+            if support >= n:  # decoding attends densely there (support >= context): nothing sparse to time
+                continue
+            cfg = SparseConfig(support=support, selector=selector, kernel=kernel)
             layout = BlockLayout(n=n, window=cfg.window, block_size=cfg.block_size)
             session = SparseSession(config=cfg, model=None)
             state = LayerState(0, BlockCentroids(cfg.block_size, STAT_KINDS.get(selector, ("mean",))))
@@ -152,10 +192,11 @@ def bench_op(
                 attend = partial(attend_positions, q, k, v, select(), scale)
             else:
                 select = partial(select_blocks, cfg, state.centroids, q, k, layout, scale=scale, verify=False)
-                attend = partial(attend_support, q, k, v, select(), layout, scale)
-            sparse_s = median_time(whole, budget_s=budget_s)
-            select_s = median_time(select, budget_s=budget_s / 2)
-            attend_s = median_time(attend, budget_s=budget_s / 2)
+                attention = triton_attention.support_attention if kernel == "triton" else attend_support
+                attend = partial(attention, q, k, v, select(), layout, scale)
+            sparse_s = timer(whole, budget_s=budget_s)
+            select_s = timer(select, budget_s=budget_s / 2)
+            attend_s = timer(attend, budget_s=budget_s / 2)
             bytes_dense, bytes_sparse = _op_bytes(cfg, n, kv_heads, query_heads, d, element)
             rows.append(
                 OpRow(
@@ -176,6 +217,9 @@ def bench_op(
                     dense_bound_ratio=dense_s / (bytes_dense / (bandwidth * 1e9)),
                     dense_gbs=bytes_dense / dense_s / 1e9,
                     sparse_gbs=bytes_sparse / sparse_s / 1e9,
+                    kernel=kernel,
+                    device=device,
+                    dense_triton_ms=None if dense_triton_s is None else dense_triton_s * 1e3,
                 )
             )
             if progress:
@@ -213,6 +257,7 @@ class E2ERow:
     mean_accepted: float | None = None
     draft_s: float | None = None
     verify_s: float | None = None
+    kernel: str | None = None
 
 
 def bench_e2e(
@@ -224,6 +269,7 @@ def bench_e2e(
     tokens: int = 64,
     lossless: tuple[int, ...] = (),
     adaptive: bool = False,
+    kernel: str = "auto",
     progress: Progress | None = None,
 ) -> list[E2ERow]:
     """Dense prefill once, then ``tokens`` greedy tokens per mode from the same prefilled KV cache.
@@ -233,6 +279,7 @@ def bench_e2e(
     report the median of their two runs, so a drift of the shared machine shows up instead of favouring one
     mode. ``speedup_vs_best_dense`` divides by the faster dense mode. Peak RSS is the process peak so far.
     ``lossless`` lists draft lengths k for self-speculative rows (sparse drafts, dense verification) per support.
+    ``kernel`` is the sparse attention kernel (``SparseConfig.kernel``; ``auto`` = Triton on CUDA, else torch).
     """
     started = time.perf_counter()
     dynamic, logits = prefill(model, prompt_ids, progress=progress)
@@ -256,7 +303,7 @@ def bench_e2e(
     }
     sparse_runs = []
     for support in supports:
-        with sparse_decoding(model, SparseConfig(support=support)):
+        with sparse_decoding(model, SparseConfig(support=support, kernel=kernel)):
             sparse_runs.append((support, *timed(growing, f"sparse S={support}")))
     lossless_runs = []
     for support in supports:
@@ -266,7 +313,7 @@ def bench_e2e(
                 growing,
                 context,
                 first,
-                SparseConfig(support=support),
+                SparseConfig(support=support, kernel=kernel),
                 tokens + 1,
                 draft_tokens=k,
                 adaptive=adaptive,
@@ -302,7 +349,7 @@ def bench_e2e(
         )
 
     rows = [row("dense", cache, None, seconds, dense_runs[cache][0][1]) for cache, seconds in dense_s.items()]
-    rows += [row("sparse", "growing", support, seconds, out) for support, seconds, out in sparse_runs]
+    rows += [row("sparse", "growing", support, seconds, out, kernel=kernel) for support, seconds, out in sparse_runs]
     rows += [
         row(
             "lossless",
@@ -315,6 +362,7 @@ def bench_e2e(
             mean_accepted=g.mean_accepted,
             draft_s=g.draft_s,
             verify_s=g.verify_s,
+            kernel=kernel,
         )
         for support, k, g in lossless_runs
     ]

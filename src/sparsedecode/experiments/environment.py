@@ -48,4 +48,5 @@ def environment(model: torch.nn.Module | None = None) -> dict:
         "cpu_count": os.cpu_count(),
         "machine": platform.machine(),
         "processor": platform.processor() or platform.machine(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
