@@ -1,0 +1,235 @@
+"""One prepared check of the optional Triton path on a CUDA machine; writes JSON files into the folder given.
+
+    PYTHONPATH=src python3 scripts/gpu_check.py OUTDIR [--quick]
+
+``--quick`` shrinks every stage (a dry run of the script itself; without CUDA it runs on the CPU, the kernel
+through Triton's interpreter: set TRITON_INTERPRET=1).
+
+1. Correctness: the Triton kernel against a float64 attention over the same support (anchor, chosen blocks,
+   window), fresh random inputs per case, float32 / bfloat16 / float16 caches, several shapes and splits.
+2. A tiny random Qwen2 decoding on the GPU with the Triton kernel and with torch's gather + SDPA: same tokens.
+3. ``bench op`` on the GPU (qwen2-0.5b and llama3-8b shapes, bfloat16): torch SDPA dense against the sparse step
+   with each kernel (``cuda_median_time``: device events, L2 flushed before every call).
+4. End to end at 32K context on a model with qwen2.5-coder-0.5b's shapes and random weights (no weights can be
+   fetched on such a machine; decode speed does not depend on the weights' values, acceptance does): dense vs
+   sparse S = 193 with each kernel, and lossless k = 4.
+
+Each stage runs even if an earlier one failed; a summary is printed last.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from sparsedecode import SparseConfig, sparse_decoding
+from sparsedecode.experiments.bench import bench_e2e, bench_op, op_rows_as_dicts
+from sparsedecode.experiments.environment import environment
+from sparsedecode.selectors import BlockLayout, support_positions
+from sparsedecode.triton_attention import support_attention
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+QUICK = "--quick" in sys.argv
+QWEN_CODER_05B = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
+    tie_word_embeddings=False,
+)
+
+
+def reference(q, keys, values, blocks, layout, scale):
+    """Float64 attention of every query head over its KV head's support positions."""
+    index, valid = support_positions(blocks, layout)
+    kv, d = keys.shape[0], keys.shape[-1]
+    gather = index.unsqueeze(-1).expand(-1, -1, d)
+    k, v = keys.gather(1, gather).double(), values.gather(1, gather).double()
+    qg = q.double().view(kv, -1, d)
+    logits = torch.bmm(qg, k.transpose(1, 2)) * scale
+    logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    return torch.bmm(torch.softmax(logits, -1), v).reshape(q.shape)
+
+
+def check_kernel() -> list[dict]:
+    """Every case with fresh random inputs; the (possibly short) last distant block is always among the chosen."""
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+    cases = [
+        (14, 2, 64, 131072, 8, None),
+        (14, 2, 64, 2048, 8, 1),
+        (14, 2, 64, 32768, 44, None),
+        (32, 8, 128, 8192, 44, None),
+        (32, 8, 128, 4096, 8, 3),
+        (8, 1, 32, 500, 4, 2),
+        (4, 2, 16, 20, 0, 2),
+    ]
+    if QUICK:
+        cases = [(h, kv, d, min(n, 2048), b, splits) for h, kv, d, n, b, splits in cases]
+        tolerance.pop(torch.bfloat16)  # Triton's CPU interpreter multiplies bfloat16 wrongly
+    results = []
+    generator = torch.Generator(device=DEVICE).manual_seed(1234)
+    for dtype in tolerance:
+        for query_heads, kv, d, n, b, splits in cases:
+            layout = BlockLayout(n=n, window=64, block_size=16)
+            keys = torch.randn(kv, n + 9, d, device=DEVICE, generator=generator).to(dtype)
+            values = torch.randn(kv, n + 9, d, device=DEVICE, generator=generator).to(dtype)
+            q = (3 * torch.randn(query_heads, d, device=DEVICE, generator=generator)).to(dtype)
+            b = min(b, layout.n_blocks)
+            scores = torch.rand(kv, layout.n_blocks, device=DEVICE, generator=generator)
+            if layout.n_blocks:
+                scores[:, -1] += 1.0  # always choose the (possibly short) last block
+            blocks = scores.topk(b, dim=-1).indices.sort(dim=-1).values
+            out = support_attention(q, keys, values, blocks, layout, d**-0.5, splits=splits)
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+            expected = reference(q, keys, values, blocks, layout, d**-0.5)
+            error = float((out.double() - expected).norm() / expected.norm())
+            ok = bool(torch.isfinite(out).all()) and error < tolerance[dtype]
+            results.append(
+                dict(dtype=str(dtype), shape=[query_heads, kv, d], n=n, b=b, splits=splits, rel_error=error, ok=ok)
+            )
+    return results
+
+
+def check_decoding() -> dict:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=96,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        attn_implementation="sdpa",
+    )
+    model = Qwen2ForCausalLM(config).to(DEVICE).eval().requires_grad_(False)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4.0)
+            layer.self_attn.k_proj.weight.mul_(4.0)
+    ids = torch.randint(1, 96, (1, 700), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    outputs = {}
+    for kernel in ("torch", "triton"):
+        with sparse_decoding(model, SparseConfig(support=97, kernel=kernel)) as session:
+            outputs[kernel] = model.generate(ids, max_new_tokens=48, do_sample=False)[0, 700:].tolist()
+        assert session.sparse_steps > 0
+    return {"tokens_equal": outputs["torch"] == outputs["triton"], "tokens": outputs}
+
+
+def main() -> int:
+    out_dir = Path(sys.argv[1])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.get_device_name(0) if DEVICE == "cuda" else None
+    summary: dict[str, object] = {"machine": environment(), "gpu": gpu}
+    print(summary, flush=True)
+
+    def stage(name, fn):
+        started = time.perf_counter()
+        try:
+            value = fn()
+            summary[name] = "ok"
+            return value
+        except Exception:  # a failed stage is reported and the next one still runs
+            summary[name] = "failed: " + traceback.format_exc(limit=4)[-1500:]
+            print(summary[name], flush=True)
+            return None
+        finally:
+            print(f"[{name}] {time.perf_counter() - started:.1f} s", flush=True)
+
+    kernel = stage("kernel", check_kernel)
+    if kernel is not None:
+        (out_dir / "kernel-check.json").write_text(json.dumps(kernel, indent=1))
+        summary["kernel"] = f"{sum(r['ok'] for r in kernel)}/{len(kernel)} cases within tolerance"
+        for r in kernel:
+            print(("ok  " if r["ok"] else "BAD ") + json.dumps(r), flush=True)
+    decoding = stage("decoding", check_decoding)
+    if decoding is not None:
+        summary["decoding"] = f"triton tokens == torch tokens: {decoding['tokens_equal']}"
+
+    op_tables = []
+    for shape in ("qwen2-0.5b", "llama3-8b"):
+
+        def op(shape=shape):
+            contexts = (2048,) if QUICK else (2048, 8192, 32768, 131072)
+            dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+            rows, bandwidth = bench_op(shape, contexts, dtype=dtype, device=DEVICE, budget_s=0.05 if QUICK else 0.4)
+            data = {"machine": environment(), "gpu": gpu, "bandwidth_gbs": bandwidth}
+            data["rows"] = op_rows_as_dicts(rows)
+            (out_dir / f"op-gpu-{shape}.json").write_text(json.dumps(data, indent=1))
+            return rows, bandwidth
+
+        result = stage(f"op {shape}", op)
+        if result is not None:
+            op_tables.append((shape, *result))
+
+    def e2e():
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        torch.manual_seed(0)
+        shapes = {**QWEN_CODER_05B, "num_hidden_layers": 2} if QUICK else QWEN_CODER_05B
+        dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+        config = Qwen2Config(**shapes, attn_implementation="sdpa", dtype=dtype)
+        with torch.device(DEVICE):
+            model = Qwen2ForCausalLM(config).to(dtype).eval().requires_grad_(False)
+        rows = []
+        context = 512 if QUICK else 32704
+        ids = torch.randint(1, 150000, (1, context), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+        kernels = (("triton", (4,)), ("torch", ())) if DEVICE == "cuda" else (("torch", (4,)),)
+        for kernel_name, lossless in kernels:
+            rows += bench_e2e(
+                model,
+                "qwen2.5-coder-0.5b shapes, random weights",
+                ids,
+                (193,),
+                tokens=64,
+                lossless=lossless,
+                kernel=kernel_name,
+            )
+        (out_dir / "e2e-gpu.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
+        return rows
+
+    e2e_rows = stage("e2e", e2e)
+
+    print("\n== summary ==")
+    for key, value in summary.items():
+        if key != "machine":
+            print(f"{key}: {value}")
+    for shape, rows, bandwidth in op_tables:
+        print(
+            f"\nop {shape}, {rows[0].dtype}, read bandwidth {bandwidth:.0f} GB/s "
+            "(ms; speedup = dense / sparse whole step; dense-tr = the Triton kernel over every position)"
+        )
+        print("N       S    kernel  dense   dense-tr sparse  select  attend  speedup  bound")
+        for r in rows:
+            print(
+                f"{r.context:<7} {r.support:<4} {r.kernel:<7} {r.dense_ms:.4f}  {r.dense_triton_ms or 0:.4f}  "
+                f"{r.sparse_ms:.4f}  {r.select_ms:.4f}  {r.attend_ms:.4f}  {r.speedup:5.2f}x  {r.bound_ratio:5.1f}x"
+            )
+    if e2e_rows:
+        print("\ne2e (random weights): mode kernel S k  decode tok/s  vs best dense  equal-to-dense  prefill s")
+        for r in e2e_rows:
+            print(
+                f"{r.mode:<9} {r.kernel or '-':<7} {r.support or '-'} {r.draft_tokens or '-'}  "
+                f"{r.decode_tokens_per_s:8.1f}  {r.speedup_vs_best_dense:5.2f}x  {r.tokens_equal_to_dense}/{r.tokens}"
+                f"  {r.prefill_s:.2f}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
