@@ -38,7 +38,12 @@ def test_bytes_accounting():
 
 def test_bench_op_rows_are_consistent():
     rows, bandwidth = bench_op("smollm2-135m", (512,), (97, 193), budget_s=0.0)
-    assert bandwidth > 0 and len(rows) == 2
+    assert bandwidth > 0 and [(r.support, r.kernel) for r in rows] == [
+        (97, "torch"),
+        (97, "c"),
+        (193, "torch"),
+        (193, "c"),
+    ]
     for row in rows:
         assert row.speedup == row.dense_ms / row.sparse_ms
         assert row.bound_ratio == row.sparse_ms / 1e3 / (row.bytes_sparse / (row.bandwidth_gbs * 1e9))

@@ -26,7 +26,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from . import triton_attention
+from . import cpu_kernel, triton_attention
 from .centroids import BlockCentroids
 from .config import SparseConfig
 from .errors import SparseDecodeError
@@ -309,15 +309,25 @@ def attend_support(
     return out.reshape(query_heads, d)
 
 
+def check_kernel(kernel: str, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_size: int) -> None:
+    """Refuse an explicitly requested kernel that cannot run on these tensors (``auto`` and ``torch`` always can)."""
+    if kernel == "triton" and not triton_attention.usable(keys.device, block_size):
+        raise SparseDecodeError(
+            "kernel='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1 on CPU) and a power-of-two "
+            f"block size >= 16 (got {block_size}); use kernel='auto' or 'torch'"
+        )
+    if kernel == "c" and not cpu_kernel.usable(keys, values, q):
+        reason = cpu_kernel.BUILD_ERROR or f"float32 CPU tensors (got {keys.dtype} on {keys.device})"
+        raise SparseDecodeError(f"kernel='c' cannot run here: {reason}; use kernel='auto' or 'torch'")
+
+
 def _attend_blocks(cfg, q, keys, values, blocks, layout, scale) -> torch.Tensor:
     """Attention over a block selector's support with the kernel ``cfg.kernel`` asks for (see ``KERNELS``)."""
     if triton_attention.wanted(cfg.kernel, keys.device, cfg.block_size):
         return triton_attention.support_attention(q, keys, values, blocks, layout, scale)
-    if cfg.kernel == "triton":
-        raise SparseDecodeError(
-            "kernel='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1 on CPU) and a power-of-two "
-            f"block size >= 16 (got {cfg.block_size}); use kernel='auto' or 'torch'"
-        )
+    if cpu_kernel.wanted(cfg.kernel, q, keys, values):
+        return cpu_kernel.attend_support(q, keys, values, blocks, layout, scale)
+    check_kernel(cfg.kernel, q, keys, values, cfg.block_size)
     return attend_support(q, keys, values, blocks, layout, scale)
 
 

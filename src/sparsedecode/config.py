@@ -12,10 +12,11 @@ TOKEN_SELECTORS = ("oracle-tokens", "h2o", "streaming")
 """Keep exactly ``support`` positions: the anchor, the window and ``support - 1 - window`` single distant positions
 (``streaming``: the anchor and the last ``support - 1`` positions, no distant ones)."""
 SELECTORS = BLOCK_SELECTORS + TOKEN_SELECTORS
-KERNELS = ("auto", "torch", "triton")
-"""How a block selector's support is attended: ``torch`` (gather + SDPA, any device), ``triton`` (one fused
-kernel reading the support in place; CUDA, or the Triton interpreter on CPU), ``auto`` (Triton on CUDA when it is
-installed, torch otherwise)."""
+KERNELS = ("auto", "torch", "c", "triton")
+"""How a block selector's step runs: ``torch`` (torch operations: scores, top-k, gather + SDPA; any device and
+dtype), ``c`` (the CPU kernel of :mod:`sparsedecode.cpu_kernel`: selection and attention in one call each, float32),
+``triton`` (:mod:`sparsedecode.triton_attention`; CUDA, or Triton's interpreter on CPU), ``auto`` (Triton on CUDA
+when installed, the C kernel for float32 on the CPU when it builds, torch otherwise)."""
 
 
 @dataclass(frozen=True)

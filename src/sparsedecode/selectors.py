@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import triton_attention
+from . import cpu_kernel, triton_attention
 from .centroids import BlockCentroids, reduce_blocks
 from .config import SparseConfig
 from .errors import SparseDecodeError
@@ -211,13 +211,17 @@ def select_blocks(
     ``random-blocks`` draws with a generator seeded by ``cfg.seed``, ``salt`` (the layer) and ``N``.
     ``verify=False`` skips the cache's staleness check; only safe when this step directly follows the last.
     With the Triton kernels (``cfg.kernel``, CUDA) ``mean-pooled`` scores and picks in two kernels, without a host
-    synchronisation; the same set, best first instead of ascending.
+    synchronisation (the same set, best first instead of ascending); with the C kernel (float32 on the CPU) in one
+    call (the same blocks, ascending).
     """
     kv_heads = keys.shape[0]
     if cfg.selector == "mean-pooled" and triton_attention.wanted(cfg.kernel, keys.device, cfg.block_size):
         if layout.n_blocks <= triton_attention.MAX_TRITON_BLOCKS:
             centroids = cache.update_all(keys, layout.n_full, verify=verify)["mean"]
             return triton_attention.mean_pooled_top_blocks(queries, keys, centroids, layout, cfg.blocks)
+    if cfg.selector == "mean-pooled" and cpu_kernel.wanted(cfg.kernel, queries, keys, keys):
+        centroids = cache.update_all(keys, layout.n_full, verify=verify)["mean"]
+        return cpu_kernel.select_mean_pooled(queries, keys, centroids, layout, cfg.blocks)
     if cfg.selector in STAT_KINDS:
         query_means = group_mean_queries(queries, kv_heads)
         scores = _stat_scores(cfg.selector, query_means, cache.update_all(keys, layout.n_full, verify=verify))

@@ -22,7 +22,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from .. import triton_attention
+from .. import cpu_kernel, triton_attention
 from ..attention import LayerState, SparseSession, attend_positions, attend_support, sparse_decode_step, sparse_decoding
 from ..cache import GrowingCache
 from ..centroids import BlockCentroids
@@ -141,20 +141,22 @@ def bench_op(
 ) -> tuple[list[OpRow], float]:
     """Time one decode-attention call per (context, support, kernel); returns rows and the measured bandwidth.
 
-    ``device="cuda"`` times with device events (L2 flushed before every call) and, by default, times the sparse
-    attention both with torch (gather + SDPA) and with the Triton kernel; on the CPU only torch runs.
+    ``kernels`` (``SparseConfig.kernel`` values) default to torch's operations and the fused kernel of the device:
+    the C kernel for float32 on the CPU, the Triton kernels on CUDA. ``device="cuda"`` times with device events
+    (L2 flushed before every call).
     """
     dims = SHAPES[shape] if isinstance(shape, str) else tuple(shape)  # or (query heads, KV heads, head dim)
     if not isinstance(shape, str):
         shape = next((name for name, known in SHAPES.items() if known == dims), "{}q-{}kv-d{}".format(*dims))
     query_heads, kv_heads, d = dims
     element = torch.finfo(dtype).bits // 8
-    if kernels is None:
-        kernels = (
-            ("torch", "triton") if device != "cpu" and triton_attention.usable(torch.device(device), 16) else ("torch",)
-        )
+    if kernels is None:  # torch's operations beside the fused kernel the device has (the C one on the CPU)
+        if device == "cpu":
+            kernels = ("torch", "c") if dtype == torch.float32 and cpu_kernel.library() is not None else ("torch",)
+        else:
+            kernels = ("torch", "triton") if triton_attention.usable(torch.device(device), 16) else ("torch",)
     token_level = SparseConfig(selector=selector).token_level
-    kernels = ("torch",) if token_level else kernels  # the Triton kernel serves block selectors
+    kernels = ("torch",) if token_level else kernels  # the fused kernels serve block selectors
     timer = median_time if device == "cpu" else cuda_median_time
     bandwidth = read_bandwidth_gbs(device=device)
     rows: list[OpRow] = []
@@ -192,7 +194,9 @@ def bench_op(
                 attend = partial(attend_positions, q, k, v, select(), scale)
             else:
                 select = partial(select_blocks, cfg, state.centroids, q, k, layout, scale=scale, verify=False)
-                attention = triton_attention.support_attention if kernel == "triton" else attend_support
+                attention = {"triton": triton_attention.support_attention, "c": cpu_kernel.attend_support}.get(
+                    kernel, attend_support
+                )
                 attend = partial(attention, q, k, v, select(), layout, scale)
             sparse_s = timer(whole, budget_s=budget_s)
             select_s = timer(select, budget_s=budget_s / 2)

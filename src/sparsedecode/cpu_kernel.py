@@ -1,0 +1,175 @@
+"""The sparse step's CPU kernel: ``csrc/sparse_step.c``, compiled at first use and called through ctypes.
+
+Two functions, one call each per layer and step: mean-pooled block selection over the cached centroids (with the
+short tail block averaged on the fly) and attention over anchor + chosen blocks + window read in place from the KV
+cache. They replace ~20 small torch operations whose fixed cost (a few microseconds each) made the sparse step
+slower than dense SDPA below ~32K positions. Float32 caches only; anything else stays with torch.
+
+The shared library is built with the system C compiler (``$CC``, else ``cc``) into
+``$SPARSEDECODE_CACHE/kernels`` (default ``~/.cache/sparsedecode/kernels``), keyed by the source, the flags and
+the processor, so a rebuild happens only when one of them changes. Without a compiler, or if the build fails,
+:func:`library` returns ``None`` once (the reason in :data:`BUILD_ERROR`) and the torch path is used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .selectors import BlockLayout
+
+SOURCE = Path(__file__).with_name("csrc") / "sparse_step.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c99")
+BUILD_ERROR: str | None = None
+_LIBRARY: ctypes.CDLL | None = None
+_TRIED = False
+_LOCK = threading.Lock()
+
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SPARSEDECODE_CACHE")
+    return (Path(root) if root else Path.home() / ".cache" / "sparsedecode") / "kernels"
+
+
+def _processor() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build() -> ctypes.CDLL:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler found (set CC)")
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + " ".join(FLAGS).encode() + platform.machine().encode() + _processor().encode()
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"sparse_step-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+            built = Path(scratch) / target.name
+            done = subprocess.run(
+                [compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True, timeout=120
+            )
+            if done.returncode != 0:
+                raise OSError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+            os.replace(built, target)  # atomic: concurrent builders each write their own scratch copy
+    library = ctypes.CDLL(str(target))
+    library.select_mean_pooled.argtypes = [_ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64] + [_i64] * 6 + [_ptr]
+    library.attend_support.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr] + [_i64] * 7 + [_f32, _ptr]
+    library.select_mean_pooled.restype = library.attend_support.restype = ctypes.c_int
+    return library
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, built on first use; ``None`` when it cannot be built here (see :data:`BUILD_ERROR`)."""
+    global _LIBRARY, _TRIED, BUILD_ERROR
+    if not _TRIED:
+        with _LOCK:
+            if not _TRIED:
+                try:
+                    _LIBRARY = _build()
+                except (OSError, subprocess.SubprocessError) as error:
+                    BUILD_ERROR = str(error)
+                _TRIED = True
+    return _LIBRARY
+
+
+def usable(keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor) -> bool:
+    """Float32 CPU tensors with contiguous head dims (the layout of a KV cache) and a built kernel."""
+    return (
+        keys.device.type == "cpu"
+        and keys.dtype == values.dtype == q.dtype == torch.float32
+        and keys.stride(-1) == 1
+        and values.stride(-1) == 1
+        and q.is_contiguous()
+        and library() is not None
+    )
+
+
+def wanted(kernel: str, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether a step with ``SparseConfig.kernel == kernel`` should run this kernel on these tensors."""
+    return kernel in ("auto", "c") and usable(keys, values, q)
+
+
+def select_mean_pooled(
+    q: torch.Tensor, keys: torch.Tensor, centroids: torch.Tensor, layout: BlockLayout, b: int
+) -> torch.Tensor:
+    """``(kv, b)`` int64 blocks, ascending: what ``top_blocks(mean_pooled_scores(...))`` picks.
+
+    ``centroids`` is the cache's ``(kv, n_full, d)`` float32 view of its ``(kv, d, capacity)`` storage.
+    """
+    kv_heads, d = keys.shape[0], keys.shape[-1]
+    b = min(b, layout.n_blocks)
+    chosen = torch.empty(kv_heads, b, dtype=torch.int64)
+    if b == 0:
+        return chosen
+    status = library().select_mean_pooled(
+        q.data_ptr(),
+        centroids.data_ptr(),
+        centroids.stride(0),
+        centroids.stride(2),
+        layout.n_full,
+        keys.data_ptr(),
+        keys.stride(0),
+        keys.stride(1),
+        kv_heads,
+        q.shape[0] // kv_heads,
+        d,
+        layout.distant_end,
+        layout.block_size,
+        b,
+        chosen.data_ptr(),
+    )
+    if status:
+        raise MemoryError("sparse step kernel: out of memory for its scratch buffers")
+    return chosen
+
+
+def attend_support(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocks: torch.Tensor, layout: BlockLayout, scale: float
+) -> torch.Tensor:
+    """Attention over anchor + ``blocks`` + window, as :func:`sparsedecode.attention.attend_support`: ``(H, d)``."""
+    kv_heads, d = keys.shape[0], keys.shape[-1]
+    chosen = blocks.to(torch.int64).contiguous()
+    out = torch.empty(q.shape[0], d, dtype=torch.float32)
+    status = library().attend_support(
+        q.data_ptr(),
+        keys.data_ptr(),
+        keys.stride(0),
+        keys.stride(1),
+        values.data_ptr(),
+        values.stride(0),
+        values.stride(1),
+        chosen.data_ptr(),
+        chosen.shape[1],
+        kv_heads,
+        q.shape[0] // kv_heads,
+        d,
+        layout.n,
+        layout.distant_end,
+        layout.block_size,
+        scale,
+        out.data_ptr(),
+    )
+    if status:
+        raise MemoryError("sparse step kernel: out of memory for its scratch buffers")
+    return out

@@ -1,0 +1,121 @@
+"""The C kernel of the sparse step (float32 on the CPU, the default there): the same blocks as the torch selection
+(ties included) and the same attention as gather + SDPA, and decoding that agrees with the torch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import prompt, tiny_model
+from hypothesis import given
+from hypothesis import strategies as st
+from test_attention import greedy_loop
+
+from sparsedecode import SparseConfig, SparseDecodeError, cpu_kernel, sparse_decoding
+from sparsedecode.attention import attend_support
+from sparsedecode.centroids import BlockCentroids
+from sparsedecode.selectors import BlockLayout, select_blocks
+
+
+@pytest.fixture(autouse=True)
+def built():
+    assert cpu_kernel.library() is not None, cpu_kernel.BUILD_ERROR
+
+
+def torch_selection(q, keys, layout, b):
+    cfg = SparseConfig(support=1 + 64 + 16 * b, kernel="torch")
+    return select_blocks(cfg, BlockCentroids(16), q, keys, layout, scale=keys.shape[-1] ** -0.5)
+
+
+CASES = [
+    # query heads, KV heads, head dim, context, blocks
+    (14, 2, 64, 2048, 8),
+    (14, 2, 64, 9000, 44),
+    (32, 8, 128, 1500, 8),
+    (4, 4, 16, 300, 3),
+    (8, 1, 32, 200, 2),  # a short last block
+    (4, 2, 16, 90, 4),  # fewer blocks than b
+    (4, 2, 16, 40, 2),  # context inside the window
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_c_selection_and_attention_match_torch(case):
+    query_heads, kv_heads, d, n, b = case
+    generator = torch.Generator().manual_seed(n)
+    layout = BlockLayout(n=n, window=64, block_size=16)
+    keys = torch.randn(kv_heads, n + 5, d, generator=generator)  # spare capacity, as in a KV cache
+    values = torch.randn(kv_heads, n + 5, d, generator=generator)
+    q = 3 * torch.randn(query_heads, d, generator=generator)
+    expected = torch_selection(q, keys, layout, b)
+    centroids = BlockCentroids(16).update(keys, layout.n_full)
+    chosen = cpu_kernel.select_mean_pooled(q, keys, centroids, layout, b)
+    assert torch.equal(chosen, expected)
+    out = cpu_kernel.attend_support(q, keys, values, chosen, layout, d**-0.5)
+    reference = attend_support(q, keys, values, expected, layout, d**-0.5)
+    assert (out - reference).norm() / reference.norm() < 1e-5
+
+
+def test_c_attention_masks_a_chosen_short_last_block():
+    layout = BlockLayout(n=2048, window=64, block_size=16)  # 123 full blocks, then one of 15 positions
+    generator = torch.Generator().manual_seed(7)
+    keys, values = torch.randn(2, 2048, 64, generator=generator), torch.randn(2, 2048, 64, generator=generator)
+    q = torch.randn(14, 64, generator=generator)
+    blocks = torch.tensor([[3, 50, layout.n_blocks - 1], [0, 1, layout.n_blocks - 1]])
+    out = cpu_kernel.attend_support(q, keys, values, blocks, layout, 0.125)
+    reference = attend_support(q, keys, values, blocks, layout, 0.125)
+    assert (out - reference).norm() / reference.norm() < 1e-5
+
+
+@given(
+    st.integers(min_value=70, max_value=600),
+    st.integers(min_value=1, max_value=12),
+    st.integers(min_value=0, max_value=2**31 - 1),
+)
+def test_c_selection_breaks_ties_as_top_blocks(n, b, seed):
+    """Keys of 0s and 1s make many blocks tie: the C kernel must keep the lowest-indexed ones, as top_blocks."""
+    generator = torch.Generator().manual_seed(seed)
+    layout = BlockLayout(n=n, window=64, block_size=16)
+    keys = torch.randint(0, 2, (2, n, 8), generator=generator).float()
+    keys[:, 1 : layout.distant_end] = keys[:, 1 : layout.distant_end : 16].repeat_interleave(16, 1)[
+        :, : layout.distant_end - 1
+    ]  # constant within a block, so the tail block's mean ties full blocks' exactly
+    q = torch.ones(4, 8)
+    centroids = BlockCentroids(16).update(keys, layout.n_full)
+    chosen = cpu_kernel.select_mean_pooled(q, keys, centroids, layout, b)
+    assert torch.equal(chosen, torch_selection(q, keys, layout, b))
+
+
+def test_decoding_with_the_c_kernel_matches_torch(arch):
+    model = tiny_model(arch)
+    ids = prompt(200)
+    results = {}
+    for kernel in ("torch", "c"):
+        with sparse_decoding(model, SparseConfig(support=97, kernel=kernel)) as session:
+            results[kernel] = greedy_loop(model, ids, 30)
+        assert session.sparse_steps == 30 * 2
+    assert results["c"][0] == results["torch"][0]
+    assert torch.allclose(results["c"][1], results["torch"][1], atol=1e-4)
+
+
+def test_c_kernel_refused_for_half_precision():
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    with (
+        sparse_decoding(model, SparseConfig(support=97, kernel="c")),
+        pytest.raises(SparseDecodeError, match="float32"),
+    ):
+        greedy_loop(model, prompt(180), 2)
+
+
+def test_without_a_compiler_auto_falls_back_to_torch(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_kernel, "_TRIED", False)
+    monkeypatch.setattr(cpu_kernel, "_LIBRARY", None)
+    monkeypatch.setattr(cpu_kernel, "BUILD_ERROR", None)
+    monkeypatch.setenv("SPARSEDECODE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "/bin/false")
+    assert cpu_kernel.library() is None and "failed" in cpu_kernel.BUILD_ERROR
+    model = tiny_model("llama")
+    with sparse_decoding(model, SparseConfig(support=97)) as session:  # auto: torch, silently
+        greedy_loop(model, prompt(180), 3)
+    assert session.sparse_steps == 3 * 2
+    with sparse_decoding(model, SparseConfig(support=97, kernel="c")), pytest.raises(SparseDecodeError, match="failed"):
+        greedy_loop(model, prompt(180), 1)
