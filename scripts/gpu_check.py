@@ -1,6 +1,6 @@
 """One prepared check of the optional Triton path on a CUDA machine; writes JSON files into the folder given.
 
-    PYTHONPATH=src python3 scripts/gpu_check.py OUTDIR [--quick]
+    PYTHONPATH=src python3 scripts/gpu_check.py OUTDIR [--quick] [--graphs-only]
 
 ``--quick`` shrinks every stage (a dry run of the script itself; without CUDA it runs on the CPU, the kernel
 through Triton's interpreter: set TRITON_INTERPRET=1).
@@ -10,7 +10,8 @@ through Triton's interpreter: set TRITON_INTERPRET=1).
 2. A tiny random Qwen2 decoding on the GPU with the Triton kernel and with torch's gather + SDPA: same tokens.
 3. ``bench op`` on the GPU (qwen2-0.5b and llama3-8b shapes, bfloat16): torch SDPA dense against the sparse step
    with each kernel (``cuda_median_time``: device events, L2 flushed before every call).
-4. End to end at 32K context on a model with qwen2.5-coder-0.5b's shapes and random weights (no weights can be
+4. The same calls captured in CUDA graphs and replayed (``--graphs-only``: this stage alone).
+5. End to end at 32K context on a model with qwen2.5-coder-0.5b's shapes and random weights (no weights can be
    fetched on such a machine; decode speed does not depend on the weights' values, acceptance does): dense vs
    sparse S = 193 with each kernel, and lossless k = 4.
 
@@ -131,6 +132,64 @@ def check_decoding() -> dict:
     return {"tokens_equal": outputs["torch"] == outputs["triton"], "tokens": outputs}
 
 
+def graph_timings() -> list[dict]:
+    """Each call captured once in a CUDA graph and timed by replaying it: what the kernels cost without the
+    host-side launch overhead that dominates single calls at batch size 1 (same data and timer as ``bench op``)."""
+    from functools import partial
+
+    import torch.nn.functional as F
+
+    from sparsedecode.attention import LayerState, SparseSession
+    from sparsedecode.centroids import BlockCentroids
+    from sparsedecode.experiments.bench import SHAPES, _fresh_step, cuda_median_time
+
+    rows = []
+    generator = torch.Generator().manual_seed(0)
+    for shape in ("qwen2-0.5b", "llama3-8b"):
+        query_heads, kv_heads, d = SHAPES[shape]
+        for n in (2048, 32768) if QUICK else (2048, 8192, 32768, 131072):
+            keys = torch.randn(1, kv_heads, n, d, generator=generator).to(DEVICE, torch.bfloat16)
+            values = torch.randn(1, kv_heads, n, d, generator=generator).to(DEVICE, torch.bfloat16)
+            query = torch.randn(1, query_heads, 1, d, generator=generator).to(DEVICE, torch.bfloat16)
+            layout = BlockLayout(n=n, window=64, block_size=16)
+            every = torch.arange(layout.n_blocks, device=DEVICE).expand(kv_heads, -1)
+            packed = query.view(1, kv_heads, query_heads // kv_heads, d)
+            calls = {
+                "dense_sdpa": partial(F.scaled_dot_product_attention, packed, keys, values, scale=d**-0.5),
+                "dense_triton_split_kv": partial(
+                    support_attention, query[0, :, 0], keys[0], values[0], every, layout, d**-0.5
+                ),
+            }
+            for support in (97, 193, 769):
+                for kernel in ("triton", "torch"):
+                    cfg = SparseConfig(support=support, kernel=kernel)
+                    session = SparseSession(config=cfg, model=None)
+                    state = LayerState(0, BlockCentroids(16))
+                    state.centroids.update(keys[0], layout.n_full)
+                    step = partial(_fresh_step, session, state, query, keys, values, n, d**-0.5)
+                    calls[f"sparse_{kernel}_S{support}"] = step
+            row = {"shape": shape, "context": n}
+            for name, call in calls.items():
+                if "torch" in name:  # its top-k tie check synchronises with the host: not capturable
+                    row[name + "_ms"] = cuda_median_time(call, budget_s=0.2) * 1e3
+                    continue
+                try:
+                    call()  # warm up: compile, allocate
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        call()
+                    row[name + "_graph_ms"] = cuda_median_time(graph.replay, budget_s=0.2) * 1e3
+                except Exception as error:  # e.g. a host synchronisation inside the call: not capturable
+                    row[name + "_graph_ms"] = None
+                    row[name + "_error"] = f"{type(error).__name__}: {str(error)[:120]}"
+                    torch.cuda.synchronize()
+                row[name + "_ms"] = cuda_median_time(call, budget_s=0.2) * 1e3
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> int:
     out_dir = Path(sys.argv[1])
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -151,6 +210,12 @@ def main() -> int:
         finally:
             print(f"[{name}] {time.perf_counter() - started:.1f} s", flush=True)
 
+    if "--graphs-only" in sys.argv:  # a later, shorter check: only the CUDA-graph timings
+        graphs = stage("graphs", graph_timings)
+        if graphs is not None:
+            (out_dir / "op-gpu-graphs.json").write_text(json.dumps({"gpu": gpu, "rows": graphs}, indent=1))
+        print(summary.get("graphs"))
+        return 0
     kernel = stage("kernel", check_kernel)
     if kernel is not None:
         (out_dir / "kernel-check.json").write_text(json.dumps(kernel, indent=1))
@@ -176,6 +241,10 @@ def main() -> int:
         result = stage(f"op {shape}", op)
         if result is not None:
             op_tables.append((shape, *result))
+
+    graphs = stage("graphs", graph_timings)
+    if graphs is not None:
+        (out_dir / "op-gpu-graphs.json").write_text(json.dumps({"gpu": gpu, "rows": graphs}, indent=1))
 
     def e2e():
         from transformers import Qwen2Config, Qwen2ForCausalLM
