@@ -119,3 +119,27 @@ def test_without_a_compiler_auto_falls_back_to_torch(monkeypatch, tmp_path):
     assert session.sparse_steps == 3 * 2
     with sparse_decoding(model, SparseConfig(support=97, kernel="c")), pytest.raises(SparseDecodeError, match="failed"):
         greedy_loop(model, prompt(180), 1)
+
+
+@pytest.mark.parametrize("case", [(14, 2, 64, 70000, 8), (32, 8, 128, 3000, 44)], ids=["select-split", "attend-split"])
+def test_c_kernel_split_over_threads_matches_torch(case):
+    """Large enough calls split the KV heads over threads: the result must not depend on it."""
+    query_heads, kv_heads, d, n, b = case
+    generator = torch.Generator().manual_seed(3)
+    layout = BlockLayout(n=n, window=64, block_size=16)
+    keys, values = torch.randn(kv_heads, n, d, generator=generator), torch.randn(kv_heads, n, d, generator=generator)
+    q = torch.randn(query_heads, d, generator=generator)
+    centroids = BlockCentroids(16).update(keys, layout.n_full)
+    previous = torch.get_num_threads()
+    outputs = []
+    try:
+        for threads in (1, 4):
+            torch.set_num_threads(threads)
+            chosen = cpu_kernel.select_mean_pooled(q, keys, centroids, layout, b)
+            outputs.append((chosen, cpu_kernel.attend_support(q, keys, values, chosen, layout, d**-0.5)))
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
+    assert torch.equal(outputs[0][0], torch_selection(q, keys, layout, b))
+    reference = attend_support(q, keys, values, outputs[0][0], layout, d**-0.5)
+    assert (outputs[1][1] - reference).norm() / reference.norm() < 1e-5

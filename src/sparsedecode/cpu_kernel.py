@@ -3,7 +3,8 @@
 Two functions, one call each per layer and step: mean-pooled block selection over the cached centroids (with the
 short tail block averaged on the fly) and attention over anchor + chosen blocks + window read in place from the KV
 cache. They replace ~20 small torch operations whose fixed cost (a few microseconds each) made the sparse step
-slower than dense SDPA below ~32K positions. Float32 caches only; anything else stays with torch.
+slower than dense SDPA below ~32K positions. KV heads are split over up to ``torch.get_num_threads()`` POSIX
+threads when a call's work is large enough to pay for them. Float32 caches only; anything else stays with torch.
 
 The shared library is built with the system C compiler (``$CC``, else ``cc``) into
 ``$SPARSEDECODE_CACHE/kernels`` (default ``~/.cache/sparsedecode/kernels``), keyed by the source, the flags and
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from .selectors import BlockLayout
 
 SOURCE = Path(__file__).with_name("csrc") / "sparse_step.c"
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c99")
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-pthread", "-shared", "-fPIC", "-std=gnu99")
 BUILD_ERROR: str | None = None
 _LIBRARY: ctypes.CDLL | None = None
 _TRIED = False
@@ -73,8 +74,8 @@ def _build() -> ctypes.CDLL:
                 raise OSError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
             os.replace(built, target)  # atomic: concurrent builders each write their own scratch copy
     library = ctypes.CDLL(str(target))
-    library.select_mean_pooled.argtypes = [_ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64] + [_i64] * 6 + [_ptr]
-    library.attend_support.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr] + [_i64] * 7 + [_f32, _ptr]
+    library.select_mean_pooled.argtypes = [_ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64] + [_i64] * 7 + [_ptr]
+    library.attend_support.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr] + [_i64] * 7 + [_f32, _i64, _ptr]
     library.select_mean_pooled.restype = library.attend_support.restype = ctypes.c_int
     return library
 
@@ -137,6 +138,7 @@ def select_mean_pooled(
         layout.distant_end,
         layout.block_size,
         b,
+        torch.get_num_threads(),
         chosen.data_ptr(),
     )
     if status:
@@ -168,6 +170,7 @@ def attend_support(
         layout.distant_end,
         layout.block_size,
         scale,
+        torch.get_num_threads(),
         out.data_ptr(),
     )
     if status:
