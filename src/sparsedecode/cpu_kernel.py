@@ -67,10 +67,16 @@ def _build() -> ctypes.CDLL:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
             built = Path(scratch) / target.name
-            done = subprocess.run(
-                [compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True, timeout=120
-            )
-            if done.returncode != 0:
+            for flags in (FLAGS, tuple(f for f in FLAGS if f != "-march=native")):  # not every compiler has it
+                done = subprocess.run(
+                    [compiler, *flags, str(SOURCE), "-o", str(built), "-lm"],
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                )
+                if done.returncode == 0:
+                    break
+            else:
                 raise OSError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
             os.replace(built, target)  # atomic: concurrent builders each write their own scratch copy
     library = ctypes.CDLL(str(target))
