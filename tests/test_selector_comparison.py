@@ -173,3 +173,26 @@ def test_op_time_only_where_the_support_is_sparse(tiny_model_dir, tmp_path, caps
     timed = {(r["context"], r["selector"], r["support"]): r["op_ms"] for r in summary}
     assert len(timed) == 8
     assert all((ms is not None and ms > 0) == (context > support) for (context, _, support), ms in timed.items())
+
+
+def test_op_times_are_matched_to_their_support_and_use_the_decoding_kernel(monkeypatch):
+    """bench_op may return several kernels per support; each (context, support) must get its own auto-kernel time."""
+    from sparsedecode.experiments import selector_comparison
+    from sparsedecode.experiments.bench import bench_op as real_bench_op
+
+    asked = []
+
+    def fake_bench_op(shape, contexts, supports, **kwargs):
+        asked.append(kwargs.get("kernels"))
+        rows, bandwidth = real_bench_op(shape, contexts, supports, budget_s=0.0, kernels=kwargs.get("kernels"))
+        for row in rows:
+            row.sparse_ms = (
+                row.context + row.support / 1000
+            )  # effective support, a value that says which row it came from
+        return list(reversed(rows)), bandwidth  # order must not matter
+
+    monkeypatch.setattr(selector_comparison, "bench_op", fake_bench_op)
+    times = selector_comparison._op_times((4, 2, 16), (300, 400), (97, 200), ("mean-pooled",))
+    assert asked == [("auto",)]
+    effective = {97: 97, 200: 193}  # 200 is floored to whole blocks: 1 + 64 + 8 * 16
+    assert times == {(n, "mean-pooled", s): n + effective[s] / 1000 for n in (300, 400) for s in (97, 200)}
