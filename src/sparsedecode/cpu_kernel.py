@@ -31,6 +31,9 @@ if TYPE_CHECKING:
     from .selectors import BlockLayout
 
 SOURCE = Path(__file__).with_name("csrc") / "sparse_step.c"
+# Read once, at import: the library built (possibly much later, at first use) must match this module's argtypes
+# even if the file on disk changes in between.
+_SOURCE_TEXT = SOURCE.read_bytes()
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-pthread", "-shared", "-fPIC", "-std=gnu99")
 BUILD_ERROR: str | None = None
 _LIBRARY: ctypes.CDLL | None = None
@@ -60,16 +63,17 @@ def _build() -> ctypes.CDLL:
     if compiler is None:
         raise OSError("no C compiler found (set CC)")
     key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join(FLAGS).encode() + platform.machine().encode() + _processor().encode()
+        _SOURCE_TEXT + " ".join(FLAGS).encode() + platform.machine().encode() + _processor().encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"sparse_step-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-            built = Path(scratch) / target.name
+            built, source = Path(scratch) / target.name, Path(scratch) / SOURCE.name
+            source.write_bytes(_SOURCE_TEXT)
             for flags in (FLAGS, tuple(f for f in FLAGS if f != "-march=native")):  # not every compiler has it
                 done = subprocess.run(
-                    [compiler, *flags, str(SOURCE), "-o", str(built), "-lm"],
+                    [compiler, *flags, str(source), "-o", str(built), "-lm"],
                     capture_output=True,
                     text=True,
                     timeout=120,
