@@ -93,18 +93,36 @@ typedef struct {
     const float *q, *centroids, *keys;
     int64_t c_stride_h, c_stride_d, n_full, k_stride_h, k_stride_n, group, d, distant_end, block, b, n_blocks;
     int64_t *chosen;
+    float *scores; /* kv_heads * n_blocks scratch */
 } select_job;
+
+/* The calling thread's score buffer, kept between calls and grown by doubling: no per-step allocation of
+ * O(N / B) once the context stops growing past its capacity. */
+static __thread float *score_buffer = NULL;
+static __thread size_t score_capacity = 0;
+
+static float *score_scratch(size_t needed) {
+    if (needed > score_capacity) {
+        size_t capacity = score_capacity ? 2 * score_capacity : 4096;
+        while (capacity < needed) capacity *= 2;
+        float *grown = realloc(score_buffer, capacity * sizeof(float));
+        if (!grown) return NULL;
+        score_buffer = grown, score_capacity = capacity;
+    }
+    return score_buffer;
+}
 
 static int select_head(const void *arg, int64_t h) {
     const select_job *job = arg;
     int64_t d = job->d, b = job->b, n_full = job->n_full, n_blocks = job->n_blocks, block = job->block;
-    float *scores = calloc((size_t)(n_blocks > 0 ? n_blocks : 1), sizeof(float));
-    float *q_mean = malloc(sizeof(float) * (size_t)d);
+    float *scores = job->scores + h * n_blocks;
+    float *q_mean = malloc(sizeof(float) * (size_t)d); /* O(d + b): small, unlike the scores */
     float *best_scores = malloc(sizeof(float) * (size_t)(b > 0 ? b : 1));
-    if (!scores || !q_mean || !best_scores) {
-        free(scores), free(q_mean), free(best_scores);
+    if (!q_mean || !best_scores) {
+        free(q_mean), free(best_scores);
         return -1;
     }
+    memset(scores, 0, sizeof(float) * (size_t)n_blocks);
     for (int64_t i = 0; i < d; i++) {
         float sum = 0.0f;
         for (int64_t g = 0; g < job->group; g++) sum += job->q[(h * job->group + g) * d + i];
@@ -143,7 +161,7 @@ static int select_head(const void *arg, int64_t h) {
         out[at] = j;
     }
     qsort(out, (size_t)kept, sizeof(int64_t), compare_ascending);
-    free(scores), free(q_mean), free(best_scores);
+    free(q_mean), free(best_scores);
     return 0;
 }
 
@@ -153,8 +171,10 @@ int select_mean_pooled(const float *q, const float *centroids, int64_t c_stride_
                        int64_t group, int64_t d, int64_t distant_end, int64_t block, int64_t b, int64_t threads,
                        int64_t *chosen) {
     int64_t n_blocks = (distant_end - 1 + block - 1) / block;
+    float *scores = score_scratch((size_t)(kv_heads * (n_blocks > 0 ? n_blocks : 1)));
+    if (!scores) return -1;
     select_job job = {q,     centroids, keys,        c_stride_h, c_stride_d, n_full,   k_stride_h, k_stride_n,
-                      group, d,         distant_end, block,      b,          n_blocks, chosen};
+                      group, d,         distant_end, block,      b,          n_blocks, chosen,     scores};
     return over_heads(select_head, &job, kv_heads, threads, kv_heads * n_full * d);
 }
 
