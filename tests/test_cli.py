@@ -56,6 +56,7 @@ def test_run_writes_json_with_one_result_per_support(tiny_model_dir, tmp_path, c
     assert sparse["settings"]["effective_support"] == 97 and sparse["sparse_steps"] > 0
     assert full["survives"] and full["teacher_forced_match"] == 100.0 and full["delta_ppl_percent"] == 0.0
     assert "dense vs sparse, context 200" in stdout
+    assert "sparse steps: C kernel" in " ".join(stdout.split())  # float32, mean-pooled: what auto runs here
 
 
 @pytest.mark.parametrize(

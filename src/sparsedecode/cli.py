@@ -348,13 +348,29 @@ def _settings(args, command: str) -> dict:
     }
 
 
+def _kernel_in_use(dtype: str, selector: str) -> str:
+    """How sparse steps run here (``SparseConfig.kernel="auto"`` on the CPU)."""
+    from . import cpu_kernel
+    from .config import TOKEN_SELECTORS
+
+    if selector in TOKEN_SELECTORS:
+        return "sparse steps: torch operations (token-level selector)"
+    if dtype != "float32":
+        return "sparse steps: torch operations (the C kernel takes float32)"
+    if cpu_kernel.library() is None:
+        return f"sparse steps: torch operations (C kernel unavailable: {cpu_kernel.BUILD_ERROR})"
+    if selector != "mean-pooled":
+        return "sparse steps: torch selection, C kernel attention"
+    return "sparse steps: C kernel"
+
+
 def _conditions(args) -> str:
     import torch
 
     return (
         f"[bold]{args.model}[/] {args.dtype} on cpu, {torch.get_num_threads()} threads; corpus {args.corpus}, "
         f"prompt {args.prompt_index}; T = {args.tokens}; W = {args.window}, B = {args.block_size}, "
-        f"R = {args.reuse}, selector {args.selector}"
+        f"R = {args.reuse}, selector {args.selector}; {_kernel_in_use(args.dtype, args.selector)}"
     )
 
 
