@@ -15,26 +15,20 @@ import json
 import sys
 from pathlib import Path
 
-from sparsedecode.experiments.bench import SHAPES
+from sparsedecode.experiments.bench import model_shape
 from sparsedecode.experiments.environment import environment
 from sparsedecode.experiments.selector_comparison import _op_times
 from sparsedecode.models import load_model
-
-
-def model_shape(name: str) -> tuple[int, int, int]:
-    known = {"smollm2-135m": SHAPES["smollm2-135m"], "qwen2.5-coder-0.5b": SHAPES["qwen2-0.5b"]}
-    if name in known:
-        return known[name]
-    config = load_model(name)[0].config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return config.num_attention_heads, config.num_key_value_heads, head_dim
 
 
 def retime(folder: Path) -> None:
     data = json.loads((folder / "selectors.json").read_text())
     settings, summary = data["settings"], data["summary"]
     times = _op_times(
-        model_shape(settings["model"]), tuple(settings["context"]), tuple(settings["support"]), settings["selectors"]
+        model_shape(load_model(settings["model"])[0].config),
+        tuple(settings["context"]),
+        tuple(settings["support"]),
+        settings["selectors"],
     )
     for row in summary:
         row["op_ms"] = times.get((row["context"], row["selector"], row["support"]))

@@ -611,6 +611,7 @@ def cmd_compare_selectors(args) -> int:
     from dataclasses import asdict
 
     from .config import SELECTORS, SparseConfig
+    from .experiments.bench import model_shape
     from .experiments.corpus import check_context_fits
     from .experiments.selector_comparison import ANSWER_TOKENS, PRACTICAL, compare_selectors
     from .models import load_model
@@ -626,12 +627,7 @@ def cmd_compare_selectors(args) -> int:
     with console.status(f"loading {args.model} ({args.dtype})"):
         model, tokenizer = load_model(args.model, dtype=args.dtype)
     check_context_fits(model, args.context, max(args.tokens, ANSWER_TOKENS if args.retrieval else 0))
-    config = model.config
-    shape = (
-        config.num_attention_heads,
-        config.num_key_value_heads,
-        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
-    )
+    shape = model_shape(model.config)
     with progress_bars() as progress:
         rows, runs, trials = compare_selectors(
             model,

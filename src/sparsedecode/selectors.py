@@ -215,13 +215,13 @@ def select_blocks(
     call (the same blocks, ascending).
     """
     kv_heads = keys.shape[0]
-    if cfg.selector == "mean-pooled" and triton_attention.wanted(cfg.kernel, keys.device, cfg.block_size):
-        if layout.n_blocks <= triton_attention.MAX_TRITON_BLOCKS:
+    if cfg.selector == "mean-pooled":  # a fused kernel where one runs here, both with the same signature
+        on_gpu = triton_attention.wanted(cfg.kernel, keys.device, cfg.block_size)
+        on_gpu = on_gpu and layout.n_blocks <= triton_attention.MAX_TRITON_BLOCKS
+        if on_gpu or cpu_kernel.wanted(cfg.kernel, queries, keys, keys):
             centroids = cache.update_all(keys, layout.n_full, verify=verify)["mean"]
-            return triton_attention.mean_pooled_top_blocks(queries, keys, centroids, layout, cfg.blocks)
-    if cfg.selector == "mean-pooled" and cpu_kernel.wanted(cfg.kernel, queries, keys, keys):
-        centroids = cache.update_all(keys, layout.n_full, verify=verify)["mean"]
-        return cpu_kernel.select_mean_pooled(queries, keys, centroids, layout, cfg.blocks)
+            pick = triton_attention.mean_pooled_top_blocks if on_gpu else cpu_kernel.select_mean_pooled
+            return pick(queries, keys, centroids, layout, cfg.blocks)
     if cfg.selector in STAT_KINDS:
         query_means = group_mean_queries(queries, kv_heads)
         scores = _stat_scores(cfg.selector, query_means, cache.update_all(keys, layout.n_full, verify=verify))

@@ -37,6 +37,14 @@ SHAPES = {
     "smollm2-135m": (9, 3, 64),
 }
 DEFAULT_CONTEXTS = (2048, 8192, 32768, 131072)
+
+
+def model_shape(config) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of a transformers model config, as in :data:`SHAPES`."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_attention_heads, config.num_key_value_heads, head_dim
+
+
 DEFAULT_SUPPORTS = (97, 193, 769)
 
 
