@@ -140,6 +140,8 @@ def test_run_audit_writes_npz_and_layer_tables(tiny_model_dir, tmp_path, capsys)
         "omitted_mass_mean",
         "selector_recall_mean",
         "captured_mass_ratio_mean",
+        "selector_recall_per_head_best_mean",
+        "captured_mass_ratio_per_head_best_mean",
         "certified_fraction",
         "flips",
         "certificate_violations",

@@ -105,6 +105,8 @@ def test_every_selector_runs_the_protocol_with_a_clean_audit(selector):
     assert result.sparse_steps == 9 * 2
     assert result.identity_residual_max <= 1e-5 and result.bound_violations == 0
     assert 0 <= result.captured_mass_ratio_mean <= 1 + 1e-9 and 0 <= result.selector_recall_mean <= 1
+    assert 0 <= result.captured_mass_ratio_per_head_best_mean <= 1 + 1e-9
+    assert 0 <= result.selector_recall_per_head_best_mean <= 1
     assert result.certificate_violations == 0
 
 

@@ -106,6 +106,10 @@ class CompareResult:
     omitted_mass_mean: float | None = None
     selector_recall_mean: float | None = None
     captured_mass_ratio_mean: float | None = None
+    """Recall and captured/best are against the KV-head group's best set (reachable); the
+    ``*_per_head_best`` pair against each query head's own best (see :mod:`sparsedecode.diagnostics`)."""
+    selector_recall_per_head_best_mean: float | None = None
+    captured_mass_ratio_per_head_best_mean: float | None = None
     audit: dict | None = None
     audit_arrays: dict | None = field(default=None, repr=False)
 
@@ -328,6 +332,10 @@ def compare(
         omitted_mass_mean=audit_summary["omitted_mass_mean"] if audited else None,
         selector_recall_mean=audit_summary["selector_recall_mean"] if audited else None,
         captured_mass_ratio_mean=audit_summary["captured_mass_ratio_mean"] if audited else None,
+        selector_recall_per_head_best_mean=audit_summary["selector_recall_per_head_best_mean"] if audited else None,
+        captured_mass_ratio_per_head_best_mean=(
+            audit_summary["captured_mass_ratio_per_head_best_mean"] if audited else None
+        ),
         audit=audit_summary,
         audit_arrays=audit_arrays,
     )

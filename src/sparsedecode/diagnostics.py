@@ -7,9 +7,19 @@
   - the split of attention mass into anchor / window / selected blocks / omitted (``eps``);
   - ``||o_sparse - o_dense||``, ``||o_kept - o_omitted||``, the residual of the exact identity
     ``o_sparse - o_dense = eps * (o_kept - o_omitted)`` and the bound ``2 * eps * max ||v||``;
-  - selector recall (share of the dense top-b blocks by true mass that the selector chose) and the captured
-    mass ratio (mass of the chosen blocks over the best mass any b blocks could capture); for token-level
-    selectors the same against the best ``m`` single distant positions, ``m`` being how many were kept.
+  - selector recall and the captured mass ratio ("captured/best") against the best set any selector of
+    that kind can reach at the same budget. The query heads of a KV-head group share one selection, so the
+    reference is per group: the top-``b`` distant blocks by the group's summed true mass (token-level
+    selectors: the top ``S - 1 - W`` distant positions), ties towards the lowest index, which is exactly what
+    ``oracle-blocks`` (``oracle-tokens``) picks. ``selector_recall`` is the share of that set the selector
+    chose; ``captured_mass_ratio`` is the true mass of the chosen set over the mass of the best set, both
+    summed over the group's query heads (a ratio of sums, so it is at most 1). Both are per group and repeated
+    for each query head of the group, so the mean over query heads weighs every group equally. The oracles
+    score 1 on both.
+  - the same two figures against each query head's own top units, which no selector sharing a set across a
+    group can reach when ``G > 1`` (``oracle-blocks`` scores below 1): kept only as
+    ``selector_recall_per_head_best`` and ``captured_mass_ratio_per_head_best`` (the latter per head:
+    chosen mass of the head over its own best mass).
 
 * :func:`margin_certificate`: per teacher-forced step, the dense top-1/top-2 margin ``gamma`` and the logit
   error ``delta = max |z_sparse - z_dense|``; a step is certified when ``gamma > 2 * delta``, in which case its
@@ -27,7 +37,7 @@ import numpy as np
 import torch
 
 from .attention import StepView
-from .selectors import BlockLayout
+from .selectors import BlockLayout, top_blocks
 
 WARNING_MATCH_PERCENT = 70.0
 WARNING_NOTE = (
@@ -45,7 +55,66 @@ AUDIT_FIELDS = (
     "bound",
     "selector_recall",
     "captured_mass_ratio",
+    "selector_recall_per_head_best",
+    "captured_mass_ratio_per_head_best",
 )
+SELECTOR_FIELDS = AUDIT_FIELDS[-4:]
+"""The selector's recall and captured/best, against the group's reachable best and against each head's own."""
+
+
+def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """``num / den``, 1 where ``den`` is 0 (nothing to capture counts as all of it)."""
+    return torch.where(den > 0, num / den.clamp_min(1e-300), 1.0)
+
+
+def selection_quality(mass: torch.Tensor, chosen: torch.Tensor, budget: int) -> dict[str, torch.Tensor]:
+    """Recall and captured/best of one selection, against the group's reachable best and each head's own best.
+
+    ``mass`` is the true attention of each query head on each distant unit ``(kv, G, U)`` (a unit is a distant
+    block for block selectors, a distant position for token-level ones), ``chosen`` the units the selector
+    chose per KV head ``(kv, U)`` (bool), ``budget`` how many it may choose (``b``, or ``S - 1 - W``).
+
+    The reachable best is the top ``budget`` units by the group's summed mass, ties towards the lowest index
+    (what ``oracle-blocks`` / ``oracle-tokens`` pick). ``selector_recall`` is the share of it that was chosen,
+    ``captured_mass_ratio`` the chosen units' mass over the best set's, both summed over the group's query heads.
+    The ``*_per_head_best`` figures use each head's own top units instead (unreachable when ``G > 1``);
+    there the captured ratio is per head. Every value is float64 ``(kv, G)`` (group figures repeated per head).
+    """
+    kv_heads, group, _ = mass.shape
+    mass = mass.double()
+    chosen_mass = (mass * chosen.unsqueeze(1)).sum(-1)  # (kv, G)
+
+    best = top_blocks(mass.sum(1), budget)  # (kv, b'), b' = min(budget, U)
+    size = best.shape[-1]
+    hits = chosen.gather(1, best).sum(-1).double()
+    best_mass = mass.gather(-1, best.unsqueeze(1).expand(-1, group, -1)).sum(-1)  # (kv, G)
+
+    head_best = top_blocks(mass.reshape(kv_heads * group, -1), budget).view(kv_heads, group, size)
+    head_hits = chosen.unsqueeze(1).expand(-1, group, -1).gather(-1, head_best).sum(-1).double()
+    head_best_mass = mass.gather(-1, head_best).sum(-1)
+    return {
+        "selector_recall": (hits / size if size else torch.ones_like(hits)).unsqueeze(1).expand(-1, group),
+        "captured_mass_ratio": _ratio(chosen_mass.sum(1), best_mass.sum(1)).unsqueeze(1).expand(-1, group),
+        "selector_recall_per_head_best": head_hits / size if size else torch.ones_like(head_hits),
+        "captured_mass_ratio_per_head_best": _ratio(chosen_mass, head_best_mass),
+    }
+
+
+def _units(view: StepView, distant: torch.Tensor, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The step's distant units: their true mass ``(kv, G, U)``, which were chosen ``(kv, U)``, and the budget."""
+    layout: BlockLayout = view.layout
+    kv_heads, group, length = distant.shape
+    if view.blocks is None:  # token-level: single distant positions, S - 1 - W of them
+        return (
+            distant,
+            kept[:, 1 : layout.distant_end],
+            max(view.index.shape[1] - 1 - (layout.n - layout.distant_end), 0),
+        )
+    pad = layout.n_blocks * layout.block_size - length
+    mass = torch.nn.functional.pad(distant, (0, pad)).view(kv_heads, group, layout.n_blocks, -1).sum(-1)
+    chosen = torch.zeros(kv_heads, layout.n_blocks, dtype=torch.bool, device=distant.device)
+    chosen.scatter_(1, view.blocks.to(distant.device), True)
+    return mass, chosen, view.blocks.shape[1]
 
 
 def audit_step(view: StepView) -> dict[str, torch.Tensor]:
@@ -77,19 +146,6 @@ def audit_step(view: StepView) -> dict[str, torch.Tensor]:
 
     distant = probs[:, :, 1 : layout.distant_end]
     chosen_mass = kept_probs[:, :, 1 : layout.distant_end].sum(-1)
-    if view.blocks is not None:  # block selectors: against the best b blocks by true mass
-        pad = layout.n_blocks * layout.block_size - distant.shape[-1]
-        block_mass = torch.nn.functional.pad(distant, (0, pad)).view(kv_heads, group, layout.n_blocks, -1).sum(-1)
-        b = view.blocks.shape[1]
-        chosen = view.blocks.unsqueeze(1).expand(-1, group, -1)
-        best = block_mass.topk(b, dim=-1)
-        in_best = (best.indices.unsqueeze(-1) == chosen.unsqueeze(-2)).any(-1).sum(-1)
-    else:  # token-level selectors: against the best m single distant positions, m = what was kept
-        kept_distant = kept[:, 1 : layout.distant_end]
-        b = int(kept_distant.sum(-1).max())
-        best = distant.topk(b, dim=-1)
-        in_best = kept_distant.unsqueeze(1).expand(-1, group, -1).gather(-1, best.indices).sum(-1)
-    best_mass = best.values.sum(-1)
 
     out = {
         "mass_anchor": probs[:, :, 0],
@@ -100,8 +156,7 @@ def audit_step(view: StepView) -> dict[str, torch.Tensor]:
         "kept_minus_omitted_norm": (o_kept - o_omitted).norm(dim=-1),
         "identity_residual": residual.abs().amax(-1) / scale,
         "bound": 2 * eps * max_value_norm.unsqueeze(-1),
-        "selector_recall": in_best.double() / b if b else torch.ones_like(eps),
-        "captured_mass_ratio": torch.where(best_mass > 0, chosen_mass / best_mass.clamp_min(1e-300), 1.0),
+        **selection_quality(*_units(view, distant, kept)),
     }
     return {name: value.reshape(query_heads) for name, value in out.items()}
 
@@ -140,8 +195,20 @@ class MassAudit:
         return out
 
 
+def _mean(arrays: dict[str, np.ndarray], name: str, layer: int | None = None) -> float | None:
+    """Mean of one audit field over everything (or over one layer's column); ``None`` if the field is absent."""
+    if name not in arrays:
+        return None
+    return float((arrays[name] if layer is None else arrays[name][:, layer]).mean())
+
+
 def summarize_audit(arrays: dict[str, np.ndarray]) -> dict:
-    """Run-level and per-layer summary of :meth:`MassAudit.arrays` (JSON-ready)."""
+    """Run-level and per-layer summary of :meth:`MassAudit.arrays` (JSON-ready).
+
+    ``selector_recall_mean`` and ``captured_mass_ratio_mean`` are against the group's reachable best (see the
+    module docstring); the ``*_per_head_best_mean`` fields against each query head's own best. A field missing
+    from the arrays (an audit saved before it existed) summarises to ``None``.
+    """
     if arrays["omitted_mass"].size == 0:
         return {"audited_steps": 0}
     tolerance = 1e-5 * np.maximum(arrays["max_value_norm"], 1.0)[:, :, None]
@@ -155,8 +222,7 @@ def summarize_audit(arrays: dict[str, np.ndarray]) -> dict:
                 "mass_anchor_mean": float(arrays["mass_anchor"][:, i].mean()),
                 "mass_window_mean": float(arrays["mass_window"][:, i].mean()),
                 "mass_blocks_mean": float(arrays["mass_blocks"][:, i].mean()),
-                "selector_recall_mean": float(arrays["selector_recall"][:, i].mean()),
-                "captured_mass_ratio_mean": float(arrays["captured_mass_ratio"][:, i].mean()),
+                **{f"{name}_mean": _mean(arrays, name, i) for name in SELECTOR_FIELDS},
                 "identity_residual_max": float(arrays["identity_residual"][:, i].max()),
                 "error_norm_mean": float(arrays["error_norm"][:, i].mean()),
                 "bound_violations": int(violations[:, i].sum()),
@@ -167,8 +233,7 @@ def summarize_audit(arrays: dict[str, np.ndarray]) -> dict:
         "identity_residual_max": float(arrays["identity_residual"].max()),
         "bound_violations": int(violations.sum()),
         "omitted_mass_mean": float(arrays["omitted_mass"].mean()),
-        "selector_recall_mean": float(arrays["selector_recall"].mean()),
-        "captured_mass_ratio_mean": float(arrays["captured_mass_ratio"].mean()),
+        **{f"{name}_mean": _mean(arrays, name) for name in SELECTOR_FIELDS},
         "layers": per_layer,
     }
 
@@ -182,8 +247,19 @@ def save_audit(path: Path, arrays: dict[str, np.ndarray]) -> None:
 
 
 def load_audit(path: Path) -> dict[str, np.ndarray]:
+    """Read :func:`save_audit`'s arrays.
+
+    An audit saved before the group-level reference existed has no ``*_per_head_best`` arrays: its
+    ``selector_recall`` and ``captured_mass_ratio`` were against each head's own best, so they are returned
+    under the per-head names and the group-level ones are absent.
+    """
     with np.load(path, allow_pickle=False) as data:
-        return {name: data[name] for name in data.files}
+        arrays = {name: data[name] for name in data.files}
+    if "omitted_mass" in arrays and "selector_recall_per_head_best" not in arrays:
+        for name in ("selector_recall", "captured_mass_ratio"):
+            if name in arrays:
+                arrays[f"{name}_per_head_best"] = arrays.pop(name)
+    return arrays
 
 
 def margin_certificate(dense_logits: torch.Tensor, sparse_logits: torch.Tensor) -> dict[str, np.ndarray]:

@@ -369,8 +369,9 @@ def _retrieval_section(directory: Path, data: dict, out: list[str]) -> None:
         "## Captured attention mass vs retrieval",
         "",
         "Per sparse trial, the omitted-mass audit measures the selector's captured-mass ratio (mass of the chosen "
-        "blocks over the best mass any b blocks could capture, mean over the question and answer steps, layers and "
-        "heads) and the share of passkey positions inside the support. If captured mass were a retrieval guarantee, "
+        "blocks over that of the best b blocks by the KV-head group's summed mass, the best a selector sharing one "
+        "set per group can reach; mean over the question and answer steps, layers and heads) and the share of "
+        "passkey positions inside the support. If captured mass were a retrieval guarantee, "
         "failures would have low captured mass.",
         "",
         _markdown_table(

@@ -2,7 +2,8 @@
 
 * :func:`mass_probe`: dense prefill of one prompt, then sparse greedy decoding with the omitted-mass audit on;
   returns, per layer and query head, the share of true attention mass on anchor / window / selected blocks /
-  omitted positions, with the selector's recall and captured-mass ratio.
+  omitted positions, with the selector's recall and captured-mass ratio against the best set reachable at the same
+  budget (the KV-head group's top blocks by summed mass; ``*_per_head_best``: each query head's own, unreachable).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ the question reads; then a few answer tokens are decoded greedily. A trial succe
 appear in the decoded answer (exact substring match).
 
 Each sparse trial also records what the selector did while answering: the omitted-mass audit of
-:class:`~sparsedecode.diagnostics.MassAudit` (captured-mass ratio, omitted mass, selector recall) and, from
+:class:`~sparsedecode.diagnostics.MassAudit` (captured-mass ratio and selector recall against the best set reachable
+at the same budget, the same against each query head's own best as ``*_per_head_best``, omitted mass) and, from
 :class:`NeedleReads`, the share of needle positions inside the support and the true (dense) attention mass on
 the needle. Relating those to success shows whether captured mass alone predicts retrieval.
 """
@@ -241,6 +242,8 @@ def answer(
         "captured_mass_ratio_mean": audit_summary.get("captured_mass_ratio_mean"),
         "omitted_mass_mean": audit_summary.get("omitted_mass_mean"),
         "selector_recall_mean": audit_summary.get("selector_recall_mean"),
+        "captured_mass_ratio_per_head_best_mean": audit_summary.get("captured_mass_ratio_per_head_best_mean"),
+        "selector_recall_per_head_best_mean": audit_summary.get("selector_recall_per_head_best_mean"),
         "needle_read_mean": float(np.mean(needle.read)) if needle.read else None,
         "needle_mass_mean": float(np.mean(needle.mass)) if needle.mass else None,
         "decode_s": decode_s,

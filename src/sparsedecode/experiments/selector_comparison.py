@@ -2,8 +2,9 @@
 
 For each (context, prompt) one dense reference is computed; every selector then runs the paired protocol of
 :func:`sparsedecode.compare.compare` at every support (optionally with the omitted-mass audit, which gives the
-captured-mass ratio). The operator time of one decode-attention call per selector is measured on synthetic
-data of the model's shape at each context, in the same process (:func:`sparsedecode.experiments.bench.bench_op`).
+captured-mass ratio against the best set reachable at the same budget). The operator time of one decode-attention
+call per selector is measured on synthetic data of the model's shape at each context, in the same process
+(:func:`sparsedecode.experiments.bench.bench_op`).
 
 Optionally (``retrieval`` trials per context) the passkey probe of :mod:`sparsedecode.experiments.retrieval`
 runs on the same model and contexts: each trial plants its own passkey at its own depth (spread evenly from the
@@ -55,6 +56,10 @@ class SelectorRow:
     median_delta_ppl_percent: float
     certified_fraction: float
     captured_mass_ratio: float | None
+    """Mean captured/best with ``--audit``: the chosen set's true mass over the best reachable at the same budget
+    (the KV-head group's top blocks or positions by summed mass, what the oracles pick)."""
+    captured_mass_ratio_per_head_best: float | None
+    """The same against each query head's own best set, which no selector sharing one set per group can reach."""
     retrieval_trials: int
     """Passkey trials at this context (0: retrieval not measured)."""
     retrieval_correct: int | None
@@ -118,6 +123,11 @@ def compare_selectors(
             for support in supports:
                 mine = [r for r in runs if (r["context"], r["selector"], r["support"]) == (context, selector, support)]
                 captured = [r["captured_mass_ratio_mean"] for r in mine if r["captured_mass_ratio_mean"] is not None]
+                per_head = [
+                    r["captured_mass_ratio_per_head_best_mean"]
+                    for r in mine
+                    if r.get("captured_mass_ratio_per_head_best_mean") is not None
+                ]
                 found = [
                     t["correct"]
                     for t in trials
@@ -138,6 +148,7 @@ def compare_selectors(
                         median_delta_ppl_percent=statistics.median(r["delta_ppl_percent"] for r in mine),
                         certified_fraction=statistics.mean(r["certified_fraction"] for r in mine),
                         captured_mass_ratio=statistics.mean(captured) if captured else None,
+                        captured_mass_ratio_per_head_best=statistics.mean(per_head) if per_head else None,
                         retrieval_trials=len(found),
                         retrieval_correct=sum(found) if found else None,
                         retrieval_accuracy=sum(found) / len(found) if found else None,

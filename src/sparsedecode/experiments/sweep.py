@@ -213,6 +213,8 @@ AUDIT_FIELDS = (
     "omitted_mass_mean",
     "selector_recall_mean",
     "captured_mass_ratio_mean",
+    "selector_recall_per_head_best_mean",
+    "captured_mass_ratio_per_head_best_mean",
 )
 TOKEN_FIELDS = ("dense_tokens", "sparse_tokens", "teacher_forced_tokens")
 TIMING_FIELDS = ("prefill_s", "dense_decode_s", "sparse_decode_s", "teacher_forced_s")
