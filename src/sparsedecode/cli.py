@@ -253,12 +253,12 @@ def _continuation_table(tokenizer, result) -> Table:
     table = Table(show_header=True, header_style="bold", expand=True)
     table.add_column("dense", ratio=1)
     table.add_column(f"sparse S={result.settings['effective_support']}", ratio=1)
-    cut = result.first_divergence - 1 if not result.survives else len(result.dense_tokens)
+    cut = len(result.dense_tokens) if result.survives else result.first_divergence  # tokens before s_t != d_t
     cells = []
     for tokens in (result.dense_tokens, result.sparse_tokens):
         text = Text(tokenizer.decode(tokens[:cut]))
         if cut < len(tokens):
-            text.append(f"⟦step {cut + 1}⟧", style="bold yellow")
+            text.append(f"⟦step {cut}⟧", style="bold yellow")
             text.append(tokenizer.decode(tokens[cut:]), style="red")
         cells.append(text)
     table.add_row(*cells)
@@ -462,11 +462,12 @@ def cmd_run(args) -> int:
         for result in per_context:
             console.print(_continuation_table(tokenizer, result))
     console.print(
-        "[dim]first div. = 1-based step of the first token that differs from dense (step 1 comes from dense "
-        "prefill); TF = teacher-forced on the dense continuation; ΔPPL is on the dense model's own tokens, not "
-        "on free-running output; certified = dense top-1/top-2 margin > 2·max|Δlogit| on the same prefix, which "
-        "rules a flip out (the converse does not hold); distant/KV = distinct distant positions read per layer and "
-        "KV head. A support covering context + tokens reproduces dense exactly.[/]"
+        "[dim]first div. = the decode step t >= 1 whose sparse token first differs from dense (token 0 comes from "
+        "the shared dense prefill; T when none); TF = teacher-forced on the dense continuation; ΔPPL is on the "
+        "dense model's own tokens, not on free-running output; certified = dense top-1/top-2 margin > "
+        "2·max|Δlogit| on the same prefix, which rules a flip out (the converse does not hold); distant/KV = "
+        "distinct distant positions read per layer and KV head. A support covering context + tokens reproduces "
+        "dense exactly.[/]"
     )
     if args.json:
         for result in results:
