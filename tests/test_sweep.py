@@ -177,6 +177,12 @@ def test_changed_settings_are_refused_with_the_differing_fields(tiny_model_dir, 
     assert (tmp_path / "s" / RUNS_FILE).read_bytes() == before, "nothing written by a refused run"
     assert main([*base, "--tokens", "6", *out]) == 0  # same settings: resumes (nothing left to do)
     assert (tmp_path / "s" / RUNS_FILE).read_bytes() == before
+    assert "extending" not in capsys.readouterr().out
+    assert main([*base, "--tokens", "6", "--support", "97,113", *out]) == 0  # more supports: the grid grows
+    assert "extending the grid of" in capsys.readouterr().out and "supports: [97] -> [97, 113]" in " ".join(
+        json.loads((tmp_path / "s" / "sweep.json").read_text())["sessions"][-1]["extended"]
+    )
+    assert (tmp_path / "s" / RUNS_FILE).read_bytes().startswith(before) and len(rows_of(tmp_path / "s")) == 2
 
 
 def test_shards_partition_groups_and_merge_equals_unsharded(loaded, tmp_path):

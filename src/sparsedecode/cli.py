@@ -825,7 +825,8 @@ def cmd_sweep(args) -> int:
     if meta is not None:  # refuse a changed spec before spending time on the model
         from .experiments.sweep import check_meta
 
-        check_meta(args.out, meta, spec, None, shard or Shard())
+        for line in check_meta(args.out, meta, spec, None, shard or Shard()):  # a grid that grows says so
+            console.print(line)
     with console.status(f"loading {args.model} ({args.dtype})"):
         loaded = load_model(args.model, dtype=args.dtype)
     console.print(
