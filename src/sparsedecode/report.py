@@ -116,7 +116,10 @@ def _sweep_section(directory: Path, meta: dict, rows: list[dict], out: list[str]
 
     spec = SweepSpec.from_dict(meta["spec"])
     grid = len(spec.keys())
-    conditions = summary.conditions(rows)
+    every_condition = summary.conditions(rows)
+    conditions = [c for c in every_condition if not c["dense_by_construction"]]
+    dense = [c for c in every_condition if c["dense_by_construction"]]
+    tested = summary.tested(rows)
     tolerance = summary.within_tolerance(rows)
     warnings = summary.warning_runs(rows)
     overview = summary.overview(rows)
@@ -152,13 +155,24 @@ def _sweep_section(directory: Path, meta: dict, rows: list[dict], out: list[str]
         out += ["No runs finished yet.", ""]
         return
 
+    apart = (
+        [
+            f"{overview['dense_by_construction_runs']} run(s) in {len(dense)} condition(s) have an effective support "
+            f"S >= context + T - 1: every step attends to the whole cache, so they equal dense decoding by "
+            "construction. They are left out of every number, table and plot below except the table of their own.",
+            "",
+        ]
+        if dense
+        else []
+    )
     out += [
         "## Findings, in the reference study's terms",
         "",
         f"The reference study (DESIGN.md section 3): {REFERENCE}.",
         "",
+        *apart,
         f"- **Survival**: {overview['survived']} of {overview['runs']} runs stayed identical to dense greedy "
-        f"decoding for all {spec.tokens} tokens (reference: 0 of 60); median first divergence over all runs "
+        f"decoding for all {spec.tokens} tokens (reference: 0 of 60); median first divergence "
         f"{_fmt(overview['first_divergence_median'])} (runs that never diverge count as {spec.tokens}).",
         f"- **Perplexity**: {tolerance['within']} of the {tolerance['conditions']} conditions with S >= 193 have a "
         f"median |ΔPPL| of at most 5% (reference: 7 of 9); largest ΔPPL of any run "
@@ -174,9 +188,9 @@ def _sweep_section(directory: Path, meta: dict, rows: list[dict], out: list[str]
         out += [
             "## Per selector",
             "",
-            "All runs of each selector (every context, prompt, support and reuse interval), against the same dense "
-            "references. Medians over runs; within 5% counts the selector's conditions with S >= 193 whose median "
-            "|ΔPPL| is at most 5%.",
+            "All runs of each selector (every context, prompt, support and reuse interval) that take a sparse step, "
+            "against the same dense references. Medians over runs; within 5% counts the selector's conditions with "
+            "S >= 193 whose median |ΔPPL| is at most 5%.",
             "",
             _markdown_table(
                 ["selector", "survived", "median first divergence", "median TF match %", "median ΔPPL %"]
@@ -202,8 +216,9 @@ def _sweep_section(directory: Path, meta: dict, rows: list[dict], out: list[str]
     out += [
         "## Per condition",
         "",
-        "First divergence: 1-based step of the first sparse token that differs from dense (step 1 is shared; a run "
-        f"that never diverges counts as {spec.tokens}). TF match: % of the T - 1 teacher-forced steps whose sparse "
+        "First divergence: the decode step t >= 1 whose sparse token first differs from dense, counted among the "
+        f"T - 1 sparse-generated tokens (token 0 comes from the shared dense prefill; a run that never diverges "
+        f"counts as {spec.tokens}). TF match: % of the T - 1 teacher-forced steps whose sparse "
         "argmax is the dense token. ΔPPL: sparse vs dense perplexity of the dense continuation. Median [min, max].",
         "",
     ]
@@ -234,8 +249,31 @@ def _sweep_section(directory: Path, meta: dict, rows: list[dict], out: list[str]
         "median abs ΔPPL %",
         "TF < 70%",
     ]
-    out += [_markdown_table(header, table), "", "CSV: [conditions.csv](conditions.csv), all runs: [runs.csv](runs.csv)"]
-    write_csv(directory / "conditions.csv", conditions)
+    out += [_markdown_table(header, table) if table else "No condition takes a sparse step."]
+    if dense:
+        out += [
+            "",
+            "Dense by construction (effective S >= context + T - 1; not counted anywhere else):",
+            "",
+            _markdown_table(
+                ["context", "S", "effective S", *(["R"] if len(spec.reuse) > 1 else [])]
+                + [*(["selector"] if several else []), "survived", "ΔPPL %"],
+                [
+                    [
+                        str(c["context"]),
+                        str(c["support"]),
+                        str(c["effective_support"]),
+                        *([str(c["reuse"])] if len(spec.reuse) > 1 else []),
+                        *([f"`{c['selector']}`"] if several else []),
+                        f"{c['survived']}/{c['runs']}",
+                        f"{c['delta_ppl_percent_median']:+.2f}",
+                    ]
+                    for c in dense
+                ],
+            ),
+        ]
+    out += ["", "CSV: [conditions.csv](conditions.csv), all runs: [runs.csv](runs.csv)"]
+    write_csv(directory / "conditions.csv", every_condition)
     write_csv(directory / "runs.csv", [{k: v for k, v in r.items() if not isinstance(v, list)} for r in rows])
 
     out += ["", "## Runs with teacher-forced match below 70%", ""]
@@ -265,14 +303,18 @@ def _sweep_section(directory: Path, meta: dict, rows: list[dict], out: list[str]
         out.append("None.")
     write_csv(directory / "warning_runs.csv", warnings)
 
+    if not tested:
+        out += ["", "## Plots", "", "None: no run takes a sparse step.", ""]
+        return
     title = f"{spec.model}, {spec.corpus}, T = {spec.tokens}"
-    plots.match_vs_delta_ppl(rows, directory / "match_vs_delta_ppl.png", title=f"{title}: one dot per run")
-    plots.delta_ppl_by_support(rows, directory / "delta_ppl_by_support.png", title=title)
-    plots.first_divergence_histogram(rows, directory / "first_divergence.png", title=title)
+    plots.match_vs_delta_ppl(tested, directory / "match_vs_delta_ppl.png", title=f"{title}: one dot per run")
+    plots.delta_ppl_by_support(tested, directory / "delta_ppl_by_support.png", title=title)
+    plots.first_divergence_histogram(tested, directory / "first_divergence.png", title=title)
     out += [
         "",
         "## Plots",
         "",
+        *(["Runs that are dense by construction are left out.", ""] if dense else []),
         "Teacher-forced match against ΔPPL, one dot per run"
         + (" (marker: selector; contexts pooled)" if several else "")
         + "; the dashed line is the 70% warning threshold:",
