@@ -336,6 +336,15 @@ def test_the_committed_qwen_sweep_still_loads():
     assert "selector" in meta["spec"], "written before selectors"
     spec = SweepSpec.from_dict(meta["spec"])
     assert spec.selectors == ("mean-pooled",) and {key_of(r) for r in rows} <= set(spec.keys()) and rows
+    # committed results are stored in the current first_divergence convention, not only upgraded when read
+    stored = [json.loads(line) for line in (directory / RUNS_FILE).read_text().splitlines()]
+    selector_runs = [
+        run
+        for path in sorted((directory.parents[1] / "selectors").glob("*/selectors.json"))
+        for run in json.loads(path.read_text())["runs"]
+    ]
+    assert stored == rows and selector_runs
+    assert all(r["first_divergence_convention"] == FIRST_DIVERGENCE_CONVENTION for r in stored + selector_runs)
 
 
 def test_cli_selectors_list_and_the_one_line_refusal_of_both_flags(tiny_model_dir, tmp_path, capsys):
