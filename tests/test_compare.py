@@ -9,6 +9,7 @@ import torch
 from conftest import prompt, tiny_model
 
 from sparsedecode import SparseConfig, SparseDecodeError, compare, dense_reference
+from sparsedecode.compare import FIRST_DIVERGENCE_CONVENTION, first_divergence, upgrade_row
 
 
 def test_dense_reference_is_greedy_generate(arch):
@@ -39,12 +40,15 @@ def test_small_support_is_measured_consistently(arch):
     result = compare(model, None, ids, SparseConfig(support=97), tokens=40, reference=reference)
     assert result.sparse_steps == 39 * 2
     assert 0.0 <= result.teacher_forced_match <= 100.0
-    diverged = [i + 1 for i, (a, b) in enumerate(zip(result.dense_tokens, result.sparse_tokens)) if a != b]
-    assert result.survives == (not diverged)
-    assert result.first_divergence == (diverged[0] if diverged else 40)
-    # teacher-forced argmax agrees with free-running tokens until the first divergence
-    stop = result.first_divergence - 1
-    assert result.teacher_forced_tokens[: stop - 1] == result.sparse_tokens[1:stop]
+    # DESIGN.md section 3: the step t >= 1 of the first s_t != d_t, T if none (s_0 = d_0 is shared)
+    diverged = [t for t, (d, s) in enumerate(zip(result.dense_tokens, result.sparse_tokens)) if d != s]
+    assert result.sparse_tokens[0] == result.dense_tokens[0] and result.survives == (not diverged)
+    assert result.first_divergence == (diverged[0] if diverged else 40) and diverged, "a run that survives tests less"
+    t = result.first_divergence
+    assert result.sparse_tokens[:t] == result.dense_tokens[:t] and result.sparse_tokens[t] != result.dense_tokens[t]
+    # teacher-forced argmax agrees with free-running tokens until the first divergence, which it reproduces
+    assert result.teacher_forced_tokens[:t] == result.sparse_tokens[1 : t + 1]
+    assert result.margin_at_divergence == result.margins[t - 1]
     expected = 100 * (math.exp(sum(result.sparse_nll[1:]) / 39) / math.exp(sum(result.dense_nll[1:]) / 39) - 1)
     assert result.delta_ppl_percent == pytest.approx(expected, rel=1e-9)
     # each layer/KV head read b blocks of B at every one of 39 steps: between b*B and all distant positions
@@ -75,3 +79,25 @@ def test_anchor_and_window_only_support_runs(arch):
     result = compare(model, None, prompt(200), SparseConfig(support=65), tokens=6)
     assert result.settings["blocks"] == 0 and result.sparse_steps == 5 * 2
     assert result.mean_unique_distant_positions_per_kv == 0
+
+
+def test_first_divergence_convention_and_the_migration_of_old_rows():
+    d = [5, 6, 7, 8]
+    assert first_divergence(d, [5, 9, 7, 8]) == 1
+    assert first_divergence(d, [5, 6, 7, 9]) == 3, "a divergence at the last step is T - 1, not T"
+    assert first_divergence(d, list(d)) == 4
+    with pytest.raises(SparseDecodeError):
+        first_divergence(d, d[:3])
+    # rows of convention 1 (no mark) held the 1-based position counting the shared first token
+    old = {"first_divergence": 4, "survives": False, "dense_tokens": d, "sparse_tokens": [5, 6, 7, 9], "x_s": 1.5}
+    new = upgrade_row(old)
+    assert new == {**old, "first_divergence": 3, "first_divergence_convention": FIRST_DIVERGENCE_CONVENTION}
+    assert list(new)[-1] == "first_divergence_convention" and old["first_divergence"] == 4, "a copy, mark last"
+    assert upgrade_row(new) is new
+    survived = {"first_divergence": 4, "survives": True, "dense_tokens": d, "sparse_tokens": list(d)}
+    assert upgrade_row(survived)["first_divergence"] == 4
+    for bad in ({**old, "first_divergence": 3}, {**old, "survives": True}, {"first_divergence": 2, "survives": False}):
+        with pytest.raises(SparseDecodeError):
+            upgrade_row(bad)
+    with pytest.raises(SparseDecodeError, match="newer version"):
+        upgrade_row({**new, "first_divergence_convention": 3})

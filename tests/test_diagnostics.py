@@ -118,7 +118,7 @@ def test_certificate_never_violated_on_tiny_model_traces(arch):
             flips += result.flips
             if not result.survives:
                 assert result.margin_at_divergence is not None
-                step = result.first_divergence - 2
+                step = result.first_divergence - 1
                 # the free-running flip happened on the dense prefix: it is a teacher-forced flip as well
                 assert result.teacher_forced_tokens[step] != result.dense_tokens[step + 1]
                 assert result.margins[step] <= 2 * result.logit_errors[step]
@@ -131,9 +131,11 @@ def test_a_built_flip_is_uncertified():
     cert = margin_certificate(dense, sparse)
     assert cert["flipped"].tolist() == [True, False]
     assert cert["certified"].tolist() == [False, True]
-    summary = summarize_certificate(cert, first_divergence=2)
+    summary = summarize_certificate(cert, first_divergence=1)  # s_1 != d_1: decode step 1
     assert summary["flips"] == 1 and summary["certificate_violations"] == 0
     assert summary["margin_at_divergence"] == pytest.approx(0.1)
+    assert summarize_certificate(cert, first_divergence=2)["margin_at_divergence"] == pytest.approx(4.0)
+    assert summarize_certificate(cert, first_divergence=None)["margin_at_divergence"] is None
     assert summary["certified_fraction"] == 0.5
 
 

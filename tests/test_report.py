@@ -78,6 +78,57 @@ def test_within_tolerance_and_warning_runs():
     ]
 
 
+def test_conditions_dense_by_construction_are_left_out_of_every_count():
+    # S >= context + T - 1: the last step attends to context + T - 1 positions, so no step is sparse
+    assert summary.dense_by_construction(row(2048, 0, 2175, 128, 100.0, 0.0))
+    assert not summary.dense_by_construction(row(2048, 0, 2174, 3, 90.0, 1.0))
+    assert summary.dense_by_construction(
+        {"context": 100, "tokens": 8, "support": 200, "settings": {"effective_support": 113}}
+    )
+    dense = [row(2048, p, 2200, 128, 100.0, 0.0) for p in range(3)] + [row(2048, 0, 4000, 128, 100.0, 0.0)]
+    rows = ROWS + dense
+    table = summary.conditions(rows)
+    assert [(c["support"], c["dense_by_construction"]) for c in table if c["context"] == 2048] == [
+        (97, False),
+        (193, False),
+        (2200, True),
+        (4000, True),
+    ]
+    tolerance = summary.within_tolerance(rows)
+    assert (tolerance["conditions"], tolerance["within"], tolerance["dense_conditions"]) == (2, 1, 2)
+    overview = summary.overview(rows)
+    assert overview == {**summary.overview(ROWS), "dense_by_construction_runs": 4}
+    assert summary.overview(ROWS)["dense_by_construction_runs"] == 0
+    assert summary.warning_runs(rows + [{**dense[0], "teacher_forced_match": 10.0}]) == summary.warning_runs(ROWS)
+    (by,) = summary.by_selector(rows)
+    assert by == {**summary.by_selector(ROWS)[0], "dense_by_construction_runs": 4} and by["runs"] == 9
+
+
+def test_report_shows_dense_by_construction_conditions_apart(tmp_path, monkeypatch):
+    from sparsedecode import plots
+
+    plotted = {}
+    for name in ("match_vs_delta_ppl", "delta_ppl_by_support", "first_divergence_histogram"):
+        monkeypatch.setattr(plots, name, lambda rows, path, *, title, name=name: plotted.setdefault(name, rows))
+    # at context 150 and T = 8, S = 193 covers every position (150 + 7 <= 193); at 220 it does not
+    spec = SweepSpec(model="tiny-llama", contexts=(150, 220), supports=(97, 193), prompts=1, tokens=8)
+    run_sweep(spec, tmp_path, loaded=(tiny_model("llama"), char_tokenizer()))
+    text = write_report(tmp_path).read_text()
+    assert "1 run(s) in 1 condition(s) have an effective support S >= context + T - 1" in text
+    assert "of 3 runs stayed identical" in text and "of the 1 conditions with S >= 193" in text
+    main_table = text[text.index("| context | S | survived |") : text.index("Dense by construction (")]
+    assert "| 150 | 193 |" not in main_table and "| 220 | 193 |" in main_table and "| 150 | 97 |" in main_table
+    apart = text[text.index("Dense by construction (") : text.index("CSV: [conditions.csv]")]
+    assert "| 150 | 193 | 193 | 1/1 | +0.00 |" in apart and "| 220 |" not in apart
+    assert all(
+        len(rows) == 3 and (150, 193) not in {(r["context"], r["support"]) for r in rows} for rows in plotted.values()
+    )
+    assert len(plotted) == 3 and "Runs that are dense by construction are left out." in text
+    with open(tmp_path / "conditions.csv") as handle:
+        flags = {(c["context"], c["support"]): c["dense_by_construction"] for c in csv.DictReader(handle)}
+    assert flags == {("150", "97"): "False", ("150", "193"): "True", ("220", "97"): "False", ("220", "193"): "False"}
+
+
 @pytest.fixture(scope="module")
 def sweep_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("sweep")

@@ -140,10 +140,13 @@ def test_cli_writes_the_retrieval_column(tiny_model_dir, tmp_path, capsys):
     ]
     markdown = (tmp_path / "selectors.md").read_text()
     assert "--retrieval 2`" in markdown and "| passkey found |" in markdown
-    header, *lines = [line for line in markdown.splitlines() if line.startswith("| 300 |") or "| context |" in line]
-    column = header.split(" | ").index("passkey found")
+    header = next(line for line in markdown.splitlines() if "| context |" in line)
+    lines = [line.split(" | ") for line in markdown.splitlines() if line.startswith("| 300 |")]
+    column, selector, support = (header.split(" | ").index(c) for c in ("passkey found", "selector", "S"))
     dense = sum(t["correct"] for t in data["retrieval"] if t["mode"] == "dense")
-    assert [line.split(" | ")[column] for line in lines] == [f"{row['retrieval_correct']}/2" for row in data["summary"]]
+    assert {(cells[selector], int(cells[support])): cells[column] for cells in lines} == {
+        (row["selector"], row["support"]): f"{row['retrieval_correct']}/2" for row in data["summary"]
+    }
     assert f"Dense attention found the passkey in {dense}/2 at context 300" in markdown
     assert "Dense attention found the passkey" in stdout
 
@@ -209,3 +212,36 @@ def test_captured_best_column_is_against_the_best_reachable_set(loaded):
         mine = [r for r in runs if r["selector"] == row.selector]
         assert row.captured_mass_ratio == pytest.approx(sum(r["captured_mass_ratio_mean"] for r in mine) / len(mine))
         assert 0 < row.captured_mass_ratio <= 1 + 1e-12 and 0 < row.captured_mass_ratio_per_head_best <= 1 + 1e-12
+
+
+def test_dense_by_construction_rows_stand_apart_and_old_comparisons_are_rebuilt(tiny_model_dir, tmp_path, capsys):
+    from sparsedecode.report import write_report
+
+    args = ["compare-selectors", "--model", str(tiny_model_dir), "--context", "300", "--support", f"97,{FULL}"]
+    args += ["--prompts", "2", "--tokens", "12", "--selectors", "streaming,quest", "--out", str(tmp_path)]
+    assert main(args) == 0
+    assert "dense by construction" in capsys.readouterr().out
+    data = json.loads((tmp_path / "selectors.json").read_text())
+    assert {(r["support"], r["dense_by_construction"]) for r in data["summary"]} == {(97, False), (FULL, True)}
+    assert all(r["first_divergence_convention"] == 2 for r in data["runs"])
+    markdown = (tmp_path / "selectors.md").read_text()
+    main_table, apart = markdown.split("Dense by construction (effective S >= context + T - 1, T = 12)")
+    assert "| 97 |" in main_table and f"| {FULL} |" not in main_table
+    assert f"| 300 | streaming | yes | {FULL} | 2/2 | 12 |" in apart and "| 97 |" not in apart.split("What each")[0]
+    saved = {name: (tmp_path / name).read_bytes() for name in ("selectors.json", "selectors.csv", "selectors.md")}
+    # a comparison written under the old first_divergence convention (no mark, one more on diverged runs)
+    diverged = [r for r in data["runs"] if not r["survives"]]
+    assert diverged, "a comparison where nothing diverges would test little"
+    for run in data["runs"]:
+        del run["first_divergence_convention"]
+        run["first_divergence"] += 0 if run["survives"] else 1
+    for row in data["summary"]:
+        row["median_first_divergence"] += 0.5
+        del row["dense_by_construction"]
+    (tmp_path / "selectors.json").write_text(json.dumps(data, indent=1))
+    (tmp_path / "selectors.md").write_text("stale")
+    assert write_report(tmp_path) == tmp_path / "selectors.md"
+    assert {name: (tmp_path / name).read_bytes() for name in saved} == saved, "rebuilt exactly as written now"
+    (tmp_path / "selectors.json").write_text("{}")
+    assert main(["report", str(tmp_path)]) == 2
+    assert "is not a selector comparison" in capsys.readouterr().err

@@ -15,6 +15,7 @@ from conftest import char_tokenizer, tiny_model
 
 from sparsedecode import SparseDecodeError
 from sparsedecode.cli import main
+from sparsedecode.compare import FIRST_DIVERGENCE_CONVENTION
 from sparsedecode.experiments.sweep import (
     RUNS_FILE,
     Shard,
@@ -25,6 +26,8 @@ from sparsedecode.experiments.sweep import (
     merge_sweeps,
     read_rows,
     run_sweep,
+    union_spec,
+    upgrade_rows_file,
     without_timings,
 )
 
@@ -174,6 +177,12 @@ def test_changed_settings_are_refused_with_the_differing_fields(tiny_model_dir, 
     assert (tmp_path / "s" / RUNS_FILE).read_bytes() == before, "nothing written by a refused run"
     assert main([*base, "--tokens", "6", *out]) == 0  # same settings: resumes (nothing left to do)
     assert (tmp_path / "s" / RUNS_FILE).read_bytes() == before
+    assert "extending" not in capsys.readouterr().out
+    assert main([*base, "--tokens", "6", "--support", "97,113", *out]) == 0  # more supports: the grid grows
+    assert "extending the grid of" in capsys.readouterr().out and "supports: [97] -> [97, 113]" in " ".join(
+        json.loads((tmp_path / "s" / "sweep.json").read_text())["sessions"][-1]["extended"]
+    )
+    assert (tmp_path / "s" / RUNS_FILE).read_bytes().startswith(before) and len(rows_of(tmp_path / "s")) == 2
 
 
 def test_shards_partition_groups_and_merge_equals_unsharded(loaded, tmp_path):
@@ -327,6 +336,15 @@ def test_the_committed_qwen_sweep_still_loads():
     assert "selector" in meta["spec"], "written before selectors"
     spec = SweepSpec.from_dict(meta["spec"])
     assert spec.selectors == ("mean-pooled",) and {key_of(r) for r in rows} <= set(spec.keys()) and rows
+    # committed results are stored in the current first_divergence convention, not only upgraded when read
+    stored = [json.loads(line) for line in (directory / RUNS_FILE).read_text().splitlines()]
+    selector_runs = [
+        run
+        for path in sorted((directory.parents[1] / "selectors").glob("*/selectors.json"))
+        for run in json.loads(path.read_text())["runs"]
+    ]
+    assert stored == rows and selector_runs
+    assert all(r["first_divergence_convention"] == FIRST_DIVERGENCE_CONVENTION for r in stored + selector_runs)
 
 
 def test_cli_selectors_list_and_the_one_line_refusal_of_both_flags(tiny_model_dir, tmp_path, capsys):
@@ -357,3 +375,143 @@ def test_selectors_spec_validation():
             small_spec(selectors=bad)
     with pytest.raises(SparseDecodeError, match="both 'selector' and 'selectors'"):
         SweepSpec.from_dict({"model": "m", "selector": "quest", "selectors": ["quest"]})
+
+
+# --- the first_divergence convention of stored rows ---------------------------------------------------------
+
+
+def as_convention_1(row: dict) -> dict:
+    """A row as versions before ``first_divergence_convention`` wrote it (1-based, the shared token counted)."""
+    old = {k: v for k, v in row.items() if k != "first_divergence_convention"}
+    old["first_divergence"] = row["first_divergence"] + (0 if row["survives"] else 1)
+    return old
+
+
+def test_rows_of_the_old_convention_are_upgraded_on_load_and_rewritten_before_a_resume(loaded, tmp_path):
+    spec = small_spec(contexts=(150,), supports=(97, 113, 1000))
+    run_sweep(spec, tmp_path / "new", loaded=loaded)
+    new_bytes = (tmp_path / "new" / RUNS_FILE).read_bytes()
+    rows = rows_of(tmp_path / "new")
+    assert all(r["first_divergence_convention"] == FIRST_DIVERGENCE_CONVENTION for r in rows)
+    diverged = [r for r in rows if not r["survives"]]
+    assert diverged and any(r["survives"] for r in rows), "both kinds of run are needed"
+    for r in diverged:
+        t = r["first_divergence"]
+        assert 1 <= t < r["tokens"] and r["sparse_tokens"][:t] == r["dense_tokens"][:t]
+        assert r["sparse_tokens"][t] != r["dense_tokens"][t]
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "sweep.json").write_bytes((tmp_path / "new" / "sweep.json").read_bytes())
+    lines = [json.dumps(as_convention_1(r), separators=(",", ":")) + "\n" for r in rows]
+    (old / RUNS_FILE).write_text("".join(lines))
+    assert load_sweep(old)[1] == rows, "upgraded on load, the file left alone"
+    assert b"first_divergence_convention" not in (old / RUNS_FILE).read_bytes()
+    # a resume after a kill (3 old rows on disk) rewrites them first: the file never mixes conventions
+    (old / RUNS_FILE).write_text("".join(lines[:3]))
+    outcome = run_sweep(spec, old, loaded=loaded)
+    assert (outcome.done_before, outcome.ran) == (3, len(rows) - 3)
+    assert stripped(rows_of(old)) == stripped(rows)
+    assert all(b'"first_divergence_convention":2}' in line for line in (old / RUNS_FILE).read_bytes().splitlines())
+    # upgrading a whole old file in place gives back the bytes the new code writes
+    (old / RUNS_FILE).write_text("".join(lines))
+    assert upgrade_rows_file(old / RUNS_FILE) == len(rows) and upgrade_rows_file(old / RUNS_FILE) == 0
+    assert (old / RUNS_FILE).read_bytes() == new_bytes
+    # merge writes upgraded rows too
+    (old / RUNS_FILE).write_text("".join(lines))
+    merge_sweeps([old], tmp_path / "merged")
+    assert (tmp_path / "merged" / RUNS_FILE).read_bytes() == new_bytes
+
+
+# --- growing the grid: resume with more, merge folders of different grids -----------------------------------
+
+
+def test_a_resume_may_add_to_the_grid(loaded, tmp_path):
+    small = small_spec(contexts=(150,), prompts=1, supports=(97,))
+    run_sweep(small, tmp_path / "s", loaded=loaded)
+    big = small_spec(contexts=(150, 220), prompts=2, supports=(97, 113), selectors=("mean-pooled", "streaming"))
+    outcome = run_sweep(big, tmp_path / "s", loaded=loaded)
+    assert (outcome.done_before, outcome.ran, outcome.total) == (1, 15, 16) and outcome.complete
+    assert [line.split(": ", 1)[1] for line in outcome.extended] == [
+        "contexts: [150] -> [150, 220]",
+        "supports: [97] -> [97, 113]",
+        "selectors: ['mean-pooled'] -> ['mean-pooled', 'streaming']",
+        "prompts: 1 -> 2",
+    ]
+    meta, rows = load_sweep(tmp_path / "s")
+    assert SweepSpec.from_dict(meta["spec"]) == big and meta["sessions"][-1]["extended"] == outcome.extended
+    assert "extended" not in meta["sessions"][0]
+    run_sweep(big, tmp_path / "whole", loaded=loaded)
+    by_key = {key_of(r): r for r in stripped(rows)}
+    assert by_key == {key_of(r): r for r in stripped(rows_of(tmp_path / "whole"))}
+    assert run_sweep(big, tmp_path / "s", loaded=loaded).extended == [], "now the stored spec"
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(contexts=(150, 220), tokens=8), "tokens: 10 vs 8"),  # a field outside the grid
+        (dict(contexts=(220,)), r"contexts: \[150\] vs \[220\]"),  # a stored context missing
+        (dict(prompts=1, supports=(97, 113)), "prompts: 2 vs 1"),  # fewer prompts
+        (dict(supports=(113, 97)), r"supports: \[97, 113\] vs \[113, 97\]"),  # reordered: not an extension
+    ],
+)
+def test_a_resume_that_is_no_grid_extension_is_refused(loaded, tmp_path, change, message):
+    stored = small_spec(contexts=(150,), prompts=2, supports=(97, 113), tokens=10)
+    (tmp_path / "s").mkdir()
+    meta = {"spec": stored.to_dict(), "corpus_sha256": None, "shard": "1/1", "sessions": []}
+    (tmp_path / "s" / "sweep.json").write_text(json.dumps(meta))
+    with pytest.raises(SparseDecodeError, match=message):
+        run_sweep(small_spec(**{**stored.to_dict(), **change}), tmp_path / "s", loaded=loaded)
+    assert json.loads((tmp_path / "s" / "sweep.json").read_text()) == meta
+    assert not (tmp_path / "s" / RUNS_FILE).exists()
+
+
+def test_a_sharded_folder_does_not_grow(loaded, tmp_path):
+    spec = small_spec(contexts=(150,), prompts=2, supports=(97,))
+    run_sweep(spec, tmp_path / "s", shard=Shard(1, 2), loaded=loaded)
+    with pytest.raises(SparseDecodeError, match="cannot grow shard by shard"):
+        run_sweep(
+            small_spec(contexts=(150,), prompts=3, supports=(97,)), tmp_path / "s", shard=Shard(1, 2), loaded=loaded
+        )
+    run_sweep(small_spec(contexts=(150,), prompts=1, supports=(97,)), tmp_path / "u", loaded=loaded)
+    with pytest.raises(SparseDecodeError, match="cannot grow shard by shard"):
+        run_sweep(
+            small_spec(contexts=(150,), prompts=2, supports=(97,)), tmp_path / "u", shard=Shard(1, 2), loaded=loaded
+        )
+
+
+def test_merge_of_folders_of_different_grids_gives_their_union(loaded, tmp_path):
+    base = small_spec(contexts=(150,), prompts=2, supports=(97, 113))
+    run_sweep(base, tmp_path / "committed", loaded=loaded)
+    more = small_spec(contexts=(220,), prompts=2, supports=(97, 113))  # the new context in a folder of its own
+    run_sweep(more, tmp_path / "new", loaded=loaded)
+    union = small_spec(contexts=(150, 220), prompts=2, supports=(97, 113))
+    run_sweep(union, tmp_path / "whole", loaded=loaded)
+    outcome = merge_sweeps([tmp_path / "new"], tmp_path / "committed")  # into the committed folder
+    assert (outcome.rows, outcome.duplicates, outcome.missing) == (8, 0, 0)
+    meta, rows = load_sweep(tmp_path / "committed")
+    assert SweepSpec.from_dict(meta["spec"]) == union and meta["merged_from"] == [str(tmp_path / "new")]
+    assert stripped(rows) == stripped(rows_of(tmp_path / "whole")), "the order of an unsharded sweep of the union"
+    assert merge_sweeps([tmp_path / "new"], tmp_path / "committed").duplicates == 4, "again: identical overlap is fine"
+    assert run_sweep(union, tmp_path / "committed", loaded=loaded).ran == 0
+    # a field outside the grid differs: refused, nothing written
+    run_sweep(small_spec(contexts=(220,), prompts=1, supports=(97,), tokens=8), tmp_path / "t8", loaded=loaded)
+    before = (tmp_path / "committed" / RUNS_FILE).read_bytes()
+    with pytest.raises(SparseDecodeError, match="outside the grid.*tokens: 10 vs 8"):
+        merge_sweeps([tmp_path / "t8"], tmp_path / "committed")
+    # the same run with other results in folders of different grids: refused
+    other = tmp_path / "other"
+    other.mkdir()
+    meta = json.loads((tmp_path / "new" / "sweep.json").read_text())
+    meta["spec"]["supports"] = [97]
+    (other / "sweep.json").write_text(json.dumps(meta))
+    row = next(r for r in rows_of(tmp_path / "new") if r["support"] == 97)
+    (other / RUNS_FILE).write_text(json.dumps({**row, "teacher_forced_match": 1.0}) + "\n")
+    with pytest.raises(SparseDecodeError, match="other results"):
+        merge_sweeps([other], tmp_path / "committed")
+    # or paired with another dense reference
+    (other / RUNS_FILE).write_text(json.dumps({**row, "dense_tokens": [t + 1 for t in row["dense_tokens"]]}) + "\n")
+    with pytest.raises(SparseDecodeError, match="different dense references"):
+        merge_sweeps([other], tmp_path / "committed")
+    assert (tmp_path / "committed" / RUNS_FILE).read_bytes() == before
+    assert union_spec([base, more]) == union and union_spec([more, base]).contexts == (220, 150)

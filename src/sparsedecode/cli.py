@@ -253,12 +253,12 @@ def _continuation_table(tokenizer, result) -> Table:
     table = Table(show_header=True, header_style="bold", expand=True)
     table.add_column("dense", ratio=1)
     table.add_column(f"sparse S={result.settings['effective_support']}", ratio=1)
-    cut = result.first_divergence - 1 if not result.survives else len(result.dense_tokens)
+    cut = len(result.dense_tokens) if result.survives else result.first_divergence  # tokens before s_t != d_t
     cells = []
     for tokens in (result.dense_tokens, result.sparse_tokens):
         text = Text(tokenizer.decode(tokens[:cut]))
         if cut < len(tokens):
-            text.append(f"⟦step {cut + 1}⟧", style="bold yellow")
+            text.append(f"⟦step {cut}⟧", style="bold yellow")
             text.append(tokenizer.decode(tokens[cut:]), style="red")
         cells.append(text)
     table.add_row(*cells)
@@ -462,11 +462,12 @@ def cmd_run(args) -> int:
         for result in per_context:
             console.print(_continuation_table(tokenizer, result))
     console.print(
-        "[dim]first div. = 1-based step of the first token that differs from dense (step 1 comes from dense "
-        "prefill); TF = teacher-forced on the dense continuation; ΔPPL is on the dense model's own tokens, not "
-        "on free-running output; certified = dense top-1/top-2 margin > 2·max|Δlogit| on the same prefix, which "
-        "rules a flip out (the converse does not hold); distant/KV = distinct distant positions read per layer and "
-        "KV head. A support covering context + tokens reproduces dense exactly.[/]"
+        "[dim]first div. = the decode step t >= 1 whose sparse token first differs from dense (token 0 comes from "
+        "the shared dense prefill; T when none); TF = teacher-forced on the dense continuation; ΔPPL is on the "
+        "dense model's own tokens, not on free-running output; certified = dense top-1/top-2 margin > "
+        "2·max|Δlogit| on the same prefix, which rules a flip out (the converse does not hold); distant/KV = "
+        "distinct distant positions read per layer and KV head. A support covering context + tokens reproduces "
+        "dense exactly.[/]"
     )
     if args.json:
         for result in results:
@@ -607,13 +608,12 @@ def cmd_probe_mass(args) -> int:
 
 
 def cmd_compare_selectors(args) -> int:
-    import csv
     from dataclasses import asdict
 
     from .config import SELECTORS, SparseConfig
     from .experiments.bench import model_shape
     from .experiments.corpus import check_context_fits
-    from .experiments.selector_comparison import ANSWER_TOKENS, PRACTICAL, compare_selectors
+    from .experiments.selector_comparison import ANSWER_TOKENS, compare_selectors
     from .models import load_model
 
     chosen = SELECTORS if args.selectors == "all" else tuple(s.strip() for s in args.selectors.split(","))
@@ -643,47 +643,21 @@ def cmd_compare_selectors(args) -> int:
             op_shape=shape,
             progress=progress,
         )
-    headers = (
-        "context",
-        "selector",
-        "practical",
-        "S",
-        "survived",
-        "median first div.",
-        "median TF match %",
-        "median ΔPPL %",
-        "certified %",
-        "captured / best",
-        "passkey found",
-        "op ms",
-    )
-    cells = [
-        (
-            str(r.context),
-            r.selector,
-            "yes" if r.practical else "reference",
-            str(r.support),
-            f"{r.survived}/{r.runs}",
-            f"{r.median_first_divergence:g}",
-            f"{r.median_teacher_forced_match:.1f}",
-            f"{r.median_delta_ppl_percent:+.2f}",
-            f"{100 * r.certified_fraction:.1f}",
-            "-" if r.captured_mass_ratio is None else f"{r.captured_mass_ratio:.3f}",
-            "-" if r.retrieval_correct is None else f"{r.retrieval_correct}/{r.retrieval_trials}",
-            "-" if r.op_ms is None else f"{r.op_ms:.3f}",
-        )
-        for r in rows
-    ]
+    from .report import SELECTOR_HEADERS, dense_retrieval_lines, selector_cells, write_selector_comparison
+
+    summary = [asdict(r) for r in rows]
     table = Table(
         title=f"selectors under one budget: {args.model} {args.dtype} cpu, {args.prompts} prompts of "
         f"{args.corpus}, T = {args.tokens}"
     )
-    for name in headers:
+    for name in SELECTOR_HEADERS:
         table.add_column(name, justify="right")
-    for row in cells:
-        table.add_row(*row)
+    for row, cells in zip(summary, selector_cells(summary)):
+        table.add_row(*cells, style="dim" if row["dense_by_construction"] else None)
     console.print(table)
-    for line in _dense_retrieval_lines(rows)[:1]:
+    if any(row["dense_by_construction"] for row in summary):
+        console.print("[dim]dim rows: dense by construction (effective S >= context + T - 1), they compare nothing[/]")
+    for line in dense_retrieval_lines(summary)[:1]:
         console.print(line)
     args.out.mkdir(parents=True, exist_ok=True)
     settings = {
@@ -692,64 +666,10 @@ def cmd_compare_selectors(args) -> int:
     }
     settings["selectors"] = list(chosen)
     settings["environment"] = environment()
-    write_json_atomic(
-        args.out / "selectors.json",
-        {"settings": settings, "summary": [asdict(r) for r in rows], "runs": runs, "retrieval": trials},
-    )
-    with open(args.out / "selectors.csv", "w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(list(asdict(rows[0])))
-        writer.writerows(list(asdict(r).values()) for r in rows)
-    reads = "\n".join(
-        f"| `{name}` | {'practical' if practical else 'reference'} | {what} |"
-        for name, (practical, what) in PRACTICAL.items()
-        if name in chosen
-    )
-    markdown = [
-        f"# Selectors under one budget: {args.model}",
-        "",
-        f"Produced by `sparsedecode compare-selectors --model {args.model} --context "
-        f"{','.join(map(str, args.context))} --support {','.join(map(str, args.support))} --prompts {args.prompts} "
-        f"--tokens {args.tokens}{' --audit' if args.audit else ''}"
-        f"{f' --retrieval {args.retrieval}' if args.retrieval else ''}` ({args.dtype}, cpu, "
-        f"{settings['environment']['threads']} threads, corpus {args.corpus}, torch "
-        f"{settings['environment']['torch']}, transformers {settings['environment']['transformers']}).",
-        "",
-        "| " + " | ".join(headers) + " |",
-        "|" + "---|" * len(headers),
-        *("| " + " | ".join(row) + " |" for row in cells),
-        "",
-        *_dense_retrieval_lines(rows),
-        "What each selector reads per step:",
-        "",
-        "| selector | kind | reads |",
-        "|---|---|---|",
-        reads,
-        "",
-        "Medians over the prompts; ΔPPL is teacher-forced on the dense continuation; certified = share of "
-        "teacher-forced steps whose dense margin exceeds twice the logit error; captured / best = true attention "
-        "mass on the kept distant positions over the best mass at the same budget (needs --audit); passkey found = "
-        "passkey retrieval trials answered correctly (needs --retrieval N: N passkeys per context at depths spread "
-        f"over the haystack, filler haystack, {ANSWER_TOKENS} greedy answer tokens, exact match); op ms = one "
-        "sparse decode-attention call on synthetic data of this model's shape (selection + attention), measured "
-        "in the same process. Few prompts and one model: this ranks selectors on this setup, it does not "
-        "establish a general ordering.",
-        "",
-    ]
-    (args.out / "selectors.md").write_text("\n".join(markdown))
+    data = {"settings": settings, "summary": summary, "runs": runs, "retrieval": trials}
+    write_selector_comparison(args.out, data)
     console.print(f"wrote {args.out / 'selectors.md'}, selectors.csv, selectors.json")
     return 0
-
-
-def _dense_retrieval_lines(rows) -> list[str]:
-    """The dense baseline of the passkey trials, one sentence per context (nothing when retrieval was off)."""
-    dense = {r.context: r for r in rows if r.retrieval_trials}
-    if not dense:
-        return []
-    found = "; ".join(
-        f"{r.dense_retrieval_correct}/{r.retrieval_trials} at context {context}" for context, r in dense.items()
-    )
-    return [f"Dense attention found the passkey in {found} (the same trials).", ""]
 
 
 def cmd_models(args) -> int:
@@ -824,7 +744,8 @@ def cmd_sweep(args) -> int:
     if meta is not None:  # refuse a changed spec before spending time on the model
         from .experiments.sweep import check_meta
 
-        check_meta(args.out, meta, spec, None, shard or Shard())
+        for line in check_meta(args.out, meta, spec, None, shard or Shard()):  # a grid that grows says so
+            console.print(line)
     with console.status(f"loading {args.model} ({args.dtype})"):
         loaded = load_model(args.model, dtype=args.dtype)
     console.print(

@@ -3,8 +3,10 @@
 1. :func:`dense_reference`: dense prefill, then ``T`` greedy tokens with their NLL under the dense model. The
    prefilled cache is kept and reused (cropped back to the prompt) by every sparse run of that prompt.
 2. :func:`compare`, free-running: from the same cache and the same first token (it comes from the dense
-   prefill), decode greedily with sparse attention; ``first_divergence`` is the 1-based step of the first
-   token that differs from dense (``T`` if none; ``survives`` tells the two apart).
+   prefill), decode greedily with sparse attention. With dense tokens ``d_0..d_{T-1}`` and sparse tokens
+   ``s_0 = d_0, s_1..s_{T-1}``, ``first_divergence = min{t >= 1 : s_t != d_t}``: the decode step whose token
+   first differs, counted among the ``T - 1`` sparse-generated tokens (the reference study's convention);
+   ``T`` if none, and the run *survives* exactly then.
 3. :func:`compare`, teacher-forced: feed the dense continuation with sparse attention; the share of steps
    whose sparse argmax equals the dense token, and the sparse perplexity of the dense tokens against the
    dense perplexity over the same ``T - 1`` tokens. This perplexity is on the dense model's own
@@ -31,6 +33,12 @@ from .diagnostics import (
     summarize_certificate,
 )
 from .errors import SparseDecodeError
+
+FIRST_DIVERGENCE_CONVENTION = 2
+"""Marks results and stored rows whose ``first_divergence`` follows DESIGN.md section 3 (see
+:func:`first_divergence`). Rows without the mark were written under convention 1, the 1-based position of the
+first differing token counting the shared first token (one more than today's value when the run diverged; ``T``
+for a divergence at the last step as well as for survival): :func:`upgrade_row` recomputes them."""
 
 Progress = Callable[[str, int, int], None]
 """``progress(stage, done, total)``: called as work advances; the CLI draws bars from it."""
@@ -112,12 +120,51 @@ class CompareResult:
     captured_mass_ratio_per_head_best_mean: float | None = None
     audit: dict | None = None
     audit_arrays: dict | None = field(default=None, repr=False)
+    first_divergence_convention: int = FIRST_DIVERGENCE_CONVENTION
 
     def to_dict(self) -> dict:
         """JSON-ready fields (the per-step audit arrays are left out: save them with ``save_audit``)."""
         data = asdict(self)
         data.pop("audit_arrays")
         return data
+
+
+def first_divergence(dense_tokens: list[int], sparse_tokens: list[int]) -> int:
+    """``min{t >= 1 : s_t != d_t}`` over the paired tokens (``s_0 = d_0`` is shared), ``T`` if none (DESIGN.md
+    section 3): the decode step whose sparse token first differs; ``T`` is the number of dense tokens."""
+    if len(dense_tokens) != len(sparse_tokens):
+        raise SparseDecodeError(f"{len(dense_tokens)} dense tokens but {len(sparse_tokens)} sparse tokens")
+    return next((t for t in range(1, len(dense_tokens)) if sparse_tokens[t] != dense_tokens[t]), len(dense_tokens))
+
+
+def upgrade_row(row: dict) -> dict:
+    """A stored result row (sweep or selector comparison) in today's ``first_divergence`` convention.
+
+    Rows carrying ``first_divergence_convention`` are returned as they are; older rows get ``first_divergence``
+    recomputed from their ``dense_tokens`` and ``sparse_tokens`` (checked against the value they hold) and the
+    mark appended last, as new rows carry it; every other field keeps its value and place.
+    ``margin_at_divergence`` needs no change: it always referred to the decode step that produced the differing
+    token, which is today's ``first_divergence``.
+    """
+    convention = row.get("first_divergence_convention", 1)
+    if convention == FIRST_DIVERGENCE_CONVENTION:
+        return row
+    if convention != 1:
+        raise SparseDecodeError(
+            f"a row has first_divergence_convention {convention!r}, unknown here: written by a newer version?"
+        )
+    if "dense_tokens" not in row or "sparse_tokens" not in row:
+        raise SparseDecodeError("a row of the old first_divergence convention lacks its token ids: cannot migrate")
+    value = first_divergence(row["dense_tokens"], row["sparse_tokens"])
+    tokens = len(row["dense_tokens"])
+    survives = value == tokens
+    old = tokens if survives else value + 1
+    if row.get("first_divergence") != old or bool(row.get("survives")) != survives:
+        raise SparseDecodeError(
+            f"a row of the old convention holds first_divergence {row.get('first_divergence')!r}, survives "
+            f"{row.get('survives')!r}, but its tokens give {old}: the row is inconsistent, fix or remove it"
+        )
+    return {**row, "first_divergence": value, "first_divergence_convention": FIRST_DIVERGENCE_CONVENTION}
 
 
 def _ppl(nll: list[float]) -> float:
@@ -267,7 +314,8 @@ def compare(
     unique = session.unique_distant_positions()
     crop_cache(cache, context)
     sparse_tokens = [dense_tokens[0], *free]
-    diverged = [i + 1 for i, (a, b) in enumerate(zip(dense_tokens, sparse_tokens)) if a != b]
+    divergence = first_divergence(dense_tokens, sparse_tokens)
+    survives = divergence == tokens
 
     teacher_logits: list[torch.Tensor] = []
     started = time.perf_counter()
@@ -292,7 +340,7 @@ def compare(
     matches = sum(a == b for a, b in zip(forced, dense_tokens[1:]))
     match_percent = 100.0 * matches / (tokens - 1)
     certificate = margin_certificate(reference.logits[: tokens - 1], torch.stack(teacher_logits))
-    cert = summarize_certificate(certificate, diverged[0] if diverged else None)
+    cert = summarize_certificate(certificate, None if survives else divergence)
     audit_arrays = audit.arrays() if audit is not None else None
     audit_summary = summarize_audit(audit_arrays) if audit_arrays is not None else None
     audited = audit_summary is not None and audit_summary.get("audited_steps", 0) > 0
@@ -300,8 +348,8 @@ def compare(
         context=context,
         tokens=tokens,
         settings=cfg.to_dict(),
-        first_divergence=diverged[0] if diverged else tokens,
-        survives=not diverged,
+        first_divergence=divergence,
+        survives=survives,
         teacher_forced_match=match_percent,
         delta_ppl_percent=100.0 * (sparse_ppl - dense_ppl) / dense_ppl,
         dense_ppl=dense_ppl,

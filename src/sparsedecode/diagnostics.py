@@ -284,11 +284,12 @@ def margin_certificate(dense_logits: torch.Tensor, sparse_logits: torch.Tensor) 
 def summarize_certificate(cert: dict[str, np.ndarray], first_divergence: int | None) -> dict:
     """Certified fraction, flips, violations (flips at certified steps) and the margin at the divergence.
 
-    ``first_divergence`` is the 1-based token index of the free-running divergence (``None`` if none); the
-    token at index ``k`` is predicted by teacher-forced step ``k - 1``, whose prefix is the dense one.
+    ``first_divergence`` is the free-running divergence as DESIGN.md section 3 defines it (the decode step
+    ``t >= 1`` whose sparse token ``s_t`` first differs from ``d_t``; ``None`` if none); ``d_t`` is predicted by
+    teacher-forced step ``t``, whose prefix is the dense one, at index ``t - 1`` of the certificate arrays.
     """
     steps = len(cert["gamma"])
-    at = first_divergence - 2 if first_divergence is not None and 2 <= first_divergence <= steps + 1 else None
+    at = first_divergence - 1 if first_divergence is not None and 1 <= first_divergence <= steps else None
     return {
         "certified_fraction": float(cert["certified"].mean()) if steps else float("nan"),
         "flips": int(cert["flipped"].sum()),

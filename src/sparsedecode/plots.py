@@ -150,7 +150,8 @@ def delta_ppl_by_support(rows: list[dict], path: Path, *, title: str) -> Path:
 def first_divergence_histogram(rows: list[dict], path: Path, *, title: str) -> Path:
     """Histogram of first-divergence steps, stacked by support (by selector when the rows hold several).
 
-    Runs that never diverge sit in the last bin.
+    ``first_divergence`` is DESIGN.md section 3's (1..T-1 for a divergence); runs that never diverge (``T``) sit
+    in a last bin of their own.
     """
     tokens = max(r["tokens"] for r in rows)
     selectors = _selectors(rows)
@@ -163,10 +164,12 @@ def first_divergence_histogram(rows: list[dict], path: Path, *, title: str) -> P
         by_support = _support_colors(supports)
         stacks = [[r["first_divergence"] for r in rows if r["support"] == s] for s in supports]
         colors, labels = [by_support[s] for s in supports], [f"S={s}" for s in supports]
-    bins = np.arange(0.5, tokens + 1.5, max(1, tokens // 32))
+    width = max(1, tokens // 32)
+    # divergences 1..T-1 in bins of ``width``; survival (T) in a bin of its own, never shared with step T - 1
+    bins = np.append(np.arange(0.5, tokens - 0.5, width), [tokens - 0.5, tokens - 0.5 + width])
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     ax.hist(stacks, bins=bins, stacked=True, color=colors, label=labels)
-    ax.set_xlabel(f"first divergence (1-based step; {tokens} = never diverged)")
+    ax.set_xlabel(f"first divergence (decode step t of the first s_t != d_t; {tokens} = never diverged)")
     ax.set_ylabel("runs")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title(title, fontsize=10)

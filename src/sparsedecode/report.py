@@ -2,7 +2,9 @@
 
 Reads ``sweep.json`` and ``runs.jsonl`` (see :mod:`sparsedecode.experiments.sweep`) and, when present,
 ``retrieval.json`` (see :mod:`sparsedecode.experiments.retrieval`), and writes next to them ``report.md``,
-one CSV per table and the plots. Every number is computed from the rows by
+one CSV per table and the plots. A folder of ``compare-selectors`` (``selectors.json``) is rendered as
+``selectors.md`` and ``selectors.csv``, its summary recomputed from its stored runs with today's code (see
+:func:`sparsedecode.experiments.selector_comparison.rebuild`). Every number is computed from the rows by
 :mod:`sparsedecode.experiments.summary`; the report states the conditions the rows were measured under and
 what they do not establish. This module sits on top of the library; the library never imports it.
 """
@@ -20,6 +22,7 @@ from .experiments.sweep import RUNS_FILE, SPEC_FILE, SweepSpec, load_sweep
 
 REPORT_FILE = "report.md"
 RETRIEVAL_FILE = "retrieval.json"
+SELECTORS_FILE = "selectors.json"
 REFERENCE = (
     "Qwen2-0.5B, fp16 GPU, WikiText-2 test prefixes; contexts 2K/8K/16K; S in 97..769; 5 prefixes; T = 128; 60 runs"
 )
@@ -116,7 +119,10 @@ def _sweep_section(directory: Path, meta: dict, rows: list[dict], out: list[str]
 
     spec = SweepSpec.from_dict(meta["spec"])
     grid = len(spec.keys())
-    conditions = summary.conditions(rows)
+    every_condition = summary.conditions(rows)
+    conditions = [c for c in every_condition if not c["dense_by_construction"]]
+    dense = [c for c in every_condition if c["dense_by_construction"]]
+    tested = summary.tested(rows)
     tolerance = summary.within_tolerance(rows)
     warnings = summary.warning_runs(rows)
     overview = summary.overview(rows)
@@ -152,13 +158,24 @@ def _sweep_section(directory: Path, meta: dict, rows: list[dict], out: list[str]
         out += ["No runs finished yet.", ""]
         return
 
+    apart = (
+        [
+            f"{overview['dense_by_construction_runs']} run(s) in {len(dense)} condition(s) have an effective support "
+            f"S >= context + T - 1: every step attends to the whole cache, so they equal dense decoding by "
+            "construction. They are left out of every number, table and plot below except the table of their own.",
+            "",
+        ]
+        if dense
+        else []
+    )
     out += [
         "## Findings, in the reference study's terms",
         "",
         f"The reference study (DESIGN.md section 3): {REFERENCE}.",
         "",
+        *apart,
         f"- **Survival**: {overview['survived']} of {overview['runs']} runs stayed identical to dense greedy "
-        f"decoding for all {spec.tokens} tokens (reference: 0 of 60); median first divergence over all runs "
+        f"decoding for all {spec.tokens} tokens (reference: 0 of 60); median first divergence "
         f"{_fmt(overview['first_divergence_median'])} (runs that never diverge count as {spec.tokens}).",
         f"- **Perplexity**: {tolerance['within']} of the {tolerance['conditions']} conditions with S >= 193 have a "
         f"median |ΔPPL| of at most 5% (reference: 7 of 9); largest ΔPPL of any run "
@@ -174,9 +191,9 @@ def _sweep_section(directory: Path, meta: dict, rows: list[dict], out: list[str]
         out += [
             "## Per selector",
             "",
-            "All runs of each selector (every context, prompt, support and reuse interval), against the same dense "
-            "references. Medians over runs; within 5% counts the selector's conditions with S >= 193 whose median "
-            "|ΔPPL| is at most 5%.",
+            "All runs of each selector (every context, prompt, support and reuse interval) that take a sparse step, "
+            "against the same dense references. Medians over runs; within 5% counts the selector's conditions with "
+            "S >= 193 whose median |ΔPPL| is at most 5%.",
             "",
             _markdown_table(
                 ["selector", "survived", "median first divergence", "median TF match %", "median ΔPPL %"]
@@ -202,8 +219,9 @@ def _sweep_section(directory: Path, meta: dict, rows: list[dict], out: list[str]
     out += [
         "## Per condition",
         "",
-        "First divergence: 1-based step of the first sparse token that differs from dense (step 1 is shared; a run "
-        f"that never diverges counts as {spec.tokens}). TF match: % of the T - 1 teacher-forced steps whose sparse "
+        "First divergence: the decode step t >= 1 whose sparse token first differs from dense, counted among the "
+        f"T - 1 sparse-generated tokens (token 0 comes from the shared dense prefill; a run that never diverges "
+        f"counts as {spec.tokens}). TF match: % of the T - 1 teacher-forced steps whose sparse "
         "argmax is the dense token. ΔPPL: sparse vs dense perplexity of the dense continuation. Median [min, max].",
         "",
     ]
@@ -234,8 +252,31 @@ def _sweep_section(directory: Path, meta: dict, rows: list[dict], out: list[str]
         "median abs ΔPPL %",
         "TF < 70%",
     ]
-    out += [_markdown_table(header, table), "", "CSV: [conditions.csv](conditions.csv), all runs: [runs.csv](runs.csv)"]
-    write_csv(directory / "conditions.csv", conditions)
+    out += [_markdown_table(header, table) if table else "No condition takes a sparse step."]
+    if dense:
+        out += [
+            "",
+            "Dense by construction (effective S >= context + T - 1; not counted anywhere else):",
+            "",
+            _markdown_table(
+                ["context", "S", "effective S", *(["R"] if len(spec.reuse) > 1 else [])]
+                + [*(["selector"] if several else []), "survived", "ΔPPL %"],
+                [
+                    [
+                        str(c["context"]),
+                        str(c["support"]),
+                        str(c["effective_support"]),
+                        *([str(c["reuse"])] if len(spec.reuse) > 1 else []),
+                        *([f"`{c['selector']}`"] if several else []),
+                        f"{c['survived']}/{c['runs']}",
+                        f"{c['delta_ppl_percent_median']:+.2f}",
+                    ]
+                    for c in dense
+                ],
+            ),
+        ]
+    out += ["", "CSV: [conditions.csv](conditions.csv), all runs: [runs.csv](runs.csv)"]
+    write_csv(directory / "conditions.csv", every_condition)
     write_csv(directory / "runs.csv", [{k: v for k, v in r.items() if not isinstance(v, list)} for r in rows])
 
     out += ["", "## Runs with teacher-forced match below 70%", ""]
@@ -265,14 +306,18 @@ def _sweep_section(directory: Path, meta: dict, rows: list[dict], out: list[str]
         out.append("None.")
     write_csv(directory / "warning_runs.csv", warnings)
 
+    if not tested:
+        out += ["", "## Plots", "", "None: no run takes a sparse step.", ""]
+        return
     title = f"{spec.model}, {spec.corpus}, T = {spec.tokens}"
-    plots.match_vs_delta_ppl(rows, directory / "match_vs_delta_ppl.png", title=f"{title}: one dot per run")
-    plots.delta_ppl_by_support(rows, directory / "delta_ppl_by_support.png", title=title)
-    plots.first_divergence_histogram(rows, directory / "first_divergence.png", title=title)
+    plots.match_vs_delta_ppl(tested, directory / "match_vs_delta_ppl.png", title=f"{title}: one dot per run")
+    plots.delta_ppl_by_support(tested, directory / "delta_ppl_by_support.png", title=title)
+    plots.first_divergence_histogram(tested, directory / "first_divergence.png", title=title)
     out += [
         "",
         "## Plots",
         "",
+        *(["Runs that are dense by construction are left out.", ""] if dense else []),
         "Teacher-forced match against ΔPPL, one dot per run"
         + (" (marker: selector; contexts pooled)" if several else "")
         + "; the dashed line is the 70% warning threshold:",
@@ -413,6 +458,165 @@ def _retrieval_section(directory: Path, data: dict, out: list[str]) -> None:
         out += ["![captured mass vs retrieval](mass_vs_retrieval.png)", ""]
 
 
+SELECTOR_HEADERS = (
+    "context",
+    "selector",
+    "practical",
+    "S",
+    "survived",
+    "median first div.",
+    "median TF match %",
+    "median ΔPPL %",
+    "certified %",
+    "captured / best",
+    "passkey found",
+    "op ms",
+)
+
+
+def selector_cells(rows: list[dict]) -> list[tuple[str, ...]]:
+    """The cells of the selector table (columns :data:`SELECTOR_HEADERS`), one tuple per summary row."""
+    return [
+        (
+            str(r["context"]),
+            r["selector"],
+            "yes" if r["practical"] else "reference",
+            str(r["support"]),
+            f"{r['survived']}/{r['runs']}",
+            f"{r['median_first_divergence']:g}",
+            f"{r['median_teacher_forced_match']:.1f}",
+            f"{r['median_delta_ppl_percent']:+.2f}",
+            f"{100 * r['certified_fraction']:.1f}",
+            "-" if r["captured_mass_ratio"] is None else f"{r['captured_mass_ratio']:.3f}",
+            "-" if r["retrieval_correct"] is None else f"{r['retrieval_correct']}/{r['retrieval_trials']}",
+            "-" if r["op_ms"] is None else f"{r['op_ms']:.3f}",
+        )
+        for r in rows
+    ]
+
+
+def dense_retrieval_lines(rows: list[dict]) -> list[str]:
+    """The dense baseline of the passkey trials, one sentence per context (nothing when retrieval was off)."""
+    dense = {r["context"]: r for r in rows if r["retrieval_trials"]}
+    if not dense:
+        return []
+    found = "; ".join(
+        f"{r['dense_retrieval_correct']}/{r['retrieval_trials']} at context {context}" for context, r in dense.items()
+    )
+    return [f"Dense attention found the passkey in {found} (the same trials).", ""]
+
+
+def _selectors_command(settings: dict) -> str:
+    from .config import SELECTORS
+
+    selectors = settings["selectors"]
+    return (
+        f"sparsedecode compare-selectors --model {settings['model']} --context "
+        f"{','.join(map(str, settings['context']))} --support {','.join(map(str, settings['support']))} --prompts "
+        f"{settings['prompts']} --tokens {settings['tokens']}"
+        + ("" if list(selectors) == list(SELECTORS) else f" --selectors {','.join(selectors)}")
+        + (" --audit" if settings.get("audit") else "")
+        + (f" --retrieval {settings['retrieval']}" if settings.get("retrieval") else "")
+    )
+
+
+def _table_lines(rows: list[dict]) -> list[str]:
+    return [
+        "| " + " | ".join(SELECTOR_HEADERS) + " |",
+        "|" + "---|" * len(SELECTOR_HEADERS),
+        *("| " + " | ".join(cells) + " |" for cells in selector_cells(rows)),
+    ]
+
+
+def selector_markdown(data: dict) -> str:
+    """``selectors.md`` of a comparison (the JSON document of ``compare-selectors``)."""
+    from .experiments.selector_comparison import ANSWER_TOKENS, PRACTICAL
+
+    settings, rows = data["settings"], data["summary"]
+    env = settings.get("environment") or {}
+    sparse = [r for r in rows if not r.get("dense_by_construction")]
+    dense = [r for r in rows if r.get("dense_by_construction")]
+    out = [
+        f"# Selectors under one budget: {settings['model']}",
+        "",
+        f"Produced by `{_selectors_command(settings)}` ({settings['dtype']}, {env.get('device', 'cpu')}, "
+        f"{env.get('threads')} threads, corpus {settings['corpus']}, torch {env.get('torch')}, transformers "
+        f"{env.get('transformers')}).",
+        "",
+        *(_table_lines(sparse) if sparse else ["No condition takes a sparse step."]),
+        "",
+    ]
+    if dense:
+        out += [
+            f"Dense by construction (effective S >= context + T - 1, T = {settings['tokens']}): every step attends to "
+            "the whole cache, so these rows equal dense decoding and compare nothing:",
+            "",
+            *_table_lines(dense),
+            "",
+        ]
+    remeasured = settings.get("op_ms_remeasured")
+    if remeasured:
+        renv = remeasured.get("environment") or {}
+        out += [
+            f"The op ms column was re-measured alone by `{remeasured.get('by')}` (torch {renv.get('torch')}, "
+            f"{renv.get('threads')} threads, revision {renv.get('revision')}) with the kernel decoding uses "
+            "(`kernel=auto`).",
+            "",
+        ]
+    out += [
+        *dense_retrieval_lines(rows),
+        "What each selector reads per step:",
+        "",
+        "| selector | kind | reads |",
+        "|---|---|---|",
+        *(
+            f"| `{name}` | {'practical' if practical else 'reference'} | {what} |"
+            for name, (practical, what) in PRACTICAL.items()
+            if name in settings["selectors"]
+        ),
+        "",
+        "Medians over the prompts; first div. = the decode step t >= 1 whose sparse token first differs from dense "
+        f"(token 0 comes from the shared dense prefill; {settings['tokens']} = never); ΔPPL is teacher-forced on the "
+        "dense continuation; certified = share of teacher-forced steps whose dense margin exceeds twice the logit "
+        "error; captured / best = true attention mass on the kept distant positions over the best mass at the same "
+        "budget (needs --audit); passkey found = passkey retrieval trials answered correctly (needs --retrieval N: "
+        "N passkeys per context at depths spread over the haystack, filler haystack, "
+        f"{ANSWER_TOKENS} greedy answer tokens, exact match); op ms = one sparse decode-attention call on synthetic "
+        "data of this model's shape (selection + attention), measured in the same process. Few prompts and one "
+        "model: this ranks selectors on this setup, it does not establish a general ordering.",
+        "",
+    ]
+    return "\n".join(out)
+
+
+def write_selector_comparison(directory: Path, data: dict | None = None) -> Path:
+    """Write ``selectors.json``, ``selectors.csv`` and ``selectors.md`` into ``directory``; returns the markdown's
+    path. Without ``data`` the stored ``selectors.json`` is read and rebuilt with today's code (runs upgraded to
+    today's ``first_divergence`` convention, summary recomputed; see
+    :func:`~sparsedecode.experiments.selector_comparison.rebuild`)."""
+    from .experiments.selector_comparison import rebuild
+    from .experiments.sweep import write_json_atomic
+
+    directory = Path(directory)
+    if data is None:
+        path = directory / SELECTORS_FILE
+        try:
+            data = rebuild(json.loads(path.read_text()))
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise SparseDecodeError(f"{path} is not a selector comparison ({type(error).__name__})") from error
+    rows = data["summary"]
+    if not rows:
+        raise SparseDecodeError(f"the selector comparison in {directory} has no summary rows")
+    write_json_atomic(directory / SELECTORS_FILE, data)
+    with open(directory / "selectors.csv", "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(list(rows[0]))
+        writer.writerows(list(row.values()) for row in rows)
+    path = directory / "selectors.md"
+    path.write_text(selector_markdown(data))
+    return path
+
+
 CAVEATS = [
     "Each run is one prompt under one setting, measured on the device and dtype stated above; nothing here measures "
     "speed at matched quality or end-to-end throughput, and the timing fields (names ending in _s) were taken on a "
@@ -443,7 +647,8 @@ def write_report(directory: Path, *, retrieval: Path | None = None) -> Path:
     """Write ``report.md`` (with CSVs and PNGs) into ``directory``; returns its path.
 
     ``directory`` holds a sweep (``sweep.json``), retrieval results (``retrieval.json``), or both; ``retrieval``
-    points at a retrieval result file or folder elsewhere.
+    points at a retrieval result file or folder elsewhere. A folder holding only a selector comparison
+    (``selectors.json``) is rendered by :func:`write_selector_comparison` instead (``selectors.md``).
     """
     directory = Path(directory)
     has_sweep = (directory / SPEC_FILE).exists()
@@ -456,8 +661,12 @@ def write_report(directory: Path, *, retrieval: Path | None = None) -> Path:
         retrieval = Path(retrieval) / RETRIEVAL_FILE
     if retrieval is not None and not Path(retrieval).exists():
         raise SparseDecodeError(f"retrieval results {retrieval} not found")
+    if not has_sweep and retrieval is None and (directory / SELECTORS_FILE).exists():
+        return write_selector_comparison(directory)
     if not has_sweep and retrieval is None:
-        raise SparseDecodeError(f"{directory} holds neither a sweep ({SPEC_FILE}) nor retrieval results")
+        raise SparseDecodeError(
+            f"{directory} holds neither a sweep ({SPEC_FILE}), retrieval results nor a selector comparison"
+        )
     out: list[str] = []
     if has_sweep:
         meta, rows = load_sweep(directory)

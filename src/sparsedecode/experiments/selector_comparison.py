@@ -10,21 +10,29 @@ Optionally (``retrieval`` trials per context) the passkey probe of :mod:`sparsed
 runs on the same model and contexts: each trial plants its own passkey at its own depth (spread evenly from the
 start of the haystack to right before the question), is prefilled densely once and answered densely (the
 baseline) and then by every selector at every support.
+
+A comparison is stored as one JSON document (``settings``, ``summary``, ``runs``, ``retrieval``); the summary is a
+function of the stored runs and trials (:func:`summarize`), so :func:`rebuild` recomputes it with today's code:
+runs of an older ``first_divergence`` convention are upgraded first (:func:`sparsedecode.compare.upgrade_row`),
+and the measured operator times are kept. Conditions that are dense by construction (effective support
+``>= context + T - 1``, see :func:`sparsedecode.experiments.summary.dense_by_construction`) are marked, so a
+table can show them apart: they compare nothing.
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
-from ..compare import Progress, compare, dense_reference
+from ..compare import Progress, compare, dense_reference, upgrade_row
 from ..config import SELECTORS, SparseConfig
 from ..errors import SparseDecodeError
 from .bench import bench_op
 from .corpus import prompt_ids
 from .retrieval import run_trial, trial_prompt
+from .summary import dense_by_construction
 
 ANSWER_TOKENS = 8
 """Greedy answer tokens per retrieval trial (the retrieval probe's default)."""
@@ -67,6 +75,8 @@ class SelectorRow:
     dense_retrieval_correct: int | None
     """Dense attention on the same trials: the baseline (a model that fails densely says nothing of a selector)."""
     op_ms: float | None
+    dense_by_construction: bool = False
+    """Every run of the condition is dense by construction (effective support >= context + T - 1)."""
 
 
 def compare_selectors(
@@ -117,6 +127,21 @@ def compare_selectors(
         if progress:
             progress("retrieval", number, len(passkey_prompts))
     op_ms = _op_times(op_shape, contexts, supports, selectors) if op_shape else {}
+    rows = summarize(runs, trials, contexts=contexts, supports=supports, selectors=selectors, op_ms=op_ms)
+    return rows, runs, trials
+
+
+def summarize(
+    runs: list[dict],
+    trials: list[dict],
+    *,
+    contexts: tuple[int, ...],
+    supports: tuple[int, ...],
+    selectors: tuple[str, ...],
+    op_ms: dict[tuple[int, str, int], float],
+) -> list[SelectorRow]:
+    """One :class:`SelectorRow` per (context, selector, support) from the per-run results and retrieval trials;
+    ``op_ms`` maps ``(context, selector, support)`` to a measured operator time."""
     rows = []
     for context in contexts:
         for selector in selectors:
@@ -154,9 +179,28 @@ def compare_selectors(
                         retrieval_accuracy=sum(found) / len(found) if found else None,
                         dense_retrieval_correct=sum(dense) if dense else None,
                         op_ms=op_ms.get((context, selector, support)),
+                        dense_by_construction=bool(mine) and all(dense_by_construction(r) for r in mine),
                     )
                 )
-    return rows, runs, trials
+    return rows
+
+
+def rebuild(data: dict) -> dict:
+    """A stored comparison (the JSON document) with its runs in today's ``first_divergence`` convention and its
+    summary recomputed from them by :func:`summarize`; the operator times of the stored summary are kept."""
+    settings = data["settings"]
+    runs = [upgrade_row(run) for run in data["runs"]]
+    trials = data.get("retrieval", [])
+    op_ms = {(r["context"], r["selector"], r["support"]): r.get("op_ms") for r in data["summary"]}
+    rows = summarize(
+        runs,
+        trials,
+        contexts=tuple(settings["context"]),
+        supports=tuple(settings["support"]),
+        selectors=tuple(settings["selectors"]),
+        op_ms={key: ms for key, ms in op_ms.items() if ms is not None},
+    )
+    return {**data, "summary": [asdict(r) for r in rows], "runs": runs, "retrieval": trials}
 
 
 def retrieval_depths(trials: int) -> tuple[float, ...]:

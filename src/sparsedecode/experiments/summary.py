@@ -8,6 +8,14 @@ Pure functions from rows (plain dicts) to plain dicts and lists, so the report, 
 * :func:`within_tolerance`: how many conditions with ``S >= 193`` have a median ``|delta-PPL|`` of at most 5%;
 * :func:`warning_runs`: the runs with teacher-forced match below 70%, with their delta-PPL;
 * :func:`overview`: totals over all runs (the reference study: none of 60 runs survived 128 tokens).
+
+Runs whose support covers every position they attend to are dense by construction (see
+:func:`dense_by_construction`): they test nothing, so every total, median and count here leaves them out;
+:func:`conditions` keeps their conditions, marked, for a report to show apart.
+
+``first_divergence`` is DESIGN.md section 3's: the decode step ``t >= 1`` whose sparse token first differs from
+dense, ``T`` when none (rows of an older convention are upgraded when read, see
+:func:`sparsedecode.experiments.sweep.read_rows`).
 """
 
 from __future__ import annotations
@@ -18,6 +26,20 @@ from collections.abc import Iterable
 from ..diagnostics import WARNING_MATCH_PERCENT
 
 CONDITION_KEY = ("context", "support", "reuse", "selector")
+
+
+def dense_by_construction(entry: dict) -> bool:
+    """Whether a run (or condition) never took a sparse step: its effective support ``S`` covers the
+    ``context + T - 1`` positions the last decode step attends to (``S >= context + T - 1``), so every step is
+    dense SDPA and the run equals dense decoding by construction. ``entry`` holds ``context``, ``tokens`` and
+    ``effective_support`` (or ``settings["effective_support"]``, or else ``support``)."""
+    support = entry.get("effective_support") or entry.get("settings", {}).get("effective_support") or entry["support"]
+    return support >= entry["context"] + entry["tokens"] - 1
+
+
+def tested(rows: Iterable[dict]) -> list[dict]:
+    """The runs that are not dense by construction (the ones a summary counts)."""
+    return [r for r in rows if not dense_by_construction(r)]
 
 
 def _median(values: list[float]) -> float:
@@ -40,7 +62,8 @@ def _by_condition(rows: Iterable[dict]) -> dict[tuple, list[dict]]:
 
 
 def conditions(rows: Iterable[dict]) -> list[dict]:
-    """One dict per (context, support, reuse, selector), sorted by context, then support, then reuse."""
+    """One dict per (context, support, reuse, selector), sorted by context, then support, then reuse; conditions
+    that are dense by construction are kept, with ``dense_by_construction`` true, for a report to show apart."""
     table = []
     for (context, support, reuse, selector), group in _by_condition(rows).items():
         divergence = [r["first_divergence"] for r in group if not r["survives"]]
@@ -59,6 +82,7 @@ def conditions(rows: Iterable[dict]) -> list[dict]:
             **_stats([r["delta_ppl_percent"] for r in group], "delta_ppl_percent"),
             "abs_delta_ppl_percent_median": _median([abs(r["delta_ppl_percent"]) for r in group]),
             "warning_runs": sum(r["teacher_forced_match"] < WARNING_MATCH_PERCENT for r in group),
+            "dense_by_construction": all(dense_by_construction(r) for r in group),
         }
         table.append(entry)
     return table
@@ -67,14 +91,17 @@ def conditions(rows: Iterable[dict]) -> list[dict]:
 def within_tolerance(rows: Iterable[dict], *, min_support: int = 193, tolerance_percent: float = 5.0) -> dict:
     """Conditions with ``support >= min_support`` whose median ``|delta-PPL|`` is at most ``tolerance_percent``.
 
-    The reference study reports 7 of its 9 conditions with S >= 193 within 5% of dense.
+    The reference study reports 7 of its 9 conditions with S >= 193 within 5% of dense. Conditions that are dense
+    by construction are not counted (``dense_conditions`` says how many were left out).
     """
-    eligible = [c for c in conditions(rows) if c["support"] >= min_support]
+    large = [c for c in conditions(rows) if c["support"] >= min_support]
+    eligible = [c for c in large if not c["dense_by_construction"]]
     within = [c for c in eligible if c["abs_delta_ppl_percent_median"] <= tolerance_percent]
     return {
         "min_support": min_support,
         "tolerance_percent": tolerance_percent,
         "conditions": len(eligible),
+        "dense_conditions": len(large) - len(eligible),
         "within": len(within),
         "within_conditions": [(c["context"], c["support"], c["reuse"], c["selector"]) for c in within],
         "outside_conditions": [
@@ -84,8 +111,9 @@ def within_tolerance(rows: Iterable[dict], *, min_support: int = 193, tolerance_
 
 
 def warning_runs(rows: Iterable[dict], *, threshold: float = WARNING_MATCH_PERCENT) -> list[dict]:
-    """Runs whose teacher-forced match is below ``threshold`` percent, worst match first, with their delta-PPL."""
-    picked = [r for r in rows if r["teacher_forced_match"] < threshold]
+    """Runs whose teacher-forced match is below ``threshold`` percent, worst match first, with their delta-PPL
+    (runs that are dense by construction left out)."""
+    picked = [r for r in tested(rows) if r["teacher_forced_match"] < threshold]
     picked.sort(
         key=lambda r: (
             r["teacher_forced_match"],
@@ -112,7 +140,8 @@ def warning_runs(rows: Iterable[dict], *, threshold: float = WARNING_MATCH_PERCE
 
 
 def by_selector(rows: Iterable[dict], *, min_support: int = 193, tolerance_percent: float = 5.0) -> list[dict]:
-    """Totals and medians per selector (in first-seen order) over all its runs.
+    """Totals and medians per selector (in first-seen order) over all its runs that are not dense by construction
+    (``dense_by_construction_runs`` counts the others).
 
     ``conditions_within_tolerance``: how many of the selector's conditions with ``support >= min_support`` have a
     median ``|delta-PPL|`` of at most ``tolerance_percent`` (out of ``conditions_min_support``).
@@ -120,12 +149,14 @@ def by_selector(rows: Iterable[dict], *, min_support: int = 193, tolerance_perce
     rows = list(rows)
     table = []
     for selector in dict.fromkeys(r["selector"] for r in rows):
-        mine = [r for r in rows if r["selector"] == selector]
+        every = [r for r in rows if r["selector"] == selector]
+        mine = tested(every)
         tolerance = within_tolerance(mine, min_support=min_support, tolerance_percent=tolerance_percent)
         table.append(
             {
                 "selector": selector,
                 "runs": len(mine),
+                "dense_by_construction_runs": len(every) - len(mine),
                 "survived": sum(bool(r["survives"]) for r in mine),
                 "first_divergence_median": _median([r["first_divergence"] for r in mine]),
                 "teacher_forced_match_median": _median([r["teacher_forced_match"] for r in mine]),
@@ -139,10 +170,14 @@ def by_selector(rows: Iterable[dict], *, min_support: int = 193, tolerance_perce
 
 
 def overview(rows: list[dict], *, threshold: float = WARNING_MATCH_PERCENT) -> dict:
-    """Totals: runs, survivors, median first divergence, and how the warning runs' delta-PPL fall."""
+    """Totals: runs, survivors, median first divergence, and how the warning runs' delta-PPL fall, over the runs
+    that are not dense by construction (``dense_by_construction_runs`` counts the others)."""
+    every = list(rows)
+    rows = tested(every)
     warnings = warning_runs(rows, threshold=threshold)
     return {
         "runs": len(rows),
+        "dense_by_construction_runs": len(every) - len(rows),
         "survived": sum(bool(r["survives"]) for r in rows),
         "first_divergence_median": _median([r["first_divergence"] for r in rows]),
         "warning_runs": len(warnings),

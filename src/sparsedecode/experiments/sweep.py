@@ -5,13 +5,19 @@ per (selector, support, reuse). A sweep directory holds
 
 * ``sweep.json``: the :class:`SweepSpec` (every argument that defines the results), the sha256 of the corpus
   text, the shard, and one entry per session (start time and :func:`environment`). Written before any row; a
-  later run into the same directory with another spec, corpus or shard is refused.
+  later run into the same directory with another spec, corpus or shard is refused, except a spec that only
+  adds to the grid (:data:`GRID_FIELDS`: more contexts, prompts, supports, reuse intervals or selectors, the
+  stored values kept in their order): the stored spec becomes the requested one and the session says so.
 * ``runs.jsonl``: one JSON row per finished run (see :func:`make_row`), appended with a single ``os.write``
   of the whole line and an ``fsync``. A run killed mid-write leaves at most a torn last line, which is
   dropped on resume, so a rerun with the same arguments continues where it stopped and never repeats a row.
+  Rows carry ``first_divergence_convention``; older rows are upgraded when read (see
+  :func:`sparsedecode.compare.upgrade_row`) and rewritten before a resumed sweep appends to them, so a file
+  never mixes conventions.
 
 ``--shard i/n`` runs every n-th (context, prompt) group (round-robin, 1-based ``i``), so a shard never
-recomputes another shard's dense reference; :func:`merge_sweeps` combines shard directories into one.
+recomputes another shard's dense reference; :func:`merge_sweeps` combines shard directories into one, and
+directories whose specs differ only in the grid into their union.
 Nothing is random: the rows of two runs with the same spec differ only in timing fields (names ending in
 ``_s``).
 """
@@ -30,7 +36,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from ..compare import CompareResult, Progress, compare, dense_reference
+from ..compare import FIRST_DIVERGENCE_CONVENTION, CompareResult, Progress, compare, dense_reference, upgrade_row
 from ..config import SparseConfig
 from ..errors import SparseDecodeError
 from .corpus import DEFAULT_CORPUS, GAP, check_context_fits, load_text, prompt_count, prompt_ids
@@ -41,6 +47,9 @@ RUNS_FILE = "runs.jsonl"
 LOCK_FILE = ".lock"
 KEY_FIELDS = ("context", "prompt_index", "support", "reuse", "selector")
 """The fields of a row that identify its run; a sweep never holds two rows with the same key."""
+
+GRID_FIELDS = ("contexts", "prompts", "supports", "reuse", "selectors")
+"""The :class:`SweepSpec` fields that span the grid of runs: a resume or a merge may add to these, nothing else."""
 
 RunKey = tuple[int, int, int, int, str]
 Group = tuple[int, int]
@@ -147,6 +156,44 @@ class SweepSpec:
         mine, theirs = self.to_dict(), other.to_dict()
         return [f"{name}: {mine[name]!r} vs {theirs[name]!r}" for name in mine if mine[name] != theirs[name]]
 
+    def extension_of(self, stored: SweepSpec) -> list[str] | None:
+        """What this spec adds to ``stored``'s grid, one ``"name: stored -> mine"`` per grown field (empty when
+        equal); ``None`` when it is no extension: a field outside :data:`GRID_FIELDS` differs, or a stored grid
+        value is missing or out of its stored order (fewer prompts, a dropped context, reordered selectors)."""
+        mine, theirs = self.to_dict(), stored.to_dict()
+        grown = []
+        for name in mine:
+            if mine[name] == theirs[name]:
+                continue
+            if name not in GRID_FIELDS:
+                return None
+            if name == "prompts" and mine[name] < theirs[name]:
+                return None
+            if name != "prompts" and [v for v in mine[name] if v in theirs[name]] != theirs[name]:
+                return None
+            grown.append(f"{name}: {theirs[name]!r} -> {mine[name]!r}")
+        return grown
+
+
+def union_spec(specs: list[SweepSpec]) -> SweepSpec:
+    """The smallest spec whose grid holds every spec's grid: values in first-seen order, the most prompts.
+
+    Raises :class:`SparseDecodeError` when the specs differ outside :data:`GRID_FIELDS`.
+    """
+    first = specs[0]
+    merged = first.to_dict()
+    for spec in specs[1:]:
+        outside = [d for d in first.differences(spec) if d.split(":")[0] not in GRID_FIELDS]
+        if outside:
+            raise SparseDecodeError(f"settings outside the grid differ ({'; '.join(outside)})")
+        theirs = spec.to_dict()
+        for name in GRID_FIELDS:
+            if name == "prompts":
+                merged[name] = max(merged[name], theirs[name])
+            else:
+                merged[name] = merged[name] + [v for v in theirs[name] if v not in merged[name]]
+    return SweepSpec.from_dict(merged)
+
 
 @dataclass(frozen=True)
 class Shard:
@@ -247,14 +294,30 @@ def make_row(key: RunKey, result: CompareResult, *, run_s: float, audit: bool = 
     row.update({name: list(getattr(result, name)) for name in TOKEN_FIELDS})
     row.update({name: getattr(result, name) for name in TIMING_FIELDS})
     row["run_s"] = run_s
+    row["first_divergence_convention"] = result.first_divergence_convention
     return row
 
 
 def read_rows(path: Path, *, repair: bool = False) -> list[dict]:
-    """The rows of a ``runs.jsonl``; a torn last line (no final newline: a killed write) is ignored.
+    """The rows of a ``runs.jsonl`` in today's ``first_divergence`` convention (older rows upgraded, see
+    :func:`~sparsedecode.compare.upgrade_row`); a torn last line (no final newline: a killed write) is ignored.
 
     With ``repair`` the torn tail is also cut from the file, so the next append starts on a fresh line.
     """
+    return [upgrade_row(row) for row in _parse_rows(path, repair=repair)]
+
+
+def upgrade_rows_file(path: Path) -> int:
+    """Rewrite ``runs.jsonl`` in today's ``first_divergence`` convention when it holds older rows; returns how
+    many rows were upgraded. Every other byte of a row stays as it was (the mark is appended to the row)."""
+    raw = _parse_rows(path)
+    old = sum(row.get("first_divergence_convention") != FIRST_DIVERGENCE_CONVENTION for row in raw)
+    if old:
+        write_rows(path, [upgrade_row(row) for row in raw])
+    return old
+
+
+def _parse_rows(path: Path, *, repair: bool = False) -> list[dict]:
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -296,6 +359,22 @@ def append_row(path: Path, row: dict) -> None:
         os.close(fd)
 
 
+def write_rows(path: Path, rows: list[dict]) -> None:
+    """Replace ``runs.jsonl`` with ``rows`` (one JSON line each) through a temporary file and a rename."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            for row in rows:
+                handle.write(json.dumps(row, separators=(",", ":")) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def write_json_atomic(path: Path, data: object) -> None:
     """Write JSON through a temporary file and a rename, so a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -334,26 +413,41 @@ def read_meta(directory: Path) -> dict | None:
     return meta
 
 
-def check_meta(directory: Path, meta: dict, spec: SweepSpec, corpus: str | None, shard: Shard | None) -> None:
-    """Refuse to add runs of ``spec`` (corpus hash ``corpus``, ``shard``) to a directory holding another sweep."""
+def check_meta(directory: Path, meta: dict, spec: SweepSpec, corpus: str | None, shard: Shard | None) -> list[str]:
+    """Refuse to add runs of ``spec`` (corpus hash ``corpus``, ``shard``) to a directory holding another sweep.
+
+    A ``spec`` that only adds to the stored grid (see :meth:`SweepSpec.extension_of`) is accepted in an unsharded
+    directory; returns one line per grown grid field (empty when the specs are equal).
+    """
     stored = SweepSpec.from_dict(meta["spec"])
     differences = stored.differences(spec)
-    if differences:
+    grown = spec.extension_of(stored)
+    if grown is None:
         raise SparseDecodeError(
             f"{directory} holds a sweep with other settings ({'; '.join(differences)}, stored vs requested): "
-            "rerun with the stored settings to resume, or use another --out"
+            "rerun with the stored settings to resume, only add to its grid (more contexts, prompts, supports, reuse "
+            "values or selectors, the stored ones kept in order), or use another --out"
+        )
+    stored_shard = meta.get("shard")
+    if grown and ((shard is not None and shard.count > 1) or stored_shard not in (None, str(Shard()))):
+        raise SparseDecodeError(
+            f"{directory} is shard {stored_shard} of a sweep, and a grid cannot grow shard by shard: run the new "
+            "settings in another --out and combine the folders with `sparsedecode merge`"
+            if stored_shard not in (None, str(Shard()))
+            else f"the grid of {directory} cannot grow shard by shard (--shard {shard}): run without --shard, or "
+            "run the new settings in another --out and combine the folders with `sparsedecode merge`"
         )
     if corpus is not None and meta.get("corpus_sha256") not in (None, corpus):
         raise SparseDecodeError(
             f"{directory} was swept over another text of corpus {spec.corpus!r} (sha256 differs), so its prompts "
             "would differ: use another --out"
         )
-    stored_shard = meta.get("shard")
     if shard is not None and stored_shard is not None and stored_shard != str(shard):
         raise SparseDecodeError(
             f"{directory} holds shard {stored_shard} of this sweep, not {shard}: give each shard its own --out and "
             "combine them with `sparsedecode merge`"
         )
+    return [f"extending the grid of {directory}: {line}" for line in grown]
 
 
 @contextlib.contextmanager
@@ -391,6 +485,8 @@ class SweepOutcome:
     done_before: int
     ran: int
     rows: list[dict] = field(default_factory=list, repr=False)
+    extended: list[str] = field(default_factory=list)
+    """One line per grid field this run added to the stored spec (empty when the spec was the stored one)."""
 
     @property
     def complete(self) -> bool:
@@ -435,19 +531,27 @@ def run_sweep(
     runs = directory / RUNS_FILE
     with locked(directory):
         meta = read_meta(directory)  # again, under the lock
+        extended: list[str] = []
         if meta is None:
             meta = {"spec": spec.to_dict(), "corpus_sha256": corpus, "shard": str(shard), "sessions": []}
         else:
-            check_meta(directory, meta, spec, corpus, shard)
-        meta["sessions"] = [*meta.get("sessions", []), _session(shard, environment(model))]
+            extended = check_meta(directory, meta, spec, corpus, shard)
+            if extended:
+                meta["spec"] = spec.to_dict()
+        session = _session(shard, environment(model))
+        if extended:
+            session["extended"] = extended
+        meta["sessions"] = [*meta.get("sessions", []), session]
         write_json_atomic(directory / SPEC_FILE, meta)
 
-        rows = read_rows(runs, repair=True)
+        _parse_rows(runs, repair=True)  # cut a torn tail
+        upgrade_rows_file(runs)  # rows appended below must not join rows of another convention
+        rows = read_rows(runs)
         done = {key_of(row) for row in rows}
         groups = shard.groups(spec)
         total = sum(len(spec.group_keys(g)) for g in groups)
         done_before = sum(key in done for g in groups for key in spec.group_keys(g))
-        outcome = SweepOutcome(directory, total, done_before, 0, rows)
+        outcome = SweepOutcome(directory, total, done_before, 0, rows, extended)
         if on_start:
             on_start(done_before, total)
         configs = {(cfg.support, cfg.reuse, cfg.selector): cfg for cfg in spec.configs()}
@@ -506,10 +610,14 @@ class MergeOutcome:
 
 
 def merge_sweeps(sources: list[Path], directory: Path) -> MergeOutcome:
-    """Combine the rows of sweep directories with the same spec into ``directory`` (which may be one of them).
+    """Combine the rows of sweep directories into ``directory`` (which may be one of them).
 
-    Rows are de-duplicated by key (the first source listing a key wins; ``directory``'s own rows come first) and
-    written in the order of an unsharded sweep. Sources with another spec or corpus text are refused.
+    The sources' specs may differ only in the grid (:data:`GRID_FIELDS`); the merged spec is their union (see
+    :func:`union_spec`). Rows are de-duplicated by key (the first source listing a key wins; ``directory``'s own
+    rows come first), upgraded to today's ``first_divergence`` convention, and written in the order of an
+    unsharded sweep of the merged spec. Refused: specs that differ outside the grid, other corpus texts, a row
+    outside its own folder's spec, two folders holding the same run with other results (timings aside) when their
+    specs differ, and rows of one (context, prompt) paired with different dense references.
     """
     directory = Path(directory)
     if not sources:
@@ -518,38 +626,54 @@ def merge_sweeps(sources: list[Path], directory: Path) -> MergeOutcome:
     for source, meta in metas:
         if meta is None:
             raise SparseDecodeError(f"{source} is not a sweep directory (no {SPEC_FILE})")
-    first_dir, first = metas[0]
-    spec = SweepSpec.from_dict(first["spec"])
-    corpus = first.get("corpus_sha256")
     with locked(directory):
         own = read_meta(directory)
         if own is not None:
             metas.insert(0, (directory, own))
-        for source, meta in metas:
-            differences = spec.differences(SweepSpec.from_dict(meta["spec"]))
-            if differences:
+        first_dir = metas[0][0]
+        corpus = next((meta["corpus_sha256"] for _, meta in metas if meta.get("corpus_sha256")), None)
+        specs = [SweepSpec.from_dict(meta["spec"]) for _, meta in metas]
+        for (source, meta), other in zip(metas, specs):
+            outside = [d for d in specs[0].differences(other) if d.split(":")[0] not in GRID_FIELDS]
+            if outside:
                 raise SparseDecodeError(
-                    f"cannot merge {source} with {first_dir}: their settings differ ({'; '.join(differences)}, "
-                    f"{first_dir.name} vs {source.name})"
+                    f"cannot merge {source} with {first_dir}: their settings differ outside the grid "
+                    f"({'; '.join(outside)}, {first_dir.name} vs {source.name})"
                 )
             if corpus is not None and meta.get("corpus_sha256") not in (None, corpus):
                 raise SparseDecodeError(f"cannot merge {source} with {first_dir}: their corpus texts differ")
+        spec = union_spec(specs)
         order = {key: i for i, key in enumerate(spec.keys())}
-        merged: dict[RunKey, dict] = {}
+        merged: dict[RunKey, tuple[dict, Path, SweepSpec]] = {}
+        dense: dict[Group, tuple[list[int], Path]] = {}
         duplicates = 0
         seen_dirs: set[Path] = set()
-        for source, _ in metas:
+        for (source, _), own_spec in zip(metas, specs):
             if source.resolve() in seen_dirs:
                 continue
             seen_dirs.add(source.resolve())
+            own_keys = set(own_spec.keys())
             for row in read_rows(source / RUNS_FILE):
                 key = key_of(row)
-                if key not in order:
+                if key not in own_keys:
                     raise SparseDecodeError(f"{source} holds a run {key} that is not part of its sweep spec")
-                if key in merged:
-                    duplicates += 1
-                else:
-                    merged[key] = row
+                group = (row["context"], row["prompt_index"])
+                tokens, where = dense.setdefault(group, (row["dense_tokens"], source))
+                if row["dense_tokens"] != tokens:
+                    raise SparseDecodeError(
+                        f"cannot merge {source} with {where}: their runs of context {group[0]}, prompt {group[1]} "
+                        "were paired with different dense references (another thread count, version or machine?)"
+                    )
+                if key not in merged:
+                    merged[key] = (row, source, own_spec)
+                    continue
+                duplicates += 1
+                kept, kept_source, kept_spec = merged[key]
+                if kept_spec != own_spec and without_timings(kept) != without_timings(row):
+                    raise SparseDecodeError(
+                        f"cannot merge {source} with {kept_source}: both hold run {key} with other results; "
+                        "folders of different grids may only overlap in identical runs"
+                    )
         sessions = [s for _, meta in metas for s in meta.get("sessions", [])]
         unique_sessions = [s for i, s in enumerate(sessions) if s not in sessions[:i]]
         meta = {
@@ -559,18 +683,7 @@ def merge_sweeps(sources: list[Path], directory: Path) -> MergeOutcome:
             "sessions": unique_sessions,
             "merged_from": sorted({str(source) for source, _ in metas if source.resolve() != directory.resolve()}),
         }
-        rows = sorted(merged.values(), key=lambda row: order[key_of(row)])
+        rows = sorted((row for row, _, _ in merged.values()), key=lambda row: order[key_of(row)])
         write_json_atomic(directory / SPEC_FILE, meta)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{RUNS_FILE}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as handle:
-                for row in rows:
-                    handle.write(json.dumps(row, separators=(",", ":")) + "\n")
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, directory / RUNS_FILE)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_rows(directory / RUNS_FILE, rows)
     return MergeOutcome(directory, len(rows), duplicates, len(order) - len(rows))
