@@ -30,7 +30,6 @@ from . import cpu_kernel, triton_attention
 from .centroids import BlockCentroids
 from .config import SparseConfig
 from .errors import SparseDecodeError
-from .validate import check_config, check_model, config_from_overrides
 from .selectors import (
     STAT_KINDS,
     BlockLayout,
@@ -41,6 +40,7 @@ from .selectors import (
     support_positions,
     token_index,
 )
+from .validate import check_config, check_model, config_from_overrides
 
 ATTENTION_NAME = "sparsedecode"
 
