@@ -345,7 +345,9 @@ def load_model(
     """Load ``(model, tokenizer)`` for a causal LM, in eval mode with SDPA attention and no gradients.
 
     ``spec`` is a built-in alias (see :data:`ALIASES`), a local ``.gguf`` file, a local model directory, or
-    a hub id ``owner/name``. GGUF models are converted once and cached (see the module docstring).
+    a hub id ``owner/name`` (read from the local hub cache, else fetched when :func:`hub_unreachable` finds the hub
+    reachable: an unknown path or name fails in one line, not after the hub client's retries). GGUF models are
+    converted once and cached (see the module docstring).
     ``progress(stage, done, total)`` is called for the ``download``, ``extract`` and ``convert`` stages.
     The spec is stored on the model as ``model.sparsedecode_spec``.
     """
