@@ -40,6 +40,7 @@ from .selectors import (
     support_positions,
     token_index,
 )
+from .validate import check_config, check_model, config_from_overrides
 
 ATTENTION_NAME = "sparsedecode"
 
@@ -436,10 +437,12 @@ def sparse_decoding(model: torch.nn.Module, config: SparseConfig | None = None, 
         with sparse_decoding(model, cfg) as session:
             out = model.generate(input_ids, max_new_tokens=64, do_sample=False)
     """
+    check_model(model, "sparse_decoding")
     if config is None:
-        config = SparseConfig(**overrides)
+        config = config_from_overrides(overrides)
     elif overrides:
         raise SparseDecodeError("pass either a SparseConfig or keyword overrides, not both")
+    check_config(config, "sparse_decoding")
     register()
     session = SparseSession(config=config, model=model)
     owned = {

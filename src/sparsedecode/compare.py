@@ -33,6 +33,7 @@ from .diagnostics import (
     summarize_certificate,
 )
 from .errors import SparseDecodeError
+from .validate import check_config, check_model, check_positions, check_prompt_ids
 
 FIRST_DIVERGENCE_CONVENTION = 2
 """Marks results and stored rows whose ``first_divergence`` follows DESIGN.md section 3 (see
@@ -242,7 +243,10 @@ def dense_reference(
     on_logits: LogitsHook | None = None,
 ) -> DenseReference:
     """Dense prefill of ``prompt_ids`` ``(1, P)`` and ``tokens`` greedy tokens with their dense NLL."""
+    check_model(model, "dense_reference")
+    check_prompt_ids(model, prompt_ids, "dense_reference")
     _check_tokens(tokens)
+    check_positions(model, int(prompt_ids.shape[1]), tokens, "dense_reference")
     started = time.perf_counter()
     cache, logits = prefill(model, prompt_ids, progress=progress)
     prefill_s = time.perf_counter() - started
@@ -291,11 +295,17 @@ def compare(
     ``session_hook(phase, session)`` is called as each sparse phase ("free", "teacher") starts.
     """
     del tokenizer
+    check_model(model, "compare")
+    check_prompt_ids(model, prompt_ids, "compare")
+    check_config(cfg, "compare")
+    _check_tokens(tokens)
+    check_positions(model, int(prompt_ids.shape[1]), tokens, "compare")
+    if reference is not None and not isinstance(reference, DenseReference):
+        raise SparseDecodeError(f"compare: reference must be a DenseReference, got {type(reference).__name__}")
     if reference is None:
         reference = dense_reference(model, prompt_ids, tokens=tokens, progress=progress)
     elif reference.prompt_ids.shape != prompt_ids.shape or not torch.equal(reference.prompt_ids, prompt_ids):
         raise SparseDecodeError("the dense reference was computed for another prompt")
-    _check_tokens(tokens)
     if tokens > len(reference.tokens):
         raise SparseDecodeError(f"the dense reference has {len(reference.tokens)} tokens; asked for {tokens}")
     dense_tokens = reference.tokens[:tokens]

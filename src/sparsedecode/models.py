@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 
@@ -316,7 +318,7 @@ def _load_pretrained(path: str | Path, dtype: torch.dtype, **kwargs: Any) -> tup
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=kwargs.get("local_files_only", False))
     model.eval().requires_grad_(False)
     return model, tokenizer
 
@@ -343,7 +345,9 @@ def load_model(
     """Load ``(model, tokenizer)`` for a causal LM, in eval mode with SDPA attention and no gradients.
 
     ``spec`` is a built-in alias (see :data:`ALIASES`), a local ``.gguf`` file, a local model directory, or
-    a hub id ``owner/name``. GGUF models are converted once and cached (see the module docstring).
+    a hub id ``owner/name`` (read from the local hub cache, else fetched when :func:`hub_unreachable` finds the hub
+    reachable: an unknown path or name fails in one line, not after the hub client's retries). GGUF models are
+    converted once and cached (see the module docstring).
     ``progress(stage, done, total)`` is called for the ``download``, ``extract`` and ``convert`` stages.
     The spec is stored on the model as ``model.sparsedecode_spec``.
     """
@@ -365,20 +369,59 @@ def load_model(
         except (OSError, ValueError, KeyError) as e:
             raise SparseDecodeError(f"cannot load model from directory {spec}: {_first_line(e)}") from e
     elif _HUB_ID.match(spec) and not path.exists():
-        try:
-            model, tokenizer = _load_pretrained(spec, torch_dtype)
-        except (OSError, ValueError, KeyError) as e:
-            raise SparseDecodeError(
-                f"cannot load model {spec!r}: not a built-in alias ({', '.join(ALIASES)}), not a local path, "
-                f"and the hub could not provide it ({_first_line(e)})"
-            ) from e
+        model, tokenizer = _load_from_hub(spec, torch_dtype)
     else:
+        missing = f" (no file or directory {path.absolute()})" if spec.strip() and not path.exists() else ""
         raise SparseDecodeError(
-            f"unknown model {spec!r}: choose one of the aliases ({', '.join(ALIASES)}), a local directory or "
-            ".gguf file, or a hub id owner/name"
+            f"unknown model {spec!r}{missing}: choose one of the aliases ({', '.join(ALIASES)}), a local directory "
+            "or .gguf file, or a hub id owner/name"
         )
     model.sparsedecode_spec = spec
     return model, tokenizer
+
+
+def hub_unreachable(timeout: float = 3.0) -> str | None:
+    """Why the model hub cannot be reached from here, or ``None`` when it may be.
+
+    Offline mode (``HF_HUB_OFFLINE``) answers at once; otherwise one TCP connection to the configured endpoint
+    is tried with ``timeout`` seconds, so an unknown spec fails in seconds instead of after the hub client's
+    retries. Behind a proxy (``HTTPS_PROXY``/``ALL_PROXY``) only the proxy knows, so ``None``.
+    """
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return "HF_HUB_OFFLINE is set"
+    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    endpoint = urlsplit(constants.ENDPOINT)
+    host = endpoint.hostname or ""
+    port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as error:
+        return f"no connection to {host}: {error.strerror or type(error).__name__}"
+    return None
+
+
+def _load_from_hub(spec: str, dtype: torch.dtype) -> tuple[Any, Any]:
+    """Load hub id ``spec`` from the local hub cache, else from the hub if it can be reached (else one line)."""
+    not_local = f"not a built-in alias ({', '.join(ALIASES)}), no file or directory {Path(spec).absolute()}"
+    try:
+        return _load_pretrained(spec, dtype, local_files_only=True)
+    except (OSError, ValueError, KeyError):
+        pass  # not in the hub cache (or incomplete there): ask the hub
+    reason = hub_unreachable()
+    if reason is not None:
+        raise SparseDecodeError(
+            f"cannot load model {spec!r}: {not_local}, not in the local hub cache, and the hub is not reachable "
+            f"({reason}): check the name or path, or connect once"
+        )
+    try:
+        return _load_pretrained(spec, dtype)
+    except (OSError, ValueError, KeyError) as e:
+        raise SparseDecodeError(
+            f"cannot load model {spec!r}: {not_local}, and the hub could not provide it ({_first_line(e)})"
+        ) from e
 
 
 def _first_line(e: BaseException) -> str:

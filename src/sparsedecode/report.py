@@ -643,6 +643,39 @@ RETRIEVAL_CAVEATS = [
 ]
 
 
+def _problem(error: BaseException) -> str:
+    """What a malformed input file lacks or holds, in a few words."""
+    if isinstance(error, KeyError):
+        return f"a field {error.args[0]!r} is missing"
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0][:160]}" if lines else type(error).__name__
+
+
+def read_retrieval(path: Path) -> dict:
+    """The parsed ``retrieval.json`` at ``path``: an object with a ``spec`` object and a list of ``trials`` objects."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise SparseDecodeError(f"cannot read retrieval results {path}: {error.strerror or error}") from error
+    except ValueError as error:  # invalid JSON or invalid UTF-8
+        raise SparseDecodeError(
+            f"{path} is not valid JSON ({_problem(error)}); rerun `sparsedecode retrieval`"
+        ) from error
+    if not isinstance(data, dict) or not isinstance(data.get("spec"), dict) or not isinstance(data.get("trials"), list):
+        raise SparseDecodeError(
+            f"{path} is not a retrieval result (expected an object with 'spec' and a list of 'trials'); "
+            "rerun `sparsedecode retrieval`"
+        )
+    if not all(isinstance(trial, dict) for trial in data["trials"]):
+        raise SparseDecodeError(f"{path} holds a trial that is not a JSON object; rerun `sparsedecode retrieval`")
+    return data
+
+
+_MALFORMED = (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError)
+"""What rendering rows that lack a field or hold a value of the wrong type raises."""
+
+
 def write_report(directory: Path, *, retrieval: Path | None = None) -> Path:
     """Write ``report.md`` (with CSVs and PNGs) into ``directory``; returns its path.
 
@@ -668,12 +701,28 @@ def write_report(directory: Path, *, retrieval: Path | None = None) -> Path:
             f"{directory} holds neither a sweep ({SPEC_FILE}), retrieval results nor a selector comparison"
         )
     out: list[str] = []
-    if has_sweep:
+    if has_sweep:  # read and check every input before writing anything
         meta, rows = load_sweep(directory)
-        _sweep_section(directory, meta, rows, out)
     if retrieval is not None:
-        data = json.loads(Path(retrieval).read_text())
-        _retrieval_section(directory, data, out)
+        data = read_retrieval(Path(retrieval))
+    before = set(directory.iterdir())
+    source = directory / RUNS_FILE
+    try:
+        if has_sweep:
+            _sweep_section(directory, meta, rows, out)
+        if retrieval is not None:
+            source = Path(retrieval)
+            _retrieval_section(directory, data, out)
+    except Exception as error:
+        for path in set(directory.iterdir()) - before:  # the CSVs and plots written so far: nothing half-done
+            if path.is_file():
+                path.unlink()
+        if isinstance(error, SparseDecodeError) or not isinstance(error, _MALFORMED):
+            raise
+        raise SparseDecodeError(
+            f"{source} does not hold what a report needs ({_problem(error)}); was it written by another version "
+            "of sparsedecode?"
+        ) from error
     caveats = CAVEATS + (SWEEP_CAVEATS if has_sweep else []) + (RETRIEVAL_CAVEATS if retrieval is not None else [])
     out += ["# What these numbers do not establish", "", *[f"- {line}" for line in caveats], ""]
     files = sorted(p.name for p in directory.iterdir() if p.suffix in {".csv", ".png"} or p.name in (RUNS_FILE,))

@@ -26,6 +26,7 @@ from . import cpu_kernel, triton_attention
 from .centroids import BlockCentroids, reduce_blocks
 from .config import SparseConfig
 from .errors import SparseDecodeError
+from .validate import check_finite, check_scores, check_step_query
 
 
 @dataclass(frozen=True)
@@ -94,13 +95,15 @@ def top_blocks(scores: torch.Tensor, b: int) -> torch.Tensor:
     """Indices of the ``b`` best blocks per row, ties towards the lowest index, returned in ascending order.
 
     ``topk`` finds the b-th best score; every block above it is kept and the ties at it are taken in index
-    order, so no full sort is needed (``O(n_blocks)`` per row).
+    order, so no full sort is needed (``O(n_blocks)`` per row). Non-finite scores raise :class:`SparseDecodeError`
+    (whenever a choice is made, i.e. ``0 < b < n_blocks``).
     """
     rows, n_blocks = scores.shape
     if b >= n_blocks:
         return torch.arange(n_blocks, device=scores.device).expand(rows, -1)
     if b == 0:
         return torch.zeros(rows, 0, dtype=torch.long, device=scores.device)
+    check_scores(scores)  # NaN compares false with everything: it would silently pick blocks in index order
     best = scores.topk(b + 1, dim=-1)
     if not bool((best.values[:, b - 1] == best.values[:, b]).any()):  # no tie at the cut: topk's set is the answer
         return best.indices[:, :b].sort(dim=-1).values
@@ -213,12 +216,19 @@ def select_blocks(
     With the Triton kernels (``cfg.kernel``, CUDA) ``mean-pooled`` scores and picks in two kernels, without a host
     synchronisation (the same set, best first instead of ascending); with the C kernel (float32 on the CPU) in one
     call (the same blocks, ascending).
+
+    Non-finite scores raise :class:`SparseDecodeError` instead of picking blocks (NaN ranks nowhere). The C kernel
+    scores internally, so there only the query is checked before the call: a non-finite key in the cache is not
+    detected on that path (checking every centroid would cost as much as scoring them). The Triton path checks
+    nothing, to stay free of host synchronisation.
     """
     kv_heads = keys.shape[0]
     if cfg.selector == "mean-pooled":  # a fused kernel where one runs here, both with the same signature
         on_gpu = triton_attention.wanted(cfg.kernel, keys.device, cfg.block_size)
         on_gpu = on_gpu and layout.n_blocks <= triton_attention.MAX_TRITON_BLOCKS
         if on_gpu or cpu_kernel.wanted(cfg.kernel, queries, keys, keys):
+            if not on_gpu:  # the C kernel scores internally; the Triton path stays free of host synchronisation
+                check_step_query(queries)
             centroids = cache.update_all(keys, layout.n_full, verify=verify)["mean"]
             pick = triton_attention.mean_pooled_top_blocks if on_gpu else cpu_kernel.select_mean_pooled
             return pick(queries, keys, centroids, layout, cfg.blocks)
@@ -293,10 +303,16 @@ def select_support(
         One sorted 1-D ``LongTensor`` per KV head: the anchor, the chosen blocks and the window, or all
         ``N`` positions when ``N <= effective support``. A chosen short last block makes a list shorter.
         Token-level selectors return exactly ``support`` positions.
+
+    Raises:
+        SparseDecodeError: tensors of the wrong kind or shape, NaN or infinite queries or keys, or settings
+            :class:`SparseConfig` refuses.
     """
     cfg = SparseConfig(support=support, window=window, block_size=block_size, selector=method, seed=seed)
+    check_finite(queries, "queries")
+    check_finite(keys, "keys")
     shapes_ok = queries.dim() == 2 and keys.dim() == 3 and queries.shape[-1] == keys.shape[-1]
-    if not shapes_ok or queries.shape[0] % keys.shape[0]:
+    if not shapes_ok or keys.shape[0] == 0 or keys.shape[1] == 0 or queries.shape[0] % keys.shape[0]:
         raise SparseDecodeError(
             f"expected queries (query_heads, d) and keys (kv_heads, N, d) with query_heads a multiple of "
             f"kv_heads; got {tuple(queries.shape)} "

@@ -25,6 +25,7 @@ from .cache import GrowingCache
 from .compare import Progress, crop_cache, greedy_decode, prefill
 from .config import SparseConfig
 from .errors import SparseDecodeError
+from .validate import check_config, check_count, check_model, check_positions, check_prompt_ids
 
 MODES = ("dense", "sparse", "lossless")
 
@@ -95,12 +96,16 @@ def generate(
     """
     if mode not in MODES:
         raise SparseDecodeError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
-    if max_new_tokens < 1:
-        raise SparseDecodeError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
+    check_model(model, "generate")
+    check_prompt_ids(model, input_ids, "generate")
+    check_count(max_new_tokens, "max_new_tokens", 1)
     if mode != "dense" and cfg is None:
         raise SparseDecodeError(f"mode {mode} needs a SparseConfig")
-    if draft_tokens < 1:
-        raise SparseDecodeError(f"draft_tokens must be >= 1 (got {draft_tokens})")
+    if cfg is not None:
+        check_config(cfg, "generate")
+    check_count(draft_tokens, "draft_tokens", 1)
+    check_count(max_draft_tokens, "max_draft_tokens", 1)
+    check_positions(model, int(input_ids.shape[1]), max_new_tokens, "generate")
     started = time.perf_counter()
     cache, logits = prefill(model, input_ids, progress=progress, cache=GrowingCache(config=model.config))
     prefill_s = time.perf_counter() - started

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SparseDecodeError
+from ..validate import max_positions
 
 CORPORA = ("python-docs", "wikitext2")
 DEFAULT_CORPUS = "python-docs"
@@ -47,13 +48,37 @@ def _wikitext2() -> str:
     return "".join(rows["text"])
 
 
+def _read_text_file(path: Path) -> str:
+    """The UTF-8 text of one corpus file; a binary file (NUL bytes, invalid UTF-8) or an unreadable one is refused."""
+    if not path.is_file():
+        raise SparseDecodeError(f"corpus {path} is not a regular file or folder")
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise SparseDecodeError(f"cannot read corpus file {path}: {error.strerror or error}") from error
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise SparseDecodeError(f"corpus file {path} is binary (a NUL byte at offset {nul}); give a UTF-8 text file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise SparseDecodeError(
+            f"corpus file {path} is not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start}); "
+            "convert it to UTF-8 (e.g. with iconv) or give another file"
+        ) from error
+
+
 def _local(path: Path) -> str:
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.suffix in {".txt", ".md"} and p.is_file())
         if not files:
             raise SparseDecodeError(f"corpus folder {path} holds no .txt or .md files")
-        return "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
-    return path.read_text(encoding="utf-8", errors="replace")
+        text = "\n\n".join(_read_text_file(p) for p in files)
+    else:
+        text = _read_text_file(path)
+    if not text.strip():
+        raise SparseDecodeError(f"corpus {path} holds no text; give a non-empty text file or folder")
+    return text
 
 
 @lru_cache(maxsize=4)
@@ -67,6 +92,15 @@ def load_text(name: str) -> str:
     if path.exists():
         return _local(path)
     raise SparseDecodeError(f"unknown corpus {name!r}: use python-docs, wikitext2, or a text file or folder")
+
+
+def check_corpus(name: str) -> None:
+    """Read corpus ``name`` once (cached) so a missing, binary or empty corpus fails before a model is loaded.
+
+    ``wikitext2`` is left alone: it needs the hub, and asking it is not a cheap check.
+    """
+    if name != "wikitext2":
+        load_text(name)
 
 
 _TOKENS: dict[tuple[str, int], torch.Tensor] = {}
@@ -108,7 +142,7 @@ def prompt_ids(tokenizer, name: str, context: int, index: int, tokens: int, gap:
 
 def check_context_fits(model, contexts, tokens: int) -> None:
     """Refuse contexts whose prompt plus ``tokens`` generated tokens exceed the model's maximum positions."""
-    limit = getattr(model.config, "max_position_embeddings", None)
+    limit = max_positions(model)
     for context in contexts:
         if limit is not None and context + tokens > limit:
             raise SparseDecodeError(

@@ -333,11 +333,13 @@ def _parse_rows(path: Path, *, repair: bool = False) -> list[dict]:
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as error:
-            raise SparseDecodeError(
-                f"{path} line {number} is not valid JSON ({error.msg}); fix or remove it"
-            ) from error
+            row = json.loads(line)
+        except ValueError as error:  # invalid JSON or invalid UTF-8
+            reason = error.msg if isinstance(error, json.JSONDecodeError) else type(error).__name__
+            raise SparseDecodeError(f"{path} line {number} is not valid JSON ({reason}); fix or remove it") from error
+        if not isinstance(row, dict):
+            raise SparseDecodeError(f"{path} line {number} is not a JSON object (a run); fix or remove it")
+        rows.append(row)
     return rows
 
 
@@ -406,10 +408,19 @@ def read_meta(directory: Path) -> dict | None:
     if not path.exists():
         return None
     try:
-        meta = json.loads(path.read_text())
+        meta = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(meta, dict):
+            raise TypeError("not a JSON object")
         SweepSpec.from_dict(meta["spec"])
-    except (json.JSONDecodeError, KeyError, TypeError) as error:
-        raise SparseDecodeError(f"{path} is not a sweep description ({type(error).__name__}); remove it") from error
+    except OSError as error:
+        raise SparseDecodeError(f"cannot read {path}: {error.strerror or error}") from error
+    except (ValueError, KeyError, TypeError, AttributeError) as error:  # SparseDecodeError is a ValueError
+        reason = (
+            f"missing {error.args[0]!r}" if isinstance(error, KeyError) else (str(error).splitlines() or [""])[0][:160]
+        )
+        raise SparseDecodeError(
+            f"{path} is not a valid sweep description ({reason or type(error).__name__}); fix or remove it"
+        ) from error
     return meta
 
 
@@ -452,17 +463,36 @@ def check_meta(directory: Path, meta: dict, spec: SweepSpec, corpus: str | None,
 
 @contextlib.contextmanager
 def locked(directory: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``directory`` (released by the OS if the process dies)."""
+    """Hold an exclusive lock on ``directory`` (released by the OS if the process dies).
+
+    The lock file is removed on the way out, while still locked. When the block fails (a refused sweep or merge),
+    the folders this call created are removed again if they are still empty, so a refusal leaves nothing behind.
+    """
+    directory = Path(directory)
+    created = [p for p in (directory, *directory.parents) if not p.exists()]  # deepest first
     directory.mkdir(parents=True, exist_ok=True)
-    fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    path = directory / LOCK_FILE
+    busy = f"another process is writing into {directory}; wait for it or use another --out"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as error:
-            raise SparseDecodeError(
-                f"another process is writing into {directory}; wait for it or use another --out"
-            ) from error
-        yield
+            current = os.stat(path).st_ino
+        except (BlockingIOError, FileNotFoundError) as error:
+            raise SparseDecodeError(busy) from error
+        if current != os.fstat(fd).st_ino:  # the holder before us removed the file we locked; a new one is in use
+            raise SparseDecodeError(busy)
+        try:
+            yield
+        finally:
+            path.unlink(missing_ok=True)  # still locked: nobody else holds this file
+    except BaseException:
+        for folder in created:
+            try:
+                folder.rmdir()
+            except OSError:
+                break  # not empty (or not ours to remove): keep it and everything above it
+        raise
     finally:
         os.close(fd)
 

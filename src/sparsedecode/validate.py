@@ -1,0 +1,135 @@
+"""Argument checks shared by the library's entry points, run at call time, before any expensive work.
+
+Every check raises :class:`~sparsedecode.errors.SparseDecodeError` with one line that names the argument and
+says what was expected, so a wrong type, a non-finite tensor or a context past the model's positions fails at
+the call instead of deep inside transformers (an ``AttributeError``) or, worse, not at all (a silent selection).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import SparseConfig
+from .errors import SparseDecodeError
+
+
+def _name(value: object) -> str:
+    return "None" if value is None else type(value).__name__
+
+
+def check_model(model: object, where: str) -> None:
+    """``model`` is a torch module with a transformers ``config`` (what ``load_model`` returns)."""
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise SparseDecodeError(
+            f"{where}: model must be a transformers causal LM (a torch.nn.Module with a config), got {_name(model)}"
+        )
+
+
+def check_config(config: object, where: str) -> None:
+    """``config`` is a :class:`SparseConfig` (not a dict of its fields, not ``None``)."""
+    if not isinstance(config, SparseConfig):
+        hint = "; build one with SparseConfig(**settings)" if isinstance(config, dict) else ""
+        raise SparseDecodeError(f"{where}: config must be a SparseConfig, got {_name(config)}{hint}")
+
+
+def check_count(value: object, name: str, minimum: int) -> None:
+    """``value`` is an ``int`` (not a bool, not a float) of at least ``minimum``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise SparseDecodeError(f"{name} must be an integer >= {minimum} (got {value!r})")
+
+
+def max_positions(model: torch.nn.Module) -> int | None:
+    """The model's ``max_position_embeddings`` (``None`` when its config does not say)."""
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
+def check_positions(model: torch.nn.Module, context: int, tokens: int, where: str) -> None:
+    """Refuse a prompt of ``context`` positions plus ``tokens`` generated tokens past the model's positions."""
+    limit = max_positions(model)
+    if limit is not None and context + tokens > limit:
+        raise SparseDecodeError(
+            f"{where}: context {context} + {tokens} tokens exceeds the model's {limit} positions; "
+            "use a shorter prompt or fewer tokens"
+        )
+
+
+def _vocab_size(model: torch.nn.Module) -> int | None:
+    try:
+        return int(model.get_input_embeddings().num_embeddings)
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
+
+
+def check_prompt_ids(model: torch.nn.Module, ids: object, where: str) -> None:
+    """``ids`` is an integer tensor of shape ``(1, P)``, ``P >= 1``, of token ids the model knows, on its device."""
+    if not isinstance(ids, torch.Tensor):
+        raise SparseDecodeError(f"{where}: prompt ids must be a torch tensor of shape (1, length), got {_name(ids)}")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise SparseDecodeError(f"{where}: prompt ids must be an integer tensor, got {ids.dtype}")
+    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < 1:
+        raise SparseDecodeError(f"{where}: expected prompt ids of shape (1, length >= 1), got {tuple(ids.shape)}")
+    vocab = _vocab_size(model)
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or (vocab is not None and high >= vocab):
+        raise SparseDecodeError(
+            f"{where}: prompt ids must lie in [0, {vocab if vocab is not None else 'vocab'}), got ids from {low} to "
+            f"{high}: was the prompt tokenised with this model's tokenizer?"
+        )
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    weight = getattr(embeddings, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.device != ids.device:
+        raise SparseDecodeError(
+            f"{where}: prompt ids are on {ids.device} but the model's embeddings on {weight.device}; "
+            f"move them with ids.to({str(weight.device)!r})"
+        )
+
+
+def check_finite(tensor: object, name: str) -> None:
+    """``tensor`` is a floating-point tensor without NaN or infinite entries (reads all of it)."""
+    if not isinstance(tensor, torch.Tensor) or not tensor.dtype.is_floating_point:
+        raise SparseDecodeError(f"{name} must be a floating-point torch tensor, got {_name(tensor)}")
+    if not bool(torch.isfinite(tensor).all()):
+        raise SparseDecodeError(f"{name} hold NaN or infinite values; selection needs finite {name}")
+
+
+def finite_sum(tensor: torch.Tensor) -> bool:
+    """Whether every entry of ``tensor`` is finite, by one float64 reduction and one read-back.
+
+    Cheaper than ``isfinite(...).all()`` for the small tensors of a decode step: a NaN or an infinity makes the
+    sum NaN or infinite, and a float64 sum of float32 (or narrower) values cannot overflow.
+    """
+    return math.isfinite(float(tensor.sum(dtype=torch.float64)))
+
+
+def check_step_query(q: torch.Tensor) -> None:
+    """Refuse a non-finite query ``(H, d)`` of a decode step before it selects blocks (cost: one small reduction)."""
+    if not finite_sum(q):
+        raise SparseDecodeError(
+            "the decode step's query holds NaN or infinite values, so no block selection is meaningful; "
+            "the model's hidden states are not finite (check its weights and dtype)"
+        )
+
+
+def check_scores(scores: torch.Tensor) -> None:
+    """Refuse non-finite selection scores ``(rows, n)``: NaN would otherwise pick blocks in index order."""
+    if not finite_sum(scores):
+        raise SparseDecodeError(
+            "block selection scores hold NaN or infinite values (non-finite queries or keys in the KV cache); "
+            "the model's hidden states are not finite (check its weights and dtype)"
+        )
+
+
+def config_from_overrides(overrides: dict) -> SparseConfig:
+    """``SparseConfig(**overrides)``, with an unknown field named in one line instead of a ``TypeError``."""
+    fields = SparseConfig.__dataclass_fields__
+    unknown = sorted(set(overrides) - set(fields))
+    if unknown:
+        raise SparseDecodeError(
+            f"unknown SparseConfig field(s) {', '.join(unknown)}; choose among: {', '.join(fields)}"
+        )
+    return SparseConfig(**overrides)
