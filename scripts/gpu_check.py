@@ -32,8 +32,8 @@ import torch
 from sparsedecode import SparseConfig, sparse_decoding
 from sparsedecode.experiments.bench import bench_e2e, bench_op, op_rows_as_dicts
 from sparsedecode.experiments.environment import environment
-from sparsedecode.selectors import BlockLayout, support_positions
-from sparsedecode.triton_attention import support_attention
+from sparsedecode.kernels.triton_attention import support_attention
+from sparsedecode.layout import BlockLayout, support_positions
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 QUICK = "--quick" in sys.argv
