@@ -63,7 +63,7 @@ def support_attention_kernel(
         limit = tl.where(tile == 0, 1, tl.where(is_window, n, distant_end))
         positions = start + offsets
         # [lowest, limit) is the anchor, the window or the distant region: a block index outside [0, n_blocks)
-        # (negative, past the region, or wrapped in int32) reads nothing
+        # (negative or past the region) reads nothing
         lowest = tl.where(tile == 0, 0, tl.where(is_window, distant_end, 1))
         valid = (positions >= lowest) & (positions < limit)
         k = tl.load(
