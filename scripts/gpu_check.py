@@ -7,6 +7,8 @@ through Triton's interpreter: set TRITON_INTERPRET=1).
 
 1. Correctness: the Triton kernel against a float64 attention over the same support (anchor, chosen blocks,
    window), fresh random inputs per case, float32 / bfloat16 / float16 caches, several shapes and splits.
+   Then the limits of ``sparsedecode.kernels``: the largest tiles the Triton kernels accept (they must compile and
+   match), and tensors they refuse (``auto`` must run torch and match, ``kernel="triton"`` must raise).
 2. A tiny random Qwen2 decoding on the GPU with the Triton kernel and with torch's gather + SDPA: same tokens.
 3. ``bench op`` on the GPU (qwen2-0.5b and llama3-8b shapes, bfloat16): torch SDPA dense against the sparse step
    with each kernel (``cuda_median_time``: device events, L2 flushed before every call).
@@ -29,11 +31,11 @@ from pathlib import Path
 
 import torch
 
-from sparsedecode import SparseConfig, sparse_decoding
+from sparsedecode import SparseConfig, SparseDecodeError, kernels, sparse_decoding
 from sparsedecode.experiments.bench import bench_e2e, bench_op, op_rows_as_dicts
 from sparsedecode.experiments.environment import environment
-from sparsedecode.selectors import BlockLayout, support_positions
-from sparsedecode.triton_attention import support_attention
+from sparsedecode.kernels.triton_attention import support_attention
+from sparsedecode.layout import BlockLayout, support_positions
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 QUICK = "--quick" in sys.argv
@@ -100,6 +102,96 @@ def check_kernel() -> list[dict]:
             results.append(
                 dict(dtype=str(dtype), shape=[query_heads, kv, d], n=n, b=b, splits=splits, rel_error=error, ok=ok)
             )
+    return results
+
+
+def reference_by_position(q, keys, values, blocks, layout, scale):
+    """Float64 attention over each KV head's anchor, blocks (skipping indices outside the region) and window;
+    values may be narrower or wider than keys."""
+    kv, group, block = keys.shape[0], q.shape[0] // keys.shape[0], layout.block_size
+    rows = []
+    for h in range(kv):
+        positions = [0]
+        for j in blocks[h].tolist():
+            if 0 <= j < layout.n_blocks:
+                positions += range(1 + j * block, min(1 + (j + 1) * block, layout.distant_end))
+        positions += range(layout.distant_end, layout.n)
+        index = torch.tensor(positions, device=keys.device)
+        k, v = keys[h, index].double(), values[h, index].double()
+        rows.append(torch.softmax(q[h * group : (h + 1) * group].double() @ k.T * scale, -1) @ v)
+    return torch.cat(rows)
+
+
+def check_limits() -> list[dict]:
+    """The largest tiles the Triton kernels accept must compile and match float64; refused tensors must run on
+    torch under ``auto`` (and match) and raise under ``kernel="triton"``."""
+    from sparsedecode.attention import _attend_blocks
+    from sparsedecode.centroids import BlockCentroids
+    from sparsedecode.selectors import select_blocks
+
+    generator = torch.Generator().manual_seed(99)
+    accepted = [(256, 16, torch.float32), (256, 32, torch.bfloat16), (128, 64, torch.bfloat16), (64, 64, torch.float32)]
+    accepted += [(128, 32, torch.float32), (16, 256, torch.float32)]
+    refused = [
+        ("head dim 96", dict(d=96, dtype=torch.bfloat16)),
+        ("head dim 512", dict(d=512, dtype=torch.bfloat16)),
+        ("value dim 64 != key dim 128", dict(d=128, dv=64, dtype=torch.bfloat16)),
+        ("float64", dict(d=64, dtype=torch.float64)),
+        ("value rows strided", dict(d=64, dtype=torch.bfloat16, value_stride=2)),
+        ("tile 128 x 128 float32", dict(d=128, block=128, dtype=torch.float32)),
+    ]
+    if QUICK:
+        accepted = accepted[-2:]
+    n = 1024 if QUICK else 4096
+    cases = [
+        (f"accepted {d} x {block} {dtype}", dict(d=d, block=block, dtype=dtype), True) for d, block, dtype in accepted
+    ]
+    cases += [(name, spec, False) for name, spec in refused]
+    results = []
+    for name, spec, should_serve in cases:
+        d, dv, block = spec["d"], spec.get("dv", spec["d"]), spec.get("block", 16)
+        stride = spec.get("value_stride", 1)
+        keys = torch.randn(2, n, d, generator=generator).to(DEVICE, spec["dtype"])
+        values = torch.randn(2, n, dv * stride, generator=generator).to(DEVICE, spec["dtype"])[..., ::stride]
+        q = (3 * torch.randn(8, d, generator=generator)).to(DEVICE, spec["dtype"])
+        layout = BlockLayout(n=n, window=64, block_size=block)
+        row = {"case": name, "should_serve": should_serve}
+        try:
+            row["auto_picks"] = kernels.attention_kernel("auto", q, keys, values, layout)
+            row["refusal"] = kernels.refusals(q, keys, values, layout)["triton"]
+            cfg = SparseConfig(support=1 + 64 + 4 * block, block_size=block)
+            blocks = select_blocks(cfg, BlockCentroids(block), q, keys, layout, scale=d**-0.5)
+            out = _attend_blocks(cfg, q, keys, values, blocks, layout, d**-0.5)
+            expected = reference_by_position(q, keys, values, blocks, layout, d**-0.5)
+            row["rel_error"] = float((out.double() - expected).norm() / expected.norm())
+            tolerance = 1e-5 if spec["dtype"] in (torch.float32, torch.float64) else 1e-2
+            explicit_raises = None
+            if not should_serve:
+                try:
+                    _attend_blocks(
+                        SparseConfig(support=cfg.support, block_size=block, kernel="triton"),
+                        q,
+                        keys,
+                        values,
+                        blocks,
+                        layout,
+                        d**-0.5,
+                    )
+                    explicit_raises = False
+                except SparseDecodeError:
+                    explicit_raises = True
+            row["explicit_raises"] = explicit_raises
+            served = row["auto_picks"] == "triton"
+            on_gpu = DEVICE == "cuda"
+            row["ok"] = (
+                row["rel_error"] < tolerance
+                and ((served == should_serve) if on_gpu else row["auto_picks"] != "triton")
+                and (should_serve or explicit_raises)
+            )
+        except Exception as error:
+            row["ok"], row["error"] = False, f"{type(error).__name__}: {str(error)[:300]}"
+        results.append(row)
+        print(("ok  " if row["ok"] else "BAD ") + json.dumps(row, default=str), flush=True)
     return results
 
 
@@ -222,6 +314,10 @@ def main() -> int:
         summary["kernel"] = f"{sum(r['ok'] for r in kernel)}/{len(kernel)} cases within tolerance"
         for r in kernel:
             print(("ok  " if r["ok"] else "BAD ") + json.dumps(r), flush=True)
+    limits = stage("limits", check_limits)
+    if limits is not None:
+        (out_dir / "kernel-limits.json").write_text(json.dumps(limits, indent=1, default=str))
+        summary["limits"] = f"{sum(r['ok'] for r in limits)}/{len(limits)} limit cases as expected"
     decoding = stage("decoding", check_decoding)
     if decoding is not None:
         summary["decoding"] = f"triton tokens == torch tokens: {decoding['tokens_equal']}"

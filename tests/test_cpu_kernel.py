@@ -10,15 +10,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_attention import greedy_loop
 
-from sparsedecode import SparseConfig, SparseDecodeError, cpu_kernel, sparse_decoding
+from sparsedecode import SparseConfig, SparseDecodeError, sparse_decoding
 from sparsedecode.attention import attend_support
 from sparsedecode.centroids import BlockCentroids
-from sparsedecode.selectors import BlockLayout, select_blocks
+from sparsedecode.kernels import cpu
+from sparsedecode.layout import BlockLayout
+from sparsedecode.selectors import select_blocks
 
 
 @pytest.fixture(autouse=True)
 def built():
-    assert cpu_kernel.library() is not None, cpu_kernel.BUILD_ERROR
+    assert cpu.library() is not None, cpu.BUILD_ERROR
 
 
 def torch_selection(q, keys, layout, b):
@@ -48,9 +50,9 @@ def test_c_selection_and_attention_match_torch(case):
     q = 3 * torch.randn(query_heads, d, generator=generator)
     expected = torch_selection(q, keys, layout, b)
     centroids = BlockCentroids(16).update(keys, layout.n_full)
-    chosen = cpu_kernel.select_mean_pooled(q, keys, centroids, layout, b)
+    chosen = cpu.select_mean_pooled(q, keys, centroids, layout, b)
     assert torch.equal(chosen, expected)
-    out = cpu_kernel.attend_support(q, keys, values, chosen, layout, d**-0.5)
+    out = cpu.attend_support(q, keys, values, chosen, layout, d**-0.5)
     reference = attend_support(q, keys, values, expected, layout, d**-0.5)
     assert (out - reference).norm() / reference.norm() < 1e-5
 
@@ -61,7 +63,7 @@ def test_c_attention_masks_a_chosen_short_last_block():
     keys, values = torch.randn(2, 2048, 64, generator=generator), torch.randn(2, 2048, 64, generator=generator)
     q = torch.randn(14, 64, generator=generator)
     blocks = torch.tensor([[3, 50, layout.n_blocks - 1], [0, 1, layout.n_blocks - 1]])
-    out = cpu_kernel.attend_support(q, keys, values, blocks, layout, 0.125)
+    out = cpu.attend_support(q, keys, values, blocks, layout, 0.125)
     reference = attend_support(q, keys, values, blocks, layout, 0.125)
     assert (out - reference).norm() / reference.norm() < 1e-5
 
@@ -81,7 +83,7 @@ def test_c_selection_breaks_ties_as_top_blocks(n, b, seed):
     ]  # constant within a block, so the tail block's mean ties full blocks' exactly
     q = torch.ones(4, 8)
     centroids = BlockCentroids(16).update(keys, layout.n_full)
-    chosen = cpu_kernel.select_mean_pooled(q, keys, centroids, layout, b)
+    chosen = cpu.select_mean_pooled(q, keys, centroids, layout, b)
     assert torch.equal(chosen, torch_selection(q, keys, layout, b))
 
 
@@ -107,12 +109,12 @@ def test_c_kernel_refused_for_half_precision():
 
 
 def test_without_a_compiler_auto_falls_back_to_torch(monkeypatch, tmp_path):
-    monkeypatch.setattr(cpu_kernel, "_TRIED", False)
-    monkeypatch.setattr(cpu_kernel, "_LIBRARY", None)
-    monkeypatch.setattr(cpu_kernel, "BUILD_ERROR", None)
+    monkeypatch.setattr(cpu, "_TRIED", False)
+    monkeypatch.setattr(cpu, "_LIBRARY", None)
+    monkeypatch.setattr(cpu, "BUILD_ERROR", None)
     monkeypatch.setenv("SPARSEDECODE_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "/bin/false")
-    assert cpu_kernel.library() is None and "failed" in cpu_kernel.BUILD_ERROR
+    assert cpu.library() is None and "failed" in cpu.BUILD_ERROR
     model = tiny_model("llama")
     with sparse_decoding(model, SparseConfig(support=97)) as session:  # auto: torch, silently
         greedy_loop(model, prompt(180), 3)
@@ -135,8 +137,8 @@ def test_c_kernel_split_over_threads_matches_torch(case):
     try:
         for threads in (1, 4):
             torch.set_num_threads(threads)
-            chosen = cpu_kernel.select_mean_pooled(q, keys, centroids, layout, b)
-            outputs.append((chosen, cpu_kernel.attend_support(q, keys, values, chosen, layout, d**-0.5)))
+            chosen = cpu.select_mean_pooled(q, keys, centroids, layout, b)
+            outputs.append((chosen, cpu.attend_support(q, keys, values, chosen, layout, d**-0.5)))
     finally:
         torch.set_num_threads(previous)
     assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])

@@ -1,4 +1,5 @@
-"""The library never imports the CLI, experiments, reports, plotting or `datasets` (STYLE.md)."""
+"""The library never imports the CLI, experiments, reports, plotting or `datasets` (STYLE.md); the kernels sit below
+the selectors and the attention step and never import them."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import ast
 from pathlib import Path
 
 import sparsedecode
+from sparsedecode import layout
 
 PACKAGE = Path(sparsedecode.__file__).parent
 ON_TOP = {"cli", "experiments", "report", "plots", "__main__"}
@@ -25,7 +27,7 @@ def imported_names(path: Path) -> set[str]:
 
 
 def test_library_modules_do_not_import_what_sits_on_top():
-    library = [p for p in PACKAGE.glob("*.py") if p.stem not in ON_TOP]
+    library = [p for p in [*PACKAGE.glob("*.py"), *PACKAGE.glob("kernels/*.py")] if p.stem not in ON_TOP]
     assert len(library) >= 8
     for path in library:
         for name in imported_names(path):
@@ -34,6 +36,48 @@ def test_library_modules_do_not_import_what_sits_on_top():
             if name.startswith("."):
                 assert not (set(parts) & ON_TOP), f"{path.name} imports {name}"
             assert not name.startswith("sparsedecode.") or not (set(parts[1:]) & ON_TOP), f"{path.name} imports {name}"
+
+
+KERNELS_MAY_IMPORT = {"layout", "errors", "kernels"}
+"""What ``sparsedecode.kernels`` may import from the package: the block layout, the errors, and itself."""
+
+
+def package_imports(path: Path) -> set[str]:
+    """The ``sparsedecode`` modules ``path`` imports (relative or absolute), as names under the package."""
+    depth = len(path.parent.relative_to(PACKAGE).parts)  # 0 for sparsedecode/*.py, 1 for sparsedecode/kernels/*.py
+    here = path.parent.relative_to(PACKAGE).parts
+    modules = set()
+    for name in imported_names(path):
+        if name.startswith("sparsedecode."):
+            modules.add(name.split(".")[1])
+        elif name.startswith("."):
+            level = len(name) - len(name.lstrip("."))
+            inside = (*here[: depth - (level - 1)], *name.lstrip(".").split("."))
+            if inside and inside[0]:
+                modules.add(inside[0])
+    return modules
+
+
+def test_kernels_depend_on_the_layout_never_on_the_selectors():
+    kernel_files = sorted(PACKAGE.glob("kernels/*.py"))
+    assert {p.stem for p in kernel_files} >= {"__init__", "dispatch", "cpu", "triton_attention", "_triton_kernels"}
+    assert (PACKAGE / "kernels" / "csrc" / "sparse_step.c").is_file()
+    for path in [*kernel_files, PACKAGE / "layout.py"]:
+        imported = package_imports(path)
+        assert imported <= KERNELS_MAY_IMPORT, f"{path.relative_to(PACKAGE)} imports sparsedecode.{imported}"
+    assert package_imports(PACKAGE / "layout.py") == set()  # the layout: torch only
+    # the check itself sees the imports it should: selectors and attention do use the kernels and the layout
+    assert {"kernels", "layout"} <= package_imports(PACKAGE / "selectors.py")
+    assert {"kernels", "layout", "selectors"} <= package_imports(PACKAGE / "attention.py")
+    assert "errors" in package_imports(PACKAGE / "kernels" / "cpu.py")
+
+
+def test_old_kernel_module_names_are_the_new_modules():
+    from sparsedecode import cpu_kernel, kernels, triton_attention
+    from sparsedecode.selectors import BlockLayout, support_positions
+
+    assert cpu_kernel is kernels.cpu and triton_attention is kernels.triton_attention
+    assert (BlockLayout, support_positions) == (layout.BlockLayout, layout.support_positions)
 
 
 def test_models_command_lists_aliases(capsys):

@@ -26,18 +26,17 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from . import cpu_kernel, triton_attention
+from . import kernels
 from .centroids import BlockCentroids
 from .config import SparseConfig
 from .errors import SparseDecodeError
+from .layout import BlockLayout, support_positions
 from .selectors import (
     STAT_KINDS,
-    BlockLayout,
     group_attention,
     select_blocks,
     select_positions,
     streaming_index,
-    support_positions,
     token_index,
 )
 from .validate import check_config, check_model, config_from_overrides
@@ -57,8 +56,8 @@ class StepView:
     """What one sparse decode step of one layer read; handed to a session's observers (e.g. the audit).
 
     ``query`` is ``(query_heads, d)``, ``keys``/``values`` ``(kv_heads, N, d)`` (the whole cache, read-only),
-    ``index``/``valid`` ``(kv_heads, S)`` the support (see :func:`~sparsedecode.selectors.support_positions`),
-    ``output`` ``(query_heads, d)`` the sparse attention output in float32.
+    ``index``/``valid`` ``(kv_heads, S)`` the support (see :func:`~sparsedecode.layout.support_positions`),
+    ``output`` ``(query_heads, dv)`` the sparse attention output in float32.
     """
 
     layer: int
@@ -186,7 +185,8 @@ def dense_short_forward(
 
     transformers' SDPA path expands the keys and values of every KV head to all its query heads when a mask is
     present (any multi-token forward over a cache), copying the whole cache per layer; here the query heads of a
-    group are stacked against their one KV head instead. Returns ``(1, q, query_heads, d)`` in the query dtype.
+    group are stacked against their one KV head instead. Returns ``(1, q, query_heads, dv)`` in the query dtype
+    (``dv`` the value head dim).
     """
     _, query_heads, q_len, d = query.shape
     kv_heads = key.shape[1]
@@ -199,7 +199,7 @@ def dense_short_forward(
     future = positions > positions[n - q_len :].unsqueeze(1)  # key j is after query i's position
     logits.masked_fill_(future, float("-inf"))
     probs = torch.softmax(logits, dim=-1).view(kv_heads, group * q_len, n)
-    out = torch.bmm(probs, values).view(query_heads, q_len, d)
+    out = torch.bmm(probs, values).view(query_heads, q_len, values.shape[-1])
     return out.transpose(0, 1).unsqueeze(0).to(query.dtype)
 
 
@@ -268,15 +268,22 @@ def _gather_support(cache: torch.Tensor, blocks: torch.Tensor, layout: BlockLayo
 
 
 def attend_positions(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, scale: float):
-    """Attention over arbitrary positions ``index`` ``(kv, S)`` of each KV head (token-level selectors)."""
+    """Attention over arbitrary positions ``index`` ``(kv, S)`` of each KV head (token-level selectors).
+
+    Returns ``(query_heads, dv)`` float32, ``dv`` the value head dim (which may differ from the key head dim).
+    """
     query_heads, d = q.shape
     kv_heads = keys.shape[0]
-    gather = index.unsqueeze(-1).expand(-1, -1, d)
-    kept_keys, kept_values = keys.gather(1, gather).float(), values.gather(1, gather).float()
+    kept_keys, kept_values = _gather_positions(keys, index), _gather_positions(values, index)
     qg = q.float().view(kv_heads, query_heads // kv_heads, d)
     return torch.nn.functional.scaled_dot_product_attention(qg, kept_keys, kept_values, scale=scale).reshape(
-        query_heads, d
+        query_heads, -1
     )
+
+
+def _gather_positions(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index (kv, S)`` of each KV head of ``cache (kv, N, d)``: ``(kv, S, d)`` in float32."""
+    return cache.gather(1, index.unsqueeze(-1).expand(-1, -1, cache.shape[-1])).float()
 
 
 def attend_support(
@@ -289,47 +296,34 @@ def attend_support(
 ) -> torch.Tensor:
     """Attention half of a sparse step: gather anchor + blocks + window and attend over them alone (float32).
 
-    Returns the output ``(query_heads, d)`` in float32. All query heads of a GQA group share the positions of
-    their KV head. Positions are those of :func:`~sparsedecode.selectors.support_positions`.
+    Returns the output ``(query_heads, dv)`` in float32, ``dv`` the value head dim (which may differ from the key
+    head dim). All query heads of a GQA group share the positions of their KV head. Positions are those of
+    :func:`~sparsedecode.layout.support_positions`; ``blocks`` may come in any order (Triton's selection gives
+    them best first).
     """
     query_heads, d = q.shape
     kv_heads = keys.shape[0]
     qg = q.float().view(kv_heads, query_heads // kv_heads, d)
-    short_tail = (
-        blocks.shape[1] > 0 and layout.n_blocks > layout.n_full and bool(blocks[:, -1].max() == layout.n_blocks - 1)
-    )
+    short_tail = blocks.shape[1] > 0 and layout.n_blocks > layout.n_full and bool((blocks == layout.n_blocks - 1).any())
     if short_tail:  # a chosen block is the short last one: gather by position and mask the padding
         index, valid = support_positions(blocks, layout)
-        gather = index.unsqueeze(-1).expand(-1, -1, d)
-        kept_keys, kept_values = keys.gather(1, gather).float(), values.gather(1, gather).float()
+        kept_keys, kept_values = _gather_positions(keys, index), _gather_positions(values, index)
         mask = valid.unsqueeze(1)
     else:
         kept_keys, kept_values = _gather_support(keys, blocks, layout), _gather_support(values, blocks, layout)
         kept_keys, kept_values, mask = kept_keys.float(), kept_values.float(), None
     out = torch.nn.functional.scaled_dot_product_attention(qg, kept_keys, kept_values, attn_mask=mask, scale=scale)
-    return out.reshape(query_heads, d)
-
-
-def check_kernel(kernel: str, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_size: int) -> None:
-    """Refuse an explicitly requested kernel that cannot run on these tensors (``auto`` and ``torch`` always can)."""
-    if kernel == "triton" and not triton_attention.usable(keys.device, block_size):
-        raise SparseDecodeError(
-            "kernel='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1 on CPU) and a power-of-two "
-            f"block size >= 16 (got {block_size}); use kernel='auto' or 'torch'"
-        )
-    if kernel == "c" and not cpu_kernel.usable(keys, values, q):
-        reason = cpu_kernel.BUILD_ERROR or f"float32 CPU tensors (got {keys.dtype} on {keys.device})"
-        raise SparseDecodeError(f"kernel='c' cannot run here: {reason}; use kernel='auto' or 'torch'")
+    return out.reshape(query_heads, -1)
 
 
 def _attend_blocks(cfg, q, keys, values, blocks, layout, scale) -> torch.Tensor:
-    """Attention over a block selector's support with the kernel ``cfg.kernel`` asks for (see ``KERNELS``)."""
-    if triton_attention.wanted(cfg.kernel, keys.device, cfg.block_size):
-        return triton_attention.support_attention(q, keys, values, blocks, layout, scale)
-    if cpu_kernel.wanted(cfg.kernel, q, keys, values):
-        return cpu_kernel.attend_support(q, keys, values, blocks, layout, scale)
-    check_kernel(cfg.kernel, q, keys, values, cfg.block_size)
-    return attend_support(q, keys, values, blocks, layout, scale)
+    """Attention over a block selector's support by the kernel :func:`sparsedecode.kernels.attention_kernel` picks
+    for ``cfg.kernel`` (the torch path where no kernel can serve under ``auto``; an insisted-on kernel that cannot
+    raises)."""
+    kernel = kernels.attention_kernel(cfg.kernel, q, keys, values, layout)
+    if kernel == "torch":
+        return attend_support(q, keys, values, blocks, layout, scale)
+    return kernels.attend(kernel, q, keys, values, blocks, layout, scale)
 
 
 def sparse_decode_step(
@@ -387,7 +381,7 @@ def sparse_decode_step(
         view = StepView(state.layer, state.step, q, keys, values, index, valid, out, scale, layout, blocks)
         for observe in session.observers:
             observe(view)
-    return out.to(query.dtype).view(1, 1, query_heads, d)
+    return out.to(query.dtype).view(1, 1, query_heads, -1)  # -1: the value head dim
 
 
 def register() -> None:

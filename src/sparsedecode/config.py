@@ -13,10 +13,11 @@ TOKEN_SELECTORS = ("oracle-tokens", "h2o", "streaming")
 (``streaming``: the anchor and the last ``support - 1`` positions, no distant ones)."""
 SELECTORS = BLOCK_SELECTORS + TOKEN_SELECTORS
 KERNELS = ("auto", "torch", "c", "triton")
-"""How a block selector's step runs: ``torch`` (torch operations: scores, top-k, gather + SDPA; any device and
-dtype), ``c`` (the CPU kernel of :mod:`sparsedecode.cpu_kernel`: selection and attention in one call each, float32),
-``triton`` (:mod:`sparsedecode.triton_attention`; CUDA, or Triton's interpreter on CPU), ``auto`` (Triton on CUDA
-when installed, the C kernel for float32 on the CPU when it builds, torch otherwise)."""
+"""How a block selector's step runs: ``torch`` (torch operations: scores, top-k, gather + SDPA; any device, dtype
+and head dims), ``c`` (the CPU kernel of :mod:`sparsedecode.kernels.cpu`: selection and attention in one call each,
+float32), ``triton`` (:mod:`sparsedecode.kernels.triton_attention`; CUDA, or Triton's interpreter on CPU), ``auto``
+(Triton on CUDA, the C kernel on the CPU, each only where every assumption of its code holds, torch otherwise).
+``c`` and ``triton`` raise where they cannot serve; :mod:`sparsedecode.kernels.dispatch` decides."""
 
 
 @dataclass(frozen=True)

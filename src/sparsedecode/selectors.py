@@ -12,51 +12,23 @@ the mean of the post-RoPE queries of the heads sharing KV head ``h`` and ``c_j``
 Ties are broken towards the lowest block index. Scores are computed in float32 whatever the cache dtype.
 
 Everything here is a pure function on tensors so it can be tested on its own; the attention step in
-:mod:`sparsedecode.attention` calls the same functions with incrementally cached block centroids.
+:mod:`sparsedecode.attention` calls the same functions with incrementally cached block centroids. The layout
+(:class:`BlockLayout`, :func:`support_positions`) lives in :mod:`sparsedecode.layout`; which kernel scores the
+blocks is decided by :mod:`sparsedecode.kernels`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-from . import cpu_kernel, triton_attention
+from . import kernels
 from .centroids import BlockCentroids, reduce_blocks
 from .config import SparseConfig
 from .errors import SparseDecodeError
+from .layout import BlockLayout, support_positions  # defined there; importable from here as before
 from .validate import check_finite, check_scores, check_step_query
-
-
-@dataclass(frozen=True)
-class BlockLayout:
-    """Where the distant blocks lie for a context of ``n`` positions.
-
-    ``distant_end`` is the first window position; the distant region is ``[1, distant_end)``. ``n_blocks``
-    counts all distant blocks, ``n_full`` those with all ``block_size`` positions inside the region.
-    """
-
-    n: int
-    window: int
-    block_size: int
-
-    @property
-    def distant_end(self) -> int:
-        return max(self.n - self.window, 1)
-
-    @property
-    def n_blocks(self) -> int:
-        return -(-(self.distant_end - 1) // self.block_size)
-
-    @property
-    def n_full(self) -> int:
-        return (self.distant_end - 1) // self.block_size
-
-    def block_lengths(self, blocks: torch.Tensor) -> torch.Tensor:
-        """Number of distant positions in each block index of ``blocks`` (same shape)."""
-        starts = 1 + blocks * self.block_size
-        return (self.distant_end - starts).clamp(max=self.block_size)
 
 
 def group_mean_queries(queries: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -113,26 +85,6 @@ def top_blocks(scores: torch.Tensor, b: int) -> torch.Tensor:
     needed = b - above.sum(dim=-1, keepdim=True)
     take = above | (tied & (tied.cumsum(dim=-1) <= needed))
     return take.nonzero()[:, 1].view(rows, b)
-
-
-def support_positions(blocks: torch.Tensor, layout: BlockLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions read per KV head: anchor, the chosen blocks (ascending), then the window.
-
-    Returns ``(index, valid)`` of shape ``(kv_heads, 1 + b*B + W)``. Positions of a chosen short last block
-    that fall past the distant region are marked invalid (and point at the anchor so a gather stays in
-    bounds); callers mask them out.
-    """
-    kv_heads, b = blocks.shape
-    block, device = layout.block_size, blocks.device
-    offsets = torch.arange(block, device=device)
-    distant = (1 + blocks.unsqueeze(-1) * block + offsets).reshape(kv_heads, b * block)
-    valid_distant = distant < layout.distant_end
-    anchor = torch.zeros(kv_heads, 1, dtype=torch.long, device=device)
-    window = torch.arange(layout.distant_end, layout.n, device=device).expand(kv_heads, -1)
-    index = torch.cat([anchor, distant.masked_fill(~valid_distant, 0), window], dim=1)
-    ones = torch.ones(kv_heads, 1, dtype=torch.bool, device=device)
-    valid = torch.cat([ones, valid_distant, ones.expand(kv_heads, window.shape[1])], dim=1)
-    return index, valid
 
 
 def quest_scores(query_means: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor) -> torch.Tensor:
@@ -213,9 +165,9 @@ def select_blocks(
     ``N`` keys. ``oracle-blocks`` reads every key (true block attention mass, summed over the group).
     ``random-blocks`` draws with a generator seeded by ``cfg.seed``, ``salt`` (the layer) and ``N``.
     ``verify=False`` skips the cache's staleness check; only safe when this step directly follows the last.
-    With the Triton kernels (``cfg.kernel``, CUDA) ``mean-pooled`` scores and picks in two kernels, without a host
-    synchronisation (the same set, best first instead of ascending); with the C kernel (float32 on the CPU) in one
-    call (the same blocks, ascending).
+    ``mean-pooled`` runs on the kernel :func:`sparsedecode.kernels.selection_kernel` picks for ``cfg.kernel``:
+    Triton (CUDA) scores and picks in two kernels without a host synchronisation (the same set, best first
+    instead of ascending), the C kernel (float32 on the CPU) in one call (the same blocks, ascending).
 
     Non-finite scores raise :class:`SparseDecodeError` instead of picking blocks (NaN ranks nowhere). The C kernel
     scores internally, so there only the query is checked before the call: a non-finite key in the cache is not
@@ -223,15 +175,13 @@ def select_blocks(
     nothing, to stay free of host synchronisation.
     """
     kv_heads = keys.shape[0]
-    if cfg.selector == "mean-pooled":  # a fused kernel where one runs here, both with the same signature
-        on_gpu = triton_attention.wanted(cfg.kernel, keys.device, cfg.block_size)
-        on_gpu = on_gpu and layout.n_blocks <= triton_attention.MAX_TRITON_BLOCKS
-        if on_gpu or cpu_kernel.wanted(cfg.kernel, queries, keys, keys):
-            if not on_gpu:  # the C kernel scores internally; the Triton path stays free of host synchronisation
+    if cfg.selector == "mean-pooled":
+        kernel = kernels.selection_kernel(cfg.kernel, queries, keys, layout)
+        if kernel != "torch":
+            if kernel == "c":  # the C kernel scores internally; the Triton path stays free of host synchronisation
                 check_step_query(queries)
             centroids = cache.update_all(keys, layout.n_full, verify=verify)["mean"]
-            pick = triton_attention.mean_pooled_top_blocks if on_gpu else cpu_kernel.select_mean_pooled
-            return pick(queries, keys, centroids, layout, cfg.blocks)
+            return kernels.select_mean_pooled(kernel, queries, keys, centroids, layout, cfg.blocks)
     if cfg.selector in STAT_KINDS:
         query_means = group_mean_queries(queries, kv_heads)
         scores = _stat_scores(cfg.selector, query_means, cache.update_all(keys, layout.n_full, verify=verify))

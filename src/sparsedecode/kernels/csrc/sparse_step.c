@@ -1,13 +1,15 @@
 /* The sparse decode step on the CPU in one call per layer (float32 caches): mean-pooled block selection over the
  * cached centroids, and attention over anchor + chosen blocks + window read in place from the KV cache.
  *
- * Built at first use by sparsedecode/cpu_kernel.py (cc -O3 -march=native -fopenmp-simd -pthread), called through
+ * Built at first use by sparsedecode/kernels/cpu.py (cc -O3 -march=native -fopenmp-simd -pthread), called through
  * ctypes.
  * It replaces ~20 small torch operations whose fixed per-call cost dominated below ~32K positions. Semantics are
  * those of sparsedecode.selectors (top_blocks: the b best, ties to the lowest block, ascending) and of
  * sparsedecode.attention.attend_support (softmax over the support, all query heads of a GQA group sharing it).
  * Layouts: q (H, d) contiguous; keys/values rows of d contiguous floats at head * stride_h + position * stride_n;
  * centroids stored (kv, d, capacity): element (h, i, j) at h * c_stride_h + i * c_stride_d + j.
+ * The caller checks the rest (sparsedecode/kernels/cpu.py: float32, one d for q, keys and values, caches of at
+ * least n rows, chosen (kv, b), b <= n_blocks for selection); a chosen block outside the distant region is skipped.
  */
 #include <math.h>
 #include <pthread.h>
@@ -196,10 +198,12 @@ static int attend_head(const void *arg, int64_t h) {
         free(positions), free(weights);
         return -1;
     }
-    int64_t count = 0;
+    int64_t count = 0, n_blocks = (distant_end - 1 + block - 1) / block;
     positions[count++] = 0;
     for (int64_t c = 0; c < job->b; c++) {
-        int64_t start = 1 + job->chosen[h * job->b + c] * block;
+        int64_t j = job->chosen[h * job->b + c];
+        if (j < 0 || j >= n_blocks) continue; /* not a distant block: nothing to read */
+        int64_t start = 1 + j * block;
         int64_t stop = start + block < distant_end ? start + block : distant_end;
         for (int64_t p = start; p < stop; p++) positions[count++] = p;
     }

@@ -1,4 +1,4 @@
-"""Triton kernels of the sparse decode step (imported only by :mod:`sparsedecode.triton_attention`).
+"""Triton kernels of the sparse decode step (imported only by :mod:`sparsedecode.kernels.triton_attention`).
 
 ``support_attention_kernel``: one program per (KV head, split) walks its share of the support tiles (tile 0 is
 the anchor, then the window in tiles of ``BLOCK`` positions, then the chosen blocks), loads each tile's keys and
@@ -62,7 +62,10 @@ def support_attention_kernel(
         start = tl.where(tile == 0, 0, tl.where(is_window, distant_end + (tile - 1) * BLOCK, 1 + block * BLOCK))
         limit = tl.where(tile == 0, 1, tl.where(is_window, n, distant_end))
         positions = start + offsets
-        valid = positions < limit
+        # [lowest, limit) is the anchor, the window or the distant region: a block index outside [0, n_blocks)
+        # (negative or past the region) reads nothing
+        lowest = tl.where(tile == 0, 0, tl.where(is_window, distant_end, 1))
+        valid = (positions >= lowest) & (positions < limit)
         k = tl.load(
             k_ptr + head * stride_kh + positions[:, None] * stride_kn + dims[None, :], mask=valid[:, None], other=0.0
         )

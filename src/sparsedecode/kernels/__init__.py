@@ -1,0 +1,21 @@
+"""The sparse step's kernels: a C kernel for the CPU (:mod:`.cpu`, source in ``csrc/``), Triton kernels for CUDA
+(:mod:`.triton_attention`), and the one place that decides which serves a call (:mod:`.dispatch`).
+
+This package depends on :mod:`sparsedecode.layout` (where the support lies) and :mod:`sparsedecode.errors`
+only, never on the selectors or the attention step, which call into it.
+"""
+
+from . import cpu, triton_attention
+from .common import check_inputs
+from .dispatch import attend, attention_kernel, refusals, select_mean_pooled, selection_kernel
+
+__all__ = [
+    "attend",
+    "attention_kernel",
+    "check_inputs",
+    "cpu",
+    "refusals",
+    "select_mean_pooled",
+    "selection_kernel",
+    "triton_attention",
+]

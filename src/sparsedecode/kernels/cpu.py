@@ -1,0 +1,258 @@
+"""The sparse step's CPU kernel: ``csrc/sparse_step.c``, compiled at first use and called through ctypes.
+
+Two functions, one call each per layer and step: mean-pooled block selection over the cached centroids (with the
+short tail block averaged on the fly) and attention over anchor + chosen blocks + window read in place from the KV
+cache. They replace ~20 small torch operations whose fixed cost (a few microseconds each) made the sparse step
+slower than dense SDPA below ~32K positions. KV heads are split over up to ``torch.get_num_threads()`` POSIX
+threads when a call's work is large enough to pay for them.
+
+What the C code assumes, all checked before it runs (:func:`refusal`, :func:`sparsedecode.kernels.check_inputs`
+and the entry points below); where one does not hold, ``kernel="auto"`` uses torch and ``kernel="c"`` refuses:
+
+* the library built here (a C compiler; :data:`BUILD_ERROR` says why not);
+* CPU float32 tensors: query, keys, values and centroids are read as ``float``;
+* the value head dim equals the key head dim (one ``d`` for the logits and the output rows), and the query's
+  head dim equals them too;
+* each key and value row is ``d`` contiguous floats (head-dim stride 1); any head and position strides;
+* query heads a multiple of KV heads (``H = kv * group``), the query ``(H, d)`` contiguous (copied if not);
+* the cache holds at least the layout's ``n`` positions (the window reads up to ``n - 1``);
+* ``blocks`` an ``(kv, b)`` int64 table (converted here); an index outside ``[0, n_blocks)`` is skipped by the
+  C code, so no index can move a read outside the distant region;
+* centroids ``(kv, >= n_full, d)`` float32 with the block stride 1 (the cache's transposed storage; copied to
+  that layout if not);
+* ``b <= n_blocks`` for selection (capped here).
+
+The shared library is built with the system C compiler (``$CC``, else ``cc``) into
+``$SPARSEDECODE_CACHE/kernels`` (default ``~/.cache/sparsedecode/kernels``), keyed by the source, the flags and
+the processor, so a rebuild happens only when one of them changes. Without a compiler, or if the build fails,
+:func:`library` returns ``None`` once (the reason in :data:`BUILD_ERROR`) and the torch path is used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..errors import SparseDecodeError
+from .common import check_inputs
+
+if TYPE_CHECKING:
+    from ..layout import BlockLayout
+
+SOURCE = Path(__file__).with_name("csrc") / "sparse_step.c"
+# Read once, at import: the library built (possibly much later, at first use) must match this module's argtypes
+# even if the file on disk changes in between.
+_SOURCE_TEXT = SOURCE.read_bytes()
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-pthread", "-shared", "-fPIC", "-std=gnu99")
+BUILD_ERROR: str | None = None
+_LIBRARY: ctypes.CDLL | None = None
+_TRIED = False
+_LOCK = threading.Lock()
+
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SPARSEDECODE_CACHE")
+    return (Path(root) if root else Path.home() / ".cache" / "sparsedecode") / "kernels"
+
+
+def _processor() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build() -> ctypes.CDLL:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler found (set CC)")
+    key = hashlib.sha256(
+        _SOURCE_TEXT + " ".join(FLAGS).encode() + platform.machine().encode() + _processor().encode()
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"sparse_step-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+            built, source = Path(scratch) / target.name, Path(scratch) / SOURCE.name
+            source.write_bytes(_SOURCE_TEXT)
+            for flags in (FLAGS, tuple(f for f in FLAGS if f != "-march=native")):  # not every compiler has it
+                done = subprocess.run(
+                    [compiler, *flags, str(source), "-o", str(built), "-lm"],
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                )
+                if done.returncode == 0:
+                    break
+            else:
+                raise OSError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+            os.replace(built, target)  # atomic: concurrent builders each write their own scratch copy
+    library = ctypes.CDLL(str(target))
+    library.select_mean_pooled.argtypes = [_ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64] + [_i64] * 7 + [_ptr]
+    library.attend_support.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr] + [_i64] * 7 + [_f32, _i64, _ptr]
+    library.select_mean_pooled.restype = library.attend_support.restype = ctypes.c_int
+    return library
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, built on first use; ``None`` when it cannot be built here (see :data:`BUILD_ERROR`)."""
+    global _LIBRARY, _TRIED, BUILD_ERROR
+    if not _TRIED:
+        with _LOCK:
+            if not _TRIED:
+                try:
+                    _LIBRARY = _build()
+                except (OSError, subprocess.SubprocessError) as error:
+                    BUILD_ERROR = str(error)
+                _TRIED = True
+    return _LIBRARY
+
+
+def refusal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None = None) -> str | None:
+    """Why the C kernel cannot serve these tensors (``values=None``: selection alone), or ``None`` when it can.
+
+    Shapes are checked by :func:`~sparsedecode.kernels.check_inputs`; this is what the C code adds to them. Runs
+    at every step: cheap attribute reads only (a sparse tensor has no strides: ``stride()`` raises).
+    """
+    values_ok = values is None or (values.is_cpu and values.dtype == torch.float32)
+    if not (q.is_cpu and keys.is_cpu and (values is None or values.is_cpu)):
+        return f"it runs on CPU tensors (the cache is on {keys.device})"
+    if not (q.dtype == keys.dtype == torch.float32 and values_ok):
+        got = f"query {q.dtype}, keys {keys.dtype}" + ("" if values is None else f", values {values.dtype}")
+        return f"it takes float32 tensors ({got.replace('torch.', '')})"
+    d = keys.shape[-1]
+    if values is not None and values.shape[-1] != d:
+        return f"it needs the value head dim equal to the key head dim (keys {d}, values {values.shape[-1]})"
+    if keys.stride()[-1] != 1 or (values is not None and values.stride()[-1] != 1):
+        strides = f"keys {keys.stride()[-1]}" + ("" if values is None else f", values {values.stride()[-1]}")
+        return f"it reads each key and value row as contiguous floats (head-dim strides: {strides})"
+    if library() is None:
+        return f"it did not build here ({BUILD_ERROR})"
+    return None
+
+
+def _require(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None, layout: BlockLayout) -> None:
+    check_inputs(q, keys, values, layout)
+    reason = refusal(q, keys, values)
+    if reason is not None:
+        raise SparseDecodeError(f"the C kernel cannot run on these tensors: {reason}")
+
+
+def select_mean_pooled(
+    q: torch.Tensor, keys: torch.Tensor, centroids: torch.Tensor, layout: BlockLayout, b: int
+) -> torch.Tensor:
+    """``(kv, b)`` int64 blocks, ascending: what ``top_blocks(mean_pooled_scores(...))`` picks.
+
+    ``centroids`` is the cache's ``(kv, n_full, d)`` float32 view of its ``(kv, d, capacity)`` storage. Checks
+    every assumption first (:class:`~sparsedecode.errors.SparseDecodeError` if one fails).
+    """
+    _require(q, keys, None, layout)
+    return run_selection(q, keys, centroids, layout, b)
+
+
+def attend_support(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocks: torch.Tensor, layout: BlockLayout, scale: float
+) -> torch.Tensor:
+    """Attention over anchor + ``blocks`` + window, as :func:`sparsedecode.attention.attend_support`: ``(H, d)``.
+
+    Checks every assumption first (:class:`~sparsedecode.errors.SparseDecodeError` if one fails).
+    """
+    _require(q, keys, values, layout)
+    return run_attention(q, keys, values, blocks, layout, scale)
+
+
+def run_selection(
+    q: torch.Tensor, keys: torch.Tensor, centroids: torch.Tensor, layout: BlockLayout, b: int
+) -> torch.Tensor:
+    """:func:`select_mean_pooled` on tensors the dispatch has checked (:func:`refusal` and shapes)."""
+    kv_heads, d = keys.shape[0], keys.shape[-1]
+    b = max(min(b, layout.n_blocks), 0)
+    chosen = torch.empty(kv_heads, b, dtype=torch.int64)
+    if b == 0:
+        return chosen
+    if not (
+        centroids.dim() == 3
+        and centroids.is_cpu
+        and centroids.dtype == torch.float32
+        and centroids.shape[0] == kv_heads
+        and centroids.shape[1] >= layout.n_full
+        and centroids.shape[2] == d
+    ):
+        raise SparseDecodeError(
+            f"centroids must be float32 CPU ({kv_heads}, >= {layout.n_full}, {d}); got {tuple(centroids.shape)} "
+            f"{centroids.dtype} on {centroids.device}"
+        )
+    if centroids.stride(1) != 1 and layout.n_full > 1:  # the C code walks the blocks of one dim contiguously
+        centroids = centroids.transpose(1, 2).contiguous().transpose(1, 2)
+    q = q.contiguous()
+    status = library().select_mean_pooled(
+        q.data_ptr(),
+        centroids.data_ptr(),
+        centroids.stride(0),
+        centroids.stride(2),
+        layout.n_full,
+        keys.data_ptr(),
+        keys.stride(0),
+        keys.stride(1),
+        kv_heads,
+        q.shape[0] // kv_heads,
+        d,
+        layout.distant_end,
+        layout.block_size,
+        b,
+        torch.get_num_threads(),
+        chosen.data_ptr(),
+    )
+    if status:
+        raise MemoryError("sparse step kernel: out of memory for its scratch buffers")
+    return chosen
+
+
+def run_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocks: torch.Tensor, layout: BlockLayout, scale: float
+) -> torch.Tensor:
+    """:func:`attend_support` on tensors the dispatch has checked (:func:`refusal` and shapes)."""
+    kv_heads, d = keys.shape[0], keys.shape[-1]
+    if blocks.dim() != 2 or blocks.shape[0] != kv_heads:
+        raise SparseDecodeError(f"blocks must be ({kv_heads}, b), one row per KV head; got {tuple(blocks.shape)}")
+    chosen = blocks.to(device="cpu", dtype=torch.int64).contiguous()
+    q = q.contiguous()
+    out = torch.empty(q.shape[0], d, dtype=torch.float32)
+    status = library().attend_support(
+        q.data_ptr(),
+        keys.data_ptr(),
+        keys.stride(0),
+        keys.stride(1),
+        values.data_ptr(),
+        values.stride(0),
+        values.stride(1),
+        chosen.data_ptr(),
+        chosen.shape[1],
+        kv_heads,
+        q.shape[0] // kv_heads,
+        d,
+        layout.n,
+        layout.distant_end,
+        layout.block_size,
+        scale,
+        torch.get_num_threads(),
+        out.data_ptr(),
+    )
+    if status:
+        raise MemoryError("sparse step kernel: out of memory for its scratch buffers")
+    return out

@@ -1,0 +1,64 @@
+"""Where a decode step's support lies (DESIGN.md section 1): the block layout and the positions it reads.
+
+With ``N`` cached positions (the current token included) the support is the anchor (position 0), the local window
+``[N - W, N)`` and the chosen distant blocks: the distant region ``[1, N - W)`` cut into blocks of ``B``
+consecutive positions starting at position 1, the last one possibly shorter. Pure functions of the layout, shared
+by the selectors (:mod:`sparsedecode.selectors`), the attention step and the kernels (:mod:`sparsedecode.kernels`),
+which depend on this module and never on the selectors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where the distant blocks lie for a context of ``n`` positions.
+
+    ``distant_end`` is the first window position; the distant region is ``[1, distant_end)``. ``n_blocks``
+    counts all distant blocks, ``n_full`` those with all ``block_size`` positions inside the region.
+    """
+
+    n: int
+    window: int
+    block_size: int
+
+    @property
+    def distant_end(self) -> int:
+        return max(self.n - self.window, 1)
+
+    @property
+    def n_blocks(self) -> int:
+        return -(-(self.distant_end - 1) // self.block_size)
+
+    @property
+    def n_full(self) -> int:
+        return (self.distant_end - 1) // self.block_size
+
+    def block_lengths(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Number of distant positions in each block index of ``blocks`` (same shape)."""
+        starts = 1 + blocks * self.block_size
+        return (self.distant_end - starts).clamp(max=self.block_size)
+
+
+def support_positions(blocks: torch.Tensor, layout: BlockLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions read per KV head: anchor, the chosen blocks (ascending), then the window.
+
+    Returns ``(index, valid)`` of shape ``(kv_heads, 1 + b*B + W)``. Positions of a chosen short last block
+    that fall past the distant region are marked invalid (and point at the anchor so a gather stays in
+    bounds); callers mask them out.
+    """
+    kv_heads, b = blocks.shape
+    block, device = layout.block_size, blocks.device
+    offsets = torch.arange(block, device=device)
+    distant = (1 + blocks.unsqueeze(-1) * block + offsets).reshape(kv_heads, b * block)
+    valid_distant = distant < layout.distant_end
+    anchor = torch.zeros(kv_heads, 1, dtype=torch.long, device=device)
+    window = torch.arange(layout.distant_end, layout.n, device=device).expand(kv_heads, -1)
+    index = torch.cat([anchor, distant.masked_fill(~valid_distant, 0), window], dim=1)
+    ones = torch.ones(kv_heads, 1, dtype=torch.bool, device=device)
+    valid = torch.cat([ones, valid_distant, ones.expand(kv_heads, window.shape[1])], dim=1)
+    return index, valid
