@@ -487,7 +487,8 @@ def test_a_malformed_retrieval_json_is_one_line_naming_it(tmp_path, capsys, cont
         ('{"spec": {"bogus": 1}}', "", "sweep.json is not a valid sweep description"),
         (None, "{not json\n", "runs.jsonl line 1 is not valid JSON"),
         (None, "[1, 2]\n", "runs.jsonl line 1 is not a JSON object"),
-        (None, '{"context": 150}\n', "runs.jsonl does not hold what a report needs \\(a field"),
+        (None, '{"context": 150}\n', "runs.jsonl run 1: a row of the old first_divergence convention lacks its token"),
+        (None, '{"context": 150, "first_divergence_convention": 2}\n', "runs.jsonl does not hold what a report needs"),
     ],
 )
 def test_a_malformed_sweep_folder_is_one_line_naming_the_file(tmp_path, capsys, spec_text, runs_text, message):

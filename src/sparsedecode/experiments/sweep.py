@@ -304,7 +304,18 @@ def read_rows(path: Path, *, repair: bool = False) -> list[dict]:
 
     With ``repair`` the torn tail is also cut from the file, so the next append starts on a fresh line.
     """
-    return [upgrade_row(row) for row in _parse_rows(path, repair=repair)]
+    return _upgraded(path, _parse_rows(path, repair=repair))
+
+
+def _upgraded(path: Path, rows: list[dict]) -> list[dict]:
+    """``rows`` of ``path`` upgraded by :func:`~sparsedecode.compare.upgrade_row`; a row that cannot be is named."""
+    upgraded = []
+    for number, row in enumerate(rows, start=1):
+        try:
+            upgraded.append(upgrade_row(row))
+        except SparseDecodeError as error:
+            raise SparseDecodeError(f"{path} run {number}: {error}") from error
+    return upgraded
 
 
 def upgrade_rows_file(path: Path) -> int:
@@ -313,7 +324,7 @@ def upgrade_rows_file(path: Path) -> int:
     raw = _parse_rows(path)
     old = sum(row.get("first_divergence_convention") != FIRST_DIVERGENCE_CONVENTION for row in raw)
     if old:
-        write_rows(path, [upgrade_row(row) for row in raw])
+        write_rows(path, _upgraded(path, raw))
     return old
 
 
