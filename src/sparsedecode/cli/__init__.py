@@ -1,0 +1,56 @@
+"""Command-line interface: ``sparsedecode run | sweep | merge | report | probe mass | probe retrieval |
+compare-selectors | bench op | bench e2e | models``.
+
+One module per command group (:mod:`.run`, :mod:`.probe`, :mod:`.models`, :mod:`.compare_selectors`,
+:mod:`.sweep` with ``merge`` and ``report``, :mod:`.bench`), each adding its parsers and the functions that run
+them; :mod:`.common` holds what they share. Bad input gets one line on stderr and exit status 2, never a
+traceback, and nothing half-written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import SparseDecodeError
+from . import bench, compare_selectors, models, probe, run, sweep
+from .common import Parser
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="sparsedecode", description="Sparse decoding, measured against dense decoding.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    run.add_parsers(sub)
+    probe.add_parsers(sub)
+    models.add_parsers(sub)
+    compare_selectors.add_parsers(sub)
+    sweep.add_parsers(sub)
+    bench.add_parsers(sub)
+    return parser
+
+
+def _quiet_transformers() -> None:
+    """Our own progress bars replace transformers' tqdm bars and info logging."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        _quiet_transformers()
+        return args.handler(args)
+    except SparseDecodeError as error:
+        print(f"sparsedecode: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("sparsedecode: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
