@@ -31,25 +31,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _quiet_transformers() -> None:
-    """Our own progress bars replace transformers' tqdm bars and info logging."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-
-
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; bad input (a :class:`SparseDecodeError`, or a file-system error) ends in one line, exit 2."""
     try:
         args = build_parser().parse_args(argv)
-        _quiet_transformers()
         return args.handler(args)
-    except SparseDecodeError as error:
-        print(f"sparsedecode: error: {error}", file=sys.stderr)
+    except (SparseDecodeError, OSError) as error:
+        print(f"sparsedecode: error: {_one_line(error)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("sparsedecode: interrupted", file=sys.stderr)
         return 130
+
+
+def _one_line(error: Exception) -> str:
+    """The error's message on one line: an ``OSError`` as its reason and the path(s) it concerns."""
+    if isinstance(error, OSError) and error.strerror:
+        paths = [str(name) for name in (error.filename, error.filename2) if name is not None]
+        text = error.strerror + (f": {' -> '.join(paths)}" if paths else "")
+    else:
+        text = str(error) or type(error).__name__
+    return " ".join(text.split())
 
 
 if __name__ == "__main__":

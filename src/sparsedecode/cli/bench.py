@@ -11,18 +11,24 @@ from .common import (
     DTYPES,
     Parser,
     add_model_args,
-    check_json_target,
+    check_whole_blocks,
     console,
     environment,
     int_list,
+    load,
     progress_bars,
-    write_json_atomic,
+    quiet_transformers,
 )
+from .outputs import check_output_file, write_json
+
+# From :mod:`sparsedecode.experiments.bench` (which imports torch), spelled out so that building the parser does
+# not; a test keeps them equal.
+SHAPES = ("llama3-8b", "qwen2-0.5b", "smollm2-135m")
+DEFAULT_CONTEXTS = (2048, 8192, 32768, 131072)
+DEFAULT_SUPPORTS = (97, 193, 769)
 
 
 def add_parsers(sub) -> None:
-    from ..experiments.bench import DEFAULT_CONTEXTS, DEFAULT_SUPPORTS, SHAPES
-
     bench = sub.add_parser("bench", help="benchmarks: op (one decode-attention call), e2e (real model decoding)")
     benches = bench.add_subparsers(dest="bench", required=True, parser_class=Parser)
     op = benches.add_parser("op", help="one decode-attention call: torch SDPA dense vs sparse select + attend")
@@ -59,11 +65,15 @@ def add_parsers(sub) -> None:
 
 
 def cmd_bench_op(args) -> int:
+    from ..config import SparseConfig
+
+    check_whole_blocks([SparseConfig(support=s, selector=args.selector) for s in args.support])
+    check_output_file(args.json, "--json")
+    quiet_transformers()
     import torch
 
     from ..experiments.bench import bench_op, op_rows_as_dicts
 
-    check_json_target(args.json)
     dtype = getattr(torch, args.dtype)
     if args.device.startswith("cuda"):
         if not torch.cuda.is_available():
@@ -126,7 +136,7 @@ def cmd_bench_op(args) -> int:
     )
     if args.json:
         data = {"machine": environment(), "bandwidth_gbs": bandwidth, "rows": op_rows_as_dicts(rows)}
-        write_json_atomic(args.json, data)
+        write_json(args.json, data)
         console.print(f"wrote {args.json}")
     return 0
 
@@ -135,19 +145,17 @@ def cmd_bench_e2e(args) -> int:
     from dataclasses import asdict
 
     from ..config import SparseConfig
-    from ..experiments.bench import bench_e2e
-    from ..experiments.corpus import check_context_fits, prompt_ids
-    from ..models import load_model
 
-    check_json_target(args.json)
+    check_output_file(args.json, "--json")
     if args.tokens < 1:
         raise SparseDecodeError(f"--tokens must be >= 1 (got {args.tokens})")
     if min(args.draft_tokens) < 1:
         raise SparseDecodeError("--draft-tokens values must be >= 1")
-    for support in args.support:
-        SparseConfig(support=support)
-    with console.status(f"loading {args.model} ({args.dtype})"):
-        model, tokenizer = load_model(args.model, dtype=args.dtype)
+    check_whole_blocks([SparseConfig(support=s) for s in args.support])
+    model, tokenizer = load(args)
+    from ..experiments.bench import bench_e2e
+    from ..experiments.corpus import check_context_fits, prompt_ids
+
     check_context_fits(model, args.context, args.tokens)
     rows = []
     for context in args.context:
@@ -202,6 +210,6 @@ def cmd_bench_e2e(args) -> int:
         "greedy output; peak RSS is the process peak so far.[/]"
     )
     if args.json:
-        write_json_atomic(args.json, {"machine": environment(), "rows": [asdict(r) for r in rows]})
+        write_json(args.json, {"machine": environment(), "rows": [asdict(r) for r in rows]})
         console.print(f"wrote {args.json}")
     return 0

@@ -1,4 +1,8 @@
-"""What every command shares: the console, argument types, progress bars, loading a model and cutting prompts."""
+"""What every command shares: the console, argument types, progress bars, loading a model and cutting prompts.
+
+Nothing here imports torch or transformers at import time: ``--help`` and argument errors answer at once, and
+the library is imported by the command that runs.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,6 @@ import argparse
 import contextlib
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 from rich.console import Console
 from rich.progress import (
@@ -20,28 +23,32 @@ from rich.progress import (
 from rich.table import Table
 
 from ..errors import SparseDecodeError
-from ..experiments.sweep import write_json_atomic
+from .outputs import check_writable_folder
 
 __all__ = [
     "DTYPES",
     "Parser",
     "add_model_args",
     "add_prompt_args",
-    "check_json_target",
+    "check_whole_blocks",
     "conditions",
     "console",
     "environment",
     "float_list",
     "int_list",
     "layer_table",
+    "load",
     "prepare",
     "progress_bars",
+    "quiet_transformers",
     "run_settings",
-    "write_json_atomic",
 ]
 
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 132)
 DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_MODEL = "smollm2-135m"
+""":data:`sparsedecode.models.DEFAULT_MODEL`, spelled out so that building the parser imports no torch (a test
+keeps the two equal)."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -74,8 +81,6 @@ def float_list(text: str) -> list[float]:
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    from ..models import DEFAULT_MODEL
-
     parser.add_argument("--model", default=DEFAULT_MODEL, help="alias, local dir or .gguf, or hub id")
     parser.add_argument("--dtype", default="float32", choices=DTYPES)
 
@@ -131,7 +136,7 @@ def environment() -> dict:
 def _configs(args, audit: bool = False) -> list:
     from ..config import SparseConfig
 
-    return [
+    configs = [
         SparseConfig(
             support=s,
             window=args.window,
@@ -142,25 +147,69 @@ def _configs(args, audit: bool = False) -> list:
         )
         for s in args.support
     ]
+    check_whole_blocks(configs)
+    return configs
 
 
-def check_json_target(path: Path | None) -> None:
-    if path is not None and path.exists() and path.is_dir():
-        raise SparseDecodeError(f"--json {path} is a directory; give a file name")
+def check_whole_blocks(configs) -> None:
+    """Refuse a support that a block selector would floor to whole blocks, naming the two nearest that are not.
+
+    The library floors ``support`` to ``1 + W + b*B`` (:attr:`SparseConfig.effective_support`); the command line
+    refuses instead, so the support asked for is the support in every table and JSON file.
+    """
+    for cfg in configs:
+        if not cfg.token_level and cfg.effective_support != cfg.support:
+            raise SparseDecodeError(
+                f"--support {cfg.support} is not 1 + W + b*B with W = {cfg.window}, B = {cfg.block_size} "
+                f"(block selectors read whole blocks): use {cfg.effective_support} or "
+                f"{cfg.effective_support + cfg.block_size}"
+            )
+
+
+def load(args):
+    """``(model, tokenizer)`` of ``--model``, after checking that the model cache can take it if it must."""
+    from ..models import load_model
+
+    quiet_transformers()
+    check_model_cache(args.model)
+    with console.status(f"loading {args.model} ({args.dtype})"):
+        return load_model(args.model, dtype=args.dtype)
+
+
+def quiet_transformers() -> None:
+    """Our own progress bars replace transformers' tqdm bars and info logging."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def check_model_cache(spec: str) -> None:
+    """A built-in alias that is not converted yet is fetched into the cache: refuse a cache that takes no files."""
+    from ..models import ALIASES, cache_dir, verify_converted
+
+    source = ALIASES.get(spec)
+    converted = source is not None and verify_converted(
+        cache_dir() / "models" / source.alias, source.sha256, check_hashes=False
+    )
+    if source is not None and not converted:
+        check_writable_folder(
+            cache_dir(),
+            f"{spec} into the model cache {cache_dir()}",
+            hint="; set SPARSEDECODE_CACHE to a writable folder, or to one that already holds the model",
+        )
 
 
 def prepare(args, audit: bool = False):
     """Validate prompt arguments, load the model, cut the prompts: ``(configs, model, tokenizer, prompts)``."""
-    from ..experiments.corpus import check_context_fits, prompt_ids
-    from ..models import load_model
-
     if args.tokens < 2:
         raise SparseDecodeError(f"--tokens must be >= 2 (got {args.tokens}): step 1 is shared with dense")
     if any(c < 1 for c in args.context):
         raise SparseDecodeError("--context values must be >= 1")
     configs = _configs(args, audit=audit)
-    with console.status(f"loading {args.model} ({args.dtype})"):
-        model, tokenizer = load_model(args.model, dtype=args.dtype)
+    model, tokenizer = load(args)
+    from ..experiments.corpus import check_context_fits, prompt_ids
+
     check_context_fits(model, args.context, args.tokens)
     prompts = {c: prompt_ids(tokenizer, args.corpus, c, args.prompt_index, args.tokens) for c in args.context}
     return configs, model, tokenizer, prompts

@@ -7,7 +7,8 @@ from pathlib import Path
 from rich.table import Table
 
 from ..errors import SparseDecodeError
-from .common import add_model_args, console, environment, int_list, progress_bars, write_json_atomic
+from .common import add_model_args, check_whole_blocks, console, environment, int_list, load, progress_bars
+from .outputs import atomic_path, check_output_folder, write_json, write_text
 
 
 def add_parsers(sub) -> None:
@@ -36,21 +37,19 @@ def cmd_compare_selectors(args) -> int:
     from dataclasses import asdict
 
     from ..config import SELECTORS, SparseConfig
-    from ..experiments.bench import model_shape
-    from ..experiments.corpus import check_context_fits
-    from ..experiments.selector_comparison import ANSWER_TOKENS, PRACTICAL, compare_selectors
-    from ..models import load_model
 
     chosen = SELECTORS if args.selectors == "all" else tuple(s.strip() for s in args.selectors.split(","))
-    for selector in chosen:
-        for support in args.support:
-            SparseConfig(support=support, selector=selector)
+    check_whole_blocks([SparseConfig(support=s, selector=selector) for selector in chosen for s in args.support])
     if args.tokens < 2 or args.prompts < 1:
         raise SparseDecodeError("--tokens must be >= 2 and --prompts >= 1")
     if args.retrieval < 0:
         raise SparseDecodeError(f"--retrieval must be >= 0 (passkey trials per context), got {args.retrieval}")
-    with console.status(f"loading {args.model} ({args.dtype})"):
-        model, tokenizer = load_model(args.model, dtype=args.dtype)
+    check_output_folder(args.out)
+    model, tokenizer = load(args)
+    from ..experiments.bench import model_shape
+    from ..experiments.corpus import check_context_fits
+    from ..experiments.selector_comparison import ANSWER_TOKENS, PRACTICAL, compare_selectors
+
     check_context_fits(model, args.context, max(args.tokens, ANSWER_TOKENS if args.retrieval else 0))
     shape = model_shape(model.config)
     with progress_bars() as progress:
@@ -117,11 +116,11 @@ def cmd_compare_selectors(args) -> int:
     }
     settings["selectors"] = list(chosen)
     settings["environment"] = environment()
-    write_json_atomic(
+    write_json(
         args.out / "selectors.json",
         {"settings": settings, "summary": [asdict(r) for r in rows], "runs": runs, "retrieval": trials},
     )
-    with open(args.out / "selectors.csv", "w", newline="") as handle:
+    with atomic_path(args.out / "selectors.csv") as tmp, open(tmp, "w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(list(asdict(rows[0])))
         writer.writerows(list(asdict(r).values()) for r in rows)
@@ -161,7 +160,7 @@ def cmd_compare_selectors(args) -> int:
         "establish a general ordering.",
         "",
     ]
-    (args.out / "selectors.md").write_text("\n".join(markdown))
+    write_text(args.out / "selectors.md", "\n".join(markdown))
     console.print(f"wrote {args.out / 'selectors.md'}, selectors.csv, selectors.json")
     return 0
 

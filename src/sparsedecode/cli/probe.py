@@ -10,16 +10,18 @@ from .common import (
     Parser,
     add_model_args,
     add_prompt_args,
+    check_whole_blocks,
     conditions,
     console,
     float_list,
     int_list,
     layer_table,
+    load,
     prepare,
     progress_bars,
     run_settings,
-    write_json_atomic,
 )
+from .outputs import atomic_path, check_output_folder, write_json
 
 
 def add_parsers(sub) -> None:
@@ -55,6 +57,7 @@ def cmd_probe_mass(args) -> int:
     from ..experiments.probes import mass_probe
     from ..plots import heatmap
 
+    check_output_folder(args.out)
     configs, model, _, prompts = prepare(args, audit=True)
     console.print(conditions(args))
     rows = []
@@ -74,16 +77,18 @@ def cmd_probe_mass(args) -> int:
             console.print(layer_table(f"attention mass, context {context}, S={support}", probe.summary))
             omitted = probe.per_head("omitted_mass")
             stem = f"mass-c{context}-s{support}"
-            png = heatmap(
-                omitted,
-                args.out / f"{stem}.png",
-                title=f"{args.model}: omitted attention mass ε, context {context}, S={support}\n"
-                f"mean over {probe.summary['audited_steps']} sparse decode steps",
-                xlabel="query head",
-                ylabel="layer",
-                colorbar="omitted mass ε",
-                vmax=max(float(omitted.max()), 1e-6),
-            )
+            png = args.out / f"{stem}.png"
+            with atomic_path(png) as tmp:
+                heatmap(
+                    omitted,
+                    tmp,
+                    title=f"{args.model}: omitted attention mass ε, context {context}, S={support}\n"
+                    f"mean over {probe.summary['audited_steps']} sparse decode steps",
+                    xlabel="query head",
+                    ylabel="layer",
+                    colorbar="omitted mass ε",
+                    vmax=max(float(omitted.max()), 1e-6),
+                )
             save_audit(args.out / f"{stem}.npz", probe.arrays)
             rows.append(
                 {
@@ -95,7 +100,7 @@ def cmd_probe_mass(args) -> int:
                 }
             )
             console.print(f"wrote {png}")
-    write_json_atomic(args.out / "mass.json", {"settings": run_settings(args, "probe mass"), "results": rows})
+    write_json(args.out / "mass.json", {"settings": run_settings(args, "probe mass"), "results": rows})
     return 0
 
 
@@ -111,7 +116,6 @@ def _retrieval_command(args) -> str:
 def cmd_probe_retrieval(args) -> int:
     from ..experiments.environment import environment as measured_environment
     from ..experiments.retrieval import RetrievalSpec, accuracy, run_retrieval
-    from ..models import load_model
 
     spec = RetrievalSpec(
         model=args.model,
@@ -129,8 +133,9 @@ def cmd_probe_retrieval(args) -> int:
         answer_tokens=args.answer_tokens,
         seed=args.seed,
     )
-    with console.status(f"loading {args.model} ({args.dtype})"):
-        loaded = load_model(args.model, dtype=args.dtype)
+    check_whole_blocks(spec.configs())
+    check_output_folder(args.out)
+    loaded = load(args)
     console.print(
         f"[bold]{args.model}[/] {args.dtype}; passkey retrieval, haystack {args.haystack}; contexts {args.context}; "
         f"depths {args.depths}; {args.trials} trials; supports {args.support}"
@@ -154,7 +159,7 @@ def cmd_probe_retrieval(args) -> int:
         "environment": measured_environment(loaded[0]),
         "trials": trials,
     }
-    write_json_atomic(args.out / "retrieval.json", data)
+    write_json(args.out / "retrieval.json", data)
     table = Table(title="passkey exact-match accuracy")
     for name in ("mode", "context", "depth", "correct"):
         table.add_column(name, justify="right")

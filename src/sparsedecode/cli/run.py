@@ -11,15 +11,14 @@ from ..errors import SparseDecodeError
 from .common import (
     add_model_args,
     add_prompt_args,
-    check_json_target,
     conditions,
     console,
     layer_table,
     prepare,
     progress_bars,
     run_settings,
-    write_json_atomic,
 )
+from .outputs import check_output_file, write_json
 
 
 def add_parsers(sub) -> None:
@@ -116,13 +115,13 @@ def _margin_line(result) -> str:
 
 
 def cmd_run(args) -> int:
+    if args.mode == "lossless":
+        return cmd_run_lossless(args)
+    check_output_file(args.json, "--json")
+    configs, model, tokenizer, prompts = prepare(args, audit=args.audit)
     from ..compare import compare, dense_reference
     from ..diagnostics import save_audit
 
-    if args.mode == "lossless":
-        return cmd_run_lossless(args)
-    check_json_target(args.json)
-    configs, model, tokenizer, prompts = prepare(args, audit=args.audit)
     settings = {**run_settings(args, "run"), "audit": args.audit}
     console.print(conditions(args))
     results = []
@@ -165,18 +164,18 @@ def cmd_run(args) -> int:
                 name = f"{args.json.stem}.audit-c{result.context}-s{result.settings['support']}.npz"
                 save_audit(args.json.with_name(name), result.audit_arrays)
                 result.audit["arrays"] = name
-        write_json_atomic(args.json, {"settings": settings, "results": [r.to_dict() for r in results]})
+        write_json(args.json, {"settings": settings, "results": [r.to_dict() for r in results]})
         console.print(f"wrote {args.json}")
     return 0
 
 
 def cmd_run_lossless(args) -> int:
-    from ..speculative import compare_lossless, generate
-
-    check_json_target(args.json)
+    check_output_file(args.json, "--json")
     if args.draft_tokens < 1:
         raise SparseDecodeError(f"--draft-tokens must be >= 1 (got {args.draft_tokens})")
     configs, model, tokenizer, prompts = prepare(args)
+    from ..speculative import compare_lossless, generate
+
     console.print(conditions(args) + f"; lossless, k = {args.draft_tokens}{' (adaptive)' if args.adaptive else ''}")
     table = Table(title="lossless self-speculative decoding against plain dense greedy decoding (same process)")
     for name in (
@@ -238,6 +237,6 @@ def cmd_run_lossless(args) -> int:
             "draft_tokens": args.draft_tokens,
             "adaptive": args.adaptive,
         }
-        write_json_atomic(args.json, {"settings": settings, "results": results})
+        write_json(args.json, {"settings": settings, "results": results})
         console.print(f"wrote {args.json}")
     return 0

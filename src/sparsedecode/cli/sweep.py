@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import SparseDecodeError
-from .common import add_model_args, console, int_list, progress_bars
+from .common import add_model_args, check_whole_blocks, console, int_list, load, progress_bars
+from .outputs import check_output_folder, check_writable_folder
 
 
 def add_parsers(sub) -> None:
@@ -85,17 +86,17 @@ def _row_line(row: dict) -> str:
 
 def cmd_sweep(args) -> int:
     from ..experiments.sweep import Shard, read_meta, run_sweep
-    from ..models import load_model
 
     spec = _sweep_spec(args)
     shard = Shard.parse(args.shard) if args.shard else None
+    check_whole_blocks(spec.configs())
+    check_output_folder(args.out)
     meta = read_meta(args.out)
     if meta is not None:  # refuse a changed spec before spending time on the model
         from ..experiments.sweep import check_meta
 
         check_meta(args.out, meta, spec, None, shard or Shard())
-    with console.status(f"loading {args.model} ({args.dtype})"):
-        loaded = load_model(args.model, dtype=args.dtype)
+    loaded = load(args)
     console.print(
         f"[bold]{args.model}[/] {args.dtype}; corpus {args.corpus}; contexts {args.context}; supports {args.support}; "
         f"R {args.reuse}; {args.prompts} prompts; T = {args.tokens}; W = {args.window}, B = {args.block_size}; "
@@ -125,6 +126,7 @@ def cmd_sweep(args) -> int:
 def cmd_merge(args) -> int:
     from ..experiments.sweep import merge_sweeps
 
+    check_output_folder(args.out)
     outcome = merge_sweeps(args.sources, args.out)
     console.print(
         f"merged {len(args.sources)} folder(s) into {args.out}: {outcome.rows} runs, {outcome.duplicates} duplicate(s) "
@@ -136,6 +138,8 @@ def cmd_merge(args) -> int:
 def cmd_report(args) -> int:
     from ..report import write_report
 
+    if args.directory.is_dir():  # report.md, CSVs and plots go next to the data
+        check_writable_folder(args.directory, f"the report into {args.directory}")
     with console.status(f"writing the report for {args.directory}"):
         path = write_report(args.directory, retrieval=args.retrieval)
     console.print(f"wrote {path}")
