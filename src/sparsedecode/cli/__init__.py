@@ -3,8 +3,9 @@ compare-selectors | bench op | bench e2e | models``.
 
 One module per command group (:mod:`.run`, :mod:`.probe`, :mod:`.models`, :mod:`.compare_selectors`,
 :mod:`.sweep` with ``merge`` and ``report``, :mod:`.bench`), each adding its parsers and the functions that run
-them; :mod:`.common` holds what they share. Bad input gets one line on stderr and exit status 2, never a
-traceback, and nothing half-written.
+them; :mod:`.common` holds what they share and :mod:`.outputs` checks and writes output files. Bad input gets
+one line on stderr and exit status 2, never a traceback, and nothing half-written. Building the parser imports
+neither torch nor transformers: each command imports the library when it runs.
 """
 
 from __future__ import annotations
