@@ -27,7 +27,7 @@ def test_run_writes_json_with_one_result_per_support(tiny_model_dir, tmp_path, c
             "--context",
             "200",
             "--support",
-            "97,1000",
+            "97,1009",
             "--tokens",
             "12",
             "--json",
@@ -37,7 +37,7 @@ def test_run_writes_json_with_one_result_per_support(tiny_model_dir, tmp_path, c
     )
     assert code == 0
     data = json.loads(out.read_text())
-    assert data["settings"]["supports"] == [97, 1000] and data["settings"]["tokens"] == 12
+    assert data["settings"]["supports"] == [97, 1009] and data["settings"]["tokens"] == 12
     sparse, full = data["results"]
     for row in (sparse, full):
         for name in (
@@ -169,7 +169,7 @@ def test_probe_mass_writes_heat_map(tiny_model_dir, tmp_path, capsys):
             "--context",
             "250",
             "--support",
-            "97,1000",
+            "97,1009",
             "--tokens",
             "5",
             "--out",
@@ -181,7 +181,7 @@ def test_probe_mass_writes_heat_map(tiny_model_dir, tmp_path, capsys):
     png = tmp_path / "mass-c250-s97.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads((tmp_path / "mass.json").read_text())
-    assert [r["settings"]["support"] for r in data["results"]] == [97]  # S=1000 covers everything
+    assert [r["settings"]["support"] for r in data["results"]] == [97]  # S=1009 covers everything
     assert "nothing to audit" in stdout
 
 

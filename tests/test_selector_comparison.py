@@ -13,7 +13,7 @@ from sparsedecode.cli import main
 from sparsedecode.experiments import selector_comparison
 from sparsedecode.experiments.selector_comparison import compare_selectors, retrieval_depths
 
-FULL = 1000  # covers every position of a 300-token prompt plus its question and answer: sparse reads everything
+FULL = 1009  # 1 + W + 59 B: covers a 300-token prompt plus question and answer, so sparse reads everything
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +169,7 @@ def test_cli_without_retrieval_shows_a_dash_and_refuses_a_negative_count(tiny_mo
 
 def test_op_time_only_where_the_support_is_sparse(tiny_model_dir, tmp_path, capsys):
     """At S >= context decoding reads everything densely: no sparse call to time (and none is attempted)."""
-    args = ["compare-selectors", "--model", str(tiny_model_dir), "--context", "200,300", "--support", "97,250"]
+    args = ["compare-selectors", "--model", str(tiny_model_dir), "--context", "200,300", "--support", "97,257"]
     args += ["--prompts", "1", "--tokens", "3", "--selectors", "streaming,mean-pooled", "--out", str(tmp_path)]
     assert main(args) == 0
     summary = json.loads((tmp_path / "selectors.json").read_text())["summary"]

@@ -1,14 +1,40 @@
 """sparsedecode: sparse decoding for Hugging Face causal LMs, measured against dense decoding.
 
 Library layer only: nothing here imports the CLI, reports, plotting or ``datasets``.
+
+The public names are imported on first use (PEP 562), so ``import sparsedecode`` (and the command line's
+``--help``) does not pay for importing torch and transformers.
 """
 
-from .attention import SparseSession, sparse_decoding
-from .compare import CompareResult, DenseReference, compare, dense_reference
-from .config import SparseConfig
-from .errors import SparseDecodeError
-from .models import DEFAULT_MODEL, list_models, load_model
-from .selectors import select_support
+import importlib as _importlib
+import sys as _sys
+import types as _types
+import typing as _typing
+
+if _typing.TYPE_CHECKING:
+    from .attention import SparseSession, sparse_decoding
+    from .compare import CompareResult, DenseReference, compare, dense_reference
+    from .config import SparseConfig
+    from .errors import SparseDecodeError
+    from .models import DEFAULT_MODEL, list_models, load_model
+    from .selectors import select_support
+    from .speculative import generate
+
+_EXPORTS = {
+    "DEFAULT_MODEL": "models",
+    "CompareResult": "compare",
+    "DenseReference": "compare",
+    "SparseConfig": "config",
+    "SparseDecodeError": "errors",
+    "SparseSession": "attention",
+    "compare": "compare",
+    "dense_reference": "compare",
+    "generate": "speculative",
+    "list_models": "models",
+    "load_model": "models",
+    "select_support": "selectors",
+    "sparse_decoding": "attention",
+}
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -19,6 +45,7 @@ __all__ = [
     "SparseSession",
     "compare",
     "dense_reference",
+    "generate",
     "list_models",
     "load_model",
     "select_support",
@@ -26,3 +53,33 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    """Import a public name's module on first use and keep the name here."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(_types.ModuleType):
+    """Keeps ``sparsedecode.compare`` the function when the submodule of the same name is imported.
+
+    Importing ``sparsedecode.compare`` binds the submodule as an attribute of the package, which would hide the
+    lazily exported function; an eager ``from .compare import compare`` used to rebind it, and this does the same.
+    """
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if isinstance(value, _types.ModuleType) and _EXPORTS.get(name) == name and hasattr(value, name):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+_sys.modules[__name__].__class__ = _Package

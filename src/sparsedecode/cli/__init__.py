@@ -1,0 +1,59 @@
+"""Command-line interface: ``sparsedecode run | sweep | merge | report | probe mass | probe retrieval |
+compare-selectors | bench op | bench e2e | models``.
+
+One module per command group (:mod:`.run`, :mod:`.probe`, :mod:`.models`, :mod:`.compare_selectors`,
+:mod:`.sweep` with ``merge`` and ``report``, :mod:`.bench`), each adding its parsers and the functions that run
+them; :mod:`.common` holds what they share and :mod:`.outputs` checks and writes output files. Bad input gets
+one line on stderr and exit status 2, never a traceback, and nothing half-written. Building the parser imports
+neither torch nor transformers: each command imports the library when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import SparseDecodeError
+from . import bench, compare_selectors, models, probe, run, sweep
+from .common import Parser
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="sparsedecode", description="Sparse decoding, measured against dense decoding.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    run.add_parsers(sub)
+    probe.add_parsers(sub)
+    models.add_parsers(sub)
+    compare_selectors.add_parsers(sub)
+    sweep.add_parsers(sub)
+    bench.add_parsers(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; bad input (a :class:`SparseDecodeError`, or a file-system error) ends in one line, exit 2."""
+    try:
+        args = build_parser().parse_args(argv)
+        return args.handler(args)
+    except (SparseDecodeError, OSError) as error:
+        print(f"sparsedecode: error: {_one_line(error)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("sparsedecode: interrupted", file=sys.stderr)
+        return 130
+
+
+def _one_line(error: Exception) -> str:
+    """The error's message on one line: an ``OSError`` as its reason and the path(s) it concerns."""
+    if isinstance(error, OSError) and error.strerror:
+        paths = [str(name) for name in (error.filename, error.filename2) if name is not None]
+        text = error.strerror + (f": {' -> '.join(paths)}" if paths else "")
+    else:
+        text = str(error) or type(error).__name__
+    return " ".join(text.split())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

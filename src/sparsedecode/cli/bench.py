@@ -1,0 +1,215 @@
+"""``sparsedecode bench op | e2e``: one decode-attention call, and real-model decoding, dense vs sparse."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.table import Table
+
+from ..errors import SparseDecodeError
+from .common import (
+    DTYPES,
+    Parser,
+    add_model_args,
+    check_whole_blocks,
+    console,
+    environment,
+    int_list,
+    load,
+    progress_bars,
+    quiet_transformers,
+)
+from .outputs import check_output_file, write_json
+
+# From :mod:`sparsedecode.experiments.bench` (which imports torch), spelled out so that building the parser does
+# not; a test keeps them equal.
+SHAPES = ("llama3-8b", "qwen2-0.5b", "smollm2-135m")
+DEFAULT_CONTEXTS = (2048, 8192, 32768, 131072)
+DEFAULT_SUPPORTS = (97, 193, 769)
+
+
+def add_parsers(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks: op (one decode-attention call), e2e (real model decoding)")
+    benches = bench.add_subparsers(dest="bench", required=True, parser_class=Parser)
+    op = benches.add_parser("op", help="one decode-attention call: torch SDPA dense vs sparse select + attend")
+    op.add_argument("--shape", default="qwen2-0.5b", choices=sorted(SHAPES))
+    op.add_argument("--context", type=int_list, default=list(DEFAULT_CONTEXTS))
+    op.add_argument("--support", type=int_list, default=list(DEFAULT_SUPPORTS))
+    op.add_argument("--dtype", default="float32", choices=DTYPES)
+    op.add_argument("--selector", default="mean-pooled", help="any selector (see `run --help`)")
+    op.add_argument("--budget", type=float, default=0.6, help="seconds of calls per timing (at least 10 calls)")
+    op.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu, or cuda[:i]: device-event timings, and the Triton kernel beside torch's gather + SDPA",
+    )
+    op.add_argument("--json", type=Path, help="write {machine, bandwidth_gbs, rows} here")
+    e2e = benches.add_parser("e2e", help="real model: prefill, then greedy decoding dense vs sparse, same process")
+    add_model_args(e2e)
+    e2e.add_argument("--corpus", default="python-docs")
+    e2e.add_argument("--context", type=int_list, default=[8192])
+    e2e.add_argument("--support", type=int_list, default=[193])
+    e2e.add_argument("--tokens", type=int, default=64)
+    e2e.add_argument("--prompt-index", type=int, default=0)
+    e2e.add_argument("--json", type=Path, help="write {machine, rows} here")
+    e2e.add_argument(
+        "--mode",
+        default="standard",
+        choices=("standard", "lossless"),
+        help="lossless adds self-speculative rows (sparse drafts, dense verification) beside dense and sparse",
+    )
+    e2e.add_argument("--draft-tokens", type=int_list, default=[4], help="draft length(s) k for --mode lossless")
+    e2e.add_argument("--adaptive", action="store_true", help="adapt k from the acceptance (lossless)")
+    op.set_defaults(handler=cmd_bench_op)
+    e2e.set_defaults(handler=cmd_bench_e2e)
+
+
+def cmd_bench_op(args) -> int:
+    from ..config import SparseConfig
+
+    check_whole_blocks([SparseConfig(support=s, selector=args.selector) for s in args.support])
+    check_output_file(args.json, "--json")
+    quiet_transformers()
+    import torch
+
+    from ..experiments.bench import bench_op, op_rows_as_dicts
+
+    dtype = getattr(torch, args.dtype)
+    if args.device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise SparseDecodeError(f"--device {args.device}: torch sees no CUDA device here")
+        where = f"{torch.cuda.get_device_name(args.device)}, torch SDPA dense (its own backend choice)"
+    elif args.device == "cpu":
+        where = f"cpu, {torch.get_num_threads()} threads"
+    else:
+        raise SparseDecodeError(f"--device must be cpu or cuda[:i] (got {args.device!r})")
+    console.print(
+        f"bench op: shape {args.shape}, {args.dtype}, {where}; medians over repeated calls, dense and sparse "
+        "measured side by side in this process"
+    )
+    with progress_bars() as progress:
+        rows, bandwidth = bench_op(
+            args.shape,
+            tuple(args.context),
+            tuple(args.support),
+            dtype=dtype,
+            selector=args.selector,
+            budget_s=args.budget,
+            device=args.device,
+            progress=progress,
+        )
+    table = Table(title=f"one decode-attention call, {args.shape}; read bandwidth measured now: {bandwidth:.1f} GB/s")
+    for name in (
+        "N",
+        "S",
+        "kernel",
+        "dense ms",
+        "sparse ms",
+        "select ms",
+        "attend ms",
+        "speedup",
+        "dense MB",
+        "sparse MB",
+        "sparse / bound",
+        "dense / bound",
+    ):
+        table.add_column(name, justify="right")
+    for r in rows:
+        table.add_row(
+            str(r.context),
+            str(r.support),
+            r.kernel,
+            f"{r.dense_ms:.3f}",
+            f"{r.sparse_ms:.3f}",
+            f"{r.select_ms:.3f}",
+            f"{r.attend_ms:.3f}",
+            f"{r.speedup:.1f}x",
+            f"{r.bytes_dense / 1e6:.1f}",
+            f"{r.bytes_sparse / 1e6:.2f}",
+            f"{r.bound_ratio:.1f}x",
+            f"{r.dense_bound_ratio:.1f}x",
+        )
+    console.print(table)
+    console.print(
+        "[dim]bound = bytes that must be read / measured read bandwidth. Isolated operator timings say nothing about "
+        "matched-quality or end-to-end speed.[/]"
+    )
+    if args.json:
+        data = {"machine": environment(), "bandwidth_gbs": bandwidth, "rows": op_rows_as_dicts(rows)}
+        write_json(args.json, data)
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_bench_e2e(args) -> int:
+    from dataclasses import asdict
+
+    from ..config import SparseConfig
+
+    check_output_file(args.json, "--json")
+    if args.tokens < 1:
+        raise SparseDecodeError(f"--tokens must be >= 1 (got {args.tokens})")
+    if min(args.draft_tokens) < 1:
+        raise SparseDecodeError("--draft-tokens values must be >= 1")
+    check_whole_blocks([SparseConfig(support=s) for s in args.support])
+    model, tokenizer = load(args)
+    from ..experiments.bench import bench_e2e
+    from ..experiments.corpus import check_context_fits, prompt_ids
+
+    check_context_fits(model, args.context, args.tokens)
+    rows = []
+    for context in args.context:
+        ids = prompt_ids(tokenizer, args.corpus, context, args.prompt_index, args.tokens)
+        with progress_bars() as progress:
+            rows.extend(
+                bench_e2e(
+                    model,
+                    args.model,
+                    ids,
+                    tuple(args.support),
+                    tokens=args.tokens,
+                    progress=progress,
+                    lossless=tuple(args.draft_tokens) if args.mode == "lossless" else (),
+                    adaptive=args.adaptive,
+                )
+            )
+    table = Table(
+        title=f"end to end, {args.model} {args.dtype} on cpu: {args.tokens} greedy tokens after a dense prefill"
+    )
+    for name in (
+        "context",
+        "mode",
+        "KV cache",
+        "S",
+        "k",
+        "accepted",
+        "prefill s",
+        "decode tok/s",
+        "vs best dense",
+        "same tokens",
+        "peak RSS MB",
+    ):
+        table.add_column(name, justify="right")
+    for r in rows:
+        table.add_row(
+            str(r.context),
+            r.mode,
+            r.cache,
+            str(r.support or "-"),
+            str(r.draft_tokens or "-"),
+            f"{100 * r.acceptance_rate:.0f}%" if r.acceptance_rate is not None else "-",
+            f"{r.prefill_s:.1f}",
+            f"{r.decode_tokens_per_s:.2f}",
+            f"{r.speedup_vs_best_dense:.2f}x",
+            f"{r.tokens_equal_to_dense}/{r.tokens}",
+            f"{r.peak_rss_mb:.0f}",
+        )
+    console.print(table)
+    console.print(
+        "[dim]dense runs twice (first and last) and reports the median; 'same tokens' = leading tokens equal to dense "
+        "greedy output; peak RSS is the process peak so far.[/]"
+    )
+    if args.json:
+        write_json(args.json, {"machine": environment(), "rows": [asdict(r) for r in rows]})
+        console.print(f"wrote {args.json}")
+    return 0

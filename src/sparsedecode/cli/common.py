@@ -1,0 +1,282 @@
+"""What every command shares: the console, argument types, progress bars, loading a model and cutting prompts.
+
+Nothing here imports torch or transformers at import time: ``--help`` and argument errors answer at once, and
+the library is imported by the command that runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections.abc import Iterator
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+from ..errors import SparseDecodeError
+from .outputs import check_writable_folder
+
+__all__ = [
+    "DTYPES",
+    "Parser",
+    "add_model_args",
+    "add_prompt_args",
+    "check_whole_blocks",
+    "conditions",
+    "console",
+    "environment",
+    "float_list",
+    "int_list",
+    "layer_table",
+    "load",
+    "prepare",
+    "progress_bars",
+    "quiet_transformers",
+    "run_settings",
+]
+
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 132)
+DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_MODEL = "smollm2-135m"
+""":data:`sparsedecode.models.DEFAULT_MODEL`, spelled out so that building the parser imports no torch (a test
+keeps the two equal)."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line and exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise SparseDecodeError(f"{self.prog}: {message}")
+
+
+def int_list(text: str) -> list[int]:
+    """Parse ``"97,193"`` into ``[97, 193]``."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from error
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
+
+
+def float_list(text: str) -> list[float]:
+    """Parse ``"0,0.5,1"`` into ``[0.0, 0.5, 1.0]``."""
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from error
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one number")
+    return values
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="alias, local dir or .gguf, or hub id")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
+
+
+def add_prompt_args(parser: argparse.ArgumentParser, *, tokens: int) -> None:
+    parser.add_argument("--corpus", default="python-docs", help="python-docs (offline), wikitext2, or a path")
+    parser.add_argument("--context", type=int_list, default=[2048], help="prompt length(s), comma-separated")
+    parser.add_argument("--support", type=int_list, default=[97, 193], help="support size(s) S = 1 + W + b*B")
+    parser.add_argument("--window", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--reuse", type=int, default=1, help="selection reuse interval R (1 = fresh each step)")
+    parser.add_argument("--selector", default="mean-pooled")
+    parser.add_argument("--tokens", type=int, default=tokens, help="greedy tokens T per run")
+    parser.add_argument("--prompt-index", type=int, default=0)
+
+
+@contextlib.contextmanager
+def progress_bars(speed_estimate_period: float = 30.0) -> Iterator:
+    """A ``progress(stage, done, total)`` callback drawing one rich bar per stage.
+
+    The ETA of a bar comes from its progress over the last ``speed_estimate_period`` seconds.
+    """
+    bars = Progress(
+        TextColumn("{task.description:>16}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+        speed_estimate_period=speed_estimate_period,
+    )
+    tasks: dict[str, int] = {}
+
+    def update(stage: str, done: int, total: int) -> None:
+        if stage not in tasks:
+            tasks[stage] = bars.add_task(stage, total=total, completed=done)  # work done before is not speed
+        bars.update(tasks[stage], completed=done, total=total)
+        if done >= total:
+            bars.remove_task(tasks.pop(stage))
+
+    with bars:
+        yield update
+
+
+def environment() -> dict:
+    """Where numbers were measured: library versions, device, threads."""
+    from ..experiments.environment import environment as measured_environment
+
+    return measured_environment()
+
+
+def _configs(args, audit: bool = False) -> list:
+    from ..config import SparseConfig
+
+    configs = [
+        SparseConfig(
+            support=s,
+            window=args.window,
+            block_size=args.block_size,
+            reuse=args.reuse,
+            selector=args.selector,
+            audit=audit,
+        )
+        for s in args.support
+    ]
+    check_whole_blocks(configs)
+    return configs
+
+
+def check_whole_blocks(configs) -> None:
+    """Refuse a support that a block selector would floor to whole blocks, naming the two nearest that are not.
+
+    The library floors ``support`` to ``1 + W + b*B`` (:attr:`SparseConfig.effective_support`); the command line
+    refuses instead, so the support asked for is the support in every table and JSON file.
+    """
+    for cfg in configs:
+        if not cfg.token_level and cfg.effective_support != cfg.support:
+            raise SparseDecodeError(
+                f"--support {cfg.support} is not 1 + W + b*B with W = {cfg.window}, B = {cfg.block_size} "
+                f"(block selectors read whole blocks): use {cfg.effective_support} or "
+                f"{cfg.effective_support + cfg.block_size}"
+            )
+
+
+def load(args):
+    """``(model, tokenizer)`` of ``--model``, after checking that the model cache can take it if it must."""
+    from ..models import load_model
+
+    quiet_transformers()
+    check_model_cache(args.model)
+    with console.status(f"loading {args.model} ({args.dtype})"):
+        return load_model(args.model, dtype=args.dtype)
+
+
+def quiet_transformers() -> None:
+    """Our own progress bars replace transformers' tqdm bars and info logging."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def check_model_cache(spec: str) -> None:
+    """A built-in alias that is not converted yet is fetched into the cache: refuse a cache that takes no files."""
+    from ..models import ALIASES, cache_dir, verify_converted
+
+    source = ALIASES.get(spec)
+    converted = source is not None and verify_converted(
+        cache_dir() / "models" / source.alias, source.sha256, check_hashes=False
+    )
+    if source is not None and not converted:
+        check_writable_folder(
+            cache_dir(),
+            f"{spec} into the model cache {cache_dir()}",
+            hint="; set SPARSEDECODE_CACHE to a writable folder, or to one that already holds the model",
+        )
+
+
+def prepare(args, audit: bool = False):
+    """Validate prompt arguments, load the model, cut the prompts: ``(configs, model, tokenizer, prompts)``."""
+    if args.tokens < 2:
+        raise SparseDecodeError(f"--tokens must be >= 2 (got {args.tokens}): step 1 is shared with dense")
+    if any(c < 1 for c in args.context):
+        raise SparseDecodeError("--context values must be >= 1")
+    configs = _configs(args, audit=audit)
+    model, tokenizer = load(args)
+    from ..experiments.corpus import check_context_fits, prompt_ids
+
+    check_context_fits(model, args.context, args.tokens)
+    prompts = {c: prompt_ids(tokenizer, args.corpus, c, args.prompt_index, args.tokens) for c in args.context}
+    return configs, model, tokenizer, prompts
+
+
+def run_settings(args, command: str) -> dict:
+    keys = ("model", "dtype", "corpus", "window", "block_size", "reuse", "selector", "tokens", "prompt_index")
+    return {
+        "command": command,
+        **{key: getattr(args, key) for key in keys},
+        "contexts": args.context,
+        "supports": args.support,
+        "environment": environment(),
+    }
+
+
+def _kernel_in_use(dtype: str, selector: str) -> str:
+    """How sparse steps run here (``SparseConfig.kernel="auto"`` on the CPU)."""
+    from .. import cpu_kernel
+    from ..config import TOKEN_SELECTORS
+
+    if selector in TOKEN_SELECTORS:
+        return "sparse steps: torch operations (token-level selector)"
+    if dtype != "float32":
+        return "sparse steps: torch operations (the C kernel takes float32)"
+    if cpu_kernel.library() is None:
+        return f"sparse steps: torch operations (C kernel unavailable: {cpu_kernel.BUILD_ERROR})"
+    if selector != "mean-pooled":
+        return "sparse steps: torch selection, C kernel attention"
+    return "sparse steps: C kernel"
+
+
+def conditions(args) -> str:
+    import torch
+
+    return (
+        f"[bold]{args.model}[/] {args.dtype} on cpu, {torch.get_num_threads()} threads; corpus {args.corpus}, "
+        f"prompt {args.prompt_index}; T = {args.tokens}; W = {args.window}, B = {args.block_size}, "
+        f"R = {args.reuse}, selector {args.selector}; {_kernel_in_use(args.dtype, args.selector)}"
+    )
+
+
+def layer_table(title: str, summary: dict) -> Table:
+    table = Table(title=title, title_justify="left")
+    columns = (
+        "layer",
+        "omitted ε",
+        "anchor",
+        "window",
+        "blocks",
+        "recall",
+        "captured/best",
+        "max |residual|",
+        "bound viol.",
+    )
+    for name in columns:
+        table.add_column(name, justify="right")
+    for row in summary["layers"]:
+        table.add_row(
+            str(row["layer"]),
+            f"{row['omitted_mass_mean']:.4f}",
+            f"{row['mass_anchor_mean']:.3f}",
+            f"{row['mass_window_mean']:.3f}",
+            f"{row['mass_blocks_mean']:.3f}",
+            f"{row['selector_recall_mean']:.3f}",
+            f"{row['captured_mass_ratio_mean']:.3f}",
+            f"{row['identity_residual_max']:.1e}",
+            str(row["bound_violations"]),
+        )
+    return table

@@ -1,0 +1,94 @@
+"""``sparsedecode compare-selectors``: every selector on the same prompts and budget, side by side."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.table import Table
+
+from ..errors import SparseDecodeError
+from .common import add_model_args, check_whole_blocks, console, environment, int_list, load, progress_bars
+from .outputs import check_output_folder
+
+
+def add_parsers(sub) -> None:
+    selectors = sub.add_parser("compare-selectors", help="all selectors on the same prompts and budget, side by side")
+    add_model_args(selectors)
+    selectors.add_argument("--corpus", default="python-docs")
+    selectors.add_argument("--context", type=int_list, default=[2048])
+    selectors.add_argument("--support", type=int_list, default=[97, 193])
+    selectors.add_argument("--prompts", type=int, default=2)
+    selectors.add_argument("--tokens", type=int, default=64)
+    selectors.add_argument("--selectors", default="all", help="comma-separated selectors, or all")
+    selectors.add_argument("--audit", action="store_true", help="captured-mass ratio from the omitted-mass audit")
+    selectors.add_argument(
+        "--retrieval",
+        type=int,
+        default=0,
+        metavar="N",
+        help="passkey retrieval trials per context (depths spread over 0..1), answered by every selector; 0 = off",
+    )
+    selectors.add_argument("--out", type=Path, default=Path("runs/selectors"), help="folder for JSON, CSV, markdown")
+    selectors.set_defaults(handler=cmd_compare_selectors)
+
+
+def cmd_compare_selectors(args) -> int:
+    from dataclasses import asdict
+
+    from ..config import SELECTORS, SparseConfig
+
+    chosen = SELECTORS if args.selectors == "all" else tuple(s.strip() for s in args.selectors.split(","))
+    check_whole_blocks([SparseConfig(support=s, selector=selector) for selector in chosen for s in args.support])
+    if args.tokens < 2 or args.prompts < 1:
+        raise SparseDecodeError("--tokens must be >= 2 and --prompts >= 1")
+    if args.retrieval < 0:
+        raise SparseDecodeError(f"--retrieval must be >= 0 (passkey trials per context), got {args.retrieval}")
+    check_output_folder(args.out)
+    model, tokenizer = load(args)
+    from ..experiments.bench import model_shape
+    from ..experiments.corpus import check_context_fits
+    from ..experiments.selector_comparison import ANSWER_TOKENS, compare_selectors
+
+    check_context_fits(model, args.context, max(args.tokens, ANSWER_TOKENS if args.retrieval else 0))
+    shape = model_shape(model.config)
+    with progress_bars() as progress:
+        rows, runs, trials = compare_selectors(
+            model,
+            tokenizer,
+            corpus=args.corpus,
+            contexts=tuple(args.context),
+            supports=tuple(args.support),
+            prompts=args.prompts,
+            tokens=args.tokens,
+            selectors=chosen,
+            audit=args.audit,
+            retrieval=args.retrieval,
+            op_shape=shape,
+            progress=progress,
+        )
+    from ..report import SELECTOR_HEADERS, dense_retrieval_lines, selector_cells, write_selector_comparison
+
+    summary = [asdict(r) for r in rows]
+    table = Table(
+        title=f"selectors under one budget: {args.model} {args.dtype} cpu, {args.prompts} prompts of "
+        f"{args.corpus}, T = {args.tokens}"
+    )
+    for name in SELECTOR_HEADERS:
+        table.add_column(name, justify="right")
+    for row, cells in zip(summary, selector_cells(summary)):
+        table.add_row(*cells, style="dim" if row["dense_by_construction"] else None)
+    console.print(table)
+    if any(row["dense_by_construction"] for row in summary):
+        console.print("[dim]dim rows: dense by construction (effective S >= context + T - 1), they compare nothing[/]")
+    for line in dense_retrieval_lines(summary)[:1]:
+        console.print(line)
+    args.out.mkdir(parents=True, exist_ok=True)
+    settings = {
+        key: getattr(args, key)
+        for key in ("model", "dtype", "corpus", "context", "support", "prompts", "tokens", "audit", "retrieval")
+    }
+    settings["selectors"] = list(chosen)
+    settings["environment"] = environment()
+    write_selector_comparison(args.out, {"settings": settings, "summary": summary, "runs": runs, "retrieval": trials})
+    console.print(f"wrote {args.out / 'selectors.md'}, selectors.csv, selectors.json")
+    return 0

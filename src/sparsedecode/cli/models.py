@@ -1,0 +1,30 @@
+"""``sparsedecode models``: the built-in model aliases and what is cached."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from .common import console
+
+
+def add_parsers(sub) -> None:
+    models = sub.add_parser("models", help="list built-in model aliases and what is cached")
+    models.set_defaults(handler=cmd_models)
+
+
+def cmd_models(args) -> int:
+    from ..models import list_models
+
+    table = Table(title="models")
+    for name in ("alias", "description", "gguf cached", "converted", "path"):
+        table.add_column(name)
+    for row in list_models():
+        table.add_row(
+            row["alias"],
+            row.get("description", ""),
+            "yes" if row.get("cached_gguf") else "no",
+            "yes" if row.get("converted") else "no",
+            str(row.get("path") or ""),
+        )
+    console.print(table)
+    return 0

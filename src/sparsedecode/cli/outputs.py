@@ -1,0 +1,101 @@
+"""Output files and folders: refused before any computing when they cannot be written, then written atomically.
+
+Every check here runs before a model is loaded, so a path that cannot take the results fails in a second, not
+after the run. Every write goes to a temporary file beside the target and is renamed onto it, so a failure
+leaves nothing half-written behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..errors import SparseDecodeError
+
+__all__ = [
+    "atomic_path",
+    "check_output_file",
+    "check_output_folder",
+    "check_writable_folder",
+    "write_json",
+    "write_text",
+]
+
+
+def check_output_file(path: Path | None, option: str) -> None:
+    """Refuse an output file (``--json``) that is a folder, not a regular file, or in a folder that takes no files."""
+    if path is None:
+        return
+    what = f"{option} {path}"
+    if _exists(path, what) and not path.is_file():
+        kind = "a folder" if path.is_dir() else "not a regular file"
+        raise SparseDecodeError(f"{what} is {kind}; give a file name")
+    check_writable_folder(path.parent, what)
+
+
+def check_output_folder(path: Path, option: str = "--out") -> None:
+    """Refuse an output folder (``--out``) that names an existing file or cannot be made or written to."""
+    what = f"{option} {path}"
+    if _exists(path, what) and not path.is_dir():
+        raise SparseDecodeError(f"{what} is an existing file, not a folder; give a folder")
+    check_writable_folder(path, what)
+
+
+def check_writable_folder(folder: Path, what: str, hint: str = "") -> None:
+    """``folder``, or its nearest existing ancestor when it is still to be made, takes a new file.
+
+    Checked by creating and removing an empty temporary file there: permission bits do not tell (root ignores
+    them, ``/proc`` and read-only mounts refuse anyway).
+    """
+    existing = Path(folder)
+    while not _exists(existing, what):
+        existing = existing.parent
+    if not existing.is_dir():
+        raise SparseDecodeError(f"cannot write {what}: {existing} is a file, not a folder{hint}")
+    try:
+        handle, probe = tempfile.mkstemp(dir=existing, prefix=".sparsedecode-check-")
+    except OSError as error:
+        reason = "refused" if error.errno == errno.ENOENT else error.strerror or type(error).__name__
+        raise SparseDecodeError(f"cannot write {what}: cannot create files in {existing} ({reason}){hint}") from None
+    os.close(handle)
+    os.unlink(probe)
+
+
+def _exists(path: Path, what: str) -> bool:
+    try:
+        return path.exists()
+    except OSError as error:
+        raise SparseDecodeError(f"cannot write {what}: {error.strerror or error} at {path}") from None
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """A temporary path beside ``path`` (same suffix, so writers that go by it still do) to write to.
+
+    Renamed onto ``path`` when the block ends without an error, removed when it raises.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}")
+    os.close(handle)
+    tmp = Path(name)
+    try:
+        yield tmp
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text(path: Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+def write_json(path: Path, data: object) -> None:
+    """JSON with one-space indents and a final newline, written atomically."""
+    write_text(path, json.dumps(data, indent=1) + "\n")

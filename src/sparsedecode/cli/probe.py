@@ -1,0 +1,170 @@
+"""``sparsedecode probe mass | retrieval``: where attention mass goes, and whether a passkey is still found."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.table import Table
+
+from .common import (
+    Parser,
+    add_model_args,
+    add_prompt_args,
+    check_whole_blocks,
+    conditions,
+    console,
+    float_list,
+    int_list,
+    layer_table,
+    load,
+    prepare,
+    progress_bars,
+    run_settings,
+)
+from .outputs import atomic_path, check_output_folder, write_json
+
+
+def add_parsers(sub) -> None:
+    probe = sub.add_parser("probe", help="probes: mass (attention-mass decomposition), retrieval (passkey)")
+    probes = probe.add_subparsers(dest="probe", required=True, parser_class=Parser)
+    mass = probes.add_parser("mass", help="attention-mass decomposition per layer and head for one prompt")
+    add_model_args(mass)
+    add_prompt_args(mass, tokens=16)
+    mass.add_argument("--out", type=Path, default=Path("runs/probe-mass"), help="folder for PNG and JSON")
+    mass.set_defaults(handler=cmd_probe_mass)
+
+    retrieval = probes.add_parser("retrieval", help="passkey retrieval, dense vs sparse, with captured mass")
+    add_model_args(retrieval)
+    retrieval.add_argument("--context", type=int_list, default=[2048], help="prompt lengths, question included")
+    retrieval.add_argument("--depths", type=float_list, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="0 = start")
+    retrieval.add_argument("--trials", type=int, default=3, help="passkeys per (context, depth)")
+    retrieval.add_argument("--support", type=int_list, default=[97, 193], help="supports S, comma-separated")
+    retrieval.add_argument("--window", type=int, default=64)
+    retrieval.add_argument("--block-size", type=int, default=16)
+    retrieval.add_argument("--reuse", type=int, default=1)
+    retrieval.add_argument("--selector", default="mean-pooled")
+    retrieval.add_argument("--haystack", default="filler", help="filler (repeated sentences), or a corpus name/path")
+    retrieval.add_argument("--digits", type=int, default=5, help="passkey length")
+    retrieval.add_argument("--answer-tokens", type=int, default=8)
+    retrieval.add_argument("--seed", type=int, default=0)
+    retrieval.add_argument("--out", type=Path, default=Path("runs/probe-retrieval"), help="folder for retrieval.json")
+    retrieval.set_defaults(handler=cmd_probe_retrieval)
+
+
+def cmd_probe_mass(args) -> int:
+    from ..compare import prefill
+    from ..diagnostics import save_audit
+    from ..experiments.probes import mass_probe
+    from ..plots import heatmap
+
+    check_output_folder(args.out)
+    configs, model, _, prompts = prepare(args, audit=True)
+    console.print(conditions(args))
+    rows = []
+    for context, ids in prompts.items():
+        with progress_bars() as progress:
+            cache, logits = prefill(model, ids, progress=progress)
+            first = int(logits.argmax())
+            probes = [
+                mass_probe(model, ids, cfg, tokens=args.tokens, progress=progress, cache=cache, first=first)
+                for cfg in configs
+            ]
+        for probe in probes:
+            support = probe.settings["support"]
+            if not probe.summary.get("audited_steps"):
+                console.print(f"context {context}, S={support}: the support covers the context; nothing to audit")
+                continue
+            console.print(layer_table(f"attention mass, context {context}, S={support}", probe.summary))
+            omitted = probe.per_head("omitted_mass")
+            stem = f"mass-c{context}-s{support}"
+            png = args.out / f"{stem}.png"
+            with atomic_path(png) as tmp:
+                heatmap(
+                    omitted,
+                    tmp,
+                    title=f"{args.model}: omitted attention mass ε, context {context}, S={support}\n"
+                    f"mean over {probe.summary['audited_steps']} sparse decode steps",
+                    xlabel="query head",
+                    ylabel="layer",
+                    colorbar="omitted mass ε",
+                    vmax=max(float(omitted.max()), 1e-6),
+                )
+            save_audit(args.out / f"{stem}.npz", probe.arrays)
+            rows.append(
+                {
+                    "context": context,
+                    "settings": probe.settings,
+                    "summary": probe.summary,
+                    "png": png.name,
+                    "seconds": probe.seconds,
+                }
+            )
+            console.print(f"wrote {png}")
+    write_json(args.out / "mass.json", {"settings": run_settings(args, "probe mass"), "results": rows})
+    return 0
+
+
+def _retrieval_command(args) -> str:
+    return (
+        f"sparsedecode probe retrieval --model {args.model} --dtype {args.dtype} "
+        f"--context {','.join(map(str, args.context))} --depths {','.join(f'{d:g}' for d in args.depths)} "
+        f"--trials {args.trials} --support {','.join(map(str, args.support))} --haystack {args.haystack} "
+        f"--out {args.out}"
+    )
+
+
+def cmd_probe_retrieval(args) -> int:
+    from ..experiments.environment import environment as measured_environment
+    from ..experiments.retrieval import RetrievalSpec, accuracy, run_retrieval
+
+    spec = RetrievalSpec(
+        model=args.model,
+        dtype=args.dtype,
+        contexts=tuple(args.context),
+        depths=tuple(args.depths),
+        trials=args.trials,
+        supports=tuple(args.support),
+        window=args.window,
+        block_size=args.block_size,
+        reuse=args.reuse,
+        selector=args.selector,
+        haystack=args.haystack,
+        digits=args.digits,
+        answer_tokens=args.answer_tokens,
+        seed=args.seed,
+    )
+    check_whole_blocks(spec.configs())
+    check_output_folder(args.out)
+    loaded = load(args)
+    console.print(
+        f"[bold]{args.model}[/] {args.dtype}; passkey retrieval, haystack {args.haystack}; contexts {args.context}; "
+        f"depths {args.depths}; {args.trials} trials; supports {args.support}"
+    )
+
+    def show(trial: dict) -> None:
+        mode = "dense" if trial["mode"] == "dense" else f"S={trial['support']}"
+        mass = trial["captured_mass_ratio_mean"]
+        console.print(
+            f"context {trial['context']}, depth {trial['depth']:g}, trial {trial['trial']}, {mode}: "
+            + ("[green]found[/]" if trial["correct"] else "[red]missed[/]")
+            + f" {trial['passkey']} in {trial['answer']!r}"
+            + (f"; captured mass {mass:.3f}, needle read {trial['needle_read_mean']:.2f}" if mass is not None else "")
+        )
+
+    with progress_bars(speed_estimate_period=3600.0) as progress:
+        trials = run_retrieval(spec, loaded=loaded, progress=progress, on_trial=show)
+    data = {
+        "spec": spec.to_dict(),
+        "command": _retrieval_command(args),
+        "environment": measured_environment(loaded[0]),
+        "trials": trials,
+    }
+    write_json(args.out / "retrieval.json", data)
+    table = Table(title="passkey exact-match accuracy")
+    for name in ("mode", "context", "depth", "correct"):
+        table.add_column(name, justify="right")
+    for row in accuracy(trials):
+        table.add_row(row["mode"], str(row["context"]), f"{row['depth']:g}", f"{row['correct']}/{row['trials']}")
+    console.print(table)
+    console.print(f"wrote {args.out / 'retrieval.json'}; `sparsedecode report {args.out}` renders it")
+    return 0

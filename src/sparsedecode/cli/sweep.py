@@ -1,0 +1,147 @@
+"""``sparsedecode sweep | merge | report``: the survival sweep, combining its shards, and its report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import SparseDecodeError
+from .common import add_model_args, check_whole_blocks, console, int_list, load, progress_bars
+from .outputs import check_output_folder, check_writable_folder
+
+
+def add_parsers(sub) -> None:
+    sweep = sub.add_parser("sweep", help="survival sweep: paired dense/sparse runs over contexts x prompts x supports")
+    add_model_args(sweep)
+    sweep.add_argument("--corpus", default="python-docs", help="python-docs (offline), wikitext2, or a path")
+    sweep.add_argument("--context", type=int_list, default=[2048], help="prompt lengths, comma-separated")
+    sweep.add_argument("--support", type=int_list, default=[97, 193, 385, 769], help="supports S, comma-separated")
+    sweep.add_argument("--reuse", type=int_list, default=[1], help="selection reuse intervals R, comma-separated")
+    sweep.add_argument("--selector", default=None, help="one selector (default mean-pooled)")
+    sweep.add_argument(
+        "--selectors", default=None, help="comma-separated selectors, or all: one more dimension of the grid"
+    )
+    sweep.add_argument("--prompts", type=int, default=5, help="prompts per context (corpus prefixes 0..n-1)")
+    sweep.add_argument("--tokens", type=int, default=128, help="greedy tokens T per run")
+    sweep.add_argument("--window", type=int, default=64)
+    sweep.add_argument("--block-size", type=int, default=16)
+    sweep.add_argument("--audit", action="store_true", help="omitted-mass audit of every sparse step (slower)")
+    sweep.add_argument("--shard", default=None, help="i/n: run every n-th (context, prompt) group from the i-th")
+    sweep.add_argument("--out", type=Path, required=True, help="sweep folder (sweep.json, runs.jsonl); resumable")
+
+    merge = sub.add_parser("merge", help="combine shard folders of one sweep into one folder")
+    merge.add_argument("sources", type=Path, nargs="+", help="sweep folders with the same settings")
+    merge.add_argument("--out", type=Path, required=True, help="folder for the merged sweep.json and runs.jsonl")
+
+    report = sub.add_parser("report", help="report.md with tables, CSVs and plots for a sweep and/or retrieval folder")
+    report.add_argument("directory", type=Path, help="a sweep folder (sweep.json) or a retrieval folder")
+    report.add_argument("--retrieval", type=Path, help="retrieval.json (or its folder) to include")
+    sweep.set_defaults(handler=cmd_sweep)
+    merge.set_defaults(handler=cmd_merge)
+    report.set_defaults(handler=cmd_report)
+
+
+def _sweep_spec(args):
+    from ..experiments.sweep import SweepSpec
+
+    return SweepSpec(
+        model=args.model,
+        dtype=args.dtype,
+        corpus=args.corpus,
+        contexts=tuple(args.context),
+        supports=tuple(args.support),
+        reuse=tuple(args.reuse),
+        selectors=_sweep_selectors(args),
+        prompts=args.prompts,
+        tokens=args.tokens,
+        window=args.window,
+        block_size=args.block_size,
+        audit=args.audit,
+    )
+
+
+def _sweep_selectors(args) -> tuple[str, ...]:
+    """``--selector NAME`` or ``--selectors A,B,C`` (or ``all``); not both."""
+    from ..config import SELECTORS
+
+    if args.selector is not None and args.selectors is not None:
+        raise SparseDecodeError("give --selector NAME or --selectors A,B,C, not both")
+    if args.selectors is None:
+        return (args.selector or "mean-pooled",)
+    if args.selectors.strip() == "all":
+        return SELECTORS
+    chosen = tuple(part.strip() for part in args.selectors.split(",") if part.strip())
+    if not chosen:
+        raise SparseDecodeError("--selectors expects comma-separated selector names, or all")
+    return chosen
+
+
+def _row_line(row: dict) -> str:
+    fate = "[green]survives[/]" if row["survives"] else f"first divergence at step {row['first_divergence']}"
+    return (
+        f"context {row['context']}, prompt {row['prompt_index']}, {row['selector']}, S={row['support']}, "
+        f"R={row['reuse']}: {fate}; "
+        f"TF match {row['teacher_forced_match']:.1f}%, ΔPPL {row['delta_ppl_percent']:+.2f}% ({row['run_s']:.1f} s)"
+    )
+
+
+def cmd_sweep(args) -> int:
+    from ..experiments.sweep import Shard, read_meta, run_sweep
+
+    spec = _sweep_spec(args)
+    shard = Shard.parse(args.shard) if args.shard else None
+    check_whole_blocks(spec.configs())
+    check_output_folder(args.out)
+    meta = read_meta(args.out)
+    if meta is not None:  # refuse a changed spec before spending time on the model
+        from ..experiments.sweep import check_meta
+
+        for line in check_meta(args.out, meta, spec, None, shard or Shard()):  # a grid that grows says so
+            console.print(line)
+    loaded = load(args)
+    console.print(
+        f"[bold]{args.model}[/] {args.dtype}; corpus {args.corpus}; contexts {args.context}; supports {args.support}; "
+        f"R {args.reuse}; {args.prompts} prompts; T = {args.tokens}; W = {args.window}, B = {args.block_size}; "
+        f"selector(s) {', '.join(spec.selectors)}" + (f"; shard {shard}" if shard else "")
+    )
+    with progress_bars(speed_estimate_period=24 * 3600.0) as progress:
+
+        def started(done: int, total: int) -> None:
+            if done:
+                console.print(f"resuming {args.out}: {done} of {total} runs already done")
+            progress("runs", done, total)
+
+        def finished(row: dict, done: int, total: int) -> None:
+            console.print(_row_line(row))
+            progress("runs", done, total)
+
+        outcome = run_sweep(
+            spec, args.out, shard=shard, loaded=loaded, progress=progress, on_row=finished, on_start=started
+        )
+    console.print(
+        f"{outcome.ran} runs now, {outcome.done_before} before: {outcome.done_before + outcome.ran} of {outcome.total}"
+        f" in {args.out / 'runs.jsonl'}; `sparsedecode report {args.out}` summarises them"
+    )
+    return 0
+
+
+def cmd_merge(args) -> int:
+    from ..experiments.sweep import merge_sweeps
+
+    check_output_folder(args.out)
+    outcome = merge_sweeps(args.sources, args.out)
+    console.print(
+        f"merged {len(args.sources)} folder(s) into {args.out}: {outcome.rows} runs, {outcome.duplicates} duplicate(s) "
+        f"dropped, {outcome.missing} run(s) of the grid still missing"
+    )
+    return 0
+
+
+def cmd_report(args) -> int:
+    from ..report import write_report
+
+    if args.directory.is_dir():  # report.md, CSVs and plots go next to the data
+        check_writable_folder(args.directory, f"the report into {args.directory}")
+    with console.status(f"writing the report for {args.directory}"):
+        path = write_report(args.directory, retrieval=args.retrieval)
+    console.print(f"wrote {path}")
+    return 0

@@ -1,0 +1,236 @@
+"""Bad input at the command line: one line on stderr, exit status 2, no traceback, nothing written, and refused
+before a model is loaded; ``--help`` and argument errors import neither torch nor transformers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sparsedecode import models
+from sparsedecode.cli import main
+from sparsedecode.cli.outputs import atomic_path, write_json
+
+ROOT = os.geteuid() == 0 if hasattr(os, "geteuid") else False
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fail the test if a command gets as far as loading a model."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the bad input should have been refused before loading the model")
+
+    monkeypatch.setattr(models, "load_model", refuse)
+
+
+@pytest.fixture
+def folder(tmp_path):
+    """A folder holding one regular file, ``afile``."""
+    (tmp_path / "afile").write_text("keep me")
+    return tmp_path
+
+
+def contents(path: Path) -> dict:
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*"))}
+
+
+def assert_refused(args, message, capsys):
+    code = main(args)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("\n") == 1 and "Traceback" not in err and err.startswith("sparsedecode: error: "), err
+    assert message in err, err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["run", "--json", "{f}"], "is a folder"),
+        (["run", "--json", "{f}/afile/out.json"], "is a file, not a folder"),
+        (["run", "--json", "/proc/sparsedecode-out.json"], "cannot create files in /proc"),
+        (["run", "--json", "/proc/self/status"], "cannot create files in /proc/self"),
+        (["run", "--json", "/dev/null"], "not a regular file"),
+        (["run", "--mode", "lossless", "--json", "/proc/x.json"], "cannot create files in /proc"),
+        (["probe", "mass", "--out", "{f}/afile"], "is an existing file, not a folder"),
+        (["probe", "mass", "--out", "/proc/sparsedecode/mass"], "cannot create files in /proc"),
+        (["probe", "retrieval", "--out", "{f}/afile"], "is an existing file, not a folder"),
+        (["probe", "retrieval", "--out", "/proc/x"], "cannot create files in /proc"),
+        (["compare-selectors", "--out", "{f}/afile"], "is an existing file, not a folder"),
+        (["compare-selectors", "--out", "/proc/x"], "cannot create files in /proc"),
+        (["sweep", "--out", "{f}/afile"], "is an existing file, not a folder"),
+        (["sweep", "--out", "/proc/x"], "cannot create files in /proc"),
+        (["merge", "{f}", "--out", "{f}/afile"], "is an existing file, not a folder"),
+        (["merge", "{f}", "--out", "/proc/x"], "cannot create files in /proc"),
+        (["report", "/proc"], "cannot create files in /proc"),
+        (["bench", "op", "--json", "/proc/x.json"], "cannot create files in /proc"),
+        (["bench", "e2e", "--json", "{f}"], "is a folder"),
+    ],
+)
+def test_unwritable_outputs_are_refused_before_the_model_loads(args, message, folder, no_model_load, capsys):
+    before = contents(folder)
+    assert_refused([a.replace("{f}", str(folder)) for a in args], message, capsys)
+    assert contents(folder) == before, "nothing written"
+
+
+@pytest.mark.skipif(ROOT, reason="root writes into folders without write permission")
+def test_read_only_output_folder_is_refused(folder, no_model_load, capsys):
+    folder.chmod(0o555)
+    try:
+        assert_refused(["run", "--json", str(folder / "out.json")], "Permission denied", capsys)
+        assert_refused(["probe", "mass", "--out", str(folder / "mass")], "Permission denied", capsys)
+    finally:
+        folder.chmod(0o755)
+    assert sorted(os.listdir(folder)) == ["afile"]
+
+
+@pytest.mark.parametrize("cache", ["/proc/sparsedecode-cache", "/proc"])
+def test_model_cache_that_takes_no_files_is_refused_before_fetching(cache, monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("SPARSEDECODE_CACHE", cache)
+    monkeypatch.setattr(models, "_ensure_gguf", lambda *a, **k: pytest.fail("tried to fetch the model"))
+    out = tmp_path / "out.json"
+    assert_refused(["run", "--model", "smollm2-135m", "--json", str(out)], "SPARSEDECODE_CACHE", capsys)
+    assert not out.exists()
+
+
+@pytest.mark.skipif(ROOT, reason="root writes into folders without write permission")
+def test_read_only_model_cache_is_refused(monkeypatch, tmp_path, capsys):
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o555)
+    monkeypatch.setenv("SPARSEDECODE_CACHE", str(cache))
+    monkeypatch.setattr(models, "_ensure_gguf", lambda *a, **k: pytest.fail("tried to fetch the model"))
+    try:
+        assert_refused(["run", "--model", "smollm2-135m"], "Permission denied", capsys)
+    finally:
+        cache.chmod(0o755)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["run", "--support", "100"],
+        ["run", "--support", "97,100", "--window", "64", "--block-size", "16"],
+        ["probe", "mass", "--support", "100"],
+        ["probe", "retrieval", "--support", "100"],
+        ["compare-selectors", "--support", "100", "--selectors", "streaming,mean-pooled"],
+        ["sweep", "--support", "100", "--out", "{f}/sweep"],
+        ["bench", "op", "--support", "100"],
+        ["bench", "e2e", "--support", "100"],
+    ],
+)
+def test_support_that_is_not_whole_blocks_is_refused_with_the_nearest_valid_ones(args, folder, no_model_load, capsys):
+    assert_refused([a.replace("{f}", str(folder)) for a in args], "use 97 or 113", capsys)
+    assert sorted(os.listdir(folder)) == ["afile"]
+
+
+def test_support_check_names_the_window_and_block_size(no_model_load, capsys):
+    assert_refused(["run", "--support", "50", "--window", "8", "--block-size", "32"], "use 41 or 73", capsys)
+    assert_refused(["run", "--support", "50", "--window", "8", "--block-size", "32"], "W = 8, B = 32", capsys)
+
+
+def test_token_level_selectors_take_any_support():
+    from sparsedecode.cli.common import check_whole_blocks
+    from sparsedecode.config import TOKEN_SELECTORS, SparseConfig
+
+    check_whole_blocks([SparseConfig(support=100, selector=s) for s in TOKEN_SELECTORS])
+    with pytest.raises(Exception, match="use 97 or 113"):
+        check_whole_blocks([SparseConfig(support=100, selector="quest")])
+
+
+def test_a_file_system_error_inside_a_command_is_one_line(monkeypatch, capsys):
+    def fail():
+        raise PermissionError(13, "Permission denied", "/somewhere/models")
+
+    monkeypatch.setattr(models, "list_models", fail)
+    assert_refused(["models"], "Permission denied: /somewhere/models", capsys)
+
+
+def test_atomic_writes_leave_nothing_behind_on_failure(tmp_path):
+    target = tmp_path / "out.json"
+    write_json(target, {"a": 1})
+    with pytest.raises(RuntimeError), atomic_path(target) as tmp:
+        tmp.write_text("half a fi")
+        raise RuntimeError("killed")
+    assert json.loads(target.read_text()) == {"a": 1}, "the old file is untouched"
+    assert sorted(os.listdir(tmp_path)) == ["out.json"], "no temporary file left"
+    with pytest.raises(TypeError):
+        write_json(tmp_path / "new.json", {"a": object()})
+    assert sorted(os.listdir(tmp_path)) == ["out.json"]
+
+
+def test_cli_spells_library_defaults_the_same():
+    from sparsedecode.cli import bench, common
+    from sparsedecode.experiments import bench as experiments_bench
+
+    assert common.DEFAULT_MODEL == models.DEFAULT_MODEL
+    assert bench.SHAPES == tuple(sorted(experiments_bench.SHAPES))
+    assert bench.DEFAULT_CONTEXTS == experiments_bench.DEFAULT_CONTEXTS
+    assert bench.DEFAULT_SUPPORTS == experiments_bench.DEFAULT_SUPPORTS
+
+
+HELP_AND_ERRORS = """
+import sys, json
+from sparsedecode.cli import main
+codes = []
+for args in {cases!r}:
+    try:
+        codes.append(main(args))
+    except SystemExit as done:  # --help
+        codes.append(done.code)
+heavy = sorted({{m.split(".")[0] for m in sys.modules}} & {{"torch", "transformers"}})
+print(json.dumps({{"codes": codes, "heavy": heavy}}))
+"""
+
+
+def test_help_and_argument_errors_import_no_torch():
+    cases = [
+        ["--help"],
+        ["run", "--help"],
+        ["bench", "op", "--help"],
+        ["probe", "retrieval", "--help"],
+        ["run", "--dtype", "int8"],
+        ["run", "--context", "abc"],
+        ["run", "--support", "10"],
+        ["run", "--support", "100"],
+        ["run", "--tokens", "0"],
+        ["run", "--json", "/proc/x.json"],
+        ["bench", "op", "--support", "100"],
+        ["frobnicate"],
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", HELP_AND_ERRORS.format(cases=cases)], capture_output=True, text=True, check=True
+    )
+    done = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert done["codes"] == [0] * 4 + [2] * 8
+    assert done["heavy"] == [], f"imported {done['heavy']}"
+
+
+def test_module_entry_point_help_imports_no_torch():
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "sparsedecode", "--help"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and "compare-selectors" in proc.stdout
+    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "sparsedecode.cli" in imported, "the import log was read"
+    assert not {name.split(".")[0] for name in imported} & {"torch", "transformers"}
+
+
+def test_file_system_error_through_the_module_entry_point(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "sparsedecode", "run", "--json", "/proc/sparsedecode/out.json"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr and "/proc" in proc.stderr
+    file = tmp_path / "afile"
+    file.write_text("keep me")
+    proc = subprocess.run(
+        [sys.executable, "-m", "sparsedecode", "probe", "mass", "--out", str(file)], capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert file.read_text() == "keep me"
