@@ -333,9 +333,9 @@ def test_a_one_selector_folder_of_the_old_format_loads_and_resumes(tiny_model_di
 def test_the_committed_qwen_sweep_still_loads():
     directory = Path(__file__).parents[1] / "docs" / "reports" / "qwen2.5-coder-0.5b"
     meta, rows = load_sweep(directory)
-    assert "selector" in meta["spec"], "written before selectors"
     spec = SweepSpec.from_dict(meta["spec"])
-    assert spec.selectors == ("mean-pooled",) and {key_of(r) for r in rows} <= set(spec.keys()) and rows
+    assert spec.selectors == ("mean-pooled",) and {key_of(r) for r in rows} == set(spec.keys())
+    assert spec.contexts == (2048, 8192, 16384), "the reference study's three contexts"
     # committed results are stored in the current first_divergence convention, not only upgraded when read
     stored = [json.loads(line) for line in (directory / RUNS_FILE).read_text().splitlines()]
     selector_runs = [
