@@ -178,14 +178,36 @@ def _layer_bytes(n: int, dims: tuple[int, int, int], element: int, selector: str
     return (2 * kv_heads * n + query_heads) * d * element + statistics
 
 
-def _check_op_args(contexts, supports, selector: str, budget_s: float, layers: int, kernels) -> None:
-    """Refuse what would time nothing or nonsense, before any work (one line each)."""
-    if not contexts or not supports:
-        raise SparseDecodeError("bench op needs at least one context and one support")
+def check_op_args(
+    shape: str | tuple[int, ...],
+    contexts: tuple[int, ...],
+    supports: tuple[int, ...],
+    *,
+    selector: str = "mean-pooled",
+    budget_s: float = 0.6,
+    layers: int | None = None,
+    kernels: tuple[str, ...] = ("auto",),
+) -> tuple[str, tuple[int, int, int], int]:
+    """What :func:`bench_op` checks before any work: (shape name, (query heads, KV heads, head dim), layers to
+    request). Raises :class:`SparseDecodeError` (one line) for what would time nothing or nonsense."""
+    if isinstance(shape, str):
+        if shape not in SHAPES:
+            raise SparseDecodeError(f"unknown shape {shape!r}; choose one of: {', '.join(SHAPES)}")
+        name, dims, shape_layers = shape, SHAPES[shape], SHAPE_LAYERS[shape]
+    else:
+        dims = tuple(shape[:3])
+        known = next((known for known, given in SHAPES.items() if given == dims), None)
+        name = known or "{}q-{}kv-d{}".format(*dims)
+        shape_layers = shape[3] if len(shape) > 3 else SHAPE_LAYERS.get(known)
+    requested = layers if layers is not None else shape_layers
+    if requested is None:
+        raise SparseDecodeError(f"bench op: no layer count known for shape {dims}; pass layers")
 
     def whole(value) -> bool:
         return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
+    if not contexts or not supports:
+        raise SparseDecodeError("bench op needs at least one context and one support")
     for n in contexts:
         if not whole(n) or n < 1:
             raise SparseDecodeError(f"bench op: contexts must be positive integers (got {n!r})")
@@ -193,8 +215,8 @@ def _check_op_args(contexts, supports, selector: str, budget_s: float, layers: i
         raise SparseDecodeError(f"bench op: the time budget must be a number of seconds (got {budget_s!r})")
     if budget_s <= 0:
         raise SparseDecodeError(f"bench op: the time budget must be above 0 seconds (got {budget_s!r})")
-    if not whole(layers) or layers < 1:
-        raise SparseDecodeError(f"bench op: layers must be an integer >= 1 (got {layers!r})")
+    if not whole(requested) or requested < 1:
+        raise SparseDecodeError(f"bench op: layers must be an integer >= 1 (got {requested!r})")
     for support in supports:
         for kernel in kernels:
             SparseConfig(support=support, selector=selector, kernel=kernel)
@@ -204,6 +226,7 @@ def _check_op_args(contexts, supports, selector: str, budget_s: float, layers: i
                 f"bench op: support {support} >= context {dense[0]}: decoding attends densely there, so there is no "
                 "sparse step to time; give supports below every context"
             )
+    return name, dims, requested
 
 
 @dataclass
@@ -290,18 +313,9 @@ def bench_op(
     (L2 flushed before every call). Raises :class:`SparseDecodeError` before any work for a support at or above a
     context (nothing sparse to time there), a context or layer count below 1 or a budget that is not positive.
     """
-    if isinstance(shape, str):
-        if shape not in SHAPES:
-            raise SparseDecodeError(f"unknown shape {shape!r}; choose one of: {', '.join(SHAPES)}")
-        name, dims, shape_layers = shape, SHAPES[shape], SHAPE_LAYERS[shape]
-    else:
-        dims = tuple(shape[:3])
-        known = next((known for known, given in SHAPES.items() if given == dims), None)
-        name = known or "{}q-{}kv-d{}".format(*dims)
-        shape_layers = shape[3] if len(shape) > 3 else SHAPE_LAYERS.get(known)
-    requested = layers if layers is not None else shape_layers
-    if requested is None:
-        raise SparseDecodeError(f"bench op: no layer count known for shape {dims}; pass layers")
+    name, dims, requested = check_op_args(
+        shape, tuple(contexts), tuple(supports), selector=selector, budget_s=budget_s, layers=layers
+    )
     query_heads, kv_heads, d = dims
     element = torch.finfo(dtype).bits // 8
     if kernels is None:  # torch's operations beside the fused kernel the device has (the C one on the CPU)
@@ -309,7 +323,8 @@ def bench_op(
             kernels = ("torch", "c") if dtype == torch.float32 and cpu_kernel.library() is not None else ("torch",)
         else:
             kernels = ("torch", "triton") if triton_attention.usable(torch.device(device), 16) else ("torch",)
-    _check_op_args(tuple(contexts), tuple(supports), selector, budget_s, requested, kernels)
+    for kernel in kernels:
+        SparseConfig(selector=selector, kernel=kernel)
     token_level = SparseConfig(selector=selector).token_level
     kernels = ("torch",) if token_level else kernels  # the fused kernels serve block selectors
     timer = median_time if device == "cpu" else cuda_median_time
