@@ -212,3 +212,39 @@ def test_bench_cli_writes_json(tiny_model_dir, tmp_path, capsys):
     assert rows[4]["tokens_equal_to_dense"] == 6 and rows[4]["draft_tokens"] == 2, "lossless output is dense output"
     assert 0 <= rows[4]["acceptance_rate"] <= 1
     assert "end to end" in capsys.readouterr().out
+
+
+def test_bench_op_cli_layers_one_is_the_warm_figure(tmp_path, capsys):
+    out = tmp_path / "warm.json"
+    args = ["bench", "op", "--shape", "smollm2-135m", "--context", "512", "--support", "97", "--budget", "0.001"]
+    assert main([*args, "--layers", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["layers"], r["layers_requested"]) for r in rows} == {(1, 1)}
+    assert all(r["working_set_mb"] == r["bytes_sparse"] / 1e6 for r in rows)
+    assert "cycle through the layers" in capsys.readouterr().out.replace("\n", " ")
+    assert main([*args, "--json", str(out)]) == 0
+    assert {r["layers"] for r in json.loads(out.read_text())["rows"]} == {30}, "cold (the shape's layers) by default"
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--context", "0", "--support", "97"], "positive integers"),
+        (["--context", "150", "--support", "193"], "support 193 >= context 150"),
+        (["--context", "512", "--support", "97", "--budget", "0"], "above 0"),
+        (["--context", "512", "--support", "97", "--budget", "-1"], "above 0"),
+        (["--context", "512", "--support", "97", "--layers", "0"], "layers must be"),
+    ],
+)
+def test_bench_op_cli_refuses_bad_input(tmp_path, capsys, monkeypatch, options, message):
+    monkeypatch.setattr(bench, "read_bandwidth_gbs", lambda *a, **k: pytest.fail("work started before the checks"))
+    out = tmp_path / "op.json"
+    assert main(["bench", "op", "--shape", "smollm2-135m", *options, "--json", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and len(captured.err.strip().splitlines()) == 1 and "Traceback" not in captured.err
+    assert captured.out == "" and not out.exists()
+
+
+def test_bench_e2e_cli_refuses_repeats_below_one(tiny_model_dir, capsys):
+    assert main(["bench", "e2e", "--model", str(tiny_model_dir), "--context", "300", "--repeats", "0"]) == 2
+    assert "--repeats" in capsys.readouterr().err
