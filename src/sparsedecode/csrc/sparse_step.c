@@ -298,7 +298,7 @@ int select_mean_pooled(const float *q, const float *centroids, int64_t c_stride_
                        int64_t n_full, const float *keys, int64_t k_stride_h, int64_t k_stride_n, int64_t kv_heads,
                        int64_t group, int64_t d, int64_t distant_end, int64_t block, int64_t b, int64_t threads,
                        int64_t *chosen) {
-    enum { MIN_WORK_PER_THREAD = 1 << 15 }; /* centroid floats; 128 KB from memory pays for a waiting worker */
+    enum { MIN_WORK_PER_THREAD = 1 << 16 }; /* centroid floats: 256 KB from memory pays for waking a worker */
     int64_t n_blocks = (distant_end - 1 + block - 1) / block;
     int64_t work = kv_heads * n_full * d, parts = threads;
     if (parts > work / MIN_WORK_PER_THREAD) parts = work / MIN_WORK_PER_THREAD;
@@ -493,7 +493,7 @@ int attend_support(const float *q, const float *keys, int64_t k_stride_h, int64_
                    int64_t v_stride_h, int64_t v_stride_n, const int64_t *chosen, int64_t b, int64_t kv_heads,
                    int64_t group, int64_t d, int64_t n, int64_t distant_end, int64_t block, float scale,
                    int64_t threads, float *out) {
-    enum { MIN_WORK_PER_THREAD = 1 << 16 }; /* multiply-adds */
+    enum { MIN_WORK_PER_THREAD = 1 << 18 }; /* multiply-adds */
     attend_job job = {q, keys, values, chosen, k_stride_h, k_stride_n, v_stride_h, v_stride_n, b, group, d, n,
                       distant_end, block, scale, out};
     int64_t support = 1 + b * block + (n - distant_end), work = 2 * kv_heads * support * group * d;
