@@ -3,10 +3,25 @@
 from __future__ import annotations
 
 import json
+import math
 
+import pytest
+from conftest import prompt, tiny_model
+
+from sparsedecode import SparseDecodeError
 from sparsedecode.cli import main
 from sparsedecode.config import SparseConfig
-from sparsedecode.experiments.bench import _op_bytes, bench_op
+from sparsedecode.experiments import bench
+from sparsedecode.experiments.bench import (
+    SHAPE_LAYERS,
+    SHAPES,
+    _layer_bytes,
+    _op_bytes,
+    bench_e2e,
+    bench_op,
+    plan_layers,
+)
+from sparsedecode.selectors import BlockLayout
 
 OP_FIELDS = (
     "shape",
@@ -37,7 +52,7 @@ def test_bytes_accounting():
 
 
 def test_bench_op_rows_are_consistent():
-    rows, bandwidth = bench_op("smollm2-135m", (512,), (97, 193), budget_s=0.0)
+    rows, bandwidth = bench_op("smollm2-135m", (512,), (97, 193), budget_s=0.001, layers=3)
     assert bandwidth > 0 and [(r.support, r.kernel) for r in rows] == [
         (97, "torch"),
         (97, "c"),
@@ -48,6 +63,90 @@ def test_bench_op_rows_are_consistent():
         assert row.speedup == row.dense_ms / row.sparse_ms
         assert row.bound_ratio == row.sparse_ms / 1e3 / (row.bytes_sparse / (row.bandwidth_gbs * 1e9))
         assert row.bytes_sparse < row.bytes_dense
+        assert (row.layers, row.layers_requested, row.layers_note) == (3, 3, None)
+        assert row.working_set_mb == 3 * row.bytes_sparse / 1e6
+        assert row.dense_working_set_mb == 3 * row.bytes_dense / 1e6
+
+
+def test_bench_op_cycles_through_the_shapes_layers_by_default(monkeypatch):
+    """Cold by default: one distinct per-layer cache per decoder layer, each call on the next one (0, 1, ..., 0)."""
+    seen = []
+    step = bench._fresh_step
+    monkeypatch.setattr(
+        bench, "_fresh_step", lambda session, state, *rest: seen.append(state.layer) or step(session, state, *rest)
+    )
+    rows, _ = bench_op("smollm2-135m", (300,), (97,), budget_s=0.001, kernels=("c",))
+    assert SHAPE_LAYERS["smollm2-135m"] == 30 and rows[0].layers == rows[0].layers_requested == 30
+    assert len(seen) >= 11 and seen == [i % 30 for i in range(len(seen))], "calls take the layers in turn"
+    four = bench_op((9, 3, 64, 4), (300,), (97,), budget_s=0.001, kernels=("c",))[0][0]
+    assert (four.shape, four.layers) == ("smollm2-135m", 4), "a shape tuple may carry its layer count"
+
+
+def test_bench_op_caps_layers_to_the_memory_available(monkeypatch):
+    layout = BlockLayout(n=512, window=64, block_size=16)
+    per_layer = _layer_bytes(512, SHAPES["smollm2-135m"], 4, "mean-pooled", layout)
+    monkeypatch.setattr(bench, "available_memory_bytes", lambda device="cpu": 5 * per_layer)  # half of it: 2 layers
+    row = bench_op("smollm2-135m", (512,), (97,), budget_s=0.001, kernels=("c",))[0][0]
+    assert (row.layers, row.layers_requested) == (2, 30)
+    assert row.layers_note.startswith("2 of 30 layers") and "available" in row.layers_note
+    assert row.working_set_mb == 2 * row.bytes_sparse / 1e6
+
+
+def test_plan_layers():
+    assert plan_layers(24, 100, None) == (24, None)
+    assert plan_layers(24, 100, 4800) == (24, None)
+    layers, note = plan_layers(24, 100, 1000)
+    assert layers == 5 and note.startswith("5 of 24 layers")
+    assert plan_layers(24, 10**9, 10)[0] == 1, "at least one layer, with the note"
+
+
+@pytest.mark.parametrize(
+    "contexts, supports, options, message",
+    [
+        ((0,), (97,), {}, "positive integers"),
+        ((), (97,), {}, "at least one context"),
+        ((97,), (97,), {}, "support 97 >= context 97"),
+        ((2048, 150), (97, 193), {}, "support 193 >= context 150"),
+        ((512,), (97,), {"budget_s": 0}, "above 0"),
+        ((512,), (97,), {"budget_s": -1.0}, "above 0"),
+        ((512,), (97,), {"budget_s": math.nan}, "number of seconds"),
+        ((512,), (97,), {"layers": 0}, "layers must be"),
+        ((512,), (50,), {}, "support 50"),
+    ],
+)
+def test_bench_op_refuses_before_any_work(monkeypatch, contexts, supports, options, message):
+    def measured(*args, **kwargs):
+        raise AssertionError("work started before the arguments were checked")
+
+    monkeypatch.setattr(bench, "read_bandwidth_gbs", measured)
+    with pytest.raises(SparseDecodeError, match=message):
+        bench_op("smollm2-135m", contexts, supports, **{"budget_s": 0.001, **options})
+
+
+def test_bench_e2e_times_every_mode_as_often_as_dense(monkeypatch):
+    calls = {"dense/sparse": 0, "lossless": 0}
+    greedy, lossless = bench.greedy_decode, bench.lossless_decode
+
+    def counted(name, function):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(bench, "greedy_decode", counted("dense/sparse", greedy))
+    monkeypatch.setattr(bench, "lossless_decode", counted("lossless", lossless))
+    rows = bench_e2e(tiny_model("qwen2"), "tiny", prompt(200), (97,), tokens=4, lossless=(2,), repeats=3)
+    assert [(r.mode, r.cache, r.runs) for r in rows] == [
+        ("dense", "dynamic", 3),
+        ("dense", "growing", 3),
+        ("sparse", "growing", 3),
+        ("lossless", "growing", 3),
+    ]
+    assert calls == {"dense/sparse": 3 * 3, "lossless": 3}
+    assert rows[3].tokens_equal_to_dense == 4
+    with pytest.raises(SparseDecodeError, match="repeats"):
+        bench_e2e(tiny_model("qwen2"), "tiny", prompt(200), (97,), tokens=4, repeats=0)
 
 
 def test_bench_cli_writes_json(tiny_model_dir, tmp_path, capsys):
@@ -64,7 +163,7 @@ def test_bench_cli_writes_json(tiny_model_dir, tmp_path, capsys):
                 "--support",
                 "97",
                 "--budget",
-                "0",
+                "0.001",
                 "--json",
                 str(op),
             ]
@@ -113,3 +212,39 @@ def test_bench_cli_writes_json(tiny_model_dir, tmp_path, capsys):
     assert rows[4]["tokens_equal_to_dense"] == 6 and rows[4]["draft_tokens"] == 2, "lossless output is dense output"
     assert 0 <= rows[4]["acceptance_rate"] <= 1
     assert "end to end" in capsys.readouterr().out
+
+
+def test_bench_op_cli_layers_one_is_the_warm_figure(tmp_path, capsys):
+    out = tmp_path / "warm.json"
+    args = ["bench", "op", "--shape", "smollm2-135m", "--context", "512", "--support", "97", "--budget", "0.001"]
+    assert main([*args, "--layers", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["layers"], r["layers_requested"]) for r in rows} == {(1, 1)}
+    assert all(r["working_set_mb"] == r["bytes_sparse"] / 1e6 for r in rows)
+    assert "cycle through the layers" in capsys.readouterr().out.replace("\n", " ")
+    assert main([*args, "--json", str(out)]) == 0
+    assert {r["layers"] for r in json.loads(out.read_text())["rows"]} == {30}, "cold (the shape's layers) by default"
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--context", "0", "--support", "97"], "positive integers"),
+        (["--context", "150", "--support", "193"], "support 193 >= context 150"),
+        (["--context", "512", "--support", "97", "--budget", "0"], "above 0"),
+        (["--context", "512", "--support", "97", "--budget", "-1"], "above 0"),
+        (["--context", "512", "--support", "97", "--layers", "0"], "layers must be"),
+    ],
+)
+def test_bench_op_cli_refuses_bad_input(tmp_path, capsys, monkeypatch, options, message):
+    monkeypatch.setattr(bench, "read_bandwidth_gbs", lambda *a, **k: pytest.fail("work started before the checks"))
+    out = tmp_path / "op.json"
+    assert main(["bench", "op", "--shape", "smollm2-135m", *options, "--json", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and len(captured.err.strip().splitlines()) == 1 and "Traceback" not in captured.err
+    assert captured.out == "" and not out.exists()
+
+
+def test_bench_e2e_cli_refuses_repeats_below_one(tiny_model_dir, capsys):
+    assert main(["bench", "e2e", "--model", str(tiny_model_dir), "--context", "300", "--repeats", "0"]) == 2
+    assert "--repeats" in capsys.readouterr().err

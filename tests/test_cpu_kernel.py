@@ -37,6 +37,8 @@ CASES = [
     (8, 1, 32, 200, 2),  # a short last block
     (4, 2, 16, 90, 4),  # fewer blocks than b
     (4, 2, 16, 40, 2),  # context inside the window
+    (6, 2, 12, 300, 3),  # a head dim that is not a multiple of 8
+    (6, 3, 24, 500, 5),  # one of 16 + 8
 ]
 
 
@@ -145,3 +147,58 @@ def test_c_kernel_split_over_threads_matches_torch(case):
     assert torch.equal(outputs[0][0], torch_selection(q, keys, layout, b))
     reference = attend_support(q, keys, values, outputs[0][0], layout, d**-0.5)
     assert (outputs[1][1] - reference).norm() / reference.norm() < 1e-5
+
+
+def test_c_kernel_from_concurrent_python_threads_matches_serial():
+    """ctypes releases the GIL: calls from several Python threads share the kernel's workers (or run alone)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    generator = torch.Generator().manual_seed(5)
+    layout = BlockLayout(n=70000, window=64, block_size=16)
+    keys, values = torch.randn(2, 70000, 64, generator=generator), torch.randn(2, 70000, 64, generator=generator)
+    centroids = BlockCentroids(16).update(keys, layout.n_full)
+    queries = [torch.randn(14, 64, generator=generator) for _ in range(8)]
+
+    def step(q):
+        chosen = cpu.select_mean_pooled(q, keys, centroids, layout, 8)
+        return chosen, cpu.attend_support(q, keys, values, chosen, layout, 0.125)
+
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        serial = [step(q) for q in queries]
+        with ThreadPoolExecutor(4) as pool:
+            concurrent = list(pool.map(step, queries * 4))
+    finally:
+        torch.set_num_threads(previous)
+    for (chosen, out), (expected_chosen, expected_out) in zip(concurrent, serial * 4):
+        assert torch.equal(chosen, expected_chosen) and torch.equal(out, expected_out)
+
+
+def _select_in_child(keys, centroids, q, layout, expected, done):
+    torch.set_num_threads(2)
+    done.put(torch.equal(cpu.select_mean_pooled(q, keys, centroids, layout, 8), expected))
+
+
+def test_c_kernel_after_fork_starts_its_own_workers():
+    """A child forked after the parent's workers started has none of them: it must start its own, not hang."""
+    import multiprocessing
+
+    generator = torch.Generator().manual_seed(6)
+    layout = BlockLayout(n=70000, window=64, block_size=16)
+    keys, q = torch.randn(2, 70000, 64, generator=generator), torch.randn(14, 64, generator=generator)
+    centroids = BlockCentroids(16).update(keys, layout.n_full)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        expected = cpu.select_mean_pooled(q, keys, centroids, layout, 8)  # the parent's workers now run
+    finally:
+        torch.set_num_threads(previous)
+    context = multiprocessing.get_context("fork")
+    done = context.Queue()
+    child = context.Process(target=_select_in_child, args=(keys, centroids, q, layout, expected, done))
+    child.start()
+    child.join(timeout=30)
+    if child.is_alive():
+        child.kill()
+    assert child.exitcode == 0 and done.get(timeout=1)

@@ -187,7 +187,7 @@ def test_op_times_are_matched_to_their_support_and_use_the_decoding_kernel(monke
 
     def fake_bench_op(shape, contexts, supports, **kwargs):
         asked.append(kwargs.get("kernels"))
-        rows, bandwidth = real_bench_op(shape, contexts, supports, budget_s=0.0, kernels=kwargs.get("kernels"))
+        rows, bandwidth = real_bench_op(shape, contexts, supports, budget_s=0.001, kernels=kwargs.get("kernels"))
         for row in rows:
             row.sparse_ms = (
                 row.context + row.support / 1000
@@ -195,7 +195,7 @@ def test_op_times_are_matched_to_their_support_and_use_the_decoding_kernel(monke
         return list(reversed(rows)), bandwidth  # order must not matter
 
     monkeypatch.setattr(selector_comparison, "bench_op", fake_bench_op)
-    times = selector_comparison._op_times((4, 2, 16), (300, 400), (97, 200), ("mean-pooled",))
+    times = selector_comparison._op_times((4, 2, 16, 2), (300, 400), (97, 200), ("mean-pooled",))
     assert asked == [("auto",)]
     effective = {97: 97, 200: 193}  # 200 is floored to whole blocks: 1 + 64 + 8 * 16
     assert times == {(n, "mean-pooled", s): n + effective[s] / 1000 for n in (300, 400) for s in (97, 200)}

@@ -37,7 +37,13 @@ def add_parsers(sub) -> None:
     op.add_argument("--support", type=int_list, default=list(DEFAULT_SUPPORTS))
     op.add_argument("--dtype", default="float32", choices=DTYPES)
     op.add_argument("--selector", default="mean-pooled", help="any selector (see `run --help`)")
-    op.add_argument("--budget", type=float, default=0.6, help="seconds of calls per timing (at least 10 calls)")
+    op.add_argument("--budget", type=float, default=0.6, help="seconds of calls per timing, > 0 (at least 10 calls)")
+    op.add_argument(
+        "--layers",
+        type=int,
+        help="distinct per-layer caches the calls cycle through (default: the shape's layer count, so each call "
+        "reads from memory as in a decode step: cold); 1 = one layer over and over (warm)",
+    )
     op.add_argument(
         "--device",
         default="cpu",
@@ -60,6 +66,9 @@ def add_parsers(sub) -> None:
     )
     e2e.add_argument("--draft-tokens", type=int_list, default=[4], help="draft length(s) k for --mode lossless")
     e2e.add_argument("--adaptive", action="store_true", help="adapt k from the acceptance (lossless)")
+    e2e.add_argument(
+        "--repeats", type=int, default=2, help="timed runs of every mode (in order, then reversed); medians reported"
+    )
     op.set_defaults(handler=cmd_bench_op)
     e2e.set_defaults(handler=cmd_bench_e2e)
 
@@ -72,8 +81,16 @@ def cmd_bench_op(args) -> int:
     quiet_transformers()
     import torch
 
-    from ..experiments.bench import bench_op, op_rows_as_dicts
+    from ..experiments.bench import bench_op, check_op_args, op_rows_as_dicts
 
+    check_op_args(
+        args.shape,
+        tuple(args.context),
+        tuple(args.support),
+        selector=args.selector,
+        budget_s=args.budget,
+        layers=args.layers,
+    )
     dtype = getattr(torch, args.dtype)
     if args.device.startswith("cuda"):
         if not torch.cuda.is_available():
@@ -96,12 +113,18 @@ def cmd_bench_op(args) -> int:
             selector=args.selector,
             budget_s=args.budget,
             device=args.device,
+            layers=args.layers,
             progress=progress,
         )
-    table = Table(title=f"one decode-attention call, {args.shape}; read bandwidth measured now: {bandwidth:.1f} GB/s")
+    table = Table(
+        title=f"one decode-attention call, {args.shape}, calls cycling through per-layer caches; "
+        f"read bandwidth measured now: {bandwidth:.1f} GB/s"
+    )
     for name in (
         "N",
         "S",
+        "layers",
+        "sparse WS MB",
         "kernel",
         "dense ms",
         "sparse ms",
@@ -114,10 +137,16 @@ def cmd_bench_op(args) -> int:
         "dense / bound",
     ):
         table.add_column(name, justify="right")
+
+    def fits(mb: float, llc: float | None) -> str:
+        return "*" if llc is not None and mb <= llc else ""
+
     for r in rows:
         table.add_row(
             str(r.context),
             str(r.support),
+            str(r.layers) if r.layers == r.layers_requested else f"{r.layers} of {r.layers_requested}!",
+            f"{r.working_set_mb:.1f}{fits(r.working_set_mb, r.llc_mb)}",
             r.kernel,
             f"{r.dense_ms:.3f}",
             f"{r.sparse_ms:.3f}",
@@ -130,8 +159,14 @@ def cmd_bench_op(args) -> int:
             f"{r.dense_bound_ratio:.1f}x",
         )
     console.print(table)
+    for context, note in dict((r.context, r.layers_note) for r in rows if r.layers_note).items():
+        console.print(f"[yellow]N = {context}: {note}; rows marked ! cycle through fewer layers than asked[/]")
+    llc = next((r.llc_mb for r in rows if r.llc_mb is not None), None)
     console.print(
-        "[dim]bound = bytes that must be read / measured read bandwidth. Isolated operator timings say nothing about "
+        "[dim]Calls cycle through the layers' caches (0, 1, ..., L - 1, 0, ...) as a decode step does; sparse WS = "
+        "what the sparse calls read in one cycle"
+        + (f" (* = fits in the {llc:.0f} MB last-level cache: partly warm even when cycling)" if llc else "")
+        + ". bound = bytes one call must read / measured read bandwidth. Isolated operator timings say nothing about "
         "matched-quality or end-to-end speed.[/]"
     )
     if args.json:
@@ -151,6 +186,8 @@ def cmd_bench_e2e(args) -> int:
         raise SparseDecodeError(f"--tokens must be >= 1 (got {args.tokens})")
     if min(args.draft_tokens) < 1:
         raise SparseDecodeError("--draft-tokens values must be >= 1")
+    if args.repeats < 1:
+        raise SparseDecodeError(f"--repeats must be >= 1 (got {args.repeats})")
     check_whole_blocks([SparseConfig(support=s) for s in args.support])
     model, tokenizer = load(args)
     from ..experiments.bench import bench_e2e
@@ -171,6 +208,7 @@ def cmd_bench_e2e(args) -> int:
                     progress=progress,
                     lossless=tuple(args.draft_tokens) if args.mode == "lossless" else (),
                     adaptive=args.adaptive,
+                    repeats=args.repeats,
                 )
             )
     table = Table(
@@ -206,8 +244,8 @@ def cmd_bench_e2e(args) -> int:
         )
     console.print(table)
     console.print(
-        "[dim]dense runs twice (first and last) and reports the median; 'same tokens' = leading tokens equal to dense "
-        "greedy output; peak RSS is the process peak so far.[/]"
+        f"[dim]every mode runs {args.repeats} times (in order, then reversed) and reports the median; 'same tokens' = "
+        "leading tokens equal to dense greedy output; peak RSS is the process peak so far.[/]"
     )
     if args.json:
         write_json(args.json, {"machine": environment(), "rows": [asdict(r) for r in rows]})

@@ -1,8 +1,10 @@
 """Benchmarks (DESIGN.md section 4, "Operator timings"): timings live here, never in tests.
 
-* :func:`bench_op`: one decode-attention call of one layer on synthetic post-RoPE queries/keys/values: torch
-  SDPA dense against the sparse step (selection over cached block centroids, then attention over the gathered
-  support), with bytes touched and the machine's read bandwidth measured in the same run.
+* :func:`bench_op`: one decode-attention call on synthetic post-RoPE queries/keys/values: torch SDPA dense against
+  the sparse step (selection over cached block centroids, then attention over the gathered support), with bytes
+  touched and the machine's read bandwidth measured in the same run. Consecutive calls cycle through ``layers``
+  distinct per-layer caches, as a decode step walks every layer: by default the shape's layer count, so that each
+  call reads what the others evicted from the caches (cold); ``layers=1`` times one layer over and over (warm).
 * :func:`bench_e2e`: a real model, real prefill, then greedy decoding dense vs sparse in the same process.
 
 Every time is a median over repeated calls, measured side by side in one process; isolated operator timings
@@ -12,12 +14,17 @@ say nothing about matched-quality or end-to-end speed.
 from __future__ import annotations
 
 import gc
+import itertools
+import math
+import numbers
+import os
 import resource
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +35,7 @@ from ..cache import GrowingCache
 from ..centroids import BlockCentroids
 from ..compare import Progress, crop_cache, greedy_decode, prefill
 from ..config import SparseConfig
+from ..errors import SparseDecodeError
 from ..selectors import STAT_KINDS, BlockLayout, select_blocks, select_positions
 from ..speculative import lossless_decode
 
@@ -36,13 +44,16 @@ SHAPES = {
     "llama3-8b": (32, 8, 128),
     "smollm2-135m": (9, 3, 64),
 }
+SHAPE_LAYERS = {"qwen2-0.5b": 24, "llama3-8b": 32, "smollm2-135m": 30}  # decoder layers: per-layer caches to cycle
 DEFAULT_CONTEXTS = (2048, 8192, 32768, 131072)
+MEMORY_FRACTION = 0.5  # bench op's per-layer caches take at most this share of the memory available when it starts
 
 
-def model_shape(config) -> tuple[int, int, int]:
-    """(query heads, KV heads, head dim) of a transformers model config, as in :data:`SHAPES`."""
+def model_shape(config) -> tuple[int, int, int, int]:
+    """(query heads, KV heads, head dim, layers) of a transformers model config, as :data:`SHAPES` and
+    :data:`SHAPE_LAYERS` give them (and as :func:`bench_op` takes a shape)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return config.num_attention_heads, config.num_key_value_heads, head_dim
+    return config.num_attention_heads, config.num_key_value_heads, head_dim, config.num_hidden_layers
 
 
 DEFAULT_SUPPORTS = (97, 193, 769)
@@ -84,6 +95,140 @@ def read_bandwidth_gbs(megabytes: int = 512, device: str = "cpu") -> float:
     return buffer.nelement() * 4 / seconds / 1e9
 
 
+def available_memory_bytes(device: str = "cpu") -> int | None:
+    """Memory that can still be allocated on ``device`` now: ``MemAvailable`` (Linux), else the free physical pages;
+    the free memory of a CUDA device. ``None`` where it cannot be told."""
+    if device != "cpu":
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def last_level_cache_bytes() -> int | None:
+    """The size of the CPU's largest cache as Linux reports it (for core 0), or ``None`` where it does not."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = path.read_text().strip()
+            sizes.append(int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text))
+        except (OSError, ValueError):
+            continue
+    return max(sizes) if sizes else None
+
+
+def plan_layers(requested: int, layer_bytes: int, available: int | None) -> tuple[int, str | None]:
+    """How many per-layer caches of ``layer_bytes`` to cycle through: ``requested``, or as many as fit in
+    :data:`MEMORY_FRACTION` of ``available`` bytes (at least one), with the reason when that is fewer."""
+    if available is None:
+        return requested, None
+    fit = int(MEMORY_FRACTION * available // max(layer_bytes, 1))
+    if fit >= requested:
+        return requested, None
+    layers = max(1, fit)
+    return layers, (
+        f"{layers} of {requested} layers: {requested} x {layer_bytes / 1e6:.0f} MB would exceed "
+        f"{MEMORY_FRACTION:.0%} of the {available / 1e9:.1f} GB available"
+    )
+
+
+def _cycle(calls: list[Callable[[], object]]) -> Callable[[], object]:
+    """One callable that runs ``calls`` in turn (0, 1, ..., L - 1, 0, ...): each call's data was last touched
+    ``L - 1`` calls ago."""
+    turn = itertools.cycle(calls)
+    return lambda: next(turn)()
+
+
+@dataclass
+class OpLayer:
+    """One layer's synthetic decode state: the query and the KV cache of ``(1, KV heads, N, d)``, and the block
+    statistics a block selector reads (built once, as after prefill)."""
+
+    query: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    centroids: BlockCentroids
+
+
+def _op_layer(
+    n: int, dims: tuple[int, int, int], dtype, device: str, selector: str, layout: BlockLayout, generator
+) -> OpLayer:
+    query_heads, kv_heads, d = dims
+    keys = torch.randn(1, kv_heads, n, d, generator=generator).to(device, dtype)
+    values = torch.randn(1, kv_heads, n, d, generator=generator).to(device, dtype)
+    query = torch.randn(1, query_heads, 1, d, generator=generator).to(device, dtype)
+    centroids = BlockCentroids(layout.block_size, STAT_KINDS.get(selector, ("mean",)))
+    if selector in STAT_KINDS:
+        centroids.update(keys[0], layout.n_full)
+    return OpLayer(query, keys, values, centroids)
+
+
+def _layer_bytes(n: int, dims: tuple[int, int, int], element: int, selector: str, layout: BlockLayout) -> int:
+    """Memory one :class:`OpLayer` holds: query, keys, values and (block statistics selectors) the statistics."""
+    query_heads, kv_heads, d = dims
+    statistics = kv_heads * layout.n_full * (len(STAT_KINDS[selector]) * d + 1) * 4 if selector in STAT_KINDS else 0
+    return (2 * kv_heads * n + query_heads) * d * element + statistics
+
+
+def check_op_args(
+    shape: str | tuple[int, ...],
+    contexts: tuple[int, ...],
+    supports: tuple[int, ...],
+    *,
+    selector: str = "mean-pooled",
+    budget_s: float = 0.6,
+    layers: int | None = None,
+    kernels: tuple[str, ...] = ("auto",),
+) -> tuple[str, tuple[int, int, int], int]:
+    """What :func:`bench_op` checks before any work: (shape name, (query heads, KV heads, head dim), layers to
+    request). Raises :class:`SparseDecodeError` (one line) for what would time nothing or nonsense."""
+    if isinstance(shape, str):
+        if shape not in SHAPES:
+            raise SparseDecodeError(f"unknown shape {shape!r}; choose one of: {', '.join(SHAPES)}")
+        name, dims, shape_layers = shape, SHAPES[shape], SHAPE_LAYERS[shape]
+    else:
+        dims = tuple(shape[:3])
+        known = next((known for known, given in SHAPES.items() if given == dims), None)
+        name = known or "{}q-{}kv-d{}".format(*dims)
+        shape_layers = shape[3] if len(shape) > 3 else SHAPE_LAYERS.get(known)
+    requested = layers if layers is not None else shape_layers
+    if requested is None:
+        raise SparseDecodeError(f"bench op: no layer count known for shape {dims}; pass layers")
+
+    def whole(value) -> bool:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+    if not contexts or not supports:
+        raise SparseDecodeError("bench op needs at least one context and one support")
+    for n in contexts:
+        if not whole(n) or n < 1:
+            raise SparseDecodeError(f"bench op: contexts must be positive integers (got {n!r})")
+    if not isinstance(budget_s, numbers.Real) or isinstance(budget_s, bool) or not math.isfinite(budget_s):
+        raise SparseDecodeError(f"bench op: the time budget must be a number of seconds (got {budget_s!r})")
+    if budget_s <= 0:
+        raise SparseDecodeError(f"bench op: the time budget must be above 0 seconds (got {budget_s!r})")
+    if not whole(requested) or requested < 1:
+        raise SparseDecodeError(f"bench op: layers must be an integer >= 1 (got {requested!r})")
+    for support in supports:
+        for kernel in kernels:
+            SparseConfig(support=support, selector=selector, kernel=kernel)
+        dense = [n for n in contexts if support >= n]
+        if dense:
+            raise SparseDecodeError(
+                f"bench op: support {support} >= context {dense[0]}: decoding attends densely there, so there is no "
+                "sparse step to time; give supports below every context"
+            )
+    return name, dims, requested
+
+
 @dataclass
 class OpRow:
     shape: str
@@ -103,9 +248,15 @@ class OpRow:
     dense_bound_ratio: float
     dense_gbs: float
     sparse_gbs: float
+    layers: int  # distinct per-layer caches the calls cycled through (1: warm)
+    layers_requested: int
+    working_set_mb: float  # what the sparse calls read in one cycle through the layers: layers x bytes_sparse
+    dense_working_set_mb: float  # the same for dense: layers x bytes_dense
     kernel: str = "torch"
     device: str = "cpu"
     dense_triton_ms: float | None = None
+    layers_note: str | None = None  # why fewer layers than requested (memory)
+    llc_mb: float | None = None  # the CPU's last-level cache, for comparison with the working sets (CPU only)
 
 
 def _fresh_step(session, state, query, keys, values, n, scale):
@@ -136,7 +287,7 @@ def _op_bytes(cfg: SparseConfig, n: int, kv_heads: int, query_heads: int, d: int
 
 
 def bench_op(
-    shape: str | tuple[int, int, int] = "qwen2-0.5b",
+    shape: str | tuple[int, ...] = "qwen2-0.5b",
     contexts: tuple[int, ...] = DEFAULT_CONTEXTS,
     supports: tuple[int, ...] = DEFAULT_SUPPORTS,
     *,
@@ -145,17 +296,26 @@ def bench_op(
     budget_s: float = 0.6,
     device: str = "cpu",
     kernels: tuple[str, ...] | None = None,
+    layers: int | None = None,
     progress: Progress | None = None,
 ) -> tuple[list[OpRow], float]:
     """Time one decode-attention call per (context, support, kernel); returns rows and the measured bandwidth.
 
+    ``shape`` names a :data:`SHAPES` entry or gives (query heads, KV heads, head dim[, layers]). Calls cycle through
+    ``layers`` distinct per-layer caches (default: the shape's layer count), 0, 1, ..., L - 1, 0, ..., as a decode
+    step walks every layer, so the working set exceeds the last-level cache the way it does in decoding;
+    ``layers=1`` repeats one layer (the warm figure). Where ``layers`` caches would take more than
+    :data:`MEMORY_FRACTION` of the memory available, fewer are used and the row says why (``layers_note``). Bytes
+    and bounds are per call (one layer's reads, the same for every layer).
+
     ``kernels`` (``SparseConfig.kernel`` values) default to torch's operations and the fused kernel of the device:
     the C kernel for float32 on the CPU, the Triton kernels on CUDA. ``device="cuda"`` times with device events
-    (L2 flushed before every call).
+    (L2 flushed before every call). Raises :class:`SparseDecodeError` before any work for a support at or above a
+    context (nothing sparse to time there), a context or layer count below 1 or a budget that is not positive.
     """
-    dims = SHAPES[shape] if isinstance(shape, str) else tuple(shape)  # or (query heads, KV heads, head dim)
-    if not isinstance(shape, str):
-        shape = next((name for name, known in SHAPES.items() if known == dims), "{}q-{}kv-d{}".format(*dims))
+    name, dims, requested = check_op_args(
+        shape, tuple(contexts), tuple(supports), selector=selector, budget_s=budget_s, layers=layers
+    )
     query_heads, kv_heads, d = dims
     element = torch.finfo(dtype).bits // 8
     if kernels is None:  # torch's operations beside the fused kernel the device has (the C one on the CPU)
@@ -163,56 +323,79 @@ def bench_op(
             kernels = ("torch", "c") if dtype == torch.float32 and cpu_kernel.library() is not None else ("torch",)
         else:
             kernels = ("torch", "triton") if triton_attention.usable(torch.device(device), 16) else ("torch",)
+    for kernel in kernels:
+        SparseConfig(selector=selector, kernel=kernel)
     token_level = SparseConfig(selector=selector).token_level
     kernels = ("torch",) if token_level else kernels  # the fused kernels serve block selectors
     timer = median_time if device == "cpu" else cuda_median_time
+    llc = last_level_cache_bytes() if device == "cpu" else None
     bandwidth = read_bandwidth_gbs(device=device)
     rows: list[OpRow] = []
     total = len(contexts) * len(supports) * len(kernels)
     generator = torch.Generator().manual_seed(0)
+    scale = d**-0.5
+    defaults = SparseConfig(selector=selector)  # window and block size: every support's, as in decoding
     for n in contexts:
-        keys = torch.randn(1, kv_heads, n, d, generator=generator).to(device, dtype)
-        values = torch.randn(1, kv_heads, n, d, generator=generator).to(device, dtype)
-        query = torch.randn(1, query_heads, 1, d, generator=generator).to(device, dtype)
-        scale = d**-0.5
-        packed = query.view(1, kv_heads, query_heads // kv_heads, d)
+        layout = BlockLayout(n=n, window=defaults.window, block_size=defaults.block_size)
+        count, note = plan_layers(
+            requested, _layer_bytes(n, dims, element, selector, layout), available_memory_bytes(device)
+        )
+        stack = [_op_layer(n, dims, dtype, device, selector, layout, generator) for _ in range(count)]
         # transformers' one-token SDPA path: query heads packed per KV head, no repeat_kv
-        dense = partial(F.scaled_dot_product_attention, packed, keys, values, scale=scale)
+        dense = _cycle(
+            [
+                partial(
+                    F.scaled_dot_product_attention,
+                    layer.query.view(1, kv_heads, query_heads // kv_heads, d),
+                    layer.keys,
+                    layer.values,
+                    scale=scale,
+                )
+                for layer in stack
+            ]
+        )
         dense_s = timer(dense, budget_s=budget_s)
         dense_triton_s = None
         if "triton" in kernels:  # a split-KV dense baseline: the same kernel over every position
-            layout = BlockLayout(n=n, window=64, block_size=16)
             every = torch.arange(layout.n_blocks, device=device).expand(kv_heads, -1)
-            whole_cache = partial(
-                triton_attention.support_attention, query[0, :, 0], keys[0], values[0], every, layout, d**-0.5
-            )
-            dense_triton_s = timer(whole_cache, budget_s=budget_s)
-        for support, kernel in ((s, k) for s in supports for k in kernels):
-            if support >= n:  # decoding attends densely there (support >= context): nothing sparse to time
-                continue
-            cfg = SparseConfig(support=support, selector=selector, kernel=kernel)
-            layout = BlockLayout(n=n, window=cfg.window, block_size=cfg.block_size)
-            session = SparseSession(config=cfg, model=None)
-            state = LayerState(0, BlockCentroids(cfg.block_size, STAT_KINDS.get(selector, ("mean",))))
-            q, k, v = query[0, :, 0], keys[0], values[0]
-            state.centroids.update(k, layout.n_full)  # built once after prefill, as in decoding
-            whole = partial(_fresh_step, session, state, query, keys, values, n, scale)
-            if cfg.token_level:
-                select = partial(select_positions, cfg, q, k, layout, scale=scale)
-                attend = partial(attend_positions, q, k, v, select(), scale)
-            else:
-                select = partial(select_blocks, cfg, state.centroids, q, k, layout, scale=scale, verify=False)
-                attention = {"triton": triton_attention.support_attention, "c": cpu_kernel.attend_support}.get(
-                    kernel, attend_support
+            whole_cache = [
+                partial(
+                    triton_attention.support_attention,
+                    layer.query[0, :, 0],
+                    layer.keys[0],
+                    layer.values[0],
+                    every,
+                    layout,
+                    scale,
                 )
-                attend = partial(attention, q, k, v, select(), layout, scale)
-            sparse_s = timer(whole, budget_s=budget_s)
-            select_s = timer(select, budget_s=budget_s / 2)
-            attend_s = timer(attend, budget_s=budget_s / 2)
+                for layer in stack
+            ]
+            dense_triton_s = timer(_cycle(whole_cache), budget_s=budget_s)
+        for support, kernel in ((s, k) for s in supports for k in kernels):
+            cfg = SparseConfig(support=support, selector=selector, kernel=kernel)
+            session = SparseSession(config=cfg, model=None)
+            wholes, selects, attends = [], [], []
+            for index, layer in enumerate(stack):
+                q, k, v = layer.query[0, :, 0], layer.keys[0], layer.values[0]
+                state = LayerState(index, layer.centroids)
+                wholes.append(partial(_fresh_step, session, state, layer.query, layer.keys, layer.values, n, scale))
+                if cfg.token_level:
+                    select = partial(select_positions, cfg, q, k, layout, scale=scale)
+                    attends.append(partial(attend_positions, q, k, v, select(), scale))
+                else:
+                    select = partial(select_blocks, cfg, layer.centroids, q, k, layout, scale=scale, verify=False)
+                    attention = {"triton": triton_attention.support_attention, "c": cpu_kernel.attend_support}.get(
+                        kernel, attend_support
+                    )
+                    attends.append(partial(attention, q, k, v, select(), layout, scale))
+                selects.append(select)
+            sparse_s = timer(_cycle(wholes), budget_s=budget_s)
+            select_s = timer(_cycle(selects), budget_s=budget_s / 2)
+            attend_s = timer(_cycle(attends), budget_s=budget_s / 2)
             bytes_dense, bytes_sparse = _op_bytes(cfg, n, kv_heads, query_heads, d, element)
             rows.append(
                 OpRow(
-                    shape=shape,
+                    shape=name,
                     context=n,
                     support=cfg.effective_support,
                     selector=selector,
@@ -229,14 +412,20 @@ def bench_op(
                     dense_bound_ratio=dense_s / (bytes_dense / (bandwidth * 1e9)),
                     dense_gbs=bytes_dense / dense_s / 1e9,
                     sparse_gbs=bytes_sparse / sparse_s / 1e9,
+                    layers=count,
+                    layers_requested=requested,
+                    working_set_mb=count * bytes_sparse / 1e6,
+                    dense_working_set_mb=count * bytes_dense / 1e6,
                     kernel=kernel,
                     device=device,
                     dense_triton_ms=None if dense_triton_s is None else dense_triton_s * 1e3,
+                    layers_note=note,
+                    llc_mb=None if llc is None else llc / 1e6,
                 )
             )
             if progress:
                 progress("bench op", len(rows), total)
-        del keys, values
+        del stack, dense, wholes, selects, attends
         gc.collect()
     return rows, bandwidth
 
@@ -270,6 +459,7 @@ class E2ERow:
     draft_s: float | None = None
     verify_s: float | None = None
     kernel: str | None = None
+    runs: int = 1  # timed runs of this mode; decode_s (and draft_s, verify_s) are their medians
 
 
 def bench_e2e(
@@ -282,17 +472,21 @@ def bench_e2e(
     lossless: tuple[int, ...] = (),
     adaptive: bool = False,
     kernel: str = "auto",
+    repeats: int = 2,
     progress: Progress | None = None,
 ) -> list[E2ERow]:
     """Dense prefill once, then ``tokens`` greedy tokens per mode from the same prefilled KV cache.
 
     Modes: dense on transformers' ``DynamicCache`` (concatenates every step), dense on :class:`GrowingCache`
-    (appends in place), and sparse on ``GrowingCache`` per support. The dense modes run first and again last and
-    report the median of their two runs, so a drift of the shared machine shows up instead of favouring one
-    mode. ``speedup_vs_best_dense`` divides by the faster dense mode. Peak RSS is the process peak so far.
-    ``lossless`` lists draft lengths k for self-speculative rows (sparse drafts, dense verification) per support.
-    ``kernel`` is the sparse attention kernel (``SparseConfig.kernel``; ``auto`` = Triton on CUDA, else torch).
+    (appends in place), sparse on ``GrowingCache`` per support, and (``lossless`` lists draft lengths k)
+    self-speculative decoding per support and k. Every mode runs ``repeats`` times and reports the median of its
+    runs: the modes run in order, then in reverse order, and so on, so a drift of a shared machine moves every
+    mode's median alike instead of favouring one mode. ``speedup_vs_best_dense`` divides by the faster dense mode.
+    Peak RSS is the process peak so far. ``kernel`` is the sparse attention kernel (``SparseConfig.kernel``;
+    ``auto`` = the C kernel for float32 on the CPU, Triton on CUDA, else torch).
     """
+    if isinstance(repeats, bool) or not isinstance(repeats, numbers.Integral) or repeats < 1:
+        raise SparseDecodeError(f"bench e2e: repeats must be an integer >= 1 (got {repeats!r})")
     started = time.perf_counter()
     dynamic, logits = prefill(model, prompt_ids, progress=progress)
     prefill_s = time.perf_counter() - started
@@ -309,73 +503,84 @@ def bench_e2e(
         crop_cache(cache, context)
         return elapsed, out
 
-    dense_runs = {
-        "dynamic": [timed(dynamic, "dense, DynamicCache")],
-        "growing": [timed(growing, "dense, GrowingCache")],
-    }
-    sparse_runs = []
-    for support in supports:
+    def sparse(support: int, stage: str) -> tuple[float, list[int]]:
         with sparse_decoding(model, SparseConfig(support=support, kernel=kernel)):
-            sparse_runs.append((support, *timed(growing, f"sparse S={support}")))
-    lossless_runs = []
-    for support in supports:
-        for k in lossless:
-            generation = lossless_decode(
-                model,
-                growing,
-                context,
-                first,
-                SparseConfig(support=support, kernel=kernel),
-                tokens + 1,
-                draft_tokens=k,
-                adaptive=adaptive,
-                progress=progress,
+            return timed(growing, stage)
+
+    def speculative(support: int, k: int, stage: str):
+        generation = lossless_decode(
+            model,
+            growing,
+            context,
+            first,
+            SparseConfig(support=support, kernel=kernel),
+            tokens + 1,
+            draft_tokens=k,
+            adaptive=adaptive,
+            progress=progress,
+        )
+        crop_cache(growing, context)
+        return generation
+
+    modes = {
+        ("dense", "dynamic", None, None): partial(timed, dynamic),
+        ("dense", "growing", None, None): partial(timed, growing),
+    }
+    modes.update({("sparse", "growing", support, None): partial(sparse, support) for support in supports})
+    modes.update({("lossless", "growing", s, k): partial(speculative, s, k) for s in supports for k in lossless})
+    runs: dict[tuple, list] = {mode: [] for mode in modes}
+    order = list(modes)
+    for repeat in range(repeats):
+        for mode in order if repeat % 2 == 0 else order[::-1]:
+            kind, cache, support, k = mode
+            label = {"dense": f"dense, {cache} cache", "sparse": f"sparse S={support}"}.get(
+                kind, f"lossless S={support} k={k}"
             )
-            crop_cache(growing, context)
-            lossless_runs.append((support, k, generation))
-    dense_runs["growing"].append(timed(growing, "dense, GrowingCache (again)"))
-    dense_runs["dynamic"].append(timed(dynamic, "dense, DynamicCache (again)"))
-    dense_tokens = dense_runs["dynamic"][0][1]
-    dense_s = {cache: statistics.median(t for t, _ in runs) for cache, runs in dense_runs.items()}
-    best = min(dense_s.values())
+            runs[mode].append(modes[mode](f"{label} (run {repeat + 1}/{repeats})"))
     rss = peak_rss_mb()
+
+    def seconds(result) -> float:
+        return result[0] if isinstance(result, tuple) else result.decode_s
+
+    median_s = {mode: statistics.median(seconds(r) for r in results) for mode, results in runs.items()}
+    best = min(median_s[("dense", "dynamic", None, None)], median_s[("dense", "growing", None, None)])
+    dense_tokens = runs[("dense", "dynamic", None, None)][0][1]
 
     def agreeing(out: list[int]) -> int:
         return next((i for i, (a, b) in enumerate(zip(out, dense_tokens)) if a != b), tokens)
 
-    def row(mode: str, cache: str, support: int | None, seconds: float, out: list[int], **extra) -> E2ERow:
-        return E2ERow(
-            name,
-            mode,
-            cache,
-            context,
-            support,
-            tokens,
-            prefill_s,
-            seconds,
-            tokens / seconds,
-            best / seconds,
-            rss,
-            agreeing(out),
-            **extra,
+    rows = []
+    for mode, results in runs.items():
+        kind, cache, support, k = mode
+        decode_s = median_s[mode]
+        extra = {"kernel": None if kind == "dense" else kernel, "runs": len(results)}
+        if kind == "lossless":
+            g = results[0]  # greedy and deterministic: every run drafts and accepts the same
+            out = g.tokens[1:]
+            extra.update(
+                draft_tokens=k,
+                acceptance_rate=g.acceptance_rate,
+                mean_accepted=g.mean_accepted,
+                draft_s=statistics.median(r.draft_s for r in results),
+                verify_s=statistics.median(r.verify_s for r in results),
+            )
+        else:
+            out = results[0][1]
+        rows.append(
+            E2ERow(
+                name,
+                kind,
+                cache,
+                context,
+                support,
+                tokens,
+                prefill_s,
+                decode_s,
+                tokens / decode_s,
+                best / decode_s,
+                rss,
+                agreeing(out),
+                **extra,
+            )
         )
-
-    rows = [row("dense", cache, None, seconds, dense_runs[cache][0][1]) for cache, seconds in dense_s.items()]
-    rows += [row("sparse", "growing", support, seconds, out, kernel=kernel) for support, seconds, out in sparse_runs]
-    rows += [
-        row(
-            "lossless",
-            "growing",
-            support,
-            g.decode_s,
-            g.tokens[1:],
-            draft_tokens=k,
-            acceptance_rate=g.acceptance_rate,
-            mean_accepted=g.mean_accepted,
-            draft_s=g.draft_s,
-            verify_s=g.verify_s,
-            kernel=kernel,
-        )
-        for support, k, g in lossless_runs
-    ]
     return rows

@@ -3,8 +3,8 @@
 Two functions, one call each per layer and step: mean-pooled block selection over the cached centroids (with the
 short tail block averaged on the fly) and attention over anchor + chosen blocks + window read in place from the KV
 cache. They replace ~20 small torch operations whose fixed cost (a few microseconds each) made the sparse step
-slower than dense SDPA below ~32K positions. KV heads are split over up to ``torch.get_num_threads()`` POSIX
-threads when a call's work is large enough to pay for them.
+slower than dense SDPA below ~32K positions. A call large enough to pay for it is split (KV heads, and ranges of
+blocks for selection) over up to ``torch.get_num_threads()`` threads: persistent workers started on first need.
 
 What the C code assumes, all checked before it runs (:func:`refusal`, :func:`sparsedecode.kernels.check_inputs`
 and the entry points below); where one does not hold, ``kernel="auto"`` uses torch and ``kernel="c"`` refuses:

@@ -10,25 +10,46 @@
  * centroids stored (kv, d, capacity): element (h, i, j) at h * c_stride_h + i * c_stride_d + j.
  * The caller checks the rest (sparsedecode/kernels/cpu.py: float32, one d for q, keys and values, caches of at
  * least n rows, chosen (kv, b), b <= n_blocks for selection); a chosen block outside the distant region is skipped.
+ *
+ * Speed where it counts, a decode step: every layer's centroids and support come from memory, not from the
+ * last-level cache (the other layers and the weights evicted them). So selection streams the centroid rows once,
+ * scoring a tile of blocks at a time in a buffer that stays in L1 and keeping the b best of each tile as it goes (no
+ * score array of N / B floats, no second pass), with software prefetches one row segment ahead where the hardware
+ * prefetcher stops (page and row ends); attention prefetches the support's scattered key and value rows ahead of
+ * use. Large calls split over persistent worker threads (KV heads, and ranges of blocks within a head for
+ * selection), which wait briefly by spinning, so the attention call that follows a selection finds them awake.
  */
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
-/* e^x for x <= 0 (a logit minus the row's maximum), vectorisable: Cody-Waite reduction by ln 2 and Cephes' degree-6
- * polynomial for expf (relative error ~1e-7, as libm's expf); below -87 it returns ~1e-38 instead of underflowing. */
+#if defined(__x86_64__) || defined(__i386__)
+#define cpu_relax() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define cpu_relax() __asm__ __volatile__("yield" ::: "memory")
+#else
+#define cpu_relax() __asm__ __volatile__("" ::: "memory")
+#endif
+
+/* e^x for x <= 0 (a logit minus the row's maximum): Cody-Waite reduction by ln 2 (k rounded to nearest by adding
+ * and subtracting 1.5 * 2^23) and Cephes' degree-6 polynomial for expf (relative error ~1e-7, as libm's expf); below
+ * -87 it returns ~1e-38 instead of underflowing. exp8_nonpositive does the same on 8 floats at once. */
+static const float EXP_MAGIC = 12582912.0f, LOG2E = 1.44269504088896341f, LN2_HI = 0.693359375f,
+                   LN2_LO = -2.12194440e-4f;
+static const float EXP_POLY[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                  4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 static inline float exp_nonpositive(float x) {
     x = x < -87.0f ? -87.0f : x;
-    float k = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - k * 0.693359375f + k * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
+    float t = x * LOG2E + EXP_MAGIC, k = t - EXP_MAGIC;
+    float r = x - k * LN2_HI - k * LN2_LO;
+    float p = EXP_POLY[0];
+    for (int e = 1; e < 6; e++) p = p * r + EXP_POLY[e];
     p = p * r * r + r + 1.0f;
     union {
         int32_t i;
@@ -47,123 +68,230 @@ static int compare_ascending(const void *x, const void *y) {
     return (a > b) - (a < b);
 }
 
-/* The KV heads are independent: a call splits them over up to `threads` POSIX threads when its work is large
- * enough to pay for starting them (the caller passes torch's thread count), else runs them in the calling thread. */
-typedef int (*head_fn)(const void *job, int64_t h);
+/* Offer block j with score s to a list of at most b (score, block), kept sorted best-first. `better` is a total
+ * order on (score, block) for non-NaN scores, so the b best do not depend on the order of the offers. */
+static void offer(float s, int64_t j, float *scores, int64_t *blocks, int64_t *kept, int64_t b) {
+    if (*kept == b && !better(s, j, scores[b - 1], blocks[b - 1])) return;
+    int64_t at = *kept < b ? (*kept)++ : b - 1;
+    while (at > 0 && better(s, j, scores[at - 1], blocks[at - 1])) {
+        scores[at] = scores[at - 1];
+        blocks[at] = blocks[at - 1];
+        at--;
+    }
+    scores[at] = s;
+    blocks[at] = j;
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * Work splitting. A call is a list of independent tasks (KV heads; for selection, ranges of blocks of a head). When
+ * it is large enough to pay for it, the tasks are split into contiguous parts over up to `threads` threads (the
+ * caller passes torch's thread count): the calling thread runs the first part, persistent workers the others.
+ * Workers are started once, on first need, and then wait for their next part: spinning for SPIN_NS, then asleep
+ * on a condition variable. One dispatch at a time: a call made while another thread's call holds the workers runs
+ * in its own thread. After a fork the child has no workers and starts new ones when needed.
+ */
+typedef int (*task_fn)(const void *job, int64_t task);
 
 typedef struct {
-    head_fn run;
+    task_fn run;
     const void *job;
     int64_t first, stop;
     int status;
 } part_t;
 
-static void *run_part(void *arg) {
-    part_t *part = arg;
-    for (int64_t h = part->first; h < part->stop && !part->status; h++) part->status = part->run(part->job, h);
+static void run_part(part_t *part) {
+    for (int64_t t = part->first; t < part->stop && !part->status; t++) part->status = part->run(part->job, t);
+}
+
+enum { MAX_THREADS = 64, SPIN_NS = 50000 };
+
+typedef struct {
+    pthread_mutex_t lock;
+    pthread_cond_t wake;
+    uint64_t posted, done; /* parts handed to this worker and parts it finished (atomic) */
+    part_t *part;
+} worker_t;
+
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static worker_t *workers[MAX_THREADS];
+static int64_t n_workers = 0;
+static pthread_once_t fork_handler_once = PTHREAD_ONCE_INIT;
+
+static uint64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+static void *work(void *arg) {
+    worker_t *w = arg;
+    uint64_t seen = 0;
+    for (;;) {
+        uint64_t since = now_ns();
+        for (unsigned k = 1; __atomic_load_n(&w->posted, __ATOMIC_ACQUIRE) == seen; k++) {
+            cpu_relax();
+            if (k % 64 == 0 && now_ns() - since > SPIN_NS) {
+                pthread_mutex_lock(&w->lock);
+                while (__atomic_load_n(&w->posted, __ATOMIC_ACQUIRE) == seen) pthread_cond_wait(&w->wake, &w->lock);
+                pthread_mutex_unlock(&w->lock);
+            }
+        }
+        seen = __atomic_load_n(&w->posted, __ATOMIC_ACQUIRE);
+        run_part(w->part);
+        __atomic_store_n(&w->done, seen, __ATOMIC_RELEASE);
+    }
     return NULL;
 }
 
-static int over_heads(head_fn run, const void *job, int64_t kv_heads, int64_t threads, int64_t work) {
-    enum { MAX_THREADS = 64, MIN_WORK_PER_THREAD = 1 << 18 };
-    int64_t parts = threads < kv_heads ? threads : kv_heads;
-    if (parts > work / MIN_WORK_PER_THREAD) parts = work / MIN_WORK_PER_THREAD;
+static void forget_workers(void) { /* in a forked child: the workers stayed in the parent */
+    n_workers = 0;
+    pthread_mutex_init(&pool_lock, NULL);
+}
+
+static void register_fork_handler(void) { pthread_atfork(NULL, NULL, forget_workers); }
+
+/* Worker `index`, started if need be (pool_lock held); NULL when no thread can be started. */
+static worker_t *worker(int64_t index) {
+    while (n_workers <= index) {
+        worker_t *w = calloc(1, sizeof *w);
+        if (!w) return NULL;
+        pthread_mutex_init(&w->lock, NULL);
+        pthread_cond_init(&w->wake, NULL);
+        sigset_t all, previous; /* signals stay with the threads Python runs */
+        sigfillset(&all);
+        pthread_sigmask(SIG_SETMASK, &all, &previous);
+        pthread_t thread;
+        int failed = pthread_create(&thread, NULL, work, w);
+        pthread_sigmask(SIG_SETMASK, &previous, NULL);
+        if (failed) {
+            pthread_cond_destroy(&w->wake), pthread_mutex_destroy(&w->lock), free(w);
+            return NULL;
+        }
+        pthread_detach(thread);
+        workers[n_workers++] = w;
+    }
+    return workers[index];
+}
+
+static void post(worker_t *w, part_t *part) {
+    w->part = part;
+    pthread_mutex_lock(&w->lock);
+    __atomic_store_n(&w->posted, __atomic_load_n(&w->posted, __ATOMIC_RELAXED) + 1, __ATOMIC_RELEASE);
+    pthread_cond_signal(&w->wake);
+    pthread_mutex_unlock(&w->lock);
+}
+
+static void wait_for(worker_t *w) {
+    uint64_t posted = __atomic_load_n(&w->posted, __ATOMIC_RELAXED);
+    for (unsigned k = 1; __atomic_load_n(&w->done, __ATOMIC_ACQUIRE) != posted; k++) {
+        cpu_relax();
+        if (k % 1024 == 0) sched_yield(); /* a busy machine: let the worker have the core */
+    }
+}
+
+/* Run tasks 0 .. tasks - 1 in up to `parts` contiguous parts; returns the tasks' statuses or-ed together. */
+static int parallel(task_fn run, const void *job, int64_t tasks, int64_t parts) {
+    if (parts > tasks) parts = tasks;
     if (parts > MAX_THREADS) parts = MAX_THREADS;
-    if (parts < 2) {
-        part_t all = {run, job, 0, kv_heads, 0};
+    if (parts < 2 || pthread_mutex_trylock(&pool_lock) != 0) {
+        part_t all = {run, job, 0, tasks, 0};
         run_part(&all);
         return all.status;
     }
+    pthread_once(&fork_handler_once, register_fork_handler);
     part_t part[MAX_THREADS];
-    pthread_t thread[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    for (int64_t t = 0; t < parts; t++) {
-        part[t] = (part_t){run, job, kv_heads * t / parts, kv_heads * (t + 1) / parts, 0};
-        started[t] = t > 0 && pthread_create(&thread[t], NULL, run_part, &part[t]) == 0;
-        if (t > 0 && !started[t]) run_part(&part[t]); /* no thread to be had: do it here */
-    }
+    for (int64_t t = 0; t < parts; t++) part[t] = (part_t){run, job, tasks * t / parts, tasks * (t + 1) / parts, 0};
+    int64_t posted = 1;
+    for (worker_t *w; posted < parts && (w = worker(posted - 1)) != NULL; posted++) post(w, &part[posted]);
+    for (int64_t t = posted; t < parts; t++) run_part(&part[t]); /* no worker to be had: do it here */
     run_part(&part[0]);
-    int status = part[0].status;
-    for (int64_t t = 1; t < parts; t++) {
-        if (started[t]) pthread_join(thread[t], NULL);
+    int status = 0;
+    for (int64_t t = 0; t < parts; t++) {
+        if (t > 0 && t < posted) wait_for(workers[t - 1]);
         status |= part[t].status;
     }
+    pthread_mutex_unlock(&pool_lock);
     return status;
 }
 
-typedef struct {
-    const float *q, *centroids, *keys;
-    int64_t c_stride_h, c_stride_d, n_full, k_stride_h, k_stride_n, group, d, distant_end, block, b, n_blocks;
-    int64_t *chosen;
-    float *scores; /* kv_heads * n_blocks scratch */
-} select_job;
+/* The calling thread's scratch buffer, kept between calls and grown by doubling. */
+static __thread void *scratch_buffer = NULL;
+static __thread size_t scratch_capacity = 0;
 
-/* The calling thread's score buffer, kept between calls and grown by doubling: no per-step allocation of
- * O(N / B) once the context stops growing past its capacity. */
-static __thread float *score_buffer = NULL;
-static __thread size_t score_capacity = 0;
-
-static float *score_scratch(size_t needed) {
-    if (needed > score_capacity) {
-        size_t capacity = score_capacity ? 2 * score_capacity : 4096;
+static void *scratch(size_t needed) {
+    if (needed > scratch_capacity) {
+        size_t capacity = scratch_capacity ? 2 * scratch_capacity : 4096;
         while (capacity < needed) capacity *= 2;
-        float *grown = realloc(score_buffer, capacity * sizeof(float));
+        void *grown = realloc(scratch_buffer, capacity);
         if (!grown) return NULL;
-        score_buffer = grown, score_capacity = capacity;
+        scratch_buffer = grown, scratch_capacity = capacity;
     }
-    return score_buffer;
+    return scratch_buffer;
 }
 
-static int select_head(const void *arg, int64_t h) {
-    const select_job *job = arg;
-    int64_t d = job->d, b = job->b, n_full = job->n_full, n_blocks = job->n_blocks, block = job->block;
-    float *scores = job->scores + h * n_blocks;
-    float *q_mean = malloc(sizeof(float) * (size_t)d); /* O(d + b): small, unlike the scores */
-    float *best_scores = malloc(sizeof(float) * (size_t)(b > 0 ? b : 1));
-    if (!q_mean || !best_scores) {
-        free(q_mean), free(best_scores);
-        return -1;
-    }
-    memset(scores, 0, sizeof(float) * (size_t)n_blocks);
+/* ---------------------------------------------------------------------------------------------------------------
+ * Selection. Task (h, chunk) scores blocks [first, stop) of head h against the head's mean query and keeps its b
+ * best; the caller merges the chunks' lists and the tail block per head. A block's score is accumulated over the d
+ * channels in order, exactly as a single pass over all blocks would: the split changes no score.
+ */
+enum { TILE = 1024, LINE = 16 /* floats per 64-byte cache line */ };
+
+typedef struct {
+    const float *q, *centroids;
+    int64_t c_stride_h, c_stride_d, n_full, group, d, b, chunks;
+    float *best_scores;   /* (tasks, b) */
+    int64_t *best_blocks; /* (tasks, b) */
+    int64_t *kept;        /* (tasks) */
+} select_job;
+
+static void mean_query(const float *q, int64_t h, int64_t group, int64_t d, float *q_mean) {
     for (int64_t i = 0; i < d; i++) {
         float sum = 0.0f;
-        for (int64_t g = 0; g < job->group; g++) sum += job->q[(h * job->group + g) * d + i];
-        q_mean[i] = sum / (float)job->group;
+        for (int64_t g = 0; g < group; g++) sum += q[(h * group + g) * d + i];
+        q_mean[i] = sum / (float)group;
     }
+}
+
+static int select_task(const void *arg, int64_t task) {
+    const select_job *job = arg;
+    int64_t d = job->d, b = job->b, stride = job->c_stride_d, h = task / job->chunks, chunk = task % job->chunks;
+    int64_t first = job->n_full * chunk / job->chunks, stop = job->n_full * (chunk + 1) / job->chunks;
+    float *best_scores = job->best_scores + task * b;
+    int64_t *best_blocks = job->best_blocks + task * b, *kept = job->kept + task;
+    float stack_mean[256], tile[TILE];
+    float *q_mean = d <= 256 ? stack_mean : malloc(sizeof(float) * (size_t)d);
+    if (!q_mean) return -1;
+    mean_query(job->q, h, job->group, d, q_mean);
+    *kept = 0;
     const float *c = job->centroids + h * job->c_stride_h;
-    for (int64_t i = 0; i < d; i++) { /* scores += q_i * row i of the transposed centroids */
-        const float *row = c + i * job->c_stride_d;
-        float qi = q_mean[i];
+    for (int64_t t0 = first; t0 < stop; t0 += TILE) {
+        int64_t m = stop - t0 < TILE ? stop - t0 : TILE;
+        memset(tile, 0, sizeof(float) * (size_t)m);
+        for (int64_t i = 0; i < d; i++) { /* tile += q_i * row i of the transposed centroids */
+            const float *row = c + i * stride + t0;
+            /* what comes next: the same blocks in the next row, or the next tile's first row */
+            const float *next = i + 1 < d ? row + stride : (t0 + TILE < stop ? c + t0 + TILE : NULL);
+            float qi = q_mean[i];
+            int64_t j = 0;
+            for (; j + LINE <= m; j += LINE) {
+                if (next) __builtin_prefetch(next + j, 0, 3);
 #pragma omp simd
-        for (int64_t j = 0; j < n_full; j++) scores[j] += qi * row[j];
-    }
-    if (n_blocks > n_full) { /* the short tail block is not cached: average its keys now */
-        int64_t start = 1 + n_full * block, count = job->distant_end - start;
-        const float *k = job->keys + h * job->k_stride_h;
-        float dot = 0.0f;
-        for (int64_t i = 0; i < d; i++) {
-            float sum = 0.0f;
-            for (int64_t p = start; p < job->distant_end; p++) sum += k[p * job->k_stride_n + i];
-            dot += q_mean[i] * (sum / (float)count);
+                for (int64_t k = j; k < j + LINE; k++) tile[k] += qi * row[k];
+            }
+            for (; j < m; j++) tile[j] += qi * row[j];
         }
-        scores[n_full] = dot;
-    }
-    /* keep the b best in a list sorted best-first (b is tens at most) */
-    int64_t *out = job->chosen + h * b, kept = 0;
-    for (int64_t j = 0; j < n_blocks; j++) {
-        float s = scores[j];
-        if (kept == b && !better(s, j, best_scores[b - 1], out[b - 1])) continue;
-        int64_t at = kept < b ? kept++ : b - 1;
-        while (at > 0 && better(s, j, best_scores[at - 1], out[at - 1])) {
-            best_scores[at] = best_scores[at - 1];
-            out[at] = out[at - 1];
-            at--;
+        /* keep the b best; once b are kept, look only at groups of 8 whose best reaches the b-th */
+        int64_t j = 0;
+        for (; j < m && *kept < b; j++) offer(tile[j], t0 + j, best_scores, best_blocks, kept, b);
+        for (; j < m; j += 8) {
+            int64_t end = j + 8 < m ? j + 8 : m;
+            float top = -INFINITY;
+            for (int64_t k = j; k < end; k++) top = tile[k] > top ? tile[k] : top;
+            if (top < best_scores[b - 1]) continue;
+            for (int64_t k = j; k < end; k++) offer(tile[k], t0 + k, best_scores, best_blocks, kept, b);
         }
-        best_scores[at] = s;
-        out[at] = j;
     }
-    qsort(out, (size_t)kept, sizeof(int64_t), compare_ascending);
-    free(q_mean), free(best_scores);
+    if (q_mean != stack_mean) free(q_mean);
     return 0;
 }
 
@@ -172,13 +300,78 @@ int select_mean_pooled(const float *q, const float *centroids, int64_t c_stride_
                        int64_t n_full, const float *keys, int64_t k_stride_h, int64_t k_stride_n, int64_t kv_heads,
                        int64_t group, int64_t d, int64_t distant_end, int64_t block, int64_t b, int64_t threads,
                        int64_t *chosen) {
+    enum { MIN_WORK_PER_THREAD = 1 << 16 }; /* centroid floats: 256 KB from memory pays for waking a worker */
     int64_t n_blocks = (distant_end - 1 + block - 1) / block;
-    float *scores = score_scratch((size_t)(kv_heads * (n_blocks > 0 ? n_blocks : 1)));
-    if (!scores) return -1;
-    select_job job = {q,     centroids, keys,        c_stride_h, c_stride_d, n_full,   k_stride_h, k_stride_n,
-                      group, d,         distant_end, block,      b,          n_blocks, chosen,     scores};
-    return over_heads(select_head, &job, kv_heads, threads, kv_heads * n_full * d);
+    int64_t work = kv_heads * n_full * d, parts = threads;
+    if (parts > work / MIN_WORK_PER_THREAD) parts = work / MIN_WORK_PER_THREAD;
+    if (parts > MAX_THREADS) parts = MAX_THREADS;
+    int64_t chunks = parts > kv_heads ? (parts + kv_heads - 1) / kv_heads : 1;
+    if (parts > 1 && (kv_heads * chunks) % parts) chunks *= 4; /* parts of nearly equal size */
+    int64_t tasks = kv_heads * chunks, width = b > 0 ? b : 1;
+    char *space = scratch((size_t)tasks * (size_t)width * (sizeof(float) + sizeof(int64_t)) +
+                          (size_t)tasks * sizeof(int64_t) + sizeof(float) * (size_t)(d + width) +
+                          sizeof(int64_t) * (size_t)width);
+    if (!space) return -1;
+    int64_t *best_blocks = (int64_t *)space, *kept = best_blocks + tasks * width, *merged = kept + tasks;
+    float *best_scores = (float *)(merged + width), *merged_scores = best_scores + tasks * width;
+    float *q_mean = merged_scores + width;
+    select_job job = {q, centroids, c_stride_h, c_stride_d, n_full, group, d, b, chunks, best_scores, best_blocks,
+                      kept};
+    if (b > 0 && parallel(select_task, &job, tasks, parts)) return -1;
+    for (int64_t h = 0; h < kv_heads && b > 0; h++) {
+        int64_t count = 0;
+        for (int64_t t = h * chunks; t < (h + 1) * chunks; t++)
+            for (int64_t k = 0; k < kept[t]; k++)
+                offer(best_scores[t * b + k], best_blocks[t * b + k], merged_scores, merged, &count, b);
+        if (n_blocks > n_full) { /* the short tail block is not cached: average its keys now */
+            int64_t start = 1 + n_full * block, tail = distant_end - start;
+            const float *k = keys + h * k_stride_h;
+            mean_query(q, h, group, d, q_mean);
+            float dot = 0.0f;
+            for (int64_t i = 0; i < d; i++) {
+                float sum = 0.0f;
+                for (int64_t p = start; p < distant_end; p++) sum += k[p * k_stride_n + i];
+                dot += q_mean[i] * (sum / (float)tail);
+            }
+            offer(dot, n_full, merged_scores, merged, &count, b);
+        }
+        qsort(merged, (size_t)count, sizeof(int64_t), compare_ascending);
+        memcpy(chosen + h * b, merged, sizeof(int64_t) * (size_t)count);
+    }
+    return 0;
 }
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * Attention over the support, one task per KV head. Logits take each key row once for the whole GQA group (four
+ * queries at a time, independent accumulators), the weighted sum each value row once per group of four queries, in
+ * tiles of rows that stay in L1 across the head dim. Rows are prefetched ahead: keys PREFETCH_ROWS positions ahead
+ * of the logits, values during the logits (they are read after the softmax).
+ */
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias)); /* an unaligned view of 8 floats */
+
+static inline v8 load8(const float *p) { return *(const v8u *)p; }
+static inline void store8(float *p, v8 x) { *(v8u *)p = x; }
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline float sum8(v8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
+static inline v8 splat8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+static inline v8 max8(v8 a, v8 b) { /* lanes where a > b from a, else (b larger, equal or NaN) from b */
+    v8i take_a = a > b;
+    return (v8)(((v8i)a & take_a) | ((v8i)b & ~take_a));
+}
+static inline v8 exp8_nonpositive(v8 x) {
+    x = max8(x, splat8(-87.0f));
+    v8 t = x * LOG2E + EXP_MAGIC, k = t - EXP_MAGIC;
+    v8 r = x - k * LN2_HI - k * LN2_LO;
+    v8 p = splat8(EXP_POLY[0]);
+    for (int e = 1; e < 6; e++) p = p * r + EXP_POLY[e];
+    p = p * r * r + r + 1.0f;
+    v8i exponent = ((v8i)t - (v8i)splat8(EXP_MAGIC) + 127) << 23; /* k as an integer: t's low mantissa bits */
+    return p * (v8)exponent;
+}
+
+enum { QUERIES = 4, PREFETCH_ROWS = 16, ROW_TILE = 32 };
 
 typedef struct {
     const float *q, *keys, *values;
@@ -188,12 +381,17 @@ typedef struct {
     float *out;
 } attend_job;
 
+static void prefetch_row(const float *row, int64_t d) {
+    for (int64_t i = 0; i < d; i += LINE) __builtin_prefetch(row + i, 0, 3);
+}
+
 static int attend_head(const void *arg, int64_t h) {
     const attend_job *job = arg;
     int64_t group = job->group, d = job->d, block = job->block, distant_end = job->distant_end;
+    int64_t padded = (group + QUERIES - 1) / QUERIES * QUERIES, vector_d = d / 8 * 8;
     int64_t capacity = 1 + job->b * block + (job->n - distant_end);
     int64_t *positions = malloc(sizeof(int64_t) * (size_t)capacity);
-    float *weights = malloc(sizeof(float) * (size_t)(capacity * group));
+    float *weights = malloc(sizeof(float) * (size_t)(capacity * padded + 2 * padded * d));
     if (!positions || !weights) {
         free(positions), free(weights);
         return -1;
@@ -208,39 +406,88 @@ static int attend_head(const void *arg, int64_t h) {
         for (int64_t p = start; p < stop; p++) positions[count++] = p;
     }
     for (int64_t p = distant_end; p < job->n; p++) positions[count++] = p;
+    float *qh = weights + capacity * padded, *acc = qh + padded * d; /* the group's queries, zero-padded; output */
+    memcpy(qh, job->q + h * group * d, sizeof(float) * (size_t)(group * d));
+    memset(qh + group * d, 0, sizeof(float) * (size_t)((padded - group) * d));
+    memset(acc, 0, sizeof(float) * (size_t)(padded * d));
+    const float *keys = job->keys + h * job->k_stride_h, *values = job->values + h * job->v_stride_h;
+    int64_t k_stride = job->k_stride_n, v_stride = job->v_stride_n;
 
-    const float *qh = job->q + h * group * d;
-    for (int64_t s = 0; s < count; s++) { /* logits, one key row against every query of the group */
-        const float *k = job->keys + h * job->k_stride_h + positions[s] * job->k_stride_n;
-        for (int64_t g = 0; g < group; g++) {
-            const float *qg = qh + g * d;
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t i = 0; i < d; i++) dot += qg[i] * k[i];
-            weights[g * count + s] = dot * job->scale;
+    for (int64_t s = 0; s < count && s < PREFETCH_ROWS; s++) prefetch_row(keys + positions[s] * k_stride, d);
+    for (int64_t s = 0; s < count; s += 2) { /* logits: two key rows against every query of the group */
+        for (int64_t t = s; t < s + 2 && t < count; t++) {
+            if (t + PREFETCH_ROWS < count) prefetch_row(keys + positions[t + PREFETCH_ROWS] * k_stride, d);
+            prefetch_row(values + positions[t] * v_stride, d);
+        }
+        const float *k = keys + positions[s] * k_stride;
+        const float *l = s + 1 < count ? keys + positions[s + 1] * k_stride : k; /* a lone last row: twice */
+        for (int64_t g = 0; g < padded; g += QUERIES) {
+            const float *q0 = qh + g * d, *q1 = q0 + d, *q2 = q1 + d, *q3 = q2 + d;
+            v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+            for (int64_t i = 0; i < vector_d; i += 8) {
+                v8 x = load8(k + i), y = load8(l + i), p0 = load8(q0 + i), p1 = load8(q1 + i);
+                v8 p2 = load8(q2 + i), p3 = load8(q3 + i);
+                a0 += p0 * x, a1 += p1 * x, a2 += p2 * x, a3 += p3 * x;
+                b0 += p0 * y, b1 += p1 * y, b2 += p2 * y, b3 += p3 * y;
+            }
+            float r[2][QUERIES] = {{sum8(a0), sum8(a1), sum8(a2), sum8(a3)}, {sum8(b0), sum8(b1), sum8(b2), sum8(b3)}};
+            for (int64_t i = vector_d; i < d; i++)
+                for (int64_t e = 0; e < QUERIES; e++) r[0][e] += q0[e * d + i] * k[i], r[1][e] += q0[e * d + i] * l[i];
+            for (int64_t t = 0; t < 2 && s + t < count; t++)
+                for (int64_t e = 0; e < QUERIES; e++) weights[(g + e) * count + s + t] = r[t][e] * job->scale;
         }
     }
-    for (int64_t g = 0; g < group; g++) { /* softmax per query head */
+    int64_t vector_count = count / 8 * 8;
+    for (int64_t g = 0; g < group; g++) { /* softmax per query head (padding rows stay at logit 0, unused) */
         float *w = weights + g * count, top = -INFINITY, total = 0.0f;
-#pragma omp simd reduction(max : top)
-        for (int64_t s = 0; s < count; s++) top = w[s] > top ? w[s] : top;
-#pragma omp simd reduction(+ : total)
-        for (int64_t s = 0; s < count; s++) total += (w[s] = exp_nonpositive(w[s] - top));
+        v8 tops = splat8(-INFINITY), totals = splat8(0.0f);
+        for (int64_t s = 0; s < vector_count; s += 8) tops = max8(load8(w + s), tops);
+        for (int64_t e = 0; e < 8; e++) top = tops[e] > top ? tops[e] : top;
+        for (int64_t s = vector_count; s < count; s++) top = w[s] > top ? w[s] : top;
+        for (int64_t s = 0; s < vector_count; s += 8) {
+            v8 e = exp8_nonpositive(load8(w + s) - top);
+            store8(w + s, e);
+            totals += e;
+        }
+        total = sum8(totals);
+        for (int64_t s = vector_count; s < count; s++) total += (w[s] = exp_nonpositive(w[s] - top));
         float inverse = 1.0f / total;
-#pragma omp simd
         for (int64_t s = 0; s < count; s++) w[s] *= inverse;
     }
-    float *oh = job->out + h * group * d;
-    memset(oh, 0, sizeof(float) * (size_t)(group * d));
-    for (int64_t s = 0; s < count; s++) { /* out += w * value row, one value row for the whole group */
-        const float *v = job->values + h * job->v_stride_h + positions[s] * job->v_stride_n;
-        for (int64_t g = 0; g < group; g++) {
-            float ws = weights[g * count + s];
-            float *og = oh + g * d;
-#pragma omp simd
-            for (int64_t i = 0; i < d; i++) og[i] += ws * v[i];
+    for (int64_t s0 = 0; s0 < count; s0 += ROW_TILE) { /* acc += w * value rows, a tile of rows at a time */
+        int64_t s1 = s0 + ROW_TILE < count ? s0 + ROW_TILE : count;
+        for (int64_t g = 0; g < padded; g += QUERIES) {
+            const float *w0 = weights + g * count, *w1 = w0 + count, *w2 = w1 + count, *w3 = w2 + count;
+            float *o0 = acc + g * d, *o1 = o0 + d, *o2 = o1 + d, *o3 = o2 + d;
+            int64_t i = 0;
+            for (; i + 16 <= vector_d; i += 16) { /* two vectors of the head dim: eight independent sums */
+                v8 a0 = load8(o0 + i), a1 = load8(o1 + i), a2 = load8(o2 + i), a3 = load8(o3 + i);
+                v8 b0 = load8(o0 + i + 8), b1 = load8(o1 + i + 8), b2 = load8(o2 + i + 8), b3 = load8(o3 + i + 8);
+                for (int64_t s = s0; s < s1; s++) {
+                    const float *row = values + positions[s] * v_stride + i;
+                    v8 x = load8(row), y = load8(row + 8);
+                    a0 += w0[s] * x, a1 += w1[s] * x, a2 += w2[s] * x, a3 += w3[s] * x;
+                    b0 += w0[s] * y, b1 += w1[s] * y, b2 += w2[s] * y, b3 += w3[s] * y;
+                }
+                store8(o0 + i, a0), store8(o1 + i, a1), store8(o2 + i, a2), store8(o3 + i, a3);
+                store8(o0 + i + 8, b0), store8(o1 + i + 8, b1), store8(o2 + i + 8, b2), store8(o3 + i + 8, b3);
+            }
+            for (; i < vector_d; i += 8) {
+                v8 a0 = load8(o0 + i), a1 = load8(o1 + i), a2 = load8(o2 + i), a3 = load8(o3 + i);
+                for (int64_t s = s0; s < s1; s++) {
+                    v8 x = load8(values + positions[s] * v_stride + i);
+                    a0 += w0[s] * x, a1 += w1[s] * x, a2 += w2[s] * x, a3 += w3[s] * x;
+                }
+                store8(o0 + i, a0), store8(o1 + i, a1), store8(o2 + i, a2), store8(o3 + i, a3);
+            }
+            for (int64_t i = vector_d; i < d; i++)
+                for (int64_t s = s0; s < s1; s++) {
+                    float v = values[positions[s] * v_stride + i];
+                    o0[i] += w0[s] * v, o1[i] += w1[s] * v, o2[i] += w2[s] * v, o3[i] += w3[s] * v;
+                }
         }
     }
+    memcpy(job->out + h * group * d, acc, sizeof(float) * (size_t)(group * d));
     free(positions), free(weights);
     return 0;
 }
@@ -250,8 +497,10 @@ int attend_support(const float *q, const float *keys, int64_t k_stride_h, int64_
                    int64_t v_stride_h, int64_t v_stride_n, const int64_t *chosen, int64_t b, int64_t kv_heads,
                    int64_t group, int64_t d, int64_t n, int64_t distant_end, int64_t block, float scale,
                    int64_t threads, float *out) {
+    enum { MIN_WORK_PER_THREAD = 1 << 18 }; /* multiply-adds */
     attend_job job = {q, keys, values, chosen, k_stride_h, k_stride_n, v_stride_h, v_stride_n, b, group, d, n,
                       distant_end, block, scale, out};
-    int64_t support = 1 + b * block + (n - distant_end);
-    return over_heads(attend_head, &job, kv_heads, threads, 2 * kv_heads * support * group * d);
+    int64_t support = 1 + b * block + (n - distant_end), work = 2 * kv_heads * support * group * d;
+    int64_t parts = threads < work / MIN_WORK_PER_THREAD ? threads : work / MIN_WORK_PER_THREAD;
+    return parallel(attend_head, &job, kv_heads, parts);
 }
