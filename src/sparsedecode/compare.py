@@ -46,7 +46,7 @@ class DenseReference:
     ``tokens[0]`` is the first generated token (from prefill logits); ``nll[i]`` is the dense model's NLL of
     ``tokens[i]``; ``logits[s - 1]`` are the float32 logits of decode step ``s`` (fed ``tokens[s - 1]``,
     predicting ``tokens[s]``), kept for the margin certificate. The prefilled ``cache`` holds exactly the
-    prompt between runs.
+    prompt between runs. ``h2o_history`` is H2O's history of the prefill, computed by the first ``h2o`` run.
     """
 
     prompt_ids: torch.Tensor
@@ -56,6 +56,7 @@ class DenseReference:
     prefill_s: float
     decode_s: float
     logits: torch.Tensor = field(repr=False)
+    h2o_history: dict[int, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def context(self) -> int:
@@ -215,6 +216,16 @@ def dense_reference(
     )
 
 
+def prefill_history(model: torch.nn.Module, reference: DenseReference) -> dict[int, torch.Tensor]:
+    """H2O's history of the reference's prompt (the attention each position received during its prefill, per layer
+    and KV head), from one more dense prefill inside a recording session; computed once per reference."""
+    if reference.h2o_history is None:
+        with sparse_decoding(model, SparseConfig(selector="h2o")) as recorder:
+            prefill(model, reference.prompt_ids)
+        reference.h2o_history = recorder.attention_history()
+    return reference.h2o_history
+
+
 def _check_tokens(tokens: int) -> None:
     if not isinstance(tokens, int) or tokens < 2:
         raise SparseDecodeError(f"tokens must be an integer >= 2 (got {tokens!r}): step 1 is shared with dense")
@@ -250,9 +261,12 @@ def compare(
     dense_tokens = reference.tokens[:tokens]
     cache, context = reference.cache, reference.context
     audit = MassAudit() if cfg.audit else None
+    history = prefill_history(model, reference) if cfg.selector == "h2o" else None  # H2O keeps the prefill's
 
     started = time.perf_counter()
     with sparse_decoding(model, cfg) as session:
+        if history is not None:
+            session.adopt_history(cache, history)
         session.track_reads = True
         if audit is not None:
             session.observers.append(audit)
@@ -268,6 +282,8 @@ def compare(
     teacher_logits: list[torch.Tensor] = []
     started = time.perf_counter()
     with sparse_decoding(model, cfg) as teacher_session:
+        if history is not None:
+            teacher_session.adopt_history(cache, history)
         if session_hook:
             session_hook("teacher", teacher_session)
         forced, sparse_nll = greedy_decode(

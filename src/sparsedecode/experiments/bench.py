@@ -110,7 +110,7 @@ class OpRow:
 
 def _fresh_step(session, state, query, keys, values, n, scale):
     """One whole sparse step at context ``n`` as the next contiguous step (fresh selection, no rebuild)."""
-    state.last_n, state.blocks = n - 1, None
+    state.step, state.blocks = 0, None
     return sparse_decode_step(session, state, query, keys, values, n, scale)
 
 
@@ -201,7 +201,7 @@ def bench_op(
                 select = partial(select_positions, cfg, q, k, layout, scale=scale)
                 attend = partial(attend_positions, q, k, v, select(), scale)
             else:
-                select = partial(select_blocks, cfg, state.centroids, q, k, layout, scale=scale, verify=False)
+                select = partial(select_blocks, cfg, state.centroids, q, k, layout, scale=scale)
                 attention = {"triton": triton_attention.support_attention, "c": cpu_kernel.attend_support}.get(
                     kernel, attend_support
                 )
