@@ -196,3 +196,9 @@ def test_op_times_are_matched_to_their_support_and_use_the_decoding_kernel(monke
     assert asked == [("auto",)]
     effective = {97: 97, 200: 193}  # 200 is floored to whole blocks: 1 + 64 + 8 * 16
     assert times == {(n, "mean-pooled", s): n + effective[s] / 1000 for n in (300, 400) for s in (97, 200)}
+
+
+def test_h2o_answers_retrieval_trials_with_its_prefill_history(loaded):
+    rows, _, trials = run(loaded, supports=(97,), selectors=("h2o",), retrieval=1)
+    assert [r.retrieval_trials for r in rows] == [1]
+    assert any(t["selector"] == "h2o" and t["sparse_steps"] > 0 for t in trials)

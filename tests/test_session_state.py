@@ -316,3 +316,20 @@ def test_long_lived_session_equals_fresh_sessions_on_real_model(smollm2, reuse):
         assert torch.equal(long_lived.argmax(-1), fresh.argmax(-1)), case
         torch.testing.assert_close(long_lived, fresh, atol=1e-4, rtol=0, msg=case)
         assert oracles[0].max_error < 1e-4, case
+
+
+def test_generate_gives_h2o_the_prefill_history():
+    from sparsedecode.speculative import generate
+
+    model = tiny_model("llama")
+    ids = prompt(200)
+    cfg = SparseConfig(support=97, selector="h2o")
+    sparse = generate(model, ids, cfg, 12, mode="sparse")
+    with torch.no_grad(), sparse_decoding(model, cfg):
+        cache = DynamicCache(config=model.config)
+        tokens = [int(feed(model, cache, ids).argmax())]
+        for _ in range(11):
+            tokens.append(int(step(model, cache, tokens[-1]).argmax()))
+    assert sparse.tokens == tokens
+    dense = generate(model, ids, None, 12, mode="dense")
+    assert generate(model, ids, cfg, 12, mode="lossless", draft_tokens=3).tokens == dense.tokens

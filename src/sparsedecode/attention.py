@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AttentionInterface, Cache
+from transformers import AttentionInterface, Cache, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -718,3 +718,24 @@ def sparse_decoding(model: torch.nn.Module, config: SparseConfig | None = None, 
         for hook in hooks:
             hook.remove()
         _switch_off(model)
+
+
+PREFILL_CHUNK = 1024
+"""Tokens per forward of :func:`prefill_history` (the chunk :func:`~sparsedecode.compare.prefill` uses)."""
+
+
+@torch.no_grad()
+def prefill_history(model: torch.nn.Module, prompt_ids: torch.Tensor) -> dict[int, torch.Tensor]:
+    """H2O's history of a prompt: per layer ``(kv_heads, P)``, the attention each position received from the
+    prompt's queries during a dense prefill, summed over each GQA group.
+
+    Runs one more dense prefill (into a scratch cache), for a cache that was prefilled outside any session: give
+    the result to :meth:`SparseSession.adopt_history`. Attention probabilities are taken in bounded chunks.
+    """
+    cache = DynamicCache(config=model.config)
+    device = next(model.parameters()).device
+    with sparse_decoding(model, SparseConfig(selector="h2o")) as recorder:
+        for start in range(0, prompt_ids.shape[1], PREFILL_CHUNK):
+            chunk = prompt_ids[:, start : start + PREFILL_CHUNK].to(device)
+            model(input_ids=chunk, cache=cache, use_cache=True, logits_to_keep=1)
+    return recorder.attention_history()

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import DynamicCache
 
-from .attention import SparseSession, sparse_decoding
+from .attention import SparseSession, prefill_history, sparse_decoding
 from .config import SparseConfig
 from .diagnostics import (
     WARNING_MATCH_PERCENT,
@@ -216,13 +216,10 @@ def dense_reference(
     )
 
 
-def prefill_history(model: torch.nn.Module, reference: DenseReference) -> dict[int, torch.Tensor]:
-    """H2O's history of the reference's prompt (the attention each position received during its prefill, per layer
-    and KV head), from one more dense prefill inside a recording session; computed once per reference."""
+def _h2o_history(model: torch.nn.Module, reference: DenseReference) -> dict[int, torch.Tensor]:
+    """H2O's history of the reference's prompt (see :func:`~sparsedecode.attention.prefill_history`), once."""
     if reference.h2o_history is None:
-        with sparse_decoding(model, SparseConfig(selector="h2o")) as recorder:
-            prefill(model, reference.prompt_ids)
-        reference.h2o_history = recorder.attention_history()
+        reference.h2o_history = prefill_history(model, reference.prompt_ids)
     return reference.h2o_history
 
 
@@ -261,7 +258,7 @@ def compare(
     dense_tokens = reference.tokens[:tokens]
     cache, context = reference.cache, reference.context
     audit = MassAudit() if cfg.audit else None
-    history = prefill_history(model, reference) if cfg.selector == "h2o" else None  # H2O keeps the prefill's
+    history = _h2o_history(model, reference) if cfg.selector == "h2o" else None  # H2O keeps the prefill's
 
     started = time.perf_counter()
     with sparse_decoding(model, cfg) as session:
