@@ -117,8 +117,9 @@ def _fresh_step(session, state, query, keys, values, n, scale):
 def _op_bytes(cfg: SparseConfig, n: int, kv_heads: int, query_heads: int, d: int, element: int) -> tuple[int, int]:
     """Bytes one call must read: dense = all keys and values; sparse = what selection reads + support K/V.
 
-    Selection reads: float32 block statistics (+ a fingerprint) and the tail keys for ``mean-pooled`` (one
-    statistic) and ``quest`` (two); every key for the oracles and H2O; nothing for random blocks and streaming.
+    Selection reads: float32 block statistics and the tail keys for ``mean-pooled`` (one statistic) and ``quest``
+    (two); every key for the oracles; H2O's float32 history (one value per position); nothing for random blocks and
+    streaming.
     """
     layout = BlockLayout(n=n, window=cfg.window, block_size=cfg.block_size)
     query = query_heads * d * element
@@ -126,10 +127,12 @@ def _op_bytes(cfg: SparseConfig, n: int, kv_heads: int, query_heads: int, d: int
     support = 2 * kv_heads * cfg.effective_support * d * element
     if cfg.selector in STAT_KINDS:
         tail = (layout.distant_end - 1 - layout.n_full * cfg.block_size) * kv_heads * d * element
-        statistics = kv_heads * layout.n_full * (len(STAT_KINDS[cfg.selector]) * d + 1) * 4
+        statistics = kv_heads * layout.n_full * len(STAT_KINDS[cfg.selector]) * d * 4
         selection = statistics + tail
-    elif cfg.selector in ("oracle-blocks", "oracle-tokens", "h2o"):
+    elif cfg.selector in ("oracle-blocks", "oracle-tokens"):
         selection = kv_heads * n * d * element
+    elif cfg.selector == "h2o":
+        selection = kv_heads * n * 4
     else:
         selection = 0
     return dense, selection + support + query
@@ -196,9 +199,10 @@ def bench_op(
             state = LayerState(0, BlockCentroids(cfg.block_size, STAT_KINDS.get(selector, ("mean",))))
             q, k, v = query[0, :, 0], keys[0], values[0]
             state.centroids.update(k, layout.n_full)  # built once after prefill, as in decoding
+            history = state.history_until(n, k.shape[0], k.device).uniform_() if selector == "h2o" else None
             whole = partial(_fresh_step, session, state, query, keys, values, n, scale)
             if cfg.token_level:
-                select = partial(select_positions, cfg, q, k, layout, scale=scale)
+                select = partial(select_positions, cfg, q, k, layout, scale=scale, accumulated=history)
                 attend = partial(attend_positions, q, k, v, select(), scale)
             else:
                 select = partial(select_blocks, cfg, state.centroids, q, k, layout, scale=scale)
