@@ -47,7 +47,9 @@ def earlier_blocks_changed(ids: torch.Tensor, vocab: int) -> torch.Tensor:
     return changed
 
 
-def case_ops(name: str, cache_kind: str = "dynamic", *, length: int = 200, steps: int = 20, vocab: int = VOCAB):
+def case_ops(
+    name: str, cache_kind: str = "dynamic", *, length: int = 200, steps: int = 20, vocab: int = VOCAB, warm: int = 230
+):
     """The forwards of one case as a function ``model -> list of float32 logits`` (1-D, one per model call kept)."""
 
     def new_prompt(model):
@@ -65,7 +67,7 @@ def case_ops(name: str, cache_kind: str = "dynamic", *, length: int = 200, steps
     def earlier_blocks_differ(model):  # the warm-up prompt with only its early blocks changed
         out: list[torch.Tensor] = []
         cache = new_cache(model, cache_kind)
-        ids = earlier_blocks_changed(prompt(length + 30, seed=7, vocab=vocab), vocab)
+        ids = earlier_blocks_changed(prompt(warm, seed=7, vocab=vocab), vocab)
         decode(model, cache, feed(model, cache, ids), steps, out)
         return out
 
@@ -128,7 +130,7 @@ def case_ops(name: str, cache_kind: str = "dynamic", *, length: int = 200, steps
 
 
 def warm_up(model, *, length: int = 230, steps: int = 13, vocab: int = VOCAB):
-    """Another prompt decoded sparsely (13 steps: with R = 4 the reuse counter is mid-way)."""
+    """Another prompt decoded sparsely (an odd number of steps: with R = 4 the reuse counter is left mid-way)."""
     cache = DynamicCache(config=model.config)
     decode(model, cache, feed(model, cache, prompt(length, seed=7, vocab=vocab)), steps, [])
     return cache
@@ -309,9 +311,9 @@ def smollm2():
 def test_long_lived_session_equals_fresh_sessions_on_real_model(smollm2, reuse):
     vocab = smollm2.config.vocab_size
     cfg = SparseConfig(support=97, reuse=reuse)
-    warm = dict(length=230, steps=13, vocab=vocab)
+    warm = dict(length=160, steps=9, vocab=vocab)  # short contexts: S = 97 of 150-200 positions
     for case in CASES:
-        ops = case_ops(case, length=180, steps=16, vocab=vocab)
+        ops = case_ops(case, length=150, steps=10, vocab=vocab, warm=warm["length"])
         long_lived, fresh, oracles = long_lived_and_fresh(smollm2, cfg, ops, **warm)
         assert torch.equal(long_lived.argmax(-1), fresh.argmax(-1)), case
         torch.testing.assert_close(long_lived, fresh, atol=1e-4, rtol=0, msg=case)

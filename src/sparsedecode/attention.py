@@ -260,10 +260,10 @@ class LayerState:
         self.history = _with_columns(self.history, received.shape[0], m, torch.float32, received.device)
         self.history[:, :m] += received
 
-    def add_attention_at(self, index: torch.Tensor, weights: torch.Tensor) -> None:
-        """Add attention ``weights`` ``(kv, S)`` received by positions ``index`` ``(kv, S)`` to the H2O history."""
-        need = int(index.max()) + 1 if index.numel() else 0
-        self.history = _with_columns(self.history, index.shape[0], need, torch.float32, index.device)
+    def add_attention_at(self, index: torch.Tensor, weights: torch.Tensor, n: int) -> None:
+        """Add attention ``weights`` ``(kv, S)`` received by positions ``index`` ``(kv, S)``, all ``< n``, to the H2O
+        history."""
+        self.history = _with_columns(self.history, index.shape[0], n, torch.float32, index.device)
         self.history.scatter_add_(1, index, weights.float())
 
     def history_until(self, n: int, kv_heads: int, device: torch.device | str) -> torch.Tensor:
@@ -631,7 +631,7 @@ def sparse_decode_step(
     if cfg.token_level:
         if h2o:  # H2O accumulates the attention the step computed: over its support, as with eviction
             out, received = attend_positions(q, keys, values, index, scale, weights=True)
-            state.add_attention_at(index, received)
+            state.add_attention_at(index, received, n)
         else:
             out = attend_positions(q, keys, values, index, scale)
         valid = torch.ones_like(index, dtype=torch.bool)
