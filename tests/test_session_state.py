@@ -335,3 +335,20 @@ def test_generate_gives_h2o_the_prefill_history():
     assert sparse.tokens == tokens
     dense = generate(model, ids, None, 12, mode="dense")
     assert generate(model, ids, cfg, 12, mode="lossless", draft_tokens=3).tokens == dense.tokens
+
+
+def test_reset_forgets_everything_and_the_next_step_selects_afresh():
+    model = tiny_model("llama")
+    seen: list[int] = []
+    with torch.no_grad(), sparse_decoding(model, SparseConfig(support=97, reuse=4)) as session:
+        session.observers.append(lambda view: seen.append(view.step) if view.layer == 0 else None)
+        session.track_reads = True
+        cache = DynamicCache(config=model.config)
+        logits = decode(model, cache, feed(model, cache, prompt(200)), 6, [])
+        session.reset()
+        assert session.centroid_bytes() >= 0 and session.unique_distant_positions().numel() == 0
+        decode(model, cache, logits, 3, [])
+        state = session.layers[0]
+    assert seen == [1, 2, 3, 4, 5, 6, 1, 2, 3], "after reset the chain starts again"
+    # selections at N = 201 (steps 1 and 5 see 8 complete blocks) and, after the reset, at N = 207: 8 blocks again
+    assert state.centroids.computed == (201 - 64 - 1) // 16 + (207 - 64 - 1) // 16

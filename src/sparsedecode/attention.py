@@ -688,8 +688,10 @@ def sparse_decoding(model: torch.nn.Module, config: SparseConfig | None = None, 
     """Decode with sparse attention inside the ``with`` block; restore the model afterwards.
 
     ``config`` (or keyword overrides of :class:`SparseConfig` fields) sets the support. Prefill stays dense.
-    Works with ``model.generate`` and with manual loops over a ``DynamicCache``. Sessions are per context
-    (thread / asyncio task); nested sessions on different models are independent.
+    Works with ``model.generate`` and with manual loops over a ``DynamicCache`` (or any cache), across prompts,
+    crops and rollbacks: a forward pre-hook on each attention module (removed on exit) lets the session check the
+    cache before every append, so its state never outlives the keys it describes (see :class:`LayerState`).
+    Sessions are per context (thread / asyncio task); nested sessions on different models are independent.
 
     Example::
 
