@@ -108,10 +108,11 @@ def case_ops(
 
     def generate(model):  # model.generate inside the session, twice (two prompts)
         out: list[torch.Tensor] = []
-        for seed, size in ((8, length), (9, 92)):
+        for seed, size, new in ((8, length, steps), (9, 92, steps + 20)):  # the second one crosses S
             result = model.generate(
                 prompt(size, seed=seed, vocab=vocab),
-                max_new_tokens=steps,
+                max_new_tokens=new,
+                min_new_tokens=new,  # no early end of sequence: both sessions run every step
                 do_sample=False,
                 return_dict_in_generate=True,
                 output_logits=True,
