@@ -46,7 +46,7 @@ def test_bytes_accounting():
     dense, sparse = _op_bytes(cfg, 131072, 2, 14, 64, 4)
     assert dense == 2 * 2 * 131072 * 64 * 4 + 14 * 64 * 4
     blocks = (131072 - 64 - 1) // 16
-    expected = 2 * blocks * 65 * 4 + 15 * 2 * 64 * 4 + 2 * 2 * 193 * 64 * 4 + 14 * 64 * 4  # centroids, tail, support, q
+    expected = 2 * blocks * 64 * 4 + 15 * 2 * 64 * 4 + 2 * 2 * 193 * 64 * 4 + 14 * 64 * 4  # centroids, tail, support, q
     assert sparse == expected
     assert sparse < dense / 25
 

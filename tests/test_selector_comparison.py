@@ -245,3 +245,9 @@ def test_dense_by_construction_rows_stand_apart_and_old_comparisons_are_rebuilt(
     (tmp_path / "selectors.json").write_text("{}")
     assert main(["report", str(tmp_path)]) == 2
     assert "is not a selector comparison" in capsys.readouterr().err
+
+
+def test_h2o_answers_retrieval_trials_with_its_prefill_history(loaded):
+    rows, _, trials = run(loaded, supports=(97,), selectors=("h2o",), retrieval=1)
+    assert [r.retrieval_trials for r in rows] == [1]
+    assert any(t["selector"] == "h2o" and t["sparse_steps"] > 0 for t in trials)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_attention import Oracle, greedy_loop
 
-from sparsedecode import SparseConfig, compare, select_support, sparse_decoding
+from sparsedecode import SparseConfig, SparseDecodeError, compare, select_support, sparse_decoding
 from sparsedecode.config import BLOCK_SELECTORS, SELECTORS
 from sparsedecode.selectors import BlockLayout, group_attention, quest_scores
 
@@ -55,7 +55,15 @@ def test_oracles_capture_at_least_as_much_as_any_selector(problem):
         method: captured(
             queries,
             keys,
-            select_support(queries, keys, support=support, window=window, block_size=block, method=method),
+            select_support(
+                queries,
+                keys,
+                support=support,
+                window=window,
+                block_size=block,
+                method=method,
+                history=keys.sum(-1).abs() if method == "h2o" else None,  # any history: h2o ranks by it
+            ),
             window,
         )
         for method in SELECTORS
@@ -110,14 +118,68 @@ def test_every_selector_runs_the_protocol_with_a_clean_audit(selector):
     assert result.certificate_violations == 0
 
 
-def test_h2o_starts_as_oracle_tokens_and_then_uses_its_history():
+def _prefill_received(model, ids) -> list[torch.Tensor]:
+    """Per layer, the attention each position receives from every prompt query, summed over each KV group (float64),
+    from transformers' own eager attention weights: independent of sparsedecode."""
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            attentions = model(input_ids=ids, output_attentions=True).attentions
+    finally:
+        model.set_attn_implementation("sdpa")
+    kv_heads = model.config.num_key_value_heads
+    return [a[0].double().sum(dim=1).view(kv_heads, -1, ids.shape[1]).sum(dim=1) for a in attentions]
+
+
+@pytest.mark.parametrize("reuse", [1, 3])
+def test_h2o_keeps_the_heavy_hitters_of_earlier_steps_prefill_included(reuse):
+    """H2O as published: the distant positions kept at a selection are those of largest attention received from
+    every earlier query (the prefill's and each earlier step's, over that step's support), never the current
+    query's; the history is rebuilt here independently, in float64."""
     model = tiny_model("llama")
-    picks = {}
-    for selector in ("h2o", "oracle-tokens"):
-        record = []
-        with sparse_decoding(model, SparseConfig(support=97, selector=selector)) as session:
-            session.observers.append(lambda view, record=record: record.append(view.index.clone()))
-            greedy_loop(model, prompt(250), 12)
-        picks[selector] = record
-    assert torch.equal(picks["h2o"][0], picks["oracle-tokens"][0]), "no history at the first step"
-    assert any(not torch.equal(a, b) for a, b in zip(picks["h2o"], picks["oracle-tokens"]))
+    ids = prompt(250)
+    cfg = SparseConfig(support=97, selector="h2o", reuse=reuse)
+    history = _prefill_received(model, ids)
+    picks, checked = {}, []
+
+    def check(view) -> None:
+        expected = history[view.layer]
+        n, distant_end, m = view.layout.n, view.layout.distant_end, cfg.distant_positions
+        kept = view.index[:, 1 : 1 + m]
+        if (view.step - 1) % reuse == 0:  # a selection: the top m of the history over the distant region
+            for h in range(kept.shape[0]):
+                inside = torch.zeros(n, dtype=torch.bool)
+                inside[kept[h]] = True
+                weights = expected[h, :n]
+                others = weights[1:distant_end][~inside[1:distant_end]]
+                assert weights[kept[h]].min() >= others.max() - 1e-4, "kept positions are the heaviest so far"
+            checked.append(view.step)
+        picks.setdefault(view.layer, []).append(kept.clone())
+        # the step's own attention over its support joins the history after its selection
+        kv_heads, d = view.keys.shape[0], view.keys.shape[-1]
+        q = view.query.double().view(kv_heads, -1, d)
+        keys = view.keys.double().gather(1, view.index.unsqueeze(-1).expand(-1, -1, d))
+        probs = torch.softmax(torch.bmm(q, keys.transpose(1, 2)) * view.scaling, dim=-1).sum(dim=1)
+        grown = torch.zeros(kv_heads, n, dtype=torch.float64)
+        grown[:, : expected.shape[1]] = expected[:, :n]
+        history[view.layer] = grown.scatter_add_(1, view.index, probs)
+
+    with sparse_decoding(model, cfg) as session:
+        session.observers.append(check)
+        greedy_loop(model, ids, 12)
+    assert len(checked) == 2 * len(range(0, 12, reuse))
+    oracle = []
+    with sparse_decoding(model, SparseConfig(support=97, selector="oracle-tokens")) as session:
+        session.observers.append(lambda view: oracle.append(view.index[:, 1:33].clone()) if view.layer == 0 else None)
+        greedy_loop(model, ids, 1)
+    assert not torch.equal(picks[0][0], oracle[0]), "step 1 is not the current query's own top attention"
+
+
+def test_h2o_needs_a_history_outside_a_session():
+    q, k = torch.randn(4, 8), torch.randn(2, 300, 8)
+    with pytest.raises(SparseDecodeError, match="h2o"):
+        select_support(q, k, support=97, method="h2o")
+    heavy = torch.zeros(2, 300)
+    heavy[:, 10:42] = 1.0
+    for positions in select_support(q, k, support=97, method="h2o", history=heavy):
+        assert positions.tolist() == [0, *range(10, 42), *range(300 - 64, 300)]

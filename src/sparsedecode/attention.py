@@ -11,6 +11,10 @@ asyncio tasks do not see each other's sessions). Inside a session:
 * a decode step (one query token) with ``N <= effective support`` is dense SDPA, bit for bit;
 * a longer decode step selects blocks from cached block centroids, gathers the kept keys and values
   (anchor + chosen blocks + window) and attends over those alone, in float32.
+
+A session keeps per-layer state between calls (the selection being reused, the block-centroid cache, H2O's
+attention history, the positions read). :class:`LayerState` says why that state can never describe keys that are
+no longer in the cache, at a cost of O(1) per layer and step.
 """
 
 from __future__ import annotations
@@ -18,11 +22,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, Cache, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -33,6 +38,7 @@ from .errors import SparseDecodeError
 from .layout import BlockLayout, support_positions
 from .selectors import (
     STAT_KINDS,
+    causal_attention_received,
     group_attention,
     select_blocks,
     select_positions,
@@ -86,42 +92,213 @@ def _with_columns(
     return grown
 
 
+def _version(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter (bumped by every in-place write to it or to any view of its memory), or None
+    for tensors made under ``torch.inference_mode``, which carry none."""
+    return None if tensor.is_inference() else tensor._version
+
+
+def _root(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._base if tensor._base is not None else tensor
+
+
+@dataclass
+class KeyMark:
+    """Where the keys a layer's state was last derived from live, so that a later look can prove them unchanged.
+
+    ``root`` is a weak reference to the tensor owning that memory (the key tensor, or the base it is a view of):
+    while it lives no other tensor can own the same memory. ``tensor`` refers to the very key tensor object.
+    """
+
+    root: weakref.ref
+    tensor: weakref.ref
+    offset: int
+    stride: tuple[int, ...]
+    outer: tuple[int, ...]
+    length: int
+    version: int | None
+
+    @classmethod
+    def of(cls, keys: torch.Tensor, length: int) -> KeyMark:
+        """Mark the first ``length`` positions of ``keys`` ``(batch, kv_heads, >= length, d)``."""
+        outer = (*keys.shape[:-2], keys.shape[-1])
+        root = weakref.ref(_root(keys))
+        return cls(root, weakref.ref(keys), keys.storage_offset(), keys.stride(), outer, length, _version(keys))
+
+    def unchanged_prefix(self, keys: torch.Tensor) -> int:
+        """How many leading positions of ``keys`` are provably the marked ones, unwritten since (0: none).
+
+        ``keys`` must live in the marked memory (same owner, offset, strides and non-sequence shape), so its
+        position ``p < min(len, length)`` is the same memory as the marked position ``p``; and no write may have
+        touched that memory since (the version counter is shared by a tensor and all its views). Tensors without
+        a version counter (``torch.inference_mode``) must be the very tensor object marked.
+        """
+        root = self.root()
+        if root is None or _root(keys) is not root or keys.storage_offset() != self.offset:
+            return 0
+        if keys.stride() != self.stride or (*keys.shape[:-2], keys.shape[-1]) != self.outer:
+            return 0
+        version = _version(keys)
+        if version is None or self.version is None:
+            if keys is not self.tensor():
+                return 0
+        elif version != self.version:
+            return 0
+        return min(keys.shape[-2], self.length)
+
+
 @dataclass
 class LayerState:
-    """Per-layer state of one session: block-statistics cache, reuse bookkeeping, H2O history, reads.
+    """Per-layer state of one session: the selection being reused, block statistics, H2O history, reads.
 
-    ``blocks`` (block selectors) or ``positions`` (token-level selectors) is the current selection.
+    ``blocks`` (block selectors) or ``positions`` (token-level selectors) is the current selection, made at
+    decode step ``step`` of the current chain of sparse decode steps (its reuse counter). ``history`` holds, per
+    KV head and position, the attention that position received from every earlier query of the sequence that the
+    session computed, summed over the group's query heads (H2O's accumulated attention; ``h2o`` sessions only).
+    ``reads`` marks the distant positions each KV head has read (``track_reads``).
+
+    **Why this state is never stale.** All of it is derived from the layer's cached keys at positions
+    ``[0, seen)``. After every call the state marks the key tensor it was given (:class:`KeyMark`: its memory,
+    layout and version counter). Every forward pass through the attention module first runs a pre-hook
+    (:meth:`look`) that finds the same layer's key tensor in the cache *before* the cache appends the new tokens,
+    and asks how many of its leading positions are provably the marked ones, unwritten since:
+    ``unchanged``. The cache then appends the forward's tokens at ``start = N - q`` and leaves ``[0, start)``
+    alone (the contract of every cache ``update``). So at the call, the keys at ``[0, keep)``, ``keep = min(
+    unchanged, start, seen)``, are exactly those the state was derived from, and by induction over calls every
+    statistic of a block inside ``[0, keep)``, every history or read entry below ``keep`` is right; everything at
+    or past ``keep`` is dropped (:meth:`begin`). The reused selection is kept only by a decode step that continues
+    the chain exactly: the previous call on this layer was a sparse decode step of this cache, ending at
+    ``start`` (``keep == start == seen``). Hence:
+
+    * a new prompt (a new cache, a reset cache, or a prefill from position 0) keeps nothing;
+    * a crop or rollback (``DynamicCache.crop``, speculative decoding) keeps ``[0, start)`` and restarts the
+      reuse chain;
+    * dense steps (``N <= S``) end the chain: the first sparse step after them selects afresh;
+    * the same cache continued without a crop keeps everything, with no key re-read.
+
+    DynamicCache replaces its tensors on every append (``torch.cat``) and crops by slicing (a view of the same
+    memory); :class:`~sparsedecode.cache.GrowingCache` writes in place (the version counter moves with each
+    append); a StaticCache keeps one buffer. All three are recognised. What the argument assumes: a cache's
+    ``update`` appends at ``start`` without touching ``[0, start)``; memory is written by ordinary torch
+    operations (not through ``.data`` or foreign pointers); and, under ``torch.inference_mode`` (no version
+    counters), nobody writes into a cache tensor in place between forwards.
+
+    H2O across a crop: the history of the remaining positions keeps the attention that removed tokens paid them
+    (undoing it would mean storing every step's attention). A forward the session did not see (a prefill outside
+    the session) leaves H2O without history for those positions: ``history_complete`` turns false and an ``h2o``
+    sparse step refuses to run (:meth:`SparseSession.adopt_history` supplies one).
+
+    Cost per layer and decode step: the pre-hook and this bookkeeping are O(1) (a weak-reference lookup and a
+    comparison of the tensor's offset, strides, shape and version counter; no key is read). After a change only
+    what lies past ``keep`` is recomputed: the statistics of the blocks past it, at the next sparse step.
     """
 
     layer: int
     centroids: BlockCentroids
     step: int = 0
-    last_n: int = -1
     blocks: torch.Tensor | None = None
     positions: torch.Tensor | None = None
-    accumulated: torch.Tensor | None = None
-    read_lengths: torch.Tensor | None = None
-    read_positions: torch.Tensor | None = None
+    history: torch.Tensor | None = None
+    history_complete: bool = True
+    reads: torch.Tensor | None = None
+    seen: int = 0
+    chained: bool = False
+    mark: KeyMark | None = None
+    unchanged: int = 0
 
-    def note_positions(self, index: torch.Tensor, layout: BlockLayout) -> None:
-        """Remember which distant positions each KV head read (token-level selectors)."""
-        self.read_positions = _with_columns(self.read_positions, index.shape[0], layout.n, torch.bool, index.device)
+    def look(self, cache: object) -> None:
+        """Pre-hook half: how much of what this state describes ``cache`` still holds, before it appends."""
+        self.unchanged = 0
+        layers = getattr(cache, "layers", None)
+        if self.mark is None or layers is None or self.layer >= len(layers):
+            return
+        keys = getattr(layers[self.layer], "keys", None)
+        if isinstance(keys, torch.Tensor) and keys.dim() == 4:
+            self.unchanged = self.mark.unchanged_prefix(keys)
+
+    def begin(self, start: int, q_len: int) -> None:
+        """A forward of ``q_len`` tokens at positions ``start ..`` begins: drop what may be stale (see the class)."""
+        keep = min(self.unchanged, start, self.seen)
+        self.unchanged = 0
+        continues = q_len == 1 and self.chained and keep == start == self.seen
+        if keep < self.seen:
+            self.forget_from(keep)
+        if start == 0:
+            self.history_complete = True
+        elif keep < start:  # positions [keep, start) were written by forwards this session did not see
+            self.history_complete = False
+        if not continues:
+            self.step, self.blocks, self.positions = 0, None, None
+        self.seen, self.chained = keep, False
+
+    def end(self, keys: torch.Tensor, n: int, *, chained: bool = False) -> None:
+        """The call is over: the state now describes the first ``n`` positions of ``keys`` ``(1, kv, >= n, d)``."""
+        self.mark, self.seen, self.chained = KeyMark.of(keys, n), n, chained
+
+    def forget_from(self, keep: int) -> None:
+        """Drop everything derived from positions ``>= keep``."""
+        self.centroids.truncate((keep - 1) // self.centroids.block_size)
+        if keep == 0:
+            self.history, self.reads = None, None
+        else:
+            if self.history is not None:
+                self.history[:, keep:] = 0
+            if self.reads is not None:
+                self.reads[:, keep:] = False
+        self.seen = min(self.seen, keep)
+
+    def forget(self) -> None:
+        """Drop all state (the next forward starts from nothing)."""
+        self.forget_from(0)
+        self.step, self.blocks, self.positions = 0, None, None
+        self.mark, self.seen, self.chained, self.unchanged = None, 0, False, 0
+        self.history_complete = True
+
+    def add_attention(self, received: torch.Tensor) -> None:
+        """Add attention received by positions ``[0, m)`` ``(kv, m)`` to the H2O history."""
+        m = received.shape[1]
+        self.history = _with_columns(self.history, received.shape[0], m, torch.float32, received.device)
+        self.history[:, :m] += received
+
+    def add_attention_at(self, index: torch.Tensor, weights: torch.Tensor, n: int) -> None:
+        """Add attention ``weights`` ``(kv, S)`` received by positions ``index`` ``(kv, S)``, all ``< n``, to the H2O
+        history."""
+        self.history = _with_columns(self.history, index.shape[0], n, torch.float32, index.device)
+        self.history.scatter_add_(1, index, weights.float())
+
+    def history_until(self, n: int, kv_heads: int, device: torch.device | str) -> torch.Tensor:
+        """The H2O history over positions ``[0, n)``: ``(kv, n)`` float32 (zeros where nothing was received)."""
+        self.history = _with_columns(self.history, kv_heads, n, torch.float32, device)
+        return self.history[:, :n]
+
+    def note_positions(self, index: torch.Tensor, layout: BlockLayout, valid: torch.Tensor | None = None) -> None:
+        """Remember which distant positions each KV head read: ``index`` ``(kv, S)`` (``valid`` masks it)."""
+        self.reads = _with_columns(self.reads, index.shape[0], layout.n, torch.bool, index.device)
         distant = (index >= 1) & (index < layout.distant_end)
-        self.read_positions.scatter_(1, index.masked_fill(~distant, 0), True)
-        self.read_positions[:, 0] = False
+        if valid is not None:
+            distant &= valid
+        self.reads.scatter_(1, index.masked_fill(~distant, 0), True)
+        self.reads[:, 0] = False
 
-    def accumulate(self, weights: torch.Tensor) -> torch.Tensor:
-        """Add this step's attention ``(kv, n)`` to the H2O history and return the history over ``[0, n)``."""
-        n = weights.shape[1]
-        self.accumulated = _with_columns(self.accumulated, weights.shape[0], n, torch.float32, weights.device)
-        self.accumulated[:, :n] += weights
-        return self.accumulated[:, :n]
+    def note_reads(self, blocks: torch.Tensor, layout: BlockLayout) -> None:
+        """Remember the distant positions of the chosen ``blocks`` ``(kv, b)`` as read."""
+        index, valid = support_positions(blocks, layout)
+        self.note_positions(index, layout, valid)
 
-    def note_reads(self, blocks: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Remember the longest extent of each distant block read so far, per KV head."""
-        need = int(blocks.max()) + 1 if blocks.numel() else 0
-        self.read_lengths = _with_columns(self.read_lengths, blocks.shape[0], need, torch.long)
-        self.read_lengths.scatter_reduce_(1, blocks.cpu(), lengths.cpu(), reduce="amax")
+    def note_all_distant(self, kv_heads: int, layout: BlockLayout, device: torch.device | str) -> None:
+        """A dense step read every distant position ``[1, N - W)``."""
+        self.reads = _with_columns(self.reads, kv_heads, layout.n, torch.bool, device)
+        self.reads[:, 1 : layout.distant_end] = True
+
+
+_CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value")
+
+
+def _cache_argument(args: tuple, kwargs: dict) -> object | None:
+    for name in _CACHE_ARGUMENTS:
+        if kwargs.get(name) is not None:
+            return kwargs[name]
+    return next((arg for arg in args if isinstance(arg, Cache)), None)
 
 
 @dataclass
@@ -154,23 +331,55 @@ class SparseSession:
             state = self.layers[layer] = LayerState(layer, BlockCentroids(self.config.block_size, kinds))
         return state
 
+    def look(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook of every attention module the session owns (see :meth:`LayerState.look`)."""
+        active = _ACTIVE.get()
+        entry = active.get(id(module)) if active else None
+        if entry is not None and entry[0] is self:
+            entry[1].look(_cache_argument(args, kwargs))
+
     def unique_distant_positions(self) -> torch.Tensor:
-        """Distinct distant positions read so far, per (layer, KV head): ``(layers, kv_heads)`` long."""
-        rows = [
-            (s.read_lengths.sum(dim=1) if s.read_lengths is not None else 0)
-            + (s.read_positions.sum(dim=1) if s.read_positions is not None else 0)
-            for _, s in sorted(self.layers.items())
-            if s.read_lengths is not None or s.read_positions is not None
-        ]
+        """Distinct distant positions of the current sequence read so far, per (layer, KV head): ``(layers, kv)``.
+
+        A position read at several steps (dense or sparse) counts once, so no entry exceeds ``N - W - 1``.
+        """
+        rows = [s.reads.sum(dim=1).cpu() for _, s in sorted(self.layers.items()) if s.reads is not None]
         return torch.stack(rows) if rows else torch.zeros(0, 0, dtype=torch.long)
 
     def centroid_bytes(self) -> int:
         """Bytes held by the block-centroid caches of all layers."""
         return sum(s.centroids.nbytes for s in self.layers.values())
 
+    def attention_history(self) -> dict[int, torch.Tensor]:
+        """H2O's history per layer ``(kv, N)``: what the session's forwards so far (a prefill) paid each position."""
+        return {
+            layer: s.history[:, : s.seen].clone()
+            for layer, s in self.layers.items()
+            if s.history is not None and s.history_complete
+        }
+
+    def adopt_history(self, cache: Cache, history: dict[int, torch.Tensor]) -> None:
+        """Take ``history`` (from :meth:`attention_history` of a session that ran the same prefill) as H2O's history
+        of the sequence ``cache`` holds now; the caller vouches that it holds that prefill. Other state is dropped.
+        """
+        for layer, received in history.items():
+            state = self.layers.get(layer)
+            length = cache.get_seq_length(layer)
+            if state is None:
+                continue
+            if received.shape[1] != length:
+                raise SparseDecodeError(
+                    f"layer {layer}: the history covers {received.shape[1]} positions, the cache holds {length}"
+                )
+            keys = cache.layers[layer].keys
+            state.forget()
+            state.history = received.to(device=keys.device, dtype=torch.float32).clone()
+            state.end(keys, length)
+
     def reset(self) -> None:
-        """Forget all per-generation state (centroids, reuse, read counts)."""
-        self.layers.clear()
+        """Forget all per-generation state (selections, centroids, history, read counts)."""
+        for state in self.layers.values():
+            state.forget()
 
 
 SHORT_FORWARD = 32
@@ -223,34 +432,64 @@ def sparse_attention_forward(
     """transformers attention function: dense SDPA, or sparse decode inside an active session."""
     active = _ACTIVE.get()
     entry = active.get(id(module)) if active else None
-    if entry is not None and query.shape[2] != 1:
-        entry[1].last_n = -1  # a multi-token forward (prefill, verification) breaks the chain of decode steps
-        if query.shape[0] == 1 and query.shape[2] <= SHORT_FORWARD and kwargs.get("sliding_window") is None:
-            return dense_short_forward(query, key, value, _context_length(key, kwargs), scaling), None
-    if entry is None or query.shape[2] != 1:
+    if entry is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     session, state = entry
+    q_len = query.shape[2]
     if query.shape[0] != 1:
-        raise SparseDecodeError(f"sparse decoding supports batch size 1 only (got batch {query.shape[0]})")
+        if q_len == 1:
+            raise SparseDecodeError(f"sparse decoding supports batch size 1 only (got batch {query.shape[0]})")
+        state.forget()  # a batched prefill: nothing this state could describe
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    n = _context_length(key, kwargs)
+    sliding = kwargs.get("sliding_window")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    state.begin(n - q_len, q_len)
+    h2o = session.config.selector == "h2o"
+    if q_len != 1:  # prefill, chunked prefill, speculative verification: dense
+        if q_len <= SHORT_FORWARD and sliding is None:
+            out = dense_short_forward(query, key, value, n, scaling)
+        else:
+            out = sdpa_attention_forward(
+                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+            )[0]
+        if h2o:
+            _remember_attention(
+                state, key, n, lambda: causal_attention_received(query[0], key[0, :, :n], n - q_len, scale)
+            )
+        state.end(key, n)
+        return out, None
     if kwargs.get("softcap") is not None:
         raise SparseDecodeError("sparse decoding does not support attention logit soft-capping yet")
-    n = _context_length(key, kwargs)
     cfg = session.config
-    sliding = kwargs.get("sliding_window")
     if n <= cfg.effective_support or (sliding is not None and n > sliding):
         session.dense_steps += 1
-        layout = BlockLayout(n=n, window=cfg.window, block_size=cfg.block_size)
-        if session.track_reads and layout.n_blocks:
-            every = torch.arange(layout.n_blocks).expand(key.shape[1], -1)
-            state.note_reads(every, layout.block_lengths(every))
-        state.last_n = n
+        if session.track_reads:
+            state.note_all_distant(
+                key.shape[1], BlockLayout(n=n, window=cfg.window, block_size=cfg.block_size), key.device
+            )
+        if h2o:
+            _remember_attention(state, key, n, lambda: group_attention(query[0, :, 0], key[0, :, :n], scale))
+        state.end(key, n)
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     session.sparse_steps += 1
-    return sparse_decode_step(session, state, query, key, value, n, scaling), None
+    out = sparse_decode_step(session, state, query, key, value, n, scaling)
+    state.end(key, n, chained=True)
+    return out, None
+
+
+def _remember_attention(state: LayerState, key: torch.Tensor, n: int, received: Callable[[], torch.Tensor]) -> None:
+    """Add a dense forward's attention to the H2O history where the key tensor holds every position."""
+    if key.shape[2] >= n:
+        state.add_attention(received())
+    else:  # a sliding-window layer's cache keeps only its window: no history here
+        state.history_complete = False
 
 
 def _gather_support(cache: torch.Tensor, blocks: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
@@ -267,18 +506,31 @@ def _gather_support(cache: torch.Tensor, blocks: torch.Tensor, layout: BlockLayo
     return torch.cat([cache[:, :1], picked, cache[:, layout.distant_end : layout.n]], dim=1)
 
 
-def attend_positions(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, scale: float):
+def attend_positions(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    index: torch.Tensor,
+    scale: float,
+    *,
+    weights: bool = False,
+):
     """Attention over arbitrary positions ``index`` ``(kv, S)`` of each KV head (token-level selectors).
 
-    Returns ``(query_heads, dv)`` float32, ``dv`` the value head dim (which may differ from the key head dim).
+    Returns the output ``(query_heads, dv)`` in float32, ``dv`` the value head dim (which may differ from the key
+    head dim); with ``weights=True`` also the attention probabilities summed over each group's query heads,
+    ``(kv, S)`` (what H2O accumulates).
     """
     query_heads, d = q.shape
     kv_heads = keys.shape[0]
     kept_keys, kept_values = _gather_positions(keys, index), _gather_positions(values, index)
     qg = q.float().view(kv_heads, query_heads // kv_heads, d)
-    return torch.nn.functional.scaled_dot_product_attention(qg, kept_keys, kept_values, scale=scale).reshape(
-        query_heads, -1
-    )
+    if not weights:
+        return torch.nn.functional.scaled_dot_product_attention(qg, kept_keys, kept_values, scale=scale).reshape(
+            query_heads, -1
+        )
+    probs = torch.softmax(torch.bmm(qg, kept_keys.transpose(1, 2)).mul_(scale), dim=-1)
+    return torch.bmm(probs, kept_values).reshape(query_heads, -1), probs.sum(dim=1)
 
 
 def _gather_positions(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -335,31 +587,34 @@ def sparse_decode_step(
     n: int,
     scaling: float | None,
 ) -> torch.Tensor:
-    """One sparse decode step of one layer: ``query (1, H, 1, d)``, ``key/value (1, KVH, >= n, d)``."""
+    """One sparse decode step of one layer: ``query (1, H, 1, d)``, ``key/value (1, KVH, >= n, d)``.
+
+    Selects afresh at the first step of a chain of sparse steps and every ``reuse`` steps after it; otherwise
+    reuses ``state``'s selection (the window still slides). ``state`` must describe these keys (the attention
+    function sees to that, see :class:`LayerState`).
+    """
     cfg = session.config
     q = query[0, :, 0, :]
     keys, values = key[0], value[0]
     query_heads, d = q.shape
     scale = scaling if scaling is not None else d**-0.5
     layout = BlockLayout(n=n, window=cfg.window, block_size=cfg.block_size)
-
-    follows = n == state.last_n + 1  # the previous call on this layer was the decode step at n - 1
-    if not follows:
-        state.step, state.blocks, state.positions, state.accumulated = 0, None, None, None
-    fresh = state.step % cfg.reuse == 0 or (state.blocks is None and state.positions is None)
-    if cfg.selector == "h2o":  # the history gathers every decode step's attention, reused or not
-        history = state.accumulate(group_attention(q, keys[:, :n], scale))
-    if fresh and cfg.token_level:
-        index = select_positions(
-            cfg, q, keys, layout, scale=scale, accumulated=history if cfg.selector == "h2o" else None
+    h2o = cfg.selector == "h2o"
+    if h2o and not state.history_complete:
+        raise SparseDecodeError(
+            "h2o needs the attention every position received since the prompt began, but this session did not "
+            "see the forwards that filled part of the cache: run the prefill inside the sparse_decoding session, "
+            "or give the session its history with session.adopt_history(cache, history)"
         )
+
+    fresh = state.step % cfg.reuse == 0 or (state.blocks is None and state.positions is None)
+    if fresh and cfg.token_level:
+        history = state.history_until(n, keys.shape[0], keys.device) if h2o else None  # earlier queries only
+        index = select_positions(cfg, q, keys, layout, scale=scale, accumulated=history)
         state.positions = index[:, 1 : 1 + cfg.distant_positions]
     elif fresh:
-        state.blocks = select_blocks(
-            cfg, state.centroids, q, keys, layout, scale=scale, salt=state.layer, verify=not follows
-        )
+        state.blocks = select_blocks(cfg, state.centroids, q, keys, layout, scale=scale, salt=state.layer)
     state.step += 1
-    state.last_n = n
 
     blocks = state.blocks
     if cfg.selector == "streaming":
@@ -367,14 +622,18 @@ def sparse_decode_step(
     elif cfg.token_level:
         index = token_index(state.positions, layout)  # reused distant positions, the window slides
     if cfg.token_level:
-        out = attend_positions(q, keys, values, index, scale)
+        if h2o:  # H2O accumulates the attention the step computed: over its support, as with eviction
+            out, received = attend_positions(q, keys, values, index, scale, weights=True)
+            state.add_attention_at(index, received, n)
+        else:
+            out = attend_positions(q, keys, values, index, scale)
         valid = torch.ones_like(index, dtype=torch.bool)
         if session.track_reads:
             state.note_positions(index, layout)
     else:
         out = _attend_blocks(cfg, q, keys, values, blocks, layout, scale)
         if session.track_reads:
-            state.note_reads(blocks, layout.block_lengths(blocks))
+            state.note_reads(blocks, layout)
     if session.observers:
         if blocks is not None:
             index, valid = support_positions(blocks, layout)
@@ -422,8 +681,10 @@ def sparse_decoding(model: torch.nn.Module, config: SparseConfig | None = None, 
     """Decode with sparse attention inside the ``with`` block; restore the model afterwards.
 
     ``config`` (or keyword overrides of :class:`SparseConfig` fields) sets the support. Prefill stays dense.
-    Works with ``model.generate`` and with manual loops over a ``DynamicCache``. Sessions are per context
-    (thread / asyncio task); nested sessions on different models are independent.
+    Works with ``model.generate`` and with manual loops over a ``DynamicCache`` (or any cache), across prompts,
+    crops and rollbacks: a forward pre-hook on each attention module (removed on exit) lets the session check the
+    cache before every append, so its state never outlives the keys it describes (see :class:`LayerState`).
+    Sessions are per context (thread / asyncio task); nested sessions on different models are independent.
 
     Example::
 
@@ -439,18 +700,39 @@ def sparse_decoding(model: torch.nn.Module, config: SparseConfig | None = None, 
     check_config(config, "sparse_decoding")
     register()
     session = SparseSession(config=config, model=model)
-    owned = {
-        id(module): (session, session.layer_state(module))
-        for module in model.modules()
-        if hasattr(module, "layer_idx") and hasattr(module, "config")
-    }
-    if not owned:
+    modules = [module for module in model.modules() if hasattr(module, "layer_idx") and hasattr(module, "config")]
+    if not modules:
         raise SparseDecodeError(f"{type(model).__name__} has no attention layers with a layer_idx to hook into")
+    owned = {id(module): (session, session.layer_state(module)) for module in modules}
     _switch_on(model)
+    hooks = [module.register_forward_pre_hook(session.look, with_kwargs=True) for module in modules]
     active = _ACTIVE.get() or {}
     token = _ACTIVE.set({**active, **owned})
     try:
         yield session
     finally:
         _ACTIVE.reset(token)
+        for hook in hooks:
+            hook.remove()
         _switch_off(model)
+
+
+PREFILL_CHUNK = 1024
+"""Tokens per forward of :func:`prefill_history` (the chunk :func:`~sparsedecode.compare.prefill` uses)."""
+
+
+@torch.no_grad()
+def prefill_history(model: torch.nn.Module, prompt_ids: torch.Tensor) -> dict[int, torch.Tensor]:
+    """H2O's history of a prompt: per layer ``(kv_heads, P)``, the attention each position received from the
+    prompt's queries during a dense prefill, summed over each GQA group.
+
+    Runs one more dense prefill (into a scratch cache), for a cache that was prefilled outside any session: give
+    the result to :meth:`SparseSession.adopt_history`. Attention probabilities are taken in bounded chunks.
+    """
+    cache = DynamicCache(config=model.config)
+    device = next(model.parameters()).device
+    with sparse_decoding(model, SparseConfig(selector="h2o")) as recorder:
+        for start in range(0, prompt_ids.shape[1], PREFILL_CHUNK):
+            chunk = prompt_ids[:, start : start + PREFILL_CHUNK].to(device)
+            model(input_ids=chunk, cache=cache, use_cache=True, logits_to_keep=1)
+    return recorder.attention_history()

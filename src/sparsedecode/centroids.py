@@ -6,10 +6,10 @@ statistics instead of ``N`` keys. One :class:`BlockCentroids` serves one layer o
 lazily at the first sparse decode step after prefill (reading the prefix keys once) and extended by one block
 every ``B`` tokens afterwards.
 
-Staleness is detected rather than assumed away: every stored block carries a fingerprint (the float32 sum
-of its last key). Because a key depends only on the tokens before it, a block whose last key still
-matches is still valid; a new prompt, a cropped or rolled-back cache, or another sequence changes the
-fingerprint of the last stored block, and the cache then drops every block from the first mismatch on.
+The cache itself cannot tell whether the keys it summarised are still the keys in the KV cache: a new prompt, a
+crop or a rollback changes them behind its back. Validity is decided by its owner, the session's layer state
+(:class:`~sparsedecode.attention.LayerState`), which proves how many leading cache positions are unchanged since it
+last looked and calls :meth:`BlockCentroids.truncate` before every update; see that class for the argument.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ class BlockCentroids:
 
     ``kinds`` names the statistics kept (``("mean",)`` by default: the centroids). Memory per statistic:
     ``kv_heads * capacity * d`` float32 values, about ``1/B`` of a float32 key cache (``2/B`` of a
-    half-precision one), plus one fingerprint per block. Capacity grows by doubling, so appends are amortised
-    O(d) per token.
+    half-precision one). Capacity grows by doubling, so appends are amortised O(d) per token. The owner must call
+    :meth:`truncate` whenever keys may have changed; the cache trusts every stored block otherwise.
     """
 
     def __init__(self, block_size: int, kinds: tuple[str, ...] = ("mean",)) -> None:
@@ -42,61 +42,45 @@ class BlockCentroids:
         self.block_size = block_size
         self.kinds = kinds
         self.count = 0
+        self.computed = 0  # block statistics computed from keys so far (each block once, unless truncated)
         self._stats: dict[str, torch.Tensor] = {}
-        self._prints: torch.Tensor | None = None
-        self.rebuilds = 0
 
     @property
     def nbytes(self) -> int:
-        if self._prints is None:
-            return 0
-        return sum(t.nelement() * 4 for t in self._stats.values()) + self._prints.nelement() * 4
+        return sum(t.nelement() * 4 for t in self._stats.values())
 
-    def _fingerprints(self, keys: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        """Float32 sum of the last key of blocks ``start .. stop - 1``: ``(kv_heads, stop - start)``."""
-        block = self.block_size
-        lasts = keys[:, block * (start + 1) : block * stop + 1 : block]
-        return lasts.float().sum(dim=-1)
+    @property
+    def capacity(self) -> int:
+        return next(iter(self._stats.values())).shape[2] if self._stats else 0
 
-    def _drop_stale(self, keys: torch.Tensor, n_full: int) -> None:
-        self.count = min(self.count, n_full)
-        if self.count == 0:
-            return
-        last = self._fingerprints(keys, self.count - 1, self.count)
-        if torch.equal(last, self._prints[:, self.count - 1 : self.count]):
-            return
-        same = (self._fingerprints(keys, 0, self.count) == self._prints[:, : self.count]).all(dim=0)
-        mismatch = (~same).nonzero()
-        self.count = int(mismatch[0]) if len(mismatch) else self.count
-        self.rebuilds += 1
+    def truncate(self, count: int) -> None:
+        """Keep only the statistics of blocks ``0 .. count - 1`` (the owner vouches for their keys)."""
+        self.count = max(0, min(self.count, count))
 
     def _reserve(self, keys: torch.Tensor, n: int) -> None:
         kv_heads, _, d = keys.shape
-        capacity = 0 if self._prints is None else self._prints.shape[1]
+        capacity = self.capacity
         if n <= capacity and next(iter(self._stats.values())).shape[:2] == (kv_heads, d):
             return
+        if capacity and next(iter(self._stats.values())).shape[:2] != (kv_heads, d):
+            self.count = 0  # keys of another shape: nothing stored describes them
         new_capacity = max(n, 2 * capacity, 64)
-        prints = torch.empty(kv_heads, new_capacity, dtype=torch.float32, device=keys.device)
         stats = {
             kind: torch.empty(kv_heads, d, new_capacity, dtype=torch.float32, device=keys.device) for kind in self.kinds
         }
         if self.count:
-            prints[:, : self.count] = self._prints[:, : self.count]
             for kind, old in self._stats.items():
                 stats[kind][:, :, : self.count] = old[:, :, : self.count]
-        self._stats, self._prints = stats, prints
+        self._stats = stats
 
-    def update_all(self, keys: torch.Tensor, n_full: int, *, verify: bool = True) -> dict[str, torch.Tensor]:
+    def update_all(self, keys: torch.Tensor, n_full: int) -> dict[str, torch.Tensor]:
         """Statistics of blocks ``0 .. n_full - 1`` for ``keys`` of shape ``(kv_heads, N, d)``.
 
         Returns ``(kv_heads, n_full, d)`` float32 views into the cache (valid until the next update), one per
         kind. The storage is ``(kv_heads, d, capacity)``, so a query against all blocks reads contiguous rows.
-        ``verify=False`` skips the fingerprint check (for a step that directly follows the previous one).
+        Blocks already stored are trusted (see :meth:`truncate`), also those past ``n_full`` (kept for when the
+        context grows back); only blocks ``count .. n_full - 1`` read keys.
         """
-        if verify:
-            self._drop_stale(keys, n_full)
-        else:
-            self.count = min(self.count, n_full)
         if self.count < n_full:
             self._reserve(keys, n_full)
             kv_heads, _, d = keys.shape
@@ -105,13 +89,13 @@ class BlockCentroids:
             new = keys[:, start:stop].float().reshape(kv_heads, n_full - self.count, block, d)
             for kind, stored in self._stats.items():
                 stored[:, :, self.count : n_full] = reduce_blocks(new, kind).transpose(1, 2)
-            self._prints[:, self.count : n_full] = self._fingerprints(keys, self.count, n_full)
+            self.computed += n_full - self.count
             self.count = n_full
-        if self._prints is None:
+        if not self._stats:
             empty = keys.new_zeros(keys.shape[0], 0, keys.shape[2], dtype=torch.float32)
             return {kind: empty for kind in self.kinds}
         return {kind: stored[:, :, :n_full].transpose(1, 2) for kind, stored in self._stats.items()}
 
-    def update(self, keys: torch.Tensor, n_full: int, *, verify: bool = True) -> torch.Tensor:
+    def update(self, keys: torch.Tensor, n_full: int) -> torch.Tensor:
         """The first statistic (the centroids, by default) of blocks ``0 .. n_full - 1``; see :meth:`update_all`."""
-        return self.update_all(keys, n_full, verify=verify)[self.kinds[0]]
+        return self.update_all(keys, n_full)[self.kinds[0]]

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import DynamicCache
 
-from .attention import SparseSession, sparse_decoding
+from .attention import SparseSession, prefill_history, sparse_decoding
 from .config import SparseConfig
 from .diagnostics import (
     WARNING_MATCH_PERCENT,
@@ -55,7 +55,7 @@ class DenseReference:
     ``tokens[0]`` is the first generated token (from prefill logits); ``nll[i]`` is the dense model's NLL of
     ``tokens[i]``; ``logits[s - 1]`` are the float32 logits of decode step ``s`` (fed ``tokens[s - 1]``,
     predicting ``tokens[s]``), kept for the margin certificate. The prefilled ``cache`` holds exactly the
-    prompt between runs.
+    prompt between runs. ``h2o_history`` is H2O's history of the prefill, computed by the first ``h2o`` run.
     """
 
     prompt_ids: torch.Tensor
@@ -65,6 +65,7 @@ class DenseReference:
     prefill_s: float
     decode_s: float
     logits: torch.Tensor = field(repr=False)
+    h2o_history: dict[int, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def context(self) -> int:
@@ -270,6 +271,13 @@ def dense_reference(
     )
 
 
+def _h2o_history(model: torch.nn.Module, reference: DenseReference) -> dict[int, torch.Tensor]:
+    """H2O's history of the reference's prompt (see :func:`~sparsedecode.attention.prefill_history`), once."""
+    if reference.h2o_history is None:
+        reference.h2o_history = prefill_history(model, reference.prompt_ids)
+    return reference.h2o_history
+
+
 def _check_tokens(tokens: int) -> None:
     if not isinstance(tokens, int) or tokens < 2:
         raise SparseDecodeError(f"tokens must be an integer >= 2 (got {tokens!r}): step 1 is shared with dense")
@@ -311,9 +319,12 @@ def compare(
     dense_tokens = reference.tokens[:tokens]
     cache, context = reference.cache, reference.context
     audit = MassAudit() if cfg.audit else None
+    history = _h2o_history(model, reference) if cfg.selector == "h2o" else None  # H2O keeps the prefill's
 
     started = time.perf_counter()
     with sparse_decoding(model, cfg) as session:
+        if history is not None:
+            session.adopt_history(cache, history)
         session.track_reads = True
         if audit is not None:
             session.observers.append(audit)
@@ -330,6 +341,8 @@ def compare(
     teacher_logits: list[torch.Tensor] = []
     started = time.perf_counter()
     with sparse_decoding(model, cfg) as teacher_session:
+        if history is not None:
+            teacher_session.adopt_history(cache, history)
         if session_hook:
             session_hook("teacher", teacher_session)
         forced, sparse_nll = greedy_decode(

@@ -99,11 +99,41 @@ def quest_scores(query_means: torch.Tensor, mins: torch.Tensor, maxs: torch.Tens
 def group_attention(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
     """True attention probabilities of each query head over all ``N`` keys, summed over each GQA group.
 
-    ``(query_heads, d), (kv, N, d) -> (kv, N)`` float32. This reads every key: oracles and H2O only.
+    ``(query_heads, d), (kv, N, d) -> (kv, N)`` float32. This reads every key: the oracles (and H2O's history at
+    steps that are dense anyway).
     """
     kv_heads, _, d = keys.shape
     qg = queries.float().view(kv_heads, -1, d)
     return torch.softmax(torch.bmm(qg, keys.float().transpose(1, 2)) * scale, dim=-1).sum(dim=1)
+
+
+CAUSAL_CHUNK_ELEMENTS = 1 << 24
+"""Attention probabilities held at once by :func:`causal_attention_received` (64 MiB of float32)."""
+
+
+def causal_attention_received(queries: torch.Tensor, keys: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """Attention each key receives from a run of consecutive queries, summed over the queries and each GQA group.
+
+    ``queries`` ``(query_heads, q, d)`` sit at positions ``start .. start + q - 1``; ``keys`` ``(kv, N, d)`` with
+    ``N = start + q``; query ``i`` sees keys ``0 .. start + i`` (causal). Returns ``(kv, N)`` float32: H2O's
+    accumulated attention for a prefill (or any multi-token forward). Queries are taken in chunks so that at most
+    :data:`CAUSAL_CHUNK_ELEMENTS` probabilities exist at a time, whatever the length.
+    """
+    query_heads, q_len, d = queries.shape
+    kv_heads, n, _ = keys.shape
+    group = query_heads // kv_heads
+    keys_t = keys.float().transpose(1, 2)
+    received = torch.zeros(kv_heads, n, dtype=torch.float32, device=keys.device)
+    rows = max(1, CAUSAL_CHUNK_ELEMENTS // max(query_heads * n, 1))
+    columns = torch.arange(n, device=keys.device)
+    for first in range(0, q_len, rows):
+        last = min(first + rows, q_len)
+        chunk = queries[:, first:last].float().reshape(kv_heads, group * (last - first), d)
+        logits = torch.bmm(chunk, keys_t).mul_(scale).view(kv_heads, group, last - first, n)
+        positions = torch.arange(start + first, start + last, device=keys.device)
+        logits.masked_fill_(columns > positions.unsqueeze(1), float("-inf"))
+        received += torch.softmax(logits, dim=-1).sum(dim=(1, 2))
+    return received
 
 
 def block_masses(weights: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
@@ -156,7 +186,6 @@ def select_blocks(
     *,
     scale: float,
     salt: int = 0,
-    verify: bool = True,
 ) -> torch.Tensor:
     """The ``cfg.blocks`` distant blocks a block selector keeps, per KV head, ascending: ``(kv, b)``.
 
@@ -164,7 +193,7 @@ def select_blocks(
     completed since the last call) and reduce the partial tail block on the fly: ``N / B`` statistics, never
     ``N`` keys. ``oracle-blocks`` reads every key (true block attention mass, summed over the group).
     ``random-blocks`` draws with a generator seeded by ``cfg.seed``, ``salt`` (the layer) and ``N``.
-    ``verify=False`` skips the cache's staleness check; only safe when this step directly follows the last.
+    The caller vouches that the blocks ``cache`` holds still describe ``keys`` (see :meth:`BlockCentroids.truncate`).
     ``mean-pooled`` runs on the kernel :func:`sparsedecode.kernels.selection_kernel` picks for ``cfg.kernel``:
     Triton (CUDA) scores and picks in two kernels without a host synchronisation (the same set, best first
     instead of ascending), the C kernel (float32 on the CPU) in one call (the same blocks, ascending).
@@ -180,11 +209,11 @@ def select_blocks(
         if kernel != "torch":
             if kernel == "c":  # the C kernel scores internally; the Triton path stays free of host synchronisation
                 check_step_query(queries)
-            centroids = cache.update_all(keys, layout.n_full, verify=verify)["mean"]
+            centroids = cache.update_all(keys, layout.n_full)["mean"]
             return kernels.select_mean_pooled(kernel, queries, keys, centroids, layout, cfg.blocks)
     if cfg.selector in STAT_KINDS:
         query_means = group_mean_queries(queries, kv_heads)
-        scores = _stat_scores(cfg.selector, query_means, cache.update_all(keys, layout.n_full, verify=verify))
+        scores = _stat_scores(cfg.selector, query_means, cache.update_all(keys, layout.n_full))
         if layout.n_blocks > layout.n_full:
             tail = keys[:, 1 + layout.n_full * cfg.block_size : layout.distant_end].float().unsqueeze(1)
             tail_stats = {kind: reduce_blocks(tail, kind) for kind in cache.kinds}
@@ -211,15 +240,21 @@ def select_positions(
     """Positions a token-level selector reads, per KV head, ascending: ``(kv, S)`` (all valid).
 
     ``oracle-tokens`` keeps the ``S - 1 - W`` distant positions of largest true attention (summed over the
-    group); ``h2o`` those of largest ``accumulated`` attention (attention summed over past decode steps, which
-    also reads every key; without history it equals ``oracle-tokens``); ``streaming`` the last ``S - 1``.
+    group); ``h2o`` those of largest ``accumulated`` attention ``(kv, >= N - W)``: the attention each position
+    received from the queries *before* this one, prefill included (H2O's heavy hitters; the session keeps that
+    history, see :class:`~sparsedecode.attention.LayerState`); ``streaming`` the last ``S - 1``.
     """
     kv_heads = keys.shape[0]
     if cfg.selector == "streaming":
         return streaming_index(kv_heads, layout.n, cfg.support, device=keys.device)
-    if cfg.selector == "oracle-tokens" or (cfg.selector == "h2o" and accumulated is None):
+    if cfg.selector == "oracle-tokens":
         weights = group_attention(queries, keys[:, : layout.n], scale)
     elif cfg.selector == "h2o":
+        if accumulated is None:
+            raise SparseDecodeError(
+                "h2o ranks positions by the attention they received at earlier steps; pass that history "
+                "(accumulated / history=) or decode inside a sparse_decoding session that saw the prefill"
+            )
         weights = accumulated
     else:
         raise SparseDecodeError(f"{cfg.selector!r} is not a token-level selector")
@@ -235,6 +270,7 @@ def select_support(
     block_size: int = 16,
     method: str = "mean-pooled",
     seed: int = 0,
+    history: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Positions each KV head reads at one decode step.
 
@@ -245,9 +281,9 @@ def select_support(
             :attr:`SparseConfig.effective_support`).
         window, block_size: ``W`` and ``B``.
         method: a selector of :data:`~sparsedecode.config.SELECTORS` (``"mean-pooled"`` by default). The
-            scale of attention-reading selectors is ``1/sqrt(d)``; ``h2o`` has no history here, so it
-            equals ``oracle-tokens``.
+            scale of attention-reading selectors is ``1/sqrt(d)``.
         seed: seeds ``random-blocks``.
+        history: ``(kv_heads, N)`` attention each position received at earlier steps; ``h2o`` needs it.
 
     Returns:
         One sorted 1-D ``LongTensor`` per KV head: the anchor, the chosen blocks and the window, or all
@@ -274,7 +310,7 @@ def select_support(
     layout = BlockLayout(n=n, window=window, block_size=block_size)
     scale = d**-0.5
     if cfg.token_level:
-        index = select_positions(cfg, queries, keys, layout, scale=scale)
+        index = select_positions(cfg, queries, keys, layout, scale=scale, accumulated=history)
         return [index[h] for h in range(kv_heads)]
     cache = BlockCentroids(block_size, STAT_KINDS.get(method, ("mean",)))
     blocks = select_blocks(cfg, cache, queries, keys, layout, scale=scale)

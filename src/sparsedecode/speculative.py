@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .attention import sparse_decoding
+from .attention import prefill_history, sparse_decoding
 from .cache import GrowingCache
 from .compare import Progress, crop_cache, greedy_decode, prefill
 from .config import SparseConfig
@@ -108,6 +108,7 @@ def generate(
     check_positions(model, int(input_ids.shape[1]), max_new_tokens, "generate")
     started = time.perf_counter()
     cache, logits = prefill(model, input_ids, progress=progress, cache=GrowingCache(config=model.config))
+    history = prefill_history(model, input_ids) if mode != "dense" and cfg.selector == "h2o" else None
     prefill_s = time.perf_counter() - started
     first = int(logits.argmax())
     started = time.perf_counter()
@@ -115,7 +116,9 @@ def generate(
         rest, _ = greedy_decode(model, cache, first, max_new_tokens - 1, progress=progress, stage="dense decode")
         return Generation(mode, [first, *rest], prefill_s, time.perf_counter() - started)
     if mode == "sparse":
-        with sparse_decoding(model, cfg):
+        with sparse_decoding(model, cfg) as session:
+            if history is not None:
+                session.adopt_history(cache, history)
             rest, _ = greedy_decode(model, cache, first, max_new_tokens - 1, progress=progress, stage="sparse decode")
         return Generation(mode, [first, *rest], prefill_s, time.perf_counter() - started)
 
@@ -130,6 +133,7 @@ def generate(
         adaptive=adaptive,
         max_draft_tokens=max_draft_tokens,
         progress=progress,
+        history=history,
     )
     result.prefill_s = prefill_s
     return result
@@ -148,15 +152,19 @@ def lossless_decode(
     adaptive: bool = False,
     max_draft_tokens: int = 16,
     progress: Progress | None = None,
+    history: dict[int, torch.Tensor] | None = None,
 ) -> Generation:
     """The lossless loop from a prefilled ``cache`` holding ``length`` positions and the first token ``first``.
 
-    The cache is left holding the prompt and every generated token except the last.
+    The cache is left holding the prompt and every generated token except the last. ``history``: H2O's history of
+    the prefill (:func:`~sparsedecode.attention.prefill_history`), which an ``h2o`` draft needs.
     """
     result = Generation("lossless", [first], 0.0, 0.0)
     k = draft_tokens
     device = next(model.parameters()).device
-    with sparse_decoding(model, cfg):  # one session: its centroid cache lives across rounds
+    with sparse_decoding(model, cfg) as session:  # one session: its centroid cache lives across rounds
+        if history is not None:
+            session.adopt_history(cache, history)
         while len(result.tokens) < max_new_tokens:
             k_now = min(k, max_new_tokens - len(result.tokens))
             begun = time.perf_counter()

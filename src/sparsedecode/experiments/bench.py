@@ -174,7 +174,7 @@ def _op_layer(
 def _layer_bytes(n: int, dims: tuple[int, int, int], element: int, selector: str, layout: BlockLayout) -> int:
     """Memory one :class:`OpLayer` holds: query, keys, values and (block statistics selectors) the statistics."""
     query_heads, kv_heads, d = dims
-    statistics = kv_heads * layout.n_full * (len(STAT_KINDS[selector]) * d + 1) * 4 if selector in STAT_KINDS else 0
+    statistics = kv_heads * layout.n_full * len(STAT_KINDS[selector]) * d * 4 if selector in STAT_KINDS else 0
     return (2 * kv_heads * n + query_heads) * d * element + statistics
 
 
@@ -261,15 +261,16 @@ class OpRow:
 
 def _fresh_step(session, state, query, keys, values, n, scale):
     """One whole sparse step at context ``n`` as the next contiguous step (fresh selection, no rebuild)."""
-    state.last_n, state.blocks = n - 1, None
+    state.step, state.blocks = 0, None
     return sparse_decode_step(session, state, query, keys, values, n, scale)
 
 
 def _op_bytes(cfg: SparseConfig, n: int, kv_heads: int, query_heads: int, d: int, element: int) -> tuple[int, int]:
     """Bytes one call must read: dense = all keys and values; sparse = what selection reads + support K/V.
 
-    Selection reads: float32 block statistics (+ a fingerprint) and the tail keys for ``mean-pooled`` (one
-    statistic) and ``quest`` (two); every key for the oracles and H2O; nothing for random blocks and streaming.
+    Selection reads: float32 block statistics and the tail keys for ``mean-pooled`` (one statistic) and ``quest``
+    (two); every key for the oracles; H2O's float32 history (one value per position); nothing for random blocks and
+    streaming.
     """
     layout = BlockLayout(n=n, window=cfg.window, block_size=cfg.block_size)
     query = query_heads * d * element
@@ -277,10 +278,12 @@ def _op_bytes(cfg: SparseConfig, n: int, kv_heads: int, query_heads: int, d: int
     support = 2 * kv_heads * cfg.effective_support * d * element
     if cfg.selector in STAT_KINDS:
         tail = (layout.distant_end - 1 - layout.n_full * cfg.block_size) * kv_heads * d * element
-        statistics = kv_heads * layout.n_full * (len(STAT_KINDS[cfg.selector]) * d + 1) * 4
+        statistics = kv_heads * layout.n_full * len(STAT_KINDS[cfg.selector]) * d * 4
         selection = statistics + tail
-    elif cfg.selector in ("oracle-blocks", "oracle-tokens", "h2o"):
+    elif cfg.selector in ("oracle-blocks", "oracle-tokens"):
         selection = kv_heads * n * d * element
+    elif cfg.selector == "h2o":
+        selection = kv_heads * n * 4
     else:
         selection = 0
     return dense, selection + support + query
@@ -380,10 +383,11 @@ def bench_op(
                 state = LayerState(index, layer.centroids)
                 wholes.append(partial(_fresh_step, session, state, layer.query, layer.keys, layer.values, n, scale))
                 if cfg.token_level:
-                    select = partial(select_positions, cfg, q, k, layout, scale=scale)
+                    history = state.history_until(n, k.shape[0], k.device).uniform_() if selector == "h2o" else None
+                    select = partial(select_positions, cfg, q, k, layout, scale=scale, accumulated=history)
                     attends.append(partial(attend_positions, q, k, v, select(), scale))
                 else:
-                    select = partial(select_blocks, cfg, layer.centroids, q, k, layout, scale=scale, verify=False)
+                    select = partial(select_blocks, cfg, layer.centroids, q, k, layout, scale=scale)
                     attention = {"triton": triton_attention.support_attention, "c": cpu_kernel.attend_support}.get(
                         kernel, attend_support
                     )

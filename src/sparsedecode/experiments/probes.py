@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..attention import sparse_decoding
+from ..attention import prefill_history, sparse_decoding
 from ..compare import Progress, crop_cache, greedy_decode, prefill
 from ..config import SparseConfig
 from ..diagnostics import MassAudit, summarize_audit
@@ -56,7 +56,10 @@ def mass_probe(
         cache, logits = prefill(model, prompt_ids, progress=progress)
         first = int(logits.argmax())
     audit = MassAudit()
+    history = prefill_history(model, prompt_ids) if cfg.selector == "h2o" else None  # H2O's, of the prefill
     with sparse_decoding(model, cfg) as session:
+        if history is not None:
+            session.adopt_history(cache, history)
         session.observers.append(audit)
         generated, _ = greedy_decode(model, cache, first, tokens - 1, progress=progress, stage="audited decode")
     crop_cache(cache, prompt_ids.shape[1])

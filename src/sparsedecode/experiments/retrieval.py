@@ -29,7 +29,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from ..attention import StepView, sparse_decoding
+from ..attention import StepView, prefill_history, sparse_decoding
 from ..compare import Progress, crop_cache, prefill
 from ..config import SparseConfig
 from ..diagnostics import MassAudit, summarize_audit
@@ -204,10 +204,12 @@ def answer(
     cfg: SparseConfig | None,
     *,
     answer_tokens: int = 8,
+    history: dict | None = None,
 ) -> dict:
     """Feed the question token by token and decode ``answer_tokens`` greedily, densely (``cfg=None``) or sparsely.
 
-    ``cache`` holds exactly ``prompt.ids[:, :question_start]`` (it is cropped back afterwards).
+    ``cache`` holds exactly ``prompt.ids[:, :question_start]`` (it is cropped back afterwards); ``history`` is H2O's
+    history of that prefill (:func:`~sparsedecode.attention.prefill_history`), needed by ``h2o``.
     """
     device = next(model.parameters()).device
     audit = MassAudit()
@@ -217,6 +219,8 @@ def answer(
     with sparse_decoding(model, cfg) if cfg is not None else contextlib.nullcontext() as session:
         if session is not None:
             session.observers.extend([audit, needle])
+            if cfg.selector == "h2o":  # H2O keeps the attention history of the prefill
+                session.adopt_history(cache, history or prefill_history(model, prompt.ids[:, : prompt.question_start]))
         logits = None
         for token in question:
             logits = model(input_ids=torch.tensor([[token]], device=device), cache=cache, use_cache=True).logits
@@ -280,6 +284,8 @@ def run_trial(
     """
     started = time.perf_counter()
     cache, _ = prefill(model, prompt.ids[:, : prompt.question_start])
+    wants_history = any(cfg.selector == "h2o" for cfg in configs)
+    history = prefill_history(model, prompt.ids[:, : prompt.question_start]) if wants_history else None
     prefill_s = time.perf_counter() - started
     results = []
     for cfg in [None, *configs]:
@@ -291,7 +297,7 @@ def run_trial(
             "needle_start": prompt.needle_start,
             "needle_depth": prompt.needle_depth,
             "question_tokens": prompt.context - prompt.question_start,
-            **answer(model, tokenizer, prompt, cache, cfg, answer_tokens=answer_tokens),
+            **answer(model, tokenizer, prompt, cache, cfg, answer_tokens=answer_tokens, history=history),
             "prefill_s": prefill_s,
         }
         results.append(result)

@@ -44,7 +44,7 @@ PRACTICAL = {
     "oracle-tokens": (False, "every key (true per-position attention): an upper reference"),
     "streaming": (True, "nothing: anchor + the last S - 1 positions"),
     "random-blocks": (True, "nothing: b blocks drawn with a fixed seed (the floor)"),
-    "h2o": (False, "every key at every step (accumulated dense attention); a reference here"),
+    "h2o": (True, "its history, N floats (attention received, prefill included): H2O's heavy hitters + window"),
 }
 
 

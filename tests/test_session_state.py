@@ -1,0 +1,355 @@
+"""A long-lived sparse_decoding session gives the same logits as a fresh session per prompt.
+
+Each case is a sequence of forwards on one prompt (prefill, decode steps, crops, rollbacks, generate()). It runs
+once in a fresh session and once in a session that first decoded another prompt (leaving selections, centroids,
+H2O history and a reuse counter mid-way behind); the logits must agree to float32 round-off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import prompt, tiny_model
+from test_attention import Oracle
+from transformers import DynamicCache
+
+from sparsedecode import SparseConfig, SparseDecodeError, compare, sparse_decoding
+from sparsedecode.cache import GrowingCache
+from sparsedecode.compare import crop_cache
+
+VOCAB = 96
+
+
+def step(model, cache, token: int) -> torch.Tensor:
+    device = next(model.parameters()).device
+    return model(input_ids=torch.tensor([[token]], device=device), cache=cache, use_cache=True).logits[0, -1].float()
+
+
+def feed(model, cache, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids.to(next(model.parameters()).device), cache=cache, use_cache=True).logits[0, -1].float()
+
+
+def decode(model, cache, logits: torch.Tensor, steps: int, out: list) -> torch.Tensor:
+    for _ in range(steps):
+        logits = step(model, cache, int(logits.argmax()))
+        out.append(logits)
+    return logits
+
+
+def new_cache(model, kind: str):
+    return GrowingCache(config=model.config) if kind == "growing" else DynamicCache(config=model.config)
+
+
+def earlier_blocks_changed(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The same prompt with tokens 3..40 replaced: only early distant blocks differ (the same last keys)."""
+    changed = ids.clone()
+    changed[0, 3:41] = (changed[0, 3:41] + 7) % (vocab - 1) + 1
+    return changed
+
+
+def case_ops(
+    name: str, cache_kind: str = "dynamic", *, length: int = 200, steps: int = 20, vocab: int = VOCAB, warm: int = 230
+):
+    """The forwards of one case as a function ``model -> list of float32 logits`` (1-D, one per model call kept)."""
+
+    def new_prompt(model):
+        out: list[torch.Tensor] = []
+        cache = new_cache(model, cache_kind)
+        decode(model, cache, feed(model, cache, prompt(length, seed=2, vocab=vocab)), steps, out)
+        return out
+
+    def grows_past_support(model):  # starts at or below S = 97 and crosses it while decoding
+        out: list[torch.Tensor] = []
+        cache = new_cache(model, cache_kind)
+        decode(model, cache, feed(model, cache, prompt(90, seed=3, vocab=vocab)), steps + 10, out)
+        return out
+
+    def earlier_blocks_differ(model):  # the warm-up prompt with only its early blocks changed
+        out: list[torch.Tensor] = []
+        cache = new_cache(model, cache_kind)
+        ids = earlier_blocks_changed(prompt(warm, seed=7, vocab=vocab), vocab)
+        decode(model, cache, feed(model, cache, ids), steps, out)
+        return out
+
+    def crops(model):  # crop back past completed blocks, force other tokens, decode again
+        out: list[torch.Tensor] = []
+        cache = new_cache(model, cache_kind)
+        logits = decode(model, cache, feed(model, cache, prompt(length, seed=4, vocab=vocab)), steps // 2, out)
+        crop_cache(cache, length - 15)
+        for token in range(5, 20):
+            out.append(step(model, cache, token))
+        crop_cache(cache, length - 3)
+        logits = out[-1]
+        decode(model, cache, logits, steps // 2, out)
+        return out
+
+    def rollbacks(model):  # the lossless loop: draft k tokens, crop them, verify densely, keep an accepted prefix
+        out: list[torch.Tensor] = []
+        cache = new_cache(model, cache_kind)
+        length_now = length
+        logits = feed(model, cache, prompt(length, seed=5, vocab=vocab))
+        token = int(logits.argmax())
+        for round_ in range(5):
+            drafts, t = [], token
+            for _ in range(3):
+                logits = step(model, cache, t)
+                out.append(logits)
+                t = int(logits.argmax())
+                drafts.append(t)
+            crop_cache(cache, length_now)
+            verified = model(input_ids=torch.tensor([[token, *drafts]]), cache=cache, use_cache=True).logits[0]
+            out.extend(verified.float())
+            accepted = round_ % 3  # a fixed acceptance pattern, so both sessions take the same path
+            length_now += accepted + 1
+            crop_cache(cache, length_now)
+            token = int(verified[accepted].argmax())
+        decode(model, cache, out[-1], 4, out)
+        return out
+
+    def generate(model):  # model.generate inside the session, twice (two prompts)
+        out: list[torch.Tensor] = []
+        for seed, size, new in ((8, length, steps), (9, 92, steps + 20)):  # the second one crosses S
+            result = model.generate(
+                prompt(size, seed=seed, vocab=vocab),
+                max_new_tokens=new,
+                min_new_tokens=new,  # no early end of sequence: both sessions run every step
+                do_sample=False,
+                return_dict_in_generate=True,
+                output_logits=True,
+            )
+            out.extend(logits[0].float() for logits in result.logits)
+        return out
+
+    return {
+        "new-prompt": new_prompt,
+        "grows-past-support": grows_past_support,
+        "earlier-blocks-differ": earlier_blocks_differ,
+        "crops": crops,
+        "rollbacks": rollbacks,
+        "generate": generate,
+    }[name]
+
+
+def warm_up(model, *, length: int = 230, steps: int = 13, vocab: int = VOCAB):
+    """Another prompt decoded sparsely (an odd number of steps: with R = 4 the reuse counter is left mid-way)."""
+    cache = DynamicCache(config=model.config)
+    decode(model, cache, feed(model, cache, prompt(length, seed=7, vocab=vocab)), steps, [])
+    return cache
+
+
+def long_lived_and_fresh(model, cfg: SparseConfig, ops, **warm) -> tuple[torch.Tensor, torch.Tensor, list]:
+    oracles = []
+    with torch.no_grad():
+        with sparse_decoding(model, cfg) as session:
+            if cfg.selector != "h2o":
+                oracles.append(Oracle(cfg))
+                session.observers.append(oracles[-1])
+            warm_up(model, **warm)
+            long_lived = torch.stack(ops(model))
+        with sparse_decoding(model, cfg) as session:
+            fresh = torch.stack(ops(model))
+    return long_lived, fresh, oracles
+
+
+CASES = ("new-prompt", "grows-past-support", "earlier-blocks-differ", "crops", "rollbacks", "generate")
+SETTINGS = [("mean-pooled", "torch"), ("mean-pooled", "auto"), ("quest", "torch"), ("h2o", "auto")]
+
+
+@pytest.mark.parametrize("reuse", [1, 4])
+@pytest.mark.parametrize("selector, kernel", SETTINGS)
+@pytest.mark.parametrize("case", CASES)
+def test_long_lived_session_equals_fresh_sessions(arch, case, selector, kernel, reuse):
+    model = tiny_model(arch)
+    cfg = SparseConfig(support=97, reuse=reuse, selector=selector, kernel=kernel)
+    long_lived, fresh, oracles = long_lived_and_fresh(model, cfg, case_ops(case))
+    assert long_lived.shape == fresh.shape
+    torch.testing.assert_close(long_lived, fresh, atol=1e-5, rtol=0)
+    assert torch.equal(long_lived.argmax(-1), fresh.argmax(-1))
+    for oracle in oracles:  # every sparse step: refreshes are fresh selections, reuse repeats the last refresh
+        assert oracle.steps > 0 and oracle.max_error < 1e-5
+
+
+@pytest.mark.parametrize("cache_kind", ["dynamic", "growing"])
+def test_in_place_and_concatenating_caches_alike(cache_kind):
+    model = tiny_model("llama")
+    for case in ("new-prompt", "crops", "rollbacks"):
+        for reuse in (1, 4):
+            cfg = SparseConfig(support=97, reuse=reuse)
+            long_lived, fresh, oracles = long_lived_and_fresh(model, cfg, case_ops(case, cache_kind))
+            torch.testing.assert_close(long_lived, fresh, atol=1e-5, rtol=0)
+            assert oracles[0].max_error < 1e-5
+
+
+def test_two_caches_interleaved_in_one_session_stay_apart(arch):
+    """Steps alternate between two caches whose lengths make each step look like the other's successor."""
+    model = tiny_model(arch)
+    cfg = SparseConfig(support=97)
+    a_ids, b_ids = prompt(200, seed=11), prompt(201, seed=12)
+
+    def alone(ids):
+        out: list[torch.Tensor] = []
+        with sparse_decoding(model, cfg):
+            cache = DynamicCache(config=model.config)
+            decode(model, cache, feed(model, cache, ids), 12, out)
+        return torch.stack(out)
+
+    oracle = Oracle(cfg)
+    with torch.no_grad(), sparse_decoding(model, cfg) as session:
+        session.observers.append(oracle)
+        caches = [DynamicCache(config=model.config), GrowingCache(config=model.config)]
+        logits = [feed(model, caches[0], a_ids), feed(model, caches[1], b_ids)]
+        out: list[list[torch.Tensor]] = [[], []]
+        for _ in range(12):
+            for i in (0, 1):
+                logits[i] = step(model, caches[i], int(logits[i].argmax()))
+                out[i].append(logits[i])
+        expected = [alone(a_ids), alone(b_ids)]
+    for got, want in zip(out, expected):
+        torch.testing.assert_close(torch.stack(got), want, atol=1e-5, rtol=0)
+    assert oracle.steps == 2 * 24 and oracle.max_error < 1e-5
+
+
+def test_blocks_are_kept_exactly_when_the_cache_continues():
+    """No block statistic is recomputed while one cache simply grows; after a crop only the blocks past it are."""
+    model = tiny_model("llama")
+    with torch.no_grad(), sparse_decoding(model, SparseConfig(support=97)) as session:
+        cache = DynamicCache(config=model.config)
+        logits = decode(model, cache, feed(model, cache, prompt(300)), 20, [])
+        state = session.layers[0]
+        blocks = (320 - 64 - 1) // 16  # complete distant blocks at the last step (N = 320)
+        assert state.centroids.computed == state.centroids.count == blocks
+        crop_cache(cache, 200)  # blocks wholly inside [0, 200) stay: (200 - 1) // 16 of them
+        decode(model, cache, logits, 120, [])
+        assert state.centroids.count == blocks
+        assert state.centroids.computed == blocks + blocks - (200 - 1) // 16
+
+
+def test_dense_steps_end_the_reuse_chain():
+    """R = 4: a prompt that crosses S selects afresh at its first sparse step, whatever came before."""
+    model = tiny_model("qwen2")
+    cfg = SparseConfig(support=97, reuse=4)
+    seen: list[tuple[int, int]] = []
+    with torch.no_grad(), sparse_decoding(model, cfg) as session:
+        session.observers.append(lambda view: seen.append((view.layer, view.step)))
+        warm_up(model)
+        del seen[:]
+        cache = DynamicCache(config=model.config)
+        decode(model, cache, feed(model, cache, prompt(90, seed=3)), 20, [])
+    assert [s for layer, s in seen if layer == 0] == list(range(1, 14)), "the chain restarts at 1 after dense steps"
+
+
+def test_h2o_without_its_prefill_refuses_then_adopts_a_history():
+    model = tiny_model("llama")
+    ids = prompt(200)
+    cfg = SparseConfig(support=97, selector="h2o")
+    with torch.no_grad():
+        outside = DynamicCache(config=model.config)
+        first = feed(model, outside, ids)  # outside any session: no H2O history for the prompt
+        with sparse_decoding(model, cfg), pytest.raises(SparseDecodeError, match="h2o needs"):
+            step(model, outside, int(first.argmax()))
+        cache = DynamicCache(config=model.config)
+        feed(model, cache, ids)  # prefilled outside again
+        with sparse_decoding(model, cfg) as recorder:
+            feed(model, DynamicCache(config=model.config), ids)
+        history = recorder.attention_history()
+        adopted: list[torch.Tensor] = []
+        with sparse_decoding(model, cfg) as session:
+            session.adopt_history(cache, history)
+            decode(model, cache, first, 10, adopted)
+        inside: list[torch.Tensor] = []
+        with sparse_decoding(model, cfg):
+            own = DynamicCache(config=model.config)
+            decode(model, own, feed(model, own, ids), 10, inside)
+    torch.testing.assert_close(torch.stack(adopted), torch.stack(inside), atol=1e-5, rtol=0)
+
+
+def test_compare_gives_h2o_the_prefill_history():
+    """compare() (prefill outside the sparse sessions) equals decoding with the prefill inside an h2o session."""
+    model = tiny_model("qwen2")
+    ids = prompt(220)
+    cfg = SparseConfig(support=97, selector="h2o")
+    result = compare(model, None, ids, cfg, tokens=12)
+    with torch.no_grad(), sparse_decoding(model, cfg):
+        cache = DynamicCache(config=model.config)
+        first = feed(model, cache, ids)
+        tokens = [int(first.argmax())]
+        for _ in range(11):
+            tokens.append(int(step(model, cache, tokens[-1]).argmax()))
+    assert result.sparse_tokens == tokens
+
+
+@pytest.mark.parametrize("selector", ["oracle-tokens", "mean-pooled", "h2o"])
+def test_distinct_distant_positions_are_counted_once(selector):
+    """Positions read at dense steps and again at sparse steps count once: never more than exist."""
+    model = tiny_model("llama")
+    tokens = 60
+    result = compare(model, None, prompt(80), SparseConfig(support=97, selector=selector), tokens=tokens)
+    final = 80 + tokens - 1  # positions at the last decode step, the current one included
+    possible = final - 64 - 1
+    assert result.sparse_steps > 0 and result.dense_fallback_steps > 0
+    assert result.mean_unique_distant_positions_per_kv <= possible
+    with torch.no_grad(), sparse_decoding(model, SparseConfig(support=97, selector=selector)) as session:
+        session.track_reads = True
+        cache = DynamicCache(config=model.config)
+        decode(model, cache, feed(model, cache, prompt(80)), tokens - 1, [])
+        unique = session.unique_distant_positions()
+    assert unique.max() <= possible
+    assert unique.min() >= 97 - 64 - 1, "the dense steps alone read every distant position up to N = S"
+
+
+# --- the real model (SmolLM2-135M): the "must show" of the issue, on short contexts ---
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from sparsedecode import load_model
+
+    return load_model("smollm2-135m")[0]
+
+
+@pytest.mark.realmodel
+@pytest.mark.parametrize("reuse", [1, 4])
+def test_long_lived_session_equals_fresh_sessions_on_real_model(smollm2, reuse):
+    vocab = smollm2.config.vocab_size
+    cfg = SparseConfig(support=97, reuse=reuse)
+    warm = dict(length=160, steps=9, vocab=vocab)  # short contexts: S = 97 of 150-200 positions
+    for case in CASES:
+        ops = case_ops(case, length=150, steps=10, vocab=vocab, warm=warm["length"])
+        long_lived, fresh, oracles = long_lived_and_fresh(smollm2, cfg, ops, **warm)
+        assert torch.equal(long_lived.argmax(-1), fresh.argmax(-1)), case
+        torch.testing.assert_close(long_lived, fresh, atol=1e-4, rtol=0, msg=case)
+        assert oracles[0].max_error < 1e-4, case
+
+
+def test_generate_gives_h2o_the_prefill_history():
+    from sparsedecode.speculative import generate
+
+    model = tiny_model("llama")
+    ids = prompt(200)
+    cfg = SparseConfig(support=97, selector="h2o")
+    sparse = generate(model, ids, cfg, 12, mode="sparse")
+    with torch.no_grad(), sparse_decoding(model, cfg):
+        cache = DynamicCache(config=model.config)
+        tokens = [int(feed(model, cache, ids).argmax())]
+        for _ in range(11):
+            tokens.append(int(step(model, cache, tokens[-1]).argmax()))
+    assert sparse.tokens == tokens
+    dense = generate(model, ids, None, 12, mode="dense")
+    assert generate(model, ids, cfg, 12, mode="lossless", draft_tokens=3).tokens == dense.tokens
+
+
+def test_reset_forgets_everything_and_the_next_step_selects_afresh():
+    model = tiny_model("llama")
+    seen: list[int] = []
+    with torch.no_grad(), sparse_decoding(model, SparseConfig(support=97, reuse=4)) as session:
+        session.observers.append(lambda view: seen.append(view.step) if view.layer == 0 else None)
+        session.track_reads = True
+        cache = DynamicCache(config=model.config)
+        logits = decode(model, cache, feed(model, cache, prompt(200)), 6, [])
+        session.reset()
+        assert session.centroid_bytes() >= 0 and session.unique_distant_positions().numel() == 0
+        decode(model, cache, logits, 3, [])
+        state = session.layers[0]
+    assert seen == [1, 2, 3, 4, 5, 6, 1, 2, 3], "after reset the chain starts again"
+    # selections at N = 201 (steps 1 and 5 see 8 complete blocks) and, after the reset, at N = 207: 8 blocks again
+    assert state.centroids.computed == (201 - 64 - 1) // 16 + (207 - 64 - 1) // 16
