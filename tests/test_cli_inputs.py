@@ -77,9 +77,26 @@ def test_unwritable_outputs_are_refused_before_the_model_loads(args, message, fo
     assert contents(folder) == before, "nothing written"
 
 
-@pytest.mark.skipif(ROOT, reason="root writes into folders without write permission")
-def test_read_only_output_folder_is_refused(folder, no_model_load, capsys):
-    folder.chmod(0o555)
+def read_only(path, monkeypatch) -> None:
+    """Make ``path`` refuse new files: its mode, and for root (whom modes do not stop) the refusal the kernel gives
+    any other user, at the one call that creates files there."""
+    import errno
+    import tempfile
+
+    path.chmod(0o555)
+    if ROOT:
+        real = tempfile.mkstemp
+
+        def mkstemp(*args, dir=None, **kwargs):
+            if dir is not None and os.path.realpath(dir) == os.path.realpath(path):
+                raise PermissionError(errno.EACCES, "Permission denied", str(dir))
+            return real(*args, dir=dir, **kwargs)
+
+        monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+
+
+def test_read_only_output_folder_is_refused(folder, no_model_load, capsys, monkeypatch):
+    read_only(folder, monkeypatch)
     try:
         assert_refused(["run", "--json", str(folder / "out.json")], "Permission denied", capsys)
         assert_refused(["probe", "mass", "--out", str(folder / "mass")], "Permission denied", capsys)
@@ -97,10 +114,10 @@ def test_model_cache_that_takes_no_files_is_refused_before_fetching(cache, monke
     assert not out.exists()
 
 
-@pytest.mark.skipif(ROOT, reason="root writes into folders without write permission")
 def test_read_only_model_cache_is_refused(monkeypatch, tmp_path, capsys):
     cache = tmp_path / "cache"
-    cache.mkdir(mode=0o555)
+    cache.mkdir()
+    read_only(cache, monkeypatch)
     monkeypatch.setenv("SPARSEDECODE_CACHE", str(cache))
     monkeypatch.setattr(models, "_ensure_gguf", lambda *a, **k: pytest.fail("tried to fetch the model"))
     try:
