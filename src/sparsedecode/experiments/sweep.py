@@ -294,6 +294,22 @@ def append_row(path: Path, row: dict) -> None:
         os.close(fd)
 
 
+def write_rows(path: Path, rows: list[dict]) -> None:
+    """Replace ``runs.jsonl`` with ``rows`` (one JSON line each) through a temporary file and a rename."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            for row in rows:
+                handle.write(json.dumps(row, separators=(",", ":")) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def write_json_atomic(path: Path, data: object) -> None:
     """Write JSON through a temporary file and a rename, so a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -559,16 +575,5 @@ def merge_sweeps(sources: list[Path], directory: Path) -> MergeOutcome:
         }
         rows = sorted(merged.values(), key=lambda row: order[key_of(row)])
         write_json_atomic(directory / SPEC_FILE, meta)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{RUNS_FILE}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as handle:
-                for row in rows:
-                    handle.write(json.dumps(row, separators=(",", ":")) + "\n")
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, directory / RUNS_FILE)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_rows(directory / RUNS_FILE, rows)
     return MergeOutcome(directory, len(rows), duplicates, len(order) - len(rows))
