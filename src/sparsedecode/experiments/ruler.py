@@ -122,7 +122,8 @@ class Parts:
 
 
 Render = Callable[[int], Parts]
-"""``render(units)``: the prompt with ``units`` haystack units (words, list items, ...); more units, more tokens."""
+"""``render(units)``: the prompt with ``units`` haystack units (characters of filler or prose, list items, ...); more
+units, more tokens."""
 
 
 @dataclass(frozen=True)
@@ -152,30 +153,36 @@ def _corpus_pieces(corpus: str) -> tuple[str, ...]:
 _NOISE = tuple(_PIECE.findall(" ".join(s.strip() for s in FILLER) + " "))
 
 
-def _haystack(kind: str, corpus: str, offset: int, units: int) -> list[str]:
-    """``units`` words of the filler stream (``kind == "noise"``) or of the corpus from ``offset`` on (cyclic)."""
+def _haystack(kind: str, corpus: str, offset: int, chars: int) -> list[str]:
+    """The first ``chars`` characters of the filler stream (``kind == "noise"``) or of the corpus from word
+    ``offset`` on (cyclic), as words with their trailing whitespace; the last word may be cut."""
     source = _NOISE if kind == "noise" else _corpus_pieces(corpus)
-    pieces = [source[(offset + i) % len(source)] for i in range(units)]
+    pieces: list[str] = []
+    total = 0
+    while total < chars:
+        piece = source[(offset + len(pieces)) % len(source)]
+        pieces.append(piece[: chars - total])
+        total += len(pieces[-1])
     if pieces and not pieces[-1][-1:].isspace():
         pieces[-1] += " "
     return pieces
 
 
-def _boundary(pieces: list[str], depth: float) -> int:
-    """The sentence boundary nearest to ``depth`` (0 = start, 1 = end) of ``pieces``; a word boundary if none."""
-    target = depth * len(pieces)
-    sentence_ends = [0, len(pieces)] + [i + 1 for i, p in enumerate(pieces) if _SENTENCE_END.search(p)]
-    nearest = min(sentence_ends, key=lambda b: (abs(b - target), b))
-    return nearest if abs(nearest - target) <= max(64, 0.05 * len(pieces)) else round(target)
+def _boundary(ends: list[int], count: int, depth: float) -> int:
+    """The sentence boundary (``ends``: indices after a sentence-ending word, with 0 and ``count``) nearest to
+    ``depth`` (0 = start, 1 = end) of ``count`` words; the nearest word boundary when no sentence ends close by."""
+    target = depth * count
+    nearest = min(ends, key=lambda b: (abs(b - target), b))
+    return nearest if abs(nearest - target) <= max(64, 0.05 * count) else round(target)
 
 
 def _plant(pieces: list[str], items: list[tuple[float, str]]) -> tuple[str, list[float]]:
     """Insert each ``(depth, text)`` at the sentence boundary nearest its depth (in order, for equal boundaries)."""
-    cuts = [(_boundary(pieces, depth), i) for i, (depth, _) in enumerate(items)]
+    ends = [0, len(pieces)] + [i + 1 for i, p in enumerate(pieces) if p[-1:].isspace() and _SENTENCE_END.search(p)]
+    cuts = [(_boundary(ends, len(pieces), depth), i) for i, (depth, _) in enumerate(items)]
     out: list[str] = []
-    placed = sorted(cuts)
     start = 0
-    for cut, i in placed:
+    for cut, i in sorted(cuts):
         out += pieces[start:cut]
         out.append(items[i][1] + " ")
         start = cut
@@ -481,7 +488,7 @@ def build_sample(
 
     if task == "cwe":  # size the common words' frequency from the context's capacity in list items
         probe = render.probe  # type: ignore[attr-defined]
-        capacity = _largest(lambda n: len(encode(tokenizer, assemble(tokenizer, probe(n), fmt)[0])), context, start=1)
+        capacity = _fit(lambda n: len(encode(tokenizer, assemble(tokenizer, probe(n), fmt)[0])), context, start=1)
         render.frequency = min(CWE_COMMON_MAX_FREQ, 2 * capacity // (3 * CWE_COMMON))  # type: ignore[attr-defined]
         if render.frequency < CWE_RARE_FREQ + 2:  # type: ignore[attr-defined]
             raise SparseDecodeError(f"context {context} is too short for cwe ({capacity} list items fit)")
@@ -490,7 +497,7 @@ def build_sample(
         raise SparseDecodeError(
             f"context {context} is too short for task {task}: {length(start)} tokens without any haystack"
         )
-    units = _largest(length, context, start=start)
+    units = _fit(length, context, start=start)
     parts = render(units)
     text, question_char = assemble(tokenizer, parts, fmt)
     ids = encode(tokenizer, text)
@@ -517,28 +524,33 @@ def build_sample(
     )
 
 
-def _largest(length: Callable[[int], int], limit: int, *, start: int) -> int:
-    """The largest ``n >= start`` with ``length(n) <= limit``, for a ``length`` that grows with ``n``; ``start`` itself
-    when even it is too long. A first guess from the tokens per unit near ``start``, a bracket, then bisection."""
-    base = length(start)
-    if base > limit:
+def _fit(length: Callable[[int], int], limit: int, *, start: int) -> int:
+    """A number of units ``n >= start`` whose ``length(n)`` lies in ``[(1 - TOLERANCE / 2) * limit, limit]``, for a
+    ``length`` that grows about linearly with ``n``: secant steps from ``start``, bisection when they stall. Returns
+    the largest ``n`` found with ``length(n) <= limit`` (``start`` when even that is too long)."""
+    low, low_length = start, length(start)
+    if low_length > limit:
         return start
-    step = max(16, start)
-    per_unit = max((length(start + step) - base) / step, 1e-3)
-    guess = start + max(1, int((limit - base) / per_unit))
-    width = max(1, guess // 64)
-    if length(guess) <= limit:
-        low, high = guess, guess + width
-        while length(high) <= limit:
-            low, high, width = high, high + 2 * width, 2 * width
-    else:
-        high, low = guess, max(start, guess - width)
-        while low > start and length(low) > limit:
-            high, low, width = low, max(start, low - 2 * width), 2 * width
-    while high - low > 1:
-        middle = (low + high) // 2
-        if length(middle) <= limit:
-            low = middle
+    floor = (1 - TOLERANCE / 2) * limit
+    aim = (1 - TOLERANCE / 4) * limit
+    high: int | None = None
+    last, last_length = low, low_length
+    n = start + max(16, start)
+    for _ in range(64):
+        size = length(n)
+        if floor <= size <= limit:
+            return n
+        rate = (size - last_length) / (n - last) if n != last else 0.0
+        last, last_length = n, size
+        if size <= limit:
+            low, low_length = n, size
         else:
-            high = middle
+            high = n
+        if high is not None and high - low <= 1:
+            return low
+        guess = low + int((aim - low_length) / rate) if rate > 0 else (2 * low if high is None else low + 1)
+        upper = high - 1 if high is not None else max(guess, low + 1)
+        if not low < guess <= upper or guess == n:
+            guess = (low + high) // 2 if high is not None else 2 * max(low, 1)
+        n = max(low + 1, min(guess, upper))
     return low
