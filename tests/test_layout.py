@@ -8,7 +8,7 @@ from pathlib import Path
 import sparsedecode
 
 PACKAGE = Path(sparsedecode.__file__).parent
-ON_TOP = {"cli", "experiments", "report", "plots", "__main__"}
+ON_TOP = {"cli", "experiments", "report", "plots", "__main__", "eval_cli", "eval_report", "lm_eval_model"}
 FORBIDDEN = {"matplotlib", "datasets", "rich"}
 
 
