@@ -296,3 +296,9 @@ def test_command_handlers_run_export_merge_and_report(model_dir, tmp_path):
     with pytest.raises(SparseDecodeError, match="selectors: \\['mean-pooled'\\] vs \\['quest'\\]"):
         args = parser.parse_args([*base, "--selectors", "quest", "--shard", "1/2", "--out", str(tmp_path / "1")])
         cmd_eval(args, console=console, progress_bars=progress_bars)
+
+
+def test_a_context_a_task_cannot_fit_is_refused_before_writing(loaded, tmp_path):
+    with pytest.raises(SparseDecodeError, match="too short for cwe"):
+        run_eval(small_spec(tasks=("niah_single_noise", "cwe")), tmp_path / "e", loaded=loaded)
+    assert not (tmp_path / "e").exists()

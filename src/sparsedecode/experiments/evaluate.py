@@ -382,8 +382,10 @@ def run_eval(
         loaded = load_model(spec.model, dtype=spec.dtype)
     model, tokenizer = loaded
     check_context_fits(model, spec)
-
     runs = directory / RUNS_FILE
+    groups = shard.groups(spec)
+    samples = _first_samples(spec, tokenizer, groups, {key_of(row) for row in read_rows(runs)})
+
     with locked(directory):
         meta = read_meta(directory)
         if meta is None:
@@ -401,7 +403,6 @@ def run_eval(
 
         rows = read_rows(runs, repair=True)
         stored = {key_of(row): row for row in rows}
-        groups = shard.groups(spec)
         total = sum(len(spec.group_keys(g)) for g in groups)
         done_before = sum(key in stored for g in groups for key in spec.group_keys(g))
         outcome = EvalOutcome(directory, total, done_before, 0, rows)
@@ -420,12 +421,22 @@ def run_eval(
         for number, group in enumerate(groups, start=1):
             pending = [key for key in spec.group_keys(group) if key not in stored]
             if pending:
-                sample = sample_of(spec, tokenizer, group)
+                sample = samples.pop(group, None) or sample_of(spec, tokenizer, group)
                 dense_row = stored.get((*group, DENSE, None))
                 run_sample(model, tokenizer, sample, pending, configs, stored_dense=dense_row, on_row=keep)
             if progress:
                 progress("samples", number, len(groups))
     return outcome
+
+
+def _first_samples(spec: EvalSpec, tokenizer, groups: list[Group], done: set) -> dict[Group, Sample]:
+    """The first pending sample of every (task, context), built before anything is written: a context a task
+    cannot be fitted to is refused up front, not after hours of runs."""
+    first: dict[tuple[str, int], Group] = {}
+    for group in groups:
+        if group[:2] not in first and any(key not in done for key in spec.group_keys(group)):
+            first[group[:2]] = group
+    return {group: sample_of(spec, tokenizer, group) for group in first.values()}
 
 
 def load_eval(directory: Path) -> tuple[dict, list[dict]]:
