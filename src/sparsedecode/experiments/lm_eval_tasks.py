@@ -9,7 +9,11 @@ answer prefix included; ``outputs`` the expected answers) and ``sparsedecode_TAS
 files name; ``export.json`` records the spec and the model the samples were sized for.
 
 The samples are sized in one model's tokens and already hold its chat template: run them with that model and
-without ``--apply_chat_template``. The YAML files name the data files by absolute path; export again after moving
+without ``--apply_chat_template``. Dense answers are the same by both routes (lm-eval's ``hf`` model and
+``sparsedecode eval`` run the same token ids, greedily, to the same budget). Sparse answers differ by protocol:
+``sparsedecode eval`` feeds the whole question tail under sparse attention, the lm-eval ``sparsedecode`` model its
+last ``sparse_tail`` context tokens (1 by default; see :mod:`sparsedecode.lm_eval_model`). The YAML files name the
+data files by absolute path; export again after moving
 the folder. This module does not import lm-eval.
 """
 
