@@ -1,0 +1,198 @@
+"""Command-line handlers for ``sparsedecode eval`` and ``sparsedecode lm-eval`` (to be hooked into the CLI).
+
+* ``eval``: :func:`add_eval_parser` adds its arguments, :func:`cmd_eval` runs (or resumes) an evaluation folder, or
+  with ``--export DIR`` writes the generated tasks as lm-evaluation-harness tasks instead.
+* ``merge`` and ``report`` on an evaluation folder (``eval.json``): :func:`cmd_merge_eval`, :func:`cmd_report_eval`;
+  the existing commands branch to them when :func:`is_eval_folder` holds for their first folder.
+* ``lm-eval``: :func:`run_lm_eval` registers the ``sparsedecode`` model and hands every argument to lm-eval's own
+  command line. argparse cannot pass options such as ``--model`` through a subcommand untouched, so ``main``
+  dispatches ``sparsedecode lm-eval ...`` before parsing (``argv[0] == LM_EVAL_COMMAND``).
+
+Errors a user can cause raise :class:`SparseDecodeError` (one line, exit 2 in ``main``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .errors import SparseDecodeError
+
+LM_EVAL_COMMAND = "lm-eval"
+
+
+def _names(text: str | None, choices: tuple[str, ...], what: str) -> tuple[str, ...] | None:
+    """``"a,b"`` as a tuple, ``"all"`` as every choice, ``None`` as ``None``."""
+    if text is None:
+        return None
+    if text.strip() == "all":
+        return choices
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not names:
+        raise SparseDecodeError(f"--{what} expects comma-separated names, or all")
+    return names
+
+
+def add_eval_parser(sub, *, int_list, add_model_args) -> argparse.ArgumentParser:
+    """The ``eval`` subcommand; ``int_list`` and ``add_model_args`` are the CLI's own helpers."""
+    parser = sub.add_parser(
+        "eval", help="RULER-style task accuracy, dense vs sparse on the same samples (resumable); or --export"
+    )
+    add_model_args(parser)
+    parser.add_argument("--tasks", default="all", help="comma-separated task names, or all")
+    parser.add_argument("--context", type=int_list, default=[4096], help="prompt lengths in the model's tokens")
+    parser.add_argument("--samples", type=int, default=5, help="samples per task and context")
+    parser.add_argument("--selectors", default="mean-pooled", help="comma-separated selectors, or all")
+    parser.add_argument("--support", type=int_list, default=[193], help="supports S, comma-separated")
+    parser.add_argument("--window", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--reuse", type=int, default=1, help="selection reuse interval R")
+    parser.add_argument("--corpus", default="python-docs", help="prose haystacks and cwe words: python-docs or a path")
+    parser.add_argument("--template", default="auto", choices=("auto", "chat", "plain"), help="chat template use")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--answer-tokens", type=int, default=None, help="answer budget (default: each task's own)")
+    parser.add_argument("--shard", default=None, help="i/n: run every n-th sample group from the i-th")
+    parser.add_argument("--out", type=Path, default=None, help="evaluation folder (eval.json, runs.jsonl)")
+    parser.add_argument("--export", type=Path, default=None, help="write lm-eval tasks (YAML + data) here instead")
+    return parser
+
+
+def eval_spec(args):
+    from .config import SELECTORS
+    from .experiments.evaluate import EvalSpec
+    from .experiments.ruler import TASK_NAMES
+
+    return EvalSpec(
+        model=args.model,
+        dtype=args.dtype,
+        tasks=_names(args.tasks, TASK_NAMES, "tasks"),
+        contexts=tuple(args.context),
+        samples=args.samples,
+        selectors=_names(args.selectors, SELECTORS, "selectors"),
+        supports=tuple(args.support),
+        window=args.window,
+        block_size=args.block_size,
+        reuse=args.reuse,
+        corpus=args.corpus,
+        template=args.template,
+        seed=args.seed,
+        answer_tokens=args.answer_tokens,
+    )
+
+
+def _row_line(row: dict) -> str:
+    from .experiments.eval_summary import mode_label
+
+    mark = "[green]correct[/]" if row["correct"] else f"score {row['score']:.2f}"
+    return (
+        f"{row['task']}, context {row['context']}, sample {row['sample']}, "
+        f"{mode_label(row['selector'], row['support'])}: {mark}; {row['output'][:60]!r} ({row['run_s']:.1f} s)"
+    )
+
+
+def cmd_eval(args, *, console, progress_bars) -> int:
+    """``sparsedecode eval``; ``console`` and ``progress_bars`` are the CLI's own."""
+    from .experiments.evaluate import check_meta, read_meta, run_eval
+    from .experiments.sweep import Shard
+    from .models import load_model
+
+    spec = eval_spec(args)
+    if (args.out is None) == (args.export is None):
+        raise SparseDecodeError("give --out DIR to run the evaluation or --export DIR to write lm-eval tasks")
+    if args.export is not None:
+        from .experiments.lm_eval_tasks import export_tasks
+
+        if args.shard:
+            raise SparseDecodeError("--shard applies to runs, not to --export")
+        if args.export.exists() and not args.export.is_dir():
+            raise SparseDecodeError(f"{args.export} exists and is not a folder: choose another --export")
+        with console.status(f"loading {args.model} ({args.dtype})"):
+            _, tokenizer = load_model(args.model, dtype=args.dtype)
+        with console.status(f"writing {len(spec.tasks) * len(spec.contexts)} tasks"):
+            outcome = export_tasks(spec, tokenizer, args.export)
+        console.print(
+            f"wrote {len(outcome.tasks)} lm-eval tasks ({outcome.documents} samples) into {outcome.directory}: "
+            f"`sparsedecode lm-eval --model sparsedecode --model_args pretrained={args.model},support=... "
+            f"--include_path {outcome.directory} --tasks sparsedecode_ruler` (no --apply_chat_template: the samples "
+            "hold the template already)"
+        )
+        return 0
+    if args.out.exists() and not args.out.is_dir():
+        raise SparseDecodeError(f"{args.out} exists and is not a folder: choose another --out")
+    shard = Shard.parse(args.shard) if args.shard else None
+    meta = read_meta(args.out)
+    if meta is not None:  # refuse changed settings before loading the model
+        check_meta(args.out, meta, spec, None, shard or Shard())
+    with console.status(f"loading {args.model} ({args.dtype})"):
+        loaded = load_model(args.model, dtype=args.dtype)
+    console.print(
+        f"[bold]{args.model}[/] {args.dtype}; tasks {', '.join(spec.tasks)}; contexts {list(spec.contexts)}; "
+        f"{spec.samples} samples; selectors {', '.join(spec.selectors)}; supports {list(spec.supports)}; "
+        f"W = {spec.window}, B = {spec.block_size}, R = {spec.reuse}" + (f"; shard {shard}" if shard else "")
+    )
+    with progress_bars(speed_estimate_period=24 * 3600.0) as progress:
+
+        def started(done: int, total: int) -> None:
+            if done:
+                console.print(f"resuming {args.out}: {done} of {total} runs already done")
+            progress("runs", done, total)
+
+        def finished(row: dict, done: int, total: int) -> None:
+            console.print(_row_line(row))
+            progress("runs", done, total)
+
+        outcome = run_eval(spec, args.out, shard=shard, loaded=loaded, on_row=finished, on_start=started)
+    console.print(
+        f"{outcome.ran} runs now, {outcome.done_before} before: {outcome.done_before + outcome.ran} of {outcome.total}"
+        f" in {args.out / 'runs.jsonl'}; `sparsedecode report {args.out}` summarises them"
+    )
+    return 0
+
+
+def is_eval_folder(directory: Path) -> bool:
+    from .experiments.evaluate import is_eval_folder as check
+
+    return check(directory)
+
+
+def cmd_merge_eval(args, *, console) -> int:
+    """``sparsedecode merge`` of evaluation folders (``args.sources``, ``args.out``)."""
+    from .experiments.evaluate import merge_evals
+
+    outcome = merge_evals(args.sources, args.out)
+    console.print(
+        f"merged {len(args.sources)} folder(s) into {args.out}: {outcome.rows} runs, {outcome.duplicates} duplicate(s) "
+        f"dropped, {outcome.missing} run(s) of the grid still missing"
+    )
+    return 0
+
+
+def cmd_report_eval(args, *, console) -> int:
+    """``sparsedecode report`` of an evaluation folder (``args.directory``)."""
+    from .eval_report import write_eval_report
+
+    with console.status(f"writing the report for {args.directory}"):
+        path = write_eval_report(args.directory)
+    console.print(f"wrote {path}")
+    return 0
+
+
+def run_lm_eval(argv: list[str]) -> int:
+    """Register the ``sparsedecode`` model, then run lm-eval's command line on ``argv`` (lm-eval's own arguments);
+    returns its exit status."""
+    from .lm_eval_model import register
+
+    register()
+    from lm_eval.__main__ import cli_evaluate
+
+    saved = sys.argv
+    sys.argv = [LM_EVAL_COMMAND, *argv]
+    try:
+        cli_evaluate()
+    except SystemExit as exit_:
+        code = exit_.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    finally:
+        sys.argv = saved
+    return 0

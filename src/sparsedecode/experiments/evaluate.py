@@ -1,0 +1,530 @@
+"""Task accuracy under sparse decoding: RULER-style samples (:mod:`.ruler`), each run dense and under every
+(selector, support) from one dense prefill, scored as RULER scores, resumable like the survival sweep.
+
+Per sample (a *group*): one dense prefill of ``ids[:question_start]``; then, for dense and for each sparse setting,
+the question tail ``ids[question_start:]`` is fed one token at a time under that attention mode (so the selector
+decides what the question reads, as in Quest's passkey protocol and :mod:`.retrieval`), and the answer is decoded
+greedily until an end-of-sequence token or the task's token budget. The cache is cropped back to the prefill
+between modes, so every mode starts from the same prefilled cache and the results pair per sample.
+
+An evaluation folder holds
+
+* ``eval.json``: the :class:`EvalSpec`, the sha256 of the corpus text, the generator version, the shard and one
+  entry per session (start time, environment). A later run with other settings, another corpus text or another
+  shard is refused.
+* ``runs.jsonl``: one row per (task, context, sample, selector, support), dense rows with selector ``"dense"``
+  and support ``null``; appended and repaired exactly as a sweep's (see :mod:`.sweep`), so ``kill -9`` and a rerun
+  lose nothing and repeat nothing. Sparse rows carry the dense score and whether their output equals dense's.
+
+``--shard i/n`` runs every n-th sample group; :func:`merge_evals` combines shard folders.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import torch
+
+from ..attention import sparse_decoding
+from ..compare import Progress, crop_cache, prefill
+from ..config import SparseConfig
+from ..errors import SparseDecodeError
+from .corpus import DEFAULT_CORPUS
+from .environment import environment
+from .ruler import GENERATOR_VERSION, TASK_NAMES, TASKS, TEMPLATES, Sample, build_sample, check_tasks, score
+from .sweep import (
+    RUNS_FILE,
+    Shard,
+    _session,
+    append_row,
+    corpus_sha256,
+    locked,
+    read_rows,
+    write_json_atomic,
+    write_rows,
+)
+
+SPEC_FILE = "eval.json"
+DENSE = "dense"
+KEY_FIELDS = ("task", "context", "sample", "selector", "support")
+"""The fields of a row that identify its run; dense rows have selector ``"dense"`` and support ``None``."""
+
+RunKey = tuple[str, int, int, str, "int | None"]
+Group = tuple[str, int, int]
+"""``(task, context, sample)``: the runs that share one sample and one dense prefill."""
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    """Everything that defines an evaluation's results. ``answer_tokens`` caps every task's answer (``None``: each
+    task's own budget, see :data:`.ruler.TASKS`); ``template`` is ``auto``, ``chat`` or ``plain``."""
+
+    model: str
+    dtype: str = "float32"
+    tasks: tuple[str, ...] = TASK_NAMES
+    contexts: tuple[int, ...] = (4096,)
+    samples: int = 5
+    selectors: tuple[str, ...] = ("mean-pooled",)
+    supports: tuple[int, ...] = (193,)
+    window: int = 64
+    block_size: int = 16
+    reuse: int = 1
+    corpus: str = DEFAULT_CORPUS
+    template: str = "auto"
+    seed: int = 0
+    answer_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tasks", check_tasks(self.tasks))
+        for name in ("contexts", "supports"):
+            values = tuple(getattr(self, name))
+            object.__setattr__(self, name, values)
+            if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
+                raise SparseDecodeError(f"{name} must be a non-empty list of positive integers, got {values!r}")
+            if len(set(values)) != len(values):
+                raise SparseDecodeError(f"{name} lists a value twice: {', '.join(map(str, values))}")
+        selectors = (self.selectors,) if isinstance(self.selectors, str) else tuple(self.selectors)
+        object.__setattr__(self, "selectors", selectors)
+        if not selectors or len(set(selectors)) != len(selectors) or DENSE in selectors:
+            raise SparseDecodeError(f"selectors must be distinct selector names (dense always runs), got {selectors!r}")
+        if not isinstance(self.samples, int) or self.samples < 1:
+            raise SparseDecodeError(f"samples must be an integer >= 1, got {self.samples!r}")
+        if self.template not in TEMPLATES:
+            raise SparseDecodeError(f"unknown template {self.template!r}; choose one of: {', '.join(TEMPLATES)}")
+        if self.answer_tokens is not None and (not isinstance(self.answer_tokens, int) or self.answer_tokens < 1):
+            raise SparseDecodeError(f"answer_tokens must be an integer >= 1, got {self.answer_tokens!r}")
+        self.configs()
+
+    def configs(self) -> list[SparseConfig]:
+        """One :class:`SparseConfig` per (selector, support): selectors outer."""
+        return [
+            SparseConfig(support=s, window=self.window, block_size=self.block_size, reuse=self.reuse, selector=sel)
+            for sel in self.selectors
+            for s in self.supports
+        ]
+
+    def answer_budget(self, task: str) -> int:
+        return self.answer_tokens if self.answer_tokens is not None else TASKS[task].max_new_tokens
+
+    def groups(self) -> list[Group]:
+        """Every sample in run order: samples outer, so a partial run covers every task and context."""
+        return [(t, c, s) for s in range(self.samples) for c in self.contexts for t in self.tasks]
+
+    def group_keys(self, group: Group) -> list[RunKey]:
+        return [(*group, DENSE, None), *((*group, cfg.selector, cfg.support) for cfg in self.configs())]
+
+    def keys(self) -> list[RunKey]:
+        return [key for group in self.groups() for key in self.group_keys(group)]
+
+    def to_dict(self) -> dict:
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> EvalSpec:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise SparseDecodeError(f"eval spec has unknown fields {', '.join(unknown)}: written by a newer version?")
+        return cls(**data)
+
+    def differences(self, other: EvalSpec) -> list[str]:
+        mine, theirs = self.to_dict(), other.to_dict()
+        return [f"{name}: {mine[name]!r} vs {theirs[name]!r}" for name in mine if mine[name] != theirs[name]]
+
+
+def key_of(row: dict) -> RunKey:
+    return tuple(row[name] for name in KEY_FIELDS)  # type: ignore[return-value]
+
+
+def sample_of(spec: EvalSpec, tokenizer, group: Group) -> Sample:
+    task, context, index = group
+    return build_sample(
+        tokenizer,
+        task,
+        context,
+        index,
+        seed=spec.seed,
+        corpus=spec.corpus,
+        template=spec.template,
+        max_new_tokens=spec.answer_budget(task),
+    )
+
+
+def prompt_sha256(sample: Sample) -> str:
+    return hashlib.sha256(json.dumps(sample.ids).encode()).hexdigest()
+
+
+# --- one sample ---------------------------------------------------------------------------------------------------
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    """Token ids that end an answer: the generation config's end-of-sequence ids and the tokenizer's."""
+    ids: set[int] = set()
+    for value in (getattr(getattr(model, "generation_config", None), "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value is not None:
+            ids.update(int(v) for v in value)
+    return ids
+
+
+@torch.no_grad()
+def answer(model, tokenizer, sample: Sample, cache, cfg: SparseConfig | None, *, stop: set[int]) -> dict:
+    """Feed the question tail token by token and decode the answer greedily, densely (``cfg=None``) or sparsely.
+
+    ``cache`` holds exactly ``sample.ids[:question_start]`` and is cropped back to it afterwards.
+    """
+    device = next(model.parameters()).device
+
+    def step(token: int) -> torch.Tensor:
+        ids = torch.tensor([[token]], device=device)
+        return model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1]
+
+    started = time.perf_counter()
+    generated: list[int] = []
+    reason = "length"
+    with sparse_decoding(model, cfg) if cfg is not None else contextlib.nullcontext() as session:
+        for token in sample.ids[sample.question_start :]:
+            logits = step(token)
+        while len(generated) < sample.max_new_tokens:
+            token = int(logits.argmax())
+            if token in stop:
+                reason = "eos"
+                break
+            generated.append(token)
+            if len(generated) < sample.max_new_tokens:
+                logits = step(token)
+    decode_s = time.perf_counter() - started
+    crop_cache(cache, sample.question_start)
+    output = tokenizer.decode(generated, skip_special_tokens=True)
+    return {
+        "output": output,
+        "output_ids": generated,
+        "stop": reason,
+        "score": score(output, sample.answers),
+        "sparse_steps": 0 if session is None else session.sparse_steps,
+        "dense_fallback_steps": 0 if session is None else session.dense_steps,
+        "decode_s": decode_s,
+    }
+
+
+def make_row(key: RunKey, sample: Sample, cfg: SparseConfig | None, result: dict, **extra) -> dict:
+    """One ``runs.jsonl`` row: the key, the settings, the sample's shape and answers, the output and its score."""
+    task, context, index, selector, support = key
+    return {
+        "task": task,
+        "context": context,
+        "sample": index,
+        "selector": selector,
+        "support": support,
+        "effective_support": None if cfg is None else cfg.effective_support,
+        "window": None if cfg is None else cfg.window,
+        "block_size": None if cfg is None else cfg.block_size,
+        "reuse": None if cfg is None else cfg.reuse,
+        "prompt_tokens": sample.tokens,
+        "prefill_tokens": sample.question_start,
+        "question_tokens": sample.question_tokens,
+        "prompt_format": sample.prompt_format,
+        "prompt_sha256": prompt_sha256(sample),
+        "answers": list(sample.answers),
+        **{name: result[name] for name in ("output", "output_ids", "stop", "score")},
+        "correct": result["score"] == 1.0,
+        **extra,
+        "sparse_steps": result["sparse_steps"],
+        "dense_fallback_steps": result["dense_fallback_steps"],
+        "decode_s": result["decode_s"],
+    }
+
+
+def run_sample(
+    model,
+    tokenizer,
+    sample: Sample,
+    keys: list[RunKey],
+    configs: dict[tuple[str, int], SparseConfig],
+    *,
+    stored_dense: dict | None = None,
+    on_row: Callable[[dict], None] | None = None,
+) -> list[dict]:
+    """One dense prefill of ``sample``, then dense and every sparse key of ``keys`` from that cache.
+
+    Dense always runs (the sparse rows are paired with it); its row is returned only if ``keys`` holds it.
+    ``stored_dense`` is a dense row written earlier for this sample: its output must match today's.
+    """
+    started = time.perf_counter()
+    cache, _ = prefill(
+        model, torch.tensor([sample.ids[: sample.question_start]], device=next(model.parameters()).device)
+    )
+    prefill_s = time.perf_counter() - started
+    stop = eos_ids(model, tokenizer)
+    dense = answer(model, tokenizer, sample, cache, None, stop=stop)
+    if stored_dense is not None and (
+        stored_dense["output_ids"] != dense["output_ids"] or stored_dense["prompt_sha256"] != prompt_sha256(sample)
+    ):
+        raise SparseDecodeError(
+            f"the dense answer of {sample.task}, context {sample.context}, sample {sample.index} differs from the one "
+            "stored (another tokenizer, thread count, library version or machine?): rerun where the rows were made, "
+            "or remove that sample's rows from runs.jsonl to redo it"
+        )
+    rows = []
+    for key in keys:
+        cfg = None if key[3] == DENSE else configs[(key[3], key[4])]
+        result = dense if cfg is None else answer(model, tokenizer, sample, cache, cfg, stop=stop)
+        extra = (
+            {}
+            if cfg is None
+            else {"dense_score": dense["score"], "same_as_dense": result["output_ids"] == dense["output_ids"]}
+        )
+        row = make_row(key, sample, cfg, result, **extra, prefill_s=prefill_s)
+        row["run_s"] = row["decode_s"] + (prefill_s if not rows else 0.0)
+        rows.append(row)
+        if on_row:
+            on_row(row)
+    return rows
+
+
+# --- the folder ---------------------------------------------------------------------------------------------------
+
+
+def read_meta(directory: Path) -> dict | None:
+    """The parsed ``eval.json`` of ``directory``, or ``None`` when there is none."""
+    path = Path(directory) / SPEC_FILE
+    if not path.exists():
+        return None
+    try:
+        meta = json.loads(path.read_text())
+        EvalSpec.from_dict(meta["spec"])
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise SparseDecodeError(
+            f"{path} is not an evaluation description ({type(error).__name__}); remove it"
+        ) from error
+    return meta
+
+
+def check_meta(directory: Path, meta: dict, spec: EvalSpec, corpus: str | None, shard: Shard | None) -> None:
+    """Refuse to add runs of ``spec`` to a folder holding another evaluation, another corpus text or shard."""
+    differences = EvalSpec.from_dict(meta["spec"]).differences(spec)
+    if differences:
+        raise SparseDecodeError(
+            f"{directory} holds an evaluation with other settings ({'; '.join(differences)}, stored vs requested): "
+            "rerun with the stored settings to resume, or use another --out"
+        )
+    if meta.get("generator_version", GENERATOR_VERSION) != GENERATOR_VERSION:
+        raise SparseDecodeError(
+            f"{directory} was generated by task generator version {meta.get('generator_version')}, this is version "
+            f"{GENERATOR_VERSION}: its samples would differ, use another --out"
+        )
+    if corpus is not None and meta.get("corpus_sha256") not in (None, corpus):
+        raise SparseDecodeError(
+            f"{directory} was generated from another text of corpus {spec.corpus!r} (sha256 differs): use another --out"
+        )
+    stored_shard = meta.get("shard")
+    if shard is not None and stored_shard is not None and stored_shard != str(shard):
+        raise SparseDecodeError(
+            f"{directory} holds shard {stored_shard} of this evaluation, not {shard}: give each shard its own --out "
+            "and combine them with `sparsedecode merge`"
+        )
+
+
+def check_context_fits(model, spec: EvalSpec) -> None:
+    limit = getattr(model.config, "max_position_embeddings", None)
+    for context in spec.contexts:
+        longest = max(spec.answer_budget(t) for t in spec.tasks)
+        if limit is not None and context + longest > limit:
+            raise SparseDecodeError(
+                f"context {context} + {longest} answer tokens exceeds the model's {limit} positions; use a shorter "
+                "--context or fewer --answer-tokens"
+            )
+
+
+RowHook = Callable[[dict, int, int], None]
+
+
+@dataclass
+class EvalOutcome:
+    directory: Path
+    total: int
+    done_before: int
+    ran: int
+    rows: list[dict] = field(default_factory=list, repr=False)
+
+    @property
+    def complete(self) -> bool:
+        return self.done_before + self.ran == self.total
+
+
+def run_eval(
+    spec: EvalSpec,
+    directory: Path,
+    *,
+    shard: Shard | None = None,
+    loaded: tuple | None = None,
+    progress: Progress | None = None,
+    on_row: RowHook | None = None,
+    on_start: Callable[[int, int], None] | None = None,
+) -> EvalOutcome:
+    """Run (or resume) ``spec`` into ``directory``; ``loaded`` is an already loaded ``(model, tokenizer)``."""
+    directory = Path(directory)
+    shard = shard or Shard()
+    corpus = corpus_sha256(spec.corpus)
+    meta = read_meta(directory)
+    if meta is not None:
+        check_meta(directory, meta, spec, corpus, shard)
+    if loaded is None:
+        from ..models import load_model
+
+        loaded = load_model(spec.model, dtype=spec.dtype)
+    model, tokenizer = loaded
+    check_context_fits(model, spec)
+    runs = directory / RUNS_FILE
+    groups = shard.groups(spec)
+    samples = _first_samples(spec, tokenizer, groups, {key_of(row) for row in read_rows(runs)})
+
+    with locked(directory):
+        meta = read_meta(directory)
+        if meta is None:
+            meta = {
+                "spec": spec.to_dict(),
+                "corpus_sha256": corpus,
+                "generator_version": GENERATOR_VERSION,
+                "shard": str(shard),
+                "sessions": [],
+            }
+        else:
+            check_meta(directory, meta, spec, corpus, shard)
+        meta["sessions"] = [*meta.get("sessions", []), _session(shard, environment(model))]
+        write_json_atomic(directory / SPEC_FILE, meta)
+
+        rows = read_rows(runs, repair=True)
+        stored = {key_of(row): row for row in rows}
+        total = sum(len(spec.group_keys(g)) for g in groups)
+        done_before = sum(key in stored for g in groups for key in spec.group_keys(g))
+        outcome = EvalOutcome(directory, total, done_before, 0, rows)
+        if on_start:
+            on_start(done_before, total)
+        configs = {(cfg.selector, cfg.support): cfg for cfg in spec.configs()}
+
+        def keep(row: dict) -> None:
+            append_row(runs, row)
+            stored[key_of(row)] = row
+            rows.append(row)
+            outcome.ran += 1
+            if on_row:
+                on_row(row, outcome.done_before + outcome.ran, total)
+
+        for number, group in enumerate(groups, start=1):
+            pending = [key for key in spec.group_keys(group) if key not in stored]
+            if pending:
+                sample = samples.pop(group, None) or sample_of(spec, tokenizer, group)
+                dense_row = stored.get((*group, DENSE, None))
+                run_sample(model, tokenizer, sample, pending, configs, stored_dense=dense_row, on_row=keep)
+            if progress:
+                progress("samples", number, len(groups))
+    return outcome
+
+
+def _first_samples(spec: EvalSpec, tokenizer, groups: list[Group], done: set) -> dict[Group, Sample]:
+    """The first pending sample of every (task, context), built before anything is written: a context a task
+    cannot be fitted to is refused up front, not after hours of runs."""
+    first: dict[tuple[str, int], Group] = {}
+    for group in groups:
+        if group[:2] not in first and any(key not in done for key in spec.group_keys(group)):
+            first[group[:2]] = group
+    return {group: sample_of(spec, tokenizer, group) for group in first.values()}
+
+
+def load_eval(directory: Path) -> tuple[dict, list[dict]]:
+    """``(meta, rows)`` of an evaluation folder (read-only: a torn last line is ignored, not cut)."""
+    directory = Path(directory)
+    meta = read_meta(directory)
+    if meta is None:
+        raise SparseDecodeError(f"{directory} is not an evaluation folder (no {SPEC_FILE})")
+    return meta, read_rows(directory / RUNS_FILE)
+
+
+def is_eval_folder(directory: Path) -> bool:
+    return (Path(directory) / SPEC_FILE).exists()
+
+
+@dataclass
+class MergeOutcome:
+    directory: Path
+    rows: int
+    duplicates: int
+    missing: int
+
+
+def merge_evals(sources: list[Path], directory: Path) -> MergeOutcome:
+    """Combine the rows of evaluation folders with the same settings into ``directory`` (which may be one of them).
+
+    Rows are de-duplicated by key (``directory``'s own rows first, then the sources in order) and written in the
+    order of an unsharded run; folders with other settings, corpus text or generator are refused, and so are two
+    folders whose dense answers to the same sample differ.
+    """
+    directory = Path(directory)
+    if not sources:
+        raise SparseDecodeError("merge needs at least one evaluation folder")
+    metas = [(Path(s), read_meta(Path(s))) for s in sources]
+    for source, meta in metas:
+        if meta is None:
+            raise SparseDecodeError(f"{source} is not an evaluation folder (no {SPEC_FILE})")
+    with locked(directory):
+        own = read_meta(directory)
+        if own is not None:
+            metas.insert(0, (directory, own))
+        first_dir, first = metas[0]
+        spec = EvalSpec.from_dict(first["spec"])
+        corpus = next((meta["corpus_sha256"] for _, meta in metas if meta.get("corpus_sha256")), None)
+        for source, meta in metas:
+            differences = spec.differences(EvalSpec.from_dict(meta["spec"]))
+            if differences:
+                raise SparseDecodeError(
+                    f"cannot merge {source} with {first_dir}: their settings differ ({'; '.join(differences)})"
+                )
+            if meta.get("corpus_sha256") not in (None, corpus):
+                raise SparseDecodeError(f"cannot merge {source} with {first_dir}: their corpus texts differ")
+            if meta.get("generator_version") != first.get("generator_version"):
+                raise SparseDecodeError(f"cannot merge {source} with {first_dir}: their task generators differ")
+        order = {key: i for i, key in enumerate(spec.keys())}
+        merged: dict[RunKey, dict] = {}
+        dense: dict[Group, tuple[list[int], Path]] = {}
+        duplicates = 0
+        seen: set[Path] = set()
+        for source, _ in metas:
+            if source.resolve() in seen:
+                continue
+            seen.add(source.resolve())
+            for row in read_rows(source / RUNS_FILE):
+                key = key_of(row)
+                if key not in order:
+                    raise SparseDecodeError(f"{source} holds a run {key} that is not part of its evaluation")
+                if key[3] == DENSE:
+                    ids, where = dense.setdefault(key[:3], (row["output_ids"], source))
+                    if ids != row["output_ids"]:
+                        raise SparseDecodeError(
+                            f"cannot merge {source} with {where}: their dense answers to {key[0]}, context {key[1]}, "
+                            f"sample {key[2]} differ (another thread count, version or machine?)"
+                        )
+                if key in merged:
+                    duplicates += 1
+                else:
+                    merged[key] = row
+        sessions = [s for _, meta in metas for s in meta.get("sessions", [])]
+        meta = {
+            "spec": spec.to_dict(),
+            "corpus_sha256": corpus,
+            "generator_version": first.get("generator_version"),
+            "shard": None,
+            "sessions": [s for i, s in enumerate(sessions) if s not in sessions[:i]],
+            "merged_from": sorted({str(source) for source, _ in metas if source.resolve() != directory.resolve()}),
+        }
+        rows = sorted(merged.values(), key=lambda row: order[key_of(row)])
+        write_json_atomic(directory / SPEC_FILE, meta)
+        write_rows(directory / RUNS_FILE, rows)
+    return MergeOutcome(directory, len(rows), duplicates, len(order) - len(rows))

@@ -1,0 +1,126 @@
+"""Export the generated RULER-style samples as local lm-evaluation-harness tasks (``lm_eval --include_path DIR``).
+
+For each (task, context) of an :class:`~.evaluate.EvalSpec`, ``DIR`` receives ``sparsedecode_TASK_CONTEXT.jsonl``
+(one document per sample: ``input`` is the whole prompt exactly as :mod:`.evaluate` feeds it, chat template and
+answer prefix included; ``outputs`` the expected answers) and ``sparsedecode_TASK_CONTEXT.yaml`` (a
+``generate_until`` task: greedy, at most the task's answer budget, stopping at end-of-sequence, scored by
+``string_match_all`` as :func:`.ruler.score` scores). Every task carries the tag ``sparsedecode_ruler``, so
+``--tasks sparsedecode_ruler`` runs them all. ``sparsedecode_ruler_utils.py`` holds the scoring function the YAML
+files name; ``export.json`` records the spec and the model the samples were sized for.
+
+The samples are sized in one model's tokens and already hold its chat template: run them with that model and
+without ``--apply_chat_template``. Dense answers are the same by both routes (lm-eval's ``hf`` model and
+``sparsedecode eval`` run the same token ids, greedily, to the same budget). Sparse answers differ by protocol:
+``sparsedecode eval`` feeds the whole question tail under sparse attention, the lm-eval ``sparsedecode`` model its
+last ``sparse_tail`` context tokens (1 by default; see :mod:`sparsedecode.lm_eval_model`). The YAML files name the
+data files by absolute path; export again after moving the folder. This module does not import lm-eval.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import SparseDecodeError
+from .evaluate import EvalSpec, sample_of
+from .ruler import GENERATOR_VERSION
+from .sweep import write_json_atomic
+
+TAG = "sparsedecode_ruler"
+UTILS = "sparsedecode_ruler_utils"
+METRIC = "string_match_all"
+
+_UTILS_SOURCE = '''"""Scoring for the tasks sparsedecode exported here (RULER's string_match_all)."""
+
+
+def process_results(doc, results):
+    """The share of expected answers found in the output (case-insensitive substrings)."""
+    output = results[0].lower()
+    answers = doc["outputs"]
+    return {"string_match_all": sum(answer.lower() in output for answer in answers) / len(answers)}
+'''
+
+
+def task_name(task: str, context: int) -> str:
+    return f"sparsedecode_{task}_{context}"
+
+
+def _yaml(task: str, context: int, data: Path, max_new_tokens: int) -> str:
+    q = json.dumps
+    return "\n".join(
+        [
+            f"task: {task_name(task, context)}",
+            f"tag: {TAG}",
+            "dataset_path: json",
+            "dataset_kwargs:",
+            "  data_files:",
+            f"    test: {q(str(data))}",
+            "test_split: test",
+            "output_type: generate_until",
+            "doc_to_text: input",
+            "doc_to_target: outputs",
+            "generation_kwargs:",
+            "  until: []",
+            f"  max_gen_toks: {max_new_tokens}",
+            "  do_sample: false",
+            f"process_results: !function {UTILS}.process_results",
+            "metric_list:",
+            f"  - metric: {METRIC}",
+            "    aggregation: mean",
+            "    higher_is_better: true",
+            "metadata:",
+            f"  version: {GENERATOR_VERSION}",
+            "",
+        ]
+    )
+
+
+@dataclass
+class ExportOutcome:
+    directory: Path
+    tasks: list[str]
+    documents: int
+
+
+def export_tasks(spec: EvalSpec, tokenizer, directory: Path) -> ExportOutcome:
+    """Write every (task, context) of ``spec`` (samples ``0 .. spec.samples - 1``) as an lm-eval task in
+    ``directory``, sized for ``tokenizer`` (the tokenizer of ``spec.model``)."""
+    directory = Path(directory).resolve()
+    if directory.exists() and not directory.is_dir():
+        raise SparseDecodeError(f"{directory} exists and is not a folder: choose another export folder")
+    directory.mkdir(parents=True, exist_ok=True)
+    names, documents = [], 0
+    for task in spec.tasks:
+        for context in spec.contexts:
+            samples = [sample_of(spec, tokenizer, (task, context, index)) for index in range(spec.samples)]
+            data = directory / f"{task_name(task, context)}.jsonl"
+            lines = [
+                json.dumps(
+                    {
+                        "input": s.text,
+                        "outputs": s.answers,
+                        "task": task,
+                        "context": context,
+                        "sample": s.index,
+                        "prompt_tokens": s.tokens,
+                        "question_start": s.question_start,
+                        "prompt_format": s.prompt_format,
+                    }
+                )
+                for s in samples
+            ]
+            tmp = data.with_name(f".{data.name}.tmp")
+            tmp.write_text("\n".join(lines) + "\n")
+            tmp.replace(data)
+            (directory / f"{task_name(task, context)}.yaml").write_text(
+                _yaml(task, context, data, samples[0].max_new_tokens)
+            )
+            names.append(task_name(task, context))
+            documents += len(samples)
+    (directory / f"{UTILS}.py").write_text(_UTILS_SOURCE)
+    write_json_atomic(
+        directory / "export.json",
+        {"spec": spec.to_dict(), "generator_version": GENERATOR_VERSION, "tasks": names, "tag": TAG},
+    )
+    return ExportOutcome(directory, names, documents)

@@ -1,0 +1,202 @@
+"""sparsedecode as an lm-evaluation-harness model (``pip install 'sparsedecode[eval]'``, lm-eval 0.4.13).
+
+::
+
+    sparsedecode lm-eval --model sparsedecode \\
+        --model_args pretrained=smollm2-135m,support=193,selector=mean-pooled --tasks TASKS ...
+
+or from Python: ``register()``, then ``lm_eval.simple_evaluate(model="sparsedecode", model_args=...)``.
+
+:class:`SparseDecodeLM` is lm-eval's own ``hf`` model (:class:`lm_eval.models.huggingface.HFLM`: the same request
+handling, tokenisation, chat templates, stop sequences and post-processing) with the model calls replaced:
+
+* ``generate_until``: dense prefill of the context except its last ``sparse_tail`` tokens, which are then fed one at
+  a time under sparse attention; then greedy decoding, every step sparse, until a stop sequence, an end-of-sequence
+  token or ``max_gen_toks``. Greedy only: ``do_sample=True`` is refused.
+* ``loglikelihood``: dense prefill of the context except its last ``sparse_tail`` tokens; those and the continuation
+  are fed one token at a time under sparse attention, and the continuation is scored from the logits of those
+  steps. With ``sparse_tail=0`` the first continuation token is scored from the dense prefill, the rest from sparse
+  steps. (A single forward over context and continuation would be a dense prefill and measure nothing.)
+* ``loglikelihood_rolling`` (perplexity tasks): lm-eval cuts the document into windows of the model's maximum
+  length, each prefixed by one token; every token of a window is then scored by a sparse decode step as above (the
+  prefix token is the whole dense prefill). That is the document's perplexity under sparse decoding, token by
+  token, at the cost of one forward per token.
+
+A decode step whose cache holds no more positions than the support is dense (the support is everything), so with a
+support at least the longest context plus generation the results equal the ``hf`` model's up to float rounding of
+the chunked computation. Batches are one sequence (``batch_size=1``), as every sparse step here is.
+
+Model arguments, besides ``HFLM``'s: ``pretrained`` (an alias of :func:`sparsedecode.list_models`, a local
+directory or ``.gguf`` file, or a hub id), ``dtype`` (float32), ``support`` (193), ``selector`` (mean-pooled),
+``window`` (64), ``block_size`` (16), ``reuse`` (1), ``kernel`` (auto), ``seed`` (0, for random-blocks),
+``sparse_tail`` (1).
+
+This module imports lm-eval; the library never imports this module.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import sparse_decoding
+from .compare import crop_cache, prefill
+from .config import SparseConfig
+from .errors import SparseDecodeError
+
+try:
+    from lm_eval.models.huggingface import HFLM
+except ImportError as error:  # pragma: no cover - exercised only without the extra
+    raise SparseDecodeError(
+        "the lm-evaluation-harness model needs lm-eval: pip install 'sparsedecode[eval]'"
+    ) from error
+
+MODEL_NAME = "sparsedecode"
+SPARSE_ARGS = ("support", "selector", "window", "block_size", "reuse", "kernel", "seed")
+
+
+def register() -> None:
+    """Register :class:`SparseDecodeLM` with lm-eval as ``sparsedecode`` (lm-eval's own models stay available)."""
+    import lm_eval.models  # noqa: F401 - registers lm-eval's own models first (they are looked up lazily)
+    from lm_eval.api.registry import model_registry
+
+    if model_registry.get(MODEL_NAME, None) is None:
+        model_registry.register(MODEL_NAME, target=SparseDecodeLM)
+
+
+class SparseDecodeLM(HFLM):
+    """lm-eval's ``hf`` model decoding and scoring with sparse attention after a dense prefill (see the module)."""
+
+    def __init__(
+        self,
+        pretrained: str,
+        *,
+        dtype: str = "float32",
+        device: str | None = None,
+        batch_size: int | str = 1,
+        support: int = 193,
+        selector: str = "mean-pooled",
+        window: int = 64,
+        block_size: int = 16,
+        reuse: int = 1,
+        kernel: str = "auto",
+        seed: int = 0,
+        sparse_tail: int = 1,
+        **kwargs,
+    ) -> None:
+        from .models import load_model
+
+        if str(batch_size) != "1":
+            raise SparseDecodeError(f"sparsedecode runs one sequence at a time: use batch_size 1 (got {batch_size})")
+        if not isinstance(sparse_tail, int) or isinstance(sparse_tail, bool) or sparse_tail < 0:
+            raise SparseDecodeError(f"sparse_tail must be an integer >= 0, got {sparse_tail!r}")
+        self.sparse_config = SparseConfig(
+            support=support,
+            window=window,
+            block_size=block_size,
+            reuse=reuse,
+            selector=selector,
+            kernel=kernel,
+            seed=seed,
+        )
+        self.sparse_tail = sparse_tail
+        model, tokenizer = load_model(str(pretrained), dtype=dtype)
+        target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        model = model.to(target)
+        super().__init__(pretrained=model, tokenizer=tokenizer, batch_size=1, **kwargs)
+        self.pretrained = str(pretrained)
+        self._reuse: tuple | None = None
+
+    def get_model_info(self) -> dict:
+        return {
+            "model_num_parameters": sum(p.numel() for p in self._model.parameters()),
+            "model_dtype": str(self._model.dtype),
+            "model_source": self.pretrained,
+            "sparse_config": self.sparse_config.to_dict(),
+            "sparse_tail": self.sparse_tail,
+        }
+
+    # --- the two model calls ----------------------------------------------------------------------------------
+
+    def _prefilled(self, ids: list[int]):
+        """``(cache, logits)``: a cache holding exactly ``ids`` (dense prefill) and the float32 logits after its last
+        position (``None`` for no ids); reused, cropped back, when the previous call prefilled the same ids."""
+        if self._reuse is not None and self._reuse[0] == tuple(ids):
+            _, cache, logits = self._reuse
+            crop_cache(cache, len(ids))
+            return cache, logits
+        if ids:
+            cache, logits = prefill(self.model, torch.tensor([ids], device=self.device))
+        else:
+            from transformers import DynamicCache
+
+            cache, logits = DynamicCache(config=self.model.config), None
+        self._reuse = (tuple(ids), cache, logits)
+        return cache, logits
+
+    def _step(self, cache, token: int) -> torch.Tensor:
+        ids = torch.tensor([[token]], device=self.device)
+        return self.model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1].float()
+
+    @torch.no_grad()
+    def _score(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
+        """Log-probability of ``continuation`` after ``context`` and whether it is the greedy continuation."""
+        split = max(len(context) - self.sparse_tail, 0)
+        cache, logits = self._prefilled(context[:split])
+        scored = [logits] if split == len(context) else []  # sparse_tail = 0: the first token from the prefill
+        with sparse_decoding(self.model, self.sparse_config):
+            for token in context[split:] + continuation[:-1]:
+                scored.append(self._step(cache, token))
+        last = torch.stack(scored[-len(continuation) :])
+        targets = torch.tensor(continuation, device=last.device)
+        total = float(torch.log_softmax(last, dim=-1).gather(1, targets[:, None]).sum())
+        return total, bool((last.argmax(dim=-1) == targets).all())
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
+        """``(log-probability, is greedy)`` per ``(cache key, context ids, continuation ids)``, in order."""
+        del override_bs
+        from tqdm import tqdm
+
+        results = []
+        for cache_key, context, continuation in tqdm(
+            requests, disable=disable_tqdm or self.rank != 0, desc="sparse loglikelihood"
+        ):
+            if not continuation:
+                raise SparseDecodeError("lm-eval sent an empty continuation to score")
+            whole = (context + continuation)[-(self.max_length + 1) :]
+            kept = whole[: len(whole) - len(continuation)]
+            answer = self._score(kept, continuation)
+            results.append(answer)
+            if cache_key is not None:
+                self.cache_hook.add_partial("loglikelihood", cache_key, answer)
+        return results
+
+    @torch.no_grad()
+    def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:
+        """Greedy continuation of the one sequence in ``context`` ``(1, length)``: the context and the new tokens."""
+        if context.shape[0] != 1:
+            raise SparseDecodeError("sparsedecode generates one sequence at a time (batch_size 1)")
+        if generation_kwargs.get("do_sample"):
+            raise SparseDecodeError("sparsedecode decodes greedily: drop do_sample (or set it false) for this task")
+        mask = generation_kwargs.get("attention_mask")
+        if mask is not None and not bool(mask.all()):
+            raise SparseDecodeError("sparsedecode cannot generate from a padded context")
+        ids = context[0].tolist()
+        split = max(len(ids) - self.sparse_tail, 1)
+        cache, logits = self._prefilled(ids[:split])
+        eos = self.model.generation_config.eos_token_id
+        eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+        new: list[int] = []
+        with sparse_decoding(self.model, self.sparse_config):
+            for token in ids[split:]:
+                logits = self._step(cache, token)
+            while len(ids) + len(new) < max_length:
+                token = int(logits.argmax())
+                new.append(token)
+                if token in eos:
+                    break
+                text = self.tokenizer.decode(new, skip_special_tokens=False)
+                if any(s and s in text for s in stop):
+                    break
+                if len(ids) + len(new) < max_length:
+                    logits = self._step(cache, token)
+        return torch.tensor([ids + new], device=context.device)

@@ -1,0 +1,230 @@
+"""sparsedecode as an lm-evaluation-harness model, offline on local tasks: against lm-eval's own ``hf`` model loaded
+from the same weights, and on the RULER-style tasks exported by ``sparsedecode eval --export``."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from conftest import char_tokenizer, tiny_model
+
+from sparsedecode import SparseDecodeError
+
+DOC = (
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. " * 4
+).strip()  # 359 characters: every token of the rolling window past S = 97 is scored by a sparse step
+
+
+@pytest.fixture(scope="module", autouse=True)
+def offline():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        patch.setenv("HF_DATASETS_OFFLINE", "1")
+        patch.setenv("TOKENIZERS_PARALLELISM", "false")
+        logging.getLogger("lm-eval").setLevel(logging.ERROR)
+        yield
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny Llama with the char tokenizer; lm-eval needs an end-of-text token, so ``<unk>`` serves as one."""
+    path = tmp_path_factory.mktemp("tiny-llama-lm-eval")
+    tiny_model("llama").save_pretrained(path)
+    tokenizer = char_tokenizer()
+    tokenizer.eos_token = "<unk>"
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _yaml(name: str, data, body: list[str]) -> str:
+    head = [
+        f"task: {name}",
+        "dataset_path: json",
+        "dataset_kwargs:",
+        "  data_files:",
+        f"    test: {json.dumps(str(data))}",
+    ]
+    return "\n".join([*head, "test_split: test", *body, "metadata:", "  version: 1.0", ""])
+
+
+@pytest.fixture(scope="module")
+def tasks_dir(tmp_path_factory):
+    """Three local tasks: multiple choice (loglikelihood), short generation, and a rolling-perplexity document."""
+    path = tmp_path_factory.mktemp("lm-eval-tasks")
+    docs = [
+        {"question": "The sky is", "choices": ["blue", "green", "red"], "label": 0},
+        {"question": "Grass is", "choices": ["purple", "green", "loud"], "label": 1},
+        {"question": "Two plus two is", "choices": ["three", "five", "four"], "label": 2},
+    ]
+    (path / "qa.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (path / "doc.jsonl").write_text(json.dumps({"text": DOC}) + "\n")
+    question = ['doc_to_text: "Question: {{question}} Answer:"']
+    (path / "tiny_mc.yaml").write_text(
+        _yaml(
+            "tiny_mc",
+            path / "qa.jsonl",
+            [
+                "output_type: multiple_choice",
+                *question,
+                "doc_to_choice: choices",
+                "doc_to_target: label",
+                "metric_list:",
+                "  - metric: acc",
+                "    higher_is_better: true",
+            ],
+        )
+    )
+    (path / "tiny_gen.yaml").write_text(
+        _yaml(
+            "tiny_gen",
+            path / "qa.jsonl",
+            [
+                "output_type: generate_until",
+                *question,
+                'doc_to_target: "{{choices[label]}}"',
+                "generation_kwargs:",
+                '  until: ["."]',
+                "  max_gen_toks: 10",
+                "  do_sample: false",
+                "metric_list:",
+                "  - metric: exact_match",
+                "    aggregation: mean",
+                "    higher_is_better: true",
+            ],
+        )
+    )
+    (path / "tiny_ppl.yaml").write_text(
+        _yaml(
+            "tiny_ppl",
+            path / "doc.jsonl",
+            [
+                "output_type: loglikelihood_rolling",
+                'doc_to_text: ""',
+                'doc_to_target: "{{text}}"',
+                "metric_list:",
+                "  - metric: word_perplexity",
+                "  - metric: byte_perplexity",
+                "  - metric: bits_per_byte",
+            ],
+        )
+    )
+    return path
+
+
+def evaluate(model: str, model_args: str, tasks: list[str], include_path) -> dict:
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from sparsedecode.lm_eval_model import register
+
+    register()
+    return lm_eval.simple_evaluate(
+        model=model,
+        model_args=model_args,
+        tasks=tasks,
+        task_manager=TaskManager(include_path=str(include_path), include_defaults=False, verbosity="ERROR"),
+        log_samples=True,
+        device="cpu",
+    )
+
+
+def responses(result: dict, task: str) -> list:
+    return [sample["resps"] for sample in sorted(result["samples"][task], key=lambda s: s["doc_id"])]
+
+
+def loglikelihoods(result: dict, task: str) -> list[tuple[float, bool]]:
+    return [
+        tuple(r[0]) if isinstance(r[0], (list, tuple)) else (r[0], None) for rs in responses(result, task) for r in rs
+    ]
+
+
+TASKS = ["tiny_mc", "tiny_gen", "tiny_ppl"]
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir, tasks_dir):
+    return evaluate("hf", f"pretrained={model_dir},dtype=float32", TASKS, tasks_dir)
+
+
+def test_full_support_gives_the_hf_models_results(model_dir, tasks_dir, hf):
+    sparse = evaluate("sparsedecode", f"pretrained={model_dir},support=100000", TASKS, tasks_dir)
+    assert responses(sparse, "tiny_gen") == responses(hf, "tiny_gen")
+    for task in ("tiny_mc", "tiny_ppl"):
+        mine, theirs = loglikelihoods(sparse, task), loglikelihoods(hf, task)
+        assert len(mine) == len(theirs) == (9 if task == "tiny_mc" else 1)
+        assert [m[1] for m in mine] == [t[1] for t in theirs], "is-greedy flags equal"
+        assert [m[0] for m in mine] == pytest.approx([t[0] for t in theirs], abs=2e-4, rel=1e-5)
+    for task in TASKS:
+        for metric, value in hf["results"][task].items():
+            if isinstance(value, float) and "stderr" not in metric:
+                assert sparse["results"][task][metric] == pytest.approx(value, rel=1e-4), (task, metric)
+    assert sparse["config"]["model_args"].startswith(f"pretrained={model_dir}")
+
+
+def test_small_support_departs_on_the_long_document(model_dir, tasks_dir, hf):
+    sparse = evaluate("sparsedecode", f"pretrained={model_dir},support=97", ["tiny_ppl"], tasks_dir)
+    (mine,), (theirs,) = loglikelihoods(sparse, "tiny_ppl"), loglikelihoods(hf, "tiny_ppl")
+    assert abs(mine[0] - theirs[0]) > 1e-2, "359 tokens scored with 97 of them in the support is not dense"
+
+
+def test_exported_eval_tasks_run_the_same_samples_by_both_routes(model_dir, tmp_path):
+    from sparsedecode import load_model
+    from sparsedecode.experiments.evaluate import DENSE, EvalSpec, run_eval
+    from sparsedecode.experiments.lm_eval_tasks import TAG, export_tasks, task_name
+    from sparsedecode.experiments.sweep import read_rows
+
+    spec = EvalSpec(
+        model=str(model_dir), tasks=("niah_single_noise",), contexts=(700,), samples=2, supports=(97,), answer_tokens=8
+    )
+    loaded = load_model(str(model_dir))
+    exported = export_tasks(spec, loaded[1], tmp_path / "export")
+    name = task_name("niah_single_noise", 700)
+    assert exported.tasks == [name] and (tmp_path / "export" / f"{name}.yaml").exists()
+    run_eval(spec, tmp_path / "eval", loaded=loaded)
+    rows = read_rows(tmp_path / "eval" / "runs.jsonl")
+    dense = [r["output"] for r in sorted((r for r in rows if r["selector"] == DENSE), key=lambda r: r["sample"])]
+    hf = evaluate("hf", f"pretrained={model_dir},dtype=float32", [TAG], tmp_path / "export")
+    full = evaluate("sparsedecode", f"pretrained={model_dir},support=100000", [TAG], tmp_path / "export")
+    small = evaluate("sparsedecode", f"pretrained={model_dir},support=97", [TAG], tmp_path / "export")
+    docs = [json.loads(line) for line in (tmp_path / "export" / f"{name}.jsonl").read_text().splitlines()]
+    for result in (hf, full):
+        samples = sorted(result["samples"][name], key=lambda s: s["doc_id"])
+        assert [s["arguments"][0][0] for s in samples] == [d["input"] for d in docs], "the exported prompt, verbatim"
+        assert [s["resps"][0][0] for s in samples] == dense, "lm-eval's hf model answers as eval's dense runs"
+    assert responses(small, name) != responses(hf, name), "with S = 97 sparse decoding departs at 700 tokens"
+    score = hf["results"][name]["string_match_all,none"]
+    assert score == pytest.approx(sum(r["score"] for r in rows if r["selector"] == DENSE) / 2)
+
+
+def test_registration_and_refusals(model_dir):
+    from lm_eval.api.registry import get_model
+
+    from sparsedecode.lm_eval_model import SparseDecodeLM, register
+
+    register()
+    register()  # twice is harmless
+    assert get_model("sparsedecode") is SparseDecodeLM and get_model("hf").__name__ == "HFLM"
+    with pytest.raises(SparseDecodeError, match="batch_size 1"):
+        SparseDecodeLM(pretrained=str(model_dir), batch_size=4)
+    with pytest.raises(SparseDecodeError, match="sparse_tail"):
+        SparseDecodeLM(pretrained=str(model_dir), sparse_tail=-1)
+    with pytest.raises(SparseDecodeError, match="unknown selector"):
+        SparseDecodeLM(pretrained=str(model_dir), selector="nope")
+    lm = SparseDecodeLM(pretrained=str(model_dir), support=97, device="cpu")
+    import torch
+
+    with pytest.raises(SparseDecodeError, match="greedily"):
+        lm._model_generate(torch.tensor([[5, 6, 7]]), max_length=8, stop=[], do_sample=True)
+    assert lm.get_model_info()["sparse_config"]["support"] == 97
+
+
+def test_the_thin_command_line_entry(model_dir, tasks_dir, tmp_path):
+    from sparsedecode.eval_cli import run_lm_eval
+
+    out = tmp_path / "results"
+    args = ["--model", "sparsedecode", "--model_args", f"pretrained={model_dir},support=100000", "--tasks", "tiny_gen"]
+    code = run_lm_eval([*args, "--include_path", str(tasks_dir), "--device", "cpu", "--output_path", str(out)])
+    assert code == 0
+    written = list(out.rglob("results_*.json"))
+    assert len(written) == 1 and "tiny_gen" in json.loads(written[0].read_text())["results"]
