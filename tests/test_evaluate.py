@@ -27,7 +27,7 @@ from sparsedecode.experiments.evaluate import (
     run_eval,
 )
 from sparsedecode.experiments.ruler import TASK_NAMES
-from sparsedecode.experiments.sweep import Shard, locked, read_rows, without_timings
+from sparsedecode.experiments.sweep import Shard, locked, parse_rows, without_timings
 
 TWO_TASKS = ("niah_single_noise", "vt")
 
@@ -65,7 +65,7 @@ def small_spec(**overrides) -> EvalSpec:
 
 
 def rows_of(directory: Path) -> list[dict]:
-    return read_rows(directory / RUNS_FILE)
+    return parse_rows(directory / RUNS_FILE)
 
 
 def stripped(rows: list[dict]) -> list[dict]:
@@ -250,52 +250,26 @@ def test_report_renders_an_eval_folder(loaded, tmp_path):
     assert accuracy[0].startswith("task,context,selector,support,samples,score,correct") and len(accuracy) == 1 + 6
 
 
-def test_command_handlers_run_export_merge_and_report(model_dir, tmp_path):
-    """The handlers of eval_cli.py with stand-ins for the CLI's helpers (the CLI wires in its own)."""
-    import argparse
-    import contextlib
+def test_cli_runs_export_merge_and_report_of_eval_folders(model_dir, tmp_path, capsys):
+    """`sparsedecode eval`, and `merge` / `report` branching to evaluation folders, through the real CLI."""
+    from sparsedecode.cli import main
 
-    from rich.console import Console
-
-    from sparsedecode.eval_cli import add_eval_parser, cmd_eval, cmd_merge_eval, cmd_report_eval, is_eval_folder
-
-    def add_model_args(parser):
-        parser.add_argument("--model", required=True)
-        parser.add_argument("--dtype", default="float32")
-
-    @contextlib.contextmanager
-    def progress_bars(**_):
-        yield lambda stage, done, total: None
-
-    parser = argparse.ArgumentParser()
-    add_eval_parser(
-        parser.add_subparsers(dest="command"),
-        int_list=lambda text: [int(v) for v in text.split(",")],
-        add_model_args=add_model_args,
-    )
-    console = Console(file=open(os.devnull, "w"))  # noqa: SIM115
     base = ["eval", "--model", str(model_dir), "--tasks", "vt", "--context", "600", "--samples", "2"]
     base += ["--support", "97", "--answer-tokens", "3"]
-    assert (
-        cmd_eval(
-            parser.parse_args([*base, "--export", str(tmp_path / "x")]), console=console, progress_bars=progress_bars
-        )
-        == 0
-    )
+    assert main([*base, "--export", str(tmp_path / "x")]) == 0
     assert (tmp_path / "x" / "sparsedecode_vt_600.yaml").exists()
     for shard in ("1/2", "2/2"):
-        args = parser.parse_args([*base, "--shard", shard, "--out", str(tmp_path / shard[0])])
-        assert cmd_eval(args, console=console, progress_bars=progress_bars) == 0
-    merge = argparse.Namespace(sources=[tmp_path / "1", tmp_path / "2"], out=tmp_path / "m")
-    assert is_eval_folder(tmp_path / "1") and cmd_merge_eval(merge, console=console) == 0
+        assert main([*base, "--shard", shard, "--out", str(tmp_path / shard[0])]) == 0
+    assert main(["merge", str(tmp_path / "1"), str(tmp_path / "2"), "--out", str(tmp_path / "m")]) == 0
     assert len(rows_of(tmp_path / "m")) == 4
-    assert cmd_report_eval(argparse.Namespace(directory=tmp_path / "m"), console=console) == 0
+    assert main(["report", str(tmp_path / "m")]) == 0
     assert "| vt (dense fails) | 600 | 2 | 0 |" in (tmp_path / "m" / "report.md").read_text()
-    with pytest.raises(SparseDecodeError, match="--out DIR"):
-        cmd_eval(parser.parse_args(base), console=console, progress_bars=progress_bars)
-    with pytest.raises(SparseDecodeError, match="selectors: \\['mean-pooled'\\] vs \\['quest'\\]"):
-        args = parser.parse_args([*base, "--selectors", "quest", "--shard", "1/2", "--out", str(tmp_path / "1")])
-        cmd_eval(args, console=console, progress_bars=progress_bars)
+    capsys.readouterr()
+    assert main(base) == 2 and "--out DIR" in capsys.readouterr().err
+    args = [*base, "--selectors", "quest", "--shard", "1/2", "--out", str(tmp_path / "1")]
+    assert main(args) == 2 and "selectors: ['mean-pooled'] vs ['quest']" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("x")
+    assert main([*base, "--out", str(tmp_path / "afile")]) == 2 and "existing file" in capsys.readouterr().err
 
 
 def test_a_context_a_task_cannot_fit_is_refused_before_writing(loaded, tmp_path):

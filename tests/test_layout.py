@@ -10,7 +10,7 @@ import sparsedecode
 from sparsedecode import layout
 
 PACKAGE = Path(sparsedecode.__file__).parent
-ON_TOP = {"cli", "experiments", "report", "plots", "__main__", "eval_cli", "eval_report", "lm_eval_model"}
+ON_TOP = {"cli", "experiments", "report", "plots", "__main__", "eval_report", "lm_eval_model"}
 FORBIDDEN = {"matplotlib", "datasets", "rich"}
 
 

@@ -172,7 +172,7 @@ def test_exported_eval_tasks_run_the_same_samples_by_both_routes(model_dir, tmp_
     from sparsedecode import load_model
     from sparsedecode.experiments.evaluate import DENSE, EvalSpec, run_eval
     from sparsedecode.experiments.lm_eval_tasks import TAG, export_tasks, task_name
-    from sparsedecode.experiments.sweep import read_rows
+    from sparsedecode.experiments.sweep import parse_rows
 
     spec = EvalSpec(
         model=str(model_dir), tasks=("niah_single_noise",), contexts=(700,), samples=2, supports=(97,), answer_tokens=8
@@ -182,7 +182,7 @@ def test_exported_eval_tasks_run_the_same_samples_by_both_routes(model_dir, tmp_
     name = task_name("niah_single_noise", 700)
     assert exported.tasks == [name] and (tmp_path / "export" / f"{name}.yaml").exists()
     run_eval(spec, tmp_path / "eval", loaded=loaded)
-    rows = read_rows(tmp_path / "eval" / "runs.jsonl")
+    rows = parse_rows(tmp_path / "eval" / "runs.jsonl")
     dense = [r["output"] for r in sorted((r for r in rows if r["selector"] == DENSE), key=lambda r: r["sample"])]
     hf = evaluate("hf", f"pretrained={model_dir},dtype=float32", [TAG], tmp_path / "export")
     full = evaluate("sparsedecode", f"pretrained={model_dir},support=100000", [TAG], tmp_path / "export")
@@ -220,7 +220,7 @@ def test_registration_and_refusals(model_dir):
 
 
 def test_the_thin_command_line_entry(model_dir, tasks_dir, tmp_path):
-    from sparsedecode.eval_cli import run_lm_eval
+    from sparsedecode.cli.eval import run_lm_eval
 
     out = tmp_path / "results"
     args = ["--model", "sparsedecode", "--model_args", f"pretrained={model_dir},support=100000", "--tasks", "tiny_gen"]

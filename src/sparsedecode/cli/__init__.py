@@ -1,11 +1,12 @@
 """Command-line interface: ``sparsedecode run | sweep | merge | report | probe mass | probe retrieval |
-compare-selectors | bench op | bench e2e | models``.
+compare-selectors | bench op | bench e2e | models | eval | lm-eval``.
 
 One module per command group (:mod:`.run`, :mod:`.probe`, :mod:`.models`, :mod:`.compare_selectors`,
-:mod:`.sweep` with ``merge`` and ``report``, :mod:`.bench`), each adding its parsers and the functions that run
-them; :mod:`.common` holds what they share and :mod:`.outputs` checks and writes output files. Bad input gets
-one line on stderr and exit status 2, never a traceback, and nothing half-written. Building the parser imports
-neither torch nor transformers: each command imports the library when it runs.
+:mod:`.sweep` with ``merge`` and ``report``, :mod:`.bench`, :mod:`.eval` with ``lm-eval``), each adding its
+parsers and the functions that run them; :mod:`.common` holds what they share and :mod:`.outputs` checks and
+writes output files. Bad input gets one line on stderr and exit status 2, never a traceback, and nothing
+half-written. Building the parser imports neither torch nor transformers: each command imports the library when
+it runs.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import sys
 
 from ..errors import SparseDecodeError
 from . import bench, compare_selectors, models, probe, run, sweep
-from .common import Parser
+from . import eval as evaluation
+from .common import Parser, add_model_args, console, int_list, progress_bars
 
 __all__ = ["build_parser", "main"]
 
@@ -29,12 +31,23 @@ def build_parser() -> argparse.ArgumentParser:
     compare_selectors.add_parsers(sub)
     sweep.add_parsers(sub)
     bench.add_parsers(sub)
+    evaluation.add_eval_parser(sub, int_list=int_list, add_model_args=add_model_args).set_defaults(
+        handler=lambda args: evaluation.cmd_eval(args, console=console, progress_bars=progress_bars)
+    )
+    sub.add_parser(
+        evaluation.LM_EVAL_COMMAND,
+        help="lm-evaluation-harness with the `sparsedecode` model registered: every argument goes to lm-eval",
+        add_help=False,
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; bad input (a :class:`SparseDecodeError`, or a file-system error) ends in one line, exit 2."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
+        if argv[:1] == [evaluation.LM_EVAL_COMMAND]:  # lm-eval's own options pass through untouched
+            return evaluation.run_lm_eval(argv[1:])
         args = build_parser().parse_args(argv)
         return args.handler(args)
     except (SparseDecodeError, OSError) as error:

@@ -126,8 +126,11 @@ def cmd_sweep(args) -> int:
 
 def cmd_merge(args) -> int:
     from ..experiments.sweep import merge_sweeps
+    from .eval import cmd_merge_eval, is_eval_folder
 
     check_output_folder(args.out)
+    if args.sources and is_eval_folder(args.sources[0]):
+        return cmd_merge_eval(args, console=console)
     outcome = merge_sweeps(args.sources, args.out)
     console.print(
         f"merged {len(args.sources)} folder(s) into {args.out}: {outcome.rows} runs, {outcome.duplicates} duplicate(s) "
@@ -141,6 +144,10 @@ def cmd_report(args) -> int:
 
     if args.directory.is_dir():  # report.md, CSVs and plots go next to the data
         check_writable_folder(args.directory, f"the report into {args.directory}")
+    from .eval import cmd_report_eval, is_eval_folder
+
+    if is_eval_folder(args.directory):
+        return cmd_report_eval(args, console=console)
     with console.status(f"writing the report for {args.directory}"):
         path = write_report(args.directory, retrieval=args.retrieval)
     console.print(f"wrote {path}")

@@ -45,7 +45,7 @@ from .sweep import (
     append_row,
     corpus_sha256,
     locked,
-    read_rows,
+    parse_rows,
     write_json_atomic,
     write_rows,
 )
@@ -384,7 +384,7 @@ def run_eval(
     check_context_fits(model, spec)
     runs = directory / RUNS_FILE
     groups = shard.groups(spec)
-    samples = _first_samples(spec, tokenizer, groups, {key_of(row) for row in read_rows(runs)})
+    samples = _first_samples(spec, tokenizer, groups, {key_of(row) for row in parse_rows(runs)})
 
     with locked(directory):
         meta = read_meta(directory)
@@ -401,7 +401,7 @@ def run_eval(
         meta["sessions"] = [*meta.get("sessions", []), _session(shard, environment(model))]
         write_json_atomic(directory / SPEC_FILE, meta)
 
-        rows = read_rows(runs, repair=True)
+        rows = parse_rows(runs, repair=True)
         stored = {key_of(row): row for row in rows}
         total = sum(len(spec.group_keys(g)) for g in groups)
         done_before = sum(key in stored for g in groups for key in spec.group_keys(g))
@@ -445,7 +445,7 @@ def load_eval(directory: Path) -> tuple[dict, list[dict]]:
     meta = read_meta(directory)
     if meta is None:
         raise SparseDecodeError(f"{directory} is not an evaluation folder (no {SPEC_FILE})")
-    return meta, read_rows(directory / RUNS_FILE)
+    return meta, parse_rows(directory / RUNS_FILE)
 
 
 def is_eval_folder(directory: Path) -> bool:
@@ -500,7 +500,7 @@ def merge_evals(sources: list[Path], directory: Path) -> MergeOutcome:
             if source.resolve() in seen:
                 continue
             seen.add(source.resolve())
-            for row in read_rows(source / RUNS_FILE):
+            for row in parse_rows(source / RUNS_FILE):
                 key = key_of(row)
                 if key not in order:
                     raise SparseDecodeError(f"{source} holds a run {key} that is not part of its evaluation")

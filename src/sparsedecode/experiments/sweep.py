@@ -304,7 +304,7 @@ def read_rows(path: Path, *, repair: bool = False) -> list[dict]:
 
     With ``repair`` the torn tail is also cut from the file, so the next append starts on a fresh line.
     """
-    return _upgraded(path, _parse_rows(path, repair=repair))
+    return _upgraded(path, parse_rows(path, repair=repair))
 
 
 def _upgraded(path: Path, rows: list[dict]) -> list[dict]:
@@ -321,14 +321,16 @@ def _upgraded(path: Path, rows: list[dict]) -> list[dict]:
 def upgrade_rows_file(path: Path) -> int:
     """Rewrite ``runs.jsonl`` in today's ``first_divergence`` convention when it holds older rows; returns how
     many rows were upgraded. Every other byte of a row stays as it was (the mark is appended to the row)."""
-    raw = _parse_rows(path)
+    raw = parse_rows(path)
     old = sum(row.get("first_divergence_convention") != FIRST_DIVERGENCE_CONVENTION for row in raw)
     if old:
         write_rows(path, _upgraded(path, raw))
     return old
 
 
-def _parse_rows(path: Path, *, repair: bool = False) -> list[dict]:
+def parse_rows(path: Path, *, repair: bool = False) -> list[dict]:
+    """The rows of a JSON-lines file as written (no convention upgrade: evaluation folders use this too); a torn
+    last line (no final newline: a killed write) is ignored, and with ``repair`` cut from the file."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -585,7 +587,7 @@ def run_sweep(
         meta["sessions"] = [*meta.get("sessions", []), session]
         write_json_atomic(directory / SPEC_FILE, meta)
 
-        _parse_rows(runs, repair=True)  # cut a torn tail
+        parse_rows(runs, repair=True)  # cut a torn tail
         upgrade_rows_file(runs)  # rows appended below must not join rows of another convention
         rows = read_rows(runs)
         done = {key_of(row) for row in rows}

@@ -1,4 +1,4 @@
-"""Command-line handlers for ``sparsedecode eval`` and ``sparsedecode lm-eval`` (to be hooked into the CLI).
+"""``sparsedecode eval`` and ``sparsedecode lm-eval``, and ``merge`` / ``report`` of evaluation folders.
 
 * ``eval``: :func:`add_eval_parser` adds its arguments, :func:`cmd_eval` runs (or resumes) an evaluation folder, or
   with ``--export DIR`` writes the generated tasks as lm-evaluation-harness tasks instead.
@@ -17,7 +17,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from .errors import SparseDecodeError
+from ..errors import SparseDecodeError
+from .outputs import check_output_folder
 
 LM_EVAL_COMMAND = "lm-eval"
 
@@ -59,9 +60,9 @@ def add_eval_parser(sub, *, int_list, add_model_args) -> argparse.ArgumentParser
 
 
 def eval_spec(args):
-    from .config import SELECTORS
-    from .experiments.evaluate import EvalSpec
-    from .experiments.ruler import TASK_NAMES
+    from ..config import SELECTORS
+    from ..experiments.evaluate import EvalSpec
+    from ..experiments.ruler import TASK_NAMES
 
     return EvalSpec(
         model=args.model,
@@ -82,7 +83,7 @@ def eval_spec(args):
 
 
 def _row_line(row: dict) -> str:
-    from .experiments.eval_summary import mode_label
+    from ..experiments.eval_summary import mode_label
 
     mark = "[green]correct[/]" if row["correct"] else f"score {row['score']:.2f}"
     return (
@@ -93,20 +94,19 @@ def _row_line(row: dict) -> str:
 
 def cmd_eval(args, *, console, progress_bars) -> int:
     """``sparsedecode eval``; ``console`` and ``progress_bars`` are the CLI's own."""
-    from .experiments.evaluate import check_meta, read_meta, run_eval
-    from .experiments.sweep import Shard
-    from .models import load_model
+    from ..experiments.evaluate import check_meta, read_meta, run_eval
+    from ..experiments.sweep import Shard
+    from ..models import load_model
 
     spec = eval_spec(args)
     if (args.out is None) == (args.export is None):
         raise SparseDecodeError("give --out DIR to run the evaluation or --export DIR to write lm-eval tasks")
     if args.export is not None:
-        from .experiments.lm_eval_tasks import export_tasks
+        from ..experiments.lm_eval_tasks import export_tasks
 
         if args.shard:
             raise SparseDecodeError("--shard applies to runs, not to --export")
-        if args.export.exists() and not args.export.is_dir():
-            raise SparseDecodeError(f"{args.export} exists and is not a folder: choose another --export")
+        check_output_folder(args.export, "--export")
         with console.status(f"loading {args.model} ({args.dtype})"):
             _, tokenizer = load_model(args.model, dtype=args.dtype)
         with console.status(f"writing {len(spec.tasks) * len(spec.contexts)} tasks"):
@@ -118,8 +118,7 @@ def cmd_eval(args, *, console, progress_bars) -> int:
             "hold the template already)"
         )
         return 0
-    if args.out.exists() and not args.out.is_dir():
-        raise SparseDecodeError(f"{args.out} exists and is not a folder: choose another --out")
+    check_output_folder(args.out)
     shard = Shard.parse(args.shard) if args.shard else None
     meta = read_meta(args.out)
     if meta is not None:  # refuse changed settings before loading the model
@@ -151,14 +150,14 @@ def cmd_eval(args, *, console, progress_bars) -> int:
 
 
 def is_eval_folder(directory: Path) -> bool:
-    from .experiments.evaluate import is_eval_folder as check
+    from ..experiments.evaluate import is_eval_folder as check
 
     return check(directory)
 
 
 def cmd_merge_eval(args, *, console) -> int:
     """``sparsedecode merge`` of evaluation folders (``args.sources``, ``args.out``)."""
-    from .experiments.evaluate import merge_evals
+    from ..experiments.evaluate import merge_evals
 
     outcome = merge_evals(args.sources, args.out)
     console.print(
@@ -170,7 +169,7 @@ def cmd_merge_eval(args, *, console) -> int:
 
 def cmd_report_eval(args, *, console) -> int:
     """``sparsedecode report`` of an evaluation folder (``args.directory``)."""
-    from .eval_report import write_eval_report
+    from ..eval_report import write_eval_report
 
     with console.status(f"writing the report for {args.directory}"):
         path = write_eval_report(args.directory)
@@ -181,7 +180,7 @@ def cmd_report_eval(args, *, console) -> int:
 def run_lm_eval(argv: list[str]) -> int:
     """Register the ``sparsedecode`` model, then run lm-eval's command line on ``argv`` (lm-eval's own arguments);
     returns its exit status."""
-    from .lm_eval_model import register
+    from ..lm_eval_model import register
 
     register()
     from lm_eval.__main__ import cli_evaluate
