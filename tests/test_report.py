@@ -263,3 +263,30 @@ def test_report_cli_errors_are_one_line(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "neither a sweep" in err
+
+
+def test_rows_audited_under_the_per_head_normaliser_are_kept_apart():
+    from sparsedecode.compare import upgrade_audit_fields, upgrade_row
+
+    old = {"selector_recall_mean": 0.5, "captured_mass_ratio_mean": 0.7, "first_divergence_convention": 2}
+    new = upgrade_row(old)
+    assert new["captured_mass_ratio_mean"] is None and new["selector_recall_mean"] is None
+    assert new["captured_mass_ratio_per_head_best_mean"] == 0.7 and new["selector_recall_per_head_best_mean"] == 0.5
+    current = {**new, "captured_mass_ratio_mean": 0.9}
+    assert upgrade_audit_fields(current) == current, "rows written now carry both figures and stay as they are"
+    unaudited = {"captured_mass_ratio_mean": None}
+    assert upgrade_audit_fields(unaudited) == unaudited
+
+
+def test_committed_comparisons_show_no_captured_figure_of_the_old_normaliser():
+    import json
+    from pathlib import Path
+
+    docs = Path(__file__).parents[1] / "docs"
+    for path in sorted(docs.glob("selectors/*/selectors.json")):
+        data = json.loads(path.read_text())
+        for run in data["runs"]:
+            assert run["captured_mass_ratio_mean"] is None or "captured_mass_ratio_per_head_best_mean" in run
+        audited = [r for r in data["runs"] if r.get("captured_mass_ratio_per_head_best_mean") is not None]
+        if audited:
+            assert all(row["captured_mass_ratio"] is None for row in data["summary"]), path

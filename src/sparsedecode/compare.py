@@ -139,6 +139,25 @@ def first_divergence(dense_tokens: list[int], sparse_tokens: list[int]) -> int:
     return next((t for t in range(1, len(dense_tokens)) if sparse_tokens[t] != dense_tokens[t]), len(dense_tokens))
 
 
+def upgrade_audit_fields(row: dict) -> dict:
+    """A stored row (sweep run, selector run, retrieval trial) with audit figures in today's meaning.
+
+    Rows audited before recall and captured/best were measured against the best set reachable at the same budget
+    (the KV-head group's top blocks or positions) hold figures against each query head's own best under the
+    headline names. They are moved to the ``*_per_head_best_mean`` names, and the headline figures, never
+    measured for those rows, become ``None``: old and new meanings are never mixed under one name.
+    """
+    if "captured_mass_ratio_per_head_best_mean" in row or row.get("captured_mass_ratio_mean") is None:
+        return row
+    return {
+        **row,
+        "selector_recall_mean": None,
+        "captured_mass_ratio_mean": None,
+        "selector_recall_per_head_best_mean": row.get("selector_recall_mean"),
+        "captured_mass_ratio_per_head_best_mean": row["captured_mass_ratio_mean"],
+    }
+
+
 def upgrade_row(row: dict) -> dict:
     """A stored result row (sweep or selector comparison) in today's ``first_divergence`` convention.
 
@@ -148,6 +167,7 @@ def upgrade_row(row: dict) -> dict:
     ``margin_at_divergence`` needs no change: it always referred to the decode step that produced the differing
     token, which is today's ``first_divergence``.
     """
+    row = upgrade_audit_fields(row)
     convention = row.get("first_divergence_convention", 1)
     if convention == FIRST_DIVERGENCE_CONVENTION:
         return row

@@ -450,6 +450,18 @@ def _retrieval_section(directory: Path, data: dict, out: list[str]) -> None:
         "CSV: [mass_vs_retrieval.csv](mass_vs_retrieval.csv), per trial: [retrieval_trials.csv](retrieval_trials.csv)",
         "",
     ]
+    older = sum(
+        t.get("captured_mass_ratio_mean") is None and t.get("captured_mass_ratio_per_head_best_mean") is not None
+        for t in trials
+    )
+    if older:
+        out += [
+            f"{older} trial(s) were audited before captured/best was measured against the KV-head group's best: "
+            "their figure, against each query head's own best (which no selector sharing one set per group can "
+            "reach), is kept apart as `captured_mass_ratio_per_head_best_mean` in the per-trial CSV and is not "
+            "shown above. Rerun the probe for the group figure.",
+            "",
+        ]
     write_csv(directory / "retrieval_trials.csv", [{k: v for k, v in t.items() if k != "answer_ids"} for t in trials])
     if any(t.get("captured_mass_ratio_mean") is not None for t in trials):
         plots.captured_mass_vs_success(
@@ -669,7 +681,9 @@ def read_retrieval(path: Path) -> dict:
         )
     if not all(isinstance(trial, dict) for trial in data["trials"]):
         raise SparseDecodeError(f"{path} holds a trial that is not a JSON object; rerun `sparsedecode retrieval`")
-    return data
+    from .compare import upgrade_audit_fields
+
+    return {**data, "trials": [upgrade_audit_fields(trial) for trial in data["trials"]]}
 
 
 _MALFORMED = (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError)

@@ -391,8 +391,8 @@ def mass_vs_success(trials: list[dict], *, high: float = 0.9) -> list[dict]:
                 "failed_where_dense_succeeded": sum(
                     1 for t in group if not t["correct"] and dense.get((t["context"], t["depth"], t["trial"]))
                 ),
-                "needle_read_failed_mean": _mean(t["needle_read_mean"] for t in audited if not t["correct"]),
-                "needle_read_correct_mean": _mean(t["needle_read_mean"] for t in audited if t["correct"]),
+                "needle_read_failed_mean": _mean(t.get("needle_read_mean") for t in group if not t["correct"]),
+                "needle_read_correct_mean": _mean(t.get("needle_read_mean") for t in group if t["correct"]),
             }
         )
     return out
