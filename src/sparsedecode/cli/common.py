@@ -97,6 +97,22 @@ def add_prompt_args(parser: argparse.ArgumentParser, *, tokens: int) -> None:
     parser.add_argument("--prompt-index", type=int, default=0)
 
 
+def run_hooks(progress, out, row_line):
+    """``(on_start, on_row)`` for a resumable run into ``out`` (sweep, eval): say what a resume finds, print one line
+    per finished row with ``row_line(row)``, and move the ``runs`` bar of ``progress``."""
+
+    def started(done: int, total: int) -> None:
+        if done:
+            console.print(f"resuming {out}: {done} of {total} runs already done")
+        progress("runs", done, total)
+
+    def finished(row: dict, done: int, total: int) -> None:
+        console.print(row_line(row))
+        progress("runs", done, total)
+
+    return started, finished
+
+
 @contextlib.contextmanager
 def progress_bars(speed_estimate_period: float = 30.0) -> Iterator:
     """A ``progress(stage, done, total)`` callback drawing one rich bar per stage.

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from ..errors import SparseDecodeError
+from .common import run_hooks
 from .outputs import check_output_folder
 
 LM_EVAL_COMMAND = "lm-eval"
@@ -131,15 +132,7 @@ def cmd_eval(args, *, console, progress_bars) -> int:
         f"W = {spec.window}, B = {spec.block_size}, R = {spec.reuse}" + (f"; shard {shard}" if shard else "")
     )
     with progress_bars(speed_estimate_period=24 * 3600.0) as progress:
-
-        def started(done: int, total: int) -> None:
-            if done:
-                console.print(f"resuming {args.out}: {done} of {total} runs already done")
-            progress("runs", done, total)
-
-        def finished(row: dict, done: int, total: int) -> None:
-            console.print(_row_line(row))
-            progress("runs", done, total)
+        started, finished = run_hooks(progress, args.out, _row_line)
 
         outcome = run_eval(spec, args.out, shard=shard, loaded=loaded, on_row=finished, on_start=started)
     console.print(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import SparseDecodeError
-from .common import add_model_args, check_whole_blocks, console, int_list, load, progress_bars
+from .common import add_model_args, check_whole_blocks, console, int_list, load, progress_bars, run_hooks
 from .outputs import check_output_folder, check_writable_folder
 
 
@@ -104,15 +104,7 @@ def cmd_sweep(args) -> int:
         f"selector(s) {', '.join(spec.selectors)}" + (f"; shard {shard}" if shard else "")
     )
     with progress_bars(speed_estimate_period=24 * 3600.0) as progress:
-
-        def started(done: int, total: int) -> None:
-            if done:
-                console.print(f"resuming {args.out}: {done} of {total} runs already done")
-            progress("runs", done, total)
-
-        def finished(row: dict, done: int, total: int) -> None:
-            console.print(_row_line(row))
-            progress("runs", done, total)
+        started, finished = run_hooks(progress, args.out, _row_line)
 
         outcome = run_sweep(
             spec, args.out, shard=shard, loaded=loaded, progress=progress, on_row=finished, on_start=started

@@ -26,7 +26,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -41,6 +41,7 @@ from .ruler import GENERATOR_VERSION, TASK_NAMES, TASKS, TEMPLATES, Sample, buil
 from .sweep import (
     RUNS_FILE,
     Shard,
+    SweepOutcome,
     _session,
     append_row,
     corpus_sha256,
@@ -346,19 +347,6 @@ def check_context_fits(model, spec: EvalSpec) -> None:
 RowHook = Callable[[dict, int, int], None]
 
 
-@dataclass
-class EvalOutcome:
-    directory: Path
-    total: int
-    done_before: int
-    ran: int
-    rows: list[dict] = field(default_factory=list, repr=False)
-
-    @property
-    def complete(self) -> bool:
-        return self.done_before + self.ran == self.total
-
-
 def run_eval(
     spec: EvalSpec,
     directory: Path,
@@ -368,7 +356,7 @@ def run_eval(
     progress: Progress | None = None,
     on_row: RowHook | None = None,
     on_start: Callable[[int, int], None] | None = None,
-) -> EvalOutcome:
+) -> SweepOutcome:
     """Run (or resume) ``spec`` into ``directory``; ``loaded`` is an already loaded ``(model, tokenizer)``."""
     directory = Path(directory)
     shard = shard or Shard()
@@ -405,7 +393,7 @@ def run_eval(
         stored = {key_of(row): row for row in rows}
         total = sum(len(spec.group_keys(g)) for g in groups)
         done_before = sum(key in stored for g in groups for key in spec.group_keys(g))
-        outcome = EvalOutcome(directory, total, done_before, 0, rows)
+        outcome = SweepOutcome(directory, total, done_before, 0, rows)
         if on_start:
             on_start(done_before, total)
         configs = {(cfg.selector, cfg.support): cfg for cfg in spec.configs()}
