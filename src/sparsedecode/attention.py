@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -77,6 +78,8 @@ class StepView:
     scaling: float
     layout: BlockLayout
     blocks: torch.Tensor | None
+    sequence: int = 0
+    """Which sequence of a batch the step belongs to (0 for batch 1); positions are the sequence's own."""
 
 
 def _with_columns(
@@ -205,6 +208,8 @@ class LayerState:
     chained: bool = False
     mark: KeyMark | None = None
     unchanged: int = 0
+    rows: list[LayerState] | None = None
+    pads: tuple[int, ...] | None = None
 
     def look(self, cache: object) -> None:
         """Pre-hook half: how much of what this state describes ``cache`` still holds, before it appends."""
@@ -216,8 +221,10 @@ class LayerState:
         if isinstance(keys, torch.Tensor) and keys.dim() == 4:
             self.unchanged = self.mark.unchanged_prefix(keys)
 
-    def begin(self, start: int, q_len: int) -> None:
-        """A forward of ``q_len`` tokens at positions ``start ..`` begins: drop what may be stale (see the class)."""
+    def begin(self, start: int, q_len: int) -> int:
+        """A forward of ``q_len`` tokens at positions ``start ..`` begins: drop what may be stale (see the class).
+
+        Returns ``keep``, the number of leading positions whose derived state survives."""
         keep = min(self.unchanged, start, self.seen)
         self.unchanged = 0
         continues = q_len == 1 and self.chained and keep == start == self.seen
@@ -230,6 +237,7 @@ class LayerState:
         if not continues:
             self.step, self.blocks, self.positions = 0, None, None
         self.seen, self.chained = keep, False
+        return keep
 
     def end(self, keys: torch.Tensor, n: int, *, chained: bool = False) -> None:
         """The call is over: the state now describes the first ``n`` positions of ``keys`` ``(1, kv, >= n, d)``."""
@@ -253,6 +261,20 @@ class LayerState:
         self.step, self.blocks, self.positions = 0, None, None
         self.mark, self.seen, self.chained, self.unchanged = None, 0, False, 0
         self.history_complete = True
+        self.rows, self.pads = None, None
+
+    def batch_rows(self, pads: tuple[int, ...]) -> list[LayerState]:
+        """One state per sequence of a left-padded batch (row ``i`` starts at cache position ``pads[i]``).
+
+        Each row state lives in its sequence's own coordinates (position 0 is its first real token) and holds what
+        a batch-1 state holds: its own selection, reuse counter, centroids, H2O history and reads. Another batch
+        size or other paddings mean other sequences: the rows start afresh.
+        """
+        if self.rows is None or self.pads != pads:
+            kinds = self.centroids.kinds
+            self.rows = [LayerState(self.layer, BlockCentroids(self.centroids.block_size, kinds)) for _ in pads]
+            self.pads = pads
+        return self.rows
 
     def add_attention(self, received: torch.Tensor) -> None:
         """Add attention received by positions ``[0, m)`` ``(kv, m)`` to the H2O history."""
@@ -322,6 +344,8 @@ class SparseSession:
     track_reads: bool = False
     observers: list[Callable[[StepView], None]] = field(default_factory=list)
     layers: dict[int, LayerState] = field(default_factory=dict)
+    extents: tuple | None = field(default=None, repr=False)
+    sequence: int = field(default=0, repr=False)
 
     def layer_state(self, module: torch.nn.Module) -> LayerState:
         layer = int(getattr(module, "layer_idx", 0) or 0)
@@ -338,17 +362,27 @@ class SparseSession:
         if entry is not None and entry[0] is self:
             entry[1].look(_cache_argument(args, kwargs))
 
-    def unique_distant_positions(self) -> torch.Tensor:
+    def _states(self, sequence: int | None) -> list[LayerState]:
+        states = [s for _, s in sorted(self.layers.items())]
+        if sequence is None:
+            return states
+        return [s.rows[sequence] if s.rows is not None and sequence < len(s.rows) else s for s in states]
+
+    def unique_distant_positions(self, sequence: int | None = None) -> torch.Tensor:
         """Distinct distant positions of the current sequence read so far, per (layer, KV head): ``(layers, kv)``.
 
-        A position read at several steps (dense or sparse) counts once, so no entry exceeds ``N - W - 1``.
+        A position read at several steps (dense or sparse) counts once, so no entry exceeds ``N - W - 1``. In a
+        batch, ``sequence`` names the sequence (its own positions).
         """
-        rows = [s.reads.sum(dim=1).cpu() for _, s in sorted(self.layers.items()) if s.reads is not None]
+        rows = [s.reads.sum(dim=1).cpu() for s in self._states(sequence) if s.reads is not None]
         return torch.stack(rows) if rows else torch.zeros(0, 0, dtype=torch.long)
 
-    def centroid_bytes(self) -> int:
-        """Bytes held by the block-centroid caches of all layers."""
-        return sum(s.centroids.nbytes for s in self.layers.values())
+    def centroid_bytes(self, sequence: int | None = None) -> int:
+        """Bytes held by the block-centroid caches of all layers (of one sequence of a batch with ``sequence``;
+        of every sequence without it)."""
+        if sequence is not None:
+            return sum(s.centroids.nbytes for s in self._states(sequence))
+        return sum(s.centroids.nbytes + sum(r.centroids.nbytes for r in s.rows or ()) for s in self.layers.values())
 
     def attention_history(self) -> dict[int, torch.Tensor]:
         """H2O's history per layer ``(kv, N)``: what the session's forwards so far (a prefill) paid each position."""
@@ -439,12 +473,9 @@ def sparse_attention_forward(
     session, state = entry
     q_len = query.shape[2]
     if query.shape[0] != 1:
-        if q_len == 1:
-            raise SparseDecodeError(f"sparse decoding supports batch size 1 only (got batch {query.shape[0]})")
-        state.forget()  # a batched prefill: nothing this state could describe
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
+        return _batch_forward(session, state, module, query, key, value, attention_mask, dropout, scaling, kwargs)
+    if state.rows is not None:  # batch 1 after a batch: the rows described other sequences
+        state.rows, state.pads = None, None
     n = _context_length(key, kwargs)
     sliding = kwargs.get("sliding_window")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -482,6 +513,123 @@ def sparse_attention_forward(
     out = sparse_decode_step(session, state, query, key, value, n, scaling)
     state.end(key, n, chained=True)
     return out, None
+
+
+def row_extents(attention_mask: torch.Tensor | None, key: torch.Tensor, kwargs: dict) -> tuple[int, tuple[int, ...]]:
+    """Where each sequence of a batch lies in the cache: ``(n, pads)``, sequence ``i`` at positions ``[pads[i], n)``.
+
+    Read from the attention mask's last query row (it sees every real key of its sequence): each sequence must
+    attend to one contiguous run of positions ending at the current token, i.e. the batch is left-padded. Without
+    a mask (no padding) every sequence starts at 0.
+    """
+    batch = key.shape[0]
+    if attention_mask is None:
+        return _context_length(key, kwargs), (0,) * batch
+    last = attention_mask[..., -1, :] if attention_mask.dim() == 4 else attention_mask
+    last = last.reshape(last.shape[0], -1)[:, -key.shape[2] :] if last.dim() > 2 else last
+    valid = last if last.dtype == torch.bool else last == 0  # additive float masks: 0 where attended
+    valid = valid.expand(batch, -1) if valid.shape[0] == 1 else valid
+    counts = valid.sum(dim=-1)
+    if bool((counts == 0).any()):
+        raise SparseDecodeError("sparse decoding: a sequence of the batch attends to no position at all")
+    columns = valid.shape[-1]
+    first = valid.int().argmax(dim=-1)
+    end = columns - valid.flip(-1).int().argmax(dim=-1)
+    if not bool((end == end[0]).all()) or not bool((end - first == counts).all()):
+        raise SparseDecodeError(
+            "sparse decoding of a batch needs left padding: every sequence must attend to one contiguous run of "
+            "positions ending at the current token"
+        )
+    return int(end[0]), tuple(int(p) for p in first.tolist())
+
+
+def _batch_forward(session, state, module, query, key, value, attention_mask, dropout, scaling, kwargs):
+    """A forward of a batch: each sequence is handled as it would be alone, in its own coordinates.
+
+    Sequence ``i`` occupies cache positions ``[pads[i], n)`` (:func:`row_extents`); its state is
+    ``state.rows[i]`` (:meth:`LayerState.batch_rows`), whose position 0 is the sequence's first real token. The
+    batch state proves what is unchanged (as for batch 1) and each row keeps what lies inside its own run. Multi-
+    token forwards and decode steps where every sequence is dense run as one batched SDPA call with the mask
+    (dense batched decoding, exactly); otherwise each sequence runs its own dense or sparse step over its own
+    slice of the cache, so padding is never selected nor attended.
+    """
+    batch, _, q_len, _ = query.shape
+    cache_key = (id(attention_mask), key.shape[2], q_len)
+    if session.extents is not None and session.extents[0] == cache_key and session.extents[1] is attention_mask:
+        n, pads = session.extents[2]
+    else:  # once per forward: every layer sees the same mask
+        n, pads = row_extents(attention_mask, key, kwargs)
+        session.extents = (cache_key, attention_mask, (n, pads))
+    start = n - q_len
+    keep = state.begin(start, q_len)
+    rows = state.batch_rows(pads)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    cfg = session.config
+    sliding = kwargs.get("sliding_window")
+    h2o = cfg.selector == "h2o"
+
+    def dense_all():
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )[0]
+
+    if q_len != 1:
+        out = dense_all()
+        for i, (row, pad) in enumerate(zip(rows, pads)):
+            row_start = max(start - pad, 0)
+            row_q = n - pad - row_start
+            if row_q <= 0:
+                row.forget()
+                continue
+            row.unchanged = max(keep - pad, 0)
+            row.begin(row_start, row_q)
+            keys_i = key[i : i + 1, :, pad:]
+            if h2o:
+                q_i = query[i, :, q_len - row_q :]
+                _remember_attention(
+                    row,
+                    keys_i,
+                    n - pad,
+                    functools.partial(causal_attention_received, q_i, keys_i[0, :, : n - pad], row_start, scale),
+                )
+            row.end(keys_i, n - pad)
+        state.end(key, n)
+        return out, None
+    if kwargs.get("softcap") is not None:
+        raise SparseDecodeError("sparse decoding does not support attention logit soft-capping yet")
+    lengths = [n - pad for pad in pads]
+    dense_rows = [m <= cfg.effective_support or (sliding is not None and m > sliding) for m in lengths]
+    out = dense_all() if all(dense_rows) else None
+    pieces = []
+    for i, (row, pad, m) in enumerate(zip(rows, pads, lengths)):
+        row.unchanged = max(keep - pad, 0)
+        row.begin(m - 1, 1)
+        q_i, k_i, v_i = query[i : i + 1], key[i : i + 1, :, pad:], value[i : i + 1, :, pad:]
+        if dense_rows[i]:
+            session.dense_steps += 1
+            if session.track_reads:
+                row.note_all_distant(
+                    key.shape[1], BlockLayout(n=m, window=cfg.window, block_size=cfg.block_size), key.device
+                )
+            if h2o:
+                _remember_attention(row, k_i, m, functools.partial(group_attention, q_i[0, :, 0], k_i[0, :, :m], scale))
+            if out is None:
+                pieces.append(
+                    sdpa_attention_forward(
+                        module, q_i, k_i[:, :, :m], v_i[:, :, :m], None, dropout=dropout, scaling=scaling, **kwargs
+                    )[0]
+                )
+            row.end(k_i, m)
+            continue
+        session.sparse_steps += 1
+        session.sequence = i
+        try:
+            pieces.append(sparse_decode_step(session, row, q_i, k_i, v_i, m, scaling))
+        finally:
+            session.sequence = 0
+        row.end(k_i, m, chained=True)
+    state.end(key, n)
+    return (out if out is not None else torch.cat(pieces, dim=0)), None
 
 
 def _remember_attention(state: LayerState, key: torch.Tensor, n: int, received: Callable[[], torch.Tensor]) -> None:
@@ -637,7 +785,9 @@ def sparse_decode_step(
     if session.observers:
         if blocks is not None:
             index, valid = support_positions(blocks, layout)
-        view = StepView(state.layer, state.step, q, keys, values, index, valid, out, scale, layout, blocks)
+        view = StepView(
+            state.layer, state.step, q, keys, values, index, valid, out, scale, layout, blocks, session.sequence
+        )
         for observe in session.observers:
             observe(view)
     return out.to(query.dtype).view(1, 1, query_heads, -1)  # -1: the value head dim
