@@ -344,6 +344,8 @@ class SparseSession:
     track_reads: bool = False
     observers: list[Callable[[StepView], None]] = field(default_factory=list)
     layers: dict[int, LayerState] = field(default_factory=dict)
+    sequence_steps: dict[int, list[int]] = field(default_factory=dict)
+    """Per sequence of a batch: ``[sparse_steps, dense_steps]`` (the totals above count every sequence)."""
     extents: tuple | None = field(default=None, repr=False)
     sequence: int = field(default=0, repr=False)
 
@@ -408,6 +410,28 @@ class SparseSession:
             keys = cache.layers[layer].keys
             state.forget()
             state.history = received.to(device=keys.device, dtype=torch.float32).clone()
+            state.end(keys, length)
+
+    def adopt_batch_history(self, cache: Cache, histories: list[dict[int, torch.Tensor]], pads: list[int]) -> None:
+        """:meth:`adopt_history` for a left-padded batch: ``histories[i]`` is sequence ``i``'s (its own positions,
+        from :func:`prefill_history` of its prompt alone), ``pads[i]`` where it starts in the cache."""
+        pads = tuple(int(p) for p in pads)
+        for layer, state in self.layers.items():
+            if not all(layer in h for h in histories):
+                continue
+            keys = cache.layers[layer].keys
+            length = cache.get_seq_length(layer)
+            state.forget()
+            rows = state.batch_rows(pads)
+            for i, (row, pad) in enumerate(zip(rows, pads)):
+                received = histories[i][layer]
+                if received.shape[1] != length - pad:
+                    raise SparseDecodeError(
+                        f"layer {layer}, sequence {i}: the history covers {received.shape[1]} positions, the cache "
+                        f"holds {length - pad}"
+                    )
+                row.history = received.to(device=keys.device, dtype=torch.float32).clone()
+                row.end(keys[i : i + 1, :, pad:], length - pad)
             state.end(keys, length)
 
     def reset(self) -> None:
@@ -605,8 +629,10 @@ def _batch_forward(session, state, module, query, key, value, attention_mask, dr
         row.unchanged = max(keep - pad, 0)
         row.begin(m - 1, 1)
         q_i, k_i, v_i = query[i : i + 1], key[i : i + 1, :, pad:], value[i : i + 1, :, pad:]
+        counts = session.sequence_steps.setdefault(i, [0, 0])
         if dense_rows[i]:
             session.dense_steps += 1
+            counts[1] += 1
             if session.track_reads:
                 row.note_all_distant(
                     key.shape[1], BlockLayout(n=m, window=cfg.window, block_size=cfg.block_size), key.device
@@ -622,6 +648,7 @@ def _batch_forward(session, state, module, query, key, value, attention_mask, dr
             row.end(k_i, m)
             continue
         session.sparse_steps += 1
+        counts[0] += 1
         session.sequence = i
         try:
             pieces.append(sparse_decode_step(session, row, q_i, k_i, v_i, m, scaling))

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import DynamicCache
 
+from . import batch as batching
 from .attention import SparseSession, prefill_history, sparse_decoding
 from .config import SparseConfig
 from .diagnostics import (
@@ -313,16 +314,24 @@ def compare(
     reference: DenseReference | None = None,
     progress: Progress | None = None,
     session_hook: Callable[[str, SparseSession], None] | None = None,
-) -> CompareResult:
+) -> CompareResult | list[CompareResult]:
     """Paired dense/sparse comparison of one prompt under ``cfg`` (DESIGN.md section 3).
 
     Pass ``reference`` (from :func:`dense_reference`) to reuse one dense run across several settings;
-    otherwise one is computed. ``tokenizer`` is accepted for symmetry with generation APIs and unused here.
+    otherwise one is computed. A batch (a list of ``(1, P_i)`` prompts, or ``(B, P)`` ids with ``B > 1``) goes to
+    :func:`compare_batch` and gives a list of results. ``tokenizer`` is accepted for symmetry with generation APIs
+    and unused here.
     The teacher-forced pass always yields the margin certificate (it reuses the dense logits kept by the
     reference); ``cfg.audit`` adds the omitted-mass audit of every free-running sparse step.
     ``session_hook(phase, session)`` is called as each sparse phase ("free", "teacher") starts.
     """
     del tokenizer
+    if isinstance(prompt_ids, (list, tuple)) or (
+        isinstance(prompt_ids, torch.Tensor) and prompt_ids.dim() == 2 and prompt_ids.shape[0] > 1
+    ):
+        if session_hook is not None:
+            raise SparseDecodeError("compare: session_hook is for one prompt; a batch has none")
+        return compare_batch(model, prompt_ids, cfg, tokens, reference=reference, progress=progress)
     check_model(model, "compare")
     check_prompt_ids(model, prompt_ids, "compare")
     check_config(cfg, "compare")
@@ -354,9 +363,6 @@ def compare(
     sparse_decode_s = time.perf_counter() - started
     unique = session.unique_distant_positions()
     crop_cache(cache, context)
-    sparse_tokens = [dense_tokens[0], *free]
-    divergence = first_divergence(dense_tokens, sparse_tokens)
-    survives = divergence == tokens
 
     teacher_logits: list[torch.Tensor] = []
     started = time.perf_counter()
@@ -378,17 +384,54 @@ def compare(
     teacher_forced_s = time.perf_counter() - started
     crop_cache(cache, context)
 
+    return _assemble(
+        reference,
+        cfg,
+        tokens,
+        free,
+        forced,
+        sparse_nll,
+        torch.stack(teacher_logits),
+        steps=(session.sparse_steps, session.dense_steps),
+        centroid_bytes=session.centroid_bytes(),
+        unique=unique,
+        audit=audit,
+        timings=(sparse_decode_s, teacher_forced_s),
+    )
+
+
+def _assemble(
+    reference: DenseReference,
+    cfg: SparseConfig,
+    tokens: int,
+    free: list[int],
+    forced: list[int],
+    sparse_nll: list[float],
+    teacher_logits: torch.Tensor,
+    *,
+    steps: tuple[int, int],
+    centroid_bytes: int,
+    unique: torch.Tensor,
+    audit: MassAudit | None,
+    timings: tuple[float, float],
+) -> CompareResult:
+    """A :class:`CompareResult` from one prompt's dense reference and its two sparse passes."""
+    dense_tokens = reference.tokens[:tokens]
+    sparse_tokens = [dense_tokens[0], *free]
+    divergence = first_divergence(dense_tokens, sparse_tokens)
+    survives = divergence == tokens
+    sparse_decode_s, teacher_forced_s = timings
     dense_nll = reference.nll[:tokens]
     dense_ppl, sparse_ppl = _ppl(dense_nll[1:]), _ppl(sparse_nll)
     matches = sum(a == b for a, b in zip(forced, dense_tokens[1:]))
     match_percent = 100.0 * matches / (tokens - 1)
-    certificate = margin_certificate(reference.logits[: tokens - 1], torch.stack(teacher_logits))
+    certificate = margin_certificate(reference.logits[: tokens - 1], teacher_logits)
     cert = summarize_certificate(certificate, None if survives else divergence)
     audit_arrays = audit.arrays() if audit is not None else None
     audit_summary = summarize_audit(audit_arrays) if audit_arrays is not None else None
     audited = audit_summary is not None and audit_summary.get("audited_steps", 0) > 0
     return CompareResult(
-        context=context,
+        context=reference.context,
         tokens=tokens,
         settings=cfg.to_dict(),
         first_divergence=divergence,
@@ -403,9 +446,9 @@ def compare(
         teacher_forced_tokens=forced,
         dense_nll=dense_nll,
         sparse_nll=[dense_nll[0], *sparse_nll],
-        sparse_steps=session.sparse_steps,
-        dense_fallback_steps=session.dense_steps,
-        centroid_cache_bytes=session.centroid_bytes(),
+        sparse_steps=steps[0],
+        dense_fallback_steps=steps[1],
+        centroid_cache_bytes=centroid_bytes,
         certified_fraction=cert["certified_fraction"],
         flips=cert["flips"],
         certificate_violations=cert["certificate_violations"],
@@ -430,3 +473,174 @@ def compare(
         audit=audit_summary,
         audit_arrays=audit_arrays,
     )
+
+
+@dataclass
+class BatchReference:
+    """Dense references of several prompts decoded together (left-padded): one :class:`DenseReference` per prompt
+    (their ``cache`` is the shared batch cache) and the batch's ``cache`` and prompt ``mask`` ``(B, P)``."""
+
+    references: list[DenseReference]
+    cache: DynamicCache = field(repr=False)
+    mask: torch.Tensor = field(repr=False)
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def pads(self) -> list[int]:
+        return [int(p) for p in (self.mask.shape[1] - self.mask.sum(dim=1)).tolist()]
+
+
+def _check_batch(model: torch.nn.Module, prompts: object, where: str) -> list[torch.Tensor]:
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() != 2:
+            raise SparseDecodeError(
+                f"{where}: expected prompt ids of shape (batch, length), got {tuple(prompts.shape)}"
+            )
+        prompts = [prompts[i : i + 1] for i in range(prompts.shape[0])]
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise SparseDecodeError(f"{where}: a batch is a non-empty list of (1, length) prompt tensors")
+    for p in prompts:
+        check_prompt_ids(model, p, where)
+    return list(prompts)
+
+
+def dense_references(
+    model: torch.nn.Module,
+    prompts: list[torch.Tensor],
+    *,
+    tokens: int = 128,
+    progress: Progress | None = None,
+) -> BatchReference:
+    """:func:`dense_reference` of several prompts at once: a left-padded batched prefill and batched greedy decoding.
+
+    Each prompt's tokens and NLL are those of its batch-1 reference (the batch rounds matrix products differently,
+    so NLLs agree to float32 round-off, not bit for bit).
+    """
+    check_model(model, "dense_references")
+    prompts = _check_batch(model, prompts, "dense_references")
+    _check_tokens(tokens)
+    for p in prompts:
+        check_positions(model, int(p.shape[1]), tokens, "dense_references")
+    ids, mask = batching.left_pad(prompts)
+    cache = DynamicCache(config=model.config)
+    started = time.perf_counter()
+    logits = batching.prefill(model, ids, mask, cache, progress=progress)
+    prefill_s = time.perf_counter() - started
+    first = logits.argmax(dim=-1).tolist()
+    first_nll = (torch.logsumexp(logits, dim=-1) - logits.gather(1, torch.tensor(first)[:, None])[:, 0]).tolist()
+    steps: list[torch.Tensor] = []
+    started = time.perf_counter()
+    argmaxes, nll = batching.greedy_decode(
+        model,
+        cache,
+        mask,
+        first,
+        tokens - 1,
+        progress=progress,
+        stage="dense decode",
+        on_logits=lambda step, step_logits: steps.append(step_logits),
+    )
+    decode_s = time.perf_counter() - started
+    crop_cache(cache, ids.shape[1])
+    stacked = torch.stack(steps, dim=1) if steps else torch.zeros(len(prompts), 0, 0)
+    references = [
+        DenseReference(p, [first[i], *argmaxes[i]], [first_nll[i], *nll[i]], cache, prefill_s, decode_s, stacked[i])
+        for i, p in enumerate(prompts)
+    ]
+    return BatchReference(references, cache, mask, prefill_s, decode_s)
+
+
+def compare_batch(
+    model: torch.nn.Module,
+    prompts: list[torch.Tensor] | torch.Tensor,
+    cfg: SparseConfig,
+    tokens: int = 128,
+    *,
+    reference: BatchReference | None = None,
+    progress: Progress | None = None,
+) -> list[CompareResult]:
+    """:func:`compare` of several prompts decoded together; one result per prompt, equal to its batch-1
+    :func:`compare` apart from timings and float32 round-off (the free-running and teacher-forced passes run as
+    left-padded batches; every sequence gets its own support, see :mod:`sparsedecode.batch`).
+
+    Timings are the batch's: ``sparse_decode_s`` and ``teacher_forced_s`` are the batch's wall times, the same in
+    every result.
+    """
+    check_model(model, "compare")
+    prompts = _check_batch(model, prompts, "compare")
+    check_config(cfg, "compare")
+    _check_tokens(tokens)
+    for p in prompts:
+        check_positions(model, int(p.shape[1]), tokens, "compare")
+    if reference is not None and not isinstance(reference, BatchReference):
+        raise SparseDecodeError(
+            f"compare: a batch's reference must be a BatchReference, got {type(reference).__name__}"
+        )
+    if reference is None:
+        reference = dense_references(model, prompts, tokens=tokens, progress=progress)
+    elif len(reference.references) != len(prompts) or not all(
+        r.prompt_ids.shape == p.shape and torch.equal(r.prompt_ids, p) for r, p in zip(reference.references, prompts)
+    ):
+        raise SparseDecodeError("the dense reference was computed for other prompts")
+    refs = reference.references
+    if tokens > min(len(r.tokens) for r in refs):
+        raise SparseDecodeError(
+            f"the dense reference has {min(len(r.tokens) for r in refs)} tokens; asked for {tokens}"
+        )
+    cache, mask, pads = reference.cache, reference.mask, reference.pads
+    length = mask.shape[1]
+    dense = [r.tokens[:tokens] for r in refs]
+    histories = [_h2o_history(model, r) for r in refs] if cfg.selector == "h2o" else None
+    audits = [MassAudit(sequence=i) for i in range(len(refs))] if cfg.audit else None
+
+    started = time.perf_counter()
+    with sparse_decoding(model, cfg) as session:
+        if histories is not None:
+            session.adopt_batch_history(cache, histories, pads)
+        session.track_reads = True
+        session.observers.extend(audits or ())
+        free, _ = batching.greedy_decode(
+            model, cache, mask, [d[0] for d in dense], tokens - 1, progress=progress, stage="sparse decode"
+        )
+    sparse_decode_s = time.perf_counter() - started
+    unique = [session.unique_distant_positions(i) for i in range(len(refs))]
+    centroid_bytes = [session.centroid_bytes(i) for i in range(len(refs))]
+    crop_cache(cache, length)
+
+    teacher_logits: list[torch.Tensor] = []
+    started = time.perf_counter()
+    with sparse_decoding(model, cfg) as teacher_session:
+        if histories is not None:
+            teacher_session.adopt_batch_history(cache, histories, pads)
+        forced, sparse_nll = batching.greedy_decode(
+            model,
+            cache,
+            mask,
+            [d[0] for d in dense],
+            tokens - 1,
+            teachers=dense,
+            progress=progress,
+            stage="teacher-forced",
+            on_logits=lambda step, logits: teacher_logits.append(logits),
+        )
+    teacher_forced_s = time.perf_counter() - started
+    crop_cache(cache, length)
+    stacked = torch.stack(teacher_logits, dim=1)
+    return [
+        _assemble(
+            ref,
+            cfg,
+            tokens,
+            free[i],
+            forced[i],
+            sparse_nll[i],
+            stacked[i],
+            steps=tuple(session.sequence_steps.get(i, [0, 0])),
+            centroid_bytes=centroid_bytes[i],
+            unique=unique[i],
+            audit=audits[i] if audits else None,
+            timings=(sparse_decode_s, teacher_forced_s),
+        )
+        for i, ref in enumerate(refs)
+    ]

@@ -171,8 +171,12 @@ class MassAudit:
 
     records: dict[int, list[dict[str, torch.Tensor]]] = field(default_factory=dict)
     value_norms: dict[int, list[float]] = field(default_factory=dict)
+    sequence: int | None = None
+    """In a batch, the one sequence audited (``None``: every step seen, right for batch 1)."""
 
     def __call__(self, view: StepView) -> None:
+        if self.sequence is not None and view.sequence != self.sequence:
+            return
         self.records.setdefault(view.layer, []).append(audit_step(view))
         n = view.layout.n
         self.value_norms.setdefault(view.layer, []).append(float(view.values[:, :n].double().norm(dim=-1).max()))

@@ -15,11 +15,13 @@ the two differ with the dense top-1/top-2 margin there.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 
+from . import batch as batching
 from .attention import prefill_history, sparse_decoding
 from .cache import GrowingCache
 from .compare import Progress, crop_cache, greedy_decode, prefill
@@ -86,8 +88,14 @@ def generate(
     adaptive: bool = False,
     max_draft_tokens: int = 16,
     progress: Progress | None = None,
-) -> Generation:
+    attention_mask: torch.Tensor | None = None,
+    eos_token_id: int | None = None,
+) -> Generation | list[Generation]:
     """Greedy generation of ``max_new_tokens`` tokens after ``input_ids`` ``(1, P)``; the prefill is dense.
+
+    A batch (``input_ids`` ``(B, P)`` left-padded, with ``attention_mask``; or a list of ``(1, P_i)`` prompts)
+    goes to :func:`generate_batch` and gives one :class:`Generation` per sequence (``dense`` and ``sparse`` modes;
+    lossless runs batch 1 only).
 
     ``mode="lossless"`` drafts ``draft_tokens`` tokens with sparse attention (``cfg``) and verifies them with one
     dense forward; ``adaptive=True`` doubles ``k`` after a fully accepted draft (up to ``max_draft_tokens``) and
@@ -96,6 +104,20 @@ def generate(
     """
     if mode not in MODES:
         raise SparseDecodeError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
+    batched = isinstance(input_ids, (list, tuple)) or (
+        isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[0] > 1
+    )
+    if batched or attention_mask is not None:
+        return generate_batch(
+            model,
+            input_ids,
+            cfg,
+            max_new_tokens,
+            mode=mode,
+            attention_mask=attention_mask,
+            eos_token_id=eos_token_id,
+            progress=progress,
+        )
     check_model(model, "generate")
     check_prompt_ids(model, input_ids, "generate")
     check_count(max_new_tokens, "max_new_tokens", 1)
@@ -256,3 +278,110 @@ def _dense_margin(model: torch.nn.Module, input_ids: torch.Tensor, tokens: list[
         logits = _step(model, cache, token)
     top = logits.float().topk(2).values
     return float(top[0] - top[1])
+
+
+@torch.no_grad()
+def generate_batch(
+    model: torch.nn.Module,
+    prompts: torch.Tensor | list[torch.Tensor],
+    cfg: SparseConfig | None,
+    max_new_tokens: int,
+    *,
+    mode: str = "sparse",
+    attention_mask: torch.Tensor | None = None,
+    eos_token_id: int | None = None,
+    progress: Progress | None = None,
+) -> list[Generation]:
+    """Greedy generation for a batch of prompts decoded together; one :class:`Generation` per sequence.
+
+    ``prompts`` is ``(B, P)`` ids, left-padded when ``attention_mask`` ``(B, P)`` says so, or a list of ``(1, P_i)``
+    prompts (padded here). Each sequence is decoded as it would be alone (its own support, see
+    :mod:`sparsedecode.batch`). A sequence that emits ``eos_token_id`` stops there (its tokens end with it) while
+    the others go on; the batch stops when all have. Timings are the batch's, the same in every result.
+    Lossless decoding with batches (per-sequence acceptance and rollback) is not implemented: it raises.
+    """
+    if mode not in MODES:
+        raise SparseDecodeError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
+    if mode == "lossless":
+        raise SparseDecodeError(
+            "lossless generation runs one sequence at a time (per-sequence acceptance and rollback are not "
+            "implemented for batches): pass a (1, length) prompt, or use mode='sparse' or 'dense'"
+        )
+    check_model(model, "generate")
+    if isinstance(prompts, (list, tuple)):
+        if attention_mask is not None:
+            raise SparseDecodeError(
+                "generate: pass attention_mask with (batch, length) ids, not with a list of prompts"
+            )
+        for p in prompts:
+            check_prompt_ids(model, p, "generate")
+        ids, mask = batching.left_pad(prompts)
+    else:
+        if not isinstance(prompts, torch.Tensor) or prompts.dim() != 2:
+            raise SparseDecodeError("generate: a batch is (batch, length) ids with an attention_mask, or a list")
+        for i in range(prompts.shape[0]):
+            check_prompt_ids(model, prompts[i : i + 1], "generate")
+        ids = prompts
+        mask = torch.ones_like(prompts) if attention_mask is None else attention_mask.to(prompts.device)
+        if mask.shape != ids.shape:
+            raise SparseDecodeError(
+                f"generate: attention_mask {tuple(mask.shape)} does not match ids {tuple(ids.shape)}"
+            )
+        batching.check_left_padded(mask)
+    check_count(max_new_tokens, "max_new_tokens", 1)
+    if mode != "dense" and cfg is None:
+        raise SparseDecodeError(f"mode {mode} needs a SparseConfig")
+    if cfg is not None:
+        check_config(cfg, "generate")
+    check_positions(model, int(ids.shape[1]), max_new_tokens, "generate")
+    lengths = mask.sum(dim=1).tolist()
+    started = time.perf_counter()
+    cache = GrowingCache(config=model.config)
+    logits = batching.prefill(model, ids, mask, cache, progress=progress)
+    histories = None
+    if mode == "sparse" and cfg.selector == "h2o":
+        histories = [prefill_history(model, ids[i : i + 1, ids.shape[1] - n :]) for i, n in enumerate(lengths)]
+    prefill_s = time.perf_counter() - started
+    first = logits.argmax(dim=-1).tolist()
+    started = time.perf_counter()
+    context = contextlib.nullcontext() if mode == "dense" else sparse_decoding(model, cfg)
+    with context as session:
+        if histories is not None:
+            session.adopt_batch_history(cache, histories, [ids.shape[1] - n for n in lengths])
+        rest = _batch_greedy(model, cache, mask, first, max_new_tokens - 1, eos_token_id, progress, f"{mode} decode")
+    decode_s = time.perf_counter() - started
+    return [Generation(mode, tokens, prefill_s, decode_s) for tokens in rest]
+
+
+def _batch_greedy(model, cache, mask, first, steps, eos_token_id, progress, stage) -> list[list[int]]:
+    """Greedy decoding of a batch where a sequence that emitted ``eos_token_id`` stops (it is fed EOS again, its
+    outputs ignored, as ``model.generate`` does); returns each sequence's tokens, ``first`` included."""
+    device = next(model.parameters()).device
+    batch = mask.shape[0]
+    mask = mask.to(device)
+    next_position = mask.long().sum(dim=1)
+    tokens = torch.tensor(first, device=device)
+    out = [[t] for t in first]
+    done = [eos_token_id is not None and t == eos_token_id for t in first]
+    for step in range(1, steps + 1):
+        if all(done):
+            break
+        mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
+        logits = model(
+            input_ids=tokens[:, None],
+            attention_mask=mask,
+            position_ids=(next_position + step - 1)[:, None],
+            cache=cache,
+            use_cache=True,
+        ).logits[:, -1]
+        best = logits.argmax(dim=-1).tolist()
+        for i, token in enumerate(best):
+            if done[i]:
+                best[i] = eos_token_id
+                continue
+            out[i].append(token)
+            done[i] = eos_token_id is not None and token == eos_token_id
+        tokens = torch.tensor(best, device=device)
+        if progress:
+            progress(stage, step, steps)
+    return out
