@@ -10,7 +10,7 @@ from conftest import prompt, tiny_model
 from transformers import DynamicCache
 
 import sparsedecode.attention as attention
-from sparsedecode import SparseConfig, SparseDecodeError, select_support, sparse_decoding
+from sparsedecode import SparseConfig, select_support, sparse_decoding
 from sparsedecode.compare import crop_cache
 
 
@@ -128,13 +128,6 @@ def test_memory_overhead_is_about_one_block_fraction():
     key_bytes = sum(layer.keys.nelement() * layer.keys.element_size() for layer in cache.layers)
     # centroids (d floats) per block, capacity rounded up to a power-of-two growth
     assert 0 < session.centroid_bytes() <= 2 * key_bytes * (16 + 1) / (16 * 16)
-
-
-def test_batch_larger_than_one_is_refused():
-    model = tiny_model("llama")
-    ids = torch.cat([prompt(120), prompt(120, seed=3)])
-    with sparse_decoding(model, SparseConfig(support=97)), pytest.raises(SparseDecodeError, match="batch"):
-        model.generate(ids, max_new_tokens=3, do_sample=False)
 
 
 def test_model_is_restored_even_after_an_error():

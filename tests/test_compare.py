@@ -69,8 +69,10 @@ def test_bad_tokens_and_mismatched_reference():
         compare(model, None, prompt(100, seed=9), SparseConfig(), tokens=8, reference=reference)
     with pytest.raises(SparseDecodeError):
         compare(model, None, ids, SparseConfig(), tokens=9, reference=reference)
+    with pytest.raises(SparseDecodeError, match="BatchReference"):  # a batch takes a batch's reference
+        compare(model, None, torch.cat([ids, ids]), SparseConfig(), tokens=8, reference=reference)
     with pytest.raises(SparseDecodeError):
-        compare(model, None, torch.cat([ids, ids]), SparseConfig(), tokens=8)
+        compare(model, None, [ids, ids[:, :0]], SparseConfig(), tokens=8)
 
 
 def test_anchor_and_window_only_support_runs(arch):

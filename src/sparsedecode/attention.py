@@ -416,6 +416,9 @@ class SparseSession:
         """:meth:`adopt_history` for a left-padded batch: ``histories[i]`` is sequence ``i``'s (its own positions,
         from :func:`prefill_history` of its prompt alone), ``pads[i]`` where it starts in the cache."""
         pads = tuple(int(p) for p in pads)
+        if len(pads) == 1 and pads[0] == 0:  # a batch of one runs the batch-1 path
+            self.adopt_history(cache, histories[0])
+            return
         for layer, state in self.layers.items():
             if not all(layer in h for h in histories):
                 continue

@@ -515,7 +515,8 @@ def dense_references(
     """:func:`dense_reference` of several prompts at once: a left-padded batched prefill and batched greedy decoding.
 
     Each prompt's tokens and NLL are those of its batch-1 reference (the batch rounds matrix products differently,
-    so NLLs agree to float32 round-off, not bit for bit).
+    so NLLs agree to float32 round-off, not bit for bit). Each reference's timings are its share (the batch's wall
+    time over the batch size); the :class:`BatchReference` keeps the batch's.
     """
     check_model(model, "dense_references")
     prompts = _check_batch(model, prompts, "dense_references")
@@ -545,7 +546,15 @@ def dense_references(
     crop_cache(cache, ids.shape[1])
     stacked = torch.stack(steps, dim=1) if steps else torch.zeros(len(prompts), 0, 0)
     references = [
-        DenseReference(p, [first[i], *argmaxes[i]], [first_nll[i], *nll[i]], cache, prefill_s, decode_s, stacked[i])
+        DenseReference(
+            p,
+            [first[i], *argmaxes[i]],
+            [first_nll[i], *nll[i]],
+            cache,
+            prefill_s / len(prompts),
+            decode_s / len(prompts),
+            stacked[i],
+        )
         for i, p in enumerate(prompts)
     ]
     return BatchReference(references, cache, mask, prefill_s, decode_s)
@@ -564,8 +573,7 @@ def compare_batch(
     :func:`compare` apart from timings and float32 round-off (the free-running and teacher-forced passes run as
     left-padded batches; every sequence gets its own support, see :mod:`sparsedecode.batch`).
 
-    Timings are the batch's: ``sparse_decode_s`` and ``teacher_forced_s`` are the batch's wall times, the same in
-    every result.
+    Timings are each sequence's share: the batch's wall time over the batch size.
     """
     check_model(model, "compare")
     prompts = _check_batch(model, prompts, "compare")
@@ -636,11 +644,15 @@ def compare_batch(
             forced[i],
             sparse_nll[i],
             stacked[i],
-            steps=tuple(session.sequence_steps.get(i, [0, 0])),
+            steps=(
+                tuple(session.sequence_steps.get(i, [0, 0]))
+                if len(refs) > 1
+                else (session.sparse_steps, session.dense_steps)  # a batch of one runs the batch-1 path
+            ),
             centroid_bytes=centroid_bytes[i],
             unique=unique[i],
             audit=audits[i] if audits else None,
-            timings=(sparse_decode_s, teacher_forced_s),
+            timings=(sparse_decode_s / len(refs), teacher_forced_s / len(refs)),
         )
         for i, ref in enumerate(refs)
     ]

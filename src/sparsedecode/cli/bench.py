@@ -69,6 +69,12 @@ def add_parsers(sub) -> None:
     e2e.add_argument(
         "--repeats", type=int, default=2, help="timed runs of every mode (in order, then reversed); medians reported"
     )
+    e2e.add_argument(
+        "--batch",
+        type=int_list,
+        default=None,
+        help="batch sizes, e.g. 1,4,8: aggregate throughput per batch (prompts --prompt-index onwards)",
+    )
     op.set_defaults(handler=cmd_bench_op)
     e2e.set_defaults(handler=cmd_bench_e2e)
 
@@ -189,6 +195,15 @@ def cmd_bench_e2e(args) -> int:
     if args.repeats < 1:
         raise SparseDecodeError(f"--repeats must be >= 1 (got {args.repeats})")
     check_whole_blocks([SparseConfig(support=s) for s in args.support])
+    if args.batch is not None:
+        if min(args.batch) < 1:
+            raise SparseDecodeError("--batch values must be >= 1")
+        if args.mode == "lossless":
+            raise SparseDecodeError(
+                "--mode lossless runs batch 1 only (per-sequence acceptance and rollback are not implemented): "
+                "drop --batch"
+            )
+        return _bench_e2e_batch(args)
     model, tokenizer = load(args)
     from ..experiments.bench import bench_e2e
     from ..experiments.corpus import check_context_fits, prompt_ids
@@ -246,6 +261,82 @@ def cmd_bench_e2e(args) -> int:
     console.print(
         f"[dim]every mode runs {args.repeats} times (in order, then reversed) and reports the median; 'same tokens' = "
         "leading tokens equal to dense greedy output; peak RSS is the process peak so far.[/]"
+    )
+    if args.json:
+        write_json(args.json, {"machine": environment(), "rows": [asdict(r) for r in rows]})
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def _bench_e2e_batch(args) -> int:
+    from dataclasses import asdict
+
+    model, tokenizer = load(args)
+    from ..experiments.bench import bench_e2e_batch, check_batches_fit
+    from ..experiments.corpus import check_context_fits, prompt_count, prompt_ids
+
+    check_context_fits(model, args.context, args.tokens)
+    largest = max(args.batch)
+    for context in args.context:
+        check_batches_fit(model, tuple(args.batch), context, args.tokens)  # before any prefill
+        available = prompt_count(tokenizer, args.corpus, context, args.tokens)
+        if args.prompt_index + largest > available:
+            raise SparseDecodeError(
+                f"corpus {args.corpus} holds {available} prompts of {context} tokens; batch {largest} from prompt "
+                f"{args.prompt_index} needs {args.prompt_index + largest}"
+            )
+    rows = []
+    for context in args.context:
+        prompts = [
+            prompt_ids(tokenizer, args.corpus, context, args.prompt_index + i, args.tokens) for i in range(largest)
+        ]
+        with progress_bars() as progress:
+            rows.extend(
+                bench_e2e_batch(
+                    model,
+                    args.model,
+                    prompts,
+                    tuple(args.batch),
+                    tuple(args.support),
+                    tokens=args.tokens,
+                    repeats=args.repeats,
+                    progress=progress,
+                )
+            )
+    table = Table(title=f"batched decoding, {args.model} {args.dtype} on cpu: {args.tokens} greedy tokens per sequence")
+    for name in (
+        "context",
+        "batch",
+        "mode",
+        "S",
+        "step ms",
+        "aggregate tok/s",
+        "vs dense same batch",
+        "vs best dense",
+        "KV cache MB",
+        "peak RSS MB",
+        "= batch 1",
+    ):
+        table.add_column(name, justify="right")
+    for r in rows:
+        table.add_row(
+            str(r.context),
+            str(r.batch),
+            r.mode,
+            str(r.support or "-"),
+            f"{r.step_ms:.1f}",
+            f"{r.aggregate_tokens_per_s:.2f}",
+            f"{r.speedup_vs_dense_same_batch:.2f}x",
+            f"{r.speedup_vs_best_dense:.2f}x",
+            f"{r.kv_cache_mb:.0f}",
+            f"{r.peak_rss_mb:.0f}",
+            "yes" if r.tokens_equal_to_batch1 else "[red]no[/]",
+        )
+    console.print(table)
+    console.print(
+        f"[dim]every mode runs {args.repeats} times per batch size (in order, then reversed), medians; 'vs best dense' "
+        "divides by the best dense aggregate over the batch sizes measured; '= batch 1': every sequence's tokens "
+        "equal its own batch-1 run in the same mode; peak RSS per batch size.[/]"
     )
     if args.json:
         write_json(args.json, {"machine": environment(), "rows": [asdict(r) for r in rows]})

@@ -28,6 +28,9 @@ def add_parsers(sub) -> None:
         metavar="N",
         help="passkey retrieval trials per context (depths spread over 0..1), answered by every selector; 0 = off",
     )
+    selectors.add_argument(
+        "--batch", type=int, default=1, help="decode up to B prompts of one context together (same runs, faster)"
+    )
     selectors.add_argument("--out", type=Path, default=Path("runs/selectors"), help="folder for JSON, CSV, markdown")
     selectors.set_defaults(handler=cmd_compare_selectors)
 
@@ -41,6 +44,8 @@ def cmd_compare_selectors(args) -> int:
     check_whole_blocks([SparseConfig(support=s, selector=selector) for selector in chosen for s in args.support])
     if args.tokens < 2 or args.prompts < 1:
         raise SparseDecodeError("--tokens must be >= 2 and --prompts >= 1")
+    if args.batch < 1:
+        raise SparseDecodeError(f"--batch must be >= 1, got {args.batch}")
     if args.retrieval < 0:
         raise SparseDecodeError(f"--retrieval must be >= 0 (passkey trials per context), got {args.retrieval}")
     check_output_folder(args.out)
@@ -65,6 +70,7 @@ def cmd_compare_selectors(args) -> int:
             retrieval=args.retrieval,
             op_shape=shape,
             progress=progress,
+            batch=args.batch,
         )
     from ..report import SELECTOR_HEADERS, dense_retrieval_lines, selector_cells, write_selector_comparison
 

@@ -13,6 +13,7 @@ say nothing about matched-quality or end-to-end speed.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import math
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 
 from .. import cpu_kernel, triton_attention
 from ..attention import LayerState, SparseSession, attend_positions, attend_support, sparse_decode_step, sparse_decoding
+from ..batch import greedy_decode as batched_greedy
 from ..cache import GrowingCache
 from ..centroids import BlockCentroids
 from ..compare import Progress, crop_cache, greedy_decode, prefill
@@ -585,6 +587,205 @@ def bench_e2e(
                 rss,
                 agreeing(out),
                 **extra,
+            )
+        )
+    return rows
+
+
+# --- batched end to end (issue #12) ---------------------------------------------------------------------------
+
+
+def reset_peak_rss() -> bool:
+    """Restart the kernel's peak-RSS count of this process (Linux: ``/proc/self/clear_refs``); False if it cannot."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def current_peak_rss_mb() -> float:
+    """Peak RSS since the last :func:`reset_peak_rss` (``VmHWM``), in MB; the process peak where that is unknown."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return peak_rss_mb()
+
+
+def kv_cache_bytes(config, sequences: int, positions: int, element: int) -> int:
+    """Bytes of keys and values of ``sequences`` sequences of ``positions`` positions under ``config``."""
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * sequences * kv_heads * positions * head_dim * element
+
+
+def check_batches_fit(model: torch.nn.Module, batches: tuple[int, ...], context: int, tokens: int) -> int:
+    """Refuse, before any prefill, batches whose KV caches would not fit in the memory available now.
+
+    The run holds one batch-1 cache per prompt (``max(batches)`` of them) and, while a batch runs, the batch's
+    stacked copy: the estimate is twice ``max(batches)`` caches of ``context + tokens`` positions (plus the
+    in-place cache's growth slack). Returns the estimate in bytes.
+    """
+    element = next(model.parameters()).element_size()
+    largest = max(batches)
+    one = kv_cache_bytes(model.config, 1, context + tokens + 1, element)
+    needed = 2 * largest * one + largest * kv_cache_bytes(model.config, 1, 256, element)
+    available = available_memory_bytes()
+    if available is not None and needed > 0.9 * available:
+        raise SparseDecodeError(
+            f"bench e2e: batch {largest} at context {context} needs about {needed / 2**30:.1f} GiB of KV cache "
+            f"({largest} prompts x {one / 2**20:.0f} MiB, held twice: alone and stacked), more than the "
+            f"{available / 2**30:.1f} GiB available now: use smaller batches or a shorter context"
+        )
+    return needed
+
+
+@dataclass
+class BatchRow:
+    """One (batch size, mode) of :func:`bench_e2e_batch`."""
+
+    model: str
+    mode: str
+    context: int
+    support: int | None
+    batch: int
+    tokens: int
+    decode_s: float
+    step_ms: float
+    aggregate_tokens_per_s: float
+    speedup_vs_dense_same_batch: float
+    speedup_vs_best_dense: float
+    peak_rss_mb: float
+    kv_cache_mb: float
+    tokens_equal_to_batch1: bool
+    kernel: str | None
+    runs: int
+
+
+def _stack_caches(model: torch.nn.Module, caches: list[GrowingCache]) -> GrowingCache:
+    """One batched in-place cache holding ``caches`` (each batch 1, equal lengths) as its rows."""
+    stacked = GrowingCache(config=model.config)
+    for index in range(len(caches[0].layers)):
+        keys = torch.cat([c.layers[index].keys for c in caches])
+        values = torch.cat([c.layers[index].values for c in caches])
+        stacked.layers[index].update(keys, values)
+    return stacked
+
+
+def bench_e2e_batch(
+    model: torch.nn.Module,
+    name: str,
+    prompts: list[torch.Tensor],
+    batches: tuple[int, ...],
+    supports: tuple[int, ...] = (193,),
+    *,
+    tokens: int = 64,
+    kernel: str = "auto",
+    repeats: int = 2,
+    progress: Progress | None = None,
+) -> list[BatchRow]:
+    """Aggregate decode throughput per batch size, dense vs sparse, side by side in one process.
+
+    ``prompts`` are ``max(batches)`` prompts of one length (``(1, P)`` each). Each is prefilled alone once (dense;
+    prefill is not what is measured) into an in-place cache; a batch of ``b`` decodes the first ``b`` prompts
+    together from a stacked copy of their caches. Per batch size every mode (dense, then sparse per support) runs
+    ``repeats`` times, in order and then reversed, and reports the median decode time of ``tokens`` greedy tokens
+    for the whole batch: aggregate tokens/s is ``b * tokens / decode_s``, the step latency ``decode_s / tokens``.
+    ``tokens_equal_to_batch1``: every sequence's tokens equal its own batch-1 run in the same mode (each prompt is
+    run alone, in every mode, for that). Peak RSS is measured per batch size (the kernel's high-water mark is reset
+    before it, where Linux allows).
+    """
+    if isinstance(repeats, bool) or not isinstance(repeats, numbers.Integral) or repeats < 1:
+        raise SparseDecodeError(f"bench e2e: repeats must be an integer >= 1 (got {repeats!r})")
+    if not batches or any(not isinstance(b, int) or b < 1 for b in batches):
+        raise SparseDecodeError(f"bench e2e: batch sizes must be integers >= 1 (got {batches!r})")
+    if len(prompts) < max(batches) or len({int(p.shape[1]) for p in prompts}) != 1:
+        raise SparseDecodeError(f"bench e2e: needs {max(batches)} prompts of one length")
+    context = int(prompts[0].shape[1])
+    check_batches_fit(model, batches, context, tokens)
+    prompts = prompts[: max(batches)]
+    caches, firsts = [], []
+    for number, ids in enumerate(prompts, start=1):
+        cache = GrowingCache(config=model.config)
+        _, logits = prefill(model, ids, cache=cache)
+        caches.append(cache)
+        firsts.append(int(logits.argmax()))
+        if progress:
+            progress("prefill (each prompt alone)", number, len(prompts))
+    modes: list[tuple[str, int | None]] = [("dense", None)] + [("sparse", s) for s in supports]
+
+    def context_for(mode):
+        kind, support = mode
+        return (
+            contextlib.nullcontext()
+            if kind == "dense"
+            else sparse_decoding(model, SparseConfig(support=support, kernel=kernel))
+        )
+
+    alone: dict[tuple, list[list[int]]] = {}
+    for mode in modes:  # every prompt alone, every mode: what the batches must reproduce
+        outs = []
+        for i, cache in enumerate(caches):
+            with context_for(mode):
+                out, _ = greedy_decode(model, cache, firsts[i], tokens, progress=progress, stage=f"{mode[0]} alone")
+            crop_cache(cache, context)
+            outs.append(out)
+        alone[mode] = outs
+
+    measured: dict[tuple, dict] = {}
+    for b in sorted(batches):
+        gc.collect()
+        reset_peak_rss()
+        stacked = caches[0] if b == 1 else _stack_caches(model, caches[:b])
+        mask = torch.ones(b, context, dtype=torch.long)
+        times: dict[tuple, list[float]] = {mode: [] for mode in modes}
+        outputs: dict[tuple, list[list[int]]] = {}
+        for repeat in range(repeats):
+            for mode in modes if repeat % 2 == 0 else modes[::-1]:
+                stage = f"batch {b}, {mode[0]}" + (f" S={mode[1]}" if mode[1] else "") + f" ({repeat + 1}/{repeats})"
+                begun = time.perf_counter()
+                with context_for(mode):
+                    if b == 1:
+                        out, _ = greedy_decode(model, stacked, firsts[0], tokens, progress=progress, stage=stage)
+                        outs = [out]
+                    else:
+                        outs, _ = batched_greedy(
+                            model, stacked, mask, firsts[:b], tokens, progress=progress, stage=stage
+                        )
+                times[mode].append(time.perf_counter() - begun)
+                crop_cache(stacked, context)
+                outputs[mode] = outs
+        rss = current_peak_rss_mb()
+        for mode in modes:
+            equal = all(outputs[mode][i] == alone[mode][i] for i in range(b))
+            measured[(b, *mode)] = dict(decode_s=statistics.median(times[mode]), equal=equal, rss=rss)
+        del stacked
+    best_dense = max(b * tokens / measured[(b, "dense", None)]["decode_s"] for b in batches)
+    element = next(model.parameters()).element_size()
+    rows = []
+    for (b, kind, support), m in measured.items():
+        aggregate = b * tokens / m["decode_s"]
+        rows.append(
+            BatchRow(
+                name,
+                kind,
+                context,
+                support,
+                b,
+                tokens,
+                m["decode_s"],
+                1000 * m["decode_s"] / tokens,
+                aggregate,
+                aggregate / (b * tokens / measured[(b, "dense", None)]["decode_s"]),
+                aggregate / best_dense,
+                m["rss"],
+                kv_cache_bytes(model.config, b, context + tokens, element) / 2**20,
+                m["equal"],
+                None if kind == "dense" else kernel,
+                repeats,
             )
         )
     return rows

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..compare import Progress, compare, dense_reference, upgrade_row
+from ..compare import Progress, compare, compare_batch, dense_reference, dense_references, upgrade_row
 from ..config import SELECTORS, SparseConfig
 from ..errors import SparseDecodeError
 from .bench import bench_op
@@ -93,11 +93,14 @@ def compare_selectors(
     retrieval: int = 0,
     op_shape: tuple[int, int, int] | None = None,
     progress: Progress | None = None,
+    batch: int = 1,
 ) -> tuple[list[SelectorRow], list[dict], list[dict]]:
     """Run every selector on the same prompts; returns summary rows, the per-run results and the retrieval trials.
 
     ``retrieval``: passkey trials per context (0 = none); the trials are dicts of
-    :func:`~sparsedecode.experiments.retrieval.run_trial` (JSON-ready, like the runs).
+    :func:`~sparsedecode.experiments.retrieval.run_trial` (JSON-ready, like the runs). ``batch > 1`` decodes up to
+    that many prompts of one context together: the same runs apart from timings (each its share of the batch's)
+    and float32 round-off.
     """
     if not isinstance(retrieval, int) or retrieval < 0:
         raise SparseDecodeError(f"retrieval must be an integer >= 0 (trials per context), got {retrieval!r}")
@@ -107,19 +110,32 @@ def compare_selectors(
         for context in contexts
         for trial, depth in enumerate(retrieval_depths(retrieval))
     }
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        raise SparseDecodeError(f"batch must be an integer >= 1, got {batch!r}")
     runs: list[dict] = []
     for context in contexts:
-        for index in range(prompts):
-            ids = prompt_ids(tokenizer, corpus, context, index, tokens)
-            reference = dense_reference(model, ids, tokens=tokens, progress=progress)
+        for first in range(0, prompts, batch):
+            indices = list(range(first, min(first + batch, prompts)))
+            ids = [prompt_ids(tokenizer, corpus, context, index, tokens) for index in indices]
+            if batch == 1:
+                reference = dense_reference(model, ids[0], tokens=tokens, progress=progress)
+            else:
+                reference = dense_references(model, ids, tokens=tokens, progress=progress)
             for selector in selectors:
                 for support in supports:
                     cfg = SparseConfig(support=support, selector=selector, audit=audit)
-                    result = compare(model, tokenizer, ids, cfg, tokens, reference=reference, progress=progress)
-                    row = result.to_dict()
-                    for name in ("dense_nll", "sparse_nll", "teacher_forced_tokens", "margins", "logit_errors"):
-                        row.pop(name)
-                    runs.append({"selector": selector, "support": support, "prompt_index": index, **row})
+                    if batch == 1:
+                        results = [
+                            compare(model, tokenizer, ids[0], cfg, tokens, reference=reference, progress=progress)
+                        ]
+                    else:
+                        results = compare_batch(model, ids, cfg, tokens, reference=reference, progress=progress)
+                    for index, result in zip(indices, results):
+                        row = result.to_dict()
+                        for name in ("dense_nll", "sparse_nll", "teacher_forced_tokens", "margins", "logit_errors"):
+                            row.pop(name)
+                        runs.append({"selector": selector, "support": support, "prompt_index": index, **row})
+    runs.sort(key=lambda r: (contexts.index(r["context"]), r["prompt_index"]))  # batch-1 order (a stable sort)
     configs = [SparseConfig(support=support, selector=selector) for selector in selectors for support in supports]
     trials: list[dict] = []
     for number, ((_, trial), prompt) in enumerate(passkey_prompts.items(), start=1):

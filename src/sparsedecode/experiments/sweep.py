@@ -36,7 +36,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from ..compare import FIRST_DIVERGENCE_CONVENTION, CompareResult, Progress, compare, dense_reference, upgrade_row
+from ..compare import (
+    FIRST_DIVERGENCE_CONVENTION,
+    CompareResult,
+    Progress,
+    compare,
+    compare_batch,
+    dense_reference,
+    dense_references,
+    upgrade_row,
+)
 from ..config import SparseConfig
 from ..errors import SparseDecodeError
 from .corpus import DEFAULT_CORPUS, GAP, check_context_fits, load_text, prompt_count, prompt_ids
@@ -545,12 +554,18 @@ def run_sweep(
     progress: Progress | None = None,
     on_row: RowHook | None = None,
     on_start: Callable[[int, int], None] | None = None,
+    batch: int = 1,
 ) -> SweepOutcome:
     """Run (or resume) ``spec`` into ``directory``; returns what was there and what ran.
 
     ``loaded`` is an already loaded ``(model, tokenizer)`` for ``spec.model`` (otherwise it is loaded here).
-    ``on_start(done, total)`` is called once the work is known, before the first run.
+    ``on_start(done, total)`` is called once the work is known, before the first run. ``batch > 1`` decodes up to
+    ``batch`` prompts of one context together (:func:`~sparsedecode.compare.compare_batch`): the same rows apart
+    from timing fields (each row's timings are its share, the batch's wall time over the batch size) and float32
+    round-off in the perplexities and margins; the session record in ``sweep.json`` notes the batch size.
     """
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        raise SparseDecodeError(f"batch must be an integer >= 1, got {batch!r}")
     directory = Path(directory)
     shard = shard or Shard()
     meta = read_meta(directory)
@@ -582,6 +597,8 @@ def run_sweep(
             if extended:
                 meta["spec"] = spec.to_dict()
         session = _session(shard, environment(model))
+        if batch > 1:
+            session["batch"] = batch
         if extended:
             session["extended"] = extended
         meta["sessions"] = [*meta.get("sessions", []), session]
@@ -598,6 +615,11 @@ def run_sweep(
         if on_start:
             on_start(done_before, total)
         configs = {(cfg.support, cfg.reuse, cfg.selector): cfg for cfg in spec.configs()}
+        if batch > 1:
+            _run_batched(
+                spec, directory, groups, done, rows, outcome, configs, model, tokenizer, batch, progress, on_row
+            )
+            return outcome
         for group in groups:
             pending = [key for key in spec.group_keys(group) if key not in done]
             if not pending:
@@ -621,6 +643,40 @@ def run_sweep(
                 if on_row:
                     on_row(row, outcome.done_before + outcome.ran, total)
     return outcome
+
+
+def _run_batched(spec, directory, groups, done, rows, outcome, configs, model, tokenizer, batch, progress, on_row):
+    """The group loop of :func:`run_sweep` with up to ``batch`` prompts of one context decoded together."""
+    runs = directory / RUNS_FILE
+    pending_groups = [g for g in groups if any(key not in done for key in spec.group_keys(g))]
+    by_context: dict[int, list[Group]] = {}
+    for group in pending_groups:  # a chunk holds prompts of one context (one length: no padding)
+        by_context.setdefault(group[0], []).append(group)
+    chunks = [same[i : i + batch] for same in by_context.values() for i in range(0, len(same), batch)]
+    for chunk in chunks:
+        ids = [prompt_ids(tokenizer, spec.corpus, context, index, spec.tokens, spec.gap) for context, index in chunk]
+        reference = dense_references(model, ids, tokens=spec.tokens, progress=progress)
+        for group, ref in zip(chunk, reference.references):
+            _check_reference(
+                directory, group, ref.tokens, [r for r in rows if (r["context"], r["prompt_index"]) == group]
+            )
+        for condition, cfg in configs.items():
+            wanted = [(group, (*group, *condition)) for group in chunk]
+            if all(key in done for _, key in wanted):
+                continue
+            started = time.perf_counter()
+            results = compare_batch(model, ids, cfg, spec.tokens, reference=reference, progress=progress)
+            share = (time.perf_counter() - started) / len(chunk)
+            for (_, key), result in zip(wanted, results):
+                if key in done:
+                    continue  # resumed: this prompt's row is on disk already
+                row = make_row(key, result, run_s=share, audit=spec.audit)
+                append_row(runs, row)
+                done.add(key)
+                rows.append(row)
+                outcome.ran += 1
+                if on_row:
+                    on_row(row, outcome.done_before + outcome.ran, outcome.total)
 
 
 def _check_reference(directory: Path, group: Group, tokens: list[int], stored: list[dict]) -> None:

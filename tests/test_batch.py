@@ -1,0 +1,316 @@
+"""Batched sparse decoding (issue #12): every sequence of a ragged, left-padded batch is decoded as it would be alone.
+
+The oracle is the same sequence decoded at batch 1 in the same mode: tokens equal, logits within 1e-4 (float32;
+batched matrix products round differently from batch-1 ones, so not bit for bit). A support that covers every
+sequence is dense batched decoding exactly. Padding is never selected nor attended: poisoning the padded cache
+positions changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import prompt, tiny_model
+
+import sparsedecode as sd
+from sparsedecode import SparseConfig, SparseDecodeError, sparse_decoding
+from sparsedecode import batch as batching
+from sparsedecode.attention import prefill_history
+from sparsedecode.cache import GrowingCache
+
+# lengths differ by more than a block; 60 and 90 start below S = 97 and grow past it while decoding
+LENGTHS = (300, 150, 60, 233, 90)
+STEPS = 40
+
+
+def ragged(lengths=LENGTHS, vocab: int = 96):
+    prompts = [prompt(n, seed=10 + i, vocab=vocab) for i, n in enumerate(lengths)]
+    ids, mask = batching.left_pad(prompts)
+    return prompts, ids, mask
+
+
+def generate_logits(model, ids, mask=None, *, steps=STEPS, eos=None):
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=steps,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )
+    return out.sequences[:, ids.shape[1] :], torch.stack(out.logits, dim=1).float()
+
+
+SETTINGS = [
+    ("mean-pooled", 1, "auto"),
+    ("mean-pooled", 4, "auto"),
+    ("mean-pooled", 1, "torch"),
+    ("quest", 4, "auto"),
+    ("oracle-tokens", 1, "auto"),
+    ("streaming", 1, "auto"),
+    ("h2o", 4, "auto"),
+]
+
+
+@pytest.mark.parametrize("selector, reuse, kernel", SETTINGS)
+def test_ragged_batch_equals_batch_one_runs(arch, selector, reuse, kernel):
+    model = tiny_model(arch)
+    prompts, ids, mask = ragged()
+    cfg = SparseConfig(support=97, reuse=reuse, selector=selector, kernel=kernel)
+    with sparse_decoding(model, cfg):
+        alone = [generate_logits(model, p) for p in prompts]
+        tokens, logits = generate_logits(model, ids, mask)
+    dense_tokens, _ = generate_logits(model, ids, mask)
+    for i, (single_tokens, single_logits) in enumerate(alone):
+        assert torch.equal(tokens[i], single_tokens[0]), (i, LENGTHS[i])
+        torch.testing.assert_close(logits[i], single_logits[0], atol=1e-4, rtol=0)
+    assert not torch.equal(tokens, dense_tokens)  # the setting departs from dense: the comparison means something
+
+
+def test_sequence_ending_early_does_not_disturb_the_others(arch):
+    model = tiny_model(arch)
+    prompts, ids, mask = ragged()
+    cfg = SparseConfig(support=97, reuse=2)
+    with sparse_decoding(model, cfg):
+        alone = [generate_logits(model, p) for p in prompts]
+        eos = int(alone[1][0][0, 6])  # sequence 1 emits it at step 7 (maybe earlier, maybe others too)
+        tokens, logits = generate_logits(model, ids, mask, eos=eos)
+    ended = 0
+    for i, (single_tokens, single_logits) in enumerate(alone):
+        single = single_tokens[0].tolist()
+        stop = single.index(eos) + 1 if eos in single else len(single)
+        ended += stop < len(single)
+        assert tokens[i, :stop].tolist() == single[:stop]
+        torch.testing.assert_close(logits[i, :stop], single_logits[0, :stop], atol=1e-4, rtol=0)
+    assert ended >= 1 and tokens.shape[1] == STEPS  # one stopped early while the batch went on
+
+
+def test_support_covering_every_sequence_is_dense_batched_decoding(arch):
+    model = tiny_model(arch)
+    _, ids, mask = ragged()
+    dense = generate_logits(model, ids, mask)
+    with sparse_decoding(model, SparseConfig(support=1 + 64 + 16 * 18)) as session:  # 353 > 300 + STEPS
+        covered = generate_logits(model, ids, mask)
+    assert session.sparse_steps == 0 and session.dense_steps > 0
+    assert torch.equal(covered[0], dense[0]) and torch.equal(covered[1], dense[1])
+
+
+@pytest.mark.parametrize("selector", ["mean-pooled", "quest", "oracle-blocks", "oracle-tokens", "h2o"])
+def test_padding_is_never_selected_nor_attended(selector):
+    """Poison the padded positions of every layer's cache: sparse outputs must not move at all."""
+    model = tiny_model("qwen2")
+    prompts, ids, mask = ragged()
+    pads = (mask.shape[1] - mask.sum(dim=1)).tolist()
+    cfg = SparseConfig(support=97, selector=selector)
+    histories = [prefill_history(model, p) for p in prompts] if selector == "h2o" else None
+    results = []
+    for poison in (False, True):
+        cache = GrowingCache(config=model.config)
+        first = batching.prefill(model, ids, mask, cache).argmax(-1).tolist()
+        if poison:
+            with torch.no_grad():
+                for layer in cache.layers:
+                    for i, pad in enumerate(pads):
+                        layer.keys[i, :, :pad] = 1e3 * torch.randn_like(layer.keys[i, :, :pad])
+                        layer.values[i, :, :pad] = 1e3
+        logits = []
+        with sparse_decoding(model, cfg) as session:
+            if histories is not None:
+                session.adopt_batch_history(cache, histories, pads)
+            batching.greedy_decode(model, cache, mask, first, 20, on_logits=lambda step, x, out=logits: out.append(x))
+        assert session.sparse_steps > 0
+        results.append(torch.stack(logits))
+    assert torch.equal(results[0], results[1])
+
+
+def test_library_entry_points_take_batches(arch):
+    model = tiny_model(arch)
+    prompts, ids, mask = ragged()
+    cfg = SparseConfig(support=97, reuse=4)
+    singles = [sd.generate(model, p, cfg, 24, mode="sparse").tokens for p in prompts]
+    assert [g.tokens for g in sd.generate(model, prompts, cfg, 24, mode="sparse")] == singles
+    assert [g.tokens for g in sd.generate(model, ids, cfg, 24, mode="sparse", attention_mask=mask)] == singles
+    dense = [sd.generate(model, p, None, 24, mode="dense").tokens for p in prompts]
+    assert [g.tokens for g in sd.generate(model, prompts, None, 24, mode="dense")] == dense
+    alone = [sd.compare(model, None, p, cfg, 24) for p in prompts]
+    together = sd.compare(model, None, prompts, cfg, 24)
+    for a, b in zip(alone, together):
+        assert (a.dense_tokens, a.sparse_tokens, a.teacher_forced_tokens) == (
+            b.dense_tokens,
+            b.sparse_tokens,
+            b.teacher_forced_tokens,
+        )
+        assert (a.first_divergence, a.teacher_forced_match, a.sparse_steps, a.dense_fallback_steps) == (
+            b.first_divergence,
+            b.teacher_forced_match,
+            b.sparse_steps,
+            b.dense_fallback_steps,
+        )
+        assert (a.centroid_cache_bytes, a.mean_unique_distant_positions_per_kv) == (
+            b.centroid_cache_bytes,
+            b.mean_unique_distant_positions_per_kv,
+        )
+        assert b.delta_ppl_percent == pytest.approx(a.delta_ppl_percent, rel=1e-4, abs=1e-4)
+        assert b.margins == pytest.approx(a.margins, abs=1e-4)
+
+
+def test_batched_audit_is_per_sequence():
+    model = tiny_model("llama")
+    prompts, _, _ = ragged((300, 200))
+    cfg = SparseConfig(support=97, audit=True)
+    alone = [sd.compare(model, None, p, cfg, 16) for p in prompts]
+    together = sd.compare(model, None, prompts, cfg, 16)
+    for a, b in zip(alone, together):
+        assert b.audit["audited_steps"] == a.audit["audited_steps"] > 0
+        assert b.omitted_mass_mean == pytest.approx(a.omitted_mass_mean, abs=1e-5)
+        assert b.selector_recall_mean == pytest.approx(a.selector_recall_mean, abs=1e-9)
+
+
+def test_batches_refused_where_not_supported():
+    model = tiny_model("llama")
+    prompts, ids, mask = ragged((120, 100))
+    with pytest.raises(SparseDecodeError, match="lossless generation runs one sequence at a time"):
+        sd.generate(model, prompts, SparseConfig(support=97), 8, mode="lossless")
+    right_padded = mask.flip(1)
+    with pytest.raises(SparseDecodeError, match="left padding"):
+        sd.generate(model, ids, SparseConfig(support=97), 8, mode="sparse", attention_mask=right_padded)
+    holes = mask.clone()
+    holes[0, 50] = 0
+    with pytest.raises(SparseDecodeError, match="left padding"), sparse_decoding(model, SparseConfig(support=97)):
+        model.generate(ids, attention_mask=holes, max_new_tokens=4, do_sample=False)
+
+
+@pytest.mark.realmodel
+def test_ragged_batch_on_real_model():
+    from sparsedecode import load_model
+
+    model = load_model("smollm2-135m")[0]
+    vocab = model.config.vocab_size
+    prompts, ids, mask = ragged((330, 180, 70, 250), vocab=vocab)
+    for reuse in (1, 4):
+        with sparse_decoding(model, SparseConfig(support=97, reuse=reuse)):
+            alone = [generate_logits(model, p, steps=24) for p in prompts]
+            tokens, logits = generate_logits(model, ids, mask, steps=24)
+        for i, (single_tokens, single_logits) in enumerate(alone):
+            assert torch.equal(tokens[i], single_tokens[0]), (reuse, i)
+            torch.testing.assert_close(logits[i], single_logits[0], atol=1e-4, rtol=0)
+    dense = generate_logits(model, ids, mask, steps=24)
+    with sparse_decoding(model, SparseConfig(support=1 + 64 + 16 * 20)):
+        covered = generate_logits(model, ids, mask, steps=24)
+    assert torch.equal(covered[0], dense[0]) and torch.equal(covered[1], dense[1])
+
+
+# --- sweep and compare-selectors with --batch: the rows of batch 1, apart from timings and float32 round-off ---
+
+
+def assert_rows_match(batch_one: list[dict], batched: list[dict]) -> None:
+    """Same keys, order, tokens, integers and flags; floats (perplexities, margins) to float32 round-off."""
+    from sparsedecode.experiments.sweep import without_timings
+
+    assert len(batch_one) == len(batched)
+    for a, b in zip(batch_one, batched):
+        a, b = without_timings(a), without_timings(b)
+        assert a.keys() == b.keys()
+        for name in a:
+            if isinstance(a[name], float) and isinstance(b[name], float):
+                assert b[name] == pytest.approx(a[name], rel=1e-5, abs=1e-4), name  # percent points
+            else:
+                assert a[name] == b[name], name
+
+
+def test_sweep_batch_rows_equal_batch_one_rows(tmp_path):
+    from conftest import char_tokenizer
+
+    from sparsedecode.experiments.sweep import RUNS_FILE, SweepSpec, key_of, load_sweep, read_rows, run_sweep
+
+    loaded = tiny_model("llama"), char_tokenizer()
+    spec = SweepSpec(
+        model="tiny", contexts=(150, 220), supports=(97, 113, 1000), reuse=(1, 3), prompts=3, tokens=12, audit=True
+    )
+    run_sweep(spec, tmp_path / "one", loaded=loaded)
+    outcome = run_sweep(spec, tmp_path / "four", loaded=loaded, batch=4)
+    one, four = read_rows(tmp_path / "one" / RUNS_FILE), read_rows(tmp_path / "four" / RUNS_FILE)
+    four.sort(key=lambda row: spec.keys().index(key_of(row)))  # completion order differs: a batch goes by context
+    assert outcome.complete and len(four) == 2 * 3 * 3 * 2
+    assert_rows_match(one, four)
+    assert any(not row["survives"] for row in one), "a sweep where nothing diverges would test little"
+    assert load_sweep(tmp_path / "four")[0]["sessions"][-1]["batch"] == 4
+
+
+def test_sweep_batch_resumes_a_partial_folder_without_duplicates(tmp_path):
+    from conftest import char_tokenizer
+
+    from sparsedecode.experiments.sweep import RUNS_FILE, SweepSpec, key_of, read_rows, run_sweep
+
+    loaded = tiny_model("qwen2"), char_tokenizer()
+    spec = SweepSpec(model="tiny", contexts=(150,), supports=(97, 113), prompts=3, tokens=8)
+    run_sweep(spec, tmp_path / "ref", loaded=loaded)
+    rows = read_rows(tmp_path / "ref" / RUNS_FILE)
+    partial = tmp_path / "partial"
+    run_sweep(spec, partial, loaded=loaded)
+    kept = [rows[0], rows[3]]  # prompt 0 at S = 97, prompt 1 at S = 113: both batched conditions are half done
+    (partial / RUNS_FILE).write_text("".join(json.dumps(r) + "\n" for r in kept))
+    assert run_sweep(spec, partial, loaded=loaded, batch=3).ran == len(rows) - 2
+    resumed = sorted(read_rows(partial / RUNS_FILE), key=lambda r: spec.keys().index(key_of(r)))
+    assert_rows_match(rows, resumed)
+
+
+def test_compare_selectors_batch_equals_batch_one():
+    from conftest import char_tokenizer
+
+    from sparsedecode.experiments.selector_comparison import compare_selectors
+
+    model, tokenizer = tiny_model("qwen2"), char_tokenizer()
+    common = dict(corpus="python-docs", contexts=(150,), supports=(97,), prompts=3, tokens=10)
+    selectors = ("mean-pooled", "h2o", "oracle-tokens")
+    _, one, _ = compare_selectors(model, tokenizer, selectors=selectors, **common)
+    _, three, _ = compare_selectors(model, tokenizer, selectors=selectors, batch=2, **common)
+    strip = [{k: v for k, v in r.items() if k not in ("certificate", "audit", "settings")} for r in one]
+    strip3 = [{k: v for k, v in r.items() if k not in ("certificate", "audit", "settings")} for r in three]
+    assert_rows_match(strip, strip3)
+
+
+# --- bench e2e --batch ---
+
+
+def test_bench_e2e_batch_rows(tiny_model_dir, tmp_path):
+    from sparsedecode.cli import main
+
+    out = tmp_path / "batch.json"
+    args = ["bench", "e2e", "--model", str(tiny_model_dir), "--context", "300", "--support", "97", "--tokens", "12"]
+    assert main([*args, "--batch", "1,3", "--repeats", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["mode"], r["support"]) for r in rows] == [
+        (1, "dense", None),
+        (1, "sparse", 97),
+        (3, "dense", None),
+        (3, "sparse", 97),
+    ]
+    for r in rows:
+        assert r["tokens_equal_to_batch1"] is True
+        assert r["aggregate_tokens_per_s"] == pytest.approx(r["batch"] * 12 / r["decode_s"])
+        assert r["step_ms"] == pytest.approx(1000 * r["decode_s"] / 12)
+        assert r["peak_rss_mb"] > 0 and r["kv_cache_mb"] > 0
+    best = max(r["aggregate_tokens_per_s"] for r in rows if r["mode"] == "dense")
+    assert max(r["speedup_vs_best_dense"] for r in rows if r["mode"] == "dense") == pytest.approx(1.0)
+    assert rows[3]["speedup_vs_best_dense"] == pytest.approx(rows[3]["aggregate_tokens_per_s"] / best)
+
+
+def test_bench_e2e_batch_that_does_not_fit_is_refused_before_prefill(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    from sparsedecode.cli import main
+    from sparsedecode.experiments import bench
+
+    monkeypatch.setattr(bench, "available_memory_bytes", lambda device="cpu": 10_000)
+    monkeypatch.setattr(bench, "prefill", lambda *a, **k: pytest.fail("prefill ran"))
+    out = tmp_path / "batch.json"
+    args = ["bench", "e2e", "--model", str(tiny_model_dir), "--context", "300", "--batch", "1,8", "--json", str(out)]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "batch 8 at context 300 needs about" in err and "GiB" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+    assert main([*args[:-2], "--mode", "lossless"]) == 2
+    assert "lossless runs batch 1 only" in capsys.readouterr().err
