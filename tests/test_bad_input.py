@@ -75,7 +75,6 @@ def test_compare_refuses_a_config_that_is_not_a_sparse_config(model, cfg):
     "ids, message",
     [
         (prompt(150)[0], "shape \\(1, length >= 1\\)"),  # 1-D
-        (prompt(150).repeat(2, 1), "shape \\(1, length >= 1\\)"),  # a batch of 2
         (torch.zeros(1, 0, dtype=torch.long), "shape \\(1, length >= 1\\)"),
         (prompt(150).float(), "integer tensor"),
         (prompt(150) > 3, "integer tensor"),
@@ -93,6 +92,20 @@ def test_prompt_ids_are_checked_before_the_model_runs(model, ids, message):
     ):
         with NoForward(model), pytest.raises(SparseDecodeError, match=message):
             call()
+
+
+def test_batches_are_checked_before_the_model_runs(model):
+    batch = prompt(150).repeat(2, 1)
+    cfg = SparseConfig(support=97)
+    with NoForward(model):
+        with pytest.raises(SparseDecodeError, match="shape \\(1, length >= 1\\)"):
+            dense_reference(model, batch, tokens=8)  # one prompt; dense_references takes several
+        with pytest.raises(SparseDecodeError, match="lossless generation runs one sequence at a time"):
+            generate(model, batch, cfg, 8)
+        with pytest.raises(SparseDecodeError, match="must lie in"):
+            compare(model, None, [prompt(150), prompt(150) + 200], cfg, 8)
+        with pytest.raises(SparseDecodeError, match="exceeds the model's"):
+            generate(model, [prompt(150), prompt(1020)], cfg, 8, mode="sparse")
 
 
 def test_positions_past_the_model_are_refused_before_decoding(model):

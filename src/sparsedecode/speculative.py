@@ -302,11 +302,6 @@ def generate_batch(
     """
     if mode not in MODES:
         raise SparseDecodeError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
-    if mode == "lossless":
-        raise SparseDecodeError(
-            "lossless generation runs one sequence at a time (per-sequence acceptance and rollback are not "
-            "implemented for batches): pass a (1, length) prompt, or use mode='sparse' or 'dense'"
-        )
     check_model(model, "generate")
     if isinstance(prompts, (list, tuple)):
         if attention_mask is not None:
@@ -328,6 +323,11 @@ def generate_batch(
                 f"generate: attention_mask {tuple(mask.shape)} does not match ids {tuple(ids.shape)}"
             )
         batching.check_left_padded(mask)
+    if mode == "lossless":
+        raise SparseDecodeError(
+            "lossless generation runs one sequence at a time (per-sequence acceptance and rollback are not "
+            "implemented for batches): pass a (1, length) prompt, or use mode='sparse' or 'dense'"
+        )
     check_count(max_new_tokens, "max_new_tokens", 1)
     if mode != "dense" and cfg is None:
         raise SparseDecodeError(f"mode {mode} needs a SparseConfig")
