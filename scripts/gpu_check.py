@@ -1,6 +1,6 @@
 """One prepared check of the optional Triton path on a CUDA machine; writes JSON files into the folder given.
 
-    PYTHONPATH=src python3 scripts/gpu_check.py OUTDIR [--quick] [--graphs-only]
+    PYTHONPATH=src python3 scripts/gpu_check.py OUTDIR [--quick] [--graphs-only | --batch-only]
 
 ``--quick`` shrinks every stage (a dry run of the script itself; without CUDA it runs on the CPU, the kernel
 through Triton's interpreter: set TRITON_INTERPRET=1).
@@ -16,6 +16,10 @@ through Triton's interpreter: set TRITON_INTERPRET=1).
 5. End to end at 32K context on a model with qwen2.5-coder-0.5b's shapes and random weights (no weights can be
    fetched on such a machine; decode speed does not depend on the weights' values, acceptance does): dense vs
    sparse S = 193 with each kernel, and lossless k = 4.
+6. Batched end to end (``--batch-only``: this stage alone): the same model, batch 1 / 8 / 32 at 32K, dense vs
+   Triton sparse S = 193 (``bench_e2e_batch``: aggregate tokens/s, step latency, every sequence's tokens against
+   its batch-1 run). No CUDA graphs here: a batched sparse step synchronises with the host (per-sequence
+   bookkeeping, top-k tie checks), so it cannot be captured; stage 4 times the capturable calls.
 
 Each stage runs even if an earlier one failed; a summary is printed last.
 """
@@ -32,7 +36,7 @@ from pathlib import Path
 import torch
 
 from sparsedecode import SparseConfig, SparseDecodeError, kernels, sparse_decoding
-from sparsedecode.experiments.bench import bench_e2e, bench_op, op_rows_as_dicts
+from sparsedecode.experiments.bench import bench_e2e, bench_e2e_batch, bench_op, op_rows_as_dicts
 from sparsedecode.experiments.environment import environment
 from sparsedecode.kernels.triton_attention import support_attention
 from sparsedecode.layout import BlockLayout, support_positions
@@ -282,6 +286,42 @@ def graph_timings() -> list[dict]:
     return rows
 
 
+def random_qwen_coder():
+    """A model with qwen2.5-coder-0.5b's shapes and random weights on the device (2 layers with --quick)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    shapes = {**QWEN_CODER_05B, "num_hidden_layers": 2} if QUICK else QWEN_CODER_05B
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    config = Qwen2Config(**shapes, attn_implementation="sdpa", dtype=dtype)
+    with torch.device(DEVICE):
+        return Qwen2ForCausalLM(config).to(dtype).eval().requires_grad_(False)
+
+
+def batched_e2e(out_dir: Path) -> list[dict]:
+    model = random_qwen_coder()
+    context = 512 if QUICK else 32704
+    batches = (1, 2) if QUICK else (1, 8, 32)
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 150000, (1, context), generator=generator).to(DEVICE) for _ in range(max(batches))]
+    kernel = "triton" if DEVICE == "cuda" else "torch"
+    rows = bench_e2e_batch(
+        model,
+        "qwen2.5-coder-0.5b shapes, random weights",
+        prompts,
+        batches,
+        (193,),
+        tokens=32 if QUICK else 64,
+        kernel=kernel,
+        repeats=1 if QUICK else 2,
+    )
+    data = [asdict(r) for r in rows]
+    (out_dir / "e2e-gpu-batch.json").write_text(json.dumps({"gpu": DEVICE, "rows": data}, indent=1))
+    for r in data:
+        print(json.dumps(r), flush=True)
+    return data
+
+
 def main() -> int:
     out_dir = Path(sys.argv[1])
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -307,6 +347,10 @@ def main() -> int:
         if graphs is not None:
             (out_dir / "op-gpu-graphs.json").write_text(json.dumps({"gpu": gpu, "rows": graphs}, indent=1))
         print(summary.get("graphs"))
+        return 0
+    if "--batch-only" in sys.argv:  # the batched end-to-end stage alone
+        stage("batch e2e", lambda: batched_e2e(out_dir))
+        print(summary.get("batch e2e"))
         return 0
     kernel = stage("kernel", check_kernel)
     if kernel is not None:
@@ -343,14 +387,7 @@ def main() -> int:
         (out_dir / "op-gpu-graphs.json").write_text(json.dumps({"gpu": gpu, "rows": graphs}, indent=1))
 
     def e2e():
-        from transformers import Qwen2Config, Qwen2ForCausalLM
-
-        torch.manual_seed(0)
-        shapes = {**QWEN_CODER_05B, "num_hidden_layers": 2} if QUICK else QWEN_CODER_05B
-        dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
-        config = Qwen2Config(**shapes, attn_implementation="sdpa", dtype=dtype)
-        with torch.device(DEVICE):
-            model = Qwen2ForCausalLM(config).to(dtype).eval().requires_grad_(False)
+        model = random_qwen_coder()
         rows = []
         context = 512 if QUICK else 32704
         ids = torch.randint(1, 150000, (1, context), generator=torch.Generator().manual_seed(2)).to(DEVICE)
@@ -369,6 +406,7 @@ def main() -> int:
         return rows
 
     e2e_rows = stage("e2e", e2e)
+    stage("batch e2e", lambda: batched_e2e(out_dir))
 
     print("\n== summary ==")
     for key, value in summary.items():

@@ -629,11 +629,12 @@ def check_batches_fit(model: torch.nn.Module, batches: tuple[int, ...], context:
     stacked copy: the estimate is twice ``max(batches)`` caches of ``context + tokens`` positions (plus the
     in-place cache's growth slack). Returns the estimate in bytes.
     """
-    element = next(model.parameters()).element_size()
+    parameter = next(model.parameters())
+    element = parameter.element_size()
     largest = max(batches)
     one = kv_cache_bytes(model.config, 1, context + tokens + 1, element)
     needed = 2 * largest * one + largest * kv_cache_bytes(model.config, 1, 256, element)
-    available = available_memory_bytes()
+    available = available_memory_bytes(str(parameter.device) if parameter.is_cuda else "cpu")
     if available is not None and needed > 0.9 * available:
         raise SparseDecodeError(
             f"bench e2e: batch {largest} at context {context} needs about {needed / 2**30:.1f} GiB of KV cache "
@@ -740,7 +741,7 @@ def bench_e2e_batch(
         gc.collect()
         reset_peak_rss()
         stacked = caches[0] if b == 1 else _stack_caches(model, caches[:b])
-        mask = torch.ones(b, context, dtype=torch.long)
+        mask = torch.ones(b, context, dtype=torch.long, device=prompts[0].device)
         times: dict[tuple, list[float]] = {mode: [] for mode in modes}
         outputs: dict[tuple, list[list[int]]] = {}
         for repeat in range(repeats):
