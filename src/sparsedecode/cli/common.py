@@ -242,17 +242,25 @@ def run_settings(args, command: str) -> dict:
     }
 
 
-def _kernel_in_use(dtype: str, selector: str) -> str:
-    """How sparse steps run here (``SparseConfig.kernel="auto"`` on the CPU)."""
-    from .. import cpu_kernel
+def _kernel_in_use(dtype: str, selector: str, shape: tuple[int, int, int, int] | None = None) -> str:
+    """How sparse steps run here under ``SparseConfig.kernel="auto"`` on the CPU, as the kernel dispatch decides it
+    (:func:`sparsedecode.kernels.refusals` on tensors of the run's dtype and the model's head shape
+    ``(query_heads, kv_heads, d, dv)``)."""
+    import torch
+
+    from .. import kernels
     from ..config import TOKEN_SELECTORS
+    from ..layout import BlockLayout
 
     if selector in TOKEN_SELECTORS:
         return "sparse steps: torch operations (token-level selector)"
-    if dtype != "float32":
-        return "sparse steps: torch operations (the C kernel takes float32)"
-    if cpu_kernel.library() is None:
-        return f"sparse steps: torch operations (C kernel unavailable: {cpu_kernel.BUILD_ERROR})"
+    query_heads, kv_heads, d, dv = shape or (2, 1, 16, 16)
+    kind = getattr(torch, dtype)
+    q = torch.zeros(query_heads, d, dtype=kind)
+    keys, values = torch.zeros(kv_heads, 128, d, dtype=kind), torch.zeros(kv_heads, 128, dv, dtype=kind)
+    reason = kernels.refusals(q, keys, values, BlockLayout(n=128, window=64, block_size=16))["c"]
+    if reason is not None:
+        return f"sparse steps: torch operations (the C kernel cannot serve: {reason})"
     if selector != "mean-pooled":
         return "sparse steps: torch selection, C kernel attention"
     return "sparse steps: C kernel"
