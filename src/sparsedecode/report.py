@@ -12,6 +12,7 @@ what they do not establish. This module sits on top of the library; the library 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 from pathlib import Path
@@ -607,7 +608,7 @@ def write_selector_comparison(directory: Path, data: dict | None = None) -> Path
     today's ``first_divergence`` convention, summary recomputed; see
     :func:`~sparsedecode.experiments.selector_comparison.rebuild`)."""
     from .experiments.selector_comparison import rebuild
-    from .experiments.sweep import write_json_atomic
+    from .experiments.sweep import write_json_atomic, write_text_atomic
 
     directory = Path(directory)
     if data is None:
@@ -619,13 +620,15 @@ def write_selector_comparison(directory: Path, data: dict | None = None) -> Path
     rows = data["summary"]
     if not rows:
         raise SparseDecodeError(f"the selector comparison in {directory} has no summary rows")
+    table = io.StringIO(newline="")
+    writer = csv.writer(table)
+    writer.writerow(list(rows[0]))
+    writer.writerows(list(row.values()) for row in rows)
+    markdown = selector_markdown(data)  # everything is built before the first file is written
     write_json_atomic(directory / SELECTORS_FILE, data)
-    with open(directory / "selectors.csv", "w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(list(rows[0]))
-        writer.writerows(list(row.values()) for row in rows)
+    write_text_atomic(directory / "selectors.csv", table.getvalue())
     path = directory / "selectors.md"
-    path.write_text(selector_markdown(data))
+    write_text_atomic(path, markdown)
     return path
 
 

@@ -401,12 +401,16 @@ def write_rows(path: Path, rows: list[dict]) -> None:
 
 def write_json_atomic(path: Path, data: object) -> None:
     """Write JSON through a temporary file and a rename, so a reader never sees half a file."""
+    write_text_atomic(path, json.dumps(data, indent=1) + "\n")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` through a temporary file and a rename, so a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle, indent=1)
-            handle.write("\n")
+        with os.fdopen(fd, "w", newline="") as handle:
+            handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
         os.chmod(tmp, 0o644)
