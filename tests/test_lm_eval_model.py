@@ -228,3 +228,30 @@ def test_the_thin_command_line_entry(model_dir, tasks_dir, tmp_path):
     assert code == 0
     written = list(out.rglob("results_*.json"))
     assert len(written) == 1 and "tiny_gen" in json.loads(written[0].read_text())["results"]
+
+
+@pytest.mark.realmodel
+def test_real_model_alias_against_lm_evals_hf_model(tasks_dir, tmp_path):
+    """The issue's check on the default model: ``pretrained=smollm2-135m`` (our alias) at full support gives what
+    lm-eval's ``hf`` model gives from the same weights (the converted safetensors in our cache); at S = 97 a
+    document of ~290 tokens is scored by sparse steps past position 97 and the perplexity departs."""
+    from sparsedecode.models import cache_dir, load_model
+
+    load_model("smollm2-135m")  # fetched and converted once (cached)
+    weights = cache_dir() / "models" / "smollm2-135m"
+    (tmp_path / "long.jsonl").write_text(json.dumps({"text": " ".join([DOC] * 3)}) + "\n")
+    body = ["output_type: loglikelihood_rolling", 'doc_to_text: ""', 'doc_to_target: "{{text}}"']
+    body += ["metric_list:", "  - metric: word_perplexity"]
+    (tmp_path / "long_ppl.yaml").write_text(_yaml("long_ppl", tmp_path / "long.jsonl", body))
+    for name in ("tiny_mc.yaml", "tiny_gen.yaml", "qa.jsonl"):
+        (tmp_path / name).write_text((tasks_dir / name).read_text().replace(str(tasks_dir), str(tmp_path)))
+    tasks = ["tiny_mc", "tiny_gen", "long_ppl"]
+    hf = evaluate("hf", f"pretrained={weights},dtype=float32", tasks, tmp_path)
+    full = evaluate("sparsedecode", "pretrained=smollm2-135m,support=100000", tasks, tmp_path)
+    small = evaluate("sparsedecode", "pretrained=smollm2-135m,support=97", tasks, tmp_path)
+    assert responses(full, "tiny_gen") == responses(hf, "tiny_gen")
+    for (a, a_greedy), (b, b_greedy) in zip(loglikelihoods(full, "tiny_mc"), loglikelihoods(hf, "tiny_mc")):
+        assert a == pytest.approx(b, abs=1e-3) and a_greedy == b_greedy
+    ppl = {name: r["results"]["long_ppl"]["word_perplexity,none"] for name, r in (("hf", hf), ("full", full))}
+    assert ppl["full"] == pytest.approx(ppl["hf"], rel=1e-4)
+    assert small["results"]["long_ppl"]["word_perplexity,none"] != pytest.approx(ppl["hf"], rel=1e-4)
