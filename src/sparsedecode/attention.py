@@ -46,7 +46,7 @@ from .selectors import (
     streaming_index,
     token_index,
 )
-from .validate import check_config, check_model, config_from_overrides
+from .validate import check_config, check_model, check_step_query, config_from_overrides
 
 ATTENTION_NAME = "sparsedecode"
 
@@ -627,39 +627,105 @@ def _batch_forward(session, state, module, query, key, value, attention_mask, dr
     lengths = [n - pad for pad in pads]
     dense_rows = [m <= cfg.effective_support or (sliding is not None and m > sliding) for m in lengths]
     out = dense_all() if all(dense_rows) else None
-    pieces = []
+    if out is None:
+        out = query.new_empty(batch, 1, query.shape[1], value.shape[-1])
+    sparse = []
     for i, (row, pad, m) in enumerate(zip(rows, pads, lengths)):
         row.unchanged = max(keep - pad, 0)
         row.begin(m - 1, 1)
-        q_i, k_i, v_i = query[i : i + 1], key[i : i + 1, :, pad:], value[i : i + 1, :, pad:]
-        counts = session.sequence_steps.setdefault(i, [0, 0])
-        if dense_rows[i]:
-            session.dense_steps += 1
-            counts[1] += 1
-            if session.track_reads:
-                row.note_all_distant(
-                    key.shape[1], BlockLayout(n=m, window=cfg.window, block_size=cfg.block_size), key.device
-                )
-            if h2o:
-                _remember_attention(row, k_i, m, functools.partial(group_attention, q_i[0, :, 0], k_i[0, :, :m], scale))
-            if out is None:
-                pieces.append(
-                    sdpa_attention_forward(
-                        module, q_i, k_i[:, :, :m], v_i[:, :, :m], None, dropout=dropout, scaling=scaling, **kwargs
-                    )[0]
-                )
-            row.end(k_i, m)
+        if not dense_rows[i]:
+            sparse.append((i, row, pad, m))
             continue
-        session.sparse_steps += 1
-        counts[0] += 1
-        session.sequence = i
-        try:
-            pieces.append(sparse_decode_step(session, row, q_i, k_i, v_i, m, scaling))
-        finally:
-            session.sequence = 0
-        row.end(k_i, m, chained=True)
+        q_i, k_i, v_i = query[i : i + 1], key[i : i + 1, :, pad:], value[i : i + 1, :, pad:]
+        session.dense_steps += 1
+        session.sequence_steps.setdefault(i, [0, 0])[1] += 1
+        if session.track_reads:
+            row.note_all_distant(
+                key.shape[1], BlockLayout(n=m, window=cfg.window, block_size=cfg.block_size), key.device
+            )
+        if h2o:
+            _remember_attention(row, k_i, m, functools.partial(group_attention, q_i[0, :, 0], k_i[0, :, :m], scale))
+        if not all(dense_rows):
+            out[i : i + 1] = sdpa_attention_forward(
+                module, q_i, k_i[:, :, :m], v_i[:, :, :m], None, dropout=dropout, scaling=scaling, **kwargs
+            )[0]
+        row.end(k_i, m)
+    if sparse and not _sparse_rows_in_one_call(session, sparse, query, key, value, out, scale):
+        for i, row, pad, m in sparse:  # one sparse step per sequence, over its own slice of the cache
+            k_i = key[i : i + 1, :, pad:]
+            session.sparse_steps += 1
+            session.sequence_steps.setdefault(i, [0, 0])[0] += 1
+            session.sequence = i
+            try:
+                out[i : i + 1] = sparse_decode_step(
+                    session, row, query[i : i + 1], k_i, value[i : i + 1, :, pad:], m, scaling
+                )
+            finally:
+                session.sequence = 0
+            row.end(k_i, m, chained=True)
     state.end(key, n)
-    return (out if out is not None else torch.cat(pieces, dim=0)), None
+    return out, None
+
+
+def _sparse_rows_in_one_call(session, sparse, query, key, value, out, scale) -> bool:
+    """The sparse steps of a batch's ``sparse`` rows ``(i, row state, pad, length)`` in one C kernel call, each
+    written to ``out[i]``; ``False`` (nothing done) where that call cannot serve them.
+
+    It serves block selectors under the C kernel without observers (they need a :class:`StepView` per sequence):
+    mean-pooled selection happens inside the call, other block selectors select per sequence in torch first. The
+    bookkeeping is :func:`sparse_decode_step`'s, per sequence: fresh selection at the first step of a chain and
+    every ``reuse`` steps, the centroid cache extended by the blocks completed since, the reads noted, the step
+    counted, the state marked; and the call scores and attends with the code of the single-sequence C calls, so
+    every sequence gets the very blocks and output :func:`sparse_decode_step` gives it. Per sequence and layer the
+    call reads the support's keys and values, ``S x kv x d x 2`` elements, plus ``n_full x kv x d`` float32
+    centroids and the tail block's keys at a fresh step (docs/benchmarks.md, "Batches").
+    """
+    cfg = session.config
+    if session.observers or cfg.token_level:
+        return False
+    q = query[:, :, 0, :]  # (batch, H, d)
+    first, m = sparse[0][0], sparse[0][3]  # what the kernel needs of the tensors, all sequences alike
+    layout = BlockLayout(n=m, window=cfg.window, block_size=cfg.block_size)
+    if kernels.attention_kernel(cfg.kernel, q[first], key[first], value[first], layout) != "c":
+        return False
+    window, block, reuse = cfg.window, cfg.block_size, cfg.reuse
+    mean_pooled = cfg.selector == "mean-pooled"
+    fresh = [row.step % reuse == 0 or (row.blocks is None and row.positions is None) for _, row, _, _ in sparse]
+    selecting = [i for (i, *_), f in zip(sparse, fresh) if f] if mean_pooled else []
+    if selecting:  # the C kernel scores internally: refuse a non-finite query first, as select_blocks does
+        check_step_query(q if len(selecting) == q.shape[0] else q[selecting])
+        # run_selection's cap, b <= n_blocks (a sequence past the support always has more than cfg.blocks)
+        b = min(cfg.blocks, *(-(-(max(n - window, 1) - 1) // block) for (*_, n), f in zip(sparse, fresh) if f))
+        chosen = torch.empty(len(selecting), key.shape[1], b, dtype=torch.int64)
+    calls, j = [], 0
+    for (i, row, pad, m), f in zip(sparse, fresh):
+        storage = None
+        if f and mean_pooled:
+            n_full = (max(m - window, 1) - 1) // block
+            if row.centroids.count < n_full:  # what select_blocks' centroid update does, without the views
+                row.centroids.update(key[i, :, pad:], n_full)
+            storage = row.centroids.storage()
+            row.blocks, j = chosen[j], j + 1
+            blocks = row.blocks
+        else:
+            if f:
+                layout = BlockLayout(n=m, window=window, block_size=block)
+                row.blocks = select_blocks(
+                    cfg, row.centroids, q[i], key[i, :, pad:], layout, scale=scale, salt=row.layer
+                )
+            blocks = row.blocks.to(torch.int64).contiguous()  # as run_attention takes them
+        calls.append((i, pad, m, storage, blocks, f and mean_pooled))
+        row.step += 1
+    if not q.is_contiguous():
+        q = q.contiguous()
+    kernels.cpu.run_step_batch(q, key, value, out.view(q.shape), calls, window, block, scale)
+    for i, row, pad, m in sparse:
+        if session.track_reads:
+            row.note_reads(row.blocks, BlockLayout(n=m, window=window, block_size=block))
+        session.sparse_steps += 1
+        session.sequence_steps.setdefault(i, [0, 0])[0] += 1
+        row.end(key[i : i + 1, :, pad:], m, chained=True)
+    return True
 
 
 def _remember_attention(state: LayerState, key: torch.Tensor, n: int, received: Callable[[], torch.Tensor]) -> None:

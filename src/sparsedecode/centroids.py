@@ -96,6 +96,12 @@ class BlockCentroids:
             return {kind: empty for kind in self.kinds}
         return {kind: stored[:, :, :n_full].transpose(1, 2) for kind, stored in self._stats.items()}
 
+    def storage(self, kind: str = "mean") -> torch.Tensor | None:
+        """The raw ``(kv_heads, d, capacity)`` float32 storage of statistic ``kind`` (blocks ``0 .. count - 1``
+        hold values; the block stride is 1), or ``None`` before anything was stored. For kernels that read the
+        statistics in place; valid until the next update."""
+        return self._stats.get(kind)
+
     def update(self, keys: torch.Tensor, n_full: int) -> torch.Tensor:
         """The first statistic (the centroids, by default) of blocks ``0 .. n_full - 1``; see :meth:`update_all`."""
         return self.update_all(keys, n_full)[self.kinds[0]]

@@ -26,6 +26,12 @@ first (:func:`refusal`, :func:`sparsedecode.kernels.check_inputs` and the entry 
 * blocks ``(kv, b)``; an index outside ``[0, n_blocks)`` reads nothing (clamped here, masked in the kernel);
 * selection only: at most :data:`MAX_TRITON_BLOCKS` distant blocks (one tile of scores per KV head), centroids
   ``(kv, >= n_full, d)`` float32 (any strides).
+
+Batches: these kernels serve one sequence per launch. A batch on CUDA is served sequence by sequence (the
+per-sequence loop of :mod:`sparsedecode.attention`, each sequence on its own slice of the cache: its own
+launches per sparse sequence and layer); only the C kernel has a batched entry point
+(:func:`sparsedecode.kernels.cpu.sparse_step_batch`). A batched launch (a grid over sequences x KV heads x
+splits, per-sequence lengths and centroid pointers) is not written yet.
 """
 
 from __future__ import annotations

@@ -18,6 +18,10 @@
  * prefetcher stops (page and row ends); attention prefetches the support's scattered key and value rows ahead of
  * use. Large calls split over persistent worker threads (KV heads, and ranges of blocks within a head for
  * selection), which wait briefly by spinning, so the attention call that follows a selection finds them awake.
+ *
+ * A batch (sparse_step_batch, at the end) is served in one call per layer: each sequence with its own length,
+ * centroids and blocks, selecting where it selects afresh and attending in the same task, the threads taking
+ * (sequence, KV head) tasks. It scores and attends with the very functions the single-sequence calls use.
  */
 #include <math.h>
 #include <pthread.h>
@@ -96,10 +100,16 @@ typedef struct {
     task_fn run;
     const void *job;
     int64_t first, stop;
+    int64_t *next; /* NULL: run tasks first .. stop - 1; else take the next task from this shared counter */
     int status;
 } part_t;
 
 static void run_part(part_t *part) {
+    if (part->next) {
+        for (int64_t t; !part->status && (t = __atomic_fetch_add(part->next, 1, __ATOMIC_RELAXED)) < part->stop;)
+            part->status = part->run(part->job, t);
+        return;
+    }
     for (int64_t t = part->first; t < part->stop && !part->status; t++) part->status = part->run(part->job, t);
 }
 
@@ -189,18 +199,23 @@ static void wait_for(worker_t *w) {
     }
 }
 
-/* Run tasks 0 .. tasks - 1 in up to `parts` contiguous parts; returns the tasks' statuses or-ed together. */
-static int parallel(task_fn run, const void *job, int64_t tasks, int64_t parts) {
+/* Run tasks 0 .. tasks - 1 in up to `parts` parts; returns the tasks' statuses or-ed together. The parts are
+ * contiguous ranges of tasks of about equal size, or, `dynamic`, the threads take the next task in order as they
+ * finish one (for tasks of unequal sizes). */
+static int parallel(task_fn run, const void *job, int64_t tasks, int64_t parts, int dynamic) {
     if (parts > tasks) parts = tasks;
     if (parts > MAX_THREADS) parts = MAX_THREADS;
     if (parts < 2 || pthread_mutex_trylock(&pool_lock) != 0) {
-        part_t all = {run, job, 0, tasks, 0};
+        part_t all = {run, job, 0, tasks, NULL, 0};
         run_part(&all);
         return all.status;
     }
     pthread_once(&fork_handler_once, register_fork_handler);
     part_t part[MAX_THREADS];
-    for (int64_t t = 0; t < parts; t++) part[t] = (part_t){run, job, tasks * t / parts, tasks * (t + 1) / parts, 0};
+    int64_t next = 0;
+    for (int64_t t = 0; t < parts; t++)
+        part[t] = dynamic ? (part_t){run, job, 0, tasks, &next, 0}
+                          : (part_t){run, job, tasks * t / parts, tasks * (t + 1) / parts, NULL, 0};
     int64_t posted = 1;
     for (worker_t *w; posted < parts && (w = worker(posted - 1)) != NULL; posted++) post(w, &part[posted]);
     for (int64_t t = posted; t < parts; t++) run_part(&part[t]); /* no worker to be had: do it here */
@@ -252,18 +267,14 @@ static void mean_query(const float *q, int64_t h, int64_t group, int64_t d, floa
     }
 }
 
-static int select_task(const void *arg, int64_t task) {
-    const select_job *job = arg;
-    int64_t d = job->d, b = job->b, stride = job->c_stride_d, h = task / job->chunks, chunk = task % job->chunks;
-    int64_t first = job->n_full * chunk / job->chunks, stop = job->n_full * (chunk + 1) / job->chunks;
-    float *best_scores = job->best_scores + task * b;
-    int64_t *best_blocks = job->best_blocks + task * b, *kept = job->kept + task;
-    float stack_mean[256], tile[TILE];
-    float *q_mean = d <= 256 ? stack_mean : malloc(sizeof(float) * (size_t)d);
-    if (!q_mean) return -1;
-    mean_query(job->q, h, job->group, d, q_mean);
+/* Score blocks [first, stop) of one head's transposed centroids `c` (row i of d at c + i * stride) against q_mean and
+ * keep the b best in (best_scores, best_blocks, kept). Not inlined: every entry point scores with the same code, so
+ * the single-sequence and the batched calls pick the same blocks to the bit. */
+__attribute__((noinline)) static void score_blocks(const float *q_mean, const float *c, int64_t stride, int64_t first,
+                                                   int64_t stop, int64_t d, int64_t b, float *best_scores,
+                                                   int64_t *best_blocks, int64_t *kept) {
+    float tile[TILE];
     *kept = 0;
-    const float *c = job->centroids + h * job->c_stride_h;
     for (int64_t t0 = first; t0 < stop; t0 += TILE) {
         int64_t m = stop - t0 < TILE ? stop - t0 : TILE;
         memset(tile, 0, sizeof(float) * (size_t)m);
@@ -291,6 +302,32 @@ static int select_task(const void *arg, int64_t task) {
             for (int64_t k = j; k < end; k++) offer(tile[k], t0 + k, best_scores, best_blocks, kept, b);
         }
     }
+}
+
+/* The score of the short tail block [start, distant_end) of one head's keys `k` (rows k_stride_n apart): the mean
+ * query against the mean of its keys, averaged now (the centroid cache holds full blocks only). */
+__attribute__((noinline)) static float tail_score(const float *q_mean, const float *k, int64_t k_stride_n,
+                                                  int64_t start, int64_t distant_end, int64_t d) {
+    int64_t tail = distant_end - start;
+    float dot = 0.0f;
+    for (int64_t i = 0; i < d; i++) {
+        float sum = 0.0f;
+        for (int64_t p = start; p < distant_end; p++) sum += k[p * k_stride_n + i];
+        dot += q_mean[i] * (sum / (float)tail);
+    }
+    return dot;
+}
+
+static int select_task(const void *arg, int64_t task) {
+    const select_job *job = arg;
+    int64_t d = job->d, b = job->b, h = task / job->chunks, chunk = task % job->chunks;
+    int64_t first = job->n_full * chunk / job->chunks, stop = job->n_full * (chunk + 1) / job->chunks;
+    float stack_mean[256];
+    float *q_mean = d <= 256 ? stack_mean : malloc(sizeof(float) * (size_t)d);
+    if (!q_mean) return -1;
+    mean_query(job->q, h, job->group, d, q_mean);
+    score_blocks(q_mean, job->centroids + h * job->c_stride_h, job->c_stride_d, first, stop, d, b,
+                 job->best_scores + task * b, job->best_blocks + task * b, job->kept + task);
     if (q_mean != stack_mean) free(q_mean);
     return 0;
 }
@@ -317,22 +354,15 @@ int select_mean_pooled(const float *q, const float *centroids, int64_t c_stride_
     float *q_mean = merged_scores + width;
     select_job job = {q, centroids, c_stride_h, c_stride_d, n_full, group, d, b, chunks, best_scores, best_blocks,
                       kept};
-    if (b > 0 && parallel(select_task, &job, tasks, parts)) return -1;
+    if (b > 0 && parallel(select_task, &job, tasks, parts, 0)) return -1;
     for (int64_t h = 0; h < kv_heads && b > 0; h++) {
         int64_t count = 0;
         for (int64_t t = h * chunks; t < (h + 1) * chunks; t++)
             for (int64_t k = 0; k < kept[t]; k++)
                 offer(best_scores[t * b + k], best_blocks[t * b + k], merged_scores, merged, &count, b);
         if (n_blocks > n_full) { /* the short tail block is not cached: average its keys now */
-            int64_t start = 1 + n_full * block, tail = distant_end - start;
-            const float *k = keys + h * k_stride_h;
             mean_query(q, h, group, d, q_mean);
-            float dot = 0.0f;
-            for (int64_t i = 0; i < d; i++) {
-                float sum = 0.0f;
-                for (int64_t p = start; p < distant_end; p++) sum += k[p * k_stride_n + i];
-                dot += q_mean[i] * (sum / (float)tail);
-            }
+            float dot = tail_score(q_mean, keys + h * k_stride_h, k_stride_n, 1 + n_full * block, distant_end, d);
             offer(dot, n_full, merged_scores, merged, &count, b);
         }
         qsort(merged, (size_t)count, sizeof(int64_t), compare_ascending);
@@ -502,5 +532,120 @@ int attend_support(const float *q, const float *keys, int64_t k_stride_h, int64_
                       distant_end, block, scale, out};
     int64_t support = 1 + b * block + (n - distant_end), work = 2 * kv_heads * support * group * d;
     int64_t parts = threads < work / MIN_WORK_PER_THREAD ? threads : work / MIN_WORK_PER_THREAD;
-    return parallel(attend_head, &job, kv_heads, parts);
+    return parallel(attend_head, &job, kv_heads, parts, 0);
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * The sparse step of a whole batch in one call. Each sequence (a "row") has its own length, hence its own layout,
+ * its own centroid cache and its own blocks; one task is one (row, KV head): select that head's blocks if the row
+ * selects afresh at this step (exactly as select_mean_pooled does), then attend over its support (attend_head).
+ * Tasks are taken longest first by whichever thread is free, so rows of different lengths share the threads well.
+ *
+ * A row is described by ROW_FIELDS int64 values (pointers as integers), in this order:
+ *   q, k, v, out    element offsets from the query, key, value and output bases: the row's query (H, d)
+ *                   contiguous, its keys and values at its own position 0 (head h, position p at
+ *                   + h * stride_h + p * stride_n), its output (H, d) contiguous;
+ *   n               the row's positions (the current token included): distant_end = max(n - window, 1);
+ *   centroids       its centroid storage (kv, d, capacity), element (h, i, j) at h * c_stride_h + i * c_stride_d
+ *   c_stride_h, c_stride_d   + j; read only when the row selects afresh (blocks [0, n_full));
+ *   chosen, b       its blocks (kv, b) int64: written when the row selects afresh (the b best per head,
+ *                   ascending, b <= n_blocks), read otherwise (an index outside [0, n_blocks) is skipped);
+ *   fresh           1: select then attend; 0: attend over `chosen` as it is.
+ */
+enum { ROW_FIELDS = 11 };
+
+typedef struct {
+    int64_t q, k, v, out, n, centroids, c_stride_h, c_stride_d, chosen, b, fresh;
+} row_t;
+
+typedef struct {
+    const float *q, *keys, *values;
+    float *out;
+    const row_t *rows;
+    const int64_t *order; /* rows, most work first */
+    int64_t k_stride_h, k_stride_n, v_stride_h, v_stride_n, kv_heads, group, d, window, block;
+    float scale;
+} batch_job;
+
+/* chosen (b) of head h of one row: the b best blocks against the head's mean query, ascending. */
+static int select_head(const batch_job *job, const row_t *row, int64_t h, const float *q, const float *keys,
+                       int64_t distant_end) {
+    int64_t d = job->d, b = row->b, block = job->block, count = 0;
+    int64_t n_full = (distant_end - 1) / block, n_blocks = (distant_end - 1 + block - 1) / block;
+    float stack_mean[256], stack_scores[64];
+    int64_t stack_blocks[64];
+    float *q_mean = d <= 256 ? stack_mean : malloc(sizeof(float) * (size_t)d);
+    float *scores = b <= 64 ? stack_scores : malloc(sizeof(float) * (size_t)b);
+    int64_t *blocks = b <= 64 ? stack_blocks : malloc(sizeof(int64_t) * (size_t)b);
+    int status = -1;
+    if (q_mean && scores && blocks) {
+        mean_query(q, h, job->group, d, q_mean);
+        const float *c = (const float *)(intptr_t)row->centroids + h * row->c_stride_h;
+        score_blocks(q_mean, c, row->c_stride_d, 0, n_full, d, b, scores, blocks, &count);
+        if (n_blocks > n_full) { /* the short tail block is not cached: average its keys now */
+            float dot = tail_score(q_mean, keys + h * job->k_stride_h, job->k_stride_n, 1 + n_full * block,
+                                   distant_end, d);
+            offer(dot, n_full, scores, blocks, &count, b);
+        }
+        qsort(blocks, (size_t)count, sizeof(int64_t), compare_ascending);
+        memcpy((int64_t *)(intptr_t)row->chosen + h * b, blocks, sizeof(int64_t) * (size_t)count);
+        status = 0;
+    }
+    if (q_mean != stack_mean) free(q_mean);
+    if (scores != stack_scores) free(scores);
+    if (blocks != stack_blocks) free(blocks);
+    return status;
+}
+
+static int batch_task(const void *arg, int64_t task) {
+    const batch_job *job = arg;
+    const row_t *row = job->rows + job->order[task / job->kv_heads];
+    int64_t h = task % job->kv_heads, n = row->n;
+    int64_t distant_end = n - job->window > 1 ? n - job->window : 1;
+    const float *q = job->q + row->q, *keys = job->keys + row->k, *values = job->values + row->v;
+    if (row->fresh && row->b > 0 && select_head(job, row, h, q, keys, distant_end)) return -1;
+    attend_job attend = {q,
+                         keys,
+                         values,
+                         (const int64_t *)(intptr_t)row->chosen,
+                         job->k_stride_h,
+                         job->k_stride_n,
+                         job->v_stride_h,
+                         job->v_stride_n,
+                         row->b,
+                         job->group,
+                         job->d,
+                         n,
+                         distant_end,
+                         job->block,
+                         job->scale,
+                         job->out + row->out};
+    return attend_head(&attend, h);
+}
+
+/* The sparse step of `n_rows` rows (`rows`: n_rows * ROW_FIELDS int64, see above). Returns 0, or -1 when memory ran
+ * out. */
+int sparse_step_batch(const float *q, const float *keys, int64_t k_stride_h, int64_t k_stride_n, const float *values,
+                      int64_t v_stride_h, int64_t v_stride_n, float *out, const int64_t *rows, int64_t n_rows,
+                      int64_t kv_heads, int64_t group, int64_t d, int64_t window, int64_t block, float scale,
+                      int64_t threads) {
+    enum { MIN_SELECT_PER_THREAD = 1 << 16, MIN_ATTEND_PER_THREAD = 1 << 18 }; /* as the single-row calls */
+    const row_t *row = (const row_t *)rows;
+    int64_t *order = scratch(sizeof(int64_t) * (size_t)(2 * n_rows + 1));
+    if (!order) return -1;
+    int64_t *cost = order + n_rows;
+    double parts = 0.0;
+    for (int64_t r = 0; r < n_rows; r++) { /* multiply-adds per KV head; rows sorted by it, most first */
+        int64_t distant_end = row[r].n - window > 1 ? row[r].n - window : 1;
+        int64_t select = row[r].fresh ? (distant_end - 1) / block * d : 0;
+        int64_t attend = 2 * (1 + row[r].b * block + (row[r].n - distant_end)) * group * d;
+        cost[r] = select + attend;
+        parts += kv_heads * ((double)select / MIN_SELECT_PER_THREAD + (double)attend / MIN_ATTEND_PER_THREAD);
+        int64_t at = r;
+        for (; at > 0 && cost[order[at - 1]] < cost[r]; at--) order[at] = order[at - 1];
+        order[at] = r;
+    }
+    batch_job job = {q,          keys,       values,     out,      row, order, k_stride_h, k_stride_n,
+                     v_stride_h, v_stride_n, kv_heads,   group,    d,   window, block,     scale};
+    return parallel(batch_task, &job, n_rows * kv_heads, threads < parts ? threads : (int64_t)parts, 1);
 }
