@@ -132,8 +132,8 @@ def add_backend_args(parser: argparse.ArgumentParser, *, unit: str) -> None:
 
 
 def check_backend_args(args) -> None:
-    """Refuse Ray options without ``--backend ray``, counts below 1, and ``--backend ray`` without Ray installed
-    (checked without importing it), before any model is loaded."""
+    """Refuse Ray options without ``--backend ray``, counts below 1, ``--backend ray`` without Ray installed (checked
+    without importing it) and an ``--address`` nothing answers on, before any model is loaded."""
     options = {"--address": args.address, "--workers": args.workers, "--worker-threads": args.worker_threads}
     if args.backend != "ray":
         given = [flag for flag, value in options.items() if value is not None]
@@ -149,6 +149,10 @@ def check_backend_args(args) -> None:
         raise SparseDecodeError(
             "--backend ray needs Ray, which is not installed: pip install 'sparsedecode[ray]' (or pip install ray)"
         )
+    if args.address is not None:
+        from .ray_backend import check_reachable  # imports no Ray
+
+        check_reachable(args.address)
 
 
 @contextlib.contextmanager

@@ -26,6 +26,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
+import socket
 import sys
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -99,7 +101,7 @@ def ray_executor(args, *, console, progress=None) -> Iterator[RayPool]:
     """A :class:`RayPool` for ``args`` (``--address``, ``--workers``, ``--worker-threads``, ``--model``, ``--dtype``):
     joins the cluster, or starts a local instance that is stopped on the way out; the actors are killed on the way
     out either way. A process already connected to Ray (``ray.init`` called before) keeps its connection."""
-    if args.address is None and "ray" not in sys.modules:
+    if (args.address is None or _loopback(args.address)) and "ray" not in sys.modules:
         os.environ.setdefault(LOOPBACK_ENV, "0")
     ray = import_ray()
     owned = not ray.is_initialized()
@@ -111,8 +113,8 @@ def ray_executor(args, *, console, progress=None) -> Iterator[RayPool]:
                 console.print(f"starting a Ray instance on this machine (loopback only, {cpus} CPUs)")
                 ray.init(address="local", num_cpus=cpus, include_dashboard=False, **quiet)
             else:
-                console.print(f"joining the Ray cluster at {args.address}")
-                ray.init(address=args.address, **quiet)
+                console.print(f"joining the Ray cluster at {args.address}; its workers run this sparsedecode")
+                ray.init(address=args.address, runtime_env={"py_modules": [_package_dir()]}, **quiet)
         except (ConnectionError, RuntimeError, ValueError, TimeoutError) as error:
             where = "start a local Ray instance" if args.address is None else f"join the Ray cluster at {args.address}"
             raise SparseDecodeError(f"cannot {where}: {_first_line(error)}") from error
@@ -139,6 +141,40 @@ def ray_executor(args, *, console, progress=None) -> Iterator[RayPool]:
             pool.close()
         if owned:
             ray.shutdown()
+
+
+def _package_dir() -> str:
+    """This process's ``sparsedecode`` folder: sent with the job, so that every worker runs the same code."""
+    from .. import errors
+
+    return os.path.dirname(os.path.abspath(errors.__file__))
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a ``HOST:PORT`` address; ``None`` for the other forms Ray takes (``auto``, ``ray://...``)."""
+    host, _, port = address.rpartition(":")
+    if not host or "://" in address or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def _loopback(address: str) -> bool:
+    where = _host_port(address)
+    return where is not None and (where[0] in ("localhost", "::1") or where[0].startswith("127."))
+
+
+def check_reachable(address: str, timeout: float = 5.0) -> None:
+    """Refuse a ``HOST:PORT`` nothing answers on at once: Ray itself would retry for minutes."""
+    where = _host_port(address)
+    if where is None:
+        return
+    try:
+        socket.create_connection(where, timeout=timeout).close()
+    except OSError as error:
+        raise SparseDecodeError(
+            f"cannot reach the Ray cluster at {address} ({error.strerror or error}): start it there with "
+            "`ray start --head`, or give the address `ray start` printed"
+        ) from error
 
 
 class RayPool:
@@ -219,6 +255,11 @@ class RayPool:
                 kind, value = self.ray.get(ref)
             except lost as error:
                 self._discard(actor)
+                if getattr(error, "actor_init_failed", False):  # not a death: it would fail the same way again
+                    raise SparseDecodeError(
+                        f"a Ray worker could not start ({_last_line(error)}): every node needs sparsedecode's "
+                        f"dependencies (pip install 'sparsedecode[ray]') and access to the model {self.model}"
+                    ) from error
                 failures[unit] = failures.get(unit, 0) + 1
                 reason = _death(error)
                 if failures[unit] > RETRIES:
@@ -246,9 +287,18 @@ def _death(error: BaseException) -> str:
     return _first_line(error)[:200]
 
 
+def _lines(error: BaseException) -> list[str]:
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))  # Ray colours parts of its messages
+    return [line.strip() for line in text.splitlines() if line.strip()] or [type(error).__name__]
+
+
 def _first_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0] if lines else type(error).__name__
+    return _lines(error)[0]
+
+
+def _last_line(error: BaseException) -> str:
+    """The last line of a remote traceback: the exception raised, with its message."""
+    return _lines(error)[-1][:300]
 
 
 class Worker:
