@@ -114,10 +114,15 @@ def ray_executor(args, *, console, progress=None) -> Iterator[RayPool]:
                 ray.init(address="local", num_cpus=cpus, include_dashboard=False, **quiet)
             else:
                 console.print(f"joining the Ray cluster at {args.address}; its workers run this sparsedecode")
-                ray.init(address=args.address, runtime_env={"py_modules": [_package_dir()]}, **quiet)
-        except (ConnectionError, RuntimeError, ValueError, TimeoutError) as error:
-            where = "start a local Ray instance" if args.address is None else f"join the Ray cluster at {args.address}"
-            raise SparseDecodeError(f"cannot {where}: {_first_line(error)}") from error
+                code = {"py_modules": [_package_dir()], "excludes": ["__pycache__"]}
+                ray.init(address=args.address, runtime_env=code, **quiet)
+        except (ConnectionError, RuntimeError, ValueError, TimeoutError, ray.exceptions.RayError) as error:
+            if args.address is None:
+                raise SparseDecodeError(f"cannot start a local Ray instance: {_first_line(error)}") from error
+            raise SparseDecodeError(
+                f"cannot join the Ray cluster at {args.address}: {_first_line(error)} (a cluster with token "
+                "authentication needs RAY_AUTH_MODE=token and its token here, in ~/.ray/auth_token or RAY_AUTH_TOKEN)"
+            ) from error
     pool = None
     try:
         pool = RayPool(

@@ -17,7 +17,8 @@ per (selector, support, reuse). A sweep directory holds
 
 ``--shard i/n`` runs every n-th (context, prompt) group (round-robin, 1-based ``i``), so a shard never
 recomputes another shard's dense reference; :func:`merge_sweeps` combines shard directories into one, and
-directories whose specs differ only in the grid into their union.
+directories whose specs differ only in the grid into their union. ``run_sweep(..., execute=...)`` runs the groups
+elsewhere instead (on Ray workers with ``--backend ray``, see :mod:`.work`), still writing every row here.
 Nothing is random: the rows of two runs with the same spec differ only in timing fields (names ending in
 ``_s``).
 """
