@@ -9,6 +9,7 @@ run in this process reuse it, and the killed driver joins it with ``--address``.
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import logging
 import os
@@ -23,6 +24,7 @@ from conftest import char_tokenizer, tiny_model
 
 import sparsedecode
 from sparsedecode.cli import main
+from sparsedecode.cli import sweep as cli_sweep
 from sparsedecode.cli.ray_backend import EXIT_ENV, LOOPBACK_ENV, RETRIES, plan
 from sparsedecode.errors import SparseDecodeError
 from sparsedecode.experiments.evaluate import key_of as eval_key
@@ -121,9 +123,19 @@ def test_sweep_on_ray_equals_local_even_when_a_worker_dies_mid_unit(
     assert main([*sweep_args(tiny_model_dir), "--out", str(tmp_path / "local")]) == 0
     died = tmp_path / "died"
     monkeypatch.setenv(EXIT_ENV, f"2:{died}")  # the first worker to start its 2nd unit dies after that unit's 1st row
+    shown = []
+
+    @contextlib.contextmanager
+    def recorded(**_):
+        yield lambda stage, done, total, note="": shown.append((stage, done, total, note))
+
+    monkeypatch.setattr(cli_sweep, "progress_bars", recorded)
     assert main([*sweep_args(tiny_model_dir, "--backend", "ray"), "--out", str(tmp_path / "ray")]) == 0
     out = capsys.readouterr().out
     assert died.exists() and "worker died during context" in out and f"(retry 1 of {RETRIES})" in out
+    units = [(done, total, note) for stage, done, total, note in shown if stage == "units"]
+    assert (0, 4, "2 running, 0 retried") in units and units[-1] == (4, 4, "0 running, 1 retried")
+    assert ("runs", 8, 8, "") in shown
     local, ray_rows = read_rows(tmp_path / "local" / RUNS_FILE), read_rows(tmp_path / "ray" / RUNS_FILE)
     assert len(ray_rows) == len({key_of(row) for row in ray_rows}) == 8, "no row lost or written twice"
     assert by_key(ray_rows) == by_key(local)
@@ -140,16 +152,43 @@ def test_sweep_on_ray_equals_local_even_when_a_worker_dies_mid_unit(
     assert main(["report", str(tmp_path / "ray")]) == 0 and (tmp_path / "ray" / "report.md").exists()
 
 
-def test_a_unit_whose_worker_keeps_dying_stops_the_command_naming_it(
-    cluster, tiny_model_dir, tmp_path, capsys, monkeypatch
-):
-    monkeypatch.setenv(EXIT_ENV, "1")  # every worker dies after the first row of its first unit
+def child_env(**extra: str) -> dict:
+    return {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", **extra}
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (read from /proc): what a command's own Ray instance started."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def test_a_unit_whose_worker_keeps_dying_stops_the_command_naming_it(cluster, tiny_model_dir, tmp_path):
     args = ["sweep", "--model", str(tiny_model_dir), "--context", "150", "--support", "97,113", "--prompts", "1"]
-    assert main([*args, "--tokens", "6", "--backend", "ray", "--workers", "1", "--out", str(tmp_path / "s")]) == 2
-    captured = capsys.readouterr()
-    assert captured.out.count("worker died during context 150, prompt 0") == RETRIES
-    assert captured.err.count("\n") == 1
-    assert f"unit context 150, prompt 0 failed: its worker died {RETRIES + 1} times" in captured.err
+    args += ["--tokens", "6", "--backend", "ray", "--workers", "1", "--address", cluster, "--out", str(tmp_path / "s")]
+    proc = subprocess.run(  # joins this module's Ray instance, sending it the package as the command does
+        [sys.executable, "-m", "sparsedecode", *args],
+        capture_output=True,
+        text=True,
+        env=child_env(**{EXIT_ENV: "1"}),  # every worker dies after the first row of its first unit
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-500:]
+    assert proc.stdout.count("worker died during context 150, prompt 0") == RETRIES
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("sparsedecode:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr
+    assert f"unit context 150, prompt 0 failed: its worker died {RETRIES + 1} times" in errors[0]
     assert parse_rows(tmp_path / "s" / RUNS_FILE) == [], "no row of a unit that never finished"
 
 
@@ -159,21 +198,25 @@ def test_driver_killed_with_sigkill_then_rerun_finishes_the_grid_without_duplica
     args = sweep_args(tiny_model_dir, "--backend", "ray")
     args[args.index("--prompts") + 1] = "3"
     killed = tmp_path / "killed"
-    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(  # joins this module's Ray instance: the killed driver leaves no Ray processes behind
-        [sys.executable, "-m", "sparsedecode", *args, "--address", cluster, "--out", str(killed)],
+    proc = subprocess.Popen(  # starts its own Ray instance, as a command without --address does
+        [sys.executable, "-m", "sparsedecode", *args, "--out", str(killed)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
-        env=env,
+        env=child_env(),
     )
     runs = killed / RUNS_FILE
-    deadline = time.monotonic() + 150
+    deadline = time.monotonic() + 200
     while time.monotonic() < deadline and proc.poll() is None:
         if runs.exists() and runs.read_bytes().count(b"\n") >= 2:
             break
         time.sleep(0.005)
+    started = descendants(proc.pid)
     os.kill(proc.pid, signal.SIGKILL)
     _, err = proc.communicate()
+    time.sleep(1)
+    for pid in started:  # Ray's agents outlive a SIGKILLed driver for a minute: end the ones this test started
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     before = len(read_rows(runs))
     total = 2 * 3 * 2
     assert 2 <= before < total, f"the kill should land mid-sweep ({before} of {total} rows): {err.decode()[-300:]}"
