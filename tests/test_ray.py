@@ -104,6 +104,8 @@ def test_ray_options_are_refused_in_one_line_without_the_ray_backend_or_without_
     assert "--workers applies to --backend ray only" in capsys.readouterr().err
     assert main(sweep_args(tmp_path, "--backend", "ray", "--worker-threads", "0", *out)) == 2
     assert "--worker-threads must be >= 1" in capsys.readouterr().err
+    assert main(sweep_args(tmp_path, "--backend", "ray", "--batch", "2", *out)) == 2
+    assert "--batch applies to --backend local" in capsys.readouterr().err
     assert main(sweep_args(tmp_path, "--backend", "ray", "--address", "127.0.0.1:1", *out)) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot reach the Ray cluster at 127.0.0.1:1" in err
