@@ -26,14 +26,18 @@ from ..errors import SparseDecodeError
 from .outputs import check_writable_folder
 
 __all__ = [
+    "BACKENDS",
     "DTYPES",
     "Parser",
+    "add_backend_args",
     "add_model_args",
     "add_prompt_args",
+    "check_backend_args",
     "check_whole_blocks",
     "conditions",
     "console",
     "environment",
+    "executor",
     "float_list",
     "int_list",
     "layer_table",
@@ -97,6 +101,73 @@ def add_prompt_args(parser: argparse.ArgumentParser, *, tokens: int) -> None:
     parser.add_argument("--prompt-index", type=int, default=0)
 
 
+BACKENDS = ("local", "ray")
+
+
+def add_backend_args(parser: argparse.ArgumentParser, *, unit: str) -> None:
+    """``--backend``, ``--address``, ``--workers``, ``--worker-threads``; ``unit`` names what one work unit is."""
+    parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="local",
+        help=f"local: run here; ray: each {unit} is a unit of work on a Ray cluster's workers, rows written here",
+    )
+    parser.add_argument(
+        "--address",
+        default=None,
+        help="with --backend ray: the cluster to join (HOST:PORT, auto); default: a Ray instance for this command",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="with --backend ray: worker processes, each loading the model once (default: as many as the CPUs hold)",
+    )
+    parser.add_argument(
+        "--worker-threads",
+        type=int,
+        default=None,
+        help="with --backend ray: torch threads (and CPUs reserved) per worker (default 1, or the most that fit)",
+    )
+
+
+def check_backend_args(args) -> None:
+    """Refuse Ray options without ``--backend ray``, counts below 1, ``--backend ray`` without Ray installed (checked
+    without importing it) and an ``--address`` nothing answers on, before any model is loaded."""
+    options = {"--address": args.address, "--workers": args.workers, "--worker-threads": args.worker_threads}
+    if args.backend != "ray":
+        given = [flag for flag, value in options.items() if value is not None]
+        if given:
+            raise SparseDecodeError(f"{', '.join(given)} applies to --backend ray only")
+        return
+    for flag in ("--workers", "--worker-threads"):
+        if options[flag] is not None and options[flag] < 1:
+            raise SparseDecodeError(f"{flag} must be >= 1, got {options[flag]}")
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        raise SparseDecodeError(
+            "--backend ray needs Ray, which is not installed: pip install 'sparsedecode[ray]' (or pip install ray)"
+        )
+    if args.address is not None:
+        from .ray_backend import check_reachable  # imports no Ray
+
+        check_reachable(args.address)
+
+
+@contextlib.contextmanager
+def executor(args, progress=None) -> Iterator:
+    """``None`` for ``--backend local``; for ``--backend ray`` a pool of Ray workers (Ray is imported here, not
+    before), shut down on the way out."""
+    if args.backend != "ray":
+        yield None
+        return
+    from .ray_backend import ray_executor
+
+    with ray_executor(args, console=console, progress=progress) as pool:
+        yield pool
+
+
 def run_hooks(progress, out, row_line):
     """``(on_start, on_row)`` for a resumable run into ``out`` (sweep, eval): say what a resume finds, print one line
     per finished row with ``row_line(row)``, and move the ``runs`` bar of ``progress``."""
@@ -115,7 +186,7 @@ def run_hooks(progress, out, row_line):
 
 @contextlib.contextmanager
 def progress_bars(speed_estimate_period: float = 30.0) -> Iterator:
-    """A ``progress(stage, done, total)`` callback drawing one rich bar per stage.
+    """A ``progress(stage, done, total, note="")`` callback drawing one rich bar per stage (``note`` after it).
 
     The ETA of a bar comes from its progress over the last ``speed_estimate_period`` seconds.
     """
@@ -125,16 +196,17 @@ def progress_bars(speed_estimate_period: float = 30.0) -> Iterator:
         MofNCompleteColumn(),
         TimeElapsedColumn(),
         TimeRemainingColumn(),
+        TextColumn("{task.fields[note]}"),
         console=console,
         transient=True,
         speed_estimate_period=speed_estimate_period,
     )
     tasks: dict[str, int] = {}
 
-    def update(stage: str, done: int, total: int) -> None:
+    def update(stage: str, done: int, total: int, note: str = "") -> None:
         if stage not in tasks:
-            tasks[stage] = bars.add_task(stage, total=total, completed=done)  # work done before is not speed
-        bars.update(tasks[stage], completed=done, total=total)
+            tasks[stage] = bars.add_task(stage, total=total, completed=done, note=note)  # work done before: no speed
+        bars.update(tasks[stage], completed=done, total=total, note=note)
         if done >= total:
             bars.remove_task(tasks.pop(stage))
 

@@ -7,7 +7,18 @@ from pathlib import Path
 from rich.table import Table
 
 from ..errors import SparseDecodeError
-from .common import add_model_args, check_whole_blocks, console, environment, int_list, load, progress_bars
+from .common import (
+    add_backend_args,
+    add_model_args,
+    check_backend_args,
+    check_whole_blocks,
+    console,
+    environment,
+    executor,
+    int_list,
+    load,
+    progress_bars,
+)
 from .outputs import check_output_folder
 
 
@@ -32,6 +43,7 @@ def add_parsers(sub) -> None:
         "--batch", type=int, default=1, help="decode up to B prompts of one context together (same runs, faster)"
     )
     selectors.add_argument("--out", type=Path, default=Path("runs/selectors"), help="folder for JSON, CSV, markdown")
+    add_backend_args(selectors, unit="(context, prompt) and passkey trial")
     selectors.set_defaults(handler=cmd_compare_selectors)
 
 
@@ -48,6 +60,7 @@ def cmd_compare_selectors(args) -> int:
         raise SparseDecodeError(f"--batch must be >= 1, got {args.batch}")
     if args.retrieval < 0:
         raise SparseDecodeError(f"--retrieval must be >= 0 (passkey trials per context), got {args.retrieval}")
+    check_backend_args(args)
     check_output_folder(args.out)
     model, tokenizer = load(args)
     from ..experiments.bench import model_shape
@@ -56,7 +69,7 @@ def cmd_compare_selectors(args) -> int:
 
     check_context_fits(model, args.context, max(args.tokens, ANSWER_TOKENS if args.retrieval else 0))
     shape = model_shape(model.config)
-    with progress_bars() as progress:
+    with progress_bars() as progress, executor(args, progress) as execute:
         rows, runs, trials = compare_selectors(
             model,
             tokenizer,
@@ -71,6 +84,7 @@ def cmd_compare_selectors(args) -> int:
             op_shape=shape,
             progress=progress,
             batch=args.batch,
+            execute=execute,
         )
     from ..report import SELECTOR_HEADERS, dense_retrieval_lines, selector_cells, write_selector_comparison
 
@@ -95,6 +109,8 @@ def cmd_compare_selectors(args) -> int:
     }
     settings["selectors"] = list(chosen)
     settings["environment"] = environment()
+    if execute is not None:
+        settings["backend"] = execute.description
     write_selector_comparison(args.out, {"settings": settings, "summary": summary, "runs": runs, "retrieval": trials})
     console.print(f"wrote {args.out / 'selectors.md'}, selectors.csv, selectors.json")
     return 0

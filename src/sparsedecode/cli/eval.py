@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from ..errors import SparseDecodeError
-from .common import run_hooks
+from .common import add_backend_args, check_backend_args, executor, run_hooks
 from .outputs import check_output_folder
 
 LM_EVAL_COMMAND = "lm-eval"
@@ -57,6 +57,7 @@ def add_eval_parser(sub, *, int_list, add_model_args) -> argparse.ArgumentParser
     parser.add_argument("--shard", default=None, help="i/n: run every n-th sample group from the i-th")
     parser.add_argument("--out", type=Path, default=None, help="evaluation folder (eval.json, runs.jsonl)")
     parser.add_argument("--export", type=Path, default=None, help="write lm-eval tasks (YAML + data) here instead")
+    add_backend_args(parser, unit="sample")
     return parser
 
 
@@ -119,6 +120,7 @@ def cmd_eval(args, *, console, progress_bars) -> int:
             "hold the template already)"
         )
         return 0
+    check_backend_args(args)
     check_output_folder(args.out)
     shard = Shard.parse(args.shard) if args.shard else None
     meta = read_meta(args.out)
@@ -131,10 +133,12 @@ def cmd_eval(args, *, console, progress_bars) -> int:
         f"{spec.samples} samples; selectors {', '.join(spec.selectors)}; supports {list(spec.supports)}; "
         f"W = {spec.window}, B = {spec.block_size}, R = {spec.reuse}" + (f"; shard {shard}" if shard else "")
     )
-    with progress_bars(speed_estimate_period=24 * 3600.0) as progress:
+    with progress_bars(speed_estimate_period=24 * 3600.0) as progress, executor(args, progress) as execute:
         started, finished = run_hooks(progress, args.out, _row_line)
 
-        outcome = run_eval(spec, args.out, shard=shard, loaded=loaded, on_row=finished, on_start=started)
+        outcome = run_eval(
+            spec, args.out, shard=shard, loaded=loaded, on_row=finished, on_start=started, execute=execute
+        )
     console.print(
         f"{outcome.ran} runs now, {outcome.done_before} before: {outcome.done_before + outcome.ran} of {outcome.total}"
         f" in {args.out / 'runs.jsonl'}; `sparsedecode report {args.out}` summarises them"

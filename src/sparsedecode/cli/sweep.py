@@ -6,7 +6,18 @@ import time
 from pathlib import Path
 
 from ..errors import SparseDecodeError
-from .common import add_model_args, check_whole_blocks, console, int_list, load, progress_bars, run_hooks
+from .common import (
+    add_backend_args,
+    add_model_args,
+    check_backend_args,
+    check_whole_blocks,
+    console,
+    executor,
+    int_list,
+    load,
+    progress_bars,
+    run_hooks,
+)
 from .outputs import check_output_folder, check_writable_folder
 
 
@@ -31,6 +42,7 @@ def add_parsers(sub) -> None:
         "--batch", type=int, default=1, help="decode up to B prompts of one context together (same rows, faster)"
     )
     sweep.add_argument("--out", type=Path, required=True, help="sweep folder (sweep.json, runs.jsonl); resumable")
+    add_backend_args(sweep, unit="(context, prompt) group")
 
     merge = sub.add_parser("merge", help="combine shard folders of one sweep into one folder")
     merge.add_argument("sources", type=Path, nargs="+", help="sweep folders with the same settings")
@@ -94,8 +106,11 @@ def cmd_sweep(args) -> int:
     spec = _sweep_spec(args)
     if args.batch < 1:
         raise SparseDecodeError(f"--batch must be >= 1, got {args.batch}")
+    if args.batch > 1 and args.backend != "local":
+        raise SparseDecodeError("--batch applies to --backend local: with ray every (context, prompt) group is a unit")
     shard = Shard.parse(args.shard) if args.shard else None
     check_whole_blocks(spec.configs())
+    check_backend_args(args)
     check_output_folder(args.out)
     meta = read_meta(args.out)
     if meta is not None:  # refuse a changed spec before spending time on the model
@@ -112,7 +127,7 @@ def cmd_sweep(args) -> int:
         + (f"; batch {args.batch}" if args.batch > 1 else "")
     )
     clock = time.perf_counter()
-    with progress_bars(speed_estimate_period=24 * 3600.0) as progress:
+    with progress_bars(speed_estimate_period=24 * 3600.0) as progress, executor(args, progress) as execute:
         started, finished = run_hooks(progress, args.out, _row_line)
 
         outcome = run_sweep(
@@ -124,13 +139,14 @@ def cmd_sweep(args) -> int:
             on_row=finished,
             on_start=started,
             batch=args.batch,
+            execute=execute,
         )
     elapsed = time.perf_counter() - clock
     console.print(
         f"{outcome.ran} runs now, {outcome.done_before} before: {outcome.done_before + outcome.ran} of {outcome.total}"
         f" in {args.out / 'runs.jsonl'}; `sparsedecode report {args.out}` summarises them"
     )
-    if outcome.ran:
+    if outcome.ran and execute is None:  # with Ray the clock holds its start-up too
         console.print(
             f"{elapsed:.1f} s for {outcome.ran} runs at batch {args.batch}: {elapsed / outcome.ran:.2f} s per run "
             "(dense references included; compare with a batch-1 run of the same grid for the speed-up)"

@@ -50,6 +50,7 @@ from .sweep import (
     write_json_atomic,
     write_rows,
 )
+from .work import Executor
 
 SPEC_FILE = "eval.json"
 DENSE = "dense"
@@ -356,8 +357,11 @@ def run_eval(
     progress: Progress | None = None,
     on_row: RowHook | None = None,
     on_start: Callable[[int, int], None] | None = None,
+    execute: Executor | None = None,
 ) -> SweepOutcome:
-    """Run (or resume) ``spec`` into ``directory``; ``loaded`` is an already loaded ``(model, tokenizer)``."""
+    """Run (or resume) ``spec`` into ``directory``; ``loaded`` is an already loaded ``(model, tokenizer)``. With
+    ``execute`` the pending samples run as units elsewhere (:class:`SampleUnit`, see :mod:`.work`) and only this
+    process writes their rows."""
     directory = Path(directory)
     shard = shard or Shard()
     corpus = corpus_sha256(spec.corpus)
@@ -386,7 +390,10 @@ def run_eval(
             }
         else:
             check_meta(directory, meta, spec, corpus, shard)
-        meta["sessions"] = [*meta.get("sessions", []), _session(shard, environment(model))]
+        session = _session(shard, environment(model))
+        if execute is not None:
+            session["backend"] = execute.description
+        meta["sessions"] = [*meta.get("sessions", []), session]
         write_json_atomic(directory / SPEC_FILE, meta)
 
         rows = parse_rows(runs, repair=True)
@@ -406,6 +413,9 @@ def run_eval(
             if on_row:
                 on_row(row, outcome.done_before + outcome.ran, total)
 
+        if execute is not None:
+            _run_elsewhere(execute, spec, tokenizer, groups, samples, stored, configs, keep)
+            return outcome
         for number, group in enumerate(groups, start=1):
             pending = [key for key in spec.group_keys(group) if key not in stored]
             if pending:
@@ -415,6 +425,48 @@ def run_eval(
             if progress:
                 progress("samples", number, len(groups))
     return outcome
+
+
+@dataclass(eq=False)
+class SampleUnit:
+    """The pending runs of one sample as a :class:`~.work.Unit`: the sample is built by the process that writes the
+    rows (a worker needs only the model); ``stored_dense`` is the sample's dense row if one is stored (today's dense
+    answer must equal it)."""
+
+    group: Group
+    sample: Sample
+    keys: list[RunKey]
+    configs: dict[tuple[str, int], SparseConfig]
+    stored_dense: dict | None = None
+
+    def __str__(self) -> str:
+        task, context, index = self.group
+        return f"{task}, context {context}, sample {index}"
+
+    def run(self, model, tokenizer, *, progress: Progress | None = None, on_row=None) -> list[dict]:
+        return run_sample(
+            model, tokenizer, self.sample, self.keys, self.configs, stored_dense=self.stored_dense, on_row=on_row
+        )
+
+
+def _run_elsewhere(execute, spec, tokenizer, groups, samples, stored, configs, keep) -> None:
+    """The pending samples as units on ``execute``, built as workers free up; rows already stored are dropped."""
+    todo = [(group, [key for key in spec.group_keys(group) if key not in stored]) for group in groups]
+    todo = [(group, keys) for group, keys in todo if keys]
+    units = (
+        SampleUnit(
+            group,
+            samples.pop(group, None) or sample_of(spec, tokenizer, group),
+            keys,
+            configs,
+            stored.get((*group, DENSE, None)),
+        )
+        for group, keys in todo
+    )
+    for _, made in execute.run(units, len(todo)):
+        for row in made:
+            if key_of(row) not in stored:
+                keep(row)
 
 
 def _first_samples(spec: EvalSpec, tokenizer, groups: list[Group], done: set) -> dict[Group, Sample]:

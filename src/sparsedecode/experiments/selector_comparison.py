@@ -33,6 +33,7 @@ from .bench import bench_op
 from .corpus import prompt_ids
 from .retrieval import run_trial, trial_prompt
 from .summary import dense_by_construction
+from .work import Executor
 
 ANSWER_TOKENS = 8
 """Greedy answer tokens per retrieval trial (the retrieval probe's default)."""
@@ -79,6 +80,70 @@ class SelectorRow:
     """Every run of the condition is dense by construction (effective support >= context + T - 1)."""
 
 
+@dataclass(eq=False)
+class PromptUnit:
+    """Every selector at every support on prompts ``indices`` of one context, each paired with its own dense
+    reference (a :class:`~.work.Unit`; ``ids`` are the prompts, cut by the caller). ``batched``: decoded together
+    (:func:`~sparsedecode.compare.compare_batch`), as ``compare_selectors(batch > 1)`` does."""
+
+    context: int
+    indices: list[int]
+    ids: list
+    tokens: int
+    selectors: tuple[str, ...]
+    supports: tuple[int, ...]
+    audit: bool = False
+    batched: bool = False
+
+    def __str__(self) -> str:
+        return (
+            f"context {self.context}, prompt{'s' if len(self.indices) > 1 else ''} {', '.join(map(str, self.indices))}"
+        )
+
+    def run(self, model, tokenizer, *, progress: Progress | None = None, on_row=None) -> list[dict]:
+        if self.batched:
+            reference = dense_references(model, self.ids, tokens=self.tokens, progress=progress)
+        else:
+            reference = dense_reference(model, self.ids[0], tokens=self.tokens, progress=progress)
+        runs = []
+        for selector in self.selectors:
+            for support in self.supports:
+                cfg = SparseConfig(support=support, selector=selector, audit=self.audit)
+                if self.batched:
+                    results = compare_batch(model, self.ids, cfg, self.tokens, reference=reference, progress=progress)
+                else:
+                    results = [
+                        compare(model, tokenizer, self.ids[0], cfg, self.tokens, reference=reference, progress=progress)
+                    ]
+                for index, result in zip(self.indices, results):
+                    row = result.to_dict()
+                    for name in ("dense_nll", "sparse_nll", "teacher_forced_tokens", "margins", "logit_errors"):
+                        row.pop(name)
+                    runs.append({"selector": selector, "support": support, "prompt_index": index, **row})
+                    if on_row:
+                        on_row(runs[-1])
+        return runs
+
+
+@dataclass(eq=False)
+class TrialUnit:
+    """One passkey trial answered densely and by every config (a :class:`~.work.Unit`)."""
+
+    context: int
+    trial: int
+    prompt: object
+    configs: list[SparseConfig]
+
+    def __str__(self) -> str:
+        return f"passkey trial {self.trial} at context {self.context}"
+
+    def run(self, model, tokenizer, *, progress: Progress | None = None, on_row=None) -> list[dict]:
+        hook = {} if on_row is None else {"on_trial": on_row}
+        return run_trial(
+            model, tokenizer, self.prompt, self.configs, trial=self.trial, answer_tokens=ANSWER_TOKENS, **hook
+        )
+
+
 def compare_selectors(
     model: torch.nn.Module,
     tokenizer,
@@ -94,13 +159,15 @@ def compare_selectors(
     op_shape: tuple[int, int, int] | None = None,
     progress: Progress | None = None,
     batch: int = 1,
+    execute: Executor | None = None,
 ) -> tuple[list[SelectorRow], list[dict], list[dict]]:
     """Run every selector on the same prompts; returns summary rows, the per-run results and the retrieval trials.
 
     ``retrieval``: passkey trials per context (0 = none); the trials are dicts of
     :func:`~sparsedecode.experiments.retrieval.run_trial` (JSON-ready, like the runs). ``batch > 1`` decodes up to
     that many prompts of one context together: the same runs apart from timings (each its share of the batch's)
-    and float32 round-off.
+    and float32 round-off. With ``execute`` the prompts (or batches of them) and trials run as units elsewhere
+    (:class:`PromptUnit`, :class:`TrialUnit`, see :mod:`.work`); the operator times are measured here either way.
     """
     if not isinstance(retrieval, int) or retrieval < 0:
         raise SparseDecodeError(f"retrieval must be an integer >= 0 (trials per context), got {retrieval!r}")
@@ -112,36 +179,34 @@ def compare_selectors(
     }
     if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
         raise SparseDecodeError(f"batch must be an integer >= 1, got {batch!r}")
-    runs: list[dict] = []
-    for context in contexts:
-        for first in range(0, prompts, batch):
-            indices = list(range(first, min(first + batch, prompts)))
-            ids = [prompt_ids(tokenizer, corpus, context, index, tokens) for index in indices]
-            if batch == 1:
-                reference = dense_reference(model, ids[0], tokens=tokens, progress=progress)
-            else:
-                reference = dense_references(model, ids, tokens=tokens, progress=progress)
-            for selector in selectors:
-                for support in supports:
-                    cfg = SparseConfig(support=support, selector=selector, audit=audit)
-                    if batch == 1:
-                        results = [
-                            compare(model, tokenizer, ids[0], cfg, tokens, reference=reference, progress=progress)
-                        ]
-                    else:
-                        results = compare_batch(model, ids, cfg, tokens, reference=reference, progress=progress)
-                    for index, result in zip(indices, results):
-                        row = result.to_dict()
-                        for name in ("dense_nll", "sparse_nll", "teacher_forced_tokens", "margins", "logit_errors"):
-                            row.pop(name)
-                        runs.append({"selector": selector, "support": support, "prompt_index": index, **row})
-    runs.sort(key=lambda r: (contexts.index(r["context"]), r["prompt_index"]))  # batch-1 order (a stable sort)
+    chunks = [list(range(first, min(first + batch, prompts))) for first in range(0, prompts, batch)]
+    prompt_units = [
+        PromptUnit(
+            context,
+            indices,
+            [prompt_ids(tokenizer, corpus, context, index, tokens) for index in indices],
+            tokens,
+            selectors,
+            supports,
+            audit,
+            batched=batch > 1,
+        )
+        for context in contexts
+        for indices in chunks
+    ]
     configs = [SparseConfig(support=support, selector=selector) for selector in selectors for support in supports]
-    trials: list[dict] = []
-    for number, ((_, trial), prompt) in enumerate(passkey_prompts.items(), start=1):
-        trials += run_trial(model, tokenizer, prompt, configs, trial=trial, answer_tokens=ANSWER_TOKENS)
-        if progress:
-            progress("retrieval", number, len(passkey_prompts))
+    trial_units = [TrialUnit(context, trial, prompt, configs) for (context, trial), prompt in passkey_prompts.items()]
+    if execute is not None:
+        made = dict(execute.run([*prompt_units, *trial_units], len(prompt_units) + len(trial_units)))
+    else:
+        made = {unit: unit.run(model, tokenizer, progress=progress) for unit in prompt_units}
+        for number, unit in enumerate(trial_units, start=1):
+            made[unit] = unit.run(model, tokenizer)
+            if progress:
+                progress("retrieval", number, len(trial_units))
+    runs = [run for unit in prompt_units for run in made[unit]]
+    runs.sort(key=lambda r: (contexts.index(r["context"]), r["prompt_index"]))  # batch-1 order (a stable sort)
+    trials = [trial for unit in trial_units for trial in made[unit]]
     op_ms = _op_times(op_shape, contexts, supports, selectors) if op_shape else {}
     rows = summarize(runs, trials, contexts=contexts, supports=supports, selectors=selectors, op_ms=op_ms)
     return rows, runs, trials

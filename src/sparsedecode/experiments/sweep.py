@@ -17,7 +17,8 @@ per (selector, support, reuse). A sweep directory holds
 
 ``--shard i/n`` runs every n-th (context, prompt) group (round-robin, 1-based ``i``), so a shard never
 recomputes another shard's dense reference; :func:`merge_sweeps` combines shard directories into one, and
-directories whose specs differ only in the grid into their union.
+directories whose specs differ only in the grid into their union. ``run_sweep(..., execute=...)`` runs the groups
+elsewhere instead (on Ray workers with ``--backend ray``, see :mod:`.work`), still writing every row here.
 Nothing is random: the rows of two runs with the same spec differ only in timing fields (names ending in
 ``_s``).
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -50,6 +52,7 @@ from ..config import SparseConfig
 from ..errors import SparseDecodeError
 from .corpus import DEFAULT_CORPUS, GAP, check_context_fits, load_text, prompt_count, prompt_ids
 from .environment import environment
+from .work import Executor
 
 SPEC_FILE = "sweep.json"
 RUNS_FILE = "runs.jsonl"
@@ -559,6 +562,7 @@ def run_sweep(
     on_row: RowHook | None = None,
     on_start: Callable[[int, int], None] | None = None,
     batch: int = 1,
+    execute: Executor | None = None,
 ) -> SweepOutcome:
     """Run (or resume) ``spec`` into ``directory``; returns what was there and what ran.
 
@@ -566,10 +570,16 @@ def run_sweep(
     ``on_start(done, total)`` is called once the work is known, before the first run. ``batch > 1`` decodes up to
     ``batch`` prompts of one context together (:func:`~sparsedecode.compare.compare_batch`): the same rows apart
     from timing fields (each row's timings are its share, the batch's wall time over the batch size) and float32
-    round-off in the perplexities and margins; the session record in ``sweep.json`` notes the batch size.
+    round-off in the perplexities and margins; the session record in ``sweep.json`` notes the batch size. With
+    ``execute`` the pending groups run as units elsewhere (:class:`GroupUnit`, see :mod:`.work`) and only this process
+    writes their rows (one group per unit: not with ``batch > 1``).
     """
     if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
         raise SparseDecodeError(f"batch must be an integer >= 1, got {batch!r}")
+    if batch > 1 and execute is not None:
+        raise SparseDecodeError(
+            "batch > 1 decodes prompts together in this process; units elsewhere run one group each"
+        )
     directory = Path(directory)
     shard = shard or Shard()
     meta = read_meta(directory)
@@ -605,6 +615,8 @@ def run_sweep(
             session["batch"] = batch
         if extended:
             session["extended"] = extended
+        if execute is not None:
+            session["backend"] = execute.description
         meta["sessions"] = [*meta.get("sessions", []), session]
         write_json_atomic(directory / SPEC_FILE, meta)
 
@@ -624,28 +636,25 @@ def run_sweep(
                 spec, directory, groups, done, rows, outcome, configs, model, tokenizer, batch, progress, on_row
             )
             return outcome
+
+        def keep(row: dict) -> None:
+            append_row(runs, row)
+            done.add(key_of(row))
+            rows.append(row)
+            outcome.ran += 1
+            if on_row:
+                on_row(row, outcome.done_before + outcome.ran, total)
+
+        if execute is not None:
+            _run_elsewhere(execute, spec, directory, tokenizer, groups, done, rows, keep)
+            return outcome
         for group in groups:
             pending = [key for key in spec.group_keys(group) if key not in done]
             if not pending:
                 continue  # no dense reference for a finished group
-            context, prompt_index = group
-            ids = prompt_ids(tokenizer, spec.corpus, context, prompt_index, spec.tokens, spec.gap)
-            reference = dense_reference(model, ids, tokens=spec.tokens, progress=progress)
-            _check_reference(
-                directory, group, reference.tokens, [r for r in rows if (r["context"], r["prompt_index"]) == group]
-            )
-            for key in pending:
-                started = time.perf_counter()
-                result = compare(
-                    model, tokenizer, ids, configs[key[2:]], spec.tokens, reference=reference, progress=progress
-                )
-                row = make_row(key, result, run_s=time.perf_counter() - started, audit=spec.audit)
-                append_row(runs, row)
-                done.add(key)
-                rows.append(row)
-                outcome.ran += 1
-                if on_row:
-                    on_row(row, outcome.done_before + outcome.ran, total)
+            stored = [r for r in rows if (r["context"], r["prompt_index"]) == group]
+            check = functools.partial(_check_reference, directory, group, stored=stored)
+            run_group(model, tokenizer, spec, group, pending, progress=progress, check_reference=check, on_row=keep)
     return outcome
 
 
@@ -681,6 +690,78 @@ def _run_batched(spec, directory, groups, done, rows, outcome, configs, model, t
                 outcome.ran += 1
                 if on_row:
                     on_row(row, outcome.done_before + outcome.ran, outcome.total)
+
+
+def run_group(
+    model,
+    tokenizer,
+    spec: SweepSpec,
+    group: Group,
+    keys: list[RunKey],
+    *,
+    ids=None,
+    progress: Progress | None = None,
+    check_reference: Callable[[list[int]], None] | None = None,
+    on_row: Callable[[dict], None] | None = None,
+) -> list[dict]:
+    """The rows of ``keys``, runs of one ``group``: its dense reference, then each paired run in order. Writes nothing.
+
+    ``ids`` is the group's prompt (cut from ``spec.corpus`` when ``None``); ``check_reference(tokens)`` may refuse the
+    dense tokens before any sparse run; ``on_row(row)`` sees each row as soon as it is made.
+    """
+    context, prompt_index = group
+    if ids is None:
+        ids = prompt_ids(tokenizer, spec.corpus, context, prompt_index, spec.tokens, spec.gap)
+    reference = dense_reference(model, ids, tokens=spec.tokens, progress=progress)
+    if check_reference:
+        check_reference(reference.tokens)
+    configs = {(cfg.support, cfg.reuse, cfg.selector): cfg for cfg in spec.configs()}
+    made = []
+    for key in keys:
+        started = time.perf_counter()
+        result = compare(model, tokenizer, ids, configs[key[2:]], spec.tokens, reference=reference, progress=progress)
+        row = make_row(key, result, run_s=time.perf_counter() - started, audit=spec.audit)
+        made.append(row)
+        if on_row:
+            on_row(row)
+    return made
+
+
+@dataclass(eq=False)
+class GroupUnit:
+    """The pending runs of one (context, prompt) group as a :class:`~.work.Unit`; ``ids`` is its prompt, cut by the
+    process that writes the rows, so a worker needs only the model."""
+
+    spec: SweepSpec
+    group: Group
+    keys: list[RunKey]
+    ids: object
+
+    def __str__(self) -> str:
+        return f"context {self.group[0]}, prompt {self.group[1]}"
+
+    def run(self, model, tokenizer, *, progress: Progress | None = None, on_row=None) -> list[dict]:
+        return run_group(
+            model, tokenizer, self.spec, self.group, self.keys, ids=self.ids, progress=progress, on_row=on_row
+        )
+
+
+def _run_elsewhere(execute, spec, directory, tokenizer, groups, done, rows, keep) -> None:
+    """The pending groups as units on ``execute``; each unit's rows are checked against the dense reference the
+    group's stored rows were paired with and kept (a row already stored is dropped, never written twice)."""
+    todo = [(group, [key for key in spec.group_keys(group) if key not in done]) for group in groups]
+    todo = [(group, keys) for group, keys in todo if keys]
+    units = (
+        GroupUnit(spec, group, keys, prompt_ids(tokenizer, spec.corpus, *group, spec.tokens, spec.gap))
+        for group, keys in todo
+    )
+    for unit, made in execute.run(units, len(todo)):
+        stored = [r for r in rows if (r["context"], r["prompt_index"]) == unit.group]
+        for row in made:
+            _check_reference(directory, unit.group, row["dense_tokens"], stored)
+        for row in made:
+            if key_of(row) not in done:
+                keep(row)
 
 
 def _check_reference(directory: Path, group: Group, tokens: list[int], stored: list[dict]) -> None:
