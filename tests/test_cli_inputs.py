@@ -216,13 +216,20 @@ def test_help_and_argument_errors_import_no_torch():
         ["run", "--tokens", "0"],
         ["run", "--json", "/proc/x.json"],
         ["bench", "op", "--support", "100"],
+        ["sweep", "--out", "/tmp/never-written", "--support", "100"],
+        ["sweep", "--out", "/tmp/never-written", "--prompts", "0"],
+        ["sweep", "--out", "/tmp/never-written", "--selector", "nope"],
+        ["sweep", "--out", "/tmp/never-written", "--batch", "0"],
+        ["probe", "retrieval", "--depths", "2"],
+        ["probe", "retrieval", "--support", "100"],
+        ["bench", "e2e", "--batch", "0"],
         ["frobnicate"],
     ]
     proc = subprocess.run(
         [sys.executable, "-c", HELP_AND_ERRORS.format(cases=cases)], capture_output=True, text=True, check=True
     )
     done = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert done["codes"] == [0] * 4 + [2] * 8
+    assert done["codes"] == [0] * 4 + [2] * 15
     assert done["heavy"] == [], f"imported {done['heavy']}"
 
 
