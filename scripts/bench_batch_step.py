@@ -11,7 +11,8 @@ step that continues the previous one (the context grows by one position per step
 sequences to lengths spread over [N / 2, N]. The two paths alternate call by call (by the parity of layer + step)
 inside one session: they keep the same per-sequence state, so either may take any call. A fresh session per turn;
 its first two steps, which build the centroid caches, are not timed. The figure is the median time of one layer's
-call on each path.
+call on each path. ``--dense`` also times transformers' batched SDPA over every position after each call (the
+baseline: dense batched decoding of the same layer).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import sparsedecode.attention as attention
 from sparsedecode import SparseConfig, sparse_decoding
@@ -46,6 +48,10 @@ class _Cache:
         self.layers = [_Layer(k) for k in keys]
 
 
+def dense_mask(mask: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    return None if mask is None else mask[..., :n]
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
@@ -57,6 +63,7 @@ def main(argv=None) -> None:
     parser.add_argument("--ragged", action="store_true")
     parser.add_argument("--steps", type=int, default=24, help="timed decode steps per turn")
     parser.add_argument("--turns", type=int, default=6, help="sessions, one after the other")
+    parser.add_argument("--dense", action="store_true", help="also time dense batched SDPA after every call")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -88,7 +95,7 @@ def main(argv=None) -> None:
     def per_row(*args) -> bool:  # the per-sequence loop: what runs where the one call declines
         return False
 
-    results = {"per row": [], "one call": []}
+    results = {"per row": [], "one call": [], "dense": []}
 
     def turn() -> None:
         """One session; calls alternate between the paths (layer + step parity), both advancing the same states."""
@@ -112,6 +119,12 @@ def main(argv=None) -> None:
                     )
                     if step >= WARMUP_STEPS:
                         results[path].append((time.perf_counter_ns() - start) / 1e6)
+                    if args.dense and step >= WARMUP_STEPS:  # the baseline: every position of every sequence
+                        start = time.perf_counter_ns()
+                        sdpa_attention_forward(
+                            module, query, k[:, :, :n], v[:, :, :n], dense_mask(mask, n), scaling=d**-0.5
+                        )
+                        results["dense"].append((time.perf_counter_ns() - start) / 1e6)
             expected = batch * layers * (WARMUP_STEPS + args.steps)
             assert session.sparse_steps == expected, (session.sparse_steps, expected)
 
@@ -120,7 +133,7 @@ def main(argv=None) -> None:
             turn()
     finally:
         attention._sparse_rows_in_one_call = one_call
-    medians = {path: statistics.median(times) for path, times in results.items()}
+    medians = {path: statistics.median(times) for path, times in results.items() if times}
     blocks = cfg.blocks
     support = 1 + cfg.window + blocks * cfg.block_size
     lengths = [n0 - pad for pad in pads]
@@ -143,6 +156,7 @@ def main(argv=None) -> None:
         "per_row_ms": round(medians["per row"], 4),
         "one_call_ms": round(medians["one call"], 4),
         "speedup": round(medians["per row"] / medians["one call"], 2),
+        "dense_ms": round(medians["dense"], 4) if "dense" in medians else None,
         "bytes_support_per_call": bytes_support,
         "bytes_centroids_per_fresh_call": bytes_centroids,
         "machine": {
@@ -155,6 +169,7 @@ def main(argv=None) -> None:
         f"{args.shape} N={n0}{' ragged' if args.ragged else ''} batch={batch} S={support} R={args.reuse} "
         f"layers={layers} threads={args.threads}: one layer's sparse step, median of {row['calls_per_path']} calls: "
         f"per-row loop {row['per_row_ms']:.3f} ms, one call {row['one_call_ms']:.3f} ms ({row['speedup']}x)"
+        + (f"; dense SDPA {row['dense_ms']:.3f} ms" if row["dense_ms"] is not None else "")
     )
     if args.json:
         with open(args.json, "w") as file:

@@ -280,3 +280,19 @@ def test_other_kernels_keep_the_per_sequence_path(monkeypatch):
     c_tokens, c_logits, _ = generate(model, ids, mask, SparseConfig(support=97), 6)
     assert calls.batched == 2 * 5
     assert torch.equal(tokens, c_tokens) and (logits - c_logits).abs().max() < 1e-4
+
+
+def test_without_a_mask_a_fixed_size_cache_advances_with_the_position_ids():
+    """A batch without padding may come without a mask; over a preallocated cache the key length stays the same
+    from step to step, so the length must come from the position ids at every forward."""
+    model = tiny_model("llama")
+    module = model.model.layers[0].self_attn
+    generator = torch.Generator().manual_seed(0)
+    key, value = torch.randn(2, 2, 300, 16, generator=generator), torch.randn(2, 2, 300, 16, generator=generator)
+    lengths = []
+    with sparse_decoding(model, SparseConfig(support=97)) as session:
+        session.observers.append(lambda view: lengths.append(view.layout.n))
+        for n in (200, 201, 202):
+            query = torch.randn(2, 4, 1, 16, generator=generator)
+            attention.sparse_attention_forward(module, query, key, value, None, position_ids=torch.full((2, 1), n - 1))
+    assert lengths == [200, 200, 201, 201, 202, 202]  # two sequences per step

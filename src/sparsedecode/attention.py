@@ -581,12 +581,15 @@ def _batch_forward(session, state, module, query, key, value, attention_mask, dr
     slice of the cache, so padding is never selected nor attended.
     """
     batch, _, q_len, _ = query.shape
-    cache_key = (id(attention_mask), key.shape[2], q_len)
-    if session.extents is not None and session.extents[0] == cache_key and session.extents[1] is attention_mask:
-        n, pads = session.extents[2]
-    else:  # once per forward: every layer sees the same mask
+    # once per forward: every layer sees the same mask and position ids (held here, so no other object takes their
+    # ids); without a mask n comes from the position ids, which a fixed-size cache needs to tell steps apart
+    position_ids, extents = kwargs.get("position_ids"), session.extents
+    shape = (key.shape[2], q_len)
+    if extents is not None and extents[0] == shape and extents[1] is attention_mask and extents[2] is position_ids:
+        n, pads = extents[3]
+    else:
         n, pads = row_extents(attention_mask, key, kwargs)
-        session.extents = (cache_key, attention_mask, (n, pads))
+        session.extents = (shape, attention_mask, position_ids, (n, pads))
     start = n - q_len
     keep = state.begin(start, q_len)
     rows = state.batch_rows(pads)

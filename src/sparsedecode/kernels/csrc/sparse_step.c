@@ -91,7 +91,8 @@ static void offer(float s, int64_t j, float *scores, int64_t *blocks, int64_t *k
  * it is large enough to pay for it, the tasks are split into contiguous parts over up to `threads` threads (the
  * caller passes torch's thread count): the calling thread runs the first part, persistent workers the others.
  * Workers are started once, on first need, and then wait for their next part: spinning for SPIN_NS, then asleep
- * on a condition variable. One dispatch at a time: a call made while another thread's call holds the workers runs
+ * on a condition variable. A part its worker has not started when the caller is done with its own is taken back
+ * and run by the caller (on a machine busier than its cores a worker may wait long for one). One dispatch at a time: a call made while another thread's call holds the workers runs
  * in its own thread. After a fork the child has no workers and starts new ones when needed.
  */
 typedef int (*task_fn)(const void *job, int64_t task);
@@ -118,7 +119,8 @@ enum { MAX_THREADS = 64, SPIN_NS = 50000 };
 typedef struct {
     pthread_mutex_t lock;
     pthread_cond_t wake;
-    uint64_t posted, done; /* parts handed to this worker and parts it finished (atomic) */
+    uint64_t posted, done; /* parts handed to this worker and parts it finished or gave up (atomic) */
+    uint64_t taken;        /* the last part claimed, by this worker to run it or by the caller to take it back */
     part_t *part;
 } worker_t;
 
@@ -147,7 +149,9 @@ static void *work(void *arg) {
             }
         }
         seen = __atomic_load_n(&w->posted, __ATOMIC_ACQUIRE);
-        run_part(w->part);
+        uint64_t before = seen - 1; /* the caller may have taken the part back while this thread was away */
+        if (__atomic_compare_exchange_n(&w->taken, &before, seen, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            run_part(w->part);
         __atomic_store_n(&w->done, seen, __ATOMIC_RELEASE);
     }
     return NULL;
@@ -191,12 +195,16 @@ static void post(worker_t *w, part_t *part) {
     pthread_mutex_unlock(&w->lock);
 }
 
-static void wait_for(worker_t *w) {
-    uint64_t posted = __atomic_load_n(&w->posted, __ATOMIC_RELAXED);
+/* Wait until the worker has run the part posted to it; or, when it has not started on it yet (a busy machine: it
+ * may not have a core), take the part back and return 1: the caller runs it, and the worker never touches it. */
+static int finish_or_take_back(worker_t *w) {
+    uint64_t posted = __atomic_load_n(&w->posted, __ATOMIC_RELAXED), before = posted - 1;
+    if (__atomic_compare_exchange_n(&w->taken, &before, posted, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) return 1;
     for (unsigned k = 1; __atomic_load_n(&w->done, __ATOMIC_ACQUIRE) != posted; k++) {
         cpu_relax();
         if (k % 1024 == 0) sched_yield(); /* a busy machine: let the worker have the core */
     }
+    return 0;
 }
 
 /* Run tasks 0 .. tasks - 1 in up to `parts` parts; returns the tasks' statuses or-ed together. The parts are
@@ -222,7 +230,7 @@ static int parallel(task_fn run, const void *job, int64_t tasks, int64_t parts, 
     run_part(&part[0]);
     int status = 0;
     for (int64_t t = 0; t < parts; t++) {
-        if (t > 0 && t < posted) wait_for(workers[t - 1]);
+        if (t > 0 && t < posted && finish_or_take_back(workers[t - 1])) run_part(&part[t]);
         status |= part[t].status;
     }
     pthread_mutex_unlock(&pool_lock);
