@@ -139,7 +139,7 @@ def main(argv=None) -> None:
     lengths = [n0 - pad for pad in pads]
     n_full = [(m - cfg.window - 1) // cfg.block_size for m in lengths]
     bytes_support = sum(support * kv_heads * d * 2 * 4 for _ in lengths)
-    bytes_centroids = sum(f * kv_heads * d * 4 for f in n_full) if args.reuse == 1 else None
+    bytes_centroids = sum(f * kv_heads * d * 4 for f in n_full)  # at a step that selects afresh
     row = {
         "shape": args.shape,
         "query_heads": heads,

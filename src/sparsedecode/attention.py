@@ -629,9 +629,8 @@ def _batch_forward(session, state, module, query, key, value, attention_mask, dr
         raise SparseDecodeError("sparse decoding does not support attention logit soft-capping yet")
     lengths = [n - pad for pad in pads]
     dense_rows = [m <= cfg.effective_support or (sliding is not None and m > sliding) for m in lengths]
-    out = dense_all() if all(dense_rows) else None
-    if out is None:
-        out = query.new_empty(batch, 1, query.shape[1], value.shape[-1])
+    all_dense = all(dense_rows)
+    out = dense_all() if all_dense else query.new_empty(batch, 1, query.shape[1], value.shape[-1])
     sparse = []
     for i, (row, pad, m) in enumerate(zip(rows, pads, lengths)):
         row.unchanged = max(keep - pad, 0)
@@ -648,7 +647,7 @@ def _batch_forward(session, state, module, query, key, value, attention_mask, dr
             )
         if h2o:
             _remember_attention(row, k_i, m, functools.partial(group_attention, q_i[0, :, 0], k_i[0, :, :m], scale))
-        if not all(dense_rows):
+        if not all_dense:
             out[i : i + 1] = sdpa_attention_forward(
                 module, q_i, k_i[:, :, :m], v_i[:, :, :m], None, dropout=dropout, scaling=scaling, **kwargs
             )[0]
