@@ -52,6 +52,18 @@ def cluster():
             os.environ[LOOPBACK_ENV] = saved
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The workers run one torch thread each, so the local runs they are compared with run one too: another thread
+    count sums in another order, and rows would differ in their last bits (perplexities, margins)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def sweep_args(model_dir: Path, *extra: str) -> list[str]:
     grid = ["--context", "150,220", "--support", "97,113", "--prompts", "2", "--tokens", "10"]
     return ["sweep", "--model", str(model_dir), *grid, *extra]
