@@ -97,9 +97,16 @@ def greedy_decode(
     progress: Progress | None = None,
     stage: str = "decode",
     on_logits: BatchLogitsHook | None = None,
+    eos_token_id: int | None = None,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """Greedy (or teacher-forced) decoding of a batch from the tokens ``first``; per sequence, the argmax and the
-    NLL of the target at every step (``teachers[i][step]`` when teacher-forced). ``mask`` is the prompt's."""
+    NLL of the target at every step (``teachers[i][step]`` when teacher-forced). ``mask`` is the prompt's.
+
+    With ``eos_token_id`` (free-running only), a sequence whose last token is EOS stops there: it is fed EOS again,
+    its outputs are not kept (as ``model.generate`` does), and decoding ends early once every sequence has stopped.
+    """
+    if eos_token_id is not None and teachers is not None:
+        raise SparseDecodeError("greedy_decode: eos_token_id stops free-running decoding; teacher forcing has none")
     device = next(model.parameters()).device
     batch = mask.shape[0]
     mask = mask.to(device)
@@ -108,7 +115,10 @@ def greedy_decode(
     argmaxes: list[list[int]] = [[] for _ in range(batch)]
     nll: list[list[float]] = [[] for _ in range(batch)]
     targets_all = torch.tensor([list(t) for t in teachers], device=device) if teachers is not None else None
+    done = [eos_token_id is not None and t == eos_token_id for t in first]
     for step in range(1, steps + 1):
+        if all(done):
+            break
         mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
         logits = (
             model(
@@ -124,9 +134,15 @@ def greedy_decode(
         best = logits.argmax(dim=-1)
         targets = targets_all[:, step] if targets_all is not None else best
         step_nll = torch.logsumexp(logits, dim=-1) - logits.gather(1, targets[:, None])[:, 0]
+        if eos_token_id is not None:
+            finished = torch.tensor(done, device=device)
+            targets = targets.masked_fill(finished, eos_token_id)
         for i, (b, value) in enumerate(zip(best.tolist(), step_nll.tolist())):
+            if done[i]:
+                continue
             argmaxes[i].append(b)
             nll[i].append(value)
+            done[i] = eos_token_id is not None and b == eos_token_id
         if on_logits:
             on_logits(step, logits)
         tokens = targets

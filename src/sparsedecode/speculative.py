@@ -348,40 +348,15 @@ def generate_batch(
     with context as session:
         if histories is not None:
             session.adopt_batch_history(cache, histories, [ids.shape[1] - n for n in lengths])
-        rest = _batch_greedy(model, cache, mask, first, max_new_tokens - 1, eos_token_id, progress, f"{mode} decode")
+        rest, _ = batching.greedy_decode(
+            model,
+            cache,
+            mask,
+            first,
+            max_new_tokens - 1,
+            progress=progress,
+            stage=f"{mode} decode",
+            eos_token_id=eos_token_id,
+        )
     decode_s = time.perf_counter() - started
-    return [Generation(mode, tokens, prefill_s, decode_s) for tokens in rest]
-
-
-def _batch_greedy(model, cache, mask, first, steps, eos_token_id, progress, stage) -> list[list[int]]:
-    """Greedy decoding of a batch where a sequence that emitted ``eos_token_id`` stops (it is fed EOS again, its
-    outputs ignored, as ``model.generate`` does); returns each sequence's tokens, ``first`` included."""
-    device = next(model.parameters()).device
-    batch = mask.shape[0]
-    mask = mask.to(device)
-    next_position = mask.long().sum(dim=1)
-    tokens = torch.tensor(first, device=device)
-    out = [[t] for t in first]
-    done = [eos_token_id is not None and t == eos_token_id for t in first]
-    for step in range(1, steps + 1):
-        if all(done):
-            break
-        mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
-        logits = model(
-            input_ids=tokens[:, None],
-            attention_mask=mask,
-            position_ids=(next_position + step - 1)[:, None],
-            cache=cache,
-            use_cache=True,
-        ).logits[:, -1]
-        best = logits.argmax(dim=-1).tolist()
-        for i, token in enumerate(best):
-            if done[i]:
-                best[i] = eos_token_id
-                continue
-            out[i].append(token)
-            done[i] = eos_token_id is not None and token == eos_token_id
-        tokens = torch.tensor(best, device=device)
-        if progress:
-            progress(stage, step, steps)
-    return out
+    return [Generation(mode, [head, *tail], prefill_s, decode_s) for head, tail in zip(first, rest)]
