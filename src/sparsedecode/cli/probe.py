@@ -6,7 +6,6 @@ from pathlib import Path
 
 from rich.table import Table
 
-from ..errors import SparseDecodeError
 from .common import (
     Parser,
     add_model_args,
@@ -114,28 +113,10 @@ def _retrieval_command(args) -> str:
     )
 
 
-def _check_retrieval_args(args) -> None:
-    """What can be refused from the arguments alone, before torch is imported."""
-    from ..config import SparseConfig
-
-    if any(not 0.0 <= d <= 1.0 for d in args.depths):
-        raise SparseDecodeError(f"depths must lie in [0, 1], got {list(args.depths)}")
-    for name in ("trials", "digits", "answer_tokens"):
-        if getattr(args, name) < 1:
-            raise SparseDecodeError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    configs = [
-        SparseConfig(
-            support=s, window=args.window, block_size=args.block_size, reuse=args.reuse, selector=args.selector
-        )
-        for s in args.support
-    ]
-    check_whole_blocks(configs)
-
-
-def cmd_probe_retrieval(args) -> int:
-    _check_retrieval_args(args)
-    from ..experiments.environment import environment as measured_environment
-    from ..experiments.retrieval import RetrievalSpec, accuracy, run_retrieval
+def _check_retrieval_args(args):
+    """The probe's spec, checked from the arguments alone (the spec's own checks and the command line's
+    whole-blocks rule), before torch is imported."""
+    from ..experiments.specs import RetrievalSpec
 
     spec = RetrievalSpec(
         model=args.model,
@@ -154,6 +135,14 @@ def cmd_probe_retrieval(args) -> int:
         seed=args.seed,
     )
     check_whole_blocks(spec.configs())
+    return spec
+
+
+def cmd_probe_retrieval(args) -> int:
+    spec = _check_retrieval_args(args)
+    from ..experiments.environment import environment as measured_environment
+    from ..experiments.retrieval import accuracy, run_retrieval
+
     check_output_folder(args.out)
     loaded = load(args)
     console.print(

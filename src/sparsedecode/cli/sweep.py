@@ -57,7 +57,7 @@ def add_parsers(sub) -> None:
 
 
 def _sweep_spec(args):
-    from ..experiments.sweep import SweepSpec
+    from ..experiments.specs import SweepSpec
 
     return SweepSpec(
         model=args.model,
@@ -100,40 +100,23 @@ def _row_line(row: dict) -> str:
     )
 
 
-def _check_sweep_args(args) -> None:
-    """What can be refused from the arguments alone, before torch is imported (an answer in well under a second)."""
-    from ..config import SparseConfig
-
+def _check_sweep_args(args):
+    """The sweep's spec, checked from the arguments alone, before torch is imported (an answer in well under a
+    second): the spec's own checks, the command line's whole-blocks rule, and what only the command line has."""
     if args.batch < 1:
         raise SparseDecodeError(f"--batch must be >= 1, got {args.batch}")
     if args.batch > 1 and args.backend != "local":
         raise SparseDecodeError("--batch applies to --backend local: with ray every (context, prompt) group is a unit")
-    if args.prompts < 1:
-        raise SparseDecodeError(f"--prompts must be >= 1, got {args.prompts}")
-    if args.tokens < 2:
-        raise SparseDecodeError(f"--tokens must be >= 2 (step 1 is shared with dense), got {args.tokens}")
-    if min(args.context) < 1:
-        raise SparseDecodeError("--context values must be >= 1")
-    for name in ("context", "support", "reuse"):
-        values = getattr(args, name)
-        if len(set(values)) != len(values):
-            raise SparseDecodeError(f"--{name} lists a value twice: {', '.join(map(str, values))}")
-    configs = [
-        SparseConfig(support=s, window=args.window, block_size=args.block_size, reuse=r, selector=selector)
-        for selector in _sweep_selectors(args)
-        for s in args.support
-        for r in args.reuse
-    ]
-    check_whole_blocks(configs)
+    spec = _sweep_spec(args)
+    check_whole_blocks(spec.configs())
+    return spec
 
 
 def cmd_sweep(args) -> int:
-    _check_sweep_args(args)
+    spec = _check_sweep_args(args)
     from ..experiments.sweep import Shard, read_meta, run_sweep
 
-    spec = _sweep_spec(args)
     shard = Shard.parse(args.shard) if args.shard else None
-    check_whole_blocks(spec.configs())
     check_backend_args(args)
     check_output_folder(args.out)
     meta = read_meta(args.out)

@@ -18,10 +18,9 @@ import torch
 
 from ..errors import SparseDecodeError
 from ..validate import max_positions
+from .specs import GAP
 
 CORPORA = ("python-docs", "wikitext2")
-DEFAULT_CORPUS = "python-docs"
-GAP = 256
 
 
 def _python_docs() -> str:

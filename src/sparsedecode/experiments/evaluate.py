@@ -35,9 +35,9 @@ from ..attention import sparse_decoding
 from ..compare import Progress, crop_cache, prefill
 from ..config import SparseConfig
 from ..errors import SparseDecodeError
-from .corpus import DEFAULT_CORPUS
 from .environment import environment
 from .ruler import GENERATOR_VERSION, TASK_NAMES, TASKS, TEMPLATES, Sample, build_sample, check_tasks, score
+from .specs import DEFAULT_CORPUS
 from .sweep import (
     RUNS_FILE,
     Shard,

@@ -24,7 +24,7 @@ import contextlib
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ from ..config import SparseConfig
 from ..diagnostics import MassAudit, summarize_audit
 from ..errors import SparseDecodeError
 from .corpus import corpus_ids
+from .specs import RetrievalSpec
 
 INTRO = (
     "There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -49,49 +50,6 @@ FILLER = (
 )
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "\n\nWhat is the pass key? The pass key is"
-
-
-@dataclass(frozen=True)
-class RetrievalSpec:
-    """Everything that defines the probe's results. ``haystack`` is ``filler`` or a corpus name or path."""
-
-    model: str
-    dtype: str = "float32"
-    contexts: tuple[int, ...] = (2048,)
-    depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
-    trials: int = 3
-    supports: tuple[int, ...] = (97, 193)
-    window: int = 64
-    block_size: int = 16
-    reuse: int = 1
-    selector: str = "mean-pooled"
-    haystack: str = "filler"
-    digits: int = 5
-    answer_tokens: int = 8
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("contexts", "depths", "supports"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))
-            if not getattr(self, name):
-                raise SparseDecodeError(f"{name} must not be empty")
-        if any(not 0.0 <= d <= 1.0 for d in self.depths):
-            raise SparseDecodeError(f"depths must lie in [0, 1], got {list(self.depths)}")
-        for name in ("trials", "digits", "answer_tokens"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise SparseDecodeError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        self.configs()
-
-    def configs(self) -> list[SparseConfig]:
-        return [
-            SparseConfig(
-                support=s, window=self.window, block_size=self.block_size, reuse=self.reuse, selector=self.selector
-            )
-            for s in self.supports
-        ]
-
-    def to_dict(self) -> dict:
-        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
 
 
 def passkey(seed: int, trial: int, digits: int = 5) -> str:

@@ -41,8 +41,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from ..errors import SparseDecodeError
-from .corpus import DEFAULT_CORPUS, load_text
+from .corpus import load_text
 from .retrieval import FILLER
+from .specs import DEFAULT_CORPUS
 
 GENERATOR_VERSION = 1
 """Bumped whenever the same arguments would give other samples; stored with every evaluation."""

@@ -1,0 +1,189 @@
+"""The settings that define an experiment's results, with their checks: no torch, so the command line can refuse
+bad arguments before importing it (an answer in well under a second).
+
+:class:`SweepSpec` (the survival sweep, :mod:`.sweep`) and :class:`RetrievalSpec` (the passkey probe,
+:mod:`.retrieval`); both modules re-export them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from ..config import SparseConfig
+from ..errors import SparseDecodeError
+
+DEFAULT_CORPUS = "python-docs"
+GAP = 256
+"""Tokens left unused between two prompts of a corpus (see :mod:`.corpus`)."""
+
+KEY_FIELDS = ("context", "prompt_index", "support", "reuse", "selector")
+"""The fields of a row that identify its run; a sweep never holds two rows with the same key."""
+
+GRID_FIELDS = ("contexts", "prompts", "supports", "reuse", "selectors")
+"""The :class:`SweepSpec` fields that span the grid of runs: a resume or a merge may add to these, nothing else."""
+
+RunKey = tuple[int, int, int, int, str]
+Group = tuple[int, int]
+"""``(context, prompt_index)``: the runs that share one dense reference."""
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """Everything that defines a sweep's results (and nothing that does not, such as the output folder).
+
+    ``prompts`` counts prompts per context (prompt indices ``0 .. prompts - 1``, non-overlapping corpus
+    prefixes spaced ``context + tokens + gap`` tokens apart). ``reuse`` is a list of selection intervals R,
+    ``selectors`` a list of selector names (every selector runs against the same dense references).
+    """
+
+    model: str
+    dtype: str = "float32"
+    corpus: str = DEFAULT_CORPUS
+    contexts: tuple[int, ...] = (2048,)
+    supports: tuple[int, ...] = (97, 193, 385, 769)
+    reuse: tuple[int, ...] = (1,)
+    selectors: tuple[str, ...] = ("mean-pooled",)
+    prompts: int = 5
+    tokens: int = 128
+    window: int = 64
+    block_size: int = 16
+    audit: bool = False
+    gap: int = GAP
+
+    def __post_init__(self) -> None:
+        for name in ("contexts", "supports", "reuse"):
+            values = tuple(getattr(self, name))
+            object.__setattr__(self, name, values)
+            if not values or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+                raise SparseDecodeError(f"{name} must be a non-empty list of integers, got {values!r}")
+            if len(set(values)) != len(values):
+                raise SparseDecodeError(f"{name} lists a value twice: {', '.join(map(str, values))}")
+        selectors = (self.selectors,) if isinstance(self.selectors, str) else tuple(self.selectors)
+        object.__setattr__(self, "selectors", selectors)
+        if not selectors or not all(isinstance(s, str) for s in selectors):
+            raise SparseDecodeError(f"selectors must be a non-empty list of selector names, got {selectors!r}")
+        if len(set(selectors)) != len(selectors):
+            raise SparseDecodeError(f"selectors lists a selector twice: {', '.join(selectors)}")
+        if any(c < 1 for c in self.contexts):
+            raise SparseDecodeError("contexts must be >= 1")
+        if not isinstance(self.prompts, int) or self.prompts < 1:
+            raise SparseDecodeError(f"prompts must be an integer >= 1, got {self.prompts!r}")
+        if not isinstance(self.tokens, int) or self.tokens < 2:
+            raise SparseDecodeError(f"tokens must be an integer >= 2 (got {self.tokens!r}): step 1 is shared")
+        if not isinstance(self.gap, int) or self.gap < 0:
+            raise SparseDecodeError(f"gap must be an integer >= 0, got {self.gap!r}")
+        self.configs()  # validates supports, window, block size, reuse and selectors
+
+    def configs(self) -> list[SparseConfig]:
+        """One :class:`SparseConfig` per (selector, support, reuse): selectors outer, then supports."""
+        return [
+            SparseConfig(
+                support=s,
+                window=self.window,
+                block_size=self.block_size,
+                reuse=r,
+                selector=selector,
+                audit=self.audit,
+            )
+            for selector in self.selectors
+            for s in self.supports
+            for r in self.reuse
+        ]
+
+    def groups(self) -> list[Group]:
+        """All (context, prompt) groups in run order: prompts outer, so a partial sweep covers every context."""
+        return [(c, p) for p in range(self.prompts) for c in self.contexts]
+
+    def group_keys(self, group: Group) -> list[RunKey]:
+        context, prompt = group
+        return [(context, prompt, cfg.support, cfg.reuse, cfg.selector) for cfg in self.configs()]
+
+    def keys(self) -> list[RunKey]:
+        """Every run of the sweep, in the order an unsharded sweep runs them."""
+        return [key for group in self.groups() for key in self.group_keys(group)]
+
+    def to_dict(self) -> dict:
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SweepSpec:
+        """Inverse of :meth:`to_dict`; fields missing from older files take their defaults.
+
+        Files written before several selectors per sweep hold one ``selector``: read as ``selectors = [it]``.
+        """
+        data = dict(data)
+        if "selector" in data:
+            if "selectors" in data:
+                raise SparseDecodeError("sweep spec has both 'selector' and 'selectors'; keep one")
+            data["selectors"] = [data.pop("selector")]
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise SparseDecodeError(f"sweep spec has unknown fields {', '.join(unknown)}: written by a newer version?")
+        return cls(**data)
+
+    def differences(self, other: SweepSpec) -> list[str]:
+        """``"name: mine vs other"`` for every field that differs."""
+        mine, theirs = self.to_dict(), other.to_dict()
+        return [f"{name}: {mine[name]!r} vs {theirs[name]!r}" for name in mine if mine[name] != theirs[name]]
+
+    def extension_of(self, stored: SweepSpec) -> list[str] | None:
+        """What this spec adds to ``stored``'s grid, one ``"name: stored -> mine"`` per grown field (empty when
+        equal); ``None`` when it is no extension: a field outside :data:`GRID_FIELDS` differs, or a stored grid
+        value is missing or out of its stored order (fewer prompts, a dropped context, reordered selectors)."""
+        mine, theirs = self.to_dict(), stored.to_dict()
+        grown = []
+        for name in mine:
+            if mine[name] == theirs[name]:
+                continue
+            if name not in GRID_FIELDS:
+                return None
+            if name == "prompts" and mine[name] < theirs[name]:
+                return None
+            if name != "prompts" and [v for v in mine[name] if v in theirs[name]] != theirs[name]:
+                return None
+            grown.append(f"{name}: {theirs[name]!r} -> {mine[name]!r}")
+        return grown
+
+
+@dataclass(frozen=True)
+class RetrievalSpec:
+    """Everything that defines the probe's results. ``haystack`` is ``filler`` or a corpus name or path."""
+
+    model: str
+    dtype: str = "float32"
+    contexts: tuple[int, ...] = (2048,)
+    depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    trials: int = 3
+    supports: tuple[int, ...] = (97, 193)
+    window: int = 64
+    block_size: int = 16
+    reuse: int = 1
+    selector: str = "mean-pooled"
+    haystack: str = "filler"
+    digits: int = 5
+    answer_tokens: int = 8
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("contexts", "depths", "supports"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+            if not getattr(self, name):
+                raise SparseDecodeError(f"{name} must not be empty")
+        if any(not 0.0 <= d <= 1.0 for d in self.depths):
+            raise SparseDecodeError(f"depths must lie in [0, 1], got {list(self.depths)}")
+        for name in ("trials", "digits", "answer_tokens"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise SparseDecodeError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        self.configs()
+
+    def configs(self) -> list[SparseConfig]:
+        return [
+            SparseConfig(
+                support=s, window=self.window, block_size=self.block_size, reuse=self.reuse, selector=self.selector
+            )
+            for s in self.supports
+        ]
+
+    def to_dict(self) -> dict:
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
