@@ -251,6 +251,33 @@ def test_the_decode_step_refuses_a_nan_query_on_every_selection_path(kernel):
         select_blocks(cfg, BlockCentroids(cfg.block_size, ("mean",)), queries, keys, layout, scale=0.25)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("where", ["full block", "tail block"])
+@pytest.mark.parametrize("kernel", ["torch", "c"])
+def test_a_non_finite_key_in_a_scored_block_refuses_on_every_selection_path(kernel, where, bad):
+    """A finite query and one non-finite key in the distant region: the torch path's score check and the C kernel's
+    check inside its scoring both refuse, whether the key lies in a cached full block or in the short tail block."""
+    from sparsedecode.centroids import BlockCentroids
+    from sparsedecode.cpu_kernel import library
+    from sparsedecode.selectors import BlockLayout
+
+    if kernel == "c" and library() is None:
+        pytest.skip("no C compiler here: the C kernel path does not exist")
+    cfg = SparseConfig(support=97, kernel=kernel)
+    n = 407  # distant region [1, 343): 21 full blocks and a tail block of 6
+    layout = BlockLayout(n=n, window=cfg.window, block_size=cfg.block_size)
+    assert layout.n_blocks == layout.n_full + 1
+    keys = torch.randn(2, n, 16, generator=torch.Generator().manual_seed(3))
+    position = 1 + 5 * cfg.block_size + 3 if where == "full block" else layout.distant_end - 2
+    keys[1, position, 7] = bad
+    queries = torch.randn(4, 16)
+    fine = keys.clone()
+    fine[1, position, 7] = 0.0
+    select_blocks(cfg, BlockCentroids(cfg.block_size, ("mean",)), queries, fine, layout, scale=0.25)  # finite: runs
+    with pytest.raises(SparseDecodeError, match="scores hold NaN or infinite"):
+        select_blocks(cfg, BlockCentroids(cfg.block_size, ("mean",)), queries, keys, layout, scale=0.25)
+
+
 @pytest.mark.parametrize("kernel", ["torch", "c", "auto"])
 @pytest.mark.parametrize("selector", ["mean-pooled", "quest", "oracle-tokens"])
 @pytest.mark.parametrize("poison", ["q_proj", "k_proj"])

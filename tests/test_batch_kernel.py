@@ -91,6 +91,33 @@ def test_batch_call_equals_single_calls_sequence_by_sequence(case, threads):
         assert torch.equal(out[i + 1], single)  # the same attention code over the same support
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("where", ["full block", "tail block"])
+def test_batch_call_refuses_a_non_finite_score_of_a_row_that_selects(where, bad):
+    """One row selecting afresh holds a non-finite key in its distant region: the call raises as the torch path's
+    score check does. The same key in a row that reuses its blocks is not scored, and the call runs."""
+    kv_heads, d, lengths, pads = 2, 16, (407, 300), (0, 9)
+    keys, values, generator = random_cache(2, kv_heads, d, lengths, pads, seed=5)
+    q = torch.randn(2, 4, d, generator=generator)
+    layout = BlockLayout(n=lengths[0], window=64, block_size=16)
+    position = 1 + 4 * 16 + 2 if where == "full block" else layout.distant_end - 2
+    keys[0, 1, pads[0] + position, 3] = bad
+
+    def rows(fresh):
+        out = []
+        for i, (pad, n) in enumerate(zip(pads, lengths)):
+            lay = BlockLayout(n=n, window=64, block_size=16)
+            cache = BlockCentroids(16)
+            cache.update(keys[i, :, pad:], lay.n_full)
+            chosen = torch.zeros(kv_heads, 2, dtype=torch.int64)
+            out.append((i, pad, n, cache.storage(), chosen, fresh or i == 1))
+        return out
+
+    with pytest.raises(SparseDecodeError, match="scores hold NaN or infinite"):
+        cpu.sparse_step_batch(q, keys, values, torch.empty(2, 4, d), rows(True), 64, 16, d**-0.5)
+    cpu.sparse_step_batch(q, keys, values, torch.empty(2, 4, d), rows(False), 64, 16, d**-0.5)
+
+
 def test_batch_call_refuses_rows_it_cannot_read():
     keys = torch.randn(2, 2, 300, 16)
     q, out = torch.randn(2, 4, 16), torch.empty(2, 4, 16)

@@ -199,9 +199,8 @@ def select_blocks(
     instead of ascending), the C kernel (float32 on the CPU) in one call (the same blocks, ascending).
 
     Non-finite scores raise :class:`SparseDecodeError` instead of picking blocks (NaN ranks nowhere). The C kernel
-    scores internally, so there only the query is checked before the call: a non-finite key in the cache is not
-    detected on that path (checking every centroid would cost as much as scoring them). The Triton path checks
-    nothing, to stay free of host synchronisation.
+    scores internally and checks its scores there (one pass over each tile of scores while it is in L1), after a
+    check of the query before the call. The Triton path checks nothing, to stay free of host synchronisation.
     """
     kv_heads = keys.shape[0]
     if cfg.selector == "mean-pooled":

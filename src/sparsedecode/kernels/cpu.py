@@ -27,6 +27,10 @@ and the entry points below); where one does not hold, ``kernel="auto"`` uses tor
   that layout if not);
 * ``b <= n_blocks`` for selection (capped here).
 
+A NaN or infinite selection score (a non-finite key in a scored block, or a non-finite query) is found inside the
+call, while each tile of scores is in L1, and raises :class:`~sparsedecode.errors.SparseDecodeError` as the torch
+path's score check does (:func:`check_status`); nothing is chosen from it.
+
 The shared library is built with the system C compiler (``$CC``, else ``cc``) into
 ``$SPARSEDECODE_CACHE/kernels`` (default ``~/.cache/sparsedecode/kernels``), keyed by the source, the flags and
 the processor, so a rebuild happens only when one of them changes. Without a compiler, or if the build fails,
@@ -186,6 +190,22 @@ def attend_support(
     return run_attention(q, keys, values, blocks, layout, scale)
 
 
+NONFINITE = 2
+"""The status of a C call whose selection met a NaN or infinite score (``sparse_step.c``); -1 is out of memory."""
+
+
+def check_status(status: int) -> None:
+    """Raise for a C call's non-zero status: non-finite selection scores (refused as
+    :func:`~sparsedecode.validate.check_scores` refuses them on the torch path) or scratch memory that ran out."""
+    if status == NONFINITE:
+        raise SparseDecodeError(
+            "block selection scores hold NaN or infinite values (non-finite queries or keys in the KV cache); "
+            "the model's hidden states are not finite (check its weights and dtype)"
+        )
+    if status:
+        raise MemoryError("sparse step kernel: out of memory for its scratch buffers")
+
+
 def run_selection(
     q: torch.Tensor, keys: torch.Tensor, centroids: torch.Tensor, layout: BlockLayout, b: int
 ) -> torch.Tensor:
@@ -228,8 +248,7 @@ def run_selection(
         torch.get_num_threads(),
         chosen.data_ptr(),
     )
-    if status:
-        raise MemoryError("sparse step kernel: out of memory for its scratch buffers")
+    check_status(status)
     return chosen
 
 
@@ -263,8 +282,7 @@ def run_attention(
         torch.get_num_threads(),
         out.data_ptr(),
     )
-    if status:
-        raise MemoryError("sparse step kernel: out of memory for its scratch buffers")
+    check_status(status)
     return out
 
 
@@ -416,5 +434,4 @@ def run_step_batch(
         scale,
         torch.get_num_threads(),
     )
-    if status:
-        raise MemoryError("sparse step kernel: out of memory for its scratch buffers")
+    check_status(status)

@@ -258,6 +258,7 @@ static void *scratch(size_t needed) {
  * channels in order, exactly as a single pass over all blocks would: the split changes no score.
  */
 enum { TILE = 1024, LINE = 16 /* floats per 64-byte cache line */ };
+enum { NONFINITE = 2 }; /* a status: a selection score is NaN or infinite (-1 is out of memory) */
 
 typedef struct {
     const float *q, *centroids;
@@ -276,11 +277,13 @@ static void mean_query(const float *q, int64_t h, int64_t group, int64_t d, floa
 }
 
 /* Score blocks [first, stop) of one head's transposed centroids `c` (row i of d at c + i * stride) against q_mean and
- * keep the b best in (best_scores, best_blocks, kept). Not inlined: every entry point scores with the same code, so
- * the single-sequence and the batched calls pick the same blocks to the bit. */
-__attribute__((noinline)) static void score_blocks(const float *q_mean, const float *c, int64_t stride, int64_t first,
+ * keep the b best in (best_scores, best_blocks, kept). Returns 0, or NONFINITE when a score is NaN or infinite (a
+ * non-finite key in a block, or a query: NaN ranks nowhere, so nothing is chosen), found by one pass over each tile
+ * while it is in L1 (x * 0 is 0 for finite x, NaN otherwise). Not inlined: every entry point scores with the same
+ * code, so the single-sequence and the batched calls pick the same blocks to the bit. */
+__attribute__((noinline)) static int score_blocks(const float *q_mean, const float *c, int64_t stride, int64_t first,
                                                    int64_t stop, int64_t d, int64_t b, float *best_scores,
-                                                   int64_t *best_blocks, int64_t *kept) {
+                                                  int64_t *best_blocks, int64_t *kept) {
     float tile[TILE];
     *kept = 0;
     for (int64_t t0 = first; t0 < stop; t0 += TILE) {
@@ -299,6 +302,10 @@ __attribute__((noinline)) static void score_blocks(const float *q_mean, const fl
             }
             for (; j < m; j++) tile[j] += qi * row[j];
         }
+        float probe = 0.0f;
+#pragma omp simd reduction(+ : probe)
+        for (int64_t k = 0; k < m; k++) probe += tile[k] * 0.0f;
+        if (probe != probe) return NONFINITE;
         /* keep the b best; once b are kept, look only at groups of 8 whose best reaches the b-th */
         int64_t j = 0;
         for (; j < m && *kept < b; j++) offer(tile[j], t0 + j, best_scores, best_blocks, kept, b);
@@ -310,6 +317,7 @@ __attribute__((noinline)) static void score_blocks(const float *q_mean, const fl
             for (int64_t k = j; k < end; k++) offer(tile[k], t0 + k, best_scores, best_blocks, kept, b);
         }
     }
+    return 0;
 }
 
 /* The score of the short tail block [start, distant_end) of one head's keys `k` (rows k_stride_n apart): the mean
@@ -334,13 +342,14 @@ static int select_task(const void *arg, int64_t task) {
     float *q_mean = d <= 256 ? stack_mean : malloc(sizeof(float) * (size_t)d);
     if (!q_mean) return -1;
     mean_query(job->q, h, job->group, d, q_mean);
-    score_blocks(q_mean, job->centroids + h * job->c_stride_h, job->c_stride_d, first, stop, d, b,
-                 job->best_scores + task * b, job->best_blocks + task * b, job->kept + task);
+    int status = score_blocks(q_mean, job->centroids + h * job->c_stride_h, job->c_stride_d, first, stop, d, b,
+                              job->best_scores + task * b, job->best_blocks + task * b, job->kept + task);
     if (q_mean != stack_mean) free(q_mean);
-    return 0;
+    return status;
 }
 
-/* chosen (kv, b) = the b best blocks per KV head, ascending. Returns 0, or -1 when scratch memory ran out. */
+/* chosen (kv, b) = the b best blocks per KV head, ascending. Returns 0; NONFINITE when a score (a cached block's
+ * or the tail block's) is NaN or infinite, chosen then undefined; -1 (or -1 | NONFINITE) when memory ran out. */
 int select_mean_pooled(const float *q, const float *centroids, int64_t c_stride_h, int64_t c_stride_d,
                        int64_t n_full, const float *keys, int64_t k_stride_h, int64_t k_stride_n, int64_t kv_heads,
                        int64_t group, int64_t d, int64_t distant_end, int64_t block, int64_t b, int64_t threads,
@@ -362,7 +371,8 @@ int select_mean_pooled(const float *q, const float *centroids, int64_t c_stride_
     float *q_mean = merged_scores + width;
     select_job job = {q, centroids, c_stride_h, c_stride_d, n_full, group, d, b, chunks, best_scores, best_blocks,
                       kept};
-    if (b > 0 && parallel(select_task, &job, tasks, parts, 0)) return -1;
+    int status = b > 0 ? parallel(select_task, &job, tasks, parts, 0) : 0;
+    if (status) return status;
     for (int64_t h = 0; h < kv_heads && b > 0; h++) {
         int64_t count = 0;
         for (int64_t t = h * chunks; t < (h + 1) * chunks; t++)
@@ -371,6 +381,7 @@ int select_mean_pooled(const float *q, const float *centroids, int64_t c_stride_
         if (n_blocks > n_full) { /* the short tail block is not cached: average its keys now */
             mean_query(q, h, group, d, q_mean);
             float dot = tail_score(q_mean, keys + h * k_stride_h, k_stride_n, 1 + n_full * block, distant_end, d);
+            if (dot * 0.0f != 0.0f) return NONFINITE;
             offer(dot, n_full, merged_scores, merged, &count, b);
         }
         qsort(merged, (size_t)count, sizeof(int64_t), compare_ascending);
@@ -589,15 +600,17 @@ static int select_head(const batch_job *job, const row_t *row, int64_t h, const 
     if (q_mean && scores && blocks) {
         mean_query(q, h, job->group, d, q_mean);
         const float *c = (const float *)(intptr_t)row->centroids + h * row->c_stride_h;
-        score_blocks(q_mean, c, row->c_stride_d, 0, n_full, d, b, scores, blocks, &count);
-        if (n_blocks > n_full) { /* the short tail block is not cached: average its keys now */
+        status = score_blocks(q_mean, c, row->c_stride_d, 0, n_full, d, b, scores, blocks, &count);
+        if (!status && n_blocks > n_full) { /* the short tail block is not cached: average its keys now */
             float dot = tail_score(q_mean, keys + h * job->k_stride_h, job->k_stride_n, 1 + n_full * block,
                                    distant_end, d);
+            if (dot * 0.0f != 0.0f) status = NONFINITE;
             offer(dot, n_full, scores, blocks, &count, b);
         }
-        qsort(blocks, (size_t)count, sizeof(int64_t), compare_ascending);
-        memcpy((int64_t *)(intptr_t)row->chosen + h * b, blocks, sizeof(int64_t) * (size_t)count);
-        status = 0;
+        if (!status) {
+            qsort(blocks, (size_t)count, sizeof(int64_t), compare_ascending);
+            memcpy((int64_t *)(intptr_t)row->chosen + h * b, blocks, sizeof(int64_t) * (size_t)count);
+        }
     }
     if (q_mean != stack_mean) free(q_mean);
     if (scores != stack_scores) free(scores);
@@ -611,7 +624,10 @@ static int batch_task(const void *arg, int64_t task) {
     int64_t h = task % job->kv_heads, n = row->n;
     int64_t distant_end = n - job->window > 1 ? n - job->window : 1;
     const float *q = job->q + row->q, *keys = job->keys + row->k, *values = job->values + row->v;
-    if (row->fresh && row->b > 0 && select_head(job, row, h, q, keys, distant_end)) return -1;
+    if (row->fresh && row->b > 0) {
+        int status = select_head(job, row, h, q, keys, distant_end);
+        if (status) return status;
+    }
     attend_job attend = {q,
                          keys,
                          values,
@@ -631,8 +647,8 @@ static int batch_task(const void *arg, int64_t task) {
     return attend_head(&attend, h);
 }
 
-/* The sparse step of `n_rows` rows (`rows`: n_rows * ROW_FIELDS int64, see above). Returns 0, or -1 when memory ran
- * out. */
+/* The sparse step of `n_rows` rows (`rows`: n_rows * ROW_FIELDS int64, see above). Returns 0; NONFINITE when a row
+ * selecting afresh met a NaN or infinite score (outputs then undefined); -1 when memory ran out. */
 int sparse_step_batch(const float *q, const float *keys, int64_t k_stride_h, int64_t k_stride_n, const float *values,
                       int64_t v_stride_h, int64_t v_stride_n, float *out, const int64_t *rows, int64_t n_rows,
                       int64_t kv_heads, int64_t group, int64_t d, int64_t window, int64_t block, float scale,
