@@ -223,13 +223,17 @@ def test_help_and_argument_errors_import_no_torch():
         ["probe", "retrieval", "--depths", "2"],
         ["probe", "retrieval", "--support", "100"],
         ["bench", "e2e", "--batch", "0"],
+        ["eval", "--out", "/tmp/never-written", "--samples", "0"],
+        ["eval", "--out", "/tmp/never-written", "--tasks", "nope"],
+        ["eval", "--out", "/tmp/never-written", "--support", "100"],
+        ["eval"],
         ["frobnicate"],
     ]
     proc = subprocess.run(
         [sys.executable, "-c", HELP_AND_ERRORS.format(cases=cases)], capture_output=True, text=True, check=True
     )
     done = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert done["codes"] == [0] * 4 + [2] * 15
+    assert done["codes"] == [0] * 4 + [2] * 19
     assert done["heavy"] == [], f"imported {done['heavy']}"
 
 

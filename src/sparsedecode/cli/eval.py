@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from ..errors import SparseDecodeError
-from .common import add_backend_args, check_backend_args, executor, run_hooks
+from .common import add_backend_args, check_backend_args, check_whole_blocks, executor, run_hooks
 from .outputs import check_output_folder
 
 LM_EVAL_COMMAND = "lm-eval"
@@ -63,7 +63,7 @@ def add_eval_parser(sub, *, int_list, add_model_args) -> argparse.ArgumentParser
 
 def eval_spec(args):
     from ..config import SELECTORS
-    from ..experiments.evaluate import EvalSpec
+    from ..experiments.eval_spec import EvalSpec
     from ..experiments.ruler import TASK_NAMES
 
     return EvalSpec(
@@ -96,13 +96,14 @@ def _row_line(row: dict) -> str:
 
 def cmd_eval(args, *, console, progress_bars) -> int:
     """``sparsedecode eval``; ``console`` and ``progress_bars`` are the CLI's own."""
+    spec = eval_spec(args)  # the arguments, checked before torch is imported
+    check_whole_blocks(spec.configs())
+    if (args.out is None) == (args.export is None):
+        raise SparseDecodeError("give --out DIR to run the evaluation or --export DIR to write lm-eval tasks")
     from ..experiments.evaluate import check_meta, read_meta, run_eval
     from ..experiments.sweep import Shard
     from ..models import load_model
 
-    spec = eval_spec(args)
-    if (args.out is None) == (args.export is None):
-        raise SparseDecodeError("give --out DIR to run the evaluation or --export DIR to write lm-eval tasks")
     if args.export is not None:
         from ..experiments.lm_eval_tasks import export_tasks
 

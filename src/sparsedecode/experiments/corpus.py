@@ -13,12 +13,22 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..errors import SparseDecodeError
-from ..validate import max_positions
 from .specs import GAP
+
+if TYPE_CHECKING:  # torch is imported where tokens are made, so the task generators' module loads without it
+    import torch
+
+FILLER = (
+    "The grass is green.",
+    " The sky is blue.",
+    " The sun is yellow.",
+    " Here we go.",
+    " There and back again.",
+)
+"""The classic passkey haystack: filler sentences repeated (the retrieval probe's, and RULER's noise haystack)."""
 
 CORPORA = ("python-docs", "wikitext2")
 
@@ -107,6 +117,8 @@ _TOKENS: dict[tuple[str, int], torch.Tensor] = {}
 
 def corpus_ids(tokenizer, name: str) -> torch.Tensor:
     """The whole corpus tokenised (no special tokens), as a 1-D LongTensor; memoised per tokenizer."""
+    import torch
+
     key = (name, id(tokenizer))
     if key not in _TOKENS:
         ids = tokenizer(load_text(name), add_special_tokens=False)["input_ids"]
@@ -141,6 +153,8 @@ def prompt_ids(tokenizer, name: str, context: int, index: int, tokens: int, gap:
 
 def check_context_fits(model, contexts, tokens: int) -> None:
     """Refuse contexts whose prompt plus ``tokens`` generated tokens exceed the model's maximum positions."""
+    from ..validate import max_positions
+
     limit = max_positions(model)
     for context in contexts:
         if limit is not None and context + tokens > limit:

@@ -26,7 +26,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,8 +36,8 @@ from ..compare import Progress, crop_cache, prefill
 from ..config import SparseConfig
 from ..errors import SparseDecodeError
 from .environment import environment
-from .ruler import GENERATOR_VERSION, TASK_NAMES, TASKS, TEMPLATES, Sample, build_sample, check_tasks, score
-from .specs import DEFAULT_CORPUS
+from .eval_spec import DENSE, KEY_FIELDS, EvalSpec, Group, RunKey
+from .ruler import GENERATOR_VERSION, Sample, build_sample, score
 from .sweep import (
     RUNS_FILE,
     Shard,
@@ -53,91 +53,6 @@ from .sweep import (
 from .work import Executor
 
 SPEC_FILE = "eval.json"
-DENSE = "dense"
-KEY_FIELDS = ("task", "context", "sample", "selector", "support")
-"""The fields of a row that identify its run; dense rows have selector ``"dense"`` and support ``None``."""
-
-RunKey = tuple[str, int, int, str, "int | None"]
-Group = tuple[str, int, int]
-"""``(task, context, sample)``: the runs that share one sample and one dense prefill."""
-
-
-@dataclass(frozen=True)
-class EvalSpec:
-    """Everything that defines an evaluation's results. ``answer_tokens`` caps every task's answer (``None``: each
-    task's own budget, see :data:`.ruler.TASKS`); ``template`` is ``auto``, ``chat`` or ``plain``."""
-
-    model: str
-    dtype: str = "float32"
-    tasks: tuple[str, ...] = TASK_NAMES
-    contexts: tuple[int, ...] = (4096,)
-    samples: int = 5
-    selectors: tuple[str, ...] = ("mean-pooled",)
-    supports: tuple[int, ...] = (193,)
-    window: int = 64
-    block_size: int = 16
-    reuse: int = 1
-    corpus: str = DEFAULT_CORPUS
-    template: str = "auto"
-    seed: int = 0
-    answer_tokens: int | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "tasks", check_tasks(self.tasks))
-        for name in ("contexts", "supports"):
-            values = tuple(getattr(self, name))
-            object.__setattr__(self, name, values)
-            if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
-                raise SparseDecodeError(f"{name} must be a non-empty list of positive integers, got {values!r}")
-            if len(set(values)) != len(values):
-                raise SparseDecodeError(f"{name} lists a value twice: {', '.join(map(str, values))}")
-        selectors = (self.selectors,) if isinstance(self.selectors, str) else tuple(self.selectors)
-        object.__setattr__(self, "selectors", selectors)
-        if not selectors or len(set(selectors)) != len(selectors) or DENSE in selectors:
-            raise SparseDecodeError(f"selectors must be distinct selector names (dense always runs), got {selectors!r}")
-        if not isinstance(self.samples, int) or self.samples < 1:
-            raise SparseDecodeError(f"samples must be an integer >= 1, got {self.samples!r}")
-        if self.template not in TEMPLATES:
-            raise SparseDecodeError(f"unknown template {self.template!r}; choose one of: {', '.join(TEMPLATES)}")
-        if self.answer_tokens is not None and (not isinstance(self.answer_tokens, int) or self.answer_tokens < 1):
-            raise SparseDecodeError(f"answer_tokens must be an integer >= 1, got {self.answer_tokens!r}")
-        self.configs()
-
-    def configs(self) -> list[SparseConfig]:
-        """One :class:`SparseConfig` per (selector, support): selectors outer."""
-        return [
-            SparseConfig(support=s, window=self.window, block_size=self.block_size, reuse=self.reuse, selector=sel)
-            for sel in self.selectors
-            for s in self.supports
-        ]
-
-    def answer_budget(self, task: str) -> int:
-        return self.answer_tokens if self.answer_tokens is not None else TASKS[task].max_new_tokens
-
-    def groups(self) -> list[Group]:
-        """Every sample in run order: samples outer, so a partial run covers every task and context."""
-        return [(t, c, s) for s in range(self.samples) for c in self.contexts for t in self.tasks]
-
-    def group_keys(self, group: Group) -> list[RunKey]:
-        return [(*group, DENSE, None), *((*group, cfg.selector, cfg.support) for cfg in self.configs())]
-
-    def keys(self) -> list[RunKey]:
-        return [key for group in self.groups() for key in self.group_keys(group)]
-
-    def to_dict(self) -> dict:
-        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> EvalSpec:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise SparseDecodeError(f"eval spec has unknown fields {', '.join(unknown)}: written by a newer version?")
-        return cls(**data)
-
-    def differences(self, other: EvalSpec) -> list[str]:
-        mine, theirs = self.to_dict(), other.to_dict()
-        return [f"{name}: {mine[name]!r} vs {theirs[name]!r}" for name in mine if mine[name] != theirs[name]]
 
 
 def key_of(row: dict) -> RunKey:

@@ -34,19 +34,12 @@ from ..compare import Progress, crop_cache, prefill
 from ..config import SparseConfig
 from ..diagnostics import MassAudit, summarize_audit
 from ..errors import SparseDecodeError
-from .corpus import corpus_ids
+from .corpus import FILLER, corpus_ids
 from .specs import RetrievalSpec
 
 INTRO = (
     "There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
     "I will quiz you about the pass key.\n\n"
-)
-FILLER = (
-    "The grass is green.",
-    " The sky is blue.",
-    " The sun is yellow.",
-    " Here we go.",
-    " There and back again.",
 )
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "\n\nWhat is the pass key? The pass key is"

@@ -41,8 +41,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from ..errors import SparseDecodeError
-from .corpus import load_text
-from .retrieval import FILLER
+from .corpus import FILLER, load_text
 from .specs import DEFAULT_CORPUS
 
 GENERATOR_VERSION = 1
