@@ -46,7 +46,7 @@ from .selectors import (
     streaming_index,
     token_index,
 )
-from .validate import check_config, check_model, check_step_query, config_from_overrides
+from .validate import check_config, check_model, config_from_overrides
 
 ATTENTION_NAME = "sparsedecode"
 
@@ -243,6 +243,11 @@ class LayerState:
         """The call is over: the state now describes the first ``n`` positions of ``keys`` ``(1, kv, >= n, d)``."""
         self.mark, self.seen, self.chained = KeyMark.of(keys, n), n, chained
 
+    def end_row(self, n: int, *, chained: bool = False) -> None:
+        """A batch row's call is over: as :meth:`end`, without a mark of its own. No pre-hook looks at a row: the
+        batch's state proves what is unchanged and hands each row its share (``unchanged - pad``)."""
+        self.seen, self.chained = n, chained
+
     def forget_from(self, keep: int) -> None:
         """Drop everything derived from positions ``>= keep``."""
         self.centroids.truncate((keep - 1) // self.centroids.block_size)
@@ -434,7 +439,7 @@ class SparseSession:
                         f"holds {length - pad}"
                     )
                 row.history = received.to(device=keys.device, dtype=torch.float32).clone()
-                row.end(keys[i : i + 1, :, pad:], length - pad)
+                row.end_row(length - pad)
             state.end(keys, length)
 
     def reset(self) -> None:
@@ -622,7 +627,7 @@ def _batch_forward(session, state, module, query, key, value, attention_mask, dr
                     n - pad,
                     functools.partial(causal_attention_received, q_i, keys_i[0, :, : n - pad], row_start, scale),
                 )
-            row.end(keys_i, n - pad)
+            row.end_row(n - pad)
         state.end(key, n)
         return out, None
     if kwargs.get("softcap") is not None:
@@ -651,7 +656,7 @@ def _batch_forward(session, state, module, query, key, value, attention_mask, dr
             out[i : i + 1] = sdpa_attention_forward(
                 module, q_i, k_i[:, :, :m], v_i[:, :, :m], None, dropout=dropout, scaling=scaling, **kwargs
             )[0]
-        row.end(k_i, m)
+        row.end_row(m)
     if sparse and not _sparse_rows_in_one_call(session, sparse, query, key, value, out, scale):
         for i, row, pad, m in sparse:  # one sparse step per sequence, over its own slice of the cache
             k_i = key[i : i + 1, :, pad:]
@@ -664,7 +669,7 @@ def _batch_forward(session, state, module, query, key, value, attention_mask, dr
                 )
             finally:
                 session.sequence = 0
-            row.end(k_i, m, chained=True)
+            row.end_row(m, chained=True)
     state.end(key, n)
     return out, None
 
@@ -694,8 +699,7 @@ def _sparse_rows_in_one_call(session, sparse, query, key, value, out, scale) -> 
     mean_pooled = cfg.selector == "mean-pooled"
     fresh = [row.step % reuse == 0 or (row.blocks is None and row.positions is None) for _, row, _, _ in sparse]
     selecting = [i for (i, *_), f in zip(sparse, fresh) if f] if mean_pooled else []
-    if selecting:  # the C kernel scores internally: refuse a non-finite query first, as select_blocks does
-        check_step_query(q if len(selecting) == q.shape[0] else q[selecting])
+    if selecting:  # a non-finite query or key makes a score non-finite: the C call finds it and raises
         # run_selection's cap, b <= n_blocks (a sequence past the support always has more than cfg.blocks)
         b = min(cfg.blocks, *(-(-(max(n - window, 1) - 1) // block) for (*_, n), f in zip(sparse, fresh) if f))
         chosen = torch.empty(len(selecting), key.shape[1], b, dtype=torch.int64)
@@ -721,12 +725,12 @@ def _sparse_rows_in_one_call(session, sparse, query, key, value, out, scale) -> 
     if not q.is_contiguous():
         q = q.contiguous()
     kernels.cpu.run_step_batch(q, key, value, out.view(q.shape), calls, window, block, scale)
-    for i, row, pad, m in sparse:
+    for i, row, _pad, m in sparse:
         if session.track_reads:
             row.note_reads(row.blocks, BlockLayout(n=m, window=window, block_size=block))
         session.sparse_steps += 1
         session.sequence_steps.setdefault(i, [0, 0])[0] += 1
-        row.end(key[i : i + 1, :, pad:], m, chained=True)
+        row.end_row(m, chained=True)
     return True
 
 

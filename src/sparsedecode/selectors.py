@@ -28,7 +28,7 @@ from .centroids import BlockCentroids, reduce_blocks
 from .config import SparseConfig
 from .errors import SparseDecodeError
 from .layout import BlockLayout, support_positions  # defined there; importable from here as before
-from .validate import check_finite, check_scores, check_step_query
+from .validate import check_finite, check_scores
 
 
 def group_mean_queries(queries: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -198,16 +198,15 @@ def select_blocks(
     Triton (CUDA) scores and picks in two kernels without a host synchronisation (the same set, best first
     instead of ascending), the C kernel (float32 on the CPU) in one call (the same blocks, ascending).
 
-    Non-finite scores raise :class:`SparseDecodeError` instead of picking blocks (NaN ranks nowhere). The C kernel
-    scores internally and checks its scores there (one pass over each tile of scores while it is in L1), after a
-    check of the query before the call. The Triton path checks nothing, to stay free of host synchronisation.
+    Non-finite scores raise :class:`SparseDecodeError` instead of picking blocks (NaN ranks nowhere): a NaN or
+    infinite query or key makes a score non-finite. The C kernel scores internally and checks its scores there (one
+    pass over each tile of scores while it is in L1). The Triton path checks nothing, to stay free of host
+    synchronisation.
     """
     kv_heads = keys.shape[0]
     if cfg.selector == "mean-pooled":
         kernel = kernels.selection_kernel(cfg.kernel, queries, keys, layout)
         if kernel != "torch":
-            if kernel == "c":  # the C kernel scores internally; the Triton path stays free of host synchronisation
-                check_step_query(queries)
             centroids = cache.update_all(keys, layout.n_full)["mean"]
             return kernels.select_mean_pooled(kernel, queries, keys, centroids, layout, cfg.blocks)
     if cfg.selector in STAT_KINDS:

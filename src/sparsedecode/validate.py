@@ -106,15 +106,6 @@ def finite_sum(tensor: torch.Tensor) -> bool:
     return math.isfinite(float(tensor.sum(dtype=torch.float64)))
 
 
-def check_step_query(q: torch.Tensor) -> None:
-    """Refuse a non-finite query ``(H, d)`` of a decode step before it selects blocks (cost: one small reduction)."""
-    if not finite_sum(q):
-        raise SparseDecodeError(
-            "the decode step's query holds NaN or infinite values, so no block selection is meaningful; "
-            "the model's hidden states are not finite (check its weights and dtype)"
-        )
-
-
 def check_scores(scores: torch.Tensor) -> None:
     """Refuse non-finite selection scores ``(rows, n)``: NaN would otherwise pick blocks in index order."""
     if not finite_sum(scores):
