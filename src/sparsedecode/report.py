@@ -530,6 +530,7 @@ def _selectors_command(settings: dict) -> str:
         + ("" if list(selectors) == list(SELECTORS) else f" --selectors {','.join(selectors)}")
         + (" --audit" if settings.get("audit") else "")
         + (f" --retrieval {settings['retrieval']}" if settings.get("retrieval") else "")
+        + (f" --batch {settings['batch']}" if settings.get("batch", 1) > 1 else "")
     )
 
 

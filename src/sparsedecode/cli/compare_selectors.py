@@ -105,7 +105,18 @@ def cmd_compare_selectors(args) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     settings = {
         key: getattr(args, key)
-        for key in ("model", "dtype", "corpus", "context", "support", "prompts", "tokens", "audit", "retrieval")
+        for key in (
+            "model",
+            "dtype",
+            "corpus",
+            "context",
+            "support",
+            "prompts",
+            "tokens",
+            "audit",
+            "retrieval",
+            "batch",
+        )
     }
     settings["selectors"] = list(chosen)
     settings["environment"] = environment()
