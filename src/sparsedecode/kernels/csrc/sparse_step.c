@@ -260,6 +260,9 @@ static void *scratch(size_t needed) {
 enum { TILE = 1024, LINE = 16 /* floats per 64-byte cache line */ };
 enum { NONFINITE = 2 }; /* a status: a selection score is NaN or infinite (-1 is out of memory) */
 
+/* x * 0 is 0 for finite x and NaN for NaN or an infinity (the build has no -ffast-math, so this is not folded) */
+static inline int nonfinite(float x) { return x * 0.0f != 0.0f; }
+
 typedef struct {
     const float *q, *centroids;
     int64_t c_stride_h, c_stride_d, n_full, group, d, b, chunks;
@@ -279,7 +282,7 @@ static void mean_query(const float *q, int64_t h, int64_t group, int64_t d, floa
 /* Score blocks [first, stop) of one head's transposed centroids `c` (row i of d at c + i * stride) against q_mean and
  * keep the b best in (best_scores, best_blocks, kept). Returns 0, or NONFINITE when a score is NaN or infinite (a
  * non-finite key in a block, or a query: NaN ranks nowhere, so nothing is chosen), found by one pass over each tile
- * while it is in L1 (x * 0 is 0 for finite x, NaN otherwise). Not inlined: every entry point scores with the same
+ * while it is in L1 (the sum of every score times 0, see nonfinite). Not inlined: every entry point scores with the same
  * code, so the single-sequence and the batched calls pick the same blocks to the bit. */
 __attribute__((noinline)) static int score_blocks(const float *q_mean, const float *c, int64_t stride, int64_t first,
                                                    int64_t stop, int64_t d, int64_t b, float *best_scores,
@@ -305,7 +308,7 @@ __attribute__((noinline)) static int score_blocks(const float *q_mean, const flo
         float probe = 0.0f;
 #pragma omp simd reduction(+ : probe)
         for (int64_t k = 0; k < m; k++) probe += tile[k] * 0.0f;
-        if (probe != probe) return NONFINITE;
+        if (nonfinite(probe)) return NONFINITE;
         /* keep the b best; once b are kept, look only at groups of 8 whose best reaches the b-th */
         int64_t j = 0;
         for (; j < m && *kept < b; j++) offer(tile[j], t0 + j, best_scores, best_blocks, kept, b);
@@ -381,7 +384,7 @@ int select_mean_pooled(const float *q, const float *centroids, int64_t c_stride_
         if (n_blocks > n_full) { /* the short tail block is not cached: average its keys now */
             mean_query(q, h, group, d, q_mean);
             float dot = tail_score(q_mean, keys + h * k_stride_h, k_stride_n, 1 + n_full * block, distant_end, d);
-            if (dot * 0.0f != 0.0f) return NONFINITE;
+            if (nonfinite(dot)) return NONFINITE;
             offer(dot, n_full, merged_scores, merged, &count, b);
         }
         qsort(merged, (size_t)count, sizeof(int64_t), compare_ascending);
@@ -604,7 +607,7 @@ static int select_head(const batch_job *job, const row_t *row, int64_t h, const 
         if (!status && n_blocks > n_full) { /* the short tail block is not cached: average its keys now */
             float dot = tail_score(q_mean, keys + h * job->k_stride_h, job->k_stride_n, 1 + n_full * block,
                                    distant_end, d);
-            if (dot * 0.0f != 0.0f) status = NONFINITE;
+            if (nonfinite(dot)) status = NONFINITE;
             offer(dot, n_full, scores, blocks, &count, b);
         }
         if (!status) {
