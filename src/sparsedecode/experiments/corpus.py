@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import SparseDecodeError
-from .specs import GAP
 
 if TYPE_CHECKING:  # torch is imported where tokens are made, so the task generators' module loads without it
     import torch
@@ -31,6 +30,9 @@ FILLER = (
 """The classic passkey haystack: filler sentences repeated (the retrieval probe's, and RULER's noise haystack)."""
 
 CORPORA = ("python-docs", "wikitext2")
+DEFAULT_CORPUS = "python-docs"
+GAP = 256
+"""Tokens left unused between two prompts of a corpus (see the module docstring)."""
 
 
 def _python_docs() -> str:

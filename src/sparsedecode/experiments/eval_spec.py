@@ -3,12 +3,13 @@ refuses bad arguments before importing it. :mod:`.evaluate` runs it and re-expor
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from ..config import SparseConfig
 from ..errors import SparseDecodeError
+from .corpus import DEFAULT_CORPUS
 from .ruler import TASK_NAMES, TASKS, TEMPLATES, check_tasks
-from .specs import DEFAULT_CORPUS
+from .specs import Spec
 
 DENSE = "dense"
 KEY_FIELDS = ("task", "context", "sample", "selector", "support")
@@ -20,9 +21,11 @@ Group = tuple[str, int, int]
 
 
 @dataclass(frozen=True)
-class EvalSpec:
+class EvalSpec(Spec):
     """Everything that defines an evaluation's results. ``answer_tokens`` caps every task's answer (``None``: each
     task's own budget, see :data:`.ruler.TASKS`); ``template`` is ``auto``, ``chat`` or ``plain``."""
+
+    WHAT = "eval spec"
 
     model: str
     dtype: str = "float32"
@@ -80,18 +83,3 @@ class EvalSpec:
 
     def keys(self) -> list[RunKey]:
         return [key for group in self.groups() for key in self.group_keys(group)]
-
-    def to_dict(self) -> dict:
-        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> EvalSpec:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise SparseDecodeError(f"eval spec has unknown fields {', '.join(unknown)}: written by a newer version?")
-        return cls(**data)
-
-    def differences(self, other: EvalSpec) -> list[str]:
-        mine, theirs = self.to_dict(), other.to_dict()
-        return [f"{name}: {mine[name]!r} vs {theirs[name]!r}" for name in mine if mine[name] != theirs[name]]

@@ -41,8 +41,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from ..errors import SparseDecodeError
-from .corpus import FILLER, load_text
-from .specs import DEFAULT_CORPUS
+from .corpus import DEFAULT_CORPUS, FILLER, load_text
 
 GENERATOR_VERSION = 1
 """Bumped whenever the same arguments would give other samples; stored with every evaluation."""

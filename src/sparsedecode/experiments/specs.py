@@ -2,7 +2,8 @@
 bad arguments before importing it (an answer in well under a second).
 
 :class:`SweepSpec` (the survival sweep, :mod:`.sweep`) and :class:`RetrievalSpec` (the passkey probe,
-:mod:`.retrieval`); both modules re-export them.
+:mod:`.retrieval`); both modules re-export them. :class:`Spec` is their shared base, and that of
+:class:`~.eval_spec.EvalSpec` (a module of its own: its row keys carry the same names as a sweep's).
 """
 
 from __future__ import annotations
@@ -11,10 +12,7 @@ from dataclasses import dataclass, fields
 
 from ..config import SparseConfig
 from ..errors import SparseDecodeError
-
-DEFAULT_CORPUS = "python-docs"
-GAP = 256
-"""Tokens left unused between two prompts of a corpus (see :mod:`.corpus`)."""
+from .corpus import DEFAULT_CORPUS, GAP
 
 KEY_FIELDS = ("context", "prompt_index", "support", "reuse", "selector")
 """The fields of a row that identify its run; a sweep never holds two rows with the same key."""
@@ -27,14 +25,39 @@ Group = tuple[int, int]
 """``(context, prompt_index)``: the runs that share one dense reference."""
 
 
+class Spec:
+    """What every spec dataclass shares: its JSON form and back, and what differs between two of them. ``WHAT``
+    names the spec in messages."""
+
+    WHAT = "spec"
+
+    def to_dict(self) -> dict:
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict):
+        """Inverse of :meth:`to_dict`; fields missing from older files take their defaults, unknown ones are refused."""
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise SparseDecodeError(f"{cls.WHAT} has unknown fields {', '.join(unknown)}: written by a newer version?")
+        return cls(**data)
+
+    def differences(self, other) -> list[str]:
+        """``"name: mine vs other"`` for every field that differs."""
+        mine, theirs = self.to_dict(), other.to_dict()
+        return [f"{name}: {mine[name]!r} vs {theirs[name]!r}" for name in mine if mine[name] != theirs[name]]
+
+
 @dataclass(frozen=True)
-class SweepSpec:
+class SweepSpec(Spec):
     """Everything that defines a sweep's results (and nothing that does not, such as the output folder).
 
     ``prompts`` counts prompts per context (prompt indices ``0 .. prompts - 1``, non-overlapping corpus
     prefixes spaced ``context + tokens + gap`` tokens apart). ``reuse`` is a list of selection intervals R,
     ``selectors`` a list of selector names (every selector runs against the same dense references).
     """
+
+    WHAT = "sweep spec"
 
     model: str
     dtype: str = "float32"
@@ -102,30 +125,16 @@ class SweepSpec:
         """Every run of the sweep, in the order an unsharded sweep runs them."""
         return [key for group in self.groups() for key in self.group_keys(group)]
 
-    def to_dict(self) -> dict:
-        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
-
     @classmethod
     def from_dict(cls, data: dict) -> SweepSpec:
-        """Inverse of :meth:`to_dict`; fields missing from older files take their defaults.
-
-        Files written before several selectors per sweep hold one ``selector``: read as ``selectors = [it]``.
-        """
+        """As :meth:`Spec.from_dict`; files written before several selectors per sweep hold one ``selector``: read as
+        ``selectors = [it]``."""
         data = dict(data)
         if "selector" in data:
             if "selectors" in data:
                 raise SparseDecodeError("sweep spec has both 'selector' and 'selectors'; keep one")
             data["selectors"] = [data.pop("selector")]
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise SparseDecodeError(f"sweep spec has unknown fields {', '.join(unknown)}: written by a newer version?")
-        return cls(**data)
-
-    def differences(self, other: SweepSpec) -> list[str]:
-        """``"name: mine vs other"`` for every field that differs."""
-        mine, theirs = self.to_dict(), other.to_dict()
-        return [f"{name}: {mine[name]!r} vs {theirs[name]!r}" for name in mine if mine[name] != theirs[name]]
+        return super().from_dict(data)
 
     def extension_of(self, stored: SweepSpec) -> list[str] | None:
         """What this spec adds to ``stored``'s grid, one ``"name: stored -> mine"`` per grown field (empty when
@@ -147,8 +156,10 @@ class SweepSpec:
 
 
 @dataclass(frozen=True)
-class RetrievalSpec:
+class RetrievalSpec(Spec):
     """Everything that defines the probe's results. ``haystack`` is ``filler`` or a corpus name or path."""
+
+    WHAT = "retrieval spec"
 
     model: str
     dtype: str = "float32"
@@ -184,6 +195,3 @@ class RetrievalSpec:
             )
             for s in self.supports
         ]
-
-    def to_dict(self) -> dict:
-        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
