@@ -172,7 +172,7 @@ class Calls:
 
     def __init__(self, monkeypatch):
         self.batched, self.blocks = 0, []
-        run_step_batch, run_attention = cpu.run_step_batch, cpu.run_attention
+        run_step_batch, run_attention, run_step = cpu.run_step_batch, cpu.run_attention, cpu.run_step
 
         def batched(q, keys, values, out, rows, *args):
             self.batched += 1
@@ -183,8 +183,14 @@ class Calls:
             self.blocks.append(blocks.clone())
             return run_attention(q, keys, values, blocks, *args)
 
+        def whole_step(*args):  # a single sequence's step in one call: its blocks as the call returns them
+            out, blocks = run_step(*args)
+            self.blocks.append(blocks.clone())
+            return out, blocks
+
         monkeypatch.setattr(cpu, "run_step_batch", batched)
         monkeypatch.setattr(cpu, "run_attention", single)
+        monkeypatch.setattr(cpu, "run_step", whole_step)
 
 
 def per_row(monkeypatch):

@@ -59,6 +59,43 @@ def test_c_selection_and_attention_match_torch(case):
     assert (out - reference).norm() / reference.norm() < 1e-5
 
 
+@pytest.mark.parametrize("threads", [1, 2, 4])  # KV heads >= threads: one dispatch; fewer: the two calls in turn
+@pytest.mark.parametrize("case", CASES + [(14, 2, 64, 70000, 8)], ids=lambda c: "-".join(map(str, c)))
+def test_one_call_step_equals_selection_then_attention(case, threads):
+    """``run_step`` (the whole step in one C call) gives the two calls' blocks and output to the bit, selecting
+    afresh or reusing blocks, over one or several threads."""
+    query_heads, kv_heads, d, n, b = case
+    generator = torch.Generator().manual_seed(n + threads)
+    layout = BlockLayout(n=n, window=64, block_size=16)
+    keys = torch.randn(kv_heads, n + 5, d, generator=generator)
+    values = torch.randn(kv_heads, n + 5, d, generator=generator)
+    q = 3 * torch.randn(query_heads, d, generator=generator)
+    cache = BlockCentroids(16)
+    centroids = cache.update(keys, layout.n_full)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        chosen = cpu.select_mean_pooled(q, keys, centroids, layout, b)
+        expected = cpu.attend_support(q, keys, values, chosen, layout, d**-0.5)
+        out, blocks = cpu.run_step(q, keys, values, cache.storage(), None, layout, b, d**-0.5)
+        assert torch.equal(blocks, chosen) and torch.equal(out, expected)
+        reused = blocks.flip(1).to(torch.int32)  # blocks as given, in any order and integer type
+        out, same = cpu.run_step(q, keys, values, None, reused, layout, b, d**-0.5)
+        assert torch.equal(out, cpu.attend_support(q, keys, values, reused, layout, d**-0.5))
+        assert torch.equal(same, reused.to(torch.int64))
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_one_call_step_refuses_centroids_of_another_shape():
+    layout = BlockLayout(n=400, window=64, block_size=16)
+    keys, values, q = torch.randn(2, 400, 16), torch.randn(2, 400, 16), torch.randn(4, 16)
+    # none, room for fewer than the layout's 20 full blocks, (kv, blocks, d) instead of (kv, d, blocks), float64
+    for storage in (None, torch.zeros(2, 16, 10), torch.zeros(2, 20, 16), torch.zeros(2, 16, 20, dtype=torch.float64)):
+        with pytest.raises(SparseDecodeError, match="centroid storage"):
+            cpu.run_step(q, keys, values, storage, None, layout, 4, 0.25)
+
+
 def test_c_attention_masks_a_chosen_short_last_block():
     layout = BlockLayout(n=2048, window=64, block_size=16)  # 123 full blocks, then one of 15 positions
     generator = torch.Generator().manual_seed(7)

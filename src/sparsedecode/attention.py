@@ -858,10 +858,22 @@ def sparse_decode_step(
         )
 
     fresh = state.step % cfg.reuse == 0 or (state.blocks is None and state.positions is None)
+    # the C kernel takes a block selector's whole step in one call (mean-pooled selection inside it)
+    one_call = not cfg.token_level and kernels.attention_kernel(cfg.kernel, q, keys, values, layout) == "c"
     if fresh and cfg.token_level:
         history = state.history_until(n, keys.shape[0], keys.device) if h2o else None  # earlier queries only
         index = select_positions(cfg, q, keys, layout, scale=scale, accumulated=history)
         state.positions = index[:, 1 : 1 + cfg.distant_positions]
+    elif one_call and fresh and cfg.selector == "mean-pooled":
+        if state.centroids.count < layout.n_full:  # the blocks completed since the last step
+            state.centroids.update(keys, layout.n_full)
+        out, state.blocks = kernels.cpu.run_step(
+            q, keys, values, state.centroids.storage(), None, layout, cfg.blocks, scale
+        )
+    elif one_call:
+        if fresh:
+            state.blocks = select_blocks(cfg, state.centroids, q, keys, layout, scale=scale, salt=state.layer)
+        out, state.blocks = kernels.cpu.run_step(q, keys, values, None, state.blocks, layout, cfg.blocks, scale)
     elif fresh:
         state.blocks = select_blocks(cfg, state.centroids, q, keys, layout, scale=scale, salt=state.layer)
     state.step += 1
@@ -881,7 +893,8 @@ def sparse_decode_step(
         if session.track_reads:
             state.note_positions(index, layout)
     else:
-        out = _attend_blocks(cfg, q, keys, values, blocks, layout, scale)
+        if not one_call:
+            out = _attend_blocks(cfg, q, keys, values, blocks, layout, scale)
         if session.track_reads:
             state.note_reads(blocks, layout)
     if session.observers:
@@ -892,7 +905,9 @@ def sparse_decode_step(
         )
         for observe in session.observers:
             observe(view)
-    return out.to(query.dtype).view(1, 1, query_heads, -1)  # -1: the value head dim
+    if out.dtype != query.dtype:
+        out = out.to(query.dtype)
+    return out.view(1, 1, query_heads, -1)  # -1: the value head dim
 
 
 def register() -> None:

@@ -118,8 +118,11 @@ def _build() -> ctypes.CDLL:
     library.sparse_step_batch.argtypes = (
         [_ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr] + [_i64] * 6 + [_f32, _i64]
     )
+    library.sparse_step.argtypes = (
+        [_ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr] + [_i64] * 8 + [_f32, _i64, _ptr]
+    )
     library.select_mean_pooled.restype = library.attend_support.restype = ctypes.c_int
-    library.sparse_step_batch.restype = ctypes.c_int
+    library.sparse_step.restype = library.sparse_step_batch.restype = ctypes.c_int
     return library
 
 
@@ -284,6 +287,86 @@ def run_attention(
     )
     check_status(status)
     return out
+
+
+def run_step(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    centroids: torch.Tensor | None,
+    blocks: torch.Tensor | None,
+    layout: BlockLayout,
+    b: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole sparse step of one sequence in one C call: ``(out (H, d) float32, blocks (kv, b) int64)``.
+
+    With ``blocks=None`` it selects afresh (what :func:`run_selection` returns for ``b``, from ``centroids``: the
+    cache's ``(kv, d, capacity)`` float32 storage, :meth:`~sparsedecode.centroids.BlockCentroids.storage`, holding
+    at least the layout's ``n_full`` blocks), else it attends over ``blocks`` as they are; then what
+    :func:`run_attention` computes. One call instead of two saves the Python and ctypes work of the second (a few
+    tens of microseconds per layer and step, most of a step's time below ~32K positions). For tensors the dispatch
+    has checked (:func:`refusal` and shapes); the rest is checked here.
+    """
+    kv_heads, d = keys.shape[0], keys.shape[-1]
+    fresh = blocks is None
+    if fresh:
+        b = max(min(b, layout.n_blocks), 0)
+        blocks = torch.empty(kv_heads, b, dtype=torch.int64)
+        n_full = layout.n_full if b else 0
+        if n_full and not (
+            centroids is not None
+            and centroids.dim() == 3
+            and centroids.shape[0] == kv_heads
+            and centroids.shape[1] == d
+            and centroids.shape[2] >= n_full
+            and centroids.stride(2) == 1
+            and centroids.dtype == torch.float32
+            and centroids.is_cpu
+        ):
+            got = "None" if centroids is None else f"{tuple(centroids.shape)} {centroids.dtype}"
+            raise SparseDecodeError(
+                f"centroid storage must be float32 CPU ({kv_heads}, {d}, >= {n_full}) with the block stride 1; "
+                f"got {got}"
+            )
+        pointer, c_head, c_dim = (centroids.data_ptr(), centroids.stride(0), centroids.stride(1)) if n_full else (0,) * 3
+    else:
+        if blocks.dim() != 2 or blocks.shape[0] != kv_heads:
+            raise SparseDecodeError(f"blocks must be ({kv_heads}, b), one row per KV head; got {tuple(blocks.shape)}")
+        if blocks.dtype != torch.int64 or not blocks.is_cpu or not blocks.is_contiguous():
+            blocks = blocks.to(device="cpu", dtype=torch.int64).contiguous()
+        n_full, pointer, c_head, c_dim = 0, 0, 0, 0
+    if not q.is_contiguous():
+        q = q.contiguous()
+    out = torch.empty(q.shape[0], d, dtype=torch.float32)
+    distant_end = layout.distant_end
+    status = library().sparse_step(
+        q.data_ptr(),
+        pointer,
+        c_head,
+        c_dim,
+        n_full,
+        keys.data_ptr(),
+        keys.stride(0),
+        keys.stride(1),
+        values.data_ptr(),
+        values.stride(0),
+        values.stride(1),
+        blocks.data_ptr(),
+        blocks.shape[1],
+        1 if fresh else 0,
+        kv_heads,
+        q.shape[0] // kv_heads,
+        d,
+        layout.n,
+        distant_end,
+        layout.block_size,
+        scale,
+        torch.get_num_threads(),
+        out.data_ptr(),
+    )
+    check_status(status)
+    return out, blocks
 
 
 def sparse_step_batch(

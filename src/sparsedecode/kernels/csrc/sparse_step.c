@@ -676,3 +676,27 @@ int sparse_step_batch(const float *q, const float *keys, int64_t k_stride_h, int
                      v_stride_h, v_stride_n, kv_heads,   group,    d,   window, block,     scale};
     return parallel(batch_task, &job, n_rows * kv_heads, threads < parts ? threads : (int64_t)parts, 1);
 }
+
+/* The whole sparse step of one sequence in one call: when `fresh`, select into chosen (kv, b) what
+ * select_mean_pooled selects, then attend over anchor + chosen + window as attend_support does (the same blocks and
+ * output to the bit: both routes below score with score_blocks and tail_score and attend with attend_head). With at
+ * least as many KV heads as threads it is one batch row: one dispatch, each task a head's selection then its
+ * attention, so a worker is woken once per step, not twice. With fewer KV heads (a head's selection is then split
+ * into ranges of blocks) it is the two calls in turn. Returns 0, or what the failing call returned (out undefined). */
+int sparse_step(const float *q, const float *centroids, int64_t c_stride_h, int64_t c_stride_d, int64_t n_full,
+                const float *keys, int64_t k_stride_h, int64_t k_stride_n, const float *values, int64_t v_stride_h,
+                int64_t v_stride_n, int64_t *chosen, int64_t b, int64_t fresh, int64_t kv_heads, int64_t group,
+                int64_t d, int64_t n, int64_t distant_end, int64_t block, float scale, int64_t threads, float *out) {
+    if (!fresh || kv_heads >= threads) {
+        row_t row = {0, 0, 0, 0, n, (int64_t)(intptr_t)centroids, c_stride_h, c_stride_d, (int64_t)(intptr_t)chosen,
+                     b, fresh ? 1 : 0};
+        (void)n_full; /* the row derives it from n and the window */
+        return sparse_step_batch(q, keys, k_stride_h, k_stride_n, values, v_stride_h, v_stride_n, out,
+                                 (const int64_t *)&row, 1, kv_heads, group, d, n - distant_end, block, scale, threads);
+    }
+    int status = select_mean_pooled(q, centroids, c_stride_h, c_stride_d, n_full, keys, k_stride_h, k_stride_n,
+                                    kv_heads, group, d, distant_end, block, b, threads, chosen);
+    if (status) return status;
+    return attend_support(q, keys, k_stride_h, k_stride_n, values, v_stride_h, v_stride_n, chosen, b, kv_heads, group,
+                          d, n, distant_end, block, scale, threads, out);
+}
