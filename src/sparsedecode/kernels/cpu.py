@@ -329,7 +329,9 @@ def run_step(
                 f"centroid storage must be float32 CPU ({kv_heads}, {d}, >= {n_full}) with the block stride 1; "
                 f"got {got}"
             )
-        pointer, c_head, c_dim = (centroids.data_ptr(), centroids.stride(0), centroids.stride(1)) if n_full else (0,) * 3
+        pointer, c_head, c_dim = (
+            (centroids.data_ptr(), centroids.stride(0), centroids.stride(1)) if n_full else (0,) * 3
+        )
     else:
         if blocks.dim() != 2 or blocks.shape[0] != kv_heads:
             raise SparseDecodeError(f"blocks must be ({kv_heads}, b), one row per KV head; got {tuple(blocks.shape)}")
