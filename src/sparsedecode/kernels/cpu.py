@@ -1,10 +1,12 @@
 """The sparse step's CPU kernel: ``csrc/sparse_step.c``, compiled at first use and called through ctypes.
 
-Two functions, one call each per layer and step: mean-pooled block selection over the cached centroids (with the
-short tail block averaged on the fly) and attention over anchor + chosen blocks + window read in place from the KV
-cache. They replace ~20 small torch operations whose fixed cost (a few microseconds each) made the sparse step
-slower than dense SDPA below ~32K positions. A call large enough to pay for it is split (KV heads, and ranges of
-blocks for selection) over up to ``torch.get_num_threads()`` threads: persistent workers started on first need.
+Two parts: mean-pooled block selection over the cached centroids (with the short tail block averaged on the fly)
+and attention over anchor + chosen blocks + window read in place from the KV cache, callable apart
+(:func:`select_mean_pooled`, :func:`attend_support`) and together, one call per layer and step
+(:func:`run_step`, what the attention step uses). They replace ~20 small torch operations whose fixed cost (a few
+microseconds each) made the sparse step slower than dense SDPA below ~32K positions. A call large enough to pay
+for it is split (KV heads, and ranges of blocks for selection) over up to ``torch.get_num_threads()`` threads:
+persistent workers started on first need.
 
 For a batch, :func:`sparse_step_batch` serves every sparse sequence of a layer in one call: each sequence with its
 own length (its own layout), centroid cache, blocks and reuse schedule; it selects for the sequences that select
