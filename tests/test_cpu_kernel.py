@@ -138,6 +138,31 @@ def test_decoding_with_the_c_kernel_matches_torch(arch):
     assert torch.allclose(results["c"][1], results["torch"][1], atol=1e-4)
 
 
+@pytest.mark.parametrize("selector", ["mean-pooled", "quest"])
+def test_a_sparse_step_is_one_c_call_per_layer(selector, monkeypatch):
+    """Under kernel="auto" on float32 CPU tensors every sparse step of every layer is one ``run_step`` call (the
+    mean-pooled selection inside it; quest selects in torch first), never the separate selection and attention."""
+    model = tiny_model("llama")
+    calls = {"step": 0, "apart": 0}
+    run_step = cpu.run_step
+
+    def counted(*args):
+        calls["step"] += 1
+        return run_step(*args)
+
+    def apart(*args):
+        calls["apart"] += 1
+        raise AssertionError("the sparse step called the selection or attention kernel on its own")
+
+    monkeypatch.setattr(cpu, "run_step", counted)
+    monkeypatch.setattr(cpu, "run_selection", apart)
+    monkeypatch.setattr(cpu, "run_attention", apart)
+    with sparse_decoding(model, SparseConfig(support=97, reuse=2, selector=selector)) as session:
+        greedy_loop(model, prompt(200), 10)
+    assert session.sparse_steps > 0 and calls["apart"] == 0
+    assert calls["step"] == session.sparse_steps
+
+
 def test_c_kernel_refused_for_half_precision():
     model = tiny_model("llama", dtype=torch.bfloat16)
     with (
