@@ -189,7 +189,7 @@ def captured_mass_vs_success(trials: list[dict], path: Path, *, title: str) -> P
         y = np.array([float(t["correct"]) for t in group]) + rng.uniform(-0.08, 0.08, len(group))
         ax.scatter([t["captured_mass_ratio_mean"] for t in group], y, color=colors[support], label=f"S={support}")
     ax.set_yticks([0, 1], ["missed", "found"])
-    ax.set_xlabel("captured mass ratio (selected blocks / best b blocks), mean over steps, layers, heads")
+    ax.set_xlabel("captured mass / best reachable b blocks (mean over steps, layers, KV groups)", fontsize=9)
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7)
     return _save(fig, path)
