@@ -291,6 +291,32 @@ def run_attention(
     return out
 
 
+def _centroid_storage(
+    centroids: torch.Tensor | None, kv_heads: int, d: int, n_full: int, where: str
+) -> tuple[int, int, int]:
+    """``(pointer, head stride, dim stride)`` of a centroid cache's ``(kv, d, capacity)`` float32 storage holding
+    room for ``n_full`` blocks with the block stride 1, as the C selection reads it; zeros when ``n_full`` is 0
+    (nothing is read). Raises :class:`SparseDecodeError` (prefixed by ``where``) for any other tensor."""
+    if not n_full:
+        return 0, 0, 0
+    if not (
+        centroids is not None
+        and centroids.dim() == 3
+        and centroids.shape[0] == kv_heads
+        and centroids.shape[1] == d
+        and centroids.shape[2] >= n_full
+        and centroids.stride(2) == 1
+        and centroids.dtype == torch.float32
+        and centroids.is_cpu
+    ):
+        got = "None" if centroids is None else f"{tuple(centroids.shape)} {centroids.dtype}"
+        raise SparseDecodeError(
+            f"{where}centroid storage must be float32 CPU ({kv_heads}, {d}, >= {n_full}) with the block stride 1; "
+            f"got {got}"
+        )
+    return centroids.data_ptr(), centroids.stride(0), centroids.stride(1)
+
+
 def run_step(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -316,24 +342,7 @@ def run_step(
         b = max(min(b, layout.n_blocks), 0)
         blocks = torch.empty(kv_heads, b, dtype=torch.int64)
         n_full = layout.n_full if b else 0
-        if n_full and not (
-            centroids is not None
-            and centroids.dim() == 3
-            and centroids.shape[0] == kv_heads
-            and centroids.shape[1] == d
-            and centroids.shape[2] >= n_full
-            and centroids.stride(2) == 1
-            and centroids.dtype == torch.float32
-            and centroids.is_cpu
-        ):
-            got = "None" if centroids is None else f"{tuple(centroids.shape)} {centroids.dtype}"
-            raise SparseDecodeError(
-                f"centroid storage must be float32 CPU ({kv_heads}, {d}, >= {n_full}) with the block stride 1; "
-                f"got {got}"
-            )
-        pointer, c_head, c_dim = (
-            (centroids.data_ptr(), centroids.stride(0), centroids.stride(1)) if n_full else (0,) * 3
-        )
+        pointer, c_head, c_dim = _centroid_storage(centroids, kv_heads, d, n_full, "")
     else:
         if blocks.dim() != 2 or blocks.shape[0] != kv_heads:
             raise SparseDecodeError(f"blocks must be ({kv_heads}, b), one row per KV head; got {tuple(blocks.shape)}")
@@ -469,23 +478,7 @@ def run_step_batch(
             n_full = distant // block_size
             if b > -(-distant // block_size):
                 raise SparseDecodeError(f"row {sequence}: {b} blocks asked of {-(-distant // block_size)}")
-            if n_full:
-                if not (
-                    centroids is not None
-                    and centroids.dim() == 3
-                    and centroids.shape[0] == kv_heads
-                    and centroids.shape[1] == d
-                    and centroids.shape[2] >= n_full
-                    and centroids.stride(2) == 1
-                    and centroids.dtype == torch.float32
-                    and centroids.is_cpu
-                ):
-                    got = "None" if centroids is None else f"{tuple(centroids.shape)} {centroids.dtype}"
-                    raise SparseDecodeError(
-                        f"row {sequence}: centroid storage must be float32 CPU ({kv_heads}, {d}, >= {n_full}) with "
-                        f"the block stride 1; got {got}"
-                    )
-                c_pointer, c_head, c_dim = centroids.data_ptr(), centroids.stride(0), centroids.stride(1)
+            c_pointer, c_head, c_dim = _centroid_storage(centroids, kv_heads, d, n_full, f"row {sequence}: ")
         fields += (
             sequence * per_row,
             sequence * k_batch + pad * k_position,
