@@ -29,19 +29,26 @@ def heatmap(
 ) -> Path:
     """Write a labelled heat map of a 2-D array to ``path`` (PNG)."""
     rows, cols = matrix.shape
-    fig, ax = plt.subplots(figsize=(max(4.0, 0.5 * cols + 2.5), max(3.0, 0.22 * rows + 1.8)))
+    slanted = xticks is not None and max((len(t) for t in xticks), default=0) > 6  # long labels would overlap
+    width = (0.75 if annotate else 0.5) * cols + 2.5
+    height = 0.22 * rows + 1.8 + (0.06 * max(len(t) for t in xticks) if slanted else 0.0)
+    fig, ax = plt.subplots(figsize=(max(4.0, width), max(3.0, height)))
     image = ax.imshow(matrix, aspect="auto", cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest")
     fig.colorbar(image, ax=ax, label=colorbar)
     ax.set_title(title, fontsize=10)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if xticks is not None:
-        ax.set_xticks(range(cols), xticks)
+        if slanted:
+            ax.set_xticks(range(cols), xticks, rotation=40, ha="right", rotation_mode="anchor")
+        else:
+            ax.set_xticks(range(cols), xticks)
     if yticks is not None:
         ax.set_yticks(range(rows), yticks)
     if annotate:
         for (r, c), value in np.ndenumerate(matrix):
-            ax.text(c, r, f"{value:.2f}", ha="center", va="center", fontsize=7, color="white")
+            bright = np.isfinite(value) and image.norm(value) > 0.6  # dark text on the colour map's light end
+            ax.text(c, r, f"{value:.2f}", ha="center", va="center", fontsize=7, color="black" if bright else "white")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -94,19 +94,29 @@ def sweep_command(spec: SweepSpec, directory: Path) -> str:
 
 
 def _environment_lines(meta: dict) -> list[str]:
+    """One line per distinct (environment, backend) of the sessions that wrote the folder. A session on a backend
+    (Ray) ran its units in worker processes: their count and threads are what the timings saw, not the driver's."""
     sessions = meta.get("sessions", [])
-    seen: list[dict] = []
+    seen: list[tuple] = []
     for s in sessions:
-        if s.get("environment") not in seen:
-            seen.append(s.get("environment"))
+        key = (s.get("environment"), s.get("backend"))
+        if key not in seen:
+            seen.append(key)
     lines = []
-    for env in seen:
+    for env, backend in seen:
         if not env:
             continue
+        if backend and backend.get("workers"):
+            where = (
+                f"{backend.get('backend', 'a backend')}: {backend['workers']} worker(s) x "
+                f"{backend.get('threads_per_worker')} thread(s) on {backend.get('nodes')} node(s), "
+                f"{backend.get('cpus')} CPUs"
+            )
+        else:
+            where = f"{env.get('threads')} threads ({env.get('cpu_count')} CPUs, {env.get('processor')})"
         lines.append(
-            f"- device {env.get('device')}, {env.get('threads')} threads ({env.get('cpu_count')} CPUs, "
-            f"{env.get('processor')}); Python {env.get('python')}, torch {env.get('torch')}, transformers "
-            f"{env.get('transformers')}, numpy {env.get('numpy')}, sparsedecode {env.get('sparsedecode')}"
+            f"- device {env.get('device')}, {where}; Python {env.get('python')}, torch {env.get('torch')}, "
+            f"transformers {env.get('transformers')}, numpy {env.get('numpy')}, sparsedecode {env.get('sparsedecode')}"
             + (f" (source {env['revision']})" if env.get("revision") else "")
         )
     starts = [s.get("started") for s in sessions if s.get("started")]
