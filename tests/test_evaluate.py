@@ -243,6 +243,8 @@ def test_report_renders_an_eval_folder(loaded, tmp_path):
         assert heading in text
     assert "| niah_single_noise (dense fails) | 600 | 1 | 0 | 0 | 0 |" in text and "| vt | 600 | 1 | 100 |" in text
     assert "mean-pooled S=97" in text and "streaming S=97" in text and "sparsedecode eval --model tiny" in text
+    # dense's imperfect cells, with how many samples it answers fully and how many it scores 0 on (vt is perfect)
+    assert "| niah_single_noise | 600 | 1 | 0 | 0 | 1 |" in text and "| vt | 600 | 1 | 100 | 1 | 0 |" not in text
     assert (tmp_path / "e" / "accuracy.png").stat().st_size > 1000
     regressions = (tmp_path / "e" / "regressions.csv").read_text().splitlines()
     assert len(regressions) == 1 + 2 and all(line.startswith("vt,600,0,") for line in regressions[1:])
@@ -276,3 +278,22 @@ def test_a_context_a_task_cannot_fit_is_refused_before_writing(loaded, tmp_path)
     with pytest.raises(SparseDecodeError, match="too short for cwe"):
         run_eval(small_spec(tasks=("niah_single_noise", "cwe")), tmp_path / "e", loaded=loaded)
     assert not (tmp_path / "e").exists()
+
+
+def test_dense_imperfect_cells_count_full_and_zero_answers():
+    from sparsedecode.experiments.eval_summary import dense_imperfect
+
+    def row(task, sample, score, selector=DENSE):
+        return {"task": task, "context": 4096, "sample": sample, "selector": selector, "support": None, "score": score}
+
+    rows = [row("cwe", 0, 0.4), row("cwe", 1, 1.0), row("cwe", 2, 0.0), row("vt", 0, 1.0), row("vt", 1, 1.0)]
+    rows.append(row("vt", 0, 0.0, selector="streaming"))  # sparse rows do not count
+    (cell,) = dense_imperfect(rows)
+    assert cell == {
+        "task": "cwe",
+        "context": 4096,
+        "samples": 3,
+        "score": pytest.approx(1.4 / 3),
+        "fully_right": 1,
+        "zero": 1,
+    }

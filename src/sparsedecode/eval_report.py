@@ -164,6 +164,25 @@ def write_eval_report(directory: Path) -> Path:
         ]
     else:
         out += [f"Dense decoding scores at least {summary.DENSE_FAILS:.0%} in every cell.", ""]
+    imperfect = summary.dense_imperfect(rows)
+    if imperfect:
+        out += [
+            "Cells where dense does not answer every sample fully. A sparse setting there is measured against a "
+            "partial answer: it can lose part of it, or find by chance an answer dense missed. Where dense answers "
+            "no sample fully, the cell says little about sparsity.",
+            "",
+            _markdown_table(
+                ["task", "context", "samples", "dense %", "answered fully", "scored 0"],
+                [
+                    [c["task"], str(c["context"]), str(c["samples"]), _percent(c["score"]), str(c["fully_right"])]
+                    + [str(c["zero"])]
+                    for c in imperfect
+                ],
+            ),
+            "",
+        ]
+    else:
+        out += ["Dense answers every sample fully.", ""]
 
     out += ["## Samples dense answers and sparse decoding does not", ""]
     if regressions:

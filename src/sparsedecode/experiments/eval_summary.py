@@ -55,6 +55,28 @@ def dense_fails(rows: list[dict]) -> list[dict]:
     return [a for a in accuracy([r for r in rows if r["selector"] == DENSE]) if a["score"] < DENSE_FAILS]
 
 
+def dense_imperfect(rows: list[dict]) -> list[dict]:
+    """The (task, context) cells where dense does not answer every sample fully: dense's mean score, how many
+    samples it answers fully and how many it scores 0 on. A sparse score there is judged against a partial answer."""
+    dense = [r for r in rows if r["selector"] == DENSE]
+    out = []
+    for task, context in cells(dense):
+        group = [r for r in dense if (r["task"], r["context"]) == (task, context)]
+        fully = sum(r["score"] >= 1.0 for r in group)
+        if fully < len(group):
+            out.append(
+                {
+                    "task": task,
+                    "context": context,
+                    "samples": len(group),
+                    "score": sum(r["score"] for r in group) / len(group),
+                    "fully_right": fully,
+                    "zero": sum(r["score"] == 0 for r in group),
+                }
+            )
+    return out
+
+
 def _dense_by_sample(rows: list[dict]) -> dict[tuple, dict]:
     return {(r["task"], r["context"], r["sample"]): r for r in rows if r["selector"] == DENSE}
 
