@@ -284,7 +284,8 @@ def test_dense_imperfect_cells_count_full_and_zero_answers():
     from sparsedecode.experiments.eval_summary import dense_imperfect
 
     def row(task, sample, score, selector=DENSE):
-        return {"task": task, "context": 4096, "sample": sample, "selector": selector, "support": None, "score": score}
+        row = {"task": task, "context": 4096, "sample": sample, "selector": selector, "support": None, "score": score}
+        return {**row, "correct": score == 1.0}
 
     rows = [row("cwe", 0, 0.4), row("cwe", 1, 1.0), row("cwe", 2, 0.0), row("vt", 0, 1.0), row("vt", 1, 1.0)]
     rows.append(row("vt", 0, 0.0, selector="streaming"))  # sparse rows do not count

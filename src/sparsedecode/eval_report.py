@@ -174,8 +174,14 @@ def write_eval_report(directory: Path) -> Path:
             _markdown_table(
                 ["task", "context", "samples", "dense %", "answered fully", "scored 0"],
                 [
-                    [c["task"], str(c["context"]), str(c["samples"]), _percent(c["score"]), str(c["fully_right"])]
-                    + [str(c["zero"])]
+                    [
+                        c["task"],
+                        str(c["context"]),
+                        str(c["samples"]),
+                        _percent(c["score"]),
+                        str(c["fully_right"]),
+                        str(c["zero"]),
+                    ]
                     for c in imperfect
                 ],
             ),

@@ -29,9 +29,10 @@ def heatmap(
 ) -> Path:
     """Write a labelled heat map of a 2-D array to ``path`` (PNG)."""
     rows, cols = matrix.shape
-    slanted = xticks is not None and max((len(t) for t in xticks), default=0) > 6  # long labels would overlap
+    longest = max(map(len, xticks or ()), default=0)
+    slanted = longest > 6  # long column labels would overlap: slant them and make room below
     width = (0.75 if annotate else 0.5) * cols + 2.5
-    height = 0.22 * rows + 1.8 + (0.06 * max(len(t) for t in xticks) if slanted else 0.0)
+    height = 0.22 * rows + 1.8 + (0.06 * longest if slanted else 0.0)
     fig, ax = plt.subplots(figsize=(max(4.0, width), max(3.0, height)))
     image = ax.imshow(matrix, aspect="auto", cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest")
     fig.colorbar(image, ax=ax, label=colorbar)

@@ -62,7 +62,7 @@ def dense_imperfect(rows: list[dict]) -> list[dict]:
     out = []
     for task, context in cells(dense):
         group = [r for r in dense if (r["task"], r["context"]) == (task, context)]
-        fully = sum(r["score"] >= 1.0 for r in group)
+        fully = sum(r["correct"] for r in group)
         if fully < len(group):
             out.append(
                 {
