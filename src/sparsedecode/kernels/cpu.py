@@ -116,14 +116,13 @@ def _build() -> ctypes.CDLL:
             os.replace(built, target)  # atomic: concurrent builders each write their own scratch copy
     library = ctypes.CDLL(str(target))
     library.select_mean_pooled.argtypes = [_ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64] + [_i64] * 7 + [_ptr]
-    library.attend_support.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr] + [_i64] * 7 + [_f32, _i64, _ptr]
     library.sparse_step_batch.argtypes = (
         [_ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr] + [_i64] * 6 + [_f32, _i64]
     )
     library.sparse_step.argtypes = (
         [_ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr] + [_i64] * 8 + [_f32, _i64, _ptr]
     )
-    library.select_mean_pooled.restype = library.attend_support.restype = ctypes.c_int
+    library.select_mean_pooled.restype = ctypes.c_int
     library.sparse_step.restype = library.sparse_step_batch.restype = ctypes.c_int
     return library
 
@@ -260,35 +259,9 @@ def run_selection(
 def run_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocks: torch.Tensor, layout: BlockLayout, scale: float
 ) -> torch.Tensor:
-    """:func:`attend_support` on tensors the dispatch has checked (:func:`refusal` and shapes)."""
-    kv_heads, d = keys.shape[0], keys.shape[-1]
-    if blocks.dim() != 2 or blocks.shape[0] != kv_heads:
-        raise SparseDecodeError(f"blocks must be ({kv_heads}, b), one row per KV head; got {tuple(blocks.shape)}")
-    chosen = blocks.to(device="cpu", dtype=torch.int64).contiguous()
-    q = q.contiguous()
-    out = torch.empty(q.shape[0], d, dtype=torch.float32)
-    status = library().attend_support(
-        q.data_ptr(),
-        keys.data_ptr(),
-        keys.stride(0),
-        keys.stride(1),
-        values.data_ptr(),
-        values.stride(0),
-        values.stride(1),
-        chosen.data_ptr(),
-        chosen.shape[1],
-        kv_heads,
-        q.shape[0] // kv_heads,
-        d,
-        layout.n,
-        layout.distant_end,
-        layout.block_size,
-        scale,
-        torch.get_num_threads(),
-        out.data_ptr(),
-    )
-    check_status(status)
-    return out
+    """:func:`attend_support` on tensors the dispatch has checked (:func:`refusal` and shapes): the attend-only
+    form of :func:`run_step` (the same C code, the same output to the bit)."""
+    return run_step(q, keys, values, None, blocks, layout, 0, scale)[0]
 
 
 def _centroid_storage(
@@ -331,10 +304,10 @@ def run_step(
 
     With ``blocks=None`` it selects afresh (what :func:`run_selection` returns for ``b``, from ``centroids``: the
     cache's ``(kv, d, capacity)`` float32 storage, :meth:`~sparsedecode.centroids.BlockCentroids.storage`, holding
-    at least the layout's ``n_full`` blocks), else it attends over ``blocks`` as they are; then what
-    :func:`run_attention` computes. One call instead of two saves the Python and ctypes work of the second (a few
-    tens of microseconds per layer and step, most of a step's time below ~32K positions). For tensors the dispatch
-    has checked (:func:`refusal` and shapes); the rest is checked here.
+    at least the layout's ``n_full`` blocks), else it takes ``blocks`` as they are (``b`` unused); then attention
+    over anchor + blocks + window, as :func:`attend_support`. One call instead of two saves the Python and ctypes
+    work of the second (a few tens of microseconds per layer and step, most of a step's time below ~32K positions).
+    For tensors the dispatch has checked (:func:`refusal` and shapes); the rest is checked here.
     """
     kv_heads, d = keys.shape[0], keys.shape[-1]
     fresh = blocks is None
