@@ -40,13 +40,16 @@ from .eval_spec import DENSE, KEY_FIELDS, EvalSpec, Group, RunKey
 from .ruler import GENERATOR_VERSION, Sample, build_sample, score
 from .sweep import (
     RUNS_FILE,
+    MergeOutcome,
     Shard,
     SweepOutcome,
     _session,
     append_row,
     corpus_sha256,
     locked,
+    merged_provenance,
     parse_rows,
+    source_metas,
     write_json_atomic,
     write_rows,
 )
@@ -407,14 +410,6 @@ def is_eval_folder(directory: Path) -> bool:
     return (Path(directory) / SPEC_FILE).exists()
 
 
-@dataclass
-class MergeOutcome:
-    directory: Path
-    rows: int
-    duplicates: int
-    missing: int
-
-
 def merge_evals(sources: list[Path], directory: Path) -> MergeOutcome:
     """Combine the rows of evaluation folders with the same settings into ``directory`` (which may be one of them).
 
@@ -423,12 +418,7 @@ def merge_evals(sources: list[Path], directory: Path) -> MergeOutcome:
     folders whose dense answers to the same sample differ.
     """
     directory = Path(directory)
-    if not sources:
-        raise SparseDecodeError("merge needs at least one evaluation folder")
-    metas = [(Path(s), read_meta(Path(s))) for s in sources]
-    for source, meta in metas:
-        if meta is None:
-            raise SparseDecodeError(f"{source} is not an evaluation folder (no {SPEC_FILE})")
+    metas = source_metas(sources, "evaluation folder", read_meta, SPEC_FILE)
     with locked(directory):
         own = read_meta(directory)
         if own is not None:
@@ -470,14 +460,11 @@ def merge_evals(sources: list[Path], directory: Path) -> MergeOutcome:
                     duplicates += 1
                 else:
                     merged[key] = row
-        sessions = [s for _, meta in metas for s in meta.get("sessions", [])]
         meta = {
             "spec": spec.to_dict(),
             "corpus_sha256": corpus,
             "generator_version": first.get("generator_version"),
-            "shard": None,
-            "sessions": [s for i, s in enumerate(sessions) if s not in sessions[:i]],
-            "merged_from": sorted({str(source) for source, _ in metas if source.resolve() != directory.resolve()}),
+            **merged_provenance(metas, directory),
         }
         rows = sorted(merged.values(), key=lambda row: order[key_of(row)])
         write_json_atomic(directory / SPEC_FILE, meta)

@@ -665,6 +665,32 @@ class MergeOutcome:
     missing: int
 
 
+def source_metas(
+    sources: list[Path], what: str, read: Callable[[Path], dict | None] = read_meta, spec_file: str = SPEC_FILE
+) -> list[tuple[Path, dict]]:
+    """``(folder, meta)`` of each folder to merge, in order (``read`` reads a folder's ``spec_file``); refuses an
+    empty list and a folder that is not a ``what``."""
+    if not sources:
+        raise SparseDecodeError(f"merge needs at least one {what}")
+    metas = [(Path(s), read(Path(s))) for s in sources]
+    for source, meta in metas:
+        if meta is None:
+            article = "an" if what[0] in "aeiou" else "a"
+            raise SparseDecodeError(f"{source} is not {article} {what} (no {spec_file})")
+    return metas
+
+
+def merged_provenance(metas: list[tuple[Path, dict]], directory: Path) -> dict:
+    """The meta fields a merge writes besides its spec: no shard, the folders' sessions once each, in order, and the
+    folders merged into ``directory`` (itself left out)."""
+    sessions = [s for _, meta in metas for s in meta.get("sessions", [])]
+    return {
+        "shard": None,
+        "sessions": [s for i, s in enumerate(sessions) if s not in sessions[:i]],
+        "merged_from": sorted({str(source) for source, _ in metas if source.resolve() != directory.resolve()}),
+    }
+
+
 def merge_sweeps(sources: list[Path], directory: Path) -> MergeOutcome:
     """Combine the rows of sweep directories into ``directory`` (which may be one of them).
 
@@ -676,12 +702,7 @@ def merge_sweeps(sources: list[Path], directory: Path) -> MergeOutcome:
     specs differ, and rows of one (context, prompt) paired with different dense references.
     """
     directory = Path(directory)
-    if not sources:
-        raise SparseDecodeError("merge needs at least one sweep directory")
-    metas = [(Path(s), read_meta(Path(s))) for s in sources]
-    for source, meta in metas:
-        if meta is None:
-            raise SparseDecodeError(f"{source} is not a sweep directory (no {SPEC_FILE})")
+    metas = source_metas(sources, "sweep directory")
     with locked(directory):
         own = read_meta(directory)
         if own is not None:
@@ -730,15 +751,7 @@ def merge_sweeps(sources: list[Path], directory: Path) -> MergeOutcome:
                         f"cannot merge {source} with {kept_source}: both hold run {key} with other results; "
                         "folders of different grids may only overlap in identical runs"
                     )
-        sessions = [s for _, meta in metas for s in meta.get("sessions", [])]
-        unique_sessions = [s for i, s in enumerate(sessions) if s not in sessions[:i]]
-        meta = {
-            "spec": spec.to_dict(),
-            "corpus_sha256": corpus,
-            "shard": None,
-            "sessions": unique_sessions,
-            "merged_from": sorted({str(source) for source, _ in metas if source.resolve() != directory.resolve()}),
-        }
+        meta = {"spec": spec.to_dict(), "corpus_sha256": corpus, **merged_provenance(metas, directory)}
         rows = sorted((row for row, _, _ in merged.values()), key=lambda row: order[key_of(row)])
         write_json_atomic(directory / SPEC_FILE, meta)
         write_rows(directory / RUNS_FILE, rows)
