@@ -46,7 +46,7 @@ from .selectors import (
     streaming_index,
     token_index,
 )
-from .validate import check_config, check_model, config_from_overrides
+from .validate import check_config, check_model, check_sparse_attention, config_from_overrides
 
 ATTENTION_NAME = "sparsedecode"
 
@@ -503,6 +503,9 @@ def sparse_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     session, state = entry
+    for feature, name in (("softcap", "attention logit soft-capping"), ("s_aux", "attention sinks")):
+        if kwargs.get(feature) is not None:  # what SDPA and the sparse step would leave out
+            raise SparseDecodeError(f"sparse decoding does not support {name} ({feature} in the attention call) yet")
     q_len = query.shape[2]
     if query.shape[0] != 1:
         return _batch_forward(session, state, module, query, key, value, attention_mask, dropout, scaling, kwargs)
@@ -526,8 +529,6 @@ def sparse_attention_forward(
             )
         state.end(key, n)
         return out, None
-    if kwargs.get("softcap") is not None:
-        raise SparseDecodeError("sparse decoding does not support attention logit soft-capping yet")
     cfg = session.config
     if n <= cfg.effective_support or (sliding is not None and n > sliding):
         session.dense_steps += 1
@@ -630,8 +631,6 @@ def _batch_forward(session, state, module, query, key, value, attention_mask, dr
             row.end_row(n - pad)
         state.end(key, n)
         return out, None
-    if kwargs.get("softcap") is not None:
-        raise SparseDecodeError("sparse decoding does not support attention logit soft-capping yet")
     lengths = [n - pad for pad in pads]
     dense_rows = [m <= cfg.effective_support or (sliding is not None and m > sliding) for m in lengths]
     all_dense = all(dense_rows)
@@ -965,6 +964,7 @@ def sparse_decoding(model: torch.nn.Module, config: SparseConfig | None = None, 
     elif overrides:
         raise SparseDecodeError("pass either a SparseConfig or keyword overrides, not both")
     check_config(config, "sparse_decoding")
+    check_sparse_attention(model, "sparse_decoding")
     register()
     session = SparseSession(config=config, model=model)
     modules = [module for module in model.modules() if hasattr(module, "layer_idx") and hasattr(module, "config")]

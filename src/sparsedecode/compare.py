@@ -34,7 +34,7 @@ from .diagnostics import (
     summarize_certificate,
 )
 from .errors import SparseDecodeError
-from .validate import check_config, check_model, check_positions, check_prompt_ids
+from .validate import check_config, check_model, check_positions, check_prompt_ids, check_sparse_attention
 
 FIRST_DIVERGENCE_CONVENTION = 2
 """Marks results and stored rows whose ``first_divergence`` follows DESIGN.md section 3 (see
@@ -335,6 +335,7 @@ def compare(
     check_model(model, "compare")
     check_prompt_ids(model, prompt_ids, "compare")
     check_config(cfg, "compare")
+    check_sparse_attention(model, "compare")
     _check_tokens(tokens)
     check_positions(model, int(prompt_ids.shape[1]), tokens, "compare")
     if reference is not None and not isinstance(reference, DenseReference):
@@ -578,6 +579,7 @@ def compare_batch(
     check_model(model, "compare")
     prompts = _check_batch(model, prompts, "compare")
     check_config(cfg, "compare")
+    check_sparse_attention(model, "compare")
     _check_tokens(tokens)
     for p in prompts:
         check_positions(model, int(p.shape[1]), tokens, "compare")

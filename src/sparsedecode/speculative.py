@@ -27,7 +27,14 @@ from .cache import GrowingCache
 from .compare import Progress, crop_cache, greedy_decode, prefill
 from .config import SparseConfig
 from .errors import SparseDecodeError
-from .validate import check_config, check_count, check_model, check_positions, check_prompt_ids
+from .validate import (
+    check_config,
+    check_count,
+    check_model,
+    check_positions,
+    check_prompt_ids,
+    check_sparse_attention,
+)
 
 MODES = ("dense", "sparse", "lossless")
 
@@ -123,6 +130,8 @@ def generate(
     check_count(max_new_tokens, "max_new_tokens", 1)
     if mode != "dense" and cfg is None:
         raise SparseDecodeError(f"mode {mode} needs a SparseConfig")
+    if mode != "dense":
+        check_sparse_attention(model, "generate")
     if cfg is not None:
         check_config(cfg, "generate")
     check_count(draft_tokens, "draft_tokens", 1)
@@ -331,6 +340,8 @@ def generate_batch(
     check_count(max_new_tokens, "max_new_tokens", 1)
     if mode != "dense" and cfg is None:
         raise SparseDecodeError(f"mode {mode} needs a SparseConfig")
+    if mode != "dense":
+        check_sparse_attention(model, "generate")
     if cfg is not None:
         check_config(cfg, "generate")
     check_positions(model, int(ids.shape[1]), max_new_tokens, "generate")

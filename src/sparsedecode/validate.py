@@ -48,6 +48,32 @@ def max_positions(model: torch.nn.Module) -> int | None:
     return limit if isinstance(limit, int) and limit > 0 else None
 
 
+def unsupported_attention(model: torch.nn.Module) -> str | None:
+    """What of ``model``'s attention a sparse session cannot compute, or ``None``: logit soft-capping (Gemma 2's
+    ``attn_logit_softcapping``) or attention sinks (a ``sinks`` tensor on a module, as gpt-oss has). Read from the
+    config and the modules, before any forward; the attention function refuses the same from the forward's own
+    arguments (``softcap``, ``s_aux``) for anything this misses."""
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    softcap = getattr(text, "attn_logit_softcapping", None)
+    if softcap is not None:
+        return f"attention logit soft-capping (attn_logit_softcapping = {softcap})"
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, "sinks", None), torch.Tensor):
+            return f"attention sinks ({name}.sinks)"
+    return None
+
+
+def check_sparse_attention(model: torch.nn.Module, where: str) -> None:
+    """Refuse a model whose attention has what sparse sessions leave out (:func:`unsupported_attention`)."""
+    reason = unsupported_attention(model)
+    if reason is not None:
+        raise SparseDecodeError(
+            f"{where}: sparse decoding does not support {reason} yet: its sparse steps, and the dense forwards it "
+            "runs inside a session (SDPA), would leave it out"
+        )
+
+
 def check_positions(model: torch.nn.Module, context: int, tokens: int, where: str) -> None:
     """Refuse a prompt of ``context`` positions plus ``tokens`` generated tokens past the model's positions."""
     limit = max_positions(model)

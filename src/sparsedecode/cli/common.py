@@ -260,8 +260,12 @@ def load(args):
 
     quiet_transformers()
     check_model_cache(args.model)
+    from ..validate import check_sparse_attention
+
     with console.status(f"loading {args.model} ({args.dtype})"):
-        return load_model(args.model, dtype=args.dtype)
+        model, tokenizer = load_model(args.model, dtype=args.dtype)
+    check_sparse_attention(model, args.model)
+    return model, tokenizer
 
 
 def quiet_transformers() -> None:

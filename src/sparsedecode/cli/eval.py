@@ -103,6 +103,7 @@ def cmd_eval(args, *, console, progress_bars) -> int:
     from ..experiments.evaluate import check_meta, read_meta, run_eval
     from ..experiments.sweep import Shard
     from ..models import load_model
+    from ..validate import check_sparse_attention
 
     if args.export is not None:
         from ..experiments.lm_eval_tasks import export_tasks
@@ -129,6 +130,7 @@ def cmd_eval(args, *, console, progress_bars) -> int:
         check_meta(args.out, meta, spec, None, shard or Shard())
     with console.status(f"loading {args.model} ({args.dtype})"):
         loaded = load_model(args.model, dtype=args.dtype)
+    check_sparse_attention(loaded[0], args.model)
     console.print(
         f"[bold]{args.model}[/] {args.dtype}; tasks {', '.join(spec.tasks)}; contexts {list(spec.contexts)}; "
         f"{spec.samples} samples; selectors {', '.join(spec.selectors)}; supports {list(spec.supports)}; "

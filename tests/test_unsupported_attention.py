@@ -1,0 +1,108 @@
+"""Models whose attention has what a sparse session leaves out are refused, not decoded wrongly.
+
+Attention sinks (gpt-oss passes ``s_aux``) and logit soft-capping (Gemma 2 passes ``softcap``) change every
+softmax; the session's dense forwards (SDPA) and its sparse steps compute neither. Before this refusal a tiny
+gpt-oss gave other prefill logits inside a session than outside it (max |diff| 0.25), with no error.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import char_tokenizer, prompt, tiny_model
+from test_bad_input import NoForward, one_line_exit_2
+from transformers import Gemma2Config, Gemma2ForCausalLM, GptOssConfig, GptOssForCausalLM
+
+import sparsedecode.attention as attention
+from sparsedecode import SparseConfig, compare, generate, models, sparse_decoding
+from sparsedecode.errors import SparseDecodeError
+from sparsedecode.validate import unsupported_attention
+
+SMALL = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=0,
+)
+
+
+def gpt_oss():
+    torch.manual_seed(0)
+    config = GptOssConfig(
+        **SMALL, num_local_experts=2, num_experts_per_tok=1, sliding_window=128, layer_types=["full_attention"] * 2
+    )
+    model = GptOssForCausalLM(config).eval().requires_grad_(False)
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "sinks"):
+                module.sinks.normal_(std=2.0)  # sinks that matter
+    return model
+
+
+def gemma2():
+    torch.manual_seed(0)
+    return Gemma2ForCausalLM(Gemma2Config(**SMALL, sliding_window=4096)).eval().requires_grad_(False)
+
+
+MODELS = {"sinks": (gpt_oss, "attention sinks"), "softcap": (gemma2, "soft-capping")}
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_entry_points_refuse_before_any_forward(kind):
+    build, words = MODELS[kind]
+    model = build()
+    assert words.split()[-1] in unsupported_attention(model)
+    ids, cfg = prompt(200), SparseConfig(support=97)
+    with NoForward(model):  # refused before any forward
+        with pytest.raises(SparseDecodeError, match=words):
+            with sparse_decoding(model, cfg):
+                pass
+        with pytest.raises(SparseDecodeError, match=words):
+            compare(model, None, ids, cfg, 4)
+        with pytest.raises(SparseDecodeError, match=words):
+            compare(model, None, [ids, prompt(180, seed=2)], cfg, 4)
+        for mode in ("sparse", "lossless"):
+            with pytest.raises(SparseDecodeError, match=words):
+                generate(model, ids, cfg, 4, mode=mode)
+    assert model.config._attn_implementation != attention.ATTENTION_NAME  # the model is left as it was
+    dense = generate(model, ids, None, 3, mode="dense")  # dense decoding stays available
+    assert len(dense.tokens) == 3
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_the_attention_call_refuses_what_the_model_check_misses(kind, monkeypatch):
+    """The forward's own ``s_aux`` / ``softcap`` arguments are refused at the first call, the prefill's."""
+    build, words = MODELS[kind]
+    model = build()
+    monkeypatch.setattr(attention, "check_sparse_attention", lambda *_: None)
+    with pytest.raises(SparseDecodeError, match=words):
+        with sparse_decoding(model, SparseConfig(support=97)):
+            model(prompt(120))
+
+
+def test_models_without_them_are_accepted():
+    assert unsupported_attention(tiny_model("llama")) is None
+    assert unsupported_attention(tiny_model("qwen2")) is None
+
+
+def test_cli_refuses_a_soft_capping_model_in_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    """What the loader hands over is checked before any work. (From a folder, ``load_model`` asks for SDPA, which
+    transformers already refuses for these two architectures; the check serves models that load but carry them.)"""
+    model = gemma2()
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: (model, char_tokenizer()))
+    out = tmp_path / "never.json"
+    with NoForward(model):
+        args = ["run", "--model", "tiny-gemma2", "--context", "150", "--tokens", "4", "--json", str(out)]
+        err = one_line_exit_2(args, capsys)
+        assert "soft-capping" in err and not out.exists()
+        folder = tmp_path / "eval"
+        args = ["eval", "--model", "tiny-gemma2", "--tasks", "vt", "--context", "600", "--samples", "1"]
+        err = one_line_exit_2([*args, "--out", str(folder)], capsys)
+        assert "soft-capping" in err and not folder.exists()
