@@ -87,6 +87,18 @@ def test_the_attention_call_refuses_what_the_model_check_misses(kind, monkeypatc
             model(prompt(120))
 
 
+@pytest.mark.parametrize("argument", sorted(attention.UNSUPPORTED_ARGUMENTS))
+def test_every_argument_that_changes_attention_is_refused(argument):
+    model = tiny_model("llama")
+    module = model.model.layers[0].self_attn
+    q, k = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 150, 16)
+    with sparse_decoding(model, SparseConfig(support=97)):
+        with pytest.raises(SparseDecodeError, match=f"{argument} in the attention call"):
+            attention.sparse_attention_forward(module, q, k, k, None, **{argument: torch.zeros(1)})
+        out, _ = attention.sparse_attention_forward(module, q, k, k, None, **{argument: None})  # None: not passed
+    assert out.shape == (1, 1, 4, 16)
+
+
 def test_models_without_them_are_accepted():
     assert unsupported_attention(tiny_model("llama")) is None
     assert unsupported_attention(tiny_model("qwen2")) is None

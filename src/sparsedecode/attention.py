@@ -485,6 +485,18 @@ def _context_length(key: torch.Tensor, kwargs: dict) -> int:
     return key.shape[2]
 
 
+UNSUPPORTED_ARGUMENTS = {
+    "softcap": "attention logit soft-capping",
+    "s_aux": "attention sinks",
+    "sinks": "attention sinks",
+    "position_bias": "an additive position bias",
+    "indices": "the model's own sparse-attention indices",
+    "block_indices": "the model's own block-sparse indices",
+}
+"""Arguments some models pass to their attention function that change its result and that SDPA (the session's
+dense forwards) and the sparse step would leave out: refused at the first attention call of a session."""
+
+
 def sparse_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -503,9 +515,11 @@ def sparse_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     session, state = entry
-    for feature, name in (("softcap", "attention logit soft-capping"), ("s_aux", "attention sinks")):
-        if kwargs.get(feature) is not None:  # what SDPA and the sparse step would leave out
-            raise SparseDecodeError(f"sparse decoding does not support {name} ({feature} in the attention call) yet")
+    for argument, meaning in UNSUPPORTED_ARGUMENTS.items():
+        if kwargs.get(argument) is not None:
+            raise SparseDecodeError(
+                f"sparse decoding does not support {meaning} ({argument} in the attention call) yet"
+            )
     q_len = query.shape[2]
     if query.shape[0] != 1:
         return _batch_forward(session, state, module, query, key, value, attention_mask, dropout, scaling, kwargs)
