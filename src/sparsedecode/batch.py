@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .cache import checkpoint
 from .errors import SparseDecodeError
 
 Progress = Callable[[str, int, int], None]
@@ -82,6 +83,7 @@ def prefill(
         logits = out.logits[:, -1].float()
         if progress:
             progress("prefill", stop, length)
+    checkpoint(cache)  # so that sliding-window and recurrent layers can come back to the prompt
     return logits
 
 

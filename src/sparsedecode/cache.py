@@ -5,13 +5,21 @@ step copies all ``N`` cached keys and values of every layer: an ``O(N)`` cost pe
 remove. :class:`GrowingCache` keeps each layer's keys and values in a buffer that grows by doubling and hands out
 views of its filled part; appends are amortised ``O(1)`` per token. Crops keep working (they shorten the view, and
 later appends overwrite the dropped positions).
+
+:func:`checkpoint` and :func:`rewind` take any cache back to an earlier length, including layers ``crop`` cannot
+rewind: sliding-window layers past their window, and the convolution and recurrent states of hybrid models.
 """
 
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass
+
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, StaticLayer
+
+from .errors import SparseDecodeError
 
 
 class GrowingLayer(DynamicLayer):
@@ -67,3 +75,79 @@ class GrowingCache(DynamicCache):
             self.layer_class_to_replicate = GrowingLayer
         else:
             self.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in self.layers]
+
+
+def growing_copy(cache: DynamicCache, config) -> GrowingCache:
+    """A :class:`GrowingCache` holding what ``cache`` (built from the same ``config``) holds: plain layers copied into
+    in-place buffers, the others deep-copied; checkpointed at its length (see :func:`checkpoint`)."""
+    growing = GrowingCache(config=config)
+    for index, layer in enumerate(cache.layers):
+        if isinstance(growing.layers[index], GrowingLayer) and _plain(layer):
+            growing.layers[index].update(layer.keys, layer.values)
+        else:
+            growing.layers[index] = copy.deepcopy(layer)
+    checkpoint(growing)
+    return growing
+
+
+def _plain(layer) -> bool:
+    """A layer that keeps every position it was given and nothing else: ``crop`` rewinds it exactly."""
+    return type(layer) in (DynamicLayer, GrowingLayer, StaticLayer)
+
+
+def crop_rewinds(cache) -> bool:
+    """Whether ``crop`` alone can take ``cache`` back to any earlier length (every layer plain)."""
+    return all(_plain(layer) for layer in getattr(cache, "layers", None) or [])
+
+
+@dataclass
+class Snapshot:
+    """A cache's length and copies of its layers that ``crop`` cannot rewind (:func:`snapshot`)."""
+
+    length: int
+    layers: dict[int, object]
+
+
+def snapshot(cache) -> Snapshot:
+    """Copies of the layers ``crop`` cannot take back, as they are now: a sliding-window layer holds at most its
+    window, a convolution or recurrent layer a few states, so this costs little; plain layers are not copied
+    (cropping them is exact), so a cache with only plain layers yields an empty snapshot."""
+    layers = getattr(cache, "layers", None) or []
+    kept = {i: copy.deepcopy(layer) for i, layer in enumerate(layers) if not _plain(layer)}
+    return Snapshot(cache.get_seq_length(), kept)
+
+
+def restore(cache, saved: Snapshot) -> None:
+    """Take ``cache`` back to the snapshot's length: plain layers cropped, the others copied back (the snapshot
+    stays usable)."""
+    extra = cache.get_seq_length() - saved.length
+    for i, layer in enumerate(cache.layers):
+        if i in saved.layers:
+            cache.layers[i] = copy.deepcopy(saved.layers[i])
+        elif extra > 0:
+            layer.crop(-extra)
+
+
+def checkpoint(cache) -> None:
+    """Make the cache's current length the one :func:`rewind` can come back to when ``crop`` cannot (see
+    :func:`snapshot`); a new checkpoint replaces the previous one. :func:`~sparsedecode.compare.prefill` takes
+    one at the prompt."""
+    cache._sparsedecode_checkpoint = None if crop_rewinds(cache) else snapshot(cache)
+
+
+def rewind(cache, length: int) -> None:
+    """Drop cached positions past ``length``: by ``crop`` where every layer is plain, else from the checkpoint,
+    which must be at ``length`` (:class:`~sparsedecode.errors.SparseDecodeError` otherwise)."""
+    if cache.get_seq_length() <= length:
+        return
+    if crop_rewinds(cache):
+        cache.crop(length - cache.get_seq_length())
+        return
+    saved = getattr(cache, "_sparsedecode_checkpoint", None)
+    if saved is None or saved.length != length:
+        kinds = sorted({type(layer).__name__ for layer in cache.layers if not _plain(layer)})
+        raise SparseDecodeError(
+            f"cannot take this cache back to {length} positions: its {', '.join(kinds)} layers keep no past "
+            "(sliding windows past their window, convolution or recurrent states) and no checkpoint was taken there"
+        )
+    restore(cache, saved)

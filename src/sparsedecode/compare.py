@@ -25,6 +25,7 @@ from transformers import DynamicCache
 
 from . import batch as batching
 from .attention import SparseSession, prefill_history, sparse_decoding
+from .cache import checkpoint, rewind
 from .config import SparseConfig
 from .diagnostics import (
     WARNING_MATCH_PERCENT,
@@ -195,10 +196,9 @@ def _ppl(nll: list[float]) -> float:
 
 
 def crop_cache(cache: DynamicCache, length: int) -> None:
-    """Drop cached positions past ``length`` (transformers 5 takes the number of tokens to remove)."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
+    """Drop cached positions past ``length`` (:func:`~sparsedecode.cache.rewind`: crops, and restores the layers
+    crop cannot rewind from the checkpoint :func:`prefill` took)."""
+    rewind(cache, length)
 
 
 @torch.no_grad()
@@ -223,6 +223,7 @@ def prefill(
         logits = out.logits[0, -1].float()
         if progress:
             progress("prefill", stop, length)
+    checkpoint(cache)  # so that sliding-window and recurrent layers can come back to the prompt
     return cache, logits
 
 

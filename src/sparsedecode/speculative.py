@@ -23,7 +23,7 @@ import torch
 
 from . import batch as batching
 from .attention import prefill_history, sparse_decoding
-from .cache import GrowingCache
+from .cache import GrowingCache, crop_rewinds, restore, snapshot
 from .compare import Progress, crop_cache, greedy_decode, prefill
 from .config import SparseConfig
 from .errors import SparseDecodeError
@@ -193,17 +193,22 @@ def lossless_decode(
     result = Generation("lossless", [first], 0.0, 0.0)
     k = draft_tokens
     device = next(model.parameters()).device
+    rewinds = crop_rewinds(cache)
     with sparse_decoding(model, cfg) as session:  # one session: its centroid cache lives across rounds
         if history is not None:
             session.adopt_history(cache, history)
         while len(result.tokens) < max_new_tokens:
             k_now = min(k, max_new_tokens - len(result.tokens))
             begun = time.perf_counter()
+            start = None if rewinds else snapshot(cache)  # the round's start, for layers crop cannot take back
             drafts, token = [], result.tokens[-1]
             for _ in range(k_now):
                 token = int(_step(model, cache, token).argmax())
                 drafts.append(token)
-            crop_cache(cache, length)
+            if rewinds:
+                crop_cache(cache, length)
+            else:
+                restore(cache, start)
             result.draft_s += time.perf_counter() - begun
 
             begun = time.perf_counter()
@@ -213,8 +218,12 @@ def lossless_decode(
             while accepted < k_now and dense[accepted] == drafts[accepted]:
                 accepted += 1
             result.tokens.extend([*drafts[:accepted], dense[accepted]][: max_new_tokens - len(result.tokens)])
+            if rewinds or accepted == k_now:
+                crop_cache(cache, length + accepted + 1)
+            else:  # sliding-window or recurrent layers cannot drop the rejected drafts: back to the round's start,
+                restore(cache, start)  # then the accepted prefix again (dense, as the verification was)
+                model(input_ids=ids[:, : accepted + 1], cache=cache, use_cache=True, logits_to_keep=1)
             length += accepted + 1
-            crop_cache(cache, length)
             result.verify_s += time.perf_counter() - begun
 
             result.verifications += 1

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from .. import cpu_kernel, triton_attention
 from ..attention import LayerState, SparseSession, attend_positions, attend_support, sparse_decode_step, sparse_decoding
 from ..batch import greedy_decode as batched_greedy
-from ..cache import GrowingCache
+from ..cache import GrowingCache, crop_rewinds, growing_copy
 from ..centroids import BlockCentroids
 from ..compare import Progress, crop_cache, greedy_decode, prefill
 from ..config import SparseConfig
@@ -496,9 +496,7 @@ def bench_e2e(
     started = time.perf_counter()
     dynamic, logits = prefill(model, prompt_ids, progress=progress)
     prefill_s = time.perf_counter() - started
-    growing = GrowingCache(config=model.config)
-    for index, layer in enumerate(dynamic.layers):
-        growing.layers[index].update(layer.keys, layer.values)
+    growing = growing_copy(dynamic, model.config)
     first = int(logits.argmax())
     context = int(prompt_ids.shape[1])
 
@@ -707,6 +705,11 @@ def bench_e2e_batch(
         raise SparseDecodeError(f"bench e2e: needs {max(batches)} prompts of one length")
     context = int(prompts[0].shape[1])
     check_batches_fit(model, batches, context, tokens)
+    if not crop_rewinds(GrowingCache(config=model.config)):  # before any prefill
+        raise SparseDecodeError(
+            "bench e2e --batch: this model has sliding-window or recurrent cache layers, which cannot be stacked "
+            "into a batch here; time it at batch 1 (without --batch)"
+        )
     prompts = prompts[: max(batches)]
     caches, firsts = [], []
     for number, ids in enumerate(prompts, start=1):

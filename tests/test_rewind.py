@@ -1,0 +1,128 @@
+"""Caches that ``crop`` cannot take back: sliding-window layers past their window, convolution and recurrent states.
+
+Every paired comparison reuses the prefilled cache (dense reference, free-running, teacher-forced), and lossless
+decoding drops rejected drafts; transformers' ``crop`` raises for these layers (or, for recurrent states, could not
+restore them). The prefill's checkpoint and the lossless round's snapshot take them back instead. Oracles: the dense
+reference equals transformers' own ``generate`` from scratch, a support covering the context reproduces dense
+exactly, a batch equals its prompts alone, and lossless output equals dense output, rejections included.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import prompt
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+from sparsedecode import SparseConfig, compare, generate
+from sparsedecode.cache import checkpoint, crop_rewinds, rewind
+from sparsedecode.compare import prefill
+from sparsedecode.errors import SparseDecodeError
+from sparsedecode.experiments.bench import bench_e2e, bench_e2e_batch
+from sparsedecode.speculative import compare_lossless
+
+SMALL = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=0,
+)
+HYBRIDS = {
+    # a sliding-window layer (window 64, passed by the prompt) beside a full-attention layer
+    "sliding": (
+        "gemma3_text",
+        dict(num_hidden_layers=2, sliding_window=64, layer_types=["sliding_attention", "full_attention"]),
+    ),
+    # short convolutions (LFM2) between full-attention layers
+    "convolution": (
+        "lfm2",
+        dict(num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "full_attention"]),
+    ),
+    # gated delta-net layers with recurrent and convolution states (Qwen3-Next), then a full-attention layer
+    "recurrent": ("qwen3_next", dict(num_hidden_layers=4)),
+}
+
+
+def hybrid(kind: str) -> torch.nn.Module:
+    model_type, extra = HYBRIDS[kind]
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, **SMALL, **extra)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    with torch.no_grad():  # sharpen attention so that the selection matters (as conftest's tiny models do)
+        for name, parameter in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                parameter.mul_(4.0)
+    return model.float().eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module", params=sorted(HYBRIDS))
+def model(request):
+    return hybrid(request.param)
+
+
+def test_these_caches_are_not_plain(model):
+    assert not crop_rewinds(DynamicCache(config=model.config))
+
+
+def test_paired_comparison_reuses_the_prefill_exactly(model):
+    ids = prompt(260)
+    expected = model.generate(ids, max_new_tokens=12, do_sample=False)[0, 260:].tolist()
+    full = compare(model, None, ids, SparseConfig(support=385), 12)  # support >= context: dense by construction
+    assert full.dense_tokens == expected
+    assert full.sparse_tokens == expected and full.survives
+    assert full.teacher_forced_match == 100.0 and full.delta_ppl_percent == pytest.approx(0.0, abs=1e-3)
+    sparse = compare(model, None, ids, SparseConfig(support=97), 12)
+    assert sparse.dense_tokens == expected
+    assert generate(model, ids, SparseConfig(support=97), 12, mode="sparse").tokens == sparse.sparse_tokens
+
+
+def test_a_batch_equals_its_prompts_alone(model):
+    prompts, cfg = [prompt(260, seed=3), prompt(230, seed=4)], SparseConfig(support=97)
+    together = compare(model, None, prompts, cfg, 10)
+    for ids, result in zip(prompts, together):
+        alone = compare(model, None, ids, cfg, 10)
+        assert result.dense_tokens == alone.dense_tokens and result.sparse_tokens == alone.sparse_tokens
+        assert result.teacher_forced_match == pytest.approx(alone.teacher_forced_match, abs=1e-9)
+
+
+def test_lossless_drops_rejected_drafts(model):
+    checks = [
+        compare_lossless(model, prompt(260, seed=s), SparseConfig(support=97), 16, draft_tokens=4) for s in (1, 5)
+    ]
+    assert all(check.equal for check in checks), [check.mismatches for check in checks]
+    assert all(check.lossless.tokens == check.dense.tokens for check in checks)
+
+
+def test_lossless_rejections_happen_somewhere():
+    """The lossless test above would not exercise the snapshot's restore if every draft were accepted."""
+    rejected = []
+    for kind in HYBRIDS:
+        for seed in (1, 5):
+            check = compare_lossless(hybrid(kind), prompt(260, seed=seed), SparseConfig(support=97), 16, draft_tokens=4)
+            rejected.append(any(a < k for a, k in zip(check.lossless.accepted, check.lossless.draft_lengths)))
+    assert any(rejected)
+
+
+def test_rewind_refuses_a_length_without_a_checkpoint(model):
+    cache, _ = prefill(model, prompt(200))
+    model(input_ids=prompt(8, seed=9), cache=cache, use_cache=True)
+    with pytest.raises(SparseDecodeError, match="cannot take this cache back to 204 positions"):
+        rewind(cache, 204)
+    rewind(cache, 200)  # the prefill's checkpoint
+    assert cache.get_seq_length() == 200
+    checkpoint(cache)
+    rewind(cache, 200)  # nothing to drop
+
+
+def test_bench_e2e_on_hybrid_layers(model):
+    rows = bench_e2e(model, "tiny", prompt(260), supports=(97,), tokens=6, lossless=(2,), repeats=1)
+    assert [row.mode for row in rows] == ["dense", "dense", "sparse", "lossless"]
+    assert rows[-1].tokens_equal_to_dense == 6  # lossless
+    with pytest.raises(SparseDecodeError, match="cannot be stacked into a batch"):
+        bench_e2e_batch(model, "tiny", [prompt(200, seed=s) for s in (1, 2)], (2,), tokens=4)
