@@ -21,24 +21,25 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
+SMALL = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+    bos_token_id=None,
+    eos_token_id=None,  # generate() must not stop early: tests compare fixed-length outputs
+    pad_token_id=0,
+)
+"""The tiny models' sizes (4 query heads sharing 2 KV heads, d = 16), for configs of other families."""
+
+
 def tiny_model(arch: str = "llama", *, layers: int = 2, seed: int = 0, dtype=torch.float32, **overrides):
     """A 2-layer GQA model (4 query heads sharing 2 KV heads, d = 16) with random weights."""
     torch.manual_seed(seed)
-    common = dict(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
-        attn_implementation="sdpa",
-        dtype=dtype,
-        bos_token_id=None,
-        eos_token_id=None,  # generate() must not stop early: tests compare fixed-length outputs
-        pad_token_id=0,
-    )
+    common = dict(SMALL, num_hidden_layers=layers, attn_implementation="sdpa", dtype=dtype)
     common.update(overrides)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import prompt
+from conftest import SMALL, prompt
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from sparsedecode import SparseConfig, compare, generate
@@ -21,18 +21,6 @@ from sparsedecode.errors import SparseDecodeError
 from sparsedecode.experiments.bench import bench_e2e, bench_e2e_batch
 from sparsedecode.speculative import compare_lossless
 
-SMALL = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=1024,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=0,
-)
 HYBRIDS = {
     # a sliding-window layer (window 64, passed by the prompt) beside a full-attention layer
     "sliding": (

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import char_tokenizer, prompt, tiny_model
+from conftest import SMALL, char_tokenizer, prompt, tiny_model
 from test_bad_input import NoForward, one_line_exit_2
 from transformers import Gemma2Config, Gemma2ForCausalLM, GptOssConfig, GptOssForCausalLM
 
@@ -18,25 +18,16 @@ from sparsedecode import SparseConfig, compare, generate, models, sparse_decodin
 from sparsedecode.errors import SparseDecodeError
 from sparsedecode.validate import unsupported_attention
 
-SMALL = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=1024,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=0,
-)
-
 
 def gpt_oss():
     torch.manual_seed(0)
     config = GptOssConfig(
-        **SMALL, num_local_experts=2, num_experts_per_tok=1, sliding_window=128, layer_types=["full_attention"] * 2
+        **SMALL,
+        num_hidden_layers=2,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        sliding_window=128,
+        layer_types=["full_attention"] * 2,
     )
     model = GptOssForCausalLM(config).eval().requires_grad_(False)
     with torch.no_grad():
@@ -48,7 +39,9 @@ def gpt_oss():
 
 def gemma2():
     torch.manual_seed(0)
-    return Gemma2ForCausalLM(Gemma2Config(**SMALL, sliding_window=4096)).eval().requires_grad_(False)
+    return (
+        Gemma2ForCausalLM(Gemma2Config(**SMALL, num_hidden_layers=2, sliding_window=4096)).eval().requires_grad_(False)
+    )
 
 
 MODELS = {"sinks": (gpt_oss, "attention sinks"), "softcap": (gemma2, "soft-capping")}
