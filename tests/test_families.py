@@ -1,0 +1,77 @@
+"""Sparse decoding on tiny random models of many transformers families, beyond the Llama and Qwen2 of conftest.
+
+Per family: the paired comparison's dense reference equals transformers' own ``generate`` from scratch, a support
+covering the context reproduces it exactly (tokens and perplexity), a small support really takes sparse steps, and
+lossless decoding equals dense. The families differ in what the attention call sees: biases, partial rotary
+embeddings, QK norms, sliding windows, MoE blocks, multi-head latent attention (key and value head dims differ),
+GPT-2's fused projections. Sliding-window and recurrent layers have their own tests (test_rewind.py); families whose
+attention the session cannot compute are refused (test_unsupported_attention.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import SMALL, prompt
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from sparsedecode import SparseConfig, compare
+from sparsedecode.speculative import compare_lossless
+
+FAMILIES = {
+    "mistral": {},
+    "qwen3": {},  # QK norms
+    "phi3": {},  # fused QKV projection
+    "olmo2": {},
+    "cohere": {},  # parallel attention and MLP
+    "granite": {},  # attention multiplier as its scaling
+    "gpt_neox": {},  # partial rotary embeddings
+    "starcoder2": {},  # biases
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "opt": {},  # learned positions
+    "gpt2": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 1024},
+    "gptj": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 1024, "rotary_dim": 16},
+    "deepseek_v3": {  # multi-head latent attention: keys of 24 dims, values of 16
+        "num_key_value_heads": 4,
+        "q_lora_rank": None,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "head_dim": 8,  # the rotary part (its config sets it so)
+        "v_head_dim": 16,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "moe_intermediate_size": 32,
+    },
+}
+
+
+def family_model(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(name, **{**SMALL, "num_hidden_layers": 2, **FAMILIES[name]})
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    with torch.no_grad():  # sharpen attention so that the selection matters (as conftest's tiny models do)
+        for parameter_name, parameter in model.named_parameters():
+            if parameter_name.endswith(("q_proj.weight", "k_proj.weight")):
+                parameter.mul_(4.0)
+    return model.float().eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_sparse_decoding_on_the_family(name):
+    model = family_model(name)
+    ids = prompt(260)
+    expected = model.generate(ids, max_new_tokens=12, do_sample=False)[0, 260:].tolist()
+    full = compare(model, None, ids, SparseConfig(support=385), 12)  # support >= context: dense by construction
+    assert full.dense_tokens == expected and full.sparse_tokens == expected
+    assert full.teacher_forced_match == 100.0 and full.delta_ppl_percent == pytest.approx(0.0, abs=1e-3)
+    sparse = compare(model, None, ids, SparseConfig(support=97), 12)
+    assert sparse.sparse_steps > 0 and sparse.dense_tokens == expected
+    assert 0.0 <= sparse.teacher_forced_match <= 100.0 and math.isfinite(sparse.delta_ppl_percent)
+    check = compare_lossless(model, ids, SparseConfig(support=97), 12, draft_tokens=4)
+    assert check.equal and check.lossless.tokens == expected
