@@ -1,11 +1,11 @@
 """Sparse decoding on tiny random models of many transformers families, beyond the Llama and Qwen2 of conftest.
 
 Per family: the paired comparison's dense reference equals transformers' own ``generate`` from scratch, a support
-covering the context reproduces it exactly (tokens and perplexity), a small support really takes sparse steps, and
-lossless decoding equals dense. The families differ in what the attention call sees: biases, partial rotary
-embeddings, QK norms, sliding windows, MoE blocks, multi-head latent attention (key and value head dims differ),
-GPT-2's fused projections. Sliding-window and recurrent layers have their own tests (test_rewind.py); families whose
-attention the session cannot compute are refused (test_unsupported_attention.py).
+covering the context reproduces it exactly (tokens and perplexity), a small support really takes sparse steps (whose
+omitted-mass identity the audit checks), and lossless decoding equals dense. The families differ in what the
+attention call sees: biases, partial rotary embeddings, QK norms, MoE blocks, multi-head latent attention (key and
+value head dims differ), GPT-2's fused projections. Sliding-window and recurrent layers have their own tests
+(test_rewind.py); families whose attention the session cannot compute are refused (test_unsupported_attention.py).
 """
 
 from __future__ import annotations
@@ -70,8 +70,11 @@ def test_sparse_decoding_on_the_family(name):
     full = compare(model, None, ids, SparseConfig(support=385), 12)  # support >= context: dense by construction
     assert full.dense_tokens == expected and full.sparse_tokens == expected
     assert full.teacher_forced_match == 100.0 and full.delta_ppl_percent == pytest.approx(0.0, abs=1e-3)
-    sparse = compare(model, None, ids, SparseConfig(support=97), 12)
+    sparse = compare(model, None, ids, SparseConfig(support=97, audit=True), 12)
     assert sparse.sparse_steps > 0 and sparse.dense_tokens == expected
     assert 0.0 <= sparse.teacher_forced_match <= 100.0 and math.isfinite(sparse.delta_ppl_percent)
+    # the identity o_sparse - o_dense = eps (o_kept - o_omitted) and its bound hold at every audited step
+    assert sparse.audit["audited_steps"] > 0
+    assert sparse.audit["identity_residual_max"] <= 1e-5 and sparse.audit["bound_violations"] == 0
     check = compare_lossless(model, ids, SparseConfig(support=97), 12, draft_tokens=4)
     assert check.equal and check.lossless.tokens == expected

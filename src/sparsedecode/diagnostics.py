@@ -139,7 +139,7 @@ def audit_step(view: StepView) -> dict[str, torch.Tensor]:
     omitted_weighted = torch.bmm(omitted_probs, values)
     o_kept = kept_weighted / (1 - eps).clamp_min(1e-300).unsqueeze(-1)
     o_omitted = torch.where(eps.unsqueeze(-1) > 0, omitted_weighted / eps.clamp_min(1e-300).unsqueeze(-1), 0.0)
-    o_sparse = view.output.double().view(kv_heads, group, d)
+    o_sparse = view.output.double().view(kv_heads, group, values.shape[-1])  # the value head dim may differ from d
     residual = o_sparse - o_dense - (eps.unsqueeze(-1) * o_kept - omitted_weighted)
     scale = o_dense.abs().amax(-1).clamp_min(1e-6)
     max_value_norm = values.norm(dim=-1).amax(-1)  # (kv,)
