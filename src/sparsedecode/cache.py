@@ -110,8 +110,9 @@ class Snapshot:
 
 def snapshot(cache) -> Snapshot:
     """Copies of the layers ``crop`` cannot take back, as they are now: a sliding-window layer holds at most its
-    window, a convolution or recurrent layer a few states, so this costs little; plain layers are not copied
-    (cropping them is exact), so a cache with only plain layers yields an empty snapshot."""
+    window, a convolution or recurrent layer a few states (so a copy costs the windows' size, not the context's);
+    plain layers are not copied (cropping them is exact), so a cache with only plain layers yields an empty
+    snapshot."""
     layers = getattr(cache, "layers", None) or []
     kept = {i: copy.deepcopy(layer) for i, layer in enumerate(layers) if not _plain(layer)}
     return Snapshot(cache.get_seq_length(), kept)
