@@ -110,9 +110,9 @@ class Snapshot:
 
 def snapshot(cache) -> Snapshot:
     """Copies of the layers ``crop`` cannot take back, as they are now: a sliding-window layer holds at most its
-    window, a convolution or recurrent layer a few states (so a copy costs the windows' size, not the context's);
-    plain layers are not copied (cropping them is exact), so a cache with only plain layers yields an empty
-    snapshot."""
+    window, a convolution or recurrent layer a few states (so a copy costs the windows' size, not the context's),
+    except a layer holding both states and full keys and values (Falcon-H1), which is copied whole. Plain layers are
+    not copied (cropping them is exact), so a cache with only plain layers yields an empty snapshot."""
     layers = getattr(cache, "layers", None) or []
     kept = {i: copy.deepcopy(layer) for i, layer in enumerate(layers) if not _plain(layer)}
     return Snapshot(cache.get_seq_length(), kept)
@@ -121,12 +121,11 @@ def snapshot(cache) -> Snapshot:
 def restore(cache, saved: Snapshot) -> None:
     """Take ``cache`` back to the snapshot's length: plain layers cropped, the others copied back (the snapshot
     stays usable)."""
-    extra = cache.get_seq_length() - saved.length
     for i, layer in enumerate(cache.layers):
         if i in saved.layers:
             cache.layers[i] = copy.deepcopy(saved.layers[i])
-        elif extra > 0:
-            layer.crop(-extra)
+        elif layer.get_seq_length() > saved.length:
+            layer.crop(saved.length - layer.get_seq_length())
 
 
 def checkpoint(cache) -> None:
