@@ -18,6 +18,7 @@ from conftest import SMALL, prompt
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from sparsedecode import SparseConfig, compare
+from sparsedecode.errors import SparseDecodeError
 from sparsedecode.speculative import compare_lossless
 
 FAMILIES = {
@@ -78,3 +79,10 @@ def test_sparse_decoding_on_the_family(name):
     assert sparse.audit["identity_residual_max"] <= 1e-5 and sparse.audit["bound_violations"] == 0
     check = compare_lossless(model, ids, SparseConfig(support=97), 12, draft_tokens=4)
     assert check.equal and check.lossless.tokens == expected
+
+
+def test_h2o_says_why_latent_attention_keeps_no_history():
+    model = family_model("deepseek_v3")
+    with pytest.raises(SparseDecodeError, match="rebuilt from its cache at every step"):
+        compare(model, None, prompt(260), SparseConfig(support=97, selector="h2o"), 6)
+    assert compare(model, None, prompt(260), SparseConfig(support=97, selector="quest"), 6).sparse_steps > 0

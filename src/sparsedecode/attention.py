@@ -210,16 +210,20 @@ class LayerState:
     unchanged: int = 0
     rows: list[LayerState] | None = None
     pads: tuple[int, ...] | None = None
+    rebuilt: bool = False
+    """The cache holds keys of another shape than the attention is handed (multi-head latent attention caches a
+    latent and rebuilds the keys at every step): nothing derived from them survives a step."""
 
     def look(self, cache: object) -> None:
         """Pre-hook half: how much of what this state describes ``cache`` still holds, before it appends."""
-        self.unchanged = 0
+        self.unchanged, self.rebuilt = 0, False
         layers = getattr(cache, "layers", None)
         if self.mark is None or layers is None or self.layer >= len(layers):
             return
         keys = getattr(layers[self.layer], "keys", None)
         if isinstance(keys, torch.Tensor) and keys.dim() == 4:
             self.unchanged = self.mark.unchanged_prefix(keys)
+            self.rebuilt = (*keys.shape[:-2], keys.shape[-1]) != self.mark.outer
 
     def begin(self, start: int, q_len: int) -> int:
         """A forward of ``q_len`` tokens at positions ``start ..`` begins: drop what may be stale (see the class).
@@ -863,6 +867,12 @@ def sparse_decode_step(
     scale = scaling if scaling is not None else d**-0.5
     layout = BlockLayout(n=n, window=cfg.window, block_size=cfg.block_size)
     h2o = cfg.selector == "h2o"
+    if h2o and not state.history_complete and state.rebuilt:
+        raise SparseDecodeError(
+            "h2o needs the attention every position received since the prompt began, but this model's attention "
+            "is handed keys rebuilt from its cache at every step (multi-head latent attention), so no history "
+            "survives a step; use a block selector"
+        )
     if h2o and not state.history_complete:
         raise SparseDecodeError(
             "h2o needs the attention every position received since the prompt began, but this session did not "
