@@ -9,13 +9,16 @@ exactly, a batch equals its prompts alone, and lossless output equals dense outp
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
-from conftest import SMALL, prompt
+from conftest import SMALL, char_tokenizer, prompt
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from sparsedecode import SparseConfig, compare, generate
 from sparsedecode.cache import checkpoint, crop_rewinds, rewind
+from sparsedecode.cli import main
 from sparsedecode.compare import prefill
 from sparsedecode.errors import SparseDecodeError
 from sparsedecode.experiments.bench import bench_e2e, bench_e2e_batch
@@ -114,3 +117,16 @@ def test_bench_e2e_on_hybrid_layers(model):
     assert rows[-1].tokens_equal_to_dense == 6  # lossless
     with pytest.raises(SparseDecodeError, match="cannot be stacked into a batch"):
         bench_e2e_batch(model, "tiny", [prompt(200, seed=s) for s in (1, 2)], (2,), tokens=4)
+
+
+def test_cli_run_and_sweep_on_a_sliding_window_model(tmp_path, capsys):
+    folder = tmp_path / "tiny-gemma3"
+    hybrid("sliding").save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    common = ["--model", str(folder), "--context", "300", "--support", "97", "--tokens", "8"]
+    assert main(["run", *common, "--json", str(tmp_path / "run.json")]) == 0
+    (row,) = json.loads((tmp_path / "run.json").read_text())["results"]
+    assert row["settings"]["support"] == 97 and row["sparse_steps"] > 0
+    assert main(["sweep", *common, "--prompts", "1", "--out", str(tmp_path / "sweep")]) == 0
+    assert len((tmp_path / "sweep" / "runs.jsonl").read_text().splitlines()) == 1
+    capsys.readouterr()
