@@ -262,3 +262,18 @@ def test_file_system_error_through_the_module_entry_point(tmp_path):
     )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert file.read_text() == "keep me"
+
+
+@pytest.mark.parametrize(
+    "argv,named",
+    [
+        (["run", "--bogus", "1"], "sparsedecode run: unrecognized arguments: --bogus 1"),
+        (["bench", "op", "--x"], "sparsedecode bench op: unrecognized arguments: --x"),
+        (["probe", "mass", "extra"], "sparsedecode probe mass: unrecognized arguments: extra"),
+        (["--x", "run"], "sparsedecode: unrecognized arguments: --x"),
+    ],
+)
+def test_unknown_arguments_are_named_with_their_command(argv, named, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == f"sparsedecode: error: {named}\n"

@@ -61,6 +61,14 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         raise SparseDecodeError(f"{self.prog}: {message}")
 
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        """A command's parser names itself for arguments it does not know (argparse leaves them to the top-level
+        parser, whose message would name only ``sparsedecode``)."""
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras and " " in self.prog:  # "sparsedecode run", "sparsedecode bench op", ...
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
 
 def int_list(text: str) -> list[int]:
     """Parse ``"97,193"`` into ``[97, 193]``."""
