@@ -867,13 +867,13 @@ def sparse_decode_step(
     scale = scaling if scaling is not None else d**-0.5
     layout = BlockLayout(n=n, window=cfg.window, block_size=cfg.block_size)
     h2o = cfg.selector == "h2o"
-    if h2o and not state.history_complete and state.rebuilt:
-        raise SparseDecodeError(
-            "h2o needs the attention every position received since the prompt began, but this model's attention "
-            "is handed keys rebuilt from its cache at every step (multi-head latent attention), so no history "
-            "survives a step; use a block selector"
-        )
     if h2o and not state.history_complete:
+        if state.rebuilt:
+            raise SparseDecodeError(
+                "h2o needs the attention every position received since the prompt began, but this model's "
+                "attention is handed keys rebuilt from its cache at every step (multi-head latent attention), so "
+                "no history survives a step; use a block selector"
+            )
         raise SparseDecodeError(
             "h2o needs the attention every position received since the prompt began, but this session did not "
             "see the forwards that filled part of the cache: run the prefill inside the sparse_decoding session, "

@@ -82,7 +82,7 @@ def growing_copy(cache: DynamicCache, config) -> GrowingCache:
     in-place buffers, the others deep-copied; checkpointed at its length (see :func:`checkpoint`)."""
     growing = GrowingCache(config=config)
     for index, layer in enumerate(cache.layers):
-        if isinstance(growing.layers[index], GrowingLayer) and _plain(layer):
+        if isinstance(growing.layers[index], GrowingLayer):  # where ``cache`` has a DynamicLayer
             growing.layers[index].update(layer.keys, layer.values)
         else:
             growing.layers[index] = copy.deepcopy(layer)

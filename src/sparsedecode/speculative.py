@@ -200,15 +200,12 @@ def lossless_decode(
         while len(result.tokens) < max_new_tokens:
             k_now = min(k, max_new_tokens - len(result.tokens))
             begun = time.perf_counter()
-            start = None if rewinds else snapshot(cache)  # the round's start, for layers crop cannot take back
+            start = snapshot(cache)  # the round's start (copies only the layers crop cannot take back)
             drafts, token = [], result.tokens[-1]
             for _ in range(k_now):
                 token = int(_step(model, cache, token).argmax())
                 drafts.append(token)
-            if rewinds:
-                crop_cache(cache, length)
-            else:
-                restore(cache, start)
+            restore(cache, start)
             result.draft_s += time.perf_counter() - begun
 
             begun = time.perf_counter()

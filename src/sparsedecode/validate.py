@@ -40,11 +40,15 @@ def check_count(value: object, name: str, minimum: int) -> None:
         raise SparseDecodeError(f"{name} must be an integer >= {minimum} (got {value!r})")
 
 
+def _text_config(model: torch.nn.Module):
+    """The config of the model's language part (a multimodal config holds it apart)."""
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def max_positions(model: torch.nn.Module) -> int | None:
     """The model's ``max_position_embeddings`` (``None`` when its config does not say)."""
-    config = model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    limit = getattr(text, "max_position_embeddings", None)
+    limit = getattr(_text_config(model), "max_position_embeddings", None)
     return limit if isinstance(limit, int) and limit > 0 else None
 
 
@@ -53,9 +57,7 @@ def unsupported_attention(model: torch.nn.Module) -> str | None:
     ``attn_logit_softcapping``) or attention sinks (a ``sinks`` tensor on a module, as gpt-oss has). Read from the
     config and the modules, before any forward; the attention function refuses the same from the forward's own
     arguments (``softcap``, ``s_aux``) for anything this misses."""
-    config = model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    softcap = getattr(text, "attn_logit_softcapping", None)
+    softcap = getattr(_text_config(model), "attn_logit_softcapping", None)
     if softcap is not None:
         return f"attention logit soft-capping (attn_logit_softcapping = {softcap})"
     for name, module in model.named_modules():
