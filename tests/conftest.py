@@ -47,12 +47,29 @@ def tiny_model(arch: str = "llama", *, layers: int = 2, seed: int = 0, dtype=tor
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     else:
         raise ValueError(arch)
-    # Random init gives near-uniform attention; sharpen it so the selector's choice matters.
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(4.0)
-            layer.self_attn.k_proj.weight.mul_(4.0)
+    sharpen_attention(model)
     return model.to(dtype).eval().requires_grad_(False)
+
+
+def sharpen_attention(model: torch.nn.Module) -> None:
+    """Random init gives near-uniform attention; scale the query and key projections so the selector's choice
+    matters."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                parameter.mul_(4.0)
+
+
+def tiny_family(model_type: str, **overrides) -> torch.nn.Module:
+    """A tiny random model of any transformers family (``model_type``), sized as :data:`SMALL` with 2 layers
+    unless ``overrides`` say otherwise, its attention sharpened."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, **{**SMALL, "num_hidden_layers": 2, **overrides})
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    sharpen_attention(model)
+    return model.float().eval().requires_grad_(False)
 
 
 def prompt(length: int, *, seed: int = 1, vocab: int = 96) -> torch.Tensor:

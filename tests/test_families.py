@@ -14,8 +14,7 @@ import math
 
 import pytest
 import torch
-from conftest import SMALL, prompt
-from transformers import AutoConfig, AutoModelForCausalLM
+from conftest import prompt, tiny_family
 
 from sparsedecode import SparseConfig, compare
 from sparsedecode.errors import SparseDecodeError
@@ -53,14 +52,7 @@ FAMILIES = {
 
 
 def family_model(name: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(name, **{**SMALL, "num_hidden_layers": 2, **FAMILIES[name]})
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    with torch.no_grad():  # sharpen attention so that the selection matters (as conftest's tiny models do)
-        for parameter_name, parameter in model.named_parameters():
-            if parameter_name.endswith(("q_proj.weight", "k_proj.weight")):
-                parameter.mul_(4.0)
-    return model.float().eval().requires_grad_(False)
+    return tiny_family(name, **FAMILIES[name])
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))

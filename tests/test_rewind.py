@@ -13,8 +13,8 @@ import json
 
 import pytest
 import torch
-from conftest import SMALL, char_tokenizer, prompt
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from conftest import char_tokenizer, prompt, tiny_family
+from transformers import DynamicCache
 
 from sparsedecode import SparseConfig, compare, generate
 from sparsedecode.cache import checkpoint, crop_rewinds, rewind
@@ -42,14 +42,7 @@ HYBRIDS = {
 
 def hybrid(kind: str) -> torch.nn.Module:
     model_type, extra = HYBRIDS[kind]
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(model_type, **SMALL, **extra)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    with torch.no_grad():  # sharpen attention so that the selection matters (as conftest's tiny models do)
-        for name, parameter in model.named_parameters():
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
-                parameter.mul_(4.0)
-    return model.float().eval().requires_grad_(False)
+    return tiny_family(model_type, **extra)
 
 
 @pytest.fixture(scope="module", params=sorted(HYBRIDS))
