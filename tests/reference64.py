@@ -4,6 +4,10 @@ Nothing here imports sparsedecode: the support is recomputed from its definition
 as a mask over dense float64 attention (no gathers, no centroid cache, no kernels). The model is a float64 copy of
 the one under test, decoding with transformers' own ``DynamicCache``; the paired protocol (dense reference,
 free-running, teacher-forced) is written out again from DESIGN.md section 3.
+
+Reuse interval ``R``: step ``k`` of a chain of sparse decode rows (a row with ``N`` above the support; a dense row
+ends the chain) selects afresh when ``(k - 1) % R == 0`` and otherwise reads the block indices chosen then, each
+block being positions ``[1 + jB, 1 + (j+1)B)`` of the current distant region ``[1, N - W)`` (README, "Reuse").
 """
 
 from __future__ import annotations
@@ -35,30 +39,31 @@ class Support:
     def effective(self) -> int:
         return 1 + self.window + self.blocks * self.block
 
-    def mask(self, query: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
-        """Boolean ``(kv_heads, n)`` mask of what each KV head reads for one query ``(heads, d)`` over ``n`` keys."""
-        kv_heads, n, d = keys.shape
-        keep = torch.zeros(kv_heads, n, dtype=torch.bool)
-        if n <= self.effective:
-            keep[:] = True
-            return keep
-        keep[:, 0] = True
-        keep[:, n - self.window :] = True
+    def choose(self, query: torch.Tensor, keys: torch.Tensor, scaling: float) -> list[list[tuple[int, int]]]:
+        """The chosen blocks, as ``(index, first position)`` per KV head, for one query ``(heads, d)``."""
+        kv_heads, n, _ = keys.shape
         distant_end = n - self.window
         group = query.shape[0] // kv_heads
+        chosen = []
         for h in range(kv_heads):
             q = query[h * group : (h + 1) * group].mean(dim=0)
             scored = []
-            start = 1
-            while start < distant_end:
+            for j, start in enumerate(range(1, distant_end, self.block)):
                 stop = min(start + self.block, distant_end)
-                centroid = keys[h, start:stop].mean(dim=0)
-                scored.append((float(q @ centroid) * scaling, start, stop))
-                start = stop
-            # largest score first, ties towards the lowest block index
-            scored.sort(key=lambda item: (-item[0], item[1]))
-            for _, lo, hi in scored[: self.blocks]:
-                keep[h, lo:hi] = True
+                scored.append((float(q @ keys[h, start:stop].mean(dim=0)) * scaling, j))
+            scored.sort(key=lambda item: (-item[0], item[1]))  # largest score first, ties towards the lowest index
+            chosen.append([j for _, j in scored[: self.blocks]])
+        return chosen
+
+    def mask(self, blocks: list[list[int]], n: int) -> torch.Tensor:
+        """Boolean ``(kv_heads, n)`` mask of the anchor, the window and the given blocks of the distant region."""
+        keep = torch.zeros(len(blocks), n, dtype=torch.bool)
+        keep[:, 0] = True
+        keep[:, n - self.window :] = True
+        distant_end = n - self.window
+        for h, chosen in enumerate(blocks):
+            for j in chosen:
+                keep[h, 1 + j * self.block : min(1 + (j + 1) * self.block, distant_end)] = True
         return keep
 
 
@@ -77,11 +82,20 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     keep = torch.arange(n)[None, :] <= positions[:, None]  # causal: (q_len, n)
     keep = keep[None].repeat(kv_heads, 1, 1)  # (kv_heads, q_len, n)
     if support is not None:
+        chain = _STATE["chains"].setdefault(module.layer_idx, {"step": 0, "blocks": None})
         for r, position in enumerate(positions.tolist()):
-            if position >= _STATE["prompt_length"]:
-                row = support.mask(queries[:, r], keys[:, : position + 1], scale)
-                keep[:, r] = False
-                keep[:, r, : position + 1] = row
+            n_row = position + 1
+            if position < _STATE["prompt_length"] or n_row <= support.effective:
+                chain["step"] = 0  # dense rows end the chain
+                continue
+            if chain["step"] % _STATE["reuse"] == 0:
+                chain["blocks"] = support.choose(queries[:, r], keys[:, :n_row], scale)
+                chain["end"] = n_row - support.window  # the distant region's end when chosen
+            elif any(1 + (j + 1) * support.block > chain["end"] for c in chain["blocks"] for j in c):
+                _STATE["grown_reuses"] += 1  # a reused block that was short when chosen reads more now
+            chain["step"] += 1
+            keep[:, r] = False
+            keep[:, r, :n_row] = support.mask(chain["blocks"], n_row)
     expanded = torch.arange(heads) // group
     logits = torch.einsum("hqd,hnd->hqn", queries, keys[expanded]) * scale
     logits = logits.masked_fill(~keep[expanded], -math.inf)
@@ -101,6 +115,7 @@ class PairedOutcome:
     delta_ppl_percent: float
     dense_tokens: list[int]
     sparse_tokens: list[int]
+    grown_reuses: int  # rows (layer by layer) that reused a block which was short when chosen
 
 
 def _forward(model, ids, cache):
@@ -112,14 +127,17 @@ def _nll(logits: torch.Tensor, target: int) -> float:
 
 
 @torch.no_grad()
-def paired_protocol(model: torch.nn.Module, prompt_ids: torch.Tensor, support: int, tokens: int) -> PairedOutcome:
-    """DESIGN.md section 3 for one prompt and one support, in float64 with masks."""
+def paired_protocol(
+    model: torch.nn.Module, prompt_ids: torch.Tensor, support: int, tokens: int, reuse: int = 1
+) -> PairedOutcome:
+    """DESIGN.md section 3 for one prompt, one support and one reuse interval, in float64 with masks."""
     reference = copy.deepcopy(model).double()
     reference.set_attn_implementation(NAME)
     prompt_length = prompt_ids.shape[1]
-    _STATE.update(prompt_length=prompt_length, support=None)
+    _STATE.update(prompt_length=prompt_length, support=None, reuse=reuse, grown_reuses=0)
 
     def prefilled():
+        _STATE["chains"] = {}  # each pass starts its own chains of sparse steps
         cache = DynamicCache(config=reference.config)
         return cache, _forward(reference, prompt_ids, cache)[-1]
 
@@ -156,4 +174,5 @@ def paired_protocol(model: torch.nn.Module, prompt_ids: torch.Tensor, support: i
         delta_ppl_percent=100.0 * (sparse_ppl - dense_ppl) / dense_ppl,
         dense_tokens=dense,
         sparse_tokens=sparse,
+        grown_reuses=_STATE["grown_reuses"],
     )
