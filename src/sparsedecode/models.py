@@ -290,7 +290,7 @@ def _convert_gguf(gguf_path: Path, target: Path, source_sha256: str, progress: P
     try:
         try:
             model, tokenizer = _load_gguf(gguf_path)
-        except (ValueError, KeyError, OSError, NotImplementedError) as e:
+        except Exception as e:  # a truncated or foreign file fails anywhere in the reader (struct.error, ...)
             raise SparseDecodeError(f"cannot convert GGUF {gguf_path}: {_first_line(e)}") from e
         # A GGUF-loaded model is flagged as quantized and refuses save_pretrained; its weights are plain
         # float tensors, so drop the flag from the config and save the pieces ourselves.
@@ -318,7 +318,10 @@ def _load_pretrained(path: str | Path, dtype: torch.dtype, **kwargs: Any) -> tup
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=kwargs.get("local_files_only", False))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=kwargs.get("local_files_only", False))
+    except Exception as e:  # the weights loaded: say that it is the tokenizer, in full
+        raise SparseDecodeError(f"cannot load the tokenizer of {path}: {_first_line(e, whole=True)}") from e
     model.eval().requires_grad_(False)
     return model, tokenizer
 
@@ -366,7 +369,9 @@ def load_model(
     elif spec.strip() and path.is_dir():  # "" would be the current directory
         try:
             model, tokenizer = _load_pretrained(path, torch_dtype)
-        except (OSError, ValueError, KeyError) as e:
+        except SparseDecodeError:
+            raise
+        except Exception as e:  # corrupt weights fail in the reader (SafetensorError, struct.error, ...)
             raise SparseDecodeError(f"cannot load model from directory {spec}: {_first_line(e)}") from e
     elif _HUB_ID.match(spec) and not path.exists():
         model, tokenizer = _load_from_hub(spec, torch_dtype)
@@ -424,11 +429,17 @@ def _load_from_hub(spec: str, dtype: torch.dtype) -> tuple[Any, Any]:
         ) from e
 
 
-def _first_line(e: BaseException) -> str:
-    """First non-empty line of an exception message, shortened, for one-line errors."""
+def _first_line(e: BaseException, *, whole: bool = False) -> str:
+    """An exception's message for a one-line error: its first non-empty line (``whole``: all its lines joined),
+    shortened, with the exception's type where the message alone would not say what failed."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    text = lines[0] if lines else type(e).__name__
-    return text if len(text) <= 200 else text[:197] + "..."
+    text = (" ".join(lines) if whole else lines[0]) if lines else ""
+    limit = 400 if whole else 200
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    if not isinstance(e, (OSError, ValueError, KeyError, SparseDecodeError)):
+        kind = type(e).__name__ if type(e).__name__ != "error" else f"{type(e).__module__}.error"  # struct.error
+        text = f"{text} ({kind})" if text else kind
+    return text
 
 
 def _size_mb(*paths: Path) -> float | None:
