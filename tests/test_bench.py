@@ -233,7 +233,10 @@ def test_bench_op_cli_layers_one_is_the_warm_figure(tmp_path, capsys):
         (["--context", "150", "--support", "193"], "support 193 >= context 150"),
         (["--context", "512", "--support", "97", "--budget", "0"], "above 0"),
         (["--context", "512", "--support", "97", "--budget", "-1"], "above 0"),
-        (["--context", "512", "--support", "97", "--layers", "0"], "layers must be"),
+        (["--context", "512", "--support", "97", "--layers", "0"], "--layers: expected an integer >= 1"),
+        (["--context", "512", "--support", "97", "--budget", "nan"], "finite number of seconds"),
+        (["--context", "512", "--support", "97", "--device", "tpu"], "expected cpu or cuda"),
+        (["--context", "100000000", "--support", "97", "--layers", "1"], "for one layer's cache, more than"),
     ],
 )
 def test_bench_op_cli_refuses_bad_input(tmp_path, capsys, monkeypatch, options, message):

@@ -36,7 +36,7 @@ def folder(tmp_path):
 
 
 def contents(path: Path) -> dict:
-    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*"))}
+    return {p.relative_to(path).as_posix(): p.read_bytes() if p.is_file() else None for p in sorted(path.rglob("*"))}
 
 
 def assert_refused(args, message, capsys):
@@ -228,12 +228,21 @@ def test_help_and_argument_errors_import_no_torch():
         ["eval", "--out", "/tmp/never-written", "--support", "100"],
         ["eval"],
         ["frobnicate"],
+        ["sweep", "--out", "/tmp/never-written", "--shard", "a/b"],
+        ["sweep", "--out", "/tmp/never-written", "--shard", "3/2"],
+        ["sweep", "--out", ""],
+        ["bench", "op", "--layers", "0"],
+        ["bench", "op", "--budget", "nan"],
+        ["bench", "op", "--device", "tpu"],
+        ["report", "/tmp/never-written/nothing-here"],
+        ["run", "--support", "97,,193"],
+        ["run", "--support", "97,97"],
     ]
     proc = subprocess.run(
         [sys.executable, "-c", HELP_AND_ERRORS.format(cases=cases)], capture_output=True, text=True, check=True
     )
     done = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert done["codes"] == [0] * 4 + [2] * 19
+    assert done["codes"] == [0] * 4 + [2] * 28
     assert done["heavy"] == [], f"imported {done['heavy']}"
 
 
@@ -277,3 +286,108 @@ def test_unknown_arguments_are_named_with_their_command(argv, named, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err == f"sparsedecode: error: {named}\n"
+
+
+# ---- a user's trial, second round: outputs that clash, inputs that would be overwritten, options that do nothing ----
+
+
+@pytest.mark.parametrize(
+    "args, made, message",
+    [
+        (["compare-selectors", "--out", "{f}"], "selectors.md/", "selectors.md (--out"),
+        (["probe", "mass", "--context", "300", "--support", "97", "--out", "{f}"], "mass.json/", "it is a folder"),
+        (["probe", "mass", "--context", "300", "--support", "97", "--out", "{f}"], "mass-c300-s97.png/", "a folder"),
+        (["probe", "retrieval", "--out", "{f}"], "retrieval.json/", "it is a folder"),
+        (["sweep", "--out", "{f}"], "runs.jsonl/", "it is a folder"),
+        (["report", "{f}"], "report.md/", "is not a regular file"),
+        (
+            ["run", "--audit", "--context", "300", "--support", "97", "--json", "{f}/o.json"],
+            "o.audit-c300-s97.npz/",
+            "written with --json",
+        ),
+        (["sweep", "--out", "{f}"], "eval.json", "holds runs that are not a sweep's"),
+        (["sweep", "--out", "{f}"], "runs.jsonl", "holds runs that are not a sweep's"),
+        (["run", "--corpus", "{f}/afile", "--json", "{f}/afile"], "", "is the input --corpus"),
+        (["sweep", "--corpus", "{f}", "--out", "{f}/results"], "", "is inside the input --corpus"),
+        (["bench", "e2e", "--model", "{f}", "--json", "{f}/e2e.json"], "", "is inside the input --model"),
+    ],
+)
+def test_outputs_that_clash_are_refused_before_the_model_loads(args, made, message, folder, no_model_load, capsys):
+    """A name the command writes that is taken by a folder, runs of another kind, or an output that is an input
+    (the corpus would be overwritten): refused at once, and the folder is left as it was."""
+    if made.endswith("/"):
+        (folder / made).mkdir()
+    elif made:
+        (folder / made).write_text("{}\n")
+    before = contents(folder)
+    assert_refused([a.replace("{f}", str(folder)) for a in args], message, capsys)
+    assert contents(folder) == before, "nothing written"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["run", "--adaptive"], "apply to --mode lossless only"),
+        (["run", "--draft-tokens", "2"], "apply to --mode lossless only"),
+        (["run", "--mode", "lossless", "--draft-tokens", "10", "--tokens", "4"], "between 1 and --tokens - 1 = 3"),
+        (["bench", "e2e", "--tokens", "1"], "--tokens must be >= 2"),
+        (["bench", "e2e", "--adaptive"], "apply to --mode lossless only"),
+        (["bench", "e2e", "--draft-tokens", "2"], "apply to --mode lossless only"),
+        (["bench", "e2e", "--mode", "lossless", "--draft-tokens", "2,1000", "--tokens", "4"], "between 1 and"),
+        (["run", "--corpus", ""], "corpus name is empty"),
+        (["run", "--corpus", "{f}/missing.txt"], "unknown corpus"),
+        (["run", "--prompt-index", "-1"], "--prompt-index must be >= 0"),
+        (["probe", "mass", "--corpus", "{f}/missing.txt"], "unknown corpus"),
+        (["bench", "e2e", "--corpus", "{f}/missing.txt"], "unknown corpus"),
+        (["bench", "e2e", "--prompt-index", "-1"], "--prompt-index must be >= 0"),
+    ],
+)
+def test_options_that_would_do_nothing_and_bad_corpora_are_refused_before_loading(
+    args, message, folder, no_model_load, capsys
+):
+    assert_refused([a.replace("{f}", str(folder)) for a in args], message, capsys)
+
+
+def test_wikitext2_without_the_hub_fails_at_once_and_before_the_model(monkeypatch, no_model_load, capsys):
+    """No retries against an unreachable hub: one connection check, then only the local datasets cache is read."""
+    monkeypatch.setattr(models, "hub_unreachable", lambda *a, **k: "no connection (test)")
+    assert_refused(["run", "--corpus", "wikitext2", "--context", "300"], "wikitext2", capsys)
+
+
+def test_corrupt_or_partial_model_folders_are_one_line(tiny_model_dir, tmp_path, monkeypatch):
+    import shutil
+
+    truncated = tmp_path / "truncated"
+    shutil.copytree(tiny_model_dir, truncated)
+    with open(truncated / "model.safetensors", "r+b") as handle:
+        handle.truncate(1000)
+    with pytest.raises(models.SparseDecodeError, match="cannot load model from directory .*SafetensorError") as e:
+        models.load_model(str(truncated))
+    assert "\n" not in str(e.value)
+
+    no_tokenizer = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_model_dir, no_tokenizer)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (no_tokenizer / name).unlink(missing_ok=True)
+    with pytest.raises(models.SparseDecodeError, match="cannot load the tokenizer of") as e:
+        models.load_model(str(no_tokenizer))
+    assert "\n" not in str(e.value)
+
+    monkeypatch.setenv("SPARSEDECODE_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "broken.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(range(256)) * 40)  # the magic, then nothing a reader can use
+    with pytest.raises(models.SparseDecodeError, match="cannot convert GGUF") as e:
+        models.load_model(str(gguf))
+    assert "\n" not in str(e.value)
+    assert not list((tmp_path / "cache" / "models").glob("*")), "no entry left in the model cache"
+
+
+def test_an_audit_that_cannot_be_written_leaves_no_temporary_file(tmp_path):
+    import numpy as np
+
+    from sparsedecode.diagnostics import save_audit
+
+    (tmp_path / "taken.npz").mkdir()
+    with pytest.raises(OSError):
+        save_audit(tmp_path / "taken.npz", {"a": np.zeros(3)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken.npz"]

@@ -246,8 +246,11 @@ def save_audit(path: Path, arrays: dict[str, np.ndarray]) -> None:
     """Write the audit arrays as a compressed ``.npz`` (plain arrays, no pickles)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez_compressed(tmp, **arrays)
-    tmp.replace(path)
+    try:
+        np.savez_compressed(tmp, **arrays)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)  # left only when writing or renaming failed
 
 
 def load_audit(path: Path) -> dict[str, np.ndarray]:

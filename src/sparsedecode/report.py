@@ -712,6 +712,9 @@ def write_report(directory: Path, *, retrieval: Path | None = None) -> Path:
     (``selectors.json``) is rendered by :func:`write_selector_comparison` instead (``selectors.md``).
     """
     directory = Path(directory)
+    if not directory.is_dir():
+        what = "does not exist" if not directory.exists() else "is a file, not a results folder"
+        raise SparseDecodeError(f"{directory} {what}: give a sweep, retrieval or selector-comparison folder")
     has_sweep = (directory / SPEC_FILE).exists()
     if retrieval is None:
         for candidate in (directory / RETRIEVAL_FILE, directory / "retrieval" / RETRIEVAL_FILE):

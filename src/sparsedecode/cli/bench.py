@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import argparse
+import re
 
 from rich.table import Table
 
@@ -11,21 +12,31 @@ from .common import (
     DTYPES,
     Parser,
     add_model_args,
+    at_least_one,
     check_whole_blocks,
     console,
     environment,
     int_list,
     load,
+    path_arg,
+    positive_seconds,
     progress_bars,
     quiet_transformers,
 )
-from .outputs import check_output_file, write_json
+from .outputs import check_output_file, inputs_of, write_json
 
 # From :mod:`sparsedecode.experiments.bench` (which imports torch), spelled out so that building the parser does
 # not; a test keeps them equal.
 SHAPES = ("llama3-8b", "qwen2-0.5b", "smollm2-135m")
 DEFAULT_CONTEXTS = (2048, 8192, 32768, 131072)
 DEFAULT_SUPPORTS = (97, 193, 769)
+
+
+def _device(text: str) -> str:
+    """``--device``: cpu, cuda or cuda:i (whether CUDA is there is asked later, with torch)."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda[:i], got {text!r}")
+    return text
 
 
 def add_parsers(sub) -> None:
@@ -37,19 +48,22 @@ def add_parsers(sub) -> None:
     op.add_argument("--support", type=int_list, default=list(DEFAULT_SUPPORTS))
     op.add_argument("--dtype", default="float32", choices=DTYPES)
     op.add_argument("--selector", default="mean-pooled", help="any selector (see `run --help`)")
-    op.add_argument("--budget", type=float, default=0.6, help="seconds of calls per timing, > 0 (at least 10 calls)")
+    op.add_argument(
+        "--budget", type=positive_seconds, default=0.6, help="seconds of calls per timing, > 0 (at least 10 calls)"
+    )
     op.add_argument(
         "--layers",
-        type=int,
+        type=at_least_one,
         help="distinct per-layer caches the calls cycle through (default: the shape's layer count, so each call "
         "reads from memory as in a decode step: cold); 1 = one layer over and over (warm)",
     )
     op.add_argument(
         "--device",
         default="cpu",
+        type=_device,
         help="cpu, or cuda[:i]: device-event timings, and the Triton kernel beside torch's gather + SDPA",
     )
-    op.add_argument("--json", type=Path, help="write {machine, bandwidth_gbs, rows} here")
+    op.add_argument("--json", type=path_arg, help="write {machine, bandwidth_gbs, rows} here")
     e2e = benches.add_parser("e2e", help="real model: prefill, then greedy decoding dense vs sparse, same process")
     add_model_args(e2e)
     e2e.add_argument("--corpus", default="python-docs")
@@ -57,14 +71,16 @@ def add_parsers(sub) -> None:
     e2e.add_argument("--support", type=int_list, default=[193])
     e2e.add_argument("--tokens", type=int, default=64)
     e2e.add_argument("--prompt-index", type=int, default=0)
-    e2e.add_argument("--json", type=Path, help="write {machine, rows} here")
+    e2e.add_argument("--json", type=path_arg, help="write {machine, rows} here")
     e2e.add_argument(
         "--mode",
         default="standard",
         choices=("standard", "lossless"),
         help="lossless adds self-speculative rows (sparse drafts, dense verification) beside dense and sparse",
     )
-    e2e.add_argument("--draft-tokens", type=int_list, default=[4], help="draft length(s) k for --mode lossless")
+    e2e.add_argument(
+        "--draft-tokens", type=int_list, default=None, help="draft length(s) k for --mode lossless (default 4)"
+    )
     e2e.add_argument("--adaptive", action="store_true", help="adapt k from the acceptance (lossless)")
     e2e.add_argument(
         "--repeats", type=int, default=2, help="timed runs of every mode (in order, then reversed); medians reported"
@@ -83,12 +99,13 @@ def cmd_bench_op(args) -> int:
     from ..config import SparseConfig
 
     check_whole_blocks([SparseConfig(support=s, selector=args.selector) for s in args.support])
-    check_output_file(args.json, "--json")
+    check_output_file(args.json, "--json", inputs=inputs_of(args))
     quiet_transformers()
     import torch
 
     from ..experiments.bench import bench_op, check_op_args, op_rows_as_dicts
 
+    dtype = getattr(torch, args.dtype)
     check_op_args(
         args.shape,
         tuple(args.context),
@@ -96,8 +113,9 @@ def cmd_bench_op(args) -> int:
         selector=args.selector,
         budget_s=args.budget,
         layers=args.layers,
+        dtype=dtype,
+        device=args.device,
     )
-    dtype = getattr(torch, args.dtype)
     if args.device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise SparseDecodeError(f"--device {args.device}: torch sees no CUDA device here")
@@ -187,14 +205,24 @@ def cmd_bench_e2e(args) -> int:
 
     from ..config import SparseConfig
 
-    check_output_file(args.json, "--json")
-    if args.tokens < 1:
-        raise SparseDecodeError(f"--tokens must be >= 1 (got {args.tokens})")
-    if min(args.draft_tokens) < 1:
-        raise SparseDecodeError("--draft-tokens values must be >= 1")
+    check_output_file(args.json, "--json", inputs=inputs_of(args))
+    if args.tokens < 2:
+        raise SparseDecodeError(f"--tokens must be >= 2 (got {args.tokens}): token 0 comes from the dense prefill")
+    if args.mode != "lossless" and (args.draft_tokens is not None or args.adaptive):
+        raise SparseDecodeError("--draft-tokens and --adaptive apply to --mode lossless only")
+    args.draft_tokens = args.draft_tokens or [4]
+    if min(args.draft_tokens) < 1 or max(args.draft_tokens) > args.tokens - 1:
+        raise SparseDecodeError(
+            f"--draft-tokens values must be between 1 and --tokens - 1 = {args.tokens - 1} (got {args.draft_tokens})"
+        )
     if args.repeats < 1:
         raise SparseDecodeError(f"--repeats must be >= 1 (got {args.repeats})")
     check_whole_blocks([SparseConfig(support=s) for s in args.support])
+    if args.prompt_index < 0:
+        raise SparseDecodeError(f"--prompt-index must be >= 0 (got {args.prompt_index})")
+    from ..experiments.corpus import check_corpus
+
+    check_corpus(args.corpus)
     if args.batch is not None:
         if min(args.batch) < 1:
             raise SparseDecodeError("--batch values must be >= 1")

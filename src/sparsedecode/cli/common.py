@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 from rich.console import Console
 from rich.progress import (
@@ -42,6 +44,10 @@ __all__ = [
     "int_list",
     "layer_table",
     "load",
+    "path_arg",
+    "positive_seconds",
+    "at_least_one",
+    "shard_arg",
     "prepare",
     "progress_bars",
     "quiet_transformers",
@@ -71,25 +77,72 @@ class Parser(argparse.ArgumentParser):
 
 
 def int_list(text: str) -> list[int]:
-    """Parse ``"97,193"`` into ``[97, 193]``."""
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from error
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one integer")
-    return values
+    """Parse ``"97,193"`` into ``[97, 193]`` (no empty items, no value twice)."""
+    return _number_list(text, int, "integers")
 
 
 def float_list(text: str) -> list[float]:
-    """Parse ``"0,0.5,1"`` into ``[0.0, 0.5, 1.0]``."""
-    try:
-        values = [float(part) for part in text.split(",") if part.strip()]
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from error
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one number")
+    """Parse ``"0,0.5,1"`` into ``[0.0, 0.5, 1.0]`` (no empty items, no value twice, finite)."""
+    values = _number_list(text, float, "numbers")
+    if not all(math.isfinite(value) for value in values):
+        raise argparse.ArgumentTypeError(f"expected finite numbers, got {text!r}")
     return values
+
+
+def _number_list(text: str, kind, what: str) -> list:
+    parts = [part.strip() for part in text.split(",")]
+    if not any(parts):
+        raise argparse.ArgumentTypeError(f"expected at least one of the comma-separated {what}")
+    if not all(parts):
+        raise argparse.ArgumentTypeError(f"expected comma-separated {what} without empty items, got {text!r}")
+    try:
+        values = [kind(part) for part in parts]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from error
+    repeated = sorted({value for value in values if values.count(value) > 1})
+    if repeated:
+        raise argparse.ArgumentTypeError(f"{', '.join(map(str, repeated))} given twice in {text!r}")
+    return values
+
+
+def shard_arg(text: str) -> str:
+    """``--shard i/n`` with ``1 <= i <= n``, checked as the arguments are parsed (the library parses it again)."""
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected i/n such as 1/4, got {text!r}") from None
+    if not 1 <= index <= count:
+        raise argparse.ArgumentTypeError(f"need 1 <= i <= n in i/n, got {text!r}")
+    return text
+
+
+def positive_seconds(text: str) -> float:
+    """A time budget: a finite number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds above 0, got {text!r}")
+    return value
+
+
+def at_least_one(text: str) -> int:
+    """A count that must be 1 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def path_arg(text: str) -> Path:
+    """A path option's value: an empty string is refused (``Path("")`` would quietly mean the current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a path, got an empty string")
+    return Path(text)
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -306,9 +359,13 @@ def prepare(args, audit: bool = False):
         raise SparseDecodeError(f"--tokens must be >= 2 (got {args.tokens}): step 1 is shared with dense")
     if any(c < 1 for c in args.context):
         raise SparseDecodeError("--context values must be >= 1")
+    if args.prompt_index < 0:
+        raise SparseDecodeError(f"--prompt-index must be >= 0 (got {args.prompt_index})")
     configs = _configs(args, audit=audit)
+    from ..experiments.corpus import check_context_fits, check_corpus, prompt_ids
+
+    check_corpus(args.corpus)
     model, tokenizer = load(args)
-    from ..experiments.corpus import check_context_fits, prompt_ids
 
     check_context_fits(model, args.context, args.tokens)
     prompts = {c: prompt_ids(tokenizer, args.corpus, c, args.prompt_index, args.tokens) for c in args.context}

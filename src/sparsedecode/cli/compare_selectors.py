@@ -17,9 +17,10 @@ from .common import (
     executor,
     int_list,
     load,
+    path_arg,
     progress_bars,
 )
-from .outputs import check_output_folder
+from .outputs import check_output_folder, inputs_of
 
 
 def add_parsers(sub) -> None:
@@ -42,7 +43,9 @@ def add_parsers(sub) -> None:
     selectors.add_argument(
         "--batch", type=int, default=1, help="decode up to B prompts of one context together (same runs, faster)"
     )
-    selectors.add_argument("--out", type=Path, default=Path("runs/selectors"), help="folder for JSON, CSV, markdown")
+    selectors.add_argument(
+        "--out", type=path_arg, default=Path("runs/selectors"), help="folder for JSON, CSV, markdown"
+    )
     add_backend_args(selectors, unit="(context, prompt) and passkey trial")
     selectors.set_defaults(handler=cmd_compare_selectors)
 
@@ -61,7 +64,8 @@ def cmd_compare_selectors(args) -> int:
     if args.retrieval < 0:
         raise SparseDecodeError(f"--retrieval must be >= 0 (passkey trials per context), got {args.retrieval}")
     check_backend_args(args)
-    check_output_folder(args.out)
+    written = ("selectors.md", "selectors.csv", "selectors.json")
+    check_output_folder(args.out, inputs=inputs_of(args), files=written)
     model, tokenizer = load(args)
     from ..experiments.bench import model_shape
     from ..experiments.corpus import check_context_fits

@@ -19,6 +19,7 @@ from ..errors import SparseDecodeError
 
 __all__ = [
     "atomic_path",
+    "inputs_of",
     "check_output_file",
     "check_output_folder",
     "check_writable_folder",
@@ -27,23 +28,65 @@ __all__ = [
 ]
 
 
-def check_output_file(path: Path | None, option: str) -> None:
-    """Refuse an output file (``--json``) that is a folder, not a regular file, or in a folder that takes no files."""
+def inputs_of(args) -> dict[str, str]:
+    """The command's inputs that may be paths (``--model``, ``--corpus``), by option, for :func:`check_output_file`
+    and :func:`check_output_folder`."""
+    named = {"--model": getattr(args, "model", None), "--corpus": getattr(args, "corpus", None)}
+    return {option: spec for option, spec in named.items() if isinstance(spec, str) and spec.strip()}
+
+
+def check_output_file(
+    path: Path | None, option: str, *, inputs: dict[str, str] | None = None, also: tuple[Path, ...] = ()
+) -> None:
+    """Refuse an output file (``--json``) that is a folder, not a regular file, in a folder that takes no files,
+    or one of the command's ``inputs`` (or inside an input folder). ``also``: more files the command writes next
+    to it, each refused likewise."""
     if path is None:
         return
-    what = f"{option} {path}"
-    if _exists(path, what) and not path.is_file():
-        kind = "a folder" if path.is_dir() else "not a regular file"
-        raise SparseDecodeError(f"{what} is {kind}; give a file name")
-    check_writable_folder(path.parent, what)
+    for target in (path, *also):
+        what = f"{option} {path}" if target == path else f"{target}, written with {option} {path}"
+        if _exists(target, what) and not target.is_file():
+            kind = "a folder" if target.is_dir() else "not a regular file"
+            raise SparseDecodeError(f"{what} is {kind}; give a file name" if target == path else f"{what}, is {kind}")
+        _check_not_input(target, what, inputs)
+    check_writable_folder(path.parent, f"{option} {path}")
 
 
-def check_output_folder(path: Path, option: str = "--out") -> None:
-    """Refuse an output folder (``--out``) that names an existing file or cannot be made or written to."""
+def check_output_folder(
+    path: Path, option: str = "--out", *, inputs: dict[str, str] | None = None, files: tuple[str, ...] = ()
+) -> None:
+    """Refuse an output folder (``--out``) that names an existing file, cannot be made or written to, is one of
+    the command's ``inputs`` (or inside an input folder), or holds something other than a regular file under one
+    of the ``files`` names the command writes there."""
     what = f"{option} {path}"
     if _exists(path, what) and not path.is_dir():
         raise SparseDecodeError(f"{what} is an existing file, not a folder; give a folder")
+    _check_not_input(path, what, inputs)
+    for name in files:
+        target = path / name
+        if _exists(target, what) and not target.is_file():
+            kind = "a folder" if target.is_dir() else "not a regular file"
+            raise SparseDecodeError(f"cannot write {target} ({what}): it is {kind}")
     check_writable_folder(path, what)
+
+
+def _check_not_input(path: Path, what: str, inputs: dict[str, str] | None) -> None:
+    """Refuse an output that is an input file, or an input folder or inside one (it would change the input)."""
+    try:
+        target = path.expanduser().resolve()
+    except (OSError, RuntimeError):
+        return  # unresolvable: the writability check names the problem
+    for option, spec in (inputs or {}).items():
+        source = Path(spec).expanduser()
+        try:
+            if not source.exists():
+                continue  # an alias or a hub id, not a path
+            source = source.resolve()
+        except OSError:
+            continue
+        if target == source or (source.is_dir() and source in target.parents):
+            where = "is" if target == source else "is inside"
+            raise SparseDecodeError(f"{what} {where} the input {option} {spec}: give an output path outside it")
 
 
 def check_writable_folder(folder: Path, what: str, hint: str = "") -> None:

@@ -17,11 +17,12 @@ from .common import (
     int_list,
     layer_table,
     load,
+    path_arg,
     prepare,
     progress_bars,
     run_settings,
 )
-from .outputs import atomic_path, check_output_folder, write_json
+from .outputs import atomic_path, check_output_folder, inputs_of, write_json
 
 
 def add_parsers(sub) -> None:
@@ -30,7 +31,7 @@ def add_parsers(sub) -> None:
     mass = probes.add_parser("mass", help="attention-mass decomposition per layer and head for one prompt")
     add_model_args(mass)
     add_prompt_args(mass, tokens=16)
-    mass.add_argument("--out", type=Path, default=Path("runs/probe-mass"), help="folder for PNG and JSON")
+    mass.add_argument("--out", type=path_arg, default=Path("runs/probe-mass"), help="folder for PNG and JSON")
     mass.set_defaults(handler=cmd_probe_mass)
 
     retrieval = probes.add_parser("retrieval", help="passkey retrieval, dense vs sparse, with captured mass")
@@ -47,7 +48,9 @@ def add_parsers(sub) -> None:
     retrieval.add_argument("--digits", type=int, default=5, help="passkey length")
     retrieval.add_argument("--answer-tokens", type=int, default=8)
     retrieval.add_argument("--seed", type=int, default=0)
-    retrieval.add_argument("--out", type=Path, default=Path("runs/probe-retrieval"), help="folder for retrieval.json")
+    retrieval.add_argument(
+        "--out", type=path_arg, default=Path("runs/probe-retrieval"), help="folder for retrieval.json"
+    )
     retrieval.set_defaults(handler=cmd_probe_retrieval)
 
 
@@ -57,7 +60,9 @@ def cmd_probe_mass(args) -> int:
     from ..experiments.probes import mass_probe
     from ..plots import heatmap
 
-    check_output_folder(args.out)
+    stems = [f"mass-c{c}-s{s}" for c in args.context for s in args.support]
+    written = ("mass.json", *(f"{stem}{suffix}" for stem in stems for suffix in (".png", ".npz")))
+    check_output_folder(args.out, inputs=inputs_of(args), files=written)
     configs, model, _, prompts = prepare(args, audit=True)
     console.print(conditions(args))
     rows = []
@@ -143,7 +148,7 @@ def cmd_probe_retrieval(args) -> int:
     from ..experiments.environment import environment as measured_environment
     from ..experiments.retrieval import accuracy, run_retrieval
 
-    check_output_folder(args.out)
+    check_output_folder(args.out, inputs=inputs_of(args), files=("retrieval.json",))
     loaded = load(args)
     console.print(
         f"[bold]{args.model}[/] {args.dtype}; passkey retrieval, haystack {args.haystack}; contexts {args.context}; "

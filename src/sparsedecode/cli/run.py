@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from rich.table import Table
 from rich.text import Text
 
@@ -14,25 +12,31 @@ from .common import (
     conditions,
     console,
     layer_table,
+    path_arg,
     prepare,
     progress_bars,
     run_settings,
 )
-from .outputs import check_output_file, write_json
+from .outputs import check_output_file, inputs_of, write_json
+
+DRAFT_TOKENS = 4
+"""``--draft-tokens`` of ``--mode lossless`` when not given."""
 
 
 def add_parsers(sub) -> None:
     run = sub.add_parser("run", help="paired dense vs sparse decoding of one prompt")
     add_model_args(run)
     add_prompt_args(run, tokens=128)
-    run.add_argument("--json", type=Path, help="write {settings, results} here")
+    run.add_argument("--json", type=path_arg, help="write {settings, results} here")
     run.add_argument(
         "--mode",
         default="compare",
         choices=("compare", "lossless"),
         help="compare: paired dense/sparse protocol; lossless: sparse drafts verified densely (output = dense)",
     )
-    run.add_argument("--draft-tokens", type=int, default=4, help="draft length k for --mode lossless")
+    run.add_argument(
+        "--draft-tokens", type=int, default=None, help=f"draft length k for --mode lossless (default {DRAFT_TOKENS})"
+    )
     run.add_argument("--adaptive", action="store_true", help="adapt k from the recent acceptance (lossless)")
     run.add_argument(
         "--audit",
@@ -117,7 +121,14 @@ def _margin_line(result) -> str:
 def cmd_run(args) -> int:
     if args.mode == "lossless":
         return cmd_run_lossless(args)
-    check_output_file(args.json, "--json")
+    if args.draft_tokens is not None or args.adaptive:
+        raise SparseDecodeError("--draft-tokens and --adaptive apply to --mode lossless only")
+    audits = (
+        tuple(args.json.with_name(_audit_name(args.json, c, s)) for c in args.context for s in args.support)
+        if args.json and args.audit
+        else ()
+    )
+    check_output_file(args.json, "--json", inputs=inputs_of(args), also=audits)
     configs, model, tokenizer, prompts = prepare(args, audit=args.audit)
     from ..compare import compare, dense_reference
     from ..diagnostics import save_audit
@@ -162,7 +173,7 @@ def cmd_run(args) -> int:
     if args.json:
         for result in results:
             if result.audit_arrays is not None:
-                name = f"{args.json.stem}.audit-c{result.context}-s{result.settings['support']}.npz"
+                name = _audit_name(args.json, result.context, result.settings["support"])
                 save_audit(args.json.with_name(name), result.audit_arrays)
                 result.audit["arrays"] = name
         write_json(args.json, {"settings": settings, "results": [r.to_dict() for r in results]})
@@ -170,10 +181,19 @@ def cmd_run(args) -> int:
     return 0
 
 
+def _audit_name(json_path, context: int, support: int) -> str:
+    """The file beside ``--json`` that holds a run's per-step audit arrays."""
+    return f"{json_path.stem}.audit-c{context}-s{support}.npz"
+
+
 def cmd_run_lossless(args) -> int:
-    check_output_file(args.json, "--json")
-    if args.draft_tokens < 1:
-        raise SparseDecodeError(f"--draft-tokens must be >= 1 (got {args.draft_tokens})")
+    check_output_file(args.json, "--json", inputs=inputs_of(args))
+    if args.draft_tokens is None:
+        args.draft_tokens = DRAFT_TOKENS
+    if not 1 <= args.draft_tokens <= max(args.tokens - 1, 1):  # --tokens itself is checked by prepare
+        raise SparseDecodeError(
+            f"--draft-tokens must be between 1 and --tokens - 1 = {args.tokens - 1} (got {args.draft_tokens})"
+        )
     configs, model, tokenizer, prompts = prepare(args)
     from ..speculative import compare_lossless, generate
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 from ..errors import SparseDecodeError
 from .common import (
@@ -15,10 +14,12 @@ from .common import (
     executor,
     int_list,
     load,
+    path_arg,
     progress_bars,
     run_hooks,
+    shard_arg,
 )
-from .outputs import check_output_folder, check_writable_folder
+from .outputs import check_output_folder, check_writable_folder, inputs_of
 
 
 def add_parsers(sub) -> None:
@@ -37,20 +38,22 @@ def add_parsers(sub) -> None:
     sweep.add_argument("--window", type=int, default=64)
     sweep.add_argument("--block-size", type=int, default=16)
     sweep.add_argument("--audit", action="store_true", help="omitted-mass audit of every sparse step (slower)")
-    sweep.add_argument("--shard", default=None, help="i/n: run every n-th (context, prompt) group from the i-th")
+    sweep.add_argument(
+        "--shard", type=shard_arg, default=None, help="i/n: run every n-th (context, prompt) group from the i-th"
+    )
     sweep.add_argument(
         "--batch", type=int, default=1, help="decode up to B prompts of one context together (same rows, faster)"
     )
-    sweep.add_argument("--out", type=Path, required=True, help="sweep folder (sweep.json, runs.jsonl); resumable")
+    sweep.add_argument("--out", type=path_arg, required=True, help="sweep folder (sweep.json, runs.jsonl); resumable")
     add_backend_args(sweep, unit="(context, prompt) group")
 
     merge = sub.add_parser("merge", help="combine shard folders of one sweep into one folder")
-    merge.add_argument("sources", type=Path, nargs="+", help="sweep folders with the same settings")
-    merge.add_argument("--out", type=Path, required=True, help="folder for the merged sweep.json and runs.jsonl")
+    merge.add_argument("sources", type=path_arg, nargs="+", help="sweep folders with the same settings")
+    merge.add_argument("--out", type=path_arg, required=True, help="folder for the merged sweep.json and runs.jsonl")
 
     report = sub.add_parser("report", help="report.md with tables, CSVs and plots for a sweep and/or retrieval folder")
-    report.add_argument("directory", type=Path, help="a sweep folder (sweep.json) or a retrieval folder")
-    report.add_argument("--retrieval", type=Path, help="retrieval.json (or its folder) to include")
+    report.add_argument("directory", type=path_arg, help="a sweep folder (sweep.json) or a retrieval folder")
+    report.add_argument("--retrieval", type=path_arg, help="retrieval.json (or its folder) to include")
     sweep.set_defaults(handler=cmd_sweep)
     merge.set_defaults(handler=cmd_merge)
     report.set_defaults(handler=cmd_report)
@@ -118,7 +121,12 @@ def cmd_sweep(args) -> int:
 
     shard = Shard.parse(args.shard) if args.shard else None
     check_backend_args(args)
-    check_output_folder(args.out)
+    check_output_folder(args.out, inputs=inputs_of(args), files=("sweep.json", "runs.jsonl"))
+    foreign = (args.out / "eval.json").exists() or (args.out / "runs.jsonl").exists()
+    if foreign and not (args.out / "sweep.json").exists():
+        raise SparseDecodeError(
+            f"--out {args.out} holds runs that are not a sweep's (no sweep.json): give a new folder"
+        )
     meta = read_meta(args.out)
     if meta is not None:  # refuse a changed spec before spending time on the model
         from ..experiments.sweep import check_meta
@@ -177,14 +185,19 @@ def cmd_merge(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from ..report import write_report
-
-    if args.directory.is_dir():  # report.md, CSVs and plots go next to the data
-        check_writable_folder(args.directory, f"the report into {args.directory}")
+    if not args.directory.is_dir():
+        what = "does not exist" if not args.directory.exists() else "is a file, not a results folder"
+        raise SparseDecodeError(f"{args.directory} {what}: give a sweep, evaluation, retrieval or selector folder")
+    check_writable_folder(args.directory, f"the report into {args.directory}")  # it goes next to the data
+    for entry in args.directory.iterdir():  # the names a report writes: report.md, CSV tables, PNG plots
+        if entry.suffix in (".md", ".csv", ".png") and not entry.is_file():
+            raise SparseDecodeError(f"cannot write the report: {entry} is not a regular file (a report file's name)")
     from .eval import cmd_report_eval, is_eval_folder
 
     if is_eval_folder(args.directory):
         return cmd_report_eval(args, console=console)
+    from ..report import write_report
+
     with console.status(f"writing the report for {args.directory}"):
         path = write_report(args.directory, retrieval=args.retrieval)
     console.print(f"wrote {path}")

@@ -189,9 +189,12 @@ def check_op_args(
     budget_s: float = 0.6,
     layers: int | None = None,
     kernels: tuple[str, ...] = ("auto",),
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
 ) -> tuple[str, tuple[int, int, int], int]:
     """What :func:`bench_op` checks before any work: (shape name, (query heads, KV heads, head dim), layers to
-    request). Raises :class:`SparseDecodeError` (one line) for what would time nothing or nonsense."""
+    request). Raises :class:`SparseDecodeError` (one line) for what would time nothing or nonsense, or for a context
+    whose one layer's cache would not fit in :data:`MEMORY_FRACTION` of the memory ``device`` has available."""
     if isinstance(shape, str):
         if shape not in SHAPES:
             raise SparseDecodeError(f"unknown shape {shape!r}; choose one of: {', '.join(SHAPES)}")
@@ -227,6 +230,16 @@ def check_op_args(
             raise SparseDecodeError(
                 f"bench op: support {support} >= context {dense[0]}: decoding attends densely there, so there is no "
                 "sparse step to time; give supports below every context"
+            )
+    available = available_memory_bytes(device) if device == "cpu" or torch.cuda.is_available() else None
+    defaults = SparseConfig(selector=selector)  # window and block size: every support's, as in decoding
+    for n in contexts:  # one layer must fit, or its allocation fails after the earlier contexts' work
+        layout = BlockLayout(n=n, window=defaults.window, block_size=defaults.block_size)
+        one_layer = _layer_bytes(n, dims, torch.finfo(dtype).bits // 8, selector, layout)
+        if available is not None and one_layer > MEMORY_FRACTION * available:
+            raise SparseDecodeError(
+                f"bench op: context {n} needs {one_layer / 1e9:.1f} GB for one layer's cache, more than "
+                f"{MEMORY_FRACTION:.0%} of the {available / 1e9:.1f} GB available on {device}: give a shorter context"
             )
     return name, dims, requested
 
@@ -319,7 +332,14 @@ def bench_op(
     context (nothing sparse to time there), a context or layer count below 1 or a budget that is not positive.
     """
     name, dims, requested = check_op_args(
-        shape, tuple(contexts), tuple(supports), selector=selector, budget_s=budget_s, layers=layers
+        shape,
+        tuple(contexts),
+        tuple(supports),
+        selector=selector,
+        budget_s=budget_s,
+        layers=layers,
+        dtype=dtype,
+        device=device,
     )
     query_heads, kv_heads, d = dims
     element = torch.finfo(dtype).bits // 8

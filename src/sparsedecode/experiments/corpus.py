@@ -49,13 +49,21 @@ def _wikitext2() -> str:
             "corpus wikitext2 needs the 'datasets' package (pip install 'sparsedecode[hub]') and a reachable "
             "hub; use --corpus python-docs or a local text file offline"
         ) from error
+    from ..models import hub_unreachable
+
+    unreachable = hub_unreachable()  # one quick connection check instead of the hub client's retries
+    offline = datasets.config.HF_HUB_OFFLINE
     try:
+        datasets.config.HF_HUB_OFFLINE = offline or unreachable is not None  # then only the local cache is read
         rows = datasets.load_dataset("wikitext", "wikitext-2-raw-v1", split="test")
     except Exception as error:  # noqa: BLE001 - any hub failure becomes one actionable line
+        where = f"the hub is not reachable ({unreachable}) and" if unreachable else "the hub did not provide it and"
         raise SparseDecodeError(
-            f"could not load wikitext2 from the hub ({type(error).__name__}); use --corpus python-docs or a "
-            "local text file offline"
+            f"cannot load corpus wikitext2: {where} it is not in the local datasets cache ({type(error).__name__}); "
+            "use --corpus python-docs or a local text file offline"
         ) from error
+    finally:
+        datasets.config.HF_HUB_OFFLINE = offline
     return "".join(rows["text"])
 
 
@@ -99,6 +107,8 @@ def load_text(name: str) -> str:
         return _python_docs()
     if name == "wikitext2":
         return _wikitext2()
+    if not name.strip():
+        raise SparseDecodeError("corpus name is empty: use python-docs, wikitext2, or a text file or folder")
     path = Path(name).expanduser()
     if path.exists():
         return _local(path)
@@ -108,10 +118,10 @@ def load_text(name: str) -> str:
 def check_corpus(name: str) -> None:
     """Read corpus ``name`` once (cached) so a missing, binary or empty corpus fails before a model is loaded.
 
-    ``wikitext2`` is left alone: it needs the hub, and asking it is not a cheap check.
+    ``wikitext2`` is fetched here too (it is needed anyway); with the hub out of reach it comes from the local
+    datasets cache or fails at once (see :func:`_wikitext2`).
     """
-    if name != "wikitext2":
-        load_text(name)
+    load_text(name)
 
 
 _TOKENS: dict[tuple[str, int], torch.Tensor] = {}
