@@ -18,8 +18,18 @@ import sys
 from pathlib import Path
 
 from ..errors import SparseDecodeError
-from .common import add_backend_args, check_backend_args, check_whole_blocks, executor, run_hooks
-from .outputs import check_output_folder
+from .common import (
+    add_backend_args,
+    check_backend_args,
+    check_whole_blocks,
+    executor,
+    load,
+    path_arg,
+    quiet_transformers,
+    run_hooks,
+    shard_arg,
+)
+from .outputs import check_output_folder, inputs_of
 
 LM_EVAL_COMMAND = "lm-eval"
 
@@ -54,9 +64,9 @@ def add_eval_parser(sub, *, int_list, add_model_args) -> argparse.ArgumentParser
     parser.add_argument("--template", default="auto", choices=("auto", "chat", "plain"), help="chat template use")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--answer-tokens", type=int, default=None, help="answer budget (default: each task's own)")
-    parser.add_argument("--shard", default=None, help="i/n: run every n-th sample group from the i-th")
-    parser.add_argument("--out", type=Path, default=None, help="evaluation folder (eval.json, runs.jsonl)")
-    parser.add_argument("--export", type=Path, default=None, help="write lm-eval tasks (YAML + data) here instead")
+    parser.add_argument("--shard", type=shard_arg, default=None, help="i/n: run every n-th sample group from the i-th")
+    parser.add_argument("--out", type=path_arg, default=None, help="evaluation folder (eval.json, runs.jsonl)")
+    parser.add_argument("--export", type=path_arg, default=None, help="write lm-eval tasks (YAML + data) here instead")
     add_backend_args(parser, unit="sample")
     return parser
 
@@ -94,23 +104,36 @@ def _row_line(row: dict) -> str:
     )
 
 
-def cmd_eval(args, *, console, progress_bars) -> int:
-    """``sparsedecode eval``; ``console`` and ``progress_bars`` are the CLI's own."""
-    spec = eval_spec(args)  # the arguments, checked before torch is imported
+def _check_eval_args(args):
+    """The evaluation's spec and everything the arguments alone decide, checked before torch is imported (an answer
+    in well under a second): the spec's own checks, whole blocks, ``--out`` or ``--export`` (``--shard``'s format is
+    checked as it is parsed), the output folder, the backend options and the corpus (read once, so an empty or
+    binary file is refused here)."""
+    from ..experiments.corpus import check_corpus
+
+    spec = eval_spec(args)
     check_whole_blocks(spec.configs())
     if (args.out is None) == (args.export is None):
         raise SparseDecodeError("give --out DIR to run the evaluation or --export DIR to write lm-eval tasks")
-    from ..experiments.evaluate import check_meta, read_meta, run_eval
-    from ..experiments.sweep import Shard
-    from ..models import load_model
-    from ..validate import check_sparse_attention
-
     if args.export is not None:
-        from ..experiments.lm_eval_tasks import export_tasks
-
         if args.shard:
             raise SparseDecodeError("--shard applies to runs, not to --export")
-        check_output_folder(args.export, "--export")
+        check_output_folder(args.export, "--export", inputs=inputs_of(args))
+    else:
+        check_backend_args(args)
+        check_output_folder(args.out, inputs=inputs_of(args), files=("eval.json", "runs.jsonl"))
+    check_corpus(spec.corpus)
+    return spec
+
+
+def cmd_eval(args, *, console, progress_bars) -> int:
+    """``sparsedecode eval``; ``console`` and ``progress_bars`` are the CLI's own."""
+    spec = _check_eval_args(args)
+    if args.export is not None:
+        from ..experiments.lm_eval_tasks import export_tasks
+        from ..models import load_model
+
+        quiet_transformers()
         with console.status(f"loading {args.model} ({args.dtype})"):
             _, tokenizer = load_model(args.model, dtype=args.dtype)
         with console.status(f"writing {len(spec.tasks) * len(spec.contexts)} tasks"):
@@ -122,15 +145,12 @@ def cmd_eval(args, *, console, progress_bars) -> int:
             "hold the template already)"
         )
         return 0
-    check_backend_args(args)
-    check_output_folder(args.out)
+    from ..experiments.evaluate import check_folder, run_eval
+    from ..experiments.sweep import Shard
+
     shard = Shard.parse(args.shard) if args.shard else None
-    meta = read_meta(args.out)
-    if meta is not None:  # refuse changed settings before loading the model
-        check_meta(args.out, meta, spec, None, shard or Shard())
-    with console.status(f"loading {args.model} ({args.dtype})"):
-        loaded = load_model(args.model, dtype=args.dtype)
-    check_sparse_attention(loaded[0], args.model)
+    check_folder(args.out, spec, shard or Shard())  # another folder, bad files or changed settings: before the model
+    loaded = load(args)
     console.print(
         f"[bold]{args.model}[/] {args.dtype}; tasks {', '.join(spec.tasks)}; contexts {list(spec.contexts)}; "
         f"{spec.samples} samples; selectors {', '.join(spec.selectors)}; supports {list(spec.supports)}; "

@@ -20,6 +20,10 @@ Group = tuple[str, int, int]
 """``(task, context, sample)``: the runs that share one sample and one dense prefill."""
 
 
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 @dataclass(frozen=True)
 class EvalSpec(Spec):
     """Everything that defines an evaluation's results. ``answer_tokens`` caps every task's answer (``None``: each
@@ -43,11 +47,24 @@ class EvalSpec(Spec):
     answer_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        # a spec read back from eval.json may hold any JSON value: every field's kind is checked before its use
+        for name in ("model", "dtype", "corpus", "template"):
+            if not isinstance(getattr(self, name), str):
+                raise SparseDecodeError(f"{name} must be a string, got {getattr(self, name)!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise SparseDecodeError(f"seed must be an integer, got {self.seed!r}")
+        for name in ("tasks", "selectors"):
+            value = getattr(self, name)
+            if not isinstance(value, str) and not (
+                isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
+            ):
+                raise SparseDecodeError(f"{name} must be a list of names, got {value!r}")
         object.__setattr__(self, "tasks", check_tasks(self.tasks))
         for name in ("contexts", "supports"):
-            values = tuple(getattr(self, name))
+            values = getattr(self, name)
+            values = tuple(values) if isinstance(values, (list, tuple)) else values
             object.__setattr__(self, name, values)
-            if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
+            if not isinstance(values, tuple) or not values or not all(_positive_int(v) for v in values):
                 raise SparseDecodeError(f"{name} must be a non-empty list of positive integers, got {values!r}")
             if len(set(values)) != len(values):
                 raise SparseDecodeError(f"{name} lists a value twice: {', '.join(map(str, values))}")

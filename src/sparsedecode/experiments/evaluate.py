@@ -53,6 +53,7 @@ from .sweep import (
     write_json_atomic,
     write_rows,
 )
+from .sweep import SPEC_FILE as SWEEP_FILE
 from .work import Executor
 
 SPEC_FILE = "eval.json"
@@ -212,19 +213,125 @@ def run_sample(
 # --- the folder ---------------------------------------------------------------------------------------------------
 
 
+META_FIELDS = ("spec", "corpus_sha256", "generator_version", "shard", "sessions")
+"""The fields of ``eval.json``; only ``spec`` is required (files written before the others lack them)."""
+
+
 def read_meta(directory: Path) -> dict | None:
-    """The parsed ``eval.json`` of ``directory``, or ``None`` when there is none."""
-    path = Path(directory) / SPEC_FILE
+    """The parsed ``eval.json`` of ``directory``, or ``None`` when there is none; a folder without one that holds
+    another experiment's results (``sweep.json``, or a ``runs.jsonl`` of its own) is refused, not joined."""
+    directory = Path(directory)
+    path = directory / SPEC_FILE
     if not path.exists():
+        foreign = [name for name in (SWEEP_FILE, RUNS_FILE) if (directory / name).exists()]
+        if foreign:
+            raise SparseDecodeError(
+                f"{directory} holds {' and '.join(foreign)} but no {SPEC_FILE}: it is not an evaluation folder (a "
+                f"sweep's?); give an evaluation folder, or a new or empty one"
+            )
         return None
     try:
-        meta = json.loads(path.read_text())
-        EvalSpec.from_dict(meta["spec"])
-    except (json.JSONDecodeError, KeyError, TypeError) as error:
-        raise SparseDecodeError(
-            f"{path} is not an evaluation description ({type(error).__name__}); remove it"
-        ) from error
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise SparseDecodeError(f"cannot read {path}: {error.strerror or error}") from error
+    except ValueError as error:  # invalid JSON or invalid UTF-8
+        reason = error.msg if isinstance(error, json.JSONDecodeError) else "not UTF-8 text"
+        raise SparseDecodeError(f"{path} is not valid JSON ({reason}); fix or remove it") from error
+    problem = _meta_problem(meta)
+    if problem:
+        raise SparseDecodeError(f"{path} is not a valid evaluation description ({problem}); fix or remove it")
     return meta
+
+
+def _meta_problem(meta) -> str | None:
+    """What keeps ``meta`` (parsed ``eval.json``) from describing an evaluation, in a few words; ``None`` if nothing."""
+    if not isinstance(meta, dict):
+        return f"expected a JSON object with fields {', '.join(META_FIELDS)}, got {_json_kind(meta)}"
+    if "spec" not in meta:
+        return "lacks field 'spec'"
+    spec = meta["spec"]
+    if not isinstance(spec, dict):
+        return f"field 'spec' should be a JSON object of the evaluation's settings, got {_json_kind(spec)}"
+    if "model" not in spec:
+        return "its spec lacks field 'model'"
+    if not isinstance(meta.get("sessions", []), list):
+        return f"field 'sessions' should be a list, got {_json_kind(meta['sessions'])}"
+    try:
+        EvalSpec.from_dict(spec)
+    except SparseDecodeError as error:
+        return str(error)
+    except (TypeError, ValueError, AttributeError) as error:  # a value of the wrong kind for EvalSpec's checks
+        return f"a spec value of the wrong kind: {(str(error).splitlines() or [type(error).__name__])[0][:160]}"
+    return None
+
+
+def _json_kind(value) -> str:
+    """What a parsed JSON value is, in words: ``null``, ``a list``, ``a string``..."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true or false"
+    kinds = {dict: "a JSON object", list: "a list", str: "a string", int: "a number", float: "a number"}
+    return kinds.get(type(value), type(value).__name__)
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+ROW_FIELDS: dict[str, tuple[str, Callable[[object], bool]]] = {
+    "task": ("a string", lambda v: isinstance(v, str)),
+    "context": ("an integer", _integer),
+    "sample": ("an integer", _integer),
+    "selector": ("a string", lambda v: isinstance(v, str)),
+    "support": ("an integer or null", lambda v: v is None or _integer(v)),
+    "prompt_format": ("a string", lambda v: isinstance(v, str)),
+    "prompt_sha256": ("a string", lambda v: isinstance(v, str)),
+    "answers": ("a list of strings", lambda v: isinstance(v, list) and all(isinstance(a, str) for a in v)),
+    "output": ("a string", lambda v: isinstance(v, str)),
+    "output_ids": ("a list of integers", lambda v: isinstance(v, list) and all(_integer(i) for i in v)),
+    "score": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+    "correct": ("true or false", lambda v: isinstance(v, bool)),
+}
+"""The fields of a ``runs.jsonl`` row that resuming, merging and reporting read, each with what it must hold."""
+
+
+def row_problem(row: dict) -> str | None:
+    """What keeps ``row`` from being a run of an evaluation, in a few words; ``None`` if nothing."""
+    missing = [name for name in ROW_FIELDS if name not in row]
+    if missing:
+        shown = ", ".join(repr(name) for name in missing[:4]) + (
+            f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+        )
+        return f"lacks field{'s' if len(missing) > 1 else ''} {shown}"
+    for name, (kind, holds) in ROW_FIELDS.items():
+        if not holds(row[name]):
+            return f"field {name!r} should be {kind}, not {json.dumps(row[name])[:40]}"
+    return None
+
+
+def read_rows(path: Path, *, repair: bool = False) -> list[dict]:
+    """The rows of an evaluation's ``runs.jsonl`` (see :func:`.sweep.parse_rows`: a torn last line is ignored, with
+    ``repair`` cut from the file); a row that lacks a field of :data:`ROW_FIELDS` or holds the wrong kind of value
+    is refused in one line naming the file and the run."""
+    rows = parse_rows(path, repair=repair)
+    for number, row in enumerate(rows, start=1):
+        problem = row_problem(row)
+        if problem:
+            raise SparseDecodeError(
+                f"{path} run {number} {problem}; fix or remove that line (a removed run is redone on resume)"
+            )
+    return rows
+
+
+def check_folder(directory: Path, spec: EvalSpec, shard: Shard | None) -> None:
+    """Everything :func:`run_eval` refuses about ``directory`` before it loads a model, checked before the command
+    line loads one: another experiment's folder, a malformed ``eval.json`` or run, other settings or another shard
+    (the corpus text is compared by :func:`run_eval`)."""
+    meta = read_meta(directory)
+    if meta is not None:
+        check_meta(directory, meta, spec, None, shard)
+    read_rows(Path(directory) / RUNS_FILE)
 
 
 def check_meta(directory: Path, meta: dict, spec: EvalSpec, corpus: str | None, shard: Shard | None) -> None:
@@ -294,7 +401,7 @@ def run_eval(
     check_context_fits(model, spec)
     runs = directory / RUNS_FILE
     groups = shard.groups(spec)
-    samples = _first_samples(spec, tokenizer, groups, {key_of(row) for row in parse_rows(runs)})
+    samples = _first_samples(spec, tokenizer, groups, {key_of(row) for row in read_rows(runs)})
 
     with locked(directory):
         meta = read_meta(directory)
@@ -314,7 +421,7 @@ def run_eval(
         meta["sessions"] = [*meta.get("sessions", []), session]
         write_json_atomic(directory / SPEC_FILE, meta)
 
-        rows = parse_rows(runs, repair=True)
+        rows = read_rows(runs, repair=True)
         stored = {key_of(row): row for row in rows}
         total = sum(len(spec.group_keys(g)) for g in groups)
         done_before = sum(key in stored for g in groups for key in spec.group_keys(g))
@@ -403,7 +510,7 @@ def load_eval(directory: Path) -> tuple[dict, list[dict]]:
     meta = read_meta(directory)
     if meta is None:
         raise SparseDecodeError(f"{directory} is not an evaluation folder (no {SPEC_FILE})")
-    return meta, parse_rows(directory / RUNS_FILE)
+    return meta, read_rows(directory / RUNS_FILE)
 
 
 def is_eval_folder(directory: Path) -> bool:
@@ -445,7 +552,7 @@ def merge_evals(sources: list[Path], directory: Path) -> MergeOutcome:
             if source.resolve() in seen:
                 continue
             seen.add(source.resolve())
-            for row in parse_rows(source / RUNS_FILE):
+            for row in read_rows(source / RUNS_FILE):
                 key = key_of(row)
                 if key not in order:
                     raise SparseDecodeError(f"{source} holds a run {key} that is not part of its evaluation")
