@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from .attention import StepView
+from .errors import naming
 from .selectors import BlockLayout, top_blocks
 
 WARNING_MATCH_PERCENT = 70.0
@@ -247,8 +248,9 @@ def save_audit(path: Path, arrays: dict[str, np.ndarray]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp.npz")
     try:
-        np.savez_compressed(tmp, **arrays)
-        tmp.replace(path)
+        with naming(path):
+            np.savez_compressed(tmp, **arrays)
+            tmp.replace(path)
     finally:
         tmp.unlink(missing_ok=True)  # left only when writing or renaming failed
 

@@ -5,6 +5,21 @@ offline) raises :class:`SparseDecodeError` with a one-line message that says wha
 that line and exits with status 2; library users catch it like any ``ValueError``.
 """
 
+import contextlib
+from collections.abc import Iterator
+
 
 class SparseDecodeError(ValueError):
     """A problem with the user's input or environment, explained in one line."""
+
+
+@contextlib.contextmanager
+def naming(path) -> Iterator[None]:
+    """Give an ``OSError`` raised inside the block without a file name (``ENOSPC`` from a write, say) ``path``'s
+    name, so that its one-line message says which file could not be written."""
+    try:
+        yield
+    except OSError as error:
+        if error.filename is None and error.strerror:
+            raise OSError(error.errno, error.strerror, str(path)) from error
+        raise

@@ -18,6 +18,7 @@ from ..errors import SparseDecodeError
 from . import bench, compare_selectors, models, probe, run, sweep
 from . import eval as evaluation
 from .common import Parser, add_model_args, console, int_list, progress_bars
+from .outputs import MADE_FOLDERS, remove_empty_made_folders
 
 __all__ = ["build_parser", "main"]
 
@@ -45,15 +46,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; bad input (a :class:`SparseDecodeError`, or a file-system error) ends in one line, exit 2."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    MADE_FOLDERS.clear()  # of an earlier command in this process
     try:
         if argv[:1] == [evaluation.LM_EVAL_COMMAND]:  # lm-eval's own options pass through untouched
             return evaluation.run_lm_eval(argv[1:])
         args = build_parser().parse_args(argv)
         return args.handler(args)
     except (SparseDecodeError, OSError) as error:
+        remove_empty_made_folders()
         print(f"sparsedecode: error: {_one_line(error)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        remove_empty_made_folders()
         print("sparsedecode: interrupted", file=sys.stderr)
         return 130
 

@@ -15,11 +15,13 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import SparseDecodeError
+from ..errors import SparseDecodeError, naming
 
 __all__ = [
     "atomic_path",
+    "MADE_FOLDERS",
     "inputs_of",
+    "remove_empty_made_folders",
     "check_output_file",
     "check_output_folder",
     "check_writable_folder",
@@ -31,22 +33,22 @@ __all__ = [
 def inputs_of(args) -> dict[str, str]:
     """The command's inputs that may be paths (``--model``, ``--corpus``), by option, for :func:`check_output_file`
     and :func:`check_output_folder`."""
-    named = {"--model": getattr(args, "model", None), "--corpus": getattr(args, "corpus", None)}
+    named = {option: getattr(args, option[2:], None) for option in ("--model", "--corpus", "--haystack")}
     return {option: spec for option, spec in named.items() if isinstance(spec, str) and spec.strip()}
 
 
 def check_output_file(
     path: Path | None, option: str, *, inputs: dict[str, str] | None = None, also: tuple[Path, ...] = ()
 ) -> None:
-    """Refuse an output file (``--json``) that is a folder, not a regular file, in a folder that takes no files,
-    or one of the command's ``inputs`` (or inside an input folder). ``also``: more files the command writes next
-    to it, each refused likewise."""
+    """Refuse an output file (``--json``) that is a folder, not a regular file, a dangling link, in a folder that
+    takes no files, or one of the command's ``inputs`` (or inside an input folder). ``also``: more files the command
+    writes next to it, each refused likewise."""
     if path is None:
         return
     for target in (path, *also):
         what = f"{option} {path}" if target == path else f"{target}, written with {option} {path}"
-        if _exists(target, what) and not target.is_file():
-            kind = "a folder" if target.is_dir() else "not a regular file"
+        kind = _not_a_file(target, what)
+        if kind:
             raise SparseDecodeError(f"{what} is {kind}; give a file name" if target == path else f"{what}, is {kind}")
         _check_not_input(target, what, inputs)
     check_writable_folder(path.parent, f"{option} {path}")
@@ -59,15 +61,27 @@ def check_output_folder(
     the command's ``inputs`` (or inside an input folder), or holds something other than a regular file under one
     of the ``files`` names the command writes there."""
     what = f"{option} {path}"
+    if path.is_symlink() and not _exists(path, what):
+        raise SparseDecodeError(f"{what} is a symbolic link to nothing (dangling, or a loop); give a folder")
     if _exists(path, what) and not path.is_dir():
         raise SparseDecodeError(f"{what} is an existing file, not a folder; give a folder")
     _check_not_input(path, what, inputs)
     for name in files:
         target = path / name
-        if _exists(target, what) and not target.is_file():
-            kind = "a folder" if target.is_dir() else "not a regular file"
+        kind = _not_a_file(target, what)
+        if kind:
             raise SparseDecodeError(f"cannot write {target} ({what}): it is {kind}")
+        _check_not_input(target, f"{target} ({what})", inputs)
     check_writable_folder(path, what)
+
+
+def _not_a_file(path: Path, what: str) -> str | None:
+    """What ``path`` is when it exists as something other than a regular file (or a link to one), else ``None``."""
+    if path.is_symlink() and not _exists(path, what):
+        return "a symbolic link to nothing (dangling, or a loop)"
+    if _exists(path, what) and not path.is_file():
+        return "a folder" if path.is_dir() else "not a regular file"
+    return None
 
 
 def _check_not_input(path: Path, what: str, inputs: dict[str, str] | None) -> None:
@@ -89,14 +103,30 @@ def _check_not_input(path: Path, what: str, inputs: dict[str, str] | None) -> No
             raise SparseDecodeError(f"{what} {where} the input {option} {spec}: give an output path outside it")
 
 
+MADE_FOLDERS: list[Path] = []
+"""Folders an output check found missing (so the command may make them), deepest first: see
+:func:`remove_empty_made_folders`."""
+
+
+def remove_empty_made_folders() -> None:
+    """After a failed command: remove the folders it was to make that it left empty, deepest first, so a failure
+    leaves no empty output folder behind (folders that hold anything are kept)."""
+    for folder in sorted(set(MADE_FOLDERS), key=lambda p: len(p.parts), reverse=True):
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # only succeeds when empty
+    MADE_FOLDERS.clear()
+
+
 def check_writable_folder(folder: Path, what: str, hint: str = "") -> None:
     """``folder``, or its nearest existing ancestor when it is still to be made, takes a new file.
 
     Checked by creating and removing an empty temporary file there: permission bits do not tell (root ignores
-    them, ``/proc`` and read-only mounts refuse anyway).
+    them, ``/proc`` and read-only mounts refuse anyway). The folders still to be made are noted for
+    :func:`remove_empty_made_folders`.
     """
     existing = Path(folder)
     while not _exists(existing, what):
+        MADE_FOLDERS.append(existing.absolute())
         existing = existing.parent
     if not existing.is_dir():
         raise SparseDecodeError(f"cannot write {what}: {existing} is a file, not a folder{hint}")
@@ -122,16 +152,17 @@ def atomic_path(path: Path) -> Iterator[Path]:
 
     Renamed onto ``path`` when the block ends without an error, removed when it raises.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}")
-    os.close(handle)
-    tmp = Path(name)
-    try:
-        yield tmp
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with naming(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}")
+        os.close(handle)
+        tmp = Path(name)
+        try:
+            yield tmp
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 def write_text(path: Path, text: str) -> None:
@@ -140,5 +171,5 @@ def write_text(path: Path, text: str) -> None:
 
 
 def write_json(path: Path, data: object) -> None:
-    """JSON with one-space indents and a final newline, written atomically."""
+    """JSON with one-space indents and a final newline, written atomically (a failure names ``path``)."""
     write_text(path, json.dumps(data, indent=1) + "\n")

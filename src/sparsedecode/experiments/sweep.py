@@ -48,7 +48,7 @@ from ..compare import (
     dense_references,
     upgrade_row,
 )
-from ..errors import SparseDecodeError
+from ..errors import SparseDecodeError, naming
 from .corpus import check_context_fits, load_text, prompt_count, prompt_ids
 from .environment import environment
 from .specs import GRID_FIELDS, KEY_FIELDS, Group, RunKey, SweepSpec
@@ -243,35 +243,25 @@ def parse_rows(path: Path, *, repair: bool = False) -> list[dict]:
 def append_row(path: Path, row: dict) -> None:
     """Append one row as a single ``os.write`` of the whole line, then ``fsync``; undone on failure."""
     data = (json.dumps(row, separators=(",", ":")) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        start = os.lseek(fd, 0, os.SEEK_END)
+    with naming(path):
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        except BaseException:
-            os.ftruncate(fd, start)
-            raise
-    finally:
-        os.close(fd)
+            start = os.lseek(fd, 0, os.SEEK_END)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            except BaseException:
+                os.ftruncate(fd, start)
+                raise
+        finally:
+            os.close(fd)
 
 
 def write_rows(path: Path, rows: list[dict]) -> None:
     """Replace ``runs.jsonl`` with ``rows`` (one JSON line each) through a temporary file and a rename."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            for row in rows:
-                handle.write(json.dumps(row, separators=(",", ":")) + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomic(path, "".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows))
 
 
 def write_json_atomic(path: Path, data: object) -> None:
@@ -280,19 +270,21 @@ def write_json_atomic(path: Path, data: object) -> None:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` through a temporary file and a rename, so a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", newline="") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write ``text`` through a temporary file and a rename, so a reader never sees half a file; a failure leaves
+    no temporary file and names ``path``."""
+    with naming(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", newline="") as handle:
+                handle.write(text)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
 
 # --- the sweep directory ------------------------------------------------------------------------------------
@@ -666,7 +658,10 @@ class MergeOutcome:
 
 
 def source_metas(
-    sources: list[Path], what: str, read: Callable[[Path], dict | None] = read_meta, spec_file: str = SPEC_FILE
+    sources: list[Path],
+    what: str,
+    read: Callable[[Path], dict | None] = read_meta,
+    spec_file: str = SPEC_FILE,
 ) -> list[tuple[Path, dict]]:
     """``(folder, meta)`` of each folder to merge, in order (``read`` reads a folder's ``spec_file``); refuses an
     empty list and a folder that is not a ``what``."""
