@@ -237,12 +237,17 @@ def test_help_and_argument_errors_import_no_torch():
         ["report", "/tmp/never-written/nothing-here"],
         ["run", "--support", "97,,193"],
         ["run", "--support", "97,97"],
+        ["compare-selectors", "--selectors", "quest,quest"],
+        ["compare-selectors", "--selectors", "all,quest"],
+        ["sweep", "--out", "/tmp/never-written", "--selectors", "nope"],
+        ["probe", "mass", "--tokens", "1"],
+        ["probe", "mass", "--support", "100"],
     ]
     proc = subprocess.run(
         [sys.executable, "-c", HELP_AND_ERRORS.format(cases=cases)], capture_output=True, text=True, check=True
     )
     done = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert done["codes"] == [0] * 4 + [2] * 28
+    assert done["codes"] == [0] * 4 + [2] * 33
     assert done["heavy"] == [], f"imported {done['heavy']}"
 
 
@@ -310,6 +315,9 @@ def test_unknown_arguments_are_named_with_their_command(argv, named, capsys):
         (["run", "--corpus", "{f}/afile", "--json", "{f}/afile"], "", "is the input --corpus"),
         (["sweep", "--corpus", "{f}", "--out", "{f}/results"], "", "is inside the input --corpus"),
         (["bench", "e2e", "--model", "{f}", "--json", "{f}/e2e.json"], "", "is inside the input --model"),
+        (["probe", "mass", "--corpus", "{f}/mass.json", "--out", "{f}"], "mass.json", "is the input --corpus"),
+        (["compare-selectors", "--corpus", "{f}/selectors.json", "--out", "{f}"], "selectors.json", "input --corpus"),
+        (["probe", "retrieval", "--haystack", "{f}/retrieval.json", "--out", "{f}"], "retrieval.json", "--haystack"),
     ],
 )
 def test_outputs_that_clash_are_refused_before_the_model_loads(args, made, message, folder, no_model_load, capsys):
@@ -391,3 +399,45 @@ def test_an_audit_that_cannot_be_written_leaves_no_temporary_file(tmp_path):
     with pytest.raises(OSError):
         save_audit(tmp_path / "taken.npz", {"a": np.zeros(3)})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken.npz"]
+
+
+def test_standard_bench_e2e_takes_few_tokens_without_draft_lengths(no_model_load):
+    """The lossless-only default draft length is not held against a standard run: it gets as far as the model."""
+    with pytest.raises(AssertionError, match="before loading the model"):
+        main(["bench", "e2e", "--tokens", "4"])
+
+
+@pytest.mark.parametrize("where", ["runs.jsonl", "."])
+def test_a_dangling_link_in_or_as_the_output_folder_is_refused(folder, no_model_load, capsys, where):
+    out = folder / "out"
+    if where == ".":
+        out.symlink_to(folder / "nowhere")
+    else:
+        out.mkdir()
+        (out / where).symlink_to(folder / "nowhere")
+    before = contents(folder)
+    assert_refused(["sweep", "--out", str(out)], "symbolic link to nothing", capsys)
+    assert contents(folder) == before
+
+
+def test_a_failed_command_leaves_no_empty_output_folder_and_names_the_file(
+    tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    import errno
+
+    from sparsedecode.cli import run as run_command
+    from sparsedecode.errors import naming
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    target = tmp_path / "new" / "deeper" / "o.json"
+
+    def disk_full(path, data):
+        path.parent.mkdir(parents=True)
+        with naming(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(run_command, "write_json", disk_full)
+    args = ["run", "--model", str(tiny_model_dir), "--corpus", str(corpus), "--context", "100", "--support", "97"]
+    assert_refused([*args, "--tokens", "3", "--json", str(target)], f"No space left on device: {target}", capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt"], "the folders made for --json are gone"

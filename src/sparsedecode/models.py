@@ -291,7 +291,8 @@ def _convert_gguf(gguf_path: Path, target: Path, source_sha256: str, progress: P
         try:
             model, tokenizer = _load_gguf(gguf_path)
         except Exception as e:  # a truncated or foreign file fails anywhere in the reader (struct.error, ...)
-            raise SparseDecodeError(f"cannot convert GGUF {gguf_path}: {_first_line(e)}") from e
+            hint = "; the file may be truncated or not a GGUF model" if type(e).__name__ == "error" else ""
+            raise SparseDecodeError(f"cannot convert GGUF {gguf_path}: {_first_line(e)}{hint}") from e
         # A GGUF-loaded model is flagged as quantized and refuses save_pretrained; its weights are plain
         # float tensors, so drop the flag from the config and save the pieces ourselves.
         if hasattr(model.config, "quantization_config"):
@@ -320,7 +321,13 @@ def _load_pretrained(path: str | Path, dtype: torch.dtype, **kwargs: Any) -> tup
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **kwargs)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=kwargs.get("local_files_only", False))
-    except Exception as e:  # the weights loaded: say that it is the tokenizer, in full
+    except Exception as e:  # the weights loaded: say that it is the tokenizer
+        folder = Path(path)
+        if folder.is_dir() and not any(any(folder.glob(pattern)) for pattern in TOKENIZER_FILES):
+            raise SparseDecodeError(
+                f"cannot load the tokenizer of {path}: the folder holds none of {', '.join(TOKENIZER_FILES)}; "
+                "save the model's tokenizer there (tokenizer.save_pretrained)"
+            ) from e
         raise SparseDecodeError(f"cannot load the tokenizer of {path}: {_first_line(e, whole=True)}") from e
     model.eval().requires_grad_(False)
     return model, tokenizer
@@ -427,6 +434,10 @@ def _load_from_hub(spec: str, dtype: torch.dtype) -> tuple[Any, Any]:
         raise SparseDecodeError(
             f"cannot load model {spec!r}: {not_local}, and the hub could not provide it ({_first_line(e)})"
         ) from e
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "*.tiktoken")
+"""Files one of which a model folder's tokenizer is read from."""
 
 
 def _first_line(e: BaseException, *, whole: bool = False) -> str:

@@ -211,7 +211,7 @@ def cmd_bench_e2e(args) -> int:
     if args.mode != "lossless" and (args.draft_tokens is not None or args.adaptive):
         raise SparseDecodeError("--draft-tokens and --adaptive apply to --mode lossless only")
     args.draft_tokens = args.draft_tokens or [4]
-    if min(args.draft_tokens) < 1 or max(args.draft_tokens) > args.tokens - 1:
+    if args.mode == "lossless" and (min(args.draft_tokens) < 1 or max(args.draft_tokens) > args.tokens - 1):
         raise SparseDecodeError(
             f"--draft-tokens values must be between 1 and --tokens - 1 = {args.tokens - 1} (got {args.draft_tokens})"
         )

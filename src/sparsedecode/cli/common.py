@@ -48,6 +48,7 @@ __all__ = [
     "positive_seconds",
     "at_least_one",
     "shard_arg",
+    "selector_list",
     "prepare",
     "progress_bars",
     "quiet_transformers",
@@ -136,6 +137,26 @@ def at_least_one(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
     return value
+
+
+def selector_list(text: str) -> tuple[str, ...]:
+    """``--selectors A,B,C``, or ``all`` alone: known names, each once."""
+    from ..config import SELECTORS
+
+    parts = [part.strip() for part in text.split(",")]
+    if parts == ["all"]:
+        return SELECTORS
+    if "all" in parts:
+        raise argparse.ArgumentTypeError("all stands alone (it means every selector); or name the selectors")
+    if not all(parts):
+        raise argparse.ArgumentTypeError(f"expected comma-separated selector names without empty items, got {text!r}")
+    unknown = [part for part in parts if part not in SELECTORS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown selector {unknown[0]!r}; choose one of: {', '.join(SELECTORS)}")
+    repeated = sorted({part for part in parts if parts.count(part) > 1})
+    if repeated:
+        raise argparse.ArgumentTypeError(f"{', '.join(repeated)} given twice in {text!r}")
+    return tuple(parts)
 
 
 def path_arg(text: str) -> Path:

@@ -19,6 +19,7 @@ from .common import (
     load,
     path_arg,
     progress_bars,
+    selector_list,
 )
 from .outputs import check_output_folder, inputs_of
 
@@ -31,7 +32,7 @@ def add_parsers(sub) -> None:
     selectors.add_argument("--support", type=int_list, default=[97, 193])
     selectors.add_argument("--prompts", type=int, default=2)
     selectors.add_argument("--tokens", type=int, default=64)
-    selectors.add_argument("--selectors", default="all", help="comma-separated selectors, or all")
+    selectors.add_argument("--selectors", type=selector_list, default="all", help="comma-separated selectors, or all")
     selectors.add_argument("--audit", action="store_true", help="captured-mass ratio from the omitted-mass audit")
     selectors.add_argument(
         "--retrieval",
@@ -53,9 +54,9 @@ def add_parsers(sub) -> None:
 def cmd_compare_selectors(args) -> int:
     from dataclasses import asdict
 
-    from ..config import SELECTORS, SparseConfig
+    from ..config import SparseConfig
 
-    chosen = SELECTORS if args.selectors == "all" else tuple(s.strip() for s in args.selectors.split(","))
+    chosen = args.selectors
     check_whole_blocks([SparseConfig(support=s, selector=selector) for selector in chosen for s in args.support])
     if args.tokens < 2 or args.prompts < 1:
         raise SparseDecodeError("--tokens must be >= 2 and --prompts >= 1")

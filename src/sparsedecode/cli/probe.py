@@ -55,15 +55,15 @@ def add_parsers(sub) -> None:
 
 
 def cmd_probe_mass(args) -> int:
+    stems = [f"mass-c{c}-s{s}" for c in args.context for s in args.support]
+    written = ("mass.json", *(f"{stem}{suffix}" for stem in stems for suffix in (".png", ".npz")))
+    check_output_folder(args.out, inputs=inputs_of(args), files=written)
+    configs, model, _, prompts = prepare(args, audit=True)
     from ..compare import prefill
     from ..diagnostics import save_audit
     from ..experiments.probes import mass_probe
     from ..plots import heatmap
 
-    stems = [f"mass-c{c}-s{s}" for c in args.context for s in args.support]
-    written = ("mass.json", *(f"{stem}{suffix}" for stem in stems for suffix in (".png", ".npz")))
-    check_output_folder(args.out, inputs=inputs_of(args), files=written)
-    configs, model, _, prompts = prepare(args, audit=True)
     console.print(conditions(args))
     rows = []
     for context, ids in prompts.items():

@@ -17,6 +17,7 @@ from .common import (
     path_arg,
     progress_bars,
     run_hooks,
+    selector_list,
     shard_arg,
 )
 from .outputs import check_output_folder, check_writable_folder, inputs_of
@@ -31,7 +32,10 @@ def add_parsers(sub) -> None:
     sweep.add_argument("--reuse", type=int_list, default=[1], help="selection reuse intervals R, comma-separated")
     sweep.add_argument("--selector", default=None, help="one selector (default mean-pooled)")
     sweep.add_argument(
-        "--selectors", default=None, help="comma-separated selectors, or all: one more dimension of the grid"
+        "--selectors",
+        type=selector_list,
+        default=None,
+        help="comma-separated selectors, or all: one more dimension of the grid",
     )
     sweep.add_argument("--prompts", type=int, default=5, help="prompts per context (corpus prefixes 0..n-1)")
     sweep.add_argument("--tokens", type=int, default=128, help="greedy tokens T per run")
@@ -80,18 +84,12 @@ def _sweep_spec(args):
 
 def _sweep_selectors(args) -> tuple[str, ...]:
     """``--selector NAME`` or ``--selectors A,B,C`` (or ``all``); not both."""
-    from ..config import SELECTORS
 
     if args.selector is not None and args.selectors is not None:
         raise SparseDecodeError("give --selector NAME or --selectors A,B,C, not both")
     if args.selectors is None:
         return (args.selector or "mean-pooled",)
-    if args.selectors.strip() == "all":
-        return SELECTORS
-    chosen = tuple(part.strip() for part in args.selectors.split(",") if part.strip())
-    if not chosen:
-        raise SparseDecodeError("--selectors expects comma-separated selector names, or all")
-    return chosen
+    return args.selectors  # checked as it was parsed (selector_list)
 
 
 def _row_line(row: dict) -> str:
