@@ -174,9 +174,10 @@ def test_resume_refuses_a_dense_answer_that_changed(loaded, tmp_path):
     partial.mkdir()
     shutil.copy(tmp_path / "ref" / SPEC_FILE, partial / SPEC_FILE)
     (partial / RUNS_FILE).write_text(json.dumps(dense) + "\n")
+    before = {p.name: p.read_bytes() for p in partial.iterdir()}
     with pytest.raises(SparseDecodeError, match="dense answer of niah_single_noise, context 600, sample 0 differs"):
         run_eval(spec, partial, loaded=loaded)
-    assert len(rows_of(partial)) == 1
+    assert {p.name: p.read_bytes() for p in partial.iterdir()} == before, "the refusal left the folder as it was"
 
 
 def test_shards_partition_samples_and_merge_equals_unsharded(loaded, tmp_path):

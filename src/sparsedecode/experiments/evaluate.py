@@ -52,6 +52,7 @@ from .sweep import (
     source_metas,
     write_json_atomic,
     write_rows,
+    write_text_atomic,
 )
 from .sweep import SPEC_FILE as SWEEP_FILE
 from .work import Executor
@@ -418,37 +419,47 @@ def run_eval(
         session = _session(shard, environment(model))
         if execute is not None:
             session["backend"] = execute.description
+        meta_path = directory / SPEC_FILE
+        meta_before = meta_path.read_text() if meta_path.exists() else None
         meta["sessions"] = [*meta.get("sessions", []), session]
-        write_json_atomic(directory / SPEC_FILE, meta)
+        write_json_atomic(meta_path, meta)
+        outcome = None
+        try:
+            rows = read_rows(runs, repair=True)
+            stored = {key_of(row): row for row in rows}
+            total = sum(len(spec.group_keys(g)) for g in groups)
+            done_before = sum(key in stored for g in groups for key in spec.group_keys(g))
+            outcome = SweepOutcome(directory, total, done_before, 0, rows)
+            if on_start:
+                on_start(done_before, total)
+            configs = {(cfg.selector, cfg.support): cfg for cfg in spec.configs()}
 
-        rows = read_rows(runs, repair=True)
-        stored = {key_of(row): row for row in rows}
-        total = sum(len(spec.group_keys(g)) for g in groups)
-        done_before = sum(key in stored for g in groups for key in spec.group_keys(g))
-        outcome = SweepOutcome(directory, total, done_before, 0, rows)
-        if on_start:
-            on_start(done_before, total)
-        configs = {(cfg.selector, cfg.support): cfg for cfg in spec.configs()}
+            def keep(row: dict) -> None:
+                append_row(runs, row)
+                stored[key_of(row)] = row
+                rows.append(row)
+                outcome.ran += 1
+                if on_row:
+                    on_row(row, outcome.done_before + outcome.ran, total)
 
-        def keep(row: dict) -> None:
-            append_row(runs, row)
-            stored[key_of(row)] = row
-            rows.append(row)
-            outcome.ran += 1
-            if on_row:
-                on_row(row, outcome.done_before + outcome.ran, total)
-
-        if execute is not None:
-            _run_elsewhere(execute, spec, tokenizer, groups, samples, stored, configs, keep)
-            return outcome
-        for number, group in enumerate(groups, start=1):
-            pending = [key for key in spec.group_keys(group) if key not in stored]
-            if pending:
-                sample = samples.pop(group, None) or sample_of(spec, tokenizer, group)
-                dense_row = stored.get((*group, DENSE, None))
-                run_sample(model, tokenizer, sample, pending, configs, stored_dense=dense_row, on_row=keep)
-            if progress:
-                progress("samples", number, len(groups))
+            if execute is not None:
+                _run_elsewhere(execute, spec, tokenizer, groups, samples, stored, configs, keep)
+                return outcome
+            for number, group in enumerate(groups, start=1):
+                pending = [key for key in spec.group_keys(group) if key not in stored]
+                if pending:
+                    sample = samples.pop(group, None) or sample_of(spec, tokenizer, group)
+                    dense_row = stored.get((*group, DENSE, None))
+                    run_sample(model, tokenizer, sample, pending, configs, stored_dense=dense_row, on_row=keep)
+                if progress:
+                    progress("samples", number, len(groups))
+        except SparseDecodeError:
+            if outcome is None or outcome.ran == 0:  # refused before this session kept a run: leave it as it was
+                if meta_before is None:
+                    meta_path.unlink(missing_ok=True)
+                else:
+                    write_text_atomic(meta_path, meta_before)
+            raise
     return outcome
 
 
