@@ -15,6 +15,7 @@ import numpy as np
 from .experiments import eval_summary as summary
 from .experiments.evaluate import RUNS_FILE, EvalSpec, load_eval
 from .experiments.ruler import TASKS
+from .experiments.sweep import write_text_atomic
 from .report import REPORT_FILE, _environment_lines, _fmt, _markdown_table, write_csv
 
 EXAMPLES = 20
@@ -246,5 +247,5 @@ def write_eval_report(directory: Path) -> Path:
         "",
     ]
     path = directory / REPORT_FILE
-    path.write_text("\n".join(out))
+    write_text_atomic(path, "\n".join(out))
     return path

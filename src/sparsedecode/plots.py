@@ -11,6 +11,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from .errors import naming  # noqa: E402
+
 
 def heatmap(
     matrix: np.ndarray,
@@ -50,11 +52,7 @@ def heatmap(
         for (r, c), value in np.ndenumerate(matrix):
             bright = np.isfinite(value) and image.norm(value) > 0.6  # dark text on the colour map's light end
             ax.text(c, r, f"{value:.2f}", ha="center", va="center", fontsize=7, color="black" if bright else "white")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _support_colors(supports: list[int]) -> dict[int, tuple]:
@@ -63,10 +61,18 @@ def _support_colors(supports: list[int]) -> dict[int, tuple]:
 
 
 def _save(fig, path: Path) -> Path:
+    """Write the figure through a temporary file beside ``path`` and a rename: never half a PNG."""
     fig.tight_layout()
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")  # the same suffix: it picks the format
+    try:
+        with naming(path):
+            fig.savefig(tmp, dpi=120)
+            tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+        plt.close(fig)
     return path
 
 

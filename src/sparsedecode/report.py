@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .errors import SparseDecodeError
 from .experiments import summary
-from .experiments.sweep import RUNS_FILE, SPEC_FILE, SweepSpec, load_sweep
+from .experiments.sweep import RUNS_FILE, SPEC_FILE, SweepSpec, load_sweep, write_json_atomic, write_text_atomic
 
 REPORT_FILE = "report.md"
 RETRIEVAL_FILE = "retrieval.json"
@@ -57,11 +57,12 @@ def write_csv(path: Path, rows: list[dict]) -> Path:
     columns: list[str] = []
     for row in rows:
         columns += [name for name in row if name not in columns]
-    with open(path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=columns)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: json.dumps(v) if isinstance(v, (list, tuple, dict)) else v for k, v in row.items()})
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=columns)
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: json.dumps(v) if isinstance(v, (list, tuple, dict)) else v for k, v in row.items()})
+    write_text_atomic(path, text.getvalue())
     return path
 
 
@@ -619,7 +620,6 @@ def write_selector_comparison(directory: Path, data: dict | None = None) -> Path
     today's ``first_divergence`` convention, summary recomputed; see
     :func:`~sparsedecode.experiments.selector_comparison.rebuild`)."""
     from .experiments.selector_comparison import rebuild
-    from .experiments.sweep import write_json_atomic, write_text_atomic
 
     directory = Path(directory)
     if data is None:
@@ -759,5 +759,5 @@ def write_report(directory: Path, *, retrieval: Path | None = None) -> Path:
     files = sorted(p.name for p in directory.iterdir() if p.suffix in {".csv", ".png"} or p.name in (RUNS_FILE,))
     out += ["Files: " + ", ".join(f"[{name}]({name})" for name in files), ""]
     path = directory / REPORT_FILE
-    path.write_text("\n".join(out))
+    write_text_atomic(path, "\n".join(out))
     return path
