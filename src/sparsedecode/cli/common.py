@@ -119,23 +119,21 @@ def shard_arg(text: str) -> str:
 
 def positive_seconds(text: str) -> float:
     """A time budget: a finite number of seconds above 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a finite number of seconds above 0, got {text!r}")
-    return value
+    return _number(text, float, lambda v: math.isfinite(v) and v > 0, "a finite number of seconds above 0")
 
 
 def at_least_one(text: str) -> int:
     """A count that must be 1 or more."""
+    return _number(text, int, lambda v: v >= 1, "an integer >= 1")
+
+
+def _number(text: str, kind, holds, expected: str):
     try:
-        value = int(text)
+        value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+        value = None
+    if value is None or not holds(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value
 
 
