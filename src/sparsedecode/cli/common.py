@@ -79,18 +79,20 @@ class Parser(argparse.ArgumentParser):
 
 def int_list(text: str) -> list[int]:
     """Parse ``"97,193"`` into ``[97, 193]`` (no empty items, no value twice)."""
-    return _number_list(text, int, "integers")
+    return _comma_list(text, int, "integers")
 
 
 def float_list(text: str) -> list[float]:
     """Parse ``"0,0.5,1"`` into ``[0.0, 0.5, 1.0]`` (no empty items, no value twice, finite)."""
-    values = _number_list(text, float, "numbers")
+    values = _comma_list(text, float, "numbers")
     if not all(math.isfinite(value) for value in values):
         raise argparse.ArgumentTypeError(f"expected finite numbers, got {text!r}")
     return values
 
 
-def _number_list(text: str, kind, what: str) -> list:
+def _comma_list(text: str, kind, what: str) -> list:
+    """``text``'s comma-separated items, each through ``kind`` (a ``ValueError`` names the list, an
+    ``ArgumentTypeError`` speaks for itself), refusing empty items and repeated values."""
     parts = [part.strip() for part in text.split(",")]
     if not any(parts):
         raise argparse.ArgumentTypeError(f"expected at least one of the comma-separated {what}")
@@ -141,20 +143,17 @@ def selector_list(text: str) -> tuple[str, ...]:
     """``--selectors A,B,C``, or ``all`` alone: known names, each once."""
     from ..config import SELECTORS
 
-    parts = [part.strip() for part in text.split(",")]
-    if parts == ["all"]:
+    if text.strip() == "all":
         return SELECTORS
-    if "all" in parts:
-        raise argparse.ArgumentTypeError("all stands alone (it means every selector); or name the selectors")
-    if not all(parts):
-        raise argparse.ArgumentTypeError(f"expected comma-separated selector names without empty items, got {text!r}")
-    unknown = [part for part in parts if part not in SELECTORS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown selector {unknown[0]!r}; choose one of: {', '.join(SELECTORS)}")
-    repeated = sorted({part for part in parts if parts.count(part) > 1})
-    if repeated:
-        raise argparse.ArgumentTypeError(f"{', '.join(repeated)} given twice in {text!r}")
-    return tuple(parts)
+
+    def known(name: str) -> str:
+        if name == "all":
+            raise argparse.ArgumentTypeError("all stands alone (it means every selector); or name the selectors")
+        if name not in SELECTORS:
+            raise argparse.ArgumentTypeError(f"unknown selector {name!r}; choose one of: {', '.join(SELECTORS)}")
+        return name
+
+    return tuple(_comma_list(text, known, "selector names"))
 
 
 def path_arg(text: str) -> Path:
