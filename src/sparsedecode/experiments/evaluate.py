@@ -52,7 +52,6 @@ from .sweep import (
     source_metas,
     write_json_atomic,
     write_rows,
-    write_text_atomic,
 )
 from .sweep import SPEC_FILE as SWEEP_FILE
 from .work import Executor
@@ -419,32 +418,38 @@ def run_eval(
         session = _session(shard, environment(model))
         if execute is not None:
             session["backend"] = execute.description
-        meta_path = directory / SPEC_FILE
-        meta_before = meta_path.read_text() if meta_path.exists() else None
         meta["sessions"] = [*meta.get("sessions", []), session]
-        write_json_atomic(meta_path, meta)
-        outcome = None
-        try:
-            rows = read_rows(runs, repair=True)
-            stored = {key_of(row): row for row in rows}
-            total = sum(len(spec.group_keys(g)) for g in groups)
-            done_before = sum(key in stored for g in groups for key in spec.group_keys(g))
-            outcome = SweepOutcome(directory, total, done_before, 0, rows)
-            if on_start:
-                on_start(done_before, total)
-            configs = {(cfg.selector, cfg.support): cfg for cfg in spec.configs()}
+        recorded = False
 
-            def keep(row: dict) -> None:
-                append_row(runs, row)
-                stored[key_of(row)] = row
-                rows.append(row)
-                outcome.ran += 1
-                if on_row:
-                    on_row(row, outcome.done_before + outcome.ran, total)
+        def record() -> None:
+            """Write eval.json with this session, once: before the session's first run is kept, or at its end. A
+            refusal before any run (another dense answer, say) so leaves the folder as it was."""
+            nonlocal recorded
+            if not recorded:
+                write_json_atomic(directory / SPEC_FILE, meta)
+                recorded = True
 
-            if execute is not None:
-                _run_elsewhere(execute, spec, tokenizer, groups, samples, stored, configs, keep)
-                return outcome
+        rows = read_rows(runs, repair=True)
+        stored = {key_of(row): row for row in rows}
+        total = sum(len(spec.group_keys(g)) for g in groups)
+        done_before = sum(key in stored for g in groups for key in spec.group_keys(g))
+        outcome = SweepOutcome(directory, total, done_before, 0, rows)
+        if on_start:
+            on_start(done_before, total)
+        configs = {(cfg.selector, cfg.support): cfg for cfg in spec.configs()}
+
+        def keep(row: dict) -> None:
+            record()
+            append_row(runs, row)
+            stored[key_of(row)] = row
+            rows.append(row)
+            outcome.ran += 1
+            if on_row:
+                on_row(row, outcome.done_before + outcome.ran, total)
+
+        if execute is not None:
+            _run_elsewhere(execute, spec, tokenizer, groups, samples, stored, configs, keep)
+        else:
             for number, group in enumerate(groups, start=1):
                 pending = [key for key in spec.group_keys(group) if key not in stored]
                 if pending:
@@ -453,13 +458,7 @@ def run_eval(
                     run_sample(model, tokenizer, sample, pending, configs, stored_dense=dense_row, on_row=keep)
                 if progress:
                     progress("samples", number, len(groups))
-        except SparseDecodeError:
-            if outcome is None or outcome.ran == 0:  # refused before this session kept a run: leave it as it was
-                if meta_before is None:
-                    meta_path.unlink(missing_ok=True)
-                else:
-                    write_text_atomic(meta_path, meta_before)
-            raise
+        record()
     return outcome
 
 
