@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from .attention import StepView
-from .errors import naming
+from .files import atomic_path
 from .selectors import BlockLayout, top_blocks
 
 WARNING_MATCH_PERCENT = 70.0
@@ -245,14 +245,8 @@ def summarize_audit(arrays: dict[str, np.ndarray]) -> dict:
 
 def save_audit(path: Path, arrays: dict[str, np.ndarray]) -> None:
     """Write the audit arrays as a compressed ``.npz`` (plain arrays, no pickles)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.npz")
-    try:
-        with naming(path):
-            np.savez_compressed(tmp, **arrays)
-            tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)  # left only when writing or renaming failed
+    with atomic_path(path) as tmp:  # its suffix is .npz, so numpy adds none
+        np.savez_compressed(tmp, **arrays)
 
 
 def load_audit(path: Path) -> dict[str, np.ndarray]:

@@ -15,7 +15,7 @@ import numpy as np
 from .experiments import eval_summary as summary
 from .experiments.evaluate import RUNS_FILE, EvalSpec, load_eval
 from .experiments.ruler import TASKS
-from .experiments.sweep import write_text_atomic
+from .files import write_text_atomic
 from .report import REPORT_FILE, _environment_lines, _fmt, _markdown_table, write_csv
 
 EXAMPLES = 20

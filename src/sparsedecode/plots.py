@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from .errors import naming  # noqa: E402
+from .files import atomic_path  # noqa: E402
 
 
 def heatmap(
@@ -63,15 +63,10 @@ def _support_colors(supports: list[int]) -> dict[int, tuple]:
 def _save(fig, path: Path) -> Path:
     """Write the figure through a temporary file beside ``path`` and a rename: never half a PNG."""
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")  # the same suffix: it picks the format
     try:
-        with naming(path):
+        with atomic_path(path) as tmp:  # its suffix picks the format
             fig.savefig(tmp, dpi=120)
-            tmp.replace(path)
     finally:
-        tmp.unlink(missing_ok=True)
         plt.close(fig)
     return path
 

@@ -12,10 +12,10 @@ import errno
 import json
 import os
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import SparseDecodeError, naming
+from ..errors import SparseDecodeError
+from ..files import atomic_path
 
 __all__ = [
     "atomic_path",
@@ -144,25 +144,6 @@ def _exists(path: Path, what: str) -> bool:
         return path.exists()
     except OSError as error:
         raise SparseDecodeError(f"cannot write {what}: {error.strerror or error} at {path}") from None
-
-
-@contextlib.contextmanager
-def atomic_path(path: Path) -> Iterator[Path]:
-    """A temporary path beside ``path`` (same suffix, so writers that go by it still do) to write to.
-
-    Renamed onto ``path`` when the block ends without an error, removed when it raises.
-    """
-    with naming(path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}")
-        os.close(handle)
-        tmp = Path(name)
-        try:
-            yield tmp
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
 
 
 def write_text(path: Path, text: str) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SparseDecodeError
+from ..files import write_text_atomic
 from .evaluate import EvalSpec, sample_of
 from .ruler import GENERATOR_VERSION
 from .sweep import write_json_atomic
@@ -110,9 +111,7 @@ def export_tasks(spec: EvalSpec, tokenizer, directory: Path) -> ExportOutcome:
                 )
                 for s in samples
             ]
-            tmp = data.with_name(f".{data.name}.tmp")
-            tmp.write_text("\n".join(lines) + "\n")
-            tmp.replace(data)
+            write_text_atomic(data, "\n".join(lines) + "\n")
             (directory / f"{task_name(task, context)}.yaml").write_text(
                 _yaml(task, context, data, samples[0].max_new_tokens)
             )

@@ -32,7 +32,6 @@ import functools
 import hashlib
 import json
 import os
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -49,6 +48,7 @@ from ..compare import (
     upgrade_row,
 )
 from ..errors import SparseDecodeError, naming
+from ..files import write_text_atomic
 from .corpus import check_context_fits, load_text, prompt_count, prompt_ids
 from .environment import environment
 from .specs import GRID_FIELDS, KEY_FIELDS, Group, RunKey, SweepSpec
@@ -267,24 +267,6 @@ def write_rows(path: Path, rows: list[dict]) -> None:
 def write_json_atomic(path: Path, data: object) -> None:
     """Write JSON through a temporary file and a rename, so a reader never sees half a file."""
     write_text_atomic(path, json.dumps(data, indent=1) + "\n")
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` through a temporary file and a rename, so a reader never sees half a file; a failure leaves
-    no temporary file and names ``path``."""
-    with naming(path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", newline="") as handle:
-                handle.write(text)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
 
 
 # --- the sweep directory ------------------------------------------------------------------------------------

@@ -1,0 +1,44 @@
+"""Writing files so that a reader never sees half of one and a failure names the file.
+
+Every write goes to a temporary file beside its target (same suffix, so writers that pick a format by it still do)
+and is renamed onto the target when complete; a failure removes the temporary file, and an ``OSError`` raised
+without a file name (a full disk) is given the target's (:func:`~sparsedecode.errors.naming`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from .errors import naming
+
+__all__ = ["atomic_path", "write_text_atomic"]
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """A temporary path beside ``path`` to write to: renamed onto ``path`` when the block ends without an error,
+    removed when it raises."""
+    path = Path(path)
+    with naming(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}")
+        os.close(handle)
+        tmp = Path(name)
+        try:
+            yield tmp
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through :func:`atomic_path`, flushed to disk before the rename."""
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
