@@ -199,6 +199,10 @@ def test_argument_format_errors_import_no_torch(tmp_path):
         ["eval", "--out", ""],
         ["eval", "--model", str(tmp_path), "--out", str(tmp_path / "e")],
         ["eval", "--corpus", str(tmp_path / "missing.txt"), "--out", out],
+        ["eval", "--tasks", "vt,,qa_1", "--out", out],
+        ["eval", "--tasks", "vt,vt", "--out", out],
+        ["eval", "--selectors", " , ", "--out", out],
+        ["eval", "--selectors", "quest,mean-pooled,quest", "--out", out],
     ]
     proc = subprocess.run(
         [sys.executable, "-c", HELP_AND_ERRORS.format(cases=cases)], capture_output=True, text=True, check=True
@@ -220,6 +224,10 @@ def test_argument_format_errors_import_no_torch(tmp_path):
             "argument --out: expected a path",
             "is inside the input --model",
             "unknown corpus",
+            "--tasks: expected comma-separated tasks (or all) without empty items, got 'vt,,qa_1'",
+            "--tasks: vt given twice in 'vt,vt'",
+            "--selectors: expected at least one of the comma-separated selectors (or all)",
+            "--selectors: quest given twice",
         ],
         strict=True,
     ):

@@ -47,6 +47,7 @@ __all__ = [
     "path_arg",
     "positive_seconds",
     "at_least_one",
+    "comma_list",
     "shard_arg",
     "selector_list",
     "prepare",
@@ -79,18 +80,18 @@ class Parser(argparse.ArgumentParser):
 
 def int_list(text: str) -> list[int]:
     """Parse ``"97,193"`` into ``[97, 193]`` (no empty items, no value twice)."""
-    return _comma_list(text, int, "integers")
+    return comma_list(text, int, "integers")
 
 
 def float_list(text: str) -> list[float]:
     """Parse ``"0,0.5,1"`` into ``[0.0, 0.5, 1.0]`` (no empty items, no value twice, finite)."""
-    values = _comma_list(text, float, "numbers")
+    values = comma_list(text, float, "numbers")
     if not all(math.isfinite(value) for value in values):
         raise argparse.ArgumentTypeError(f"expected finite numbers, got {text!r}")
     return values
 
 
-def _comma_list(text: str, kind, what: str) -> list:
+def comma_list(text: str, kind, what: str) -> list:
     """``text``'s comma-separated items, each through ``kind`` (a ``ValueError`` names the list, an
     ``ArgumentTypeError`` speaks for itself), refusing empty items and repeated values."""
     parts = [part.strip() for part in text.split(",")]
@@ -153,7 +154,7 @@ def selector_list(text: str) -> tuple[str, ...]:
             raise argparse.ArgumentTypeError(f"unknown selector {name!r}; choose one of: {', '.join(SELECTORS)}")
         return name
 
-    return tuple(_comma_list(text, known, "selector names"))
+    return tuple(comma_list(text, known, "selector names"))
 
 
 def path_arg(text: str) -> Path:

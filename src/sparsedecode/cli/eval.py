@@ -22,6 +22,7 @@ from .common import (
     add_backend_args,
     check_backend_args,
     check_whole_blocks,
+    comma_list,
     executor,
     load,
     path_arg,
@@ -35,15 +36,16 @@ LM_EVAL_COMMAND = "lm-eval"
 
 
 def _names(text: str | None, choices: tuple[str, ...], what: str) -> tuple[str, ...] | None:
-    """``"a,b"`` as a tuple, ``"all"`` as every choice, ``None`` as ``None``."""
+    """``"a,b"`` as a tuple, ``"all"`` as every choice, ``None`` as ``None``; empty and repeated items are refused as
+    in every other list option (the names themselves are checked by :class:`EvalSpec`)."""
     if text is None:
         return None
     if text.strip() == "all":
         return choices
-    names = tuple(part.strip() for part in text.split(",") if part.strip())
-    if not names:
-        raise SparseDecodeError(f"--{what} expects comma-separated names, or all")
-    return names
+    try:
+        return tuple(comma_list(text, str, f"{what} (or all)"))
+    except argparse.ArgumentTypeError as error:
+        raise SparseDecodeError(f"--{what}: {error}") from None
 
 
 def add_eval_parser(sub, *, int_list, add_model_args) -> argparse.ArgumentParser:
