@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_bad_input import one_line_exit_2
 
 from sparsedecode import models
 from sparsedecode.cli import main
@@ -242,12 +243,14 @@ def test_help_and_argument_errors_import_no_torch():
         ["sweep", "--out", "/tmp/never-written", "--selectors", "nope"],
         ["probe", "mass", "--tokens", "1"],
         ["probe", "mass", "--support", "100"],
+        ["run", "--json", "/tmp/never-written/"],
+        ["bench", "e2e", "--json", "/tmp/never-written/"],
     ]
     proc = subprocess.run(
         [sys.executable, "-c", HELP_AND_ERRORS.format(cases=cases)], capture_output=True, text=True, check=True
     )
     done = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert done["codes"] == [0] * 4 + [2] * 33
+    assert done["codes"] == [0] * 4 + [2] * 35
     assert done["heavy"] == [], f"imported {done['heavy']}"
 
 
@@ -276,6 +279,14 @@ def test_file_system_error_through_the_module_entry_point(tmp_path):
     )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert file.read_text() == "keep me"
+
+
+@pytest.mark.parametrize("command", [["run"], ["bench", "op"], ["bench", "e2e"]])
+def test_a_json_output_ending_in_a_slash_is_refused_not_written_as_a_file(command, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    err = one_line_exit_2([*command, "--json", "o.json/"], capsys)
+    assert "argument --json: expected a file name, got 'o.json/', which ends in a slash" in err
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(

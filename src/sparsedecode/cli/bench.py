@@ -16,9 +16,9 @@ from .common import (
     check_whole_blocks,
     console,
     environment,
+    file_arg,
     int_list,
     load,
-    path_arg,
     positive_seconds,
     progress_bars,
     quiet_transformers,
@@ -63,7 +63,7 @@ def add_parsers(sub) -> None:
         type=_device,
         help="cpu, or cuda[:i]: device-event timings, and the Triton kernel beside torch's gather + SDPA",
     )
-    op.add_argument("--json", type=path_arg, help="write {machine, bandwidth_gbs, rows} here")
+    op.add_argument("--json", type=file_arg, help="write {machine, bandwidth_gbs, rows} here")
     e2e = benches.add_parser("e2e", help="real model: prefill, then greedy decoding dense vs sparse, same process")
     add_model_args(e2e)
     e2e.add_argument("--corpus", default="python-docs")
@@ -71,7 +71,7 @@ def add_parsers(sub) -> None:
     e2e.add_argument("--support", type=int_list, default=[193])
     e2e.add_argument("--tokens", type=int, default=64)
     e2e.add_argument("--prompt-index", type=int, default=0)
-    e2e.add_argument("--json", type=path_arg, help="write {machine, rows} here")
+    e2e.add_argument("--json", type=file_arg, help="write {machine, rows} here")
     e2e.add_argument(
         "--mode",
         default="standard",

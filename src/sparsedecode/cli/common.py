@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,6 +46,7 @@ __all__ = [
     "layer_table",
     "load",
     "path_arg",
+    "file_arg",
     "positive_seconds",
     "at_least_one",
     "comma_list",
@@ -162,6 +164,15 @@ def path_arg(text: str) -> Path:
     if not text.strip():
         raise argparse.ArgumentTypeError("expected a path, got an empty string")
     return Path(text)
+
+
+def file_arg(text: str) -> Path:
+    """An output file option's value (``--json``): a path, but not one that ends in a slash, which names a folder
+    (``Path("o.json/")`` would quietly drop the slash and write a file)."""
+    path = path_arg(text)
+    if text.endswith(("/", os.sep)):
+        raise argparse.ArgumentTypeError(f"expected a file name, got {text!r}, which ends in a slash")
+    return path
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:

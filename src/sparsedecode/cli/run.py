@@ -11,8 +11,8 @@ from .common import (
     add_prompt_args,
     conditions,
     console,
+    file_arg,
     layer_table,
-    path_arg,
     prepare,
     progress_bars,
     run_settings,
@@ -27,7 +27,7 @@ def add_parsers(sub) -> None:
     run = sub.add_parser("run", help="paired dense vs sparse decoding of one prompt")
     add_model_args(run)
     add_prompt_args(run, tokens=128)
-    run.add_argument("--json", type=path_arg, help="write {settings, results} here")
+    run.add_argument("--json", type=file_arg, help="write {settings, results} here")
     run.add_argument(
         "--mode",
         default="compare",
