@@ -180,6 +180,25 @@ def test_atomic_writes_leave_nothing_behind_on_failure(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["out.json"]
 
 
+def test_an_output_that_is_a_link_is_written_through(tmp_path, capsys):
+    elsewhere = tmp_path / "results"
+    elsewhere.mkdir()
+    (elsewhere / "run.json").write_text("old")
+    link = tmp_path / "latest.json"
+    link.symlink_to(elsewhere / "run.json")
+    write_json(link, {"a": 1})
+    assert link.is_symlink() and json.loads((elsewhere / "run.json").read_text()) == {"a": 1}
+    assert sorted(os.listdir(tmp_path)) == ["latest.json", "results"]
+    assert sorted(os.listdir(elsewhere)) == ["run.json"], "no temporary file left"
+    # the folder that must take the new file is the target's: a link to a file in a folder that takes none is refused
+    from sparsedecode.cli.outputs import check_output_file
+
+    link.unlink()
+    link.symlink_to("/proc/sys/kernel/hostname")
+    with pytest.raises(models.SparseDecodeError, match="cannot create files in /proc/sys/kernel"):
+        check_output_file(link, "--json")
+
+
 def test_cli_spells_library_defaults_the_same():
     from sparsedecode.cli import bench, common
     from sparsedecode.experiments import bench as experiments_bench

@@ -2,7 +2,8 @@
 
 Every write goes to a temporary file beside its target (same suffix, so writers that pick a format by it still do)
 and is renamed onto the target when complete; a failure removes the temporary file, and an ``OSError`` raised
-without a file name (a full disk) is given the target's (:func:`~sparsedecode.errors.naming`).
+without a file name (a full disk) is given the target's (:func:`~sparsedecode.errors.naming`). A target that is a
+symbolic link is written through: the file it points to is replaced, and the link stays a link.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ __all__ = ["atomic_path", "write_text_atomic"]
 @contextlib.contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
     """A temporary path beside ``path`` to write to: renamed onto ``path`` when the block ends without an error,
-    removed when it raises."""
+    removed when it raises. A symbolic link is written through: its target is replaced, the link kept."""
     path = Path(path)
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
     with naming(path):
         path.parent.mkdir(parents=True, exist_ok=True)
         handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}")

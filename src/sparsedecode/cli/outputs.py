@@ -51,7 +51,8 @@ def check_output_file(
         if kind:
             raise SparseDecodeError(f"{what} is {kind}; give a file name" if target == path else f"{what}, is {kind}")
         _check_not_input(target, what, inputs)
-    check_writable_folder(path.parent, f"{option} {path}")
+    # a link is written through (sparsedecode.files.atomic_path): its target's folder takes the new file
+    check_writable_folder(Path(os.path.realpath(path)).parent if path.is_symlink() else path.parent, f"{option} {path}")
 
 
 def check_output_folder(
