@@ -299,3 +299,26 @@ def test_dense_imperfect_cells_count_full_and_zero_answers():
         "fully_right": 1,
         "zero": 1,
     }
+
+
+def test_dense_fails_where_it_scores_below_half_or_answers_no_sample_fully():
+    """cwe: dense scores 70% but answers no sample fully; fwe: 40%; vt: one of two samples fully. The paired Δ over
+    the cells dense does not fail leaves cwe and fwe out."""
+    from sparsedecode.experiments.eval_summary import dense_fails, paired
+
+    def row(task, sample, score, selector=DENSE, support=None):
+        row = {"task": task, "context": 4096, "sample": sample, "selector": selector, "support": support}
+        return {**row, "score": score, "correct": score == 1.0, "output_ids": [sample, int(10 * score)]}
+
+    dense = [row("cwe", 0, 0.6), row("cwe", 1, 0.8), row("fwe", 0, 0.4), row("fwe", 1, 0.4)]
+    dense += [row("vt", 0, 1.0), row("vt", 1, 0.5)]
+    sparse = [row(r["task"], r["sample"], s, "quest", 193) for r, s in zip(dense, (0.2, 0.2, 1.0, 1.0, 0.0, 0.5))]
+    failing = dense_fails(dense + sparse)
+    assert [(f["task"], f["score"], f["correct"]) for f in failing] == [
+        ("cwe", pytest.approx(0.7), 0.0),
+        ("fwe", pytest.approx(0.4), 0.0),
+    ]
+    (quest,) = paired(dense + sparse)
+    assert quest["samples"] == 6 and quest["samples_dense_ok"] == 2
+    assert quest["difference_dense_ok"] == pytest.approx(-0.5)  # vt only: (0 - 1 + 0.5 - 0.5) / 2
+    assert quest["difference"] == pytest.approx((-0.4 - 0.6 + 0.6 + 0.6 - 1.0 + 0.0) / 6)

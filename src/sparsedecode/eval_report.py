@@ -100,8 +100,8 @@ def write_eval_report(directory: Path) -> Path:
         "## Accuracy (mean score, %)",
         "",
         "Rows: task and context; columns: dense and each sparse setting, on the same samples. "
-        f"A cell whose dense score is below {summary.DENSE_FAILS:.0%} is marked: dense cannot do it, so it says "
-        "nothing about sparsity.",
+        f"A cell where dense scores below {summary.DENSE_FAILS:.0%}, or answers no sample fully, is marked: dense "
+        "cannot do it, so it says nothing about sparsity.",
         "",
     ]
     index = {(a["task"], a["context"], a["selector"], a["support"]): a for a in accuracy}
@@ -157,14 +157,21 @@ def write_eval_report(directory: Path) -> Path:
     out += ["## Where dense fails", ""]
     if failing:
         out += [
-            "Dense decoding scores below "
-            f"{summary.DENSE_FAILS:.0%} here, so these cells measure the model, not sparse decoding: "
-            + "; ".join(f"{f['task']} at {f['context']} ({_percent(f['score'])}%)" for f in failing)
+            f"Dense decoding scores below {summary.DENSE_FAILS:.0%}, or answers no sample fully, here, so these "
+            "cells measure the model, not sparse decoding (they are left out of Δ (dense ok)): "
+            + "; ".join(
+                f"{f['task']} at {f['context']} ({_percent(f['score'])}%, {round(f['correct'] * f['samples'])} of "
+                f"{f['samples']} fully)"
+                for f in failing
+            )
             + ".",
             "",
         ]
     else:
-        out += [f"Dense decoding scores at least {summary.DENSE_FAILS:.0%} in every cell.", ""]
+        out += [
+            f"Dense decoding scores at least {summary.DENSE_FAILS:.0%} and answers some sample fully in every cell.",
+            "",
+        ]
     imperfect = summary.dense_imperfect(rows)
     if imperfect:
         out += [

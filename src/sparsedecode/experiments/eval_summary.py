@@ -5,7 +5,8 @@ from __future__ import annotations
 from .evaluate import DENSE
 
 DENSE_FAILS = 0.5
-"""A (task, context) whose dense mean score is below this says nothing about sparsity: dense cannot do it."""
+"""A (task, context) whose dense mean score is below this says nothing about sparsity: dense cannot do it. Nor does
+one where dense answers no sample fully (:func:`dense_fails`)."""
 
 
 def mode_label(selector: str, support: int | None) -> str:
@@ -51,8 +52,11 @@ def accuracy(rows: list[dict]) -> list[dict]:
 
 
 def dense_fails(rows: list[dict]) -> list[dict]:
-    """The (task, context) cells where dense's mean score is below :data:`DENSE_FAILS`."""
-    return [a for a in accuracy([r for r in rows if r["selector"] == DENSE]) if a["score"] < DENSE_FAILS]
+    """The (task, context) cells dense fails: its mean score is below :data:`DENSE_FAILS`, or it answers no sample
+    fully (a partial answer on every sample: a sparse setting there can only lose part of it or find by chance what
+    dense missed, so the cell measures the model, not sparse decoding)."""
+    dense = accuracy([r for r in rows if r["selector"] == DENSE])
+    return [a for a in dense if a["score"] < DENSE_FAILS or a["correct"] == 0]
 
 
 def dense_imperfect(rows: list[dict]) -> list[dict]:
