@@ -16,7 +16,7 @@ from .experiments import eval_summary as summary
 from .experiments.evaluate import RUNS_FILE, EvalSpec, load_eval
 from .experiments.ruler import TASKS
 from .files import write_text_atomic
-from .report import REPORT_FILE, _environment_lines, _fmt, _markdown_table, write_csv
+from .report import REPORT_FILE, _environment_lines, _markdown_table, write_csv
 
 EXAMPLES = 20
 """Regressions shown in the Markdown (all of them are in ``regressions.csv``)."""
@@ -140,11 +140,11 @@ def write_eval_report(directory: Path) -> Path:
                         str(p["samples"]),
                         _percent(p["dense_score"]),
                         _percent(p["sparse_score"]),
-                        _fmt(100 * p["difference"], 1),
+                        f"{100 * p['difference']:+.1f}",
                         str(p["lower"]),
                         str(p["higher"]),
                         str(p["same_output"]),
-                        "-" if p["difference_dense_ok"] is None else _fmt(100 * p["difference_dense_ok"], 1),
+                        "-" if p["difference_dense_ok"] is None else f"{100 * p['difference_dense_ok']:+.1f}",
                     ]
                     for p in paired
                 ],
