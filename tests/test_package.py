@@ -44,6 +44,7 @@ def test_every_public_name_is_its_module_attribute():
         "generate": "speculative",
         "list_models": "models",
         "load_model": "models",
+        "load_tokenizer": "models",
         "select_support": "selectors",
         "sparse_decoding": "attention",
     }

@@ -16,7 +16,7 @@ if _typing.TYPE_CHECKING:
     from .compare import CompareResult, DenseReference, compare, dense_reference
     from .config import SparseConfig
     from .errors import SparseDecodeError
-    from .models import DEFAULT_MODEL, list_models, load_model
+    from .models import DEFAULT_MODEL, list_models, load_model, load_tokenizer
     from .selectors import select_support
     from .speculative import generate
 
@@ -32,6 +32,7 @@ _EXPORTS = {
     "generate": "speculative",
     "list_models": "models",
     "load_model": "models",
+    "load_tokenizer": "models",
     "select_support": "selectors",
     "sparse_decoding": "attention",
 }
@@ -48,6 +49,7 @@ __all__ = [
     "generate",
     "list_models",
     "load_model",
+    "load_tokenizer",
     "select_support",
     "sparse_decoding",
 ]
