@@ -9,6 +9,7 @@ symbolic link is written through: the file it points to is replaced, and the lin
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 from collections.abc import Iterator
@@ -16,16 +17,20 @@ from pathlib import Path
 
 from .errors import naming
 
-__all__ = ["atomic_path", "write_text_atomic"]
+__all__ = ["atomic_path", "write_json_atomic", "write_target", "write_text_atomic"]
+
+
+def write_target(path: Path) -> Path:
+    """The file a write to ``path`` replaces: a symbolic link's target (the link stays a link), else ``path``."""
+    path = Path(path)
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
 
 
 @contextlib.contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
     """A temporary path beside ``path`` to write to: renamed onto ``path`` when the block ends without an error,
     removed when it raises. A symbolic link is written through: its target is replaced, the link kept."""
-    path = Path(path)
-    if path.is_symlink():
-        path = Path(os.path.realpath(path))
+    path = write_target(path)
     with naming(path):
         path.parent.mkdir(parents=True, exist_ok=True)
         handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}")
@@ -45,3 +50,8 @@ def write_text_atomic(path: Path, text: str) -> None:
         handle.write(text)
         handle.flush()
         os.fsync(handle.fileno())
+
+
+def write_json_atomic(path: Path, data: object) -> None:
+    """JSON with one-space indents and a final newline, through :func:`write_text_atomic`."""
+    write_text_atomic(path, json.dumps(data, indent=1) + "\n")

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from .errors import SparseDecodeError
 from .experiments import summary
-from .experiments.sweep import RUNS_FILE, SPEC_FILE, SweepSpec, load_sweep, write_json_atomic
-from .files import write_text_atomic
+from .experiments.sweep import RUNS_FILE, SPEC_FILE, SweepSpec, load_sweep
+from .files import write_json_atomic, write_text_atomic
 
 REPORT_FILE = "report.md"
 RETRIEVAL_FILE = "retrieval.json"

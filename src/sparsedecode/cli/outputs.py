@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import tempfile
 from pathlib import Path
 
 from ..errors import SparseDecodeError
-from ..files import atomic_path
+from ..files import atomic_path, write_target
+from ..files import write_json_atomic as write_json
 
 __all__ = [
     "atomic_path",
@@ -26,7 +26,6 @@ __all__ = [
     "check_output_folder",
     "check_writable_folder",
     "write_json",
-    "write_text",
 ]
 
 
@@ -51,8 +50,7 @@ def check_output_file(
         if kind:
             raise SparseDecodeError(f"{what} is {kind}; give a file name" if target == path else f"{what}, is {kind}")
         _check_not_input(target, what, inputs)
-    # a link is written through (sparsedecode.files.atomic_path): its target's folder takes the new file
-    check_writable_folder(Path(os.path.realpath(path)).parent if path.is_symlink() else path.parent, f"{option} {path}")
+    check_writable_folder(write_target(path).parent, f"{option} {path}")  # a link is written through
 
 
 def check_output_folder(
@@ -145,13 +143,3 @@ def _exists(path: Path, what: str) -> bool:
         return path.exists()
     except OSError as error:
         raise SparseDecodeError(f"cannot write {what}: {error.strerror or error} at {path}") from None
-
-
-def write_text(path: Path, text: str) -> None:
-    with atomic_path(path) as tmp:
-        tmp.write_text(text)
-
-
-def write_json(path: Path, data: object) -> None:
-    """JSON with one-space indents and a final newline, written atomically (a failure names ``path``)."""
-    write_text(path, json.dumps(data, indent=1) + "\n")

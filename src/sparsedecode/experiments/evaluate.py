@@ -35,6 +35,7 @@ from ..attention import sparse_decoding
 from ..compare import Progress, crop_cache, prefill
 from ..config import SparseConfig
 from ..errors import SparseDecodeError
+from ..files import write_json_atomic
 from .environment import environment
 from .eval_spec import DENSE, KEY_FIELDS, EvalSpec, Group, RunKey
 from .ruler import GENERATOR_VERSION, Sample, build_sample, score
@@ -50,7 +51,6 @@ from .sweep import (
     merged_provenance,
     parse_rows,
     source_metas,
-    write_json_atomic,
     write_rows,
 )
 from .sweep import SPEC_FILE as SWEEP_FILE

@@ -23,10 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SparseDecodeError
-from ..files import write_text_atomic
+from ..files import write_json_atomic, write_text_atomic
 from .evaluate import EvalSpec, sample_of
 from .ruler import GENERATOR_VERSION
-from .sweep import write_json_atomic
 
 TAG = "sparsedecode_ruler"
 UTILS = "sparsedecode_ruler_utils"

@@ -48,7 +48,7 @@ from ..compare import (
     upgrade_row,
 )
 from ..errors import SparseDecodeError, naming
-from ..files import write_text_atomic
+from ..files import write_json_atomic, write_text_atomic
 from .corpus import check_context_fits, load_text, prompt_count, prompt_ids
 from .environment import environment
 from .specs import GRID_FIELDS, KEY_FIELDS, Group, RunKey, SweepSpec
@@ -262,11 +262,6 @@ def append_row(path: Path, row: dict) -> None:
 def write_rows(path: Path, rows: list[dict]) -> None:
     """Replace ``runs.jsonl`` with ``rows`` (one JSON line each) through a temporary file and a rename."""
     write_text_atomic(path, "".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows))
-
-
-def write_json_atomic(path: Path, data: object) -> None:
-    """Write JSON through a temporary file and a rename, so a reader never sees half a file."""
-    write_text_atomic(path, json.dumps(data, indent=1) + "\n")
 
 
 # --- the sweep directory ------------------------------------------------------------------------------------
