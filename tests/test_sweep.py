@@ -515,3 +515,22 @@ def test_merge_of_folders_of_different_grids_gives_their_union(loaded, tmp_path)
         merge_sweeps([other], tmp_path / "committed")
     assert (tmp_path / "committed" / RUNS_FILE).read_bytes() == before
     assert union_spec([base, more]) == union and union_spec([more, base]).contexts == (220, 150)
+
+
+@pytest.mark.parametrize("name", ["eval.json", RUNS_FILE])
+def test_the_library_refuses_a_folder_holding_another_experiments_runs(loaded, tmp_path, name):
+    """run_sweep and merge_sweeps, not only the command line: a folder without sweep.json that holds an evaluation
+    (eval.json) or runs of its own is refused before anything is written there."""
+    folder = tmp_path / "other"
+    folder.mkdir()
+    (folder / name).write_text("{}\n")
+    sweep = tmp_path / "sweep"
+    run_sweep(small_spec(contexts=(150,), supports=(97,), prompts=1), sweep, loaded=loaded)
+    for act in (
+        lambda: run_sweep(small_spec(), folder, loaded=loaded),
+        lambda: merge_sweeps([folder], tmp_path / "merged"),
+        lambda: merge_sweeps([sweep], folder),
+    ):
+        with pytest.raises(SparseDecodeError, match="holds runs that are not a sweep's"):
+            act()
+    assert sorted(p.name for p in folder.iterdir()) == [name]

@@ -120,12 +120,7 @@ def cmd_sweep(args) -> int:
     shard = Shard.parse(args.shard) if args.shard else None
     check_backend_args(args)
     check_output_folder(args.out, inputs=inputs_of(args), files=("sweep.json", "runs.jsonl"))
-    foreign = (args.out / "eval.json").exists() or (args.out / "runs.jsonl").exists()
-    if foreign and not (args.out / "sweep.json").exists():
-        raise SparseDecodeError(
-            f"--out {args.out} holds runs that are not a sweep's (no sweep.json): give a new folder"
-        )
-    meta = read_meta(args.out)
+    meta = read_meta(args.out)  # another experiment's folder is refused here, before the model
     if meta is not None:  # refuse a changed spec before spending time on the model
         from ..experiments.sweep import check_meta
 

@@ -273,9 +273,16 @@ def corpus_sha256(name: str) -> str:
 
 
 def read_meta(directory: Path) -> dict | None:
-    """The parsed ``sweep.json`` of ``directory``, or ``None`` when there is none."""
+    """The parsed ``sweep.json`` of ``directory``, or ``None`` when there is none; a folder without one that holds
+    another experiment's runs (an evaluation's ``eval.json``, or a ``runs.jsonl`` of its own) is refused, not
+    joined."""
+    directory = Path(directory)
     path = directory / SPEC_FILE
     if not path.exists():
+        if (directory / "eval.json").exists() or (directory / RUNS_FILE).exists():
+            raise SparseDecodeError(
+                f"{directory} holds runs that are not a sweep's (no {SPEC_FILE}): give a new folder, or a sweep folder"
+            )
         return None
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
