@@ -111,12 +111,12 @@ def export_tasks(spec: EvalSpec, tokenizer, directory: Path) -> ExportOutcome:
                 for s in samples
             ]
             write_text_atomic(data, "\n".join(lines) + "\n")
-            (directory / f"{task_name(task, context)}.yaml").write_text(
-                _yaml(task, context, data, samples[0].max_new_tokens)
+            write_text_atomic(
+                directory / f"{task_name(task, context)}.yaml", _yaml(task, context, data, samples[0].max_new_tokens)
             )
             names.append(task_name(task, context))
             documents += len(samples)
-    (directory / f"{UTILS}.py").write_text(_UTILS_SOURCE)
+    write_text_atomic(directory / f"{UTILS}.py", _UTILS_SOURCE)
     write_json_atomic(
         directory / "export.json",
         {"spec": spec.to_dict(), "generator_version": GENERATOR_VERSION, "tasks": names, "tag": TAG},
