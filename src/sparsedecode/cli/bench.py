@@ -9,10 +9,12 @@ from rich.table import Table
 
 from ..errors import SparseDecodeError
 from .common import (
+    DRAFT_TOKENS,
     DTYPES,
     Parser,
     add_model_args,
     at_least_one,
+    check_prompt_source,
     check_whole_blocks,
     console,
     environment,
@@ -79,7 +81,10 @@ def add_parsers(sub) -> None:
         help="lossless adds self-speculative rows (sparse drafts, dense verification) beside dense and sparse",
     )
     e2e.add_argument(
-        "--draft-tokens", type=int_list, default=None, help="draft length(s) k for --mode lossless (default 4)"
+        "--draft-tokens",
+        type=int_list,
+        default=None,
+        help=f"draft length(s) k for --mode lossless (default {DRAFT_TOKENS})",
     )
     e2e.add_argument("--adaptive", action="store_true", help="adapt k from the acceptance (lossless)")
     e2e.add_argument(
@@ -210,7 +215,7 @@ def cmd_bench_e2e(args) -> int:
         raise SparseDecodeError(f"--tokens must be >= 2 (got {args.tokens}): token 0 comes from the dense prefill")
     if args.mode != "lossless" and (args.draft_tokens is not None or args.adaptive):
         raise SparseDecodeError("--draft-tokens and --adaptive apply to --mode lossless only")
-    args.draft_tokens = args.draft_tokens or [4]
+    args.draft_tokens = args.draft_tokens or [DRAFT_TOKENS]
     if args.mode == "lossless" and (min(args.draft_tokens) < 1 or max(args.draft_tokens) > args.tokens - 1):
         raise SparseDecodeError(
             f"--draft-tokens values must be between 1 and --tokens - 1 = {args.tokens - 1} (got {args.draft_tokens})"
@@ -218,11 +223,7 @@ def cmd_bench_e2e(args) -> int:
     if args.repeats < 1:
         raise SparseDecodeError(f"--repeats must be >= 1 (got {args.repeats})")
     check_whole_blocks([SparseConfig(support=s) for s in args.support])
-    if args.prompt_index < 0:
-        raise SparseDecodeError(f"--prompt-index must be >= 0 (got {args.prompt_index})")
-    from ..experiments.corpus import check_corpus
-
-    check_corpus(args.corpus)
+    check_prompt_source(args)
     if args.batch is not None:
         if min(args.batch) < 1:
             raise SparseDecodeError("--batch values must be >= 1")

@@ -50,6 +50,8 @@ __all__ = [
     "positive_seconds",
     "at_least_one",
     "comma_list",
+    "check_prompt_source",
+    "DRAFT_TOKENS",
     "shard_arg",
     "selector_list",
     "prepare",
@@ -60,6 +62,8 @@ __all__ = [
 
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 132)
 DTYPES = ("float32", "bfloat16", "float16")
+DRAFT_TOKENS = 4
+"""``--draft-tokens`` of run and bench e2e under ``--mode lossless`` when not given (``generate``'s default)."""
 DEFAULT_MODEL = "smollm2-135m"
 """:data:`sparsedecode.models.DEFAULT_MODEL`, spelled out so that building the parser imports no torch (a test
 keeps the two equal)."""
@@ -389,17 +393,24 @@ def prepare(args, audit: bool = False):
         raise SparseDecodeError(f"--tokens must be >= 2 (got {args.tokens}): step 1 is shared with dense")
     if any(c < 1 for c in args.context):
         raise SparseDecodeError("--context values must be >= 1")
-    if args.prompt_index < 0:
-        raise SparseDecodeError(f"--prompt-index must be >= 0 (got {args.prompt_index})")
     configs = _configs(args, audit=audit)
-    from ..experiments.corpus import check_context_fits, check_corpus, prompt_ids
-
-    check_corpus(args.corpus)
+    check_prompt_source(args)
     model, tokenizer = load(args)
+    from ..experiments.corpus import check_context_fits, prompt_ids
 
     check_context_fits(model, args.context, args.tokens)
     prompts = {c: prompt_ids(tokenizer, args.corpus, c, args.prompt_index, args.tokens) for c in args.context}
     return configs, model, tokenizer, prompts
+
+
+def check_prompt_source(args) -> None:
+    """``--prompt-index`` and ``--corpus``, before the model loads: the corpus is read once (cached), so a missing,
+    empty or binary one is refused here."""
+    if args.prompt_index < 0:
+        raise SparseDecodeError(f"--prompt-index must be >= 0 (got {args.prompt_index})")
+    from ..experiments.corpus import check_corpus
+
+    check_corpus(args.corpus)
 
 
 def run_settings(args, command: str) -> dict:

@@ -7,6 +7,7 @@ from rich.text import Text
 
 from ..errors import SparseDecodeError
 from .common import (
+    DRAFT_TOKENS,
     add_model_args,
     add_prompt_args,
     conditions,
@@ -18,9 +19,6 @@ from .common import (
     run_settings,
 )
 from .outputs import check_output_file, inputs_of, write_json
-
-DRAFT_TOKENS = 4
-"""``--draft-tokens`` of ``--mode lossless`` when not given."""
 
 
 def add_parsers(sub) -> None:
