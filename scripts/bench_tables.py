@@ -11,11 +11,15 @@ import json
 import sys
 
 
-def conditions(machine: dict) -> str:
+def conditions(data: dict) -> str:
+    """Versions, device and revision; the start date and wall time too where the file has them (later files)."""
+    machine = data["machine"]
     where = machine.get("gpu") or f"cpu, {machine.get('threads')} threads"
+    run = data.get("run")
+    when = f", started {run['started_utc']} UTC, {run['wall_s']:.0f} s in all" if run else ""
     return (
         f"Python {machine.get('python')}, torch {machine.get('torch')}, transformers {machine.get('transformers')}, "
-        f"{where}, revision {machine.get('revision')}"
+        f"{where}, revision {machine.get('revision')}{when}"
     )
 
 
@@ -40,8 +44,7 @@ def notes(data: dict) -> str:
 
 def op_table(data: dict) -> str:
     lines = [
-        f"Measured with {conditions(data['machine'])}; read bandwidth measured in the same run: "
-        f"{data['bandwidth_gbs']:.1f} GB/s.",
+        f"Measured with {conditions(data)}; read bandwidth measured in the same run: {data['bandwidth_gbs']:.1f} GB/s.",
         "",
         "| N | S | layers | sparse WS MB | kernel | dense ms | sparse ms | select ms | attend ms | speedup | dense MB "
         "| sparse MB | sparse / bound | dense / bound |",
@@ -65,8 +68,8 @@ def cold_warm_table(cold: dict, warm: dict) -> str:
     key = ("context", "support", "kernel")
     warm_rows = {tuple(r.get(k) for k in key): r for r in warm["rows"]}
     lines = [
-        f"Cold: {conditions(cold['machine'])}, read bandwidth {cold['bandwidth_gbs']:.1f} GB/s. "
-        f"Warm: {conditions(warm['machine'])}, {warm['bandwidth_gbs']:.1f} GB/s.",
+        f"Cold: {conditions(cold)}, read bandwidth {cold['bandwidth_gbs']:.1f} GB/s. "
+        f"Warm: {conditions(warm)}, {warm['bandwidth_gbs']:.1f} GB/s.",
         "",
         "| N | S | kernel | layers | sparse WS MB | dense ms | sparse ms | speedup | sparse / bound "
         "| warm: dense ms | warm: sparse ms | warm: speedup | warm: sparse / bound |",
@@ -123,7 +126,7 @@ def targets_table(data: dict, support: int = 193, kernel: str = "c") -> str:
 
 def e2e_table(data: dict) -> str:
     lines = [
-        f"Measured with {conditions(data['machine'])}.",
+        f"Measured with {conditions(data)}.",
         "",
         "| model | context | mode | KV cache | S | k | acceptance | prefill s | decode tok/s | vs best dense "
         "| tokens equal to dense | peak RSS MB |",

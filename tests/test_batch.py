@@ -283,7 +283,9 @@ def test_bench_e2e_batch_rows(tiny_model_dir, tmp_path):
     out = tmp_path / "batch.json"
     args = ["bench", "e2e", "--model", str(tiny_model_dir), "--context", "300", "--support", "97", "--tokens", "12"]
     assert main([*args, "--batch", "1,3", "--repeats", "1", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+    data = json.loads(out.read_text())
+    assert data["run"]["started_utc"].endswith("+00:00") and data["run"]["wall_s"] >= 0
+    rows = data["rows"]
     assert [(r["batch"], r["mode"], r["support"]) for r in rows] == [
         (1, "dense", None),
         (1, "sparse", 97),

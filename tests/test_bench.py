@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from datetime import datetime, timedelta, timezone
 
 import pytest
 from conftest import prompt, tiny_model
@@ -149,6 +150,14 @@ def test_bench_e2e_times_every_mode_as_often_as_dense(monkeypatch):
         bench_e2e(tiny_model("qwen2"), "tiny", prompt(200), (97,), tokens=4, repeats=0)
 
 
+def assert_run_record(run: dict) -> None:
+    """A result file says when its command started (UTC) and how long it took in all."""
+    started = datetime.fromisoformat(run["started_utc"])
+    assert started.utcoffset() == timedelta(0)
+    assert abs((datetime.now(timezone.utc) - started).total_seconds()) < 600
+    assert 0 <= run["wall_s"] < 600
+
+
 def test_bench_cli_writes_json(tiny_model_dir, tmp_path, capsys):
     op = tmp_path / "op.json"
     assert (
@@ -172,6 +181,7 @@ def test_bench_cli_writes_json(tiny_model_dir, tmp_path, capsys):
     )
     data = json.loads(op.read_text())
     assert set(OP_FIELDS) <= set(data["rows"][0]) and data["machine"]["torch"]
+    assert_run_record(data["run"])
     e2e = tmp_path / "e2e.json"
     assert (
         main(
@@ -196,7 +206,9 @@ def test_bench_cli_writes_json(tiny_model_dir, tmp_path, capsys):
         )
         == 0
     )
-    rows = json.loads(e2e.read_text())["rows"]
+    data = json.loads(e2e.read_text())
+    assert_run_record(data["run"])
+    rows = data["rows"]
     assert [(r["mode"], r["cache"], r["support"]) for r in rows] == [
         ("dense", "dynamic", None),
         ("dense", "growing", None),

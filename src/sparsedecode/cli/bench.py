@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import re
+import time
+from datetime import datetime, timezone
 
 from rich.table import Table
 
@@ -32,6 +34,17 @@ from .outputs import check_output_file, inputs_of, write_json
 SHAPES = ("llama3-8b", "qwen2-0.5b", "smollm2-135m")
 DEFAULT_CONTEXTS = (2048, 8192, 32768, 131072)
 DEFAULT_SUPPORTS = (97, 193, 769)
+
+
+def _clock() -> dict:
+    """When the command started (UTC, to the second) and its monotonic start, for :func:`_run_record`."""
+    return {"started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "t0": time.monotonic()}
+
+
+def _run_record(clock: dict) -> dict:
+    """The result file's record of the run itself: when it started and how long the whole command took, model
+    loading and prefills included (the per-row timings are medians of what is measured, not this)."""
+    return {"started_utc": clock["started_utc"], "wall_s": round(time.monotonic() - clock["t0"], 1)}
 
 
 def _device(text: str) -> str:
@@ -65,7 +78,9 @@ def add_parsers(sub) -> None:
         type=_device,
         help="cpu, or cuda[:i]: device-event timings, and the Triton kernel beside torch's gather + SDPA",
     )
-    op.add_argument("--json", type=file_arg, help="write {machine, bandwidth_gbs, rows} here")
+    op.add_argument(
+        "--json", type=file_arg, help="write {machine, run, bandwidth_gbs, rows} here (run: started_utc, wall_s)"
+    )
     e2e = benches.add_parser("e2e", help="real model: prefill, then greedy decoding dense vs sparse, same process")
     add_model_args(e2e)
     e2e.add_argument("--corpus", default="python-docs")
@@ -73,7 +88,7 @@ def add_parsers(sub) -> None:
     e2e.add_argument("--support", type=int_list, default=[193])
     e2e.add_argument("--tokens", type=int, default=64)
     e2e.add_argument("--prompt-index", type=int, default=0)
-    e2e.add_argument("--json", type=file_arg, help="write {machine, rows} here")
+    e2e.add_argument("--json", type=file_arg, help="write {machine, run, rows} here (run: started_utc, wall_s)")
     e2e.add_argument(
         "--mode",
         default="standard",
@@ -103,6 +118,7 @@ def add_parsers(sub) -> None:
 def cmd_bench_op(args) -> int:
     from ..config import SparseConfig
 
+    clock = _clock()
     check_whole_blocks([SparseConfig(support=s, selector=args.selector) for s in args.support])
     check_output_file(args.json, "--json", inputs=inputs_of(args))
     quiet_transformers()
@@ -199,7 +215,12 @@ def cmd_bench_op(args) -> int:
         "matched-quality or end-to-end speed.[/]"
     )
     if args.json:
-        data = {"machine": environment(), "bandwidth_gbs": bandwidth, "rows": op_rows_as_dicts(rows)}
+        data = {
+            "machine": environment(),
+            "run": _run_record(clock),
+            "bandwidth_gbs": bandwidth,
+            "rows": op_rows_as_dicts(rows),
+        }
         write_json(args.json, data)
         console.print(f"wrote {args.json}")
     return 0
@@ -210,6 +231,7 @@ def cmd_bench_e2e(args) -> int:
 
     from ..config import SparseConfig
 
+    clock = _clock()
     check_output_file(args.json, "--json", inputs=inputs_of(args))
     if args.tokens < 2:
         raise SparseDecodeError(f"--tokens must be >= 2 (got {args.tokens}): token 0 comes from the dense prefill")
@@ -232,7 +254,7 @@ def cmd_bench_e2e(args) -> int:
                 "--mode lossless runs batch 1 only (per-sequence acceptance and rollback are not implemented): "
                 "drop --batch"
             )
-        return _bench_e2e_batch(args)
+        return _bench_e2e_batch(args, clock)
     model, tokenizer = load(args)
     from ..experiments.bench import bench_e2e
     from ..experiments.corpus import check_context_fits, prompt_ids
@@ -292,12 +314,12 @@ def cmd_bench_e2e(args) -> int:
         "leading tokens equal to dense greedy output; peak RSS is the process peak so far.[/]"
     )
     if args.json:
-        write_json(args.json, {"machine": environment(), "rows": [asdict(r) for r in rows]})
+        write_json(args.json, {"machine": environment(), "run": _run_record(clock), "rows": [asdict(r) for r in rows]})
         console.print(f"wrote {args.json}")
     return 0
 
 
-def _bench_e2e_batch(args) -> int:
+def _bench_e2e_batch(args, clock: dict) -> int:
     from dataclasses import asdict
 
     model, tokenizer = load(args)
@@ -368,6 +390,6 @@ def _bench_e2e_batch(args) -> int:
         "equal its own batch-1 run in the same mode; peak RSS per batch size.[/]"
     )
     if args.json:
-        write_json(args.json, {"machine": environment(), "rows": [asdict(r) for r in rows]})
+        write_json(args.json, {"machine": environment(), "run": _run_record(clock), "rows": [asdict(r) for r in rows]})
         console.print(f"wrote {args.json}")
     return 0
