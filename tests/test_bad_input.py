@@ -76,8 +76,10 @@ def test_compare_refuses_a_config_that_is_not_a_sparse_config(model, cfg):
     [
         (prompt(150)[0], "shape \\(1, length >= 1\\)"),  # 1-D
         (torch.zeros(1, 0, dtype=torch.long), "shape \\(1, length >= 1\\)"),
-        (prompt(150).float(), "integer tensor"),
-        (prompt(150) > 3, "integer tensor"),
+        (prompt(150).float(), "int64 \\(torch.long\\) or int32"),
+        (prompt(150) > 3, "int64 \\(torch.long\\) or int32"),
+        (prompt(150).to(torch.uint8), "int64 \\(torch.long\\) or int32, got torch.uint8"),
+        (prompt(150).to(torch.int16), "int64 \\(torch.long\\) or int32, got torch.int16"),
         (prompt(150) + 200, "must lie in \\[0, 96\\)"),  # beyond the vocabulary
         (prompt(150) - 100, "must lie in \\[0, 96\\)"),
         ([[1, 2, 3]], "torch tensor"),
@@ -164,6 +166,145 @@ def test_entry_points_refuse_what_is_not_a_model(not_a_model):
     with pytest.raises(SparseDecodeError, match="model must be a transformers causal LM"):
         with sparse_decoding(not_a_model, cfg):
             pass
+
+
+@pytest.mark.parametrize("kind", ["base model", "classifier", "masked LM"])
+def test_models_that_cannot_generate_are_refused_at_the_call(model, kind):
+    """A base model, a classifier or a masked LM used to fail late (AttributeError on .logits, IndexError) or, for a
+    masked LM, to decode tokens that mean nothing."""
+    from transformers import BertConfig, BertForMaskedLM, LlamaForSequenceClassification
+
+    if kind == "base model":
+        other = model.model
+    elif kind == "classifier":
+        other = LlamaForSequenceClassification(model.config).eval()
+    else:
+        bert = BertConfig(
+            vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+        )
+        other = BertForMaskedLM(bert).eval()
+    cfg = SparseConfig(support=97)
+    calls = (
+        lambda: compare(other, None, prompt(150), cfg, 8),
+        lambda: compare(other, None, [prompt(150), prompt(120)], cfg, 8),
+        lambda: dense_reference(other, prompt(150), tokens=8),
+        lambda: generate(other, prompt(150), cfg, 8, mode="sparse"),
+        lambda: generate(other, [prompt(150), prompt(120)], cfg, 8, mode="dense"),
+    )
+    for call in calls:
+        with NoForward(other), pytest.raises(SparseDecodeError, match=f"{type(other).__name__} cannot generate text"):
+            call()
+    if kind == "base model":  # a session only hooks attention layers: a base model is fine there
+        with sparse_decoding(other, cfg) as session:
+            other(input_ids=prompt(150))
+        assert session.dense_steps == 0
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (dict(eos_token_id="a"), "eos_token_id must be None or one token id in \\[0, 96\\)"),
+        (dict(eos_token_id=-1), "eos_token_id must be None"),
+        (dict(eos_token_id=1.5), "eos_token_id must be None"),
+        (dict(eos_token_id=True), "eos_token_id must be None"),
+        (dict(eos_token_id=96), "eos_token_id must be None"),
+        (dict(eos_token_id=[3, 4]), "eos_token_id must be None"),
+    ],
+)
+@pytest.mark.parametrize("batched", [False, True])
+def test_generate_checks_eos_token_id(model, arguments, message, batched):
+    ids = [prompt(150), prompt(120)] if batched else prompt(150)
+    for mode in ("dense", "sparse") if batched else ("dense", "sparse", "lossless"):
+        with NoForward(model), pytest.raises(SparseDecodeError, match=message):
+            generate(model, ids, SparseConfig(support=97), 8, mode=mode, **arguments)
+
+
+def test_generate_stops_at_eos_for_one_prompt_in_every_mode(model):
+    """eos_token_id used to be ignored for one prompt (a batch honoured it)."""
+    cfg = SparseConfig(support=97)
+    dense = generate(model, prompt(150), None, 24, mode="dense").tokens
+    eos = dense[9]
+    expected = dense[: dense.index(eos) + 1]
+    assert len(expected) < 24
+    for mode in ("dense", "lossless"):
+        assert generate(model, prompt(150), cfg, 24, mode=mode, eos_token_id=eos).tokens == expected, mode
+    sparse = generate(model, prompt(150), cfg, 24, mode="sparse").tokens
+    stopped = generate(model, prompt(150), cfg, 24, mode="sparse", eos_token_id=eos).tokens
+    assert stopped == sparse[: sparse.index(eos) + 1] if eos in sparse else stopped == sparse
+    batch = generate(model, [prompt(150)], cfg, 24, mode="dense", eos_token_id=eos)[0].tokens
+    assert batch == expected, "one prompt alone and as a batch of one agree"
+    assert generate(model, prompt(150), cfg, 24, mode="dense", eos_token_id=dense[0]).tokens == dense[:1]
+
+
+@pytest.mark.parametrize(
+    "mask, message",
+    [
+        ([[1] * 150, [1] * 150], "attention_mask must be a torch tensor"),
+        (torch.cat([torch.full((2, 5), 0.5), torch.ones(2, 145)], 1), "tensor of 0 and 1, got shape \\(2, 150\\) with"),
+        (torch.full((2, 150), 2), "tensor of 0 and 1"),
+        (torch.ones(150), "tensor of 0 and 1, got shape \\(150,\\)"),
+    ],
+)
+def test_generate_checks_the_attention_mask_values(model, mask, message):
+    """A mask of 0.5 used to pass (the check cast it to integers first) and give a third set of tokens."""
+    with NoForward(model), pytest.raises(SparseDecodeError, match=message):
+        generate(model, prompt(150).repeat(2, 1), SparseConfig(support=97), 8, mode="sparse", attention_mask=mask)
+
+
+def test_generate_checks_the_adaptive_draft_settings(model):
+    cfg = SparseConfig(support=97)
+    with NoForward(model):
+        with pytest.raises(SparseDecodeError, match="adaptive must be True or False"):
+            generate(model, prompt(150), cfg, 8, adaptive="no")
+        with pytest.raises(SparseDecodeError, match="max_draft_tokens \\(2\\) is below draft_tokens \\(4\\)"):
+            generate(model, prompt(150), cfg, 8, adaptive=True, draft_tokens=4, max_draft_tokens=2)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (
+            dict(kernel="c", selector="streaming"),
+            "kernel 'c' serves block selectors only; streaming steps run as torch",
+        ),
+        (dict(kernel="triton", selector="oracle-tokens"), "kernel 'triton' serves block selectors only"),
+        (dict(kernel="c", selector="h2o"), "kernel 'c' serves block selectors only"),
+        (dict(audit="no"), "audit must be True or False"),
+        (dict(audit=None), "audit must be True or False"),
+        (dict(seed=1.5), "seed must be an integer"),
+        (dict(seed="x"), "seed must be an integer"),
+        (dict(seed=None), "seed must be an integer"),
+        (dict(seed=-1), "seed must be an integer"),
+        (dict(seed=2**70), "seed must be an integer"),
+        (dict(seed=True), "seed must be an integer"),
+        (dict(window=0, support=1), "window must be >= 1"),
+    ],
+)
+def test_sparse_config_checks_every_field(fields, message):
+    with pytest.raises(SparseDecodeError, match=message):
+        SparseConfig(**fields)
+
+
+def test_random_blocks_takes_the_largest_seed():
+    q, k = torch.randn(4, 8), torch.randn(2, 305, 8)  # 15 whole distant blocks: every pick reads 16 positions
+    for seed in (0, 2**63 - 1):
+        picks = select_support(q, k, support=97, method="random-blocks", seed=seed)
+        assert all(len(p) == 97 for p in picks)
+
+
+@pytest.mark.parametrize(
+    "history, message",
+    [
+        (torch.rand(2, 10), "history must be \\(kv_heads, N\\) = \\(2, 300\\)"),
+        (torch.rand(300), "history must be \\(kv_heads, N\\)"),
+        ([1.0, 2.0], "history must be a floating-point torch tensor, got list"),
+        (torch.ones(2, 300, dtype=torch.long), "got a tensor of torch.int64"),
+        (torch.full((2, 300), float("nan")), "history hold NaN"),
+    ],
+)
+def test_select_support_checks_the_h2o_history(history, message):
+    with pytest.raises(SparseDecodeError, match=message):
+        select_support(torch.randn(4, 8), torch.randn(2, 300, 8), support=97, method="h2o", history=history)
 
 
 def test_compare_refuses_a_reference_of_another_kind(model):
@@ -278,8 +419,15 @@ def test_a_non_finite_key_in_a_scored_block_refuses_on_every_selection_path(kern
         select_blocks(cfg, BlockCentroids(cfg.block_size, ("mean",)), queries, keys, layout, scale=0.25)
 
 
-@pytest.mark.parametrize("kernel", ["torch", "c", "auto"])
-@pytest.mark.parametrize("selector", ["mean-pooled", "quest", "oracle-tokens"])
+@pytest.mark.parametrize(
+    "kernel, selector",
+    [
+        (k, s)
+        for k in ("torch", "c", "auto")
+        for s in ("mean-pooled", "quest", "oracle-tokens")
+        if (k, s) != ("c", "oracle-tokens")
+    ],
+)
 @pytest.mark.parametrize("poison", ["q_proj", "k_proj"])
 def test_non_finite_hidden_states_raise_in_compare_instead_of_selecting(kernel, selector, poison):
     """A model whose queries (or keys) are NaN from layer 0 on: dense prefill runs, the first sparse step refuses."""

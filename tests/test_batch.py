@@ -89,6 +89,28 @@ def test_sequence_ending_early_does_not_disturb_the_others(arch):
     assert ended >= 1 and tokens.shape[1] == STEPS  # one stopped early while the batch went on
 
 
+@pytest.mark.parametrize("selector, reuse", [("mean-pooled", 1), ("mean-pooled", 4), ("h2o", 1)])
+def test_one_left_padded_prompt_decodes_as_it_would_unpadded(arch, selector, reuse):
+    """A batch of one with padding (model.generate with an attention mask, or sd.generate) is a batch too: before,
+    it took the batch-1 path, whose positions come from the position ids (real tokens only), so it read the pads
+    and left out the last real positions."""
+    model = tiny_model(arch)
+    cfg = SparseConfig(support=97, reuse=reuse, selector=selector)
+    for length, pad in ((150, 10), (80, 90)):  # 80 + 90: past S padded, while the real length grows past it
+        ids = prompt(length)
+        padded = torch.cat([torch.zeros(1, pad, dtype=ids.dtype), ids], 1)
+        mask = torch.cat([torch.zeros(1, pad, dtype=torch.long), torch.ones_like(ids)], 1)
+        with sparse_decoding(model, cfg) as session:
+            alone, alone_logits = generate_logits(model, ids)
+            tokens, logits = generate_logits(model, padded, mask)
+        assert session.sparse_steps > 0
+        assert torch.equal(tokens, alone), (length, pad)
+        torch.testing.assert_close(logits, alone_logits, atol=1e-4, rtol=0)
+        unpadded = sd.generate(model, ids, cfg, STEPS, mode="sparse").tokens
+        assert sd.generate(model, padded, cfg, STEPS, mode="sparse", attention_mask=mask)[0].tokens == unpadded
+        assert unpadded == alone[0].tolist()
+
+
 def test_support_covering_every_sequence_is_dense_batched_decoding(arch):
     model = tiny_model(arch)
     _, ids, mask = ragged()

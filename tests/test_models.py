@@ -450,3 +450,29 @@ def test_real_corrupt_entry_is_rebuilt(smollm, tmp_path: Path, monkeypatch: pyte
         gguf_logits = converted[0][0](ids).logits  # straight from the GGUF
         torch.testing.assert_close(rebuilt(ids).logits, gguf_logits, rtol=0, atol=0)
         torch.testing.assert_close(smollm[0](ids).logits, gguf_logits, rtol=0, atol=0)
+
+
+def test_a_path_object_names_a_model_and_other_types_are_refused(tiny_model_dir):
+    """load_model(Path(...)) used to raise AttributeError ('PosixPath' has no 'endswith'); 123 or None a TypeError
+    from pathlib."""
+    model, tokenizer = models.load_model(Path(tiny_model_dir))
+    assert model.sparsedecode_spec == str(tiny_model_dir) and tokenizer("ab")["input_ids"]
+    assert models.load_tokenizer(Path(tiny_model_dir))("ab")["input_ids"] == tokenizer("ab")["input_ids"]
+    for bad in (123, None, b"smollm2-135m", ["smollm2-135m"]):
+        with pytest.raises(SparseDecodeError, match="must be named by a string or a path"):
+            models.load_model(bad)
+        with pytest.raises(SparseDecodeError, match="load_tokenizer: the model must be named"):
+            models.load_tokenizer(bad)
+
+
+def test_a_checkpoint_missing_weights_is_refused_not_initialised_at_random(tmp_path):
+    """A base (encoder) checkpoint loads as BertLMHeadModel with a random head, and transformers only warns."""
+    from conftest import char_tokenizer
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    BertModel(config).save_pretrained(tmp_path)
+    char_tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(SparseDecodeError, match="the checkpoint lacks cls.predictions.* initialised at random"):
+        models.load_model(str(tmp_path))
+    assert models.load_tokenizer(str(tmp_path))("ab")["input_ids"], "the tokenizer alone reads no weights"

@@ -19,7 +19,7 @@ STATELESS = ("mean-pooled", "quest", "oracle-blocks", "oracle-tokens", "streamin
 @st.composite
 def problems(draw):
     kv_heads, group, d = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.sampled_from([4, 8]))
-    window, block, b = draw(st.integers(0, 10)), draw(st.integers(1, 6)), draw(st.integers(0, 4))
+    window, block, b = draw(st.integers(1, 10)), draw(st.integers(1, 6)), draw(st.integers(0, 4))
     n = draw(st.integers(2 + window + (b + 1) * block, 140))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
     return torch.randn(kv_heads * group, d, generator=g) * 2, torch.randn(kv_heads, n, d, generator=g), window, block, b

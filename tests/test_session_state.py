@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 from sparsedecode import SparseConfig, SparseDecodeError, compare, sparse_decoding
 from sparsedecode.cache import GrowingCache
-from sparsedecode.compare import crop_cache
+from sparsedecode.compare import compare_batch, crop_cache, dense_reference, dense_references
 
 VOCAB = 96
 
@@ -353,3 +353,58 @@ def test_reset_forgets_everything_and_the_next_step_selects_afresh():
     assert seen == [1, 2, 3, 4, 5, 6, 1, 2, 3], "after reset the chain starts again"
     # selections at N = 201 (steps 1 and 5 see 8 complete blocks) and, after the reset, at N = 207: 8 blocks again
     assert state.centroids.computed == (201 - 64 - 1) // 16 + (207 - 64 - 1) // 16
+
+
+def test_dense_passes_stay_dense_inside_a_session_the_caller_has_open():
+    """generate(mode="dense"), dense_reference and compare's own reference are dense even inside an open sparse
+    session on the same model (they used to run under it, and a support covering the context then "diverged")."""
+    from sparsedecode import generate
+
+    model = tiny_model("llama")
+    ids = prompt(150)
+    dense = generate(model, ids, None, 30, mode="dense").tokens
+    batch = [prompt(150), prompt(120, seed=3)]
+    dense_batch = [g.tokens for g in generate(model, batch, None, 30, mode="dense")]
+    with sparse_decoding(model, SparseConfig(support=97)) as outer:
+        assert generate(model, ids, None, 30, mode="dense").tokens == dense
+        assert [g.tokens for g in generate(model, batch, None, 30, mode="dense")] == dense_batch
+        assert dense_reference(model, ids, tokens=30).tokens == dense
+        covering = compare(model, None, ids, SparseConfig(support=193), 30)  # S >= context + T - 1: dense
+        assert covering.dense_tokens == dense and covering.survives and covering.first_divergence == 30
+        assert outer.sparse_steps == 0
+        # the outer session still serves the caller's own decoding
+        assert generate(model, ids, SparseConfig(support=97), 30, mode="sparse").tokens != dense
+        with torch.no_grad():
+            cache = DynamicCache(config=model.config)
+            decode(model, cache, feed(model, cache, ids), 29, [])
+        assert outer.sparse_steps > 0
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_reference_left_mid_decode_by_an_interrupt_is_taken_back(batched):
+    """An interrupt during compare leaves the reference's cache as it found it, and a reference whose cache grew
+    anyway (the caller decoded on it) is brought back to the prompt before use: the next compare is unchanged."""
+    model = tiny_model("llama")
+    ids = [prompt(150), prompt(130, seed=5)] if batched else prompt(150)
+    cfg = SparseConfig(support=97)
+    ref = dense_references(model, ids, tokens=20) if batched else dense_reference(model, ids, tokens=20)
+    expected = compare(model, None, ids, cfg, 20, reference=ref)
+
+    def interrupt(stage, done, total):
+        if stage == "sparse decode" and done == 5:
+            raise KeyboardInterrupt
+
+    length = ref.cache.get_seq_length()
+    with pytest.raises(KeyboardInterrupt):
+        compare_batch(model, ids, cfg, 20, reference=ref, progress=interrupt) if batched else compare(
+            model, None, ids, cfg, 20, reference=ref, progress=interrupt
+        )
+    assert ref.cache.get_seq_length() == length
+    if not batched:
+        with torch.no_grad():
+            decode(model, ref.cache, feed(model, ref.cache, prompt(3, seed=9)), 4, [])
+        assert ref.cache.get_seq_length() == length + 7
+    again = compare(model, None, ids, cfg, 20, reference=ref)
+    for a, b in zip(again if batched else [again], expected if batched else [expected]):
+        assert a.sparse_tokens == b.sparse_tokens and a.teacher_forced_match == b.teacher_forced_match
+        assert a.delta_ppl_percent == pytest.approx(b.delta_ppl_percent, abs=1e-9)

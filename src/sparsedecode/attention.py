@@ -525,7 +525,9 @@ def sparse_attention_forward(
                 f"sparse decoding does not support {meaning} ({argument} in the attention call) yet"
             )
     q_len = query.shape[2]
-    if query.shape[0] != 1:
+    if query.shape[0] != 1 or (
+        attention_mask is not None and _extents(session, attention_mask, key, q_len, kwargs)[1][0] > 0
+    ):  # a batch, or one left-padded sequence: each sequence in its own coordinates, padding never read
         return _batch_forward(session, state, module, query, key, value, attention_mask, dropout, scaling, kwargs)
     if state.rows is not None:  # batch 1 after a batch: the rows described other sequences
         state.rows, state.pads = None, None
@@ -594,6 +596,19 @@ def row_extents(attention_mask: torch.Tensor | None, key: torch.Tensor, kwargs: 
     return int(end[0]), tuple(int(p) for p in first.tolist())
 
 
+def _extents(session, attention_mask, key, q_len, kwargs) -> tuple[int, tuple[int, ...]]:
+    """:func:`row_extents`, computed once per forward: every layer sees the same mask and position ids (held in
+    ``session.extents``, so no other object takes their ids); without a mask n comes from the position ids, which a
+    fixed-size cache needs to tell steps apart."""
+    position_ids, extents = kwargs.get("position_ids"), session.extents
+    shape = (key.shape[2], q_len)
+    if extents is not None and extents[0] == shape and extents[1] is attention_mask and extents[2] is position_ids:
+        return extents[3]
+    found = row_extents(attention_mask, key, kwargs)
+    session.extents = (shape, attention_mask, position_ids, found)
+    return found
+
+
 def _batch_forward(session, state, module, query, key, value, attention_mask, dropout, scaling, kwargs):
     """A forward of a batch: each sequence is handled as it would be alone, in its own coordinates.
 
@@ -605,15 +620,7 @@ def _batch_forward(session, state, module, query, key, value, attention_mask, dr
     slice of the cache, so padding is never selected nor attended.
     """
     batch, _, q_len, _ = query.shape
-    # once per forward: every layer sees the same mask and position ids (held here, so no other object takes their
-    # ids); without a mask n comes from the position ids, which a fixed-size cache needs to tell steps apart
-    position_ids, extents = kwargs.get("position_ids"), session.extents
-    shape = (key.shape[2], q_len)
-    if extents is not None and extents[0] == shape and extents[1] is attention_mask and extents[2] is position_ids:
-        n, pads = extents[3]
-    else:
-        n, pads = row_extents(attention_mask, key, kwargs)
-        session.extents = (shape, attention_mask, position_ids, (n, pads))
+    n, pads = _extents(session, attention_mask, key, q_len, kwargs)
     start = n - q_len
     keep = state.begin(start, q_len)
     rows = state.batch_rows(pads)
@@ -982,7 +989,7 @@ def sparse_decoding(model: torch.nn.Module, config: SparseConfig | None = None, 
         with sparse_decoding(model, cfg) as session:
             out = model.generate(input_ids, max_new_tokens=64, do_sample=False)
     """
-    check_model(model, "sparse_decoding")
+    check_model(model, "sparse_decoding", generates=False)  # a session only hooks the attention layers
     if config is None:
         config = config_from_overrides(overrides)
     elif overrides:
@@ -1006,6 +1013,25 @@ def sparse_decoding(model: torch.nn.Module, config: SparseConfig | None = None, 
         for hook in hooks:
             hook.remove()
         _switch_off(model)
+
+
+@contextlib.contextmanager
+def dense_attention(model: torch.nn.Module) -> Iterator[None]:
+    """Dense attention for ``model`` inside the block, even within a :func:`sparse_decoding` session on it.
+
+    The library's dense passes (dense references, ``generate(mode="dense")``) run under it, so a session the caller
+    has open does not make them sparse. Sessions on other models, and sessions opened inside the block, are
+    unaffected."""
+    active = _ACTIVE.get()
+    if not active:
+        yield
+        return
+    own = {id(module) for module in model.modules()}
+    token = _ACTIVE.set({key: entry for key, entry in active.items() if key not in own} or None)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
 
 
 PREFILL_CHUNK = 1024

@@ -43,9 +43,14 @@ def left_pad(prompts: Sequence[torch.Tensor], pad_id: int = 0) -> tuple[torch.Te
 
 def check_left_padded(mask: torch.Tensor) -> None:
     """Every row of ``mask`` ``(B, P)`` is zeros then ones, at least one."""
+    if not isinstance(mask, torch.Tensor):
+        raise SparseDecodeError(f"attention_mask must be a torch tensor of 0 and 1, got {type(mask).__name__}")
+    if mask.dim() != 2 or bool(((mask != 0) & (mask != 1)).any()):  # before any cast: 0.5 is neither
+        raise SparseDecodeError(
+            f"attention_mask must be a (batch, length) tensor of 0 and 1, got shape {tuple(mask.shape)}"
+            + ("" if mask.dim() != 2 else " with other values")
+        )
     m = mask.to(torch.long)
-    if m.dim() != 2 or bool(((m != 0) & (m != 1)).any()):
-        raise SparseDecodeError(f"attention_mask must be a (batch, length) tensor of 0 and 1, got {tuple(mask.shape)}")
     if bool((m.sum(dim=1) == 0).any()) or bool((m[:, 1:] < m[:, :-1]).any()):
         raise SparseDecodeError("batched decoding needs left padding: each mask row must be zeros, then ones")
 

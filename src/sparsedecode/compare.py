@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from . import batch as batching
-from .attention import SparseSession, prefill_history, sparse_decoding
+from .attention import SparseSession, dense_attention, prefill_history, sparse_decoding
 from .cache import checkpoint, rewind
 from .config import SparseConfig
 from .diagnostics import (
@@ -238,8 +238,12 @@ def greedy_decode(
     progress: Progress | None = None,
     stage: str = "decode",
     on_logits: LogitsHook | None = None,
+    stop: int | None = None,
 ) -> tuple[list[int], list[float]]:
-    """Greedy (or teacher-forced) decoding from ``first``; returns per-step argmax and NLL of the target."""
+    """Greedy (or teacher-forced) decoding from ``first``; returns per-step argmax and NLL of the target.
+
+    ``stop``: a token id (end of sequence) after which greedy decoding ends early; the returned tokens end with it.
+    """
     token, argmaxes, nll = first, [], []
     device = next(model.parameters()).device
     for step in range(1, steps + 1):
@@ -254,6 +258,8 @@ def greedy_decode(
         token = target
         if progress:
             progress(stage, step, steps)
+        if teacher is None and best == stop:
+            break
     return argmaxes, nll
 
 
@@ -270,11 +276,6 @@ def dense_reference(
     check_prompt_ids(model, prompt_ids, "dense_reference")
     _check_tokens(tokens)
     check_positions(model, int(prompt_ids.shape[1]), tokens, "dense_reference")
-    started = time.perf_counter()
-    cache, logits = prefill(model, prompt_ids, progress=progress)
-    prefill_s = time.perf_counter() - started
-    first = int(logits.argmax())
-    first_nll = float(torch.logsumexp(logits, dim=-1) - logits[first])
     steps: list[torch.Tensor] = []
 
     def keep(step: int, step_logits: torch.Tensor) -> None:
@@ -282,11 +283,17 @@ def dense_reference(
         if on_logits:
             on_logits(step, step_logits)
 
-    started = time.perf_counter()
-    argmaxes, nll = greedy_decode(
-        model, cache, first, tokens - 1, progress=progress, stage="dense decode", on_logits=keep
-    )
-    decode_s = time.perf_counter() - started
+    with dense_attention(model):  # dense even inside a session the caller has open on this model
+        started = time.perf_counter()
+        cache, logits = prefill(model, prompt_ids, progress=progress)
+        prefill_s = time.perf_counter() - started
+        first = int(logits.argmax())
+        first_nll = float(torch.logsumexp(logits, dim=-1) - logits[first])
+        started = time.perf_counter()
+        argmaxes, nll = greedy_decode(
+            model, cache, first, tokens - 1, progress=progress, stage="dense decode", on_logits=keep
+        )
+        decode_s = time.perf_counter() - started
     crop_cache(cache, prompt_ids.shape[1])
     return DenseReference(
         prompt_ids, [first, *argmaxes], [first_nll, *nll], cache, prefill_s, decode_s, torch.stack(steps)
@@ -352,39 +359,43 @@ def compare(
     audit = MassAudit() if cfg.audit else None
     history = _h2o_history(model, reference) if cfg.selector == "h2o" else None  # H2O keeps the prefill's
 
-    started = time.perf_counter()
-    with sparse_decoding(model, cfg) as session:
-        if history is not None:
-            session.adopt_history(cache, history)
-        session.track_reads = True
-        if audit is not None:
-            session.observers.append(audit)
-        if session_hook:
-            session_hook("free", session)
-        free, _ = greedy_decode(model, cache, dense_tokens[0], tokens - 1, progress=progress, stage="sparse decode")
-    sparse_decode_s = time.perf_counter() - started
-    unique = session.unique_distant_positions()
+    # the reference's cache holds the prompt only; whatever happens below (an interrupt, an error), it is left so
     crop_cache(cache, context)
+    try:
+        started = time.perf_counter()
+        with sparse_decoding(model, cfg) as session:
+            if history is not None:
+                session.adopt_history(cache, history)
+            session.track_reads = True
+            if audit is not None:
+                session.observers.append(audit)
+            if session_hook:
+                session_hook("free", session)
+            free, _ = greedy_decode(model, cache, dense_tokens[0], tokens - 1, progress=progress, stage="sparse decode")
+        sparse_decode_s = time.perf_counter() - started
+        unique = session.unique_distant_positions()
+        crop_cache(cache, context)
 
-    teacher_logits: list[torch.Tensor] = []
-    started = time.perf_counter()
-    with sparse_decoding(model, cfg) as teacher_session:
-        if history is not None:
-            teacher_session.adopt_history(cache, history)
-        if session_hook:
-            session_hook("teacher", teacher_session)
-        forced, sparse_nll = greedy_decode(
-            model,
-            cache,
-            dense_tokens[0],
-            tokens - 1,
-            teacher=dense_tokens,
-            progress=progress,
-            stage="teacher-forced",
-            on_logits=lambda step, logits: teacher_logits.append(logits),
-        )
-    teacher_forced_s = time.perf_counter() - started
-    crop_cache(cache, context)
+        teacher_logits: list[torch.Tensor] = []
+        started = time.perf_counter()
+        with sparse_decoding(model, cfg) as teacher_session:
+            if history is not None:
+                teacher_session.adopt_history(cache, history)
+            if session_hook:
+                session_hook("teacher", teacher_session)
+            forced, sparse_nll = greedy_decode(
+                model,
+                cache,
+                dense_tokens[0],
+                tokens - 1,
+                teacher=dense_tokens,
+                progress=progress,
+                stage="teacher-forced",
+                on_logits=lambda step, logits: teacher_logits.append(logits),
+            )
+        teacher_forced_s = time.perf_counter() - started
+    finally:
+        crop_cache(cache, context)
 
     return _assemble(
         reference,
@@ -527,24 +538,25 @@ def dense_references(
         check_positions(model, int(p.shape[1]), tokens, "dense_references")
     ids, mask = batching.left_pad(prompts)
     cache = DynamicCache(config=model.config)
-    started = time.perf_counter()
-    logits = batching.prefill(model, ids, mask, cache, progress=progress)
-    prefill_s = time.perf_counter() - started
-    first = logits.argmax(dim=-1).tolist()
-    first_nll = (torch.logsumexp(logits, dim=-1) - logits.gather(1, torch.tensor(first)[:, None])[:, 0]).tolist()
     steps: list[torch.Tensor] = []
-    started = time.perf_counter()
-    argmaxes, nll = batching.greedy_decode(
-        model,
-        cache,
-        mask,
-        first,
-        tokens - 1,
-        progress=progress,
-        stage="dense decode",
-        on_logits=lambda step, step_logits: steps.append(step_logits),
-    )
-    decode_s = time.perf_counter() - started
+    with dense_attention(model):  # as in dense_reference
+        started = time.perf_counter()
+        logits = batching.prefill(model, ids, mask, cache, progress=progress)
+        prefill_s = time.perf_counter() - started
+        first = logits.argmax(dim=-1).tolist()
+        first_nll = (torch.logsumexp(logits, dim=-1) - logits.gather(1, torch.tensor(first)[:, None])[:, 0]).tolist()
+        started = time.perf_counter()
+        argmaxes, nll = batching.greedy_decode(
+            model,
+            cache,
+            mask,
+            first,
+            tokens - 1,
+            progress=progress,
+            stage="dense decode",
+            on_logits=lambda step, step_logits: steps.append(step_logits),
+        )
+        decode_s = time.perf_counter() - started
     crop_cache(cache, ids.shape[1])
     stacked = torch.stack(steps, dim=1) if steps else torch.zeros(len(prompts), 0, 0)
     references = [
@@ -605,38 +617,41 @@ def compare_batch(
     histories = [_h2o_history(model, r) for r in refs] if cfg.selector == "h2o" else None
     audits = [MassAudit(sequence=i) for i in range(len(refs))] if cfg.audit else None
 
-    started = time.perf_counter()
-    with sparse_decoding(model, cfg) as session:
-        if histories is not None:
-            session.adopt_batch_history(cache, histories, pads)
-        session.track_reads = True
-        session.observers.extend(audits or ())
-        free, _ = batching.greedy_decode(
-            model, cache, mask, [d[0] for d in dense], tokens - 1, progress=progress, stage="sparse decode"
-        )
-    sparse_decode_s = time.perf_counter() - started
-    unique = [session.unique_distant_positions(i) for i in range(len(refs))]
-    centroid_bytes = [session.centroid_bytes(i) for i in range(len(refs))]
-    crop_cache(cache, length)
+    crop_cache(cache, length)  # as in compare: the shared cache holds the prompts only, before and after
+    try:
+        started = time.perf_counter()
+        with sparse_decoding(model, cfg) as session:
+            if histories is not None:
+                session.adopt_batch_history(cache, histories, pads)
+            session.track_reads = True
+            session.observers.extend(audits or ())
+            free, _ = batching.greedy_decode(
+                model, cache, mask, [d[0] for d in dense], tokens - 1, progress=progress, stage="sparse decode"
+            )
+        sparse_decode_s = time.perf_counter() - started
+        unique = [session.unique_distant_positions(i) for i in range(len(refs))]
+        centroid_bytes = [session.centroid_bytes(i) for i in range(len(refs))]
+        crop_cache(cache, length)
 
-    teacher_logits: list[torch.Tensor] = []
-    started = time.perf_counter()
-    with sparse_decoding(model, cfg) as teacher_session:
-        if histories is not None:
-            teacher_session.adopt_batch_history(cache, histories, pads)
-        forced, sparse_nll = batching.greedy_decode(
-            model,
-            cache,
-            mask,
-            [d[0] for d in dense],
-            tokens - 1,
-            teachers=dense,
-            progress=progress,
-            stage="teacher-forced",
-            on_logits=lambda step, logits: teacher_logits.append(logits),
-        )
-    teacher_forced_s = time.perf_counter() - started
-    crop_cache(cache, length)
+        teacher_logits: list[torch.Tensor] = []
+        started = time.perf_counter()
+        with sparse_decoding(model, cfg) as teacher_session:
+            if histories is not None:
+                teacher_session.adopt_batch_history(cache, histories, pads)
+            forced, sparse_nll = batching.greedy_decode(
+                model,
+                cache,
+                mask,
+                [d[0] for d in dense],
+                tokens - 1,
+                teachers=dense,
+                progress=progress,
+                stage="teacher-forced",
+                on_logits=lambda step, logits: teacher_logits.append(logits),
+            )
+        teacher_forced_s = time.perf_counter() - started
+    finally:
+        crop_cache(cache, length)
     stacked = torch.stack(teacher_logits, dim=1)
     return [
         _assemble(

@@ -17,7 +17,8 @@ KERNELS = ("auto", "torch", "c", "triton")
 and head dims), ``c`` (the CPU kernel of :mod:`sparsedecode.kernels.cpu`: selection and attention in one call each,
 float32), ``triton`` (:mod:`sparsedecode.kernels.triton_attention`; CUDA, or Triton's interpreter on CPU), ``auto``
 (Triton on CUDA, the C kernel on the CPU, each only where every assumption of its code holds, torch otherwise).
-``c`` and ``triton`` raise where they cannot serve; :mod:`sparsedecode.kernels.dispatch` decides."""
+``c`` and ``triton`` raise where they cannot serve (token-level selectors: at once, in :class:`SparseConfig`);
+:mod:`sparsedecode.kernels.dispatch` decides."""
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,10 @@ class SparseConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise SparseDecodeError(f"{name} must be an integer, got {value!r}")
-        if self.window < 0:
-            raise SparseDecodeError(f"window must be >= 0, got {self.window}")
+        if self.window < 1:
+            raise SparseDecodeError(
+                f"window must be >= 1, got {self.window}: the window holds the current token, which every step reads"
+            )
         if self.block_size < 1:
             raise SparseDecodeError(f"block_size must be >= 1, got {self.block_size}")
         if self.reuse < 1:
@@ -63,8 +66,17 @@ class SparseConfig:
             )
         if self.selector not in SELECTORS:
             raise SparseDecodeError(f"unknown selector {self.selector!r}; choose one of: {', '.join(SELECTORS)}")
+        if not isinstance(self.audit, bool):
+            raise SparseDecodeError(f"audit must be True or False, got {self.audit!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63:
+            raise SparseDecodeError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if self.kernel not in KERNELS:
             raise SparseDecodeError(f"unknown kernel {self.kernel!r}; choose one of: {', '.join(KERNELS)}")
+        if self.kernel in ("c", "triton") and self.selector in TOKEN_SELECTORS:
+            raise SparseDecodeError(
+                f"kernel {self.kernel!r} serves block selectors only; {self.selector} steps run as torch operations: "
+                "use kernel='auto' or 'torch'"
+            )
 
     @property
     def token_level(self) -> bool:

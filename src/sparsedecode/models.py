@@ -324,7 +324,16 @@ def _load_pretrained(
 
     model = None
     if not tokenizer_only:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **kwargs)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation="sdpa", output_loading_info=True, **kwargs
+        )
+        missing = sorted(info.get("missing_keys") or ())
+        if missing:  # transformers initialises them at random and only warns: the outputs would mean nothing
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise SparseDecodeError(
+                f"cannot load {path} as a causal LM ({type(model).__name__}): the checkpoint lacks {missing[0]}{more}, "
+                "which would be initialised at random; is it a causal LM's checkpoint (not an encoder or base model)?"
+            )
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=kwargs.get("local_files_only", False))
     except Exception as e:  # the weights loaded: say that it is the tokenizer
@@ -374,15 +383,28 @@ def load_model(
     ``progress(stage, done, total)`` is called for the ``download``, ``extract`` and ``convert`` stages.
     The spec is stored on the model as ``model.sparsedecode_spec``.
     """
+    spec = _spec(spec, "load_model")
     model, tokenizer = _load(spec, resolve_dtype(dtype), progress, tokenizer_only=False)
     model.sparsedecode_spec = spec
     return model, tokenizer
 
 
+def _spec(spec: object, where: str) -> str:
+    """A model spec as a string: a ``str``, or a path (``pathlib.Path``, any ``os.PathLike``) as its text."""
+    if isinstance(spec, os.PathLike):
+        spec = os.fspath(spec)
+    if not isinstance(spec, str):
+        raise SparseDecodeError(
+            f"{where}: the model must be named by a string or a path (an alias, a local directory or .gguf file, a "
+            f"hub id), got {type(spec).__name__}"
+        )
+    return spec
+
+
 def load_tokenizer(spec: str = DEFAULT_MODEL, *, progress: Progress | None = None) -> Any:
     """The tokenizer :func:`load_model` would return for ``spec``, without reading the model's weights (an alias or
     a local GGUF that is not converted yet is converted first, which reads them once)."""
-    return _load(spec, torch.float32, progress, tokenizer_only=True)[1]
+    return _load(_spec(spec, "load_tokenizer"), torch.float32, progress, tokenizer_only=True)[1]
 
 
 def _load(spec: str, torch_dtype: torch.dtype, progress: Progress | None, *, tokenizer_only: bool) -> tuple[Any, Any]:

@@ -221,7 +221,7 @@ def select_blocks(
         masses = block_masses(group_attention(queries, keys[:, : layout.n], scale), layout)
         return top_blocks(masses, cfg.blocks)
     if cfg.selector == "random-blocks":
-        seed = cfg.seed * 1_000_003 + salt * 65_537 + layout.n
+        seed = (cfg.seed * 1_000_003 + salt * 65_537 + layout.n) % 2**63  # what manual_seed takes
         return random_blocks(kv_heads, layout.n_blocks, cfg.blocks, seed).to(keys.device)
     raise SparseDecodeError(f"{cfg.selector!r} is not a block selector")
 
@@ -303,6 +303,13 @@ def select_support(
             f"and {tuple(keys.shape)}"
         )
     kv_heads, n, d = keys.shape
+    if history is not None:
+        check_finite(history, "history")
+        if tuple(history.shape) != (kv_heads, n):
+            raise SparseDecodeError(
+                f"history must be (kv_heads, N) = {(kv_heads, n)}, the attention each cached position received; "
+                f"got {tuple(history.shape)}"
+            )
     if n <= cfg.effective_support:
         return [torch.arange(n, device=keys.device) for _ in range(kv_heads)]
     layout = BlockLayout(n=n, window=window, block_size=block_size)

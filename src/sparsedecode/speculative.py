@@ -15,14 +15,13 @@ the two differ with the dense top-1/top-2 margin there.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from . import batch as batching
-from .attention import prefill_history, sparse_decoding
+from .attention import dense_attention, prefill_history, sparse_decoding
 from .cache import GrowingCache, crop_rewinds, restore, snapshot
 from .compare import Progress, crop_cache, greedy_decode, prefill
 from .config import SparseConfig
@@ -34,6 +33,7 @@ from .validate import (
     check_positions,
     check_prompt_ids,
     check_sparse_attention,
+    check_token_id,
 )
 
 MODES = ("dense", "sparse", "lossless")
@@ -107,7 +107,8 @@ def generate(
     ``mode="lossless"`` drafts ``draft_tokens`` tokens with sparse attention (``cfg``) and verifies them with one
     dense forward; ``adaptive=True`` doubles ``k`` after a fully accepted draft (up to ``max_draft_tokens``) and
     halves it when fewer than half were accepted. ``"dense"`` and ``"sparse"`` decode one token per step. All
-    modes use an in-place :class:`~sparsedecode.cache.GrowingCache`.
+    modes use an in-place :class:`~sparsedecode.cache.GrowingCache`. With ``eos_token_id``, generation ends once
+    that token is output (the tokens end with it), in every mode.
     """
     if mode not in MODES:
         raise SparseDecodeError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
@@ -136,6 +137,14 @@ def generate(
         check_config(cfg, "generate")
     check_count(draft_tokens, "draft_tokens", 1)
     check_count(max_draft_tokens, "max_draft_tokens", 1)
+    if not isinstance(adaptive, bool):
+        raise SparseDecodeError(f"generate: adaptive must be True or False, got {adaptive!r}")
+    if adaptive and max_draft_tokens < draft_tokens:
+        raise SparseDecodeError(
+            f"generate: max_draft_tokens ({max_draft_tokens}) is below draft_tokens ({draft_tokens}); the adaptive "
+            "draft length grows from draft_tokens up to max_draft_tokens"
+        )
+    check_token_id(model, eos_token_id, "eos_token_id", "generate")
     check_positions(model, int(input_ids.shape[1]), max_new_tokens, "generate")
     started = time.perf_counter()
     cache, logits = prefill(model, input_ids, progress=progress, cache=GrowingCache(config=model.config))
@@ -143,15 +152,23 @@ def generate(
     prefill_s = time.perf_counter() - started
     first = int(logits.argmax())
     started = time.perf_counter()
+    steps = 0 if first == eos_token_id else max_new_tokens - 1
     if mode == "dense":
-        rest, _ = greedy_decode(model, cache, first, max_new_tokens - 1, progress=progress, stage="dense decode")
+        with dense_attention(model):  # dense even inside a session the caller has open on this model
+            rest, _ = greedy_decode(
+                model, cache, first, steps, progress=progress, stage="dense decode", stop=eos_token_id
+            )
         return Generation(mode, [first, *rest], prefill_s, time.perf_counter() - started)
     if mode == "sparse":
         with sparse_decoding(model, cfg) as session:
             if history is not None:
                 session.adopt_history(cache, history)
-            rest, _ = greedy_decode(model, cache, first, max_new_tokens - 1, progress=progress, stage="sparse decode")
+            rest, _ = greedy_decode(
+                model, cache, first, steps, progress=progress, stage="sparse decode", stop=eos_token_id
+            )
         return Generation(mode, [first, *rest], prefill_s, time.perf_counter() - started)
+    if not steps:
+        return Generation(mode, [first], prefill_s, 0.0)
 
     result = lossless_decode(
         model,
@@ -165,6 +182,7 @@ def generate(
         max_draft_tokens=max_draft_tokens,
         progress=progress,
         history=history,
+        eos_token_id=eos_token_id,
     )
     result.prefill_s = prefill_s
     return result
@@ -184,11 +202,13 @@ def lossless_decode(
     max_draft_tokens: int = 16,
     progress: Progress | None = None,
     history: dict[int, torch.Tensor] | None = None,
+    eos_token_id: int | None = None,
 ) -> Generation:
     """The lossless loop from a prefilled ``cache`` holding ``length`` positions and the first token ``first``.
 
-    The cache is left holding the prompt and every generated token except the last. ``history``: H2O's history of
-    the prefill (:func:`~sparsedecode.attention.prefill_history`), which an ``h2o`` draft needs.
+    The cache is left holding the prompt and every generated token except the last (with ``eos_token_id``, which
+    ends generation once it is output, it may hold verified tokens past it). ``history``: H2O's history of the
+    prefill (:func:`~sparsedecode.attention.prefill_history`), which an ``h2o`` draft needs.
     """
     result = Generation("lossless", [first], 0.0, 0.0)
     k = draft_tokens
@@ -214,7 +234,10 @@ def lossless_decode(
             accepted = 0
             while accepted < k_now and dense[accepted] == drafts[accepted]:
                 accepted += 1
-            result.tokens.extend([*drafts[:accepted], dense[accepted]][: max_new_tokens - len(result.tokens)])
+            new = [*drafts[:accepted], dense[accepted]][: max_new_tokens - len(result.tokens)]
+            if eos_token_id in new:  # dense greedy decoding would stop there: so does its lossless twin
+                new = new[: new.index(eos_token_id) + 1]
+            result.tokens.extend(new)
             if rewinds or accepted == k_now:
                 crop_cache(cache, length + accepted + 1)
             else:  # sliding-window or recurrent layers cannot drop the rejected drafts: back to the round's start,
@@ -230,6 +253,8 @@ def lossless_decode(
                 k = min(2 * k, max_draft_tokens) if accepted == k_now else max(1, k // 2) if 2 * accepted < k_now else k
             if progress:
                 progress("lossless decode", len(result.tokens), max_new_tokens)
+            if result.tokens[-1] == eos_token_id:
+                break
     result.decode_s = result.draft_s + result.verify_s
     return result
 
@@ -332,6 +357,8 @@ def generate_batch(
         for i in range(prompts.shape[0]):
             check_prompt_ids(model, prompts[i : i + 1], "generate")
         ids = prompts
+        if attention_mask is not None:
+            batching.check_left_padded(attention_mask)
         mask = torch.ones_like(prompts) if attention_mask is None else attention_mask.to(prompts.device)
         if mask.shape != ids.shape:
             raise SparseDecodeError(
@@ -350,6 +377,7 @@ def generate_batch(
         check_sparse_attention(model, "generate")
     if cfg is not None:
         check_config(cfg, "generate")
+    check_token_id(model, eos_token_id, "eos_token_id", "generate")
     check_positions(model, int(ids.shape[1]), max_new_tokens, "generate")
     lengths = mask.sum(dim=1).tolist()
     started = time.perf_counter()
@@ -361,7 +389,7 @@ def generate_batch(
     prefill_s = time.perf_counter() - started
     first = logits.argmax(dim=-1).tolist()
     started = time.perf_counter()
-    context = contextlib.nullcontext() if mode == "dense" else sparse_decoding(model, cfg)
+    context = dense_attention(model) if mode == "dense" else sparse_decoding(model, cfg)
     with context as session:
         if histories is not None:
             session.adopt_batch_history(cache, histories, [ids.shape[1] - n for n in lengths])

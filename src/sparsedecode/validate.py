@@ -19,11 +19,19 @@ def _name(value: object) -> str:
     return "None" if value is None else type(value).__name__
 
 
-def check_model(model: object, where: str) -> None:
-    """``model`` is a torch module with a transformers ``config`` (what ``load_model`` returns)."""
+def check_model(model: object, where: str, *, generates: bool = True) -> None:
+    """``model`` is a torch module with a transformers ``config`` (what ``load_model`` returns); with ``generates``
+    (every entry point that decodes tokens), one with a language-model head: transformers' ``can_generate()``, which
+    a base model (``LlamaModel``), a classifier or a masked LM answers False."""
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
         raise SparseDecodeError(
             f"{where}: model must be a transformers causal LM (a torch.nn.Module with a config), got {_name(model)}"
+        )
+    can_generate = getattr(model, "can_generate", None)
+    if generates and callable(can_generate) and not can_generate():
+        raise SparseDecodeError(
+            f"{where}: {type(model).__name__} cannot generate text (no causal language-model head); load the model "
+            "as a causal LM (sparsedecode.load_model, or AutoModelForCausalLM)"
         )
 
 
@@ -97,8 +105,8 @@ def check_prompt_ids(model: torch.nn.Module, ids: object, where: str) -> None:
     """``ids`` is an integer tensor of shape ``(1, P)``, ``P >= 1``, of token ids the model knows, on its device."""
     if not isinstance(ids, torch.Tensor):
         raise SparseDecodeError(f"{where}: prompt ids must be a torch tensor of shape (1, length), got {_name(ids)}")
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        raise SparseDecodeError(f"{where}: prompt ids must be an integer tensor, got {ids.dtype}")
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise SparseDecodeError(f"{where}: prompt ids must be a tensor of int64 (torch.long) or int32, got {ids.dtype}")
     if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < 1:
         raise SparseDecodeError(f"{where}: expected prompt ids of shape (1, length >= 1), got {tuple(ids.shape)}")
     vocab = _vocab_size(model)
@@ -117,10 +125,23 @@ def check_prompt_ids(model: torch.nn.Module, ids: object, where: str) -> None:
         )
 
 
+def check_token_id(model: torch.nn.Module, value: object, name: str, where: str) -> None:
+    """``value`` is ``None`` or a token id of the model's vocabulary (an ``int``, not a bool)."""
+    if value is None:
+        return
+    vocab = _vocab_size(model)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or (vocab is not None and value >= vocab):
+        raise SparseDecodeError(
+            f"{where}: {name} must be None or one token id in [0, {vocab if vocab is not None else 'vocab'}), "
+            f"got {value!r}"
+        )
+
+
 def check_finite(tensor: object, name: str) -> None:
     """``tensor`` is a floating-point tensor without NaN or infinite entries (reads all of it)."""
     if not isinstance(tensor, torch.Tensor) or not tensor.dtype.is_floating_point:
-        raise SparseDecodeError(f"{name} must be a floating-point torch tensor, got {_name(tensor)}")
+        got = f"a tensor of {tensor.dtype}" if isinstance(tensor, torch.Tensor) else _name(tensor)
+        raise SparseDecodeError(f"{name} must be a floating-point torch tensor, got {got}")
     if not bool(torch.isfinite(tensor).all()):
         raise SparseDecodeError(f"{name} hold NaN or infinite values; selection needs finite {name}")
 
