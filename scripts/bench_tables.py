@@ -149,7 +149,17 @@ def load(path: str) -> dict:
         return json.load(handle)
 
 
+MODES = {"--cold-warm": 3, "--targets": 2}
+"""The two table modes and how many arguments each takes (the mode included)."""
+
+
 def main(paths: list[str]) -> int:
+    if not paths or paths[0] in ("-h", "--help") or (paths[0].startswith("-") and paths[0] not in MODES):
+        print(__doc__.strip(), file=sys.stdout if paths[:1] in (["-h"], ["--help"]) else sys.stderr)
+        return 0 if paths[:1] in (["-h"], ["--help"]) else 2
+    if paths[0] in MODES and len(paths) != MODES[paths[0]]:
+        print(f"{paths[0]} takes {MODES[paths[0]] - 1} file(s); see --help", file=sys.stderr)
+        return 2
     if paths[:1] == ["--cold-warm"] and len(paths) == 3:
         print(cold_warm_table(load(paths[1]), load(paths[2])))
         return 0
@@ -157,8 +167,12 @@ def main(paths: list[str]) -> int:
         print(targets_table(load(paths[1])))
         return 0
     for path in paths:
-        with open(path) as handle:
-            data = json.load(handle)
+        try:
+            with open(path) as handle:
+                data = json.load(handle)
+        except (OSError, ValueError) as error:
+            print(f"{path}: {error}", file=sys.stderr)
+            return 2
         rows = data["rows"]
         print(f"<!-- {path} -->")
         print(op_table(data) if rows and "dense_ms" in rows[0] else e2e_table(data))

@@ -39,5 +39,12 @@ def retime(folder: Path) -> None:
 
 
 if __name__ == "__main__":
-    for path in sys.argv[1:]:
+    folders = sys.argv[1:]
+    if not folders or folders[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        raise SystemExit(0 if folders else 2)
+    missing = [f for f in folders if not (Path(f) / "selectors.json").is_file()]
+    if missing:
+        raise SystemExit(f"not a compare-selectors folder (no selectors.json): {', '.join(missing)}")
+    for path in folders:
         retime(Path(path))

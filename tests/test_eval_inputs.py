@@ -66,7 +66,7 @@ def test_eval_into_a_sweep_folder_is_refused_before_the_model_and_leaves_it_unch
     (sweep / RUNS_FILE).write_text(json.dumps({"context": 150, "prompt_index": 0, "support": 97}) + "\n")
     before = contents(sweep)
     err = one_line_exit_2(eval_args(tiny_model_dir, sweep), capsys)
-    assert "holds sweep.json and runs.jsonl but no eval.json: it is not an evaluation folder" in err
+    assert "holds a sweep (sweep.json); write an evaluation into a folder of its own" in err
     assert contents(sweep) == before
     (sweep / "sweep.json").unlink()  # runs of unknown origin, without any description
     err = one_line_exit_2(eval_args(tiny_model_dir, sweep), capsys)
@@ -79,7 +79,7 @@ def test_merging_evaluations_into_a_sweep_folder_is_refused(finished, tmp_path, 
     with pytest.raises(SparseDecodeError, match="not an evaluation folder"):
         merge_evals([finished], sweep)
     err = one_line_exit_2(["merge", str(finished), "--out", str(sweep)], capsys)
-    assert "not an evaluation folder" in err and contents(sweep) == before
+    assert "holds a sweep (sweep.json); write an evaluation into" in err and contents(sweep) == before
 
 
 # ---- 2. a run (row of runs.jsonl) that lacks fields or holds the wrong kind of value ----

@@ -224,10 +224,24 @@ def test_the_thin_command_line_entry(model_dir, tasks_dir, tmp_path):
 
     out = tmp_path / "results"
     args = ["--model", "sparsedecode", "--model_args", f"pretrained={model_dir},support=100000", "--tasks", "tiny_gen"]
-    code = run_lm_eval([*args, "--include_path", str(tasks_dir), "--device", "cpu", "--output_path", str(out)])
+    # no --device: lm-eval then asks for cuda:0, which a machine without CUDA answers with the CPU, as lm-eval's own
+    # HF model does (this used to end in a traceback: "Torch not compiled with CUDA enabled")
+    code = run_lm_eval([*args, "--include_path", str(tasks_dir), "--output_path", str(out)])
     assert code == 0
     written = list(out.rglob("results_*.json"))
     assert len(written) == 1 and "tiny_gen" in json.loads(written[0].read_text())["results"]
+
+
+def test_the_device_falls_back_as_lm_evals_own_model_does(capsys):
+    import torch
+
+    from sparsedecode.lm_eval_model import _device
+
+    assert _device("cpu") == torch.device("cpu") and capsys.readouterr().err == ""
+    fallback = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    assert _device(None) == fallback and capsys.readouterr().err == ""
+    assert _device("cuda:99") == fallback
+    assert "device 'cuda:99' is not available here" in capsys.readouterr().err
 
 
 @pytest.mark.realmodel

@@ -36,6 +36,8 @@ This module imports lm-eval; the library never imports this module.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from .attention import sparse_decoding
@@ -52,6 +54,21 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 
 MODEL_NAME = "sparsedecode"
 SPARSE_ARGS = ("support", "selector", "window", "block_size", "reuse", "kernel", "seed")
+
+
+def _device(requested: str | None) -> torch.device:
+    """The device to run on, as lm-eval's own HF model chooses it: the one asked for where this machine has it, else
+    CUDA when available, else the CPU (lm-eval asks for ``cuda:0`` unless told otherwise, on every machine)."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    available = {"cpu", *(["cuda"] if gpus else []), *(f"cuda:{i}" for i in range(gpus))}
+    if torch.backends.mps.is_available():
+        available |= {"mps", "mps:0"}
+    if requested in available:
+        return torch.device(requested)
+    chosen = "cuda" if gpus else "cpu"
+    if requested is not None:
+        print(f"sparsedecode: device {requested!r} is not available here; running on {chosen}", file=sys.stderr)
+    return torch.device(chosen)
 
 
 def register() -> None:
@@ -100,8 +117,7 @@ class SparseDecodeLM(HFLM):
         )
         self.sparse_tail = sparse_tail
         model, tokenizer = load_model(str(pretrained), dtype=dtype)
-        target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        model = model.to(target)
+        model = model.to(_device(device))
         super().__init__(pretrained=model, tokenizer=tokenizer, batch_size=1, **kwargs)
         self.pretrained = str(pretrained)
         self._reuse: tuple | None = None

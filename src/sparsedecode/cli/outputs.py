@@ -53,18 +53,43 @@ def check_output_file(
     check_writable_folder(write_target(path).parent, f"{option} {path}")  # a link is written through
 
 
+RESULTS = {
+    "sweep.json": "a sweep",
+    "eval.json": "an evaluation",
+    "selectors.json": "a selector comparison",
+    "retrieval.json": "retrieval results",
+    "mass.json": "an attention-mass probe",
+}
+"""The file that marks each kind of results folder, and what it holds (a sweep's and an evaluation's rows are both
+``runs.jsonl``; their settings file tells them apart)."""
+
+
 def check_output_folder(
-    path: Path, option: str = "--out", *, inputs: dict[str, str] | None = None, files: tuple[str, ...] = ()
+    path: Path,
+    option: str = "--out",
+    *,
+    inputs: dict[str, str] | None = None,
+    files: tuple[str, ...] = (),
+    mixes_with: tuple[str, ...] | None = None,
 ) -> None:
     """Refuse an output folder (``--out``) that names an existing file, cannot be made or written to, is one of
     the command's ``inputs`` (or inside an input folder), or holds something other than a regular file under one
-    of the ``files`` names the command writes there."""
+    of the ``files`` names the command writes there. With ``mixes_with`` (names of :data:`RESULTS` marker files),
+    also one that holds another kind of results than the command's own (its first ``files`` name) and those: a
+    report would show only one of them."""
     what = f"{option} {path}"
     if path.is_symlink() and not _exists(path, what):
         raise SparseDecodeError(f"{what} is a symbolic link to nothing (dangling, or a loop); give a folder")
     if _exists(path, what) and not path.is_dir():
         raise SparseDecodeError(f"{what} is an existing file, not a folder; give a folder")
     _check_not_input(path, what, inputs)
+    if mixes_with is not None and path.is_dir():
+        allowed = {files[0], *mixes_with}
+        for marker, kind in RESULTS.items():
+            if marker not in allowed and (path / marker).exists():
+                raise SparseDecodeError(
+                    f"{what} holds {kind} ({marker}); write {RESULTS[files[0]]} into a folder of its own"
+                )
     for name in files:
         target = path / name
         kind = _not_a_file(target, what)

@@ -51,12 +51,24 @@ def add_parsers(sub) -> None:
     sweep.add_argument("--out", type=path_arg, required=True, help="sweep folder (sweep.json, runs.jsonl); resumable")
     add_backend_args(sweep, unit="(context, prompt) group")
 
-    merge = sub.add_parser("merge", help="combine shard folders of one sweep into one folder")
-    merge.add_argument("sources", type=path_arg, nargs="+", help="sweep folders with the same settings")
-    merge.add_argument("--out", type=path_arg, required=True, help="folder for the merged sweep.json and runs.jsonl")
+    merge = sub.add_parser("merge", help="combine shard folders of one sweep (or one evaluation) into one folder")
+    merge.add_argument("sources", type=path_arg, nargs="+", help="sweep (or evaluation) folders with the same settings")
+    merge.add_argument(
+        "--out",
+        type=path_arg,
+        required=True,
+        help="folder for the merged settings file (sweep.json or eval.json) and runs.jsonl",
+    )
 
-    report = sub.add_parser("report", help="report.md with tables, CSVs and plots for a sweep and/or retrieval folder")
-    report.add_argument("directory", type=path_arg, help="a sweep folder (sweep.json) or a retrieval folder")
+    report = sub.add_parser(
+        "report", help="report.md (or selectors.md) with tables, CSVs and plots for a results folder"
+    )
+    report.add_argument(
+        "directory",
+        type=path_arg,
+        help="a sweep folder (sweep.json, and retrieval.json beside it if any), a retrieval, evaluation or selector-"
+        "comparison folder",
+    )
     report.add_argument("--retrieval", type=path_arg, help="retrieval.json (or its folder) to include")
     sweep.set_defaults(handler=cmd_sweep)
     merge.set_defaults(handler=cmd_merge)
@@ -119,7 +131,9 @@ def cmd_sweep(args) -> int:
 
     shard = Shard.parse(args.shard) if args.shard else None
     check_backend_args(args)
-    check_output_folder(args.out, inputs=inputs_of(args), files=("sweep.json", "runs.jsonl"))
+    check_output_folder(
+        args.out, inputs=inputs_of(args), files=("sweep.json", "runs.jsonl"), mixes_with=("retrieval.json",)
+    )
     meta = read_meta(args.out)  # another experiment's folder is refused here, before the model
     if meta is not None:  # refuse a changed spec before spending time on the model
         from ..experiments.sweep import check_meta
@@ -166,9 +180,11 @@ def cmd_merge(args) -> int:
     from ..experiments.sweep import merge_sweeps
     from .eval import cmd_merge_eval, is_eval_folder
 
-    check_output_folder(args.out)
-    if args.sources and is_eval_folder(args.sources[0]):
+    evaluation = bool(args.sources) and is_eval_folder(args.sources[0])
+    if evaluation:
+        check_output_folder(args.out, files=("eval.json", "runs.jsonl"), mixes_with=())
         return cmd_merge_eval(args, console=console)
+    check_output_folder(args.out, files=("sweep.json", "runs.jsonl"), mixes_with=("retrieval.json",))
     outcome = merge_sweeps(args.sources, args.out)
     console.print(
         f"merged {len(args.sources)} folder(s) into {args.out}: {outcome.rows} runs, {outcome.duplicates} duplicate(s) "
