@@ -223,11 +223,16 @@ def test_generate_stops_at_eos_for_one_prompt_in_every_mode(model):
     """eos_token_id used to be ignored for one prompt (a batch honoured it)."""
     cfg = SparseConfig(support=97)
     dense = generate(model, prompt(150), None, 24, mode="dense").tokens
-    eos = dense[9]
+    # a token first output well past a draft's length, so that lossless rounds cut accepted drafts at it
+    eos = next(t for i, t in enumerate(dense) if i >= 8 and t not in dense[:i])
     expected = dense[: dense.index(eos) + 1]
-    assert len(expected) < 24
-    for mode in ("dense", "lossless"):
-        assert generate(model, prompt(150), cfg, 24, mode=mode, eos_token_id=eos).tokens == expected, mode
+    assert 9 <= len(expected) < 24
+    assert generate(model, prompt(150), cfg, 24, mode="dense", eos_token_id=eos).tokens == expected
+    # S = 385 covers the context: every draft is accepted, so the end token comes inside a round's accepted drafts
+    for support, k, adaptive in ((97, 4, False), (385, 2, False), (385, 4, False), (385, 8, False), (385, 2, True)):
+        drafts = SparseConfig(support=support)
+        lossless = generate(model, prompt(150), drafts, 24, eos_token_id=eos, draft_tokens=k, adaptive=adaptive)
+        assert lossless.tokens == expected, (support, k, adaptive)
     sparse = generate(model, prompt(150), cfg, 24, mode="sparse").tokens
     stopped = generate(model, prompt(150), cfg, 24, mode="sparse", eos_token_id=eos).tokens
     assert stopped == sparse[: sparse.index(eos) + 1] if eos in sparse else stopped == sparse

@@ -197,6 +197,8 @@ def test_batches_refused_where_not_supported():
     prompts, ids, mask = ragged((120, 100))
     with pytest.raises(SparseDecodeError, match="lossless generation runs one sequence at a time"):
         sd.generate(model, prompts, SparseConfig(support=97), 8, mode="lossless")
+    with pytest.raises(SparseDecodeError, match="one unpadded \\(1, length\\) prompt without attention_mask"):
+        sd.generate(model, ids[1:], SparseConfig(support=97), 8, mode="lossless", attention_mask=mask[1:])
     right_padded = mask.flip(1)
     with pytest.raises(SparseDecodeError, match="left padding"):
         sd.generate(model, ids, SparseConfig(support=97), 8, mode="sparse", attention_mask=right_padded)

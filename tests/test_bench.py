@@ -69,6 +69,17 @@ def test_bench_op_rows_are_consistent():
         assert row.dense_working_set_mb == 3 * row.bytes_dense / 1e6
 
 
+@pytest.mark.parametrize("selector", ["streaming", "h2o", "oracle-tokens"])
+def test_bench_op_times_token_level_selectors_with_torch(selector):
+    """Token-level selectors run as torch operations: the default kernels are torch alone for them (the C kernel
+    beside torch made every such run fail once SparseConfig refused kernel="c" for them); asking for a fused kernel
+    is refused as SparseConfig refuses it."""
+    rows, _ = bench_op("smollm2-135m", (512,), (97,), selector=selector, budget_s=0.001, layers=1)
+    assert [(r.kernel, r.support) for r in rows] == [("torch", 97)]
+    with pytest.raises(SparseDecodeError, match="serves block selectors only"):
+        bench_op("smollm2-135m", (512,), (97,), selector=selector, budget_s=0.001, layers=1, kernels=("c",))
+
+
 def test_bench_op_cycles_through_the_shapes_layers_by_default(monkeypatch):
     """Cold by default: one distinct per-layer cache per decoder layer, each call on the next one (0, 1, ..., 0)."""
     seen = []

@@ -380,6 +380,39 @@ def test_dense_passes_stay_dense_inside_a_session_the_caller_has_open():
         assert outer.sparse_steps > 0
 
 
+@pytest.mark.parametrize("cfg", [SparseConfig(support=97, reuse=4), SparseConfig(support=97, selector="h2o")])
+def test_library_calls_leave_a_session_the_caller_has_open_undisturbed(cfg):
+    """The caller decodes on its own cache in its own session, calls the library in between, then goes on: its
+    logits are those of the same decoding without the call (a dense prefill used to run through the caller's
+    session, restarting its reuse chain and replacing its H2O history)."""
+    from sparsedecode import generate
+
+    model = tiny_model("llama")
+    ids, other = prompt(150), prompt(140, seed=7)
+    calls = {
+        "generate dense": lambda: generate(model, other, None, 6, mode="dense"),
+        "generate dense, batch": lambda: generate(model, [other, ids], None, 6, mode="dense"),
+        "generate sparse": lambda: generate(model, other, SparseConfig(support=97), 6, mode="sparse"),
+        "generate lossless": lambda: generate(model, other, SparseConfig(support=97), 6, mode="lossless"),
+        "dense_reference": lambda: dense_reference(model, other, tokens=6),
+        "compare": lambda: compare(model, None, other, SparseConfig(support=113), 6),
+        "compare, batch": lambda: compare(model, None, [other, ids], SparseConfig(support=113), 6),
+    }
+
+    def own_decoding(between) -> torch.Tensor:
+        out: list[torch.Tensor] = []
+        with torch.no_grad(), sparse_decoding(model, cfg):
+            cache = DynamicCache(config=model.config)
+            logits = decode(model, cache, feed(model, cache, ids), 3, out)
+            between()
+            decode(model, cache, logits, 9, out)
+        return torch.stack(out)
+
+    expected = own_decoding(lambda: None)
+    for name, call in calls.items():
+        torch.testing.assert_close(own_decoding(call), expected, atol=0, rtol=0, msg=name)
+
+
 @pytest.mark.parametrize("batched", [False, True])
 def test_a_reference_left_mid_decode_by_an_interrupt_is_taken_back(batched):
     """An interrupt during compare leaves the reference's cache as it found it, and a reference whose cache grew

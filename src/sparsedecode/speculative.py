@@ -147,7 +147,8 @@ def generate(
     check_token_id(model, eos_token_id, "eos_token_id", "generate")
     check_positions(model, int(input_ids.shape[1]), max_new_tokens, "generate")
     started = time.perf_counter()
-    cache, logits = prefill(model, input_ids, progress=progress, cache=GrowingCache(config=model.config))
+    with dense_attention(model):  # dense, and unseen by a session the caller has open on this model
+        cache, logits = prefill(model, input_ids, progress=progress, cache=GrowingCache(config=model.config))
     history = prefill_history(model, input_ids) if mode != "dense" and cfg.selector == "h2o" else None
     prefill_s = time.perf_counter() - started
     first = int(logits.argmax())
@@ -313,9 +314,10 @@ def compare_lossless(
 
 def _dense_margin(model: torch.nn.Module, input_ids: torch.Tensor, tokens: list[int], position: int) -> float:
     """Dense top-1 minus top-2 logit when predicting ``tokens[position - 1]`` by one-token steps."""
-    cache, logits = prefill(model, input_ids, cache=GrowingCache(config=model.config))
-    for token in tokens[: position - 1]:
-        logits = _step(model, cache, token)
+    with dense_attention(model):
+        cache, logits = prefill(model, input_ids, cache=GrowingCache(config=model.config))
+        for token in tokens[: position - 1]:
+            logits = _step(model, cache, token)
     top = logits.float().topk(2).values
     return float(top[0] - top[1])
 
@@ -365,6 +367,11 @@ def generate_batch(
                 f"generate: attention_mask {tuple(mask.shape)} does not match ids {tuple(ids.shape)}"
             )
         batching.check_left_padded(mask)
+    if mode == "lossless" and ids.shape[0] == 1:
+        raise SparseDecodeError(
+            "lossless generation takes one unpadded (1, length) prompt without attention_mask: drop the padding "
+            "and the mask"
+        )
     if mode == "lossless":
         raise SparseDecodeError(
             "lossless generation runs one sequence at a time (per-sequence acceptance and rollback are not "
@@ -382,7 +389,8 @@ def generate_batch(
     lengths = mask.sum(dim=1).tolist()
     started = time.perf_counter()
     cache = GrowingCache(config=model.config)
-    logits = batching.prefill(model, ids, mask, cache, progress=progress)
+    with dense_attention(model):  # as for one prompt
+        logits = batching.prefill(model, ids, mask, cache, progress=progress)
     histories = None
     if mode == "sparse" and cfg.selector == "h2o":
         histories = [prefill_history(model, ids[i : i + 1, ids.shape[1] - n :]) for i, n in enumerate(lengths)]

@@ -343,15 +343,16 @@ def bench_op(
     )
     query_heads, kv_heads, d = dims
     element = torch.finfo(dtype).bits // 8
-    if kernels is None:  # torch's operations beside the fused kernel the device has (the C one on the CPU)
+    token_level = SparseConfig(selector=selector).token_level
+    if kernels is None and token_level:  # the fused kernels serve block selectors only
+        kernels = ("torch",)
+    elif kernels is None:  # torch's operations beside the fused kernel the device has (the C one on the CPU)
         if device == "cpu":
             kernels = ("torch", "c") if dtype == torch.float32 and cpu_kernel.library() is not None else ("torch",)
         else:
             kernels = ("torch", "triton") if triton_attention.usable(torch.device(device), 16) else ("torch",)
-    for kernel in kernels:
+    for kernel in kernels:  # an explicit fused kernel for a token-level selector is refused here, as SparseConfig does
         SparseConfig(selector=selector, kernel=kernel)
-    token_level = SparseConfig(selector=selector).token_level
-    kernels = ("torch",) if token_level else kernels  # the fused kernels serve block selectors
     timer = median_time if device == "cpu" else cuda_median_time
     llc = last_level_cache_bytes() if device == "cpu" else None
     bandwidth = read_bandwidth_gbs(device=device)
