@@ -37,14 +37,17 @@ DEFAULT_SUPPORTS = (97, 193, 769)
 
 
 def _clock() -> dict:
-    """When the command started (UTC, to the second) and its monotonic start, for :func:`_run_record`."""
+    """When the command started (UTC, to the second) and its monotonic start, for :func:`_write_result`."""
     return {"started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "t0": time.monotonic()}
 
 
-def _run_record(clock: dict) -> dict:
-    """The result file's record of the run itself: when it started and how long the whole command took, model
-    loading and prefills included (the per-row timings are medians of what is measured, not this)."""
-    return {"started_utc": clock["started_utc"], "wall_s": round(time.monotonic() - clock["t0"], 1)}
+def _write_result(path, clock: dict, **fields) -> None:
+    """Write a bench result file: the machine, the run itself (when it started and how long the whole command took,
+    model loading and prefills included; the rows' timings are medians of what is measured, not this), then
+    ``fields``."""
+    run = {"started_utc": clock["started_utc"], "wall_s": round(time.monotonic() - clock["t0"], 1)}
+    write_json(path, {"machine": environment(), "run": run, **fields})
+    console.print(f"wrote {path}")
 
 
 def _device(text: str) -> str:
@@ -215,14 +218,7 @@ def cmd_bench_op(args) -> int:
         "matched-quality or end-to-end speed.[/]"
     )
     if args.json:
-        data = {
-            "machine": environment(),
-            "run": _run_record(clock),
-            "bandwidth_gbs": bandwidth,
-            "rows": op_rows_as_dicts(rows),
-        }
-        write_json(args.json, data)
-        console.print(f"wrote {args.json}")
+        _write_result(args.json, clock, bandwidth_gbs=bandwidth, rows=op_rows_as_dicts(rows))
     return 0
 
 
@@ -314,8 +310,7 @@ def cmd_bench_e2e(args) -> int:
         "leading tokens equal to dense greedy output; peak RSS is the process peak so far.[/]"
     )
     if args.json:
-        write_json(args.json, {"machine": environment(), "run": _run_record(clock), "rows": [asdict(r) for r in rows]})
-        console.print(f"wrote {args.json}")
+        _write_result(args.json, clock, rows=[asdict(r) for r in rows])
     return 0
 
 
@@ -390,6 +385,5 @@ def _bench_e2e_batch(args, clock: dict) -> int:
         "equal its own batch-1 run in the same mode; peak RSS per batch size.[/]"
     )
     if args.json:
-        write_json(args.json, {"machine": environment(), "run": _run_record(clock), "rows": [asdict(r) for r in rows]})
-        console.print(f"wrote {args.json}")
+        _write_result(args.json, clock, rows=[asdict(r) for r in rows])
     return 0

@@ -65,8 +65,8 @@ def cmd_compare_selectors(args) -> int:
     if args.retrieval < 0:
         raise SparseDecodeError(f"--retrieval must be >= 0 (passkey trials per context), got {args.retrieval}")
     check_backend_args(args)
-    written = ("selectors.json", "selectors.md", "selectors.csv")
-    check_output_folder(args.out, inputs=inputs_of(args), files=written, mixes_with=())
+    written = ("selectors.md", "selectors.csv", "selectors.json")
+    check_output_folder(args.out, inputs=inputs_of(args), files=written, results="selectors.json")
     model, tokenizer = load(args)
     from ..experiments.bench import model_shape
     from ..experiments.corpus import check_context_fits

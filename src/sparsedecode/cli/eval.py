@@ -123,7 +123,7 @@ def _check_eval_args(args):
         check_output_folder(args.export, "--export", inputs=inputs_of(args))
     else:
         check_backend_args(args)
-        check_output_folder(args.out, inputs=inputs_of(args), files=("eval.json", "runs.jsonl"), mixes_with=())
+        check_output_folder(args.out, inputs=inputs_of(args), files=("eval.json", "runs.jsonl"), results="eval.json")
     check_corpus(spec.corpus)
     return spec
 

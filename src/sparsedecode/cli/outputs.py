@@ -63,6 +63,10 @@ RESULTS = {
 """The file that marks each kind of results folder, and what it holds (a sweep's and an evaluation's rows are both
 ``runs.jsonl``; their settings file tells them apart)."""
 
+SHARE_A_FOLDER = {frozenset({"sweep.json", "retrieval.json"})}
+"""Kinds of results (:data:`RESULTS` markers) that may share a folder: ``report`` renders a sweep and the retrieval
+results beside it together. Every other kind goes in a folder of its own."""
+
 
 def check_output_folder(
     path: Path,
@@ -70,12 +74,12 @@ def check_output_folder(
     *,
     inputs: dict[str, str] | None = None,
     files: tuple[str, ...] = (),
-    mixes_with: tuple[str, ...] | None = None,
+    results: str | None = None,
 ) -> None:
     """Refuse an output folder (``--out``) that names an existing file, cannot be made or written to, is one of
     the command's ``inputs`` (or inside an input folder), or holds something other than a regular file under one
-    of the ``files`` names the command writes there. With ``mixes_with`` (names of :data:`RESULTS` marker files),
-    also one that holds another kind of results than the command's own (its first ``files`` name) and those: a
+    of the ``files`` names the command writes there. With ``results`` (the :data:`RESULTS` marker of the command's
+    kind), also one that holds another kind of results that may not share its folder (:data:`SHARE_A_FOLDER`): a
     report would show only one of them."""
     what = f"{option} {path}"
     if path.is_symlink() and not _exists(path, what):
@@ -83,12 +87,12 @@ def check_output_folder(
     if _exists(path, what) and not path.is_dir():
         raise SparseDecodeError(f"{what} is an existing file, not a folder; give a folder")
     _check_not_input(path, what, inputs)
-    if mixes_with is not None and path.is_dir():
-        allowed = {files[0], *mixes_with}
+    if results is not None and path.is_dir():
         for marker, kind in RESULTS.items():
-            if marker not in allowed and (path / marker).exists():
+            shared = marker == results or frozenset({marker, results}) in SHARE_A_FOLDER
+            if not shared and (path / marker).exists():
                 raise SparseDecodeError(
-                    f"{what} holds {kind} ({marker}); write {RESULTS[files[0]]} into a folder of its own"
+                    f"{what} holds {kind} ({marker}); write {RESULTS[results]} into a folder of its own"
                 )
     for name in files:
         target = path / name

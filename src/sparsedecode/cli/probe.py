@@ -57,7 +57,7 @@ def add_parsers(sub) -> None:
 def cmd_probe_mass(args) -> int:
     stems = [f"mass-c{c}-s{s}" for c in args.context for s in args.support]
     written = ("mass.json", *(f"{stem}{suffix}" for stem in stems for suffix in (".png", ".npz")))
-    check_output_folder(args.out, inputs=inputs_of(args), files=written, mixes_with=())
+    check_output_folder(args.out, inputs=inputs_of(args), files=written, results="mass.json")
     configs, model, _, prompts = prepare(args, audit=True)
     from ..compare import prefill
     from ..diagnostics import save_audit
@@ -148,8 +148,7 @@ def cmd_probe_retrieval(args) -> int:
     from ..experiments.environment import environment as measured_environment
     from ..experiments.retrieval import accuracy, run_retrieval
 
-    # beside a sweep on purpose: `report` renders the two together
-    check_output_folder(args.out, inputs=inputs_of(args), files=("retrieval.json",), mixes_with=("sweep.json",))
+    check_output_folder(args.out, inputs=inputs_of(args), files=("retrieval.json",), results="retrieval.json")
     loaded = load(args)
     console.print(
         f"[bold]{args.model}[/] {args.dtype}; passkey retrieval, haystack {args.haystack}; contexts {args.context}; "

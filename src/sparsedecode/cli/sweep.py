@@ -131,9 +131,7 @@ def cmd_sweep(args) -> int:
 
     shard = Shard.parse(args.shard) if args.shard else None
     check_backend_args(args)
-    check_output_folder(
-        args.out, inputs=inputs_of(args), files=("sweep.json", "runs.jsonl"), mixes_with=("retrieval.json",)
-    )
+    check_output_folder(args.out, inputs=inputs_of(args), files=("sweep.json", "runs.jsonl"), results="sweep.json")
     meta = read_meta(args.out)  # another experiment's folder is refused here, before the model
     if meta is not None:  # refuse a changed spec before spending time on the model
         from ..experiments.sweep import check_meta
@@ -180,11 +178,10 @@ def cmd_merge(args) -> int:
     from ..experiments.sweep import merge_sweeps
     from .eval import cmd_merge_eval, is_eval_folder
 
-    evaluation = bool(args.sources) and is_eval_folder(args.sources[0])
-    if evaluation:
-        check_output_folder(args.out, files=("eval.json", "runs.jsonl"), mixes_with=())
+    if args.sources and is_eval_folder(args.sources[0]):
+        check_output_folder(args.out, files=("eval.json", "runs.jsonl"), results="eval.json")
         return cmd_merge_eval(args, console=console)
-    check_output_folder(args.out, files=("sweep.json", "runs.jsonl"), mixes_with=("retrieval.json",))
+    check_output_folder(args.out, files=("sweep.json", "runs.jsonl"), results="sweep.json")
     outcome = merge_sweeps(args.sources, args.out)
     console.print(
         f"merged {len(args.sources)} folder(s) into {args.out}: {outcome.rows} runs, {outcome.duplicates} duplicate(s) "
