@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 # Triton reads this when it is first imported (possibly by torch or transformers below): without a GPU, the tests
@@ -70,6 +71,24 @@ def tiny_family(model_type: str, **overrides) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     sharpen_attention(model)
     return model.float().eval().requires_grad_(False)
+
+
+FLOAT32_EPS = 2.0**-23
+"""float32's unit round-off doubled: the relative error of one rounded operation is at most half of it."""
+
+
+def roundoff_tolerance(reference: torch.Tensor, *, depth: int, width: int) -> float:
+    """How far float32 logits of the same model may move when only the order of its sums changes.
+
+    Batched and batch-1 matrix products (or two BLAS builds) add the same terms in another order. One dot product
+    over ``width`` terms then differs by about ``sqrt(width) * eps`` of the magnitude of what it sums (round-off
+    errors of a long sum grow like a random walk); each of ``depth`` layers adds such an error to the residual
+    stream, and the final projection carries it to the logits in proportion to their own magnitude. So the bound is
+    ``depth * sqrt(width) * eps * max|reference|``: on SmolLM2 (30 layers, width 576, logits up to ~40) 3.6e-3, about
+    50 times the 6e-5 seen on an AMD EPYC and the 1.0e-4 on an Intel Xeon, and far below what a differently chosen
+    block moves (0.1 and more). Tokens are compared exactly beside it.
+    """
+    return depth * math.sqrt(width) * FLOAT32_EPS * float(reference.abs().max())
 
 
 def prompt(length: int, *, seed: int = 1, vocab: int = 96) -> torch.Tensor:
