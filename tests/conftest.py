@@ -16,6 +16,18 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 ARCHS = ("llama", "qwen2")
 
+
+def _builtin_selectors() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    from sparsedecode.selectors import selector_class, selector_names
+
+    names = selector_names()
+    return names, tuple(name for name in names if selector_class(name).level == "block")
+
+
+SELECTORS, BLOCK_SELECTORS = _builtin_selectors()
+"""Every built-in selector (the tests run over this one list, as kvpress's run over its presses), and the block ones."""
+TOKEN_SELECTORS = tuple(name for name in SELECTORS if name not in BLOCK_SELECTORS)
+
 # CI runs the same hypothesis examples every time, so a red build is reproducible.
 settings.register_profile("ci", derandomize=True, deadline=None)
 if os.environ.get("CI"):

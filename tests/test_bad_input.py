@@ -384,7 +384,7 @@ def test_top_blocks_refuses_non_finite_scores_when_it_chooses(bad):
 def test_the_decode_step_refuses_a_nan_query_on_every_selection_path(kernel):
     from sparsedecode.centroids import BlockCentroids
     from sparsedecode.cpu_kernel import library
-    from sparsedecode.selectors import BlockLayout
+    from sparsedecode.layout import BlockLayout
 
     if kernel == "c" and library() is None:
         pytest.skip("no C compiler here: the C kernel path does not exist")
@@ -405,7 +405,7 @@ def test_a_non_finite_key_in_a_scored_block_refuses_on_every_selection_path(kern
     check inside its scoring both refuse, whether the key lies in a cached full block or in the short tail block."""
     from sparsedecode.centroids import BlockCentroids
     from sparsedecode.cpu_kernel import library
-    from sparsedecode.selectors import BlockLayout
+    from sparsedecode.layout import BlockLayout
 
     if kernel == "c" and library() is None:
         pytest.skip("no C compiler here: the C kernel path does not exist")

@@ -22,7 +22,7 @@ from sparsedecode.experiments.bench import (
     bench_op,
     plan_layers,
 )
-from sparsedecode.selectors import BlockLayout
+from sparsedecode.layout import BlockLayout
 
 OP_FIELDS = (
     "shape",

@@ -186,7 +186,7 @@ def test_probe_mass_writes_heat_map(tiny_model_dir, tmp_path, capsys):
 
 
 def test_compare_selectors_writes_a_table_for_every_selector(tiny_model_dir, tmp_path, capsys):
-    from sparsedecode.config import SELECTORS
+    from conftest import SELECTORS
 
     code, stdout, _ = run_cli(
         [

@@ -23,7 +23,8 @@ from sparsedecode.diagnostics import (
     summarize_audit,
     summarize_certificate,
 )
-from sparsedecode.selectors import BlockLayout, support_positions, token_index
+from sparsedecode.layout import BlockLayout, support_positions
+from sparsedecode.selectors import token_index
 
 
 def audited_run(arch, support=97, context=300, tokens=30):

@@ -74,7 +74,7 @@ def test_kernels_depend_on_the_layout_never_on_the_selectors():
 
 def test_old_kernel_module_names_are_the_new_modules():
     from sparsedecode import cpu_kernel, kernels, triton_attention
-    from sparsedecode.selectors import BlockLayout, support_positions
+    from sparsedecode.layout import BlockLayout, support_positions
 
     assert cpu_kernel is kernels.cpu and triton_attention is kernels.triton_attention
     assert (BlockLayout, support_positions) == (layout.BlockLayout, layout.support_positions)

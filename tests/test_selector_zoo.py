@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import prompt, tiny_model
+from conftest import BLOCK_SELECTORS, SELECTORS, prompt, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_attention import Oracle, greedy_loop
 
 from sparsedecode import SparseConfig, SparseDecodeError, compare, select_support, sparse_decoding
-from sparsedecode.config import BLOCK_SELECTORS, SELECTORS
-from sparsedecode.selectors import BlockLayout, group_attention, quest_scores
+from sparsedecode.layout import BlockLayout
+from sparsedecode.selectors import group_attention, quest_scores
 
 STATELESS = ("mean-pooled", "quest", "oracle-blocks", "oracle-tokens", "streaming")
 

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparsedecode import SparseConfig, SparseDecodeError, select_support
-from sparsedecode.selectors import BlockLayout, block_centroids, group_mean_queries
+from sparsedecode.layout import BlockLayout
+from sparsedecode.selectors import block_centroids, group_mean_queries
 
 
 def brute_force_scores(queries, keys, window, block):

@@ -366,7 +366,7 @@ def test_cli_selectors_list_and_the_one_line_refusal_of_both_flags(tiny_model_di
 
 
 def test_selectors_spec_validation():
-    from sparsedecode.config import SELECTORS
+    from conftest import SELECTORS
 
     assert small_spec(selectors="quest").selectors == ("quest",)
     assert SweepSpec.from_dict(small_spec(selectors=SELECTORS).to_dict()).selectors == SELECTORS

@@ -17,10 +17,11 @@ if _typing.TYPE_CHECKING:
     from .config import SparseConfig
     from .errors import SparseDecodeError
     from .models import DEFAULT_MODEL, list_models, load_model, load_tokenizer
-    from .selectors import select_support
+    from .selectors import BlockSelector, TokenSelector, register_selector, select_support
     from .speculative import generate
 
 _EXPORTS = {
+    "BlockSelector": "selectors",
     "DEFAULT_MODEL": "models",
     "CompareResult": "compare",
     "DenseReference": "compare",
@@ -33,11 +34,14 @@ _EXPORTS = {
     "list_models": "models",
     "load_model": "models",
     "load_tokenizer": "models",
+    "register_selector": "selectors",
     "select_support": "selectors",
     "sparse_decoding": "attention",
+    "TokenSelector": "selectors",
 }
 
 __all__ = [
+    "BlockSelector",
     "DEFAULT_MODEL",
     "CompareResult",
     "DenseReference",
@@ -50,8 +54,10 @@ __all__ = [
     "list_models",
     "load_model",
     "load_tokenizer",
+    "register_selector",
     "select_support",
     "sparse_decoding",
+    "TokenSelector",
 ]
 
 __version__ = "0.1.0"

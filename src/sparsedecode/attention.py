@@ -37,15 +37,9 @@ from .centroids import BlockCentroids
 from .config import SparseConfig
 from .errors import SparseDecodeError
 from .layout import BlockLayout, support_positions
-from .selectors import (
-    STAT_KINDS,
-    causal_attention_received,
-    group_attention,
-    select_blocks,
-    select_positions,
-    streaming_index,
-    token_index,
-)
+from .selectors import causal_attention_received, choose_blocks, choose_positions, group_attention, token_index
+from .selectors.h2o import H2O
+from .selectors.select import BlockChoice, support_of
 from .validate import check_config, check_model, check_sparse_attention, config_from_overrides
 
 ATTENTION_NAME = "sparsedecode"
@@ -200,6 +194,7 @@ class LayerState:
     centroids: BlockCentroids
     step: int = 0
     blocks: torch.Tensor | None = None
+    keep: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     history: torch.Tensor | None = None
     history_complete: bool = True
@@ -239,7 +234,7 @@ class LayerState:
         elif keep < start:  # positions [keep, start) were written by forwards this session did not see
             self.history_complete = False
         if not continues:
-            self.step, self.blocks, self.positions = 0, None, None
+            self.step, self.blocks, self.keep, self.positions = 0, None, None, None
         self.seen, self.chained = keep, False
         return keep
 
@@ -267,7 +262,7 @@ class LayerState:
     def forget(self) -> None:
         """Drop all state (the next forward starts from nothing)."""
         self.forget_from(0)
-        self.step, self.blocks, self.positions = 0, None, None
+        self.step, self.blocks, self.keep, self.positions = 0, None, None, None
         self.mark, self.seen, self.chained, self.unchanged = None, 0, False, 0
         self.history_complete = True
         self.rows, self.pads = None, None
@@ -358,11 +353,32 @@ class SparseSession:
     extents: tuple | None = field(default=None, repr=False)
     sequence: int = field(default=0, repr=False)
 
+    support_reads: dict[int, list] = field(default_factory=dict)
+    """Per sequence: ``[total, count, min, max]`` of the positions each KV head read at a sparse step (recorded with
+    ``track_reads``); an adaptive budget makes them vary."""
+
+    def note_support(self, sequence: int, sizes: torch.Tensor) -> None:
+        """Positions read by each KV head ``(kv,)`` at one sparse step of one layer of ``sequence``."""
+        total, count, low, high = self.support_reads.get(sequence, (0, 0, None, None))
+        values = [int(v) for v in sizes.tolist()]
+        low = min(values) if low is None else min(low, *values)
+        high = max(values) if high is None else max(high, *values)
+        self.support_reads[sequence] = [total + sum(values), count + len(values), low, high]
+
+    def support_read(self, sequence: int = 0) -> dict:
+        """``support_read_mean / min / max``: positions a KV head read per sparse step (``None`` without any)."""
+        total, count, low, high = self.support_reads.get(sequence, (0, 0, None, None))
+        return {
+            "support_read_mean": total / count if count else None,
+            "support_read_min": low,
+            "support_read_max": high,
+        }
+
     def layer_state(self, module: torch.nn.Module) -> LayerState:
         layer = int(getattr(module, "layer_idx", 0) or 0)
         state = self.layers.get(layer)
         if state is None:
-            kinds = STAT_KINDS.get(self.config.selector, ("mean",))
+            kinds = self.config.selector.statistics or ("mean",)
             state = self.layers[layer] = LayerState(layer, BlockCentroids(self.config.block_size, kinds))
         return state
 
@@ -535,7 +551,7 @@ def sparse_attention_forward(
     sliding = kwargs.get("sliding_window")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     state.begin(n - q_len, q_len)
-    h2o = session.config.selector == "h2o"
+    h2o = session.config.selector.uses_history
     if q_len != 1:  # prefill, chunked prefill, speculative verification: dense
         if q_len <= SHORT_FORWARD and sliding is None:
             out = dense_short_forward(query, key, value, n, scaling)
@@ -627,7 +643,7 @@ def _batch_forward(session, state, module, query, key, value, attention_mask, dr
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     cfg = session.config
     sliding = kwargs.get("sliding_window")
-    h2o = cfg.selector == "h2o"
+    h2o = cfg.selector.uses_history
 
     def dense_all():
         return sdpa_attention_forward(
@@ -712,7 +728,7 @@ def _sparse_rows_in_one_call(session, sparse, query, key, value, out, scale) -> 
     centroids and the tail block's keys at a fresh step (docs/benchmarks.md, "Batches").
     """
     cfg = session.config
-    if session.observers or cfg.token_level:
+    if session.observers or cfg.token_level or cfg.selector.adaptive:
         return False
     q = query[:, :, 0, :]  # (batch, H, d)
     first, m = sparse[0][0], sparse[0][3]  # what the kernel needs of the tensors, all sequences alike
@@ -720,7 +736,7 @@ def _sparse_rows_in_one_call(session, sparse, query, key, value, out, scale) -> 
     if kernels.attention_kernel(cfg.kernel, q[first], key[first], value[first], layout) != "c":
         return False
     window, block, reuse = cfg.window, cfg.block_size, cfg.reuse
-    mean_pooled = cfg.selector == "mean-pooled"
+    mean_pooled = cfg.selector.kernel_scoring == "mean-dot"
     fresh = [row.step % reuse == 0 or (row.blocks is None and row.positions is None) for _, row, _, _ in sparse]
     selecting = [i for (i, *_), f in zip(sparse, fresh) if f] if mean_pooled else []
     if selecting:  # a non-finite query or key makes a score non-finite: the C call finds it and raises
@@ -739,10 +755,11 @@ def _sparse_rows_in_one_call(session, sparse, query, key, value, out, scale) -> 
             blocks = row.blocks
         else:
             if f:
-                layout = BlockLayout(n=m, window=window, block_size=block)
-                row.blocks = select_blocks(
-                    cfg, row.centroids, q[i], key[i, :, pad:], layout, scale=scale, salt=row.layer
+                layout = BlockLayout(n=m, window=window, block_size=block, layer=row.layer, scale=scale, seed=cfg.seed)
+                choice = choose_blocks(
+                    cfg.selector, cfg.blocks, row.centroids, q[i], key[i, :, pad:], layout, cfg.kernel
                 )
+                row.blocks = choice.blocks
             blocks = row.blocks.to(torch.int64).contiguous()  # as run_attention takes them
         calls.append((i, pad, m, storage, blocks, f and mean_pooled))
         row.step += 1
@@ -751,7 +768,9 @@ def _sparse_rows_in_one_call(session, sparse, query, key, value, out, scale) -> 
     kernels.cpu.run_step_batch(q, key, value, out.view(q.shape), calls, window, block, scale)
     for i, row, _pad, m in sparse:
         if session.track_reads:
-            row.note_reads(row.blocks, BlockLayout(n=m, window=window, block_size=block))
+            index, valid = support_positions(row.blocks, BlockLayout(n=m, window=window, block_size=block))
+            row.note_positions(index, BlockLayout(n=m, window=window, block_size=block), valid)
+            session.note_support(i, valid.sum(dim=1))
         session.sparse_steps += 1
         session.sequence_steps.setdefault(i, [0, 0])[0] += 1
         row.end_row(m, chained=True)
@@ -788,8 +807,10 @@ def attend_positions(
     scale: float,
     *,
     weights: bool = False,
+    valid: torch.Tensor | None = None,
 ):
-    """Attention over arbitrary positions ``index`` ``(kv, S)`` of each KV head (token-level selectors).
+    """Attention over arbitrary positions ``index`` ``(kv, S)`` of each KV head (token-level selectors, adaptive
+    budgets); ``valid`` ``(kv, S)`` masks positions out.
 
     Returns the output ``(query_heads, dv)`` in float32, ``dv`` the value head dim (which may differ from the key
     head dim); with ``weights=True`` also the attention probabilities summed over each group's query heads,
@@ -800,9 +821,9 @@ def attend_positions(
     kept_keys, kept_values = _gather_positions(keys, index), _gather_positions(values, index)
     qg = q.float().view(kv_heads, query_heads // kv_heads, d)
     if not weights:
-        return torch.nn.functional.scaled_dot_product_attention(qg, kept_keys, kept_values, scale=scale).reshape(
-            query_heads, -1
-        )
+        mask = None if valid is None else valid.unsqueeze(1)
+        out = torch.nn.functional.scaled_dot_product_attention(qg, kept_keys, kept_values, attn_mask=mask, scale=scale)
+        return out.reshape(query_heads, -1)
     probs = torch.softmax(torch.bmm(qg, kept_keys.transpose(1, 2)).mul_(scale), dim=-1)
     return torch.bmm(probs, kept_values).reshape(query_heads, -1), probs.sum(dim=1)
 
@@ -852,6 +873,35 @@ def _attend_blocks(cfg, q, keys, values, blocks, layout, scale) -> torch.Tensor:
     return kernels.attend(kernel, q, keys, values, blocks, layout, scale)
 
 
+def _block_step(session, state, q, keys, values, layout, scale, fresh) -> torch.Tensor:
+    """Select (when ``fresh``) and attend for a block selector; the selection lands in ``state.blocks`` / ``keep``.
+
+    The C kernel takes the whole step in one call where it serves (a fixed budget): selection inside it for a
+    selector whose scoring it implements (``kernel_scoring``), the given blocks otherwise. Elsewhere the kernel
+    :func:`sparsedecode.kernels.attention_kernel` picks attends; an adaptive budget's support is gathered by
+    position with its dropped blocks masked."""
+    cfg, selector = session.config, session.config.selector
+    one_call = not selector.adaptive and kernels.attention_kernel(cfg.kernel, q, keys, values, layout) == "c"
+    if one_call and fresh and selector.kernel_scoring == "mean-dot":
+        if state.centroids.count < layout.n_full:  # the blocks completed since the last step
+            state.centroids.update(keys, layout.n_full)
+        out, state.blocks = kernels.cpu.run_step(
+            q, keys, values, state.centroids.storage(), None, layout, cfg.blocks, scale
+        )
+        state.keep = None
+        return out
+    if fresh:
+        choice = choose_blocks(selector, cfg.blocks, state.centroids, q, keys, layout, cfg.kernel)
+        state.blocks, state.keep = choice.blocks, choice.keep
+    if one_call:
+        out, state.blocks = kernels.cpu.run_step(q, keys, values, None, state.blocks, layout, cfg.blocks, scale)
+        return out
+    if state.keep is not None:
+        index, valid = support_of(BlockChoice(state.blocks, state.keep), layout)
+        return attend_positions(q, keys, values, index, scale, valid=valid)
+    return _attend_blocks(cfg, q, keys, values, state.blocks, layout, scale)
+
+
 def sparse_decode_step(
     session: SparseSession,
     state: LayerState,
@@ -872,48 +922,32 @@ def sparse_decode_step(
     keys, values = key[0], value[0]
     query_heads, d = q.shape
     scale = scaling if scaling is not None else d**-0.5
-    layout = BlockLayout(n=n, window=cfg.window, block_size=cfg.block_size)
-    h2o = cfg.selector == "h2o"
+    layout = BlockLayout(
+        n=n, window=cfg.window, block_size=cfg.block_size, layer=state.layer, scale=scale, seed=cfg.seed
+    )
+    selector = cfg.selector
+    h2o = selector.uses_history
     if h2o and not state.history_complete:
         if state.rebuilt:
             raise SparseDecodeError(
-                "h2o needs the attention every position received since the prompt began, but this model's "
-                "attention is handed keys rebuilt from its cache at every step (multi-head latent attention), so "
-                "no history survives a step; use a block selector"
+                f"{selector.spec()} needs the attention every position received since the prompt began, but "
+                "this model's attention is handed keys rebuilt from its cache at every step (multi-head latent "
+                "attention), so no history survives a step; use a block selector"
             )
         raise SparseDecodeError(
-            "h2o needs the attention every position received since the prompt began, but this session did not "
-            "see the forwards that filled part of the cache: run the prefill inside the sparse_decoding session, "
-            "or give the session its history with session.adopt_history(cache, history)"
+            f"{selector.spec()} needs the attention every position received since the prompt began, but this "
+            "session did not see the forwards that filled part of the cache: run the prefill inside the "
+            "sparse_decoding session, or give the session its history with session.adopt_history(cache, history)"
         )
 
     fresh = state.step % cfg.reuse == 0 or (state.blocks is None and state.positions is None)
-    # the C kernel takes a block selector's whole step in one call (mean-pooled selection inside it)
-    one_call = not cfg.token_level and kernels.attention_kernel(cfg.kernel, q, keys, values, layout) == "c"
-    if fresh and cfg.token_level:
-        history = state.history_until(n, keys.shape[0], keys.device) if h2o else None  # earlier queries only
-        index = select_positions(cfg, q, keys, layout, scale=scale, accumulated=history)
-        state.positions = index[:, 1 : 1 + cfg.distant_positions]
-    elif one_call and fresh and cfg.selector == "mean-pooled":
-        if state.centroids.count < layout.n_full:  # the blocks completed since the last step
-            state.centroids.update(keys, layout.n_full)
-        out, state.blocks = kernels.cpu.run_step(
-            q, keys, values, state.centroids.storage(), None, layout, cfg.blocks, scale
-        )
-    elif one_call:
-        if fresh:
-            state.blocks = select_blocks(cfg, state.centroids, q, keys, layout, scale=scale, salt=state.layer)
-        out, state.blocks = kernels.cpu.run_step(q, keys, values, None, state.blocks, layout, cfg.blocks, scale)
-    elif fresh:
-        state.blocks = select_blocks(cfg, state.centroids, q, keys, layout, scale=scale, salt=state.layer)
+    fresh = fresh or selector.reselects_every_step
     state.step += 1
-
-    blocks = state.blocks
-    if cfg.selector == "streaming":
-        index = streaming_index(keys.shape[0], n, cfg.support, device=keys.device)
-    elif cfg.token_level:
-        index = token_index(state.positions, layout)  # reused distant positions, the window slides
     if cfg.token_level:
+        if fresh:
+            history = state.history_until(n, keys.shape[0], keys.device) if h2o else None  # earlier queries only
+            state.positions = choose_positions(selector, cfg.distant_positions, q, keys, layout, history=history)
+        index = token_index(state.positions, layout)  # reused distant positions, the window slides
         if h2o:  # H2O accumulates the attention the step computed: over its support, as with eviction
             out, received = attend_positions(q, keys, values, index, scale, weights=True)
             state.add_attention_at(index, received, n)
@@ -922,14 +956,17 @@ def sparse_decode_step(
         valid = torch.ones_like(index, dtype=torch.bool)
         if session.track_reads:
             state.note_positions(index, layout)
+            session.note_support(session.sequence, valid.sum(dim=1))
+        blocks = None
     else:
-        if not one_call:
-            out = _attend_blocks(cfg, q, keys, values, blocks, layout, scale)
+        out = _block_step(session, state, q, keys, values, layout, scale, fresh)
+        blocks = state.blocks
+        if session.track_reads or session.observers:
+            index, valid = support_of(BlockChoice(blocks, state.keep), layout)
         if session.track_reads:
-            state.note_reads(blocks, layout)
+            state.note_positions(index, layout, valid)
+            session.note_support(session.sequence, valid.sum(dim=1))
     if session.observers:
-        if blocks is not None:
-            index, valid = support_positions(blocks, layout)
         view = StepView(
             state.layer, state.step, q, keys, values, index, valid, out, scale, layout, blocks, session.sequence
         )
@@ -1048,7 +1085,7 @@ def prefill_history(model: torch.nn.Module, prompt_ids: torch.Tensor) -> dict[in
     """
     cache = DynamicCache(config=model.config)
     device = next(model.parameters()).device
-    with sparse_decoding(model, SparseConfig(selector="h2o")) as recorder:
+    with sparse_decoding(model, SparseConfig(selector=H2O())) as recorder:
         for start in range(0, prompt_ids.shape[1], PREFILL_CHUNK):
             chunk = prompt_ids[:, start : start + PREFILL_CHUNK].to(device)
             model(input_ids=chunk, cache=cache, use_cache=True, logits_to_keep=1)

@@ -125,6 +125,12 @@ class CompareResult:
     audit: dict | None = None
     audit_arrays: dict | None = field(default=None, repr=False)
     first_divergence_convention: int = FIRST_DIVERGENCE_CONVENTION
+    support_read_mean: float | None = None
+    """Positions a KV head read per sparse step of the free-running run (mean, min, max over layers, heads and
+    steps; ``None`` without a sparse step): the effective support for a fixed budget (a chosen short last block reads
+    less), what an adaptive budget chose otherwise."""
+    support_read_min: int | None = None
+    support_read_max: int | None = None
 
     def to_dict(self) -> dict:
         """JSON-ready fields (the per-step audit arrays are left out: save them with ``save_audit``)."""
@@ -357,7 +363,7 @@ def compare(
     dense_tokens = reference.tokens[:tokens]
     cache, context = reference.cache, reference.context
     audit = MassAudit() if cfg.audit else None
-    history = _h2o_history(model, reference) if cfg.selector == "h2o" else None  # H2O keeps the prefill's
+    history = _h2o_history(model, reference) if cfg.selector.uses_history else None  # H2O keeps the prefill's
 
     # the reference's cache holds the prompt only; whatever happens below (an interrupt, an error), it is left so
     crop_cache(cache, context)
@@ -410,6 +416,7 @@ def compare(
         unique=unique,
         audit=audit,
         timings=(sparse_decode_s, teacher_forced_s),
+        support_read=session.support_read(),
     )
 
 
@@ -427,6 +434,7 @@ def _assemble(
     unique: torch.Tensor,
     audit: MassAudit | None,
     timings: tuple[float, float],
+    support_read: dict | None = None,
 ) -> CompareResult:
     """A :class:`CompareResult` from one prompt's dense reference and its two sparse passes."""
     dense_tokens = reference.tokens[:tokens]
@@ -485,6 +493,7 @@ def _assemble(
         ),
         audit=audit_summary,
         audit_arrays=audit_arrays,
+        **(support_read or {}),
     )
 
 
@@ -614,7 +623,7 @@ def compare_batch(
     cache, mask, pads = reference.cache, reference.mask, reference.pads
     length = mask.shape[1]
     dense = [r.tokens[:tokens] for r in refs]
-    histories = [_h2o_history(model, r) for r in refs] if cfg.selector == "h2o" else None
+    histories = [_h2o_history(model, r) for r in refs] if cfg.selector.uses_history else None
     audits = [MassAudit(sequence=i) for i in range(len(refs))] if cfg.audit else None
 
     crop_cache(cache, length)  # as in compare: the shared cache holds the prompts only, before and after
@@ -630,6 +639,7 @@ def compare_batch(
             )
         sparse_decode_s = time.perf_counter() - started
         unique = [session.unique_distant_positions(i) for i in range(len(refs))]
+        support_read = [session.support_read(i) for i in range(len(refs))]
         centroid_bytes = [session.centroid_bytes(i) for i in range(len(refs))]
         crop_cache(cache, length)
 
@@ -671,6 +681,7 @@ def compare_batch(
             unique=unique[i],
             audit=audits[i] if audits else None,
             timings=(sparse_decode_s / len(refs), teacher_forced_s / len(refs)),
+            support_read=support_read[i],
         )
         for i, ref in enumerate(refs)
     ]

@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 
 from .errors import SparseDecodeError
+from .selectors.base import Selector
 
-BLOCK_SELECTORS = ("mean-pooled", "quest", "oracle-blocks", "random-blocks")
-"""Keep the anchor, the window and ``b`` whole distant blocks of ``block_size`` positions."""
-TOKEN_SELECTORS = ("oracle-tokens", "h2o", "streaming")
-"""Keep exactly ``support`` positions: the anchor, the window and ``support - 1 - window`` single distant positions
-(``streaming``: the anchor and the last ``support - 1`` positions, no distant ones)."""
-SELECTORS = BLOCK_SELECTORS + TOKEN_SELECTORS
 KERNELS = ("auto", "torch", "c", "triton")
 """How a block selector's step runs: ``torch`` (torch operations: scores, top-k, gather + SDPA; any device, dtype
 and head dims), ``c`` (the CPU kernel of :mod:`sparsedecode.kernels.cpu`: selection and attention in one call each,
 float32), ``triton`` (:mod:`sparsedecode.kernels.triton_attention`; CUDA, or Triton's interpreter on CPU), ``auto``
 (Triton on CUDA, the C kernel on the CPU, each only where every assumption of its code holds, torch otherwise).
-``c`` and ``triton`` raise where they cannot serve (token-level selectors: at once, in :class:`SparseConfig`);
+``c`` and ``triton`` raise where they cannot serve (token-level and adaptive selectors: at once, in
+:class:`SparseConfig`);
 :mod:`sparsedecode.kernels.dispatch` decides."""
 
 
@@ -29,8 +25,10 @@ class SparseConfig:
     ``block_size`` keys, with ``b = (support - 1 - window) // block_size``. A ``support`` that is not of the
     form ``1 + window + b * block_size`` is floored to whole blocks: :attr:`effective_support` says what is
     actually read. ``reuse`` is the selection interval R (1 = fresh selection at every step).
-    Token-level selectors (:data:`TOKEN_SELECTORS`) read exactly ``support`` positions. ``seed`` seeds
-    ``random-blocks``. ``audit`` turns on the omitted-mass audit of :mod:`sparsedecode.diagnostics`, which
+    ``selector`` is a registered name, a spec string (``"top-p:p=0.8"``, ``"path/to/file.py:Class"``) or a
+    selector instance (:mod:`sparsedecode.selectors`); it is held as an instance. Token-level selectors read exactly
+    ``support`` positions; an adaptive one reads at most the support. ``seed`` is the session's seed (random-blocks
+    draws with it). ``audit`` turns on the omitted-mass audit of :mod:`sparsedecode.diagnostics`, which
     costs one dense attention pass per sparse step; off, nothing beyond the support is ever read. ``kernel``
     picks the attention implementation (:data:`KERNELS`); it changes speed, not what is read.
 
@@ -41,7 +39,7 @@ class SparseConfig:
     window: int = 64
     block_size: int = 16
     reuse: int = 1
-    selector: str = "mean-pooled"
+    selector: str | Selector = "mean-pooled"
     audit: bool = False
     seed: int = 0
     kernel: str = "auto"
@@ -64,23 +62,29 @@ class SparseConfig:
                 f"support {self.support} is smaller than anchor + window = {1 + self.window}; "
                 f"use support >= {1 + self.window} or a smaller window"
             )
-        if self.selector not in SELECTORS:
-            raise SparseDecodeError(f"unknown selector {self.selector!r}; choose one of: {', '.join(SELECTORS)}")
+        from .selectors.registry import resolve_selector
+
+        object.__setattr__(self, "selector", resolve_selector(self.selector))
         if not isinstance(self.audit, bool):
             raise SparseDecodeError(f"audit must be True or False, got {self.audit!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63:
             raise SparseDecodeError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if self.kernel not in KERNELS:
             raise SparseDecodeError(f"unknown kernel {self.kernel!r}; choose one of: {', '.join(KERNELS)}")
-        if self.kernel in ("c", "triton") and self.selector in TOKEN_SELECTORS:
+        if self.kernel in ("c", "triton") and (self.token_level or self.selector.adaptive):
             raise SparseDecodeError(
-                f"kernel {self.kernel!r} serves block selectors only; {self.selector} steps run as torch operations: "
-                "use kernel='auto' or 'torch'"
+                f"kernel {self.kernel!r} serves block selectors with a fixed budget only; {self.selector_name} steps "
+                "run as torch operations: use kernel='auto' or 'torch'"
             )
 
     @property
     def token_level(self) -> bool:
-        return self.selector in TOKEN_SELECTORS
+        return self.selector.token_level
+
+    @property
+    def selector_name(self) -> str:
+        """The selector's spec string (name and changed parameters), as rows store it."""
+        return self.selector.spec()
 
     @property
     def blocks(self) -> int:
@@ -90,8 +94,6 @@ class SparseConfig:
     @property
     def distant_positions(self) -> int:
         """Distant positions kept per KV head: ``b * B`` for block selectors, ``S - 1 - W`` for token ones."""
-        if self.selector == "streaming":
-            return 0
         return self.support - 1 - self.window if self.token_level else self.blocks * self.block_size
 
     @property
@@ -100,4 +102,12 @@ class SparseConfig:
         return self.support if self.token_level else 1 + self.window + self.blocks * self.block_size
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "blocks": self.blocks, "effective_support": self.effective_support}
+        """Plain JSON: the fields (the selector as its spec string), its parameters (and a file's sha256), ``b`` and
+        the effective support."""
+        plain = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {
+            **plain,
+            **self.selector.record(),
+            "blocks": self.blocks,
+            "effective_support": self.effective_support,
+        }

@@ -38,7 +38,8 @@ import torch
 
 from .attention import StepView
 from .files import atomic_path
-from .selectors import BlockLayout, top_blocks
+from .layout import BlockLayout
+from .selectors.ops import top_blocks
 
 WARNING_MATCH_PERCENT = 70.0
 WARNING_NOTE = (

@@ -25,6 +25,12 @@ class BlockLayout:
     n: int
     window: int
     block_size: int
+    layer: int = 0
+    """The layer the step belongs to (selectors that draw, such as random-blocks, salt their seed with it)."""
+    scale: float | None = None
+    """The attention's scale (``1/sqrt(d)`` unless the model says otherwise), for selectors that reproduce attention."""
+    seed: int = 0
+    """The session's seed (:attr:`~sparsedecode.config.SparseConfig.seed`)."""
 
     @property
     def distant_end(self) -> int:

@@ -532,14 +532,14 @@ def dense_retrieval_lines(rows: list[dict]) -> list[str]:
 
 
 def _selectors_command(settings: dict) -> str:
-    from .config import SELECTORS
+    from .selectors import selector_names
 
     selectors = settings["selectors"]
     return (
         f"sparsedecode compare-selectors --model {settings['model']} --context "
         f"{','.join(map(str, settings['context']))} --support {','.join(map(str, settings['support']))} --prompts "
         f"{settings['prompts']} --tokens {settings['tokens']}"
-        + ("" if list(selectors) == list(SELECTORS) else f" --selectors {','.join(selectors)}")
+        + ("" if list(selectors) == list(selector_names()) else f" --selectors {','.join(selectors)}")
         + (" --audit" if settings.get("audit") else "")
         + (f" --retrieval {settings['retrieval']}" if settings.get("retrieval") else "")
         + (f" --batch {settings['batch']}" if settings.get("batch", 1) > 1 else "")

@@ -149,7 +149,7 @@ def generate(
     started = time.perf_counter()
     with dense_attention(model):  # dense, and unseen by a session the caller has open on this model
         cache, logits = prefill(model, input_ids, progress=progress, cache=GrowingCache(config=model.config))
-    history = prefill_history(model, input_ids) if mode != "dense" and cfg.selector == "h2o" else None
+    history = prefill_history(model, input_ids) if mode != "dense" and cfg.selector.uses_history else None
     prefill_s = time.perf_counter() - started
     first = int(logits.argmax())
     started = time.perf_counter()
@@ -391,7 +391,7 @@ def generate_batch(
     with dense_attention(model):  # as for one prompt
         logits = batching.prefill(model, ids, mask, cache, progress=progress)
     histories = None
-    if mode == "sparse" and cfg.selector == "h2o":
+    if mode == "sparse" and cfg.selector.uses_history:
         histories = [prefill_history(model, ids[i : i + 1, ids.shape[1] - n :]) for i, n in enumerate(lengths)]
     prefill_s = time.perf_counter() - started
     first = logits.argmax(dim=-1).tolist()

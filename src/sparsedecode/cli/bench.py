@@ -13,6 +13,7 @@ from ..errors import SparseDecodeError
 from .common import (
     DRAFT_TOKENS,
     DTYPES,
+    SELECTOR_FORMS,
     Parser,
     add_model_args,
     at_least_one,
@@ -26,6 +27,7 @@ from .common import (
     positive_seconds,
     progress_bars,
     quiet_transformers,
+    selector_arg,
 )
 from .outputs import check_output_file, inputs_of, write_json
 
@@ -65,7 +67,7 @@ def add_parsers(sub) -> None:
     op.add_argument("--context", type=int_list, default=list(DEFAULT_CONTEXTS))
     op.add_argument("--support", type=int_list, default=list(DEFAULT_SUPPORTS))
     op.add_argument("--dtype", default="float32", choices=DTYPES)
-    op.add_argument("--selector", default="mean-pooled", help="any selector (see `run --help`)")
+    op.add_argument("--selector", type=selector_arg, default="mean-pooled", help=SELECTOR_FORMS)
     op.add_argument(
         "--budget", type=positive_seconds, default=0.6, help="seconds of calls per timing, > 0 (at least 10 calls)"
     )

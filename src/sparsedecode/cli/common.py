@@ -97,10 +97,11 @@ def float_list(text: str) -> list[float]:
     return values
 
 
-def comma_list(text: str, kind, what: str) -> list:
+def comma_list(text: str, kind, what: str, *, split=None) -> list:
     """``text``'s comma-separated items, each through ``kind`` (a ``ValueError`` names the list, an
-    ``ArgumentTypeError`` speaks for itself), refusing empty items and repeated values."""
-    parts = [part.strip() for part in text.split(",")]
+    ``ArgumentTypeError`` speaks for itself), refusing empty items and repeated values. ``split`` cuts the text into
+    items (default: at every comma)."""
+    parts = [part.strip() for part in (split(text) if split else text.split(","))]
     if not any(parts):
         raise argparse.ArgumentTypeError(f"expected at least one of the comma-separated {what}")
     if not all(parts):
@@ -146,21 +147,36 @@ def _number(text: str, kind, holds, expected: str):
     return value
 
 
+SELECTOR_FORMS = (
+    "a selector: a registered name (`sparsedecode selectors` lists them), NAME:key=value,... to set its parameters, "
+    "or path/to/file.py:ClassName[:key=value,...] for a class of your own"
+)
+
+
+def selector_arg(text: str) -> str:
+    """``--selector``: a name, ``NAME:key=value,...`` or ``path.py:Class[:...]``, as its canonical spec string."""
+    from ..errors import SparseDecodeError
+    from ..selectors import resolve_selector
+
+    try:
+        return resolve_selector(text).spec()
+    except SparseDecodeError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def selector_list(text: str) -> tuple[str, ...]:
-    """``--selectors A,B,C``, or ``all`` alone: known names, each once."""
-    from ..config import SELECTORS
+    """``--selectors A,B:k=v,C``, or ``all`` alone (every registered selector): each once."""
+    from ..selectors import selector_names, split_selector_list
 
     if text.strip() == "all":
-        return SELECTORS
+        return selector_names()
 
     def known(name: str) -> str:
         if name == "all":
             raise argparse.ArgumentTypeError("all stands alone (it means every selector); or name the selectors")
-        if name not in SELECTORS:
-            raise argparse.ArgumentTypeError(f"unknown selector {name!r}; choose one of: {', '.join(SELECTORS)}")
-        return name
+        return selector_arg(name)
 
-    return tuple(comma_list(text, known, "selector names"))
+    return tuple(comma_list(text, known, "selectors", split=split_selector_list))
 
 
 def path_arg(text: str) -> Path:
@@ -191,7 +207,7 @@ def add_prompt_args(parser: argparse.ArgumentParser, *, tokens: int) -> None:
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--reuse", type=int, default=1, help="selection reuse interval R (1 = fresh each step)")
-    parser.add_argument("--selector", default="mean-pooled")
+    parser.add_argument("--selector", type=selector_arg, default="mean-pooled", help=SELECTOR_FORMS)
     parser.add_argument("--tokens", type=int, default=tokens, help="greedy tokens T per run")
     parser.add_argument("--prompt-index", type=int, default=0)
 
@@ -431,11 +447,14 @@ def _kernel_in_use(dtype: str, selector: str, shape: tuple[int, int, int, int] |
     import torch
 
     from .. import kernels
-    from ..config import TOKEN_SELECTORS
     from ..layout import BlockLayout
+    from ..selectors import resolve_selector
 
-    if selector in TOKEN_SELECTORS:
+    method = resolve_selector(selector)
+    if method.token_level:
         return "sparse steps: torch operations (token-level selector)"
+    if method.adaptive:
+        return "sparse steps: torch operations (adaptive budget)"
     query_heads, kv_heads, d, dv = shape or (2, 1, 16, 16)
     kind = getattr(torch, dtype)
     q = torch.zeros(query_heads, d, dtype=kind)
@@ -443,7 +462,7 @@ def _kernel_in_use(dtype: str, selector: str, shape: tuple[int, int, int, int] |
     reason = kernels.refusals(q, keys, values, BlockLayout(n=128, window=64, block_size=16))["c"]
     if reason is not None:
         return f"sparse steps: torch operations (the C kernel cannot serve: {reason})"
-    if selector != "mean-pooled":
+    if method.kernel_scoring != "mean-dot":
         return "sparse steps: torch selection, C kernel attention"
     return "sparse steps: C kernel"
 

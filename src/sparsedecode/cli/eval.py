@@ -28,6 +28,7 @@ from .common import (
     path_arg,
     quiet_transformers,
     run_hooks,
+    selector_list,
     shard_arg,
 )
 from .outputs import check_output_folder, inputs_of
@@ -57,7 +58,9 @@ def add_eval_parser(sub, *, int_list, add_model_args) -> argparse.ArgumentParser
     parser.add_argument("--tasks", default="all", help="comma-separated task names, or all")
     parser.add_argument("--context", type=int_list, default=[4096], help="prompt lengths in the model's tokens")
     parser.add_argument("--samples", type=int, default=5, help="samples per task and context")
-    parser.add_argument("--selectors", default="mean-pooled", help="comma-separated selectors, or all")
+    parser.add_argument(
+        "--selectors", type=selector_list, default=("mean-pooled",), help="comma-separated selectors, or all"
+    )
     parser.add_argument("--support", type=int_list, default=[193], help="supports S, comma-separated")
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
@@ -74,7 +77,6 @@ def add_eval_parser(sub, *, int_list, add_model_args) -> argparse.ArgumentParser
 
 
 def eval_spec(args):
-    from ..config import SELECTORS
     from ..experiments.eval_spec import EvalSpec
     from ..experiments.ruler import TASK_NAMES
 
@@ -84,7 +86,7 @@ def eval_spec(args):
         tasks=_names(args.tasks, TASK_NAMES, "tasks"),
         contexts=tuple(args.context),
         samples=args.samples,
-        selectors=_names(args.selectors, SELECTORS, "selectors"),
+        selectors=args.selectors,
         supports=tuple(args.support),
         window=args.window,
         block_size=args.block_size,

@@ -7,6 +7,7 @@ from pathlib import Path
 from rich.table import Table
 
 from .common import (
+    SELECTOR_FORMS,
     Parser,
     add_model_args,
     add_prompt_args,
@@ -21,6 +22,7 @@ from .common import (
     prepare,
     progress_bars,
     run_settings,
+    selector_arg,
 )
 from .outputs import atomic_path, check_output_folder, inputs_of, write_json
 
@@ -43,7 +45,7 @@ def add_parsers(sub) -> None:
     retrieval.add_argument("--window", type=int, default=64)
     retrieval.add_argument("--block-size", type=int, default=16)
     retrieval.add_argument("--reuse", type=int, default=1)
-    retrieval.add_argument("--selector", default="mean-pooled")
+    retrieval.add_argument("--selector", type=selector_arg, default="mean-pooled", help=SELECTOR_FORMS)
     retrieval.add_argument("--haystack", default="filler", help="filler (repeated sentences), or a corpus name/path")
     retrieval.add_argument("--digits", type=int, default=5, help="passkey length")
     retrieval.add_argument("--answer-tokens", type=int, default=8)

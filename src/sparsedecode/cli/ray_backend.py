@@ -216,7 +216,9 @@ class RayPool:
         self.actors: list = []
 
     def _start(self):
-        actor = self._actor.remote(self.model, self.dtype, self.threads)
+        from ..selectors.registry import loaded_sources
+
+        actor = self._actor.remote(self.model, self.dtype, self.threads, loaded_sources())
         self.actors.append(actor)
         return actor
 
@@ -313,10 +315,13 @@ class Worker:
     command stops with that line; ``("rows", rows)`` otherwise.
     """
 
-    def __init__(self, model: str, dtype: str, threads: int):
+    def __init__(self, model: str, dtype: str, threads: int, sources: dict | None = None):
         import torch
 
+        from ..selectors.registry import provide_sources
+
         torch.set_num_threads(threads)
+        provide_sources(sources)  # the driver's selector files, whatever this machine holds at their paths
         self.units = 0
         self.loaded = None
         self.failed = None

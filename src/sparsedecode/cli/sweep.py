@@ -6,6 +6,7 @@ import time
 
 from ..errors import SparseDecodeError
 from .common import (
+    SELECTOR_FORMS,
     add_backend_args,
     add_model_args,
     check_backend_args,
@@ -17,6 +18,7 @@ from .common import (
     path_arg,
     progress_bars,
     run_hooks,
+    selector_arg,
     selector_list,
     shard_arg,
 )
@@ -30,7 +32,9 @@ def add_parsers(sub) -> None:
     sweep.add_argument("--context", type=int_list, default=[2048], help="prompt lengths, comma-separated")
     sweep.add_argument("--support", type=int_list, default=[97, 193, 385, 769], help="supports S, comma-separated")
     sweep.add_argument("--reuse", type=int_list, default=[1], help="selection reuse intervals R, comma-separated")
-    sweep.add_argument("--selector", default=None, help="one selector (default mean-pooled)")
+    sweep.add_argument(
+        "--selector", type=selector_arg, default=None, help=f"one selector (default mean-pooled): {SELECTOR_FORMS}"
+    )
     sweep.add_argument(
         "--selectors",
         type=selector_list,

@@ -38,7 +38,8 @@ from ..centroids import BlockCentroids
 from ..compare import Progress, crop_cache, greedy_decode, prefill
 from ..config import SparseConfig
 from ..errors import SparseDecodeError
-from ..selectors import STAT_KINDS, BlockLayout, select_blocks, select_positions
+from ..layout import BlockLayout
+from ..selectors import resolve_selector, select_blocks, select_positions
 from ..speculative import lossless_decode
 
 SHAPES = {
@@ -167,8 +168,9 @@ def _op_layer(
     keys = torch.randn(1, kv_heads, n, d, generator=generator).to(device, dtype)
     values = torch.randn(1, kv_heads, n, d, generator=generator).to(device, dtype)
     query = torch.randn(1, query_heads, 1, d, generator=generator).to(device, dtype)
-    centroids = BlockCentroids(layout.block_size, STAT_KINDS.get(selector, ("mean",)))
-    if selector in STAT_KINDS:
+    statistics = resolve_selector(selector).statistics
+    centroids = BlockCentroids(layout.block_size, statistics or ("mean",))
+    if statistics:
         centroids.update(keys[0], layout.n_full)
     return OpLayer(query, keys, values, centroids)
 
@@ -176,7 +178,8 @@ def _op_layer(
 def _layer_bytes(n: int, dims: tuple[int, int, int], element: int, selector: str, layout: BlockLayout) -> int:
     """Memory one :class:`OpLayer` holds: query, keys, values and (block statistics selectors) the statistics."""
     query_heads, kv_heads, d = dims
-    statistics = kv_heads * layout.n_full * len(STAT_KINDS[selector]) * d * 4 if selector in STAT_KINDS else 0
+    kinds = resolve_selector(selector).statistics
+    statistics = kv_heads * layout.n_full * len(kinds) * d * 4
     return (2 * kv_heads * n + query_heads) * d * element + statistics
 
 
@@ -283,24 +286,24 @@ def _fresh_step(session, state, query, keys, values, n, scale):
 def _op_bytes(cfg: SparseConfig, n: int, kv_heads: int, query_heads: int, d: int, element: int) -> tuple[int, int]:
     """Bytes one call must read: dense = all keys and values; sparse = what selection reads + support K/V.
 
-    Selection reads: float32 block statistics and the tail keys for ``mean-pooled`` (one statistic) and ``quest``
-    (two); every key for the oracles; H2O's float32 history (one value per position); nothing for random blocks and
-    streaming.
+    Selection reads: float32 block statistics and the tail keys for a selector handed statistics (one per
+    statistic: mean-pooled one, quest two); a float32 history (one value per position) for one handed a history (H2O);
+    otherwise its share of every key (:meth:`~sparsedecode.selectors.Selector.key_fraction`: all of it for the
+    oracles, none for random blocks and streaming).
     """
     layout = BlockLayout(n=n, window=cfg.window, block_size=cfg.block_size)
     query = query_heads * d * element
     dense = 2 * kv_heads * n * d * element + query
     support = 2 * kv_heads * cfg.effective_support * d * element
-    if cfg.selector in STAT_KINDS:
+    selector = cfg.selector
+    if selector.statistics:
         tail = (layout.distant_end - 1 - layout.n_full * cfg.block_size) * kv_heads * d * element
-        statistics = kv_heads * layout.n_full * len(STAT_KINDS[cfg.selector]) * d * 4
+        statistics = kv_heads * layout.n_full * len(selector.statistics) * d * 4
         selection = statistics + tail
-    elif cfg.selector in ("oracle-blocks", "oracle-tokens"):
-        selection = kv_heads * n * d * element
-    elif cfg.selector == "h2o":
+    elif selector.uses_history:
         selection = kv_heads * n * 4
     else:
-        selection = 0
+        selection = round(kv_heads * n * d * element * selector.key_fraction(d))
     return dense, selection + support + query
 
 
@@ -406,7 +409,8 @@ def bench_op(
                 state = LayerState(index, layer.centroids)
                 wholes.append(partial(_fresh_step, session, state, layer.query, layer.keys, layer.values, n, scale))
                 if cfg.token_level:
-                    history = state.history_until(n, k.shape[0], k.device).uniform_() if selector == "h2o" else None
+                    uses_history = cfg.selector.uses_history
+                    history = state.history_until(n, k.shape[0], k.device).uniform_() if uses_history else None
                     select = partial(select_positions, cfg, q, k, layout, scale=scale, accumulated=history)
                     attends.append(partial(attend_positions, q, k, v, select(), scale))
                 else:

@@ -69,6 +69,10 @@ class EvalSpec(Spec):
             if len(set(values)) != len(values):
                 raise SparseDecodeError(f"{name} lists a value twice: {', '.join(map(str, values))}")
         selectors = (self.selectors,) if isinstance(self.selectors, str) else tuple(self.selectors)
+        if DENSE not in selectors:
+            from .specs import canonical_selectors
+
+            selectors = canonical_selectors(selectors)
         object.__setattr__(self, "selectors", selectors)
         if not selectors or len(set(selectors)) != len(selectors) or DENSE in selectors:
             raise SparseDecodeError(f"selectors must be distinct selector names (dense always runs), got {selectors!r}")
@@ -96,7 +100,7 @@ class EvalSpec(Spec):
         return [(t, c, s) for s in range(self.samples) for c in self.contexts for t in self.tasks]
 
     def group_keys(self, group: Group) -> list[RunKey]:
-        return [(*group, DENSE, None), *((*group, cfg.selector, cfg.support) for cfg in self.configs())]
+        return [(*group, DENSE, None), *((*group, cfg.selector_name, cfg.support) for cfg in self.configs())]
 
     def keys(self) -> list[RunKey]:
         return [key for group in self.groups() for key in self.group_keys(group)]

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from ..attention import sparse_decoding
+from ..attention import prefill_history, sparse_decoding
 from ..compare import Progress, crop_cache, prefill
 from ..config import SparseConfig
 from ..errors import SparseDecodeError
@@ -39,6 +39,7 @@ from ..files import write_json_atomic
 from .environment import environment
 from .eval_spec import DENSE, KEY_FIELDS, EvalSpec, Group, RunKey
 from .ruler import GENERATOR_VERSION, Sample, build_sample, score
+from .specs import check_selector_files, selector_files
 from .sweep import (
     RUNS_FILE,
     MergeOutcome,
@@ -96,10 +97,12 @@ def eos_ids(model, tokenizer) -> set[int]:
 
 
 @torch.no_grad()
-def answer(model, tokenizer, sample: Sample, cache, cfg: SparseConfig | None, *, stop: set[int]) -> dict:
+def answer(model, tokenizer, sample: Sample, cache, cfg: SparseConfig | None, *, stop: set[int], history=None) -> dict:
     """Feed the question tail token by token and decode the answer greedily, densely (``cfg=None``) or sparsely.
 
-    ``cache`` holds exactly ``sample.ids[:question_start]`` and is cropped back to it afterwards.
+    ``cache`` holds exactly ``sample.ids[:question_start]`` and is cropped back to it afterwards; ``history`` is the
+    attention history of that prefill (:func:`~sparsedecode.attention.prefill_history`), which a selector with
+    ``uses_history`` (H2O) needs.
     """
     device = next(model.parameters()).device
 
@@ -111,6 +114,8 @@ def answer(model, tokenizer, sample: Sample, cache, cfg: SparseConfig | None, *,
     generated: list[int] = []
     reason = "length"
     with sparse_decoding(model, cfg) if cfg is not None else contextlib.nullcontext() as session:
+        if cfg is not None and cfg.selector.uses_history:
+            session.adopt_history(cache, history)
         for token in sample.ids[sample.question_start :]:
             logits = step(token)
         while len(generated) < sample.max_new_tokens:
@@ -148,6 +153,7 @@ def make_row(key: RunKey, sample: Sample, cfg: SparseConfig | None, result: dict
         "window": None if cfg is None else cfg.window,
         "block_size": None if cfg is None else cfg.block_size,
         "reuse": None if cfg is None else cfg.reuse,
+        **({} if cfg is None else {k: v for k, v in cfg.selector.record().items() if k != "selector"}),
         "prompt_tokens": sample.tokens,
         "prefill_tokens": sample.question_start,
         "question_tokens": sample.question_tokens,
@@ -179,9 +185,8 @@ def run_sample(
     ``stored_dense`` is a dense row written earlier for this sample: its output must match today's.
     """
     started = time.perf_counter()
-    cache, _ = prefill(
-        model, torch.tensor([sample.ids[: sample.question_start]], device=next(model.parameters()).device)
-    )
+    cache_device = next(model.parameters()).device
+    cache, _ = prefill(model, torch.tensor([sample.ids[: sample.question_start]], device=cache_device))
     prefill_s = time.perf_counter() - started
     stop = eos_ids(model, tokenizer)
     dense = answer(model, tokenizer, sample, cache, None, stop=stop)
@@ -193,10 +198,12 @@ def run_sample(
             "stored (another tokenizer, thread count, library version or machine?): rerun where the rows were made, "
             "or remove that sample's rows from runs.jsonl to redo it"
         )
-    rows = []
+    rows, history = [], None
     for key in keys:
         cfg = None if key[3] == DENSE else configs[(key[3], key[4])]
-        result = dense if cfg is None else answer(model, tokenizer, sample, cache, cfg, stop=stop)
+        if cfg is not None and cfg.selector.uses_history and history is None:
+            history = prefill_history(model, torch.tensor([sample.ids[: sample.question_start]], device=cache_device))
+        result = dense if cfg is None else answer(model, tokenizer, sample, cache, cfg, stop=stop, history=history)
         extra = (
             {}
             if cfg is None
@@ -415,6 +422,10 @@ def run_eval(
             }
         else:
             check_meta(directory, meta, spec, corpus, shard)
+        files = selector_files(spec.selectors)  # a selector file's sha256: a changed file is refused
+        check_selector_files(directory, meta.get("selector_files"), files)
+        if files:
+            meta["selector_files"] = {**meta.get("selector_files", {}), **files}
         session = _session(shard, environment(model))
         if execute is not None:
             session["backend"] = execute.description
@@ -436,7 +447,7 @@ def run_eval(
         outcome = SweepOutcome(directory, total, done_before, 0, rows)
         if on_start:
             on_start(done_before, total)
-        configs = {(cfg.selector, cfg.support): cfg for cfg in spec.configs()}
+        configs = {(cfg.selector_name, cfg.support): cfg for cfg in spec.configs()}
 
         def keep(row: dict) -> None:
             record()

@@ -56,7 +56,7 @@ def mass_probe(
         cache, logits = prefill(model, prompt_ids, progress=progress)
         first = int(logits.argmax())
     audit = MassAudit()
-    history = prefill_history(model, prompt_ids) if cfg.selector == "h2o" else None  # H2O's, of the prefill
+    history = prefill_history(model, prompt_ids) if cfg.selector.uses_history else None  # H2O's, of the prefill
     with sparse_decoding(model, cfg) as session:
         if history is not None:
             session.adopt_history(cache, history)

@@ -170,7 +170,7 @@ def answer(
     with sparse_decoding(model, cfg) if cfg is not None else contextlib.nullcontext() as session:
         if session is not None:
             session.observers.extend([audit, needle])
-            if cfg.selector == "h2o":  # H2O keeps the attention history of the prefill
+            if cfg.selector.uses_history:  # H2O keeps the attention history of the prefill
                 session.adopt_history(cache, history or prefill_history(model, prompt.ids[:, : prompt.question_start]))
         logits = None
         for token in question:
@@ -187,7 +187,7 @@ def answer(
     audit_summary = summarize_audit(audit.arrays()) if audit.steps else {}
     return {
         "mode": "dense" if cfg is None else "sparse",
-        "selector": None if cfg is None else cfg.selector,
+        "selector": None if cfg is None else cfg.selector_name,
         "support": None if cfg is None else cfg.support,
         "effective_support": None if cfg is None else cfg.effective_support,
         "answer_ids": generated,
@@ -235,7 +235,7 @@ def run_trial(
     """
     started = time.perf_counter()
     cache, _ = prefill(model, prompt.ids[:, : prompt.question_start])
-    wants_history = any(cfg.selector == "h2o" for cfg in configs)
+    wants_history = any(cfg.selector.uses_history for cfg in configs)
     history = prefill_history(model, prompt.ids[:, : prompt.question_start]) if wants_history else None
     prefill_s = time.perf_counter() - started
     results = []

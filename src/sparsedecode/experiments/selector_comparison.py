@@ -27,26 +27,21 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..compare import Progress, compare, compare_batch, dense_reference, dense_references, upgrade_row
-from ..config import SELECTORS, SparseConfig
+from ..config import SparseConfig
 from ..errors import SparseDecodeError
+from ..selectors import resolve_selector
 from .bench import bench_op
 from .corpus import prompt_ids
 from .retrieval import run_trial, trial_prompt
 from .summary import dense_by_construction
 from .work import Executor
 
+BUILTIN_SELECTORS = ("mean-pooled", "quest", "oracle-blocks", "random-blocks", "oracle-tokens", "h2o", "streaming")
+"""The selectors compared when none are named: the seven the comparison was first run with (``--selectors all``
+on the command line adds every registered one)."""
+
 ANSWER_TOKENS = 8
 """Greedy answer tokens per retrieval trial (the retrieval probe's default)."""
-
-PRACTICAL = {
-    "mean-pooled": (True, "N/B float32 centroids (cached) + the tail block's keys"),
-    "quest": (True, "2N/B float32 per-channel min/max (cached) + the tail block's keys"),
-    "oracle-blocks": (False, "every key (true block attention mass): an upper reference"),
-    "oracle-tokens": (False, "every key (true per-position attention): an upper reference"),
-    "streaming": (True, "nothing: anchor + the last S - 1 positions"),
-    "random-blocks": (True, "nothing: b blocks drawn with a fixed seed (the floor)"),
-    "h2o": (True, "its history, N floats (attention received, prefill included): H2O's heavy hitters + window"),
-}
 
 
 @dataclass
@@ -153,7 +148,7 @@ def compare_selectors(
     supports: tuple[int, ...],
     prompts: int,
     tokens: int,
-    selectors: tuple[str, ...] = SELECTORS,
+    selectors: tuple[str, ...] | None = None,
     audit: bool = False,
     retrieval: int = 0,
     op_shape: tuple[int, int, int] | None = None,
@@ -171,6 +166,9 @@ def compare_selectors(
     """
     if not isinstance(retrieval, int) or retrieval < 0:
         raise SparseDecodeError(f"retrieval must be an integer >= 0 (trials per context), got {retrieval!r}")
+    from .specs import canonical_selectors
+
+    selectors = canonical_selectors(BUILTIN_SELECTORS if selectors is None else selectors)
     # Built first, so a context too short for the passkey prompt is refused before any run.
     passkey_prompts = {
         (context, trial): trial_prompt(tokenizer, context, depth, trial)
@@ -212,6 +210,15 @@ def compare_selectors(
     return rows, runs, trials
 
 
+def _describe(spec: str) -> tuple[bool | None, str]:
+    """Whether one could deploy the selector, and what its selection reads (from its class)."""
+    try:
+        selector = resolve_selector(spec)
+    except SparseDecodeError:  # a stored comparison of a selector file that is not here
+        return None, "unknown here (the selector cannot be imported)"
+    return selector.practical, selector.describe_reads()
+
+
 def summarize(
     runs: list[dict],
     trials: list[dict],
@@ -243,8 +250,8 @@ def summarize(
                 rows.append(
                     SelectorRow(
                         selector=selector,
-                        practical=PRACTICAL[selector][0],
-                        reads=PRACTICAL[selector][1],
+                        practical=_describe(selector)[0],
+                        reads=_describe(selector)[1],
                         context=context,
                         support=support,
                         runs=len(mine),

@@ -48,6 +48,38 @@ class Spec:
         return [f"{name}: {mine[name]!r} vs {theirs[name]!r}" for name in mine if mine[name] != theirs[name]]
 
 
+def canonical_selectors(specs) -> tuple[str, ...]:
+    """Each selector spec string as :meth:`~sparsedecode.selectors.Selector.spec` writes it (``top-p:p=0.90`` and
+    ``top-p:p=0.9`` are one selector), so folders, resumes and merges compare like with like."""
+    from ..selectors import resolve_selector
+
+    return tuple(resolve_selector(spec).spec() for spec in specs)
+
+
+def selector_files(specs) -> dict[str, str]:
+    """``{spec: sha256}`` of the selectors among ``specs`` that come from a file (``path.py:Class``)."""
+    from ..selectors import resolve_selector
+
+    found = {}
+    for spec in specs:
+        selector = resolve_selector(spec)
+        if selector.source is not None:
+            found[spec] = selector.source[1]
+    return found
+
+
+def check_selector_files(directory, stored: dict | None, now: dict) -> None:
+    """Refuse to add to ``directory`` runs of a selector file that changed since its stored runs."""
+    for spec, digest in now.items():
+        before = (stored or {}).get(spec)
+        if before is not None and before != digest:
+            raise SparseDecodeError(
+                f"{directory} holds runs of selector {spec} from a file whose sha256 was {before[:12]}..., and the "
+                f"file now has {digest[:12]}...: restore the file, give the changed one another name, or use another "
+                "--out"
+            )
+
+
 @dataclass(frozen=True)
 class SweepSpec(Spec):
     """Everything that defines a sweep's results (and nothing that does not, such as the output folder).
@@ -82,9 +114,10 @@ class SweepSpec(Spec):
             if len(set(values)) != len(values):
                 raise SparseDecodeError(f"{name} lists a value twice: {', '.join(map(str, values))}")
         selectors = (self.selectors,) if isinstance(self.selectors, str) else tuple(self.selectors)
-        object.__setattr__(self, "selectors", selectors)
         if not selectors or not all(isinstance(s, str) for s in selectors):
             raise SparseDecodeError(f"selectors must be a non-empty list of selector names, got {selectors!r}")
+        selectors = canonical_selectors(selectors)
+        object.__setattr__(self, "selectors", selectors)
         if len(set(selectors)) != len(selectors):
             raise SparseDecodeError(f"selectors lists a selector twice: {', '.join(selectors)}")
         if any(c < 1 for c in self.contexts):
@@ -119,7 +152,7 @@ class SweepSpec(Spec):
 
     def group_keys(self, group: Group) -> list[RunKey]:
         context, prompt = group
-        return [(context, prompt, cfg.support, cfg.reuse, cfg.selector) for cfg in self.configs()]
+        return [(context, prompt, cfg.support, cfg.reuse, cfg.selector_name) for cfg in self.configs()]
 
     def keys(self) -> list[RunKey]:
         """Every run of the sweep, in the order an unsharded sweep runs them."""
@@ -177,6 +210,9 @@ class RetrievalSpec(Spec):
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.selector, str):
+            raise SparseDecodeError(f"selector must be a selector name, got {self.selector!r}")
+        object.__setattr__(self, "selector", canonical_selectors((self.selector,))[0])
         for name in ("contexts", "depths", "supports"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
             if not getattr(self, name):

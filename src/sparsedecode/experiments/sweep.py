@@ -51,7 +51,7 @@ from ..errors import SparseDecodeError, naming
 from ..files import write_json_atomic, write_text_atomic
 from .corpus import check_context_fits, load_text, prompt_count, prompt_ids
 from .environment import environment
-from .specs import GRID_FIELDS, KEY_FIELDS, Group, RunKey, SweepSpec
+from .specs import GRID_FIELDS, KEY_FIELDS, Group, RunKey, SweepSpec, check_selector_files, selector_files
 from .work import Executor
 
 SPEC_FILE = "sweep.json"
@@ -147,6 +147,7 @@ AUDIT_FIELDS = (
     "selector_recall_per_head_best_mean",
     "captured_mass_ratio_per_head_best_mean",
 )
+SUPPORT_READ_FIELDS = ("support_read_mean", "support_read_min", "support_read_max")
 TOKEN_FIELDS = ("dense_tokens", "sparse_tokens", "teacher_forced_tokens")
 TIMING_FIELDS = ("prefill_s", "dense_decode_s", "sparse_decode_s", "teacher_forced_s")
 
@@ -170,7 +171,10 @@ def make_row(key: RunKey, result: CompareResult, *, run_s: float, audit: bool = 
         "window": settings["window"],
         "block_size": settings["block_size"],
         "tokens": result.tokens,
+        "selector_params": settings.get("selector_params", {}),
     }
+    if "selector_sha256" in settings:
+        row["selector_sha256"] = settings["selector_sha256"]
     row.update({name: getattr(result, name) for name in RESULT_FIELDS})
     row.update({name: result.certificate.get(name) for name in CERTIFICATE_FIELDS})
     if audit:
@@ -179,6 +183,7 @@ def make_row(key: RunKey, result: CompareResult, *, run_s: float, audit: bool = 
     row.update({name: getattr(result, name) for name in TIMING_FIELDS})
     row["run_s"] = run_s
     row["first_divergence_convention"] = result.first_divergence_convention
+    row.update({name: getattr(result, name) for name in SUPPORT_READ_FIELDS})
     return row
 
 
@@ -458,6 +463,10 @@ def run_sweep(
             extended = check_meta(directory, meta, spec, corpus, shard)
             if extended:
                 meta["spec"] = spec.to_dict()
+        files = selector_files(spec.selectors)  # a selector file's sha256: a changed file is refused
+        check_selector_files(directory, meta.get("selector_files"), files)
+        if files:
+            meta["selector_files"] = {**meta.get("selector_files", {}), **files}
         session = _session(shard, environment(model))
         if batch > 1:
             session["batch"] = batch
@@ -478,7 +487,7 @@ def run_sweep(
         outcome = SweepOutcome(directory, total, done_before, 0, rows, extended)
         if on_start:
             on_start(done_before, total)
-        configs = {(cfg.support, cfg.reuse, cfg.selector): cfg for cfg in spec.configs()}
+        configs = {(cfg.support, cfg.reuse, cfg.selector_name): cfg for cfg in spec.configs()}
         if batch > 1:
             _run_batched(
                 spec, directory, groups, done, rows, outcome, configs, model, tokenizer, batch, progress, on_row
@@ -563,7 +572,7 @@ def run_group(
     reference = dense_reference(model, ids, tokens=spec.tokens, progress=progress)
     if check_reference:
         check_reference(reference.tokens)
-    configs = {(cfg.support, cfg.reuse, cfg.selector): cfg for cfg in spec.configs()}
+    configs = {(cfg.support, cfg.reuse, cfg.selector_name): cfg for cfg in spec.configs()}
     made = []
     for key in keys:
         started = time.perf_counter()

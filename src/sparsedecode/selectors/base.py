@@ -1,0 +1,224 @@
+"""The selector protocol (DESIGN.md section 8): what a user implements to have a method judged.
+
+A selector decides which distant positions a decode step reads. Everything else is the library's and the same for
+every selector: the anchor and the window, top-``b`` blocks (or top positions) with the tie rule (higher score first,
+ties to the lowest index), reuse ``R``, batches, sessions, the audit and the certificate, the kernels, lossless
+drafting and every report. A selector is a frozen dataclass whose fields are its parameters::
+
+    @dataclass(frozen=True)
+    class MaxKeyBlocks(BlockSelector):
+        '''Blocks by their largest logit under the group-mean query (cite the method's paper here).'''
+
+        name = "max-key"
+
+        def score_blocks(self, queries, keys, layout):
+            # queries (query_heads, d), keys (kv_heads, N, d), both post-RoPE -> (kv_heads, layout.n_blocks)
+            q = group_mean_queries(queries, keys.shape[0])
+            logits = torch.einsum("hd,hnd->hn", q, keys.float())[:, 1 : layout.distant_end]
+            padded = torch.nn.functional.pad(logits, (0, layout.n_blocks * layout.block_size - logits.shape[1]),
+                                             value=float("-inf"))
+            return padded.view(keys.shape[0], layout.n_blocks, -1).amax(dim=-1)
+
+Capabilities some selectors need are class attributes, read by the library; it never tests a selector's name:
+
+* ``statistics`` (block selectors): block statistics the session keeps incrementally (``"mean"``, ``"min"``,
+  ``"max"``); such a selector receives a dict of ``(kv_heads, n_blocks, d)`` float32 tensors, one per statistic
+  (the short last block included), instead of the keys, so a step reads ``N / B`` statistics, never ``N`` keys.
+* ``uses_history`` (token selectors): receives the attention every position received from the earlier queries of
+  the sequence, ``(kv_heads, N)`` (H2O's heavy hitters), instead of the keys.
+* ``reads_every_key``: the selector reads every key at every selection (the oracles): a reference that bounds what
+  selection could do, not a method one could deploy; the audit, ``bench op`` and the docs say so.
+* ``reselects_every_step``: the choice is a function of ``N`` alone (StreamingLLM), made afresh at every step
+  whatever the reuse interval.
+* ``kernel_scoring``: the name of a scoring rule the fast kernels implement themselves (``"mean-dot"``:
+  ``<group-mean query, block mean key> / sqrt(d)``); a subclass that overrides :meth:`BlockSelector.score_blocks`
+  loses it unless it sets it again.
+* adaptive budgets: a block selector that overrides :meth:`BlockSelector.budget` may read fewer than ``b`` blocks
+  per KV head; rows then report the support read per step (mean, min, max).
+
+``layout`` is the step's :class:`~sparsedecode.layout.BlockLayout`: ``n`` positions (the current token included),
+the window, the blocks, and the layer index, the attention scale and the session's seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from ..errors import SparseDecodeError
+
+if TYPE_CHECKING:  # the protocol imports no torch, so naming a selector on the command line stays cheap
+    import torch
+
+    from ..layout import BlockLayout
+
+STATISTICS = ("mean", "min", "max")
+
+
+@dataclass(frozen=True)
+class Selector:
+    """What every selector has: a name, parameters (the dataclass fields) and capabilities (class attributes)."""
+
+    name: ClassVar[str] = ""
+    """The registered name (:func:`~sparsedecode.selectors.registry.register_selector`); the class name if empty."""
+    statistics: ClassVar[tuple[str, ...]] = ()
+    uses_history: ClassVar[bool] = False
+    reads_every_key: ClassVar[bool] = False
+    reselects_every_step: ClassVar[bool] = False
+    kernel_scoring: ClassVar[str | None] = None
+    level: ClassVar[str] = ""
+    """``"block"`` or ``"token"``: set by :class:`BlockSelector` and :class:`TokenSelector`."""
+    reads: ClassVar[str] = ""
+    """What a selection reads, in words (tables print it); derived from the capabilities when empty."""
+    source: ClassVar[tuple[str, str] | None] = None
+    """For a class imported from a file (``path.py:Class``): the path as given and the file's sha256."""
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        overrides = "score_blocks" in cls.__dict__ or "score_positions" in cls.__dict__
+        if overrides and "kernel_scoring" not in cls.__dict__:
+            cls.kernel_scoring = None  # the kernels implement the parent's scores, not this class's
+        for kind in cls.statistics:
+            if kind not in STATISTICS:
+                raise SparseDecodeError(f"{cls.__name__}: unknown block statistic {kind!r}; known: {STATISTICS}")
+
+    def __reduce_ex__(self, protocol):
+        """A selector from a file pickles with the file's content, so a worker elsewhere (Ray) rebuilds the same
+        class even where the path does not exist; other selectors pickle as usual (by their module)."""
+        if self.source is None:
+            return super().__reduce_ex__(protocol)
+        from .registry import _FILES, rebuild_file_selector
+
+        location, digest = self.source
+        text = _FILES[(location, digest)][0]
+        return rebuild_file_selector, (location, digest, text, type(self).__name__, self.params())
+
+    @classmethod
+    def selector_name(cls) -> str:
+        return cls.name or cls.__name__
+
+    def params(self) -> dict:
+        """The parameters, field by field, as given."""
+        return (
+            {f.name: getattr(self, f.name) for f in dataclasses.fields(self)} if dataclasses.is_dataclass(self) else {}
+        )
+
+    def changed_params(self) -> dict:
+        """The parameters that differ from their defaults (what a spec string names)."""
+        changed = {}
+        for f in dataclasses.fields(self) if dataclasses.is_dataclass(self) else ():
+            default = f.default if f.default is not dataclasses.MISSING else dataclasses.MISSING
+            if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+                default = f.default_factory()  # type: ignore[misc]
+            value = getattr(self, f.name)
+            if default is dataclasses.MISSING or value != default or type(value) is not type(default):
+                changed[f.name] = value
+        return changed
+
+    def spec(self) -> str:
+        """The selector as the command line names it: ``name[:key=value,...]`` or ``path.py:Class[:key=value,...]``
+        (changed parameters only, in field order); stored in every row, so two parameterisations differ."""
+        base = f"{self.source[0]}:{type(self).__name__}" if self.source else self.selector_name()
+        changed = self.changed_params()
+        if not changed:
+            return base
+        return base + ":" + ",".join(f"{k}={_format(v)}" for k, v in changed.items())
+
+    def record(self) -> dict:
+        """What a result file stores of the selector: its spec, parameters and, for a file, the file's sha256."""
+        out = {"selector": self.spec(), "selector_params": self.params()}
+        if self.source:
+            out["selector_sha256"] = self.source[1]
+        return out
+
+    @property
+    def token_level(self) -> bool:
+        return self.level == "token"
+
+    @property
+    def practical(self) -> bool:
+        """Whether one could deploy it: every selector but those that read every key (the references)."""
+        return not self.reads_every_key
+
+    def key_fraction(self, head_dim: int) -> float:
+        """The share of every cached key one selection reads (0 for selectors handed statistics or a history, or
+        that read no key; 1 by default for a selector handed the keys); ``bench op`` counts bytes with it."""
+        return 0.0 if self.statistics or self.uses_history else 1.0
+
+    def describe_reads(self) -> str:
+        if self.reads:
+            return self.reads
+        if self.reads_every_key:
+            return "every key: an upper reference"
+        if self.statistics:
+            return f"{'/'.join(self.statistics)} block statistics (cached) + the tail block's keys"
+        if self.uses_history:
+            return "its history, N floats (attention received)"
+        return "the keys it is handed"
+
+
+def _format(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+@dataclass(frozen=True)
+class BlockSelector(Selector):
+    """Keeps the anchor, the window and ``b`` whole distant blocks of ``B`` positions, ``b = (S - 1 - W) // B``."""
+
+    level: ClassVar[str] = "block"
+
+    def score_blocks(self, queries: torch.Tensor, keys, layout: BlockLayout) -> torch.Tensor:
+        """Scores of the distant blocks, higher = keep: ``(kv_heads, layout.n_blocks)``, finite.
+
+        ``queries`` ``(query_heads, d)``: the current token's post-RoPE queries; query heads
+        ``h * G .. (h + 1) * G - 1`` share KV head ``h``. ``keys`` ``(kv_heads, N, d)``: the post-RoPE cache, the
+        current token's key included; or, with ``statistics``, a dict of block statistics (see the module). Block
+        ``j`` covers positions ``[1 + j * B, min(1 + (j + 1) * B, layout.distant_end))``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement score_blocks(queries, keys, layout)")
+
+    def budget(self, scores: torch.Tensor, layout: BlockLayout) -> torch.Tensor | None:
+        """How many of the top-scored blocks each KV head keeps, ``(kv_heads,)`` integers (the library caps them at
+        ``b``), or ``None`` for the fixed budget ``b``. Adaptive selectors override this."""
+        return None
+
+    @property
+    def adaptive(self) -> bool:
+        return type(self).budget is not BlockSelector.budget
+
+
+@dataclass(frozen=True)
+class TokenSelector(Selector):
+    """Keeps exactly ``S`` positions: the anchor, the window and the ``S - 1 - W`` best distant positions."""
+
+    level: ClassVar[str] = "token"
+
+    def score_positions(self, queries: torch.Tensor, keys, layout: BlockLayout) -> torch.Tensor:
+        """Scores of every position, higher = keep: ``(kv_heads, N)``, finite; only the distant ones
+        ``[1, layout.distant_end)`` are ranked. ``keys`` as for :meth:`BlockSelector.score_blocks`, or with
+        ``uses_history`` the accumulated attention ``(kv_heads, N)``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement score_positions(queries, keys, layout)")
+
+    @property
+    def adaptive(self) -> bool:
+        return False
+
+
+def check_selector_class(cls: object) -> type[Selector]:
+    """``cls`` if it is a usable selector class, else a :class:`SparseDecodeError` saying why."""
+    if not isinstance(cls, type) or not issubclass(cls, (BlockSelector, TokenSelector)):
+        raise SparseDecodeError(
+            f"{getattr(cls, '__name__', cls)!r} is not a selector class: subclass sparsedecode.BlockSelector "
+            "(score_blocks) or sparsedecode.TokenSelector (score_positions)"
+        )
+    method = "score_blocks" if issubclass(cls, BlockSelector) else "score_positions"
+    if getattr(cls, method) is getattr(BlockSelector if method == "score_blocks" else TokenSelector, method):
+        raise SparseDecodeError(f"selector class {cls.__name__} does not implement {method}(queries, keys, layout)")
+    if cls.uses_history and issubclass(cls, BlockSelector):
+        raise SparseDecodeError(f"selector class {cls.__name__}: uses_history is for token selectors")
+    if cls.statistics and issubclass(cls, TokenSelector):
+        raise SparseDecodeError(f"selector class {cls.__name__}: statistics are for block selectors")
+    return cls

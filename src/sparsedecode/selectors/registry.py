@@ -1,0 +1,245 @@
+"""Finding selectors: by name (built-ins, :func:`register_selector`, the ``sparsedecode.selectors`` entry-point
+group) or by file (``path/to/file.py:ClassName``), with parameters (``NAME:key=value,...``).
+
+A spec string is ``NAME`` or ``FILE.py:CLASS``, optionally followed by ``:key=value,key=value``. Values are read by
+the type of the field's default (int, float, bool as true/false, str). In a comma-separated list of selectors
+(``sweep --selectors``) an item holding ``=`` but no ``:`` continues the parameters of the selector before it, so
+``mean-pooled,top-p:p=0.8,cap=2,quest`` is three selectors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import sys
+import types
+from importlib import metadata
+from pathlib import Path
+
+from ..errors import SparseDecodeError
+from .base import Selector, check_selector_class
+
+ENTRY_POINTS = "sparsedecode.selectors"
+_REGISTRY: dict[str, type[Selector]] = {}
+_BUILTINS_LOADED = False
+_ENTRY_POINTS_LOADED = False
+_FILES: dict[tuple[str, str], tuple[str, object]] = {}
+
+
+def register_selector(cls: type[Selector] | None = None, *, name: str | None = None, replace: bool = False):
+    """Register a selector class under ``name`` (default: its ``name`` attribute); usable as ``@register_selector``.
+
+    A name already taken by another class is refused unless ``replace=True``."""
+
+    def add(klass):
+        check_selector_class(klass)
+        key = name or klass.selector_name()
+        if not key or ":" in key or "," in key or "=" in key or key.endswith(".py"):
+            raise SparseDecodeError(f"selector name {key!r}: use letters, digits and dashes (no ':', ',', '=')")
+        if name is not None and not klass.name:
+            klass.name = name
+        held = _REGISTRY.get(key)
+        if held is not None and held is not klass and not replace:
+            raise SparseDecodeError(f"selector name {key!r} is taken by {held.__module__}.{held.__qualname__}")
+        _REGISTRY[key] = klass
+        return klass
+
+    return add if cls is None else add(cls)
+
+
+def _load_builtins() -> None:
+    global _BUILTINS_LOADED
+    if not _BUILTINS_LOADED:
+        _BUILTINS_LOADED = True
+        from . import builtin  # noqa: F401  (registers the built-in selectors)
+
+
+def _load_entry_points() -> None:
+    global _ENTRY_POINTS_LOADED
+    if _ENTRY_POINTS_LOADED:
+        return
+    _ENTRY_POINTS_LOADED = True
+    for point in metadata.entry_points(group=ENTRY_POINTS):
+        if point.name in _REGISTRY:
+            continue
+        try:
+            register_selector(point.load(), name=point.name)
+        except Exception as error:  # a broken plug-in names itself instead of breaking every command
+            raise SparseDecodeError(f"selector entry point {point.name!r} ({point.value}): {error}") from None
+
+
+def selector_names() -> tuple[str, ...]:
+    """Every registered name: built-ins first, then registrations and entry points in order."""
+    _load_builtins()
+    _load_entry_points()
+    return tuple(_REGISTRY)
+
+
+def selector_class(name: str) -> type[Selector]:
+    _load_builtins()
+    if name not in _REGISTRY:
+        _load_entry_points()
+    if name not in _REGISTRY:
+        raise SparseDecodeError(
+            f"unknown selector {name!r}; choose one of: {', '.join(selector_names())}; or path/to/file.py:ClassName"
+        )
+    return _REGISTRY[name]
+
+
+_PROVIDED: dict[str, tuple[str, str]] = {}
+"""Selector files' contents handed to this process by another (a Ray worker's driver), by location:
+``(sha256, text)``. They are used instead of the path, which may not exist here or may hold another version."""
+
+
+def provide_sources(sources: dict[str, tuple[str, str]] | None) -> None:
+    """Take selector files' contents (:func:`loaded_sources` of another process) for :func:`load_file_class`."""
+    for location, (digest, text) in (sources or {}).items():
+        if hashlib.sha256(text.encode("utf-8")).hexdigest() != digest:
+            raise SparseDecodeError(f"selector file {location!r}: the content handed over does not match its sha256")
+        _PROVIDED[location] = (digest, text)
+
+
+def loaded_sources() -> dict[str, tuple[str, str]]:
+    """``{location: (sha256, text)}`` of every selector file this process imported: what a worker needs to import the
+    same classes."""
+    return {location: (digest, text) for (location, digest), (text, _) in _FILES.items()}
+
+
+def _read_source(location: str) -> tuple[str, str]:
+    if location in _PROVIDED:
+        return _PROVIDED[location]
+    path = Path(location).expanduser()
+    if not path.is_file():
+        raise SparseDecodeError(f"selector file {location!r} does not exist")
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise SparseDecodeError(f"selector file {location!r}: {error.strerror or error}") from None
+    try:
+        return hashlib.sha256(data).hexdigest(), data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SparseDecodeError(f"selector file {location!r} is not UTF-8 text") from None
+
+
+def load_file_class(location: str, class_name: str) -> type[Selector]:
+    """Class ``class_name`` of the Python file ``location``, imported by path (each content once per process)."""
+    digest, text = _read_source(location)
+    key = (location, digest)
+    held = _FILES.get(key)
+    if held is None:
+        module_name = f"sparsedecode_user_selector_{digest[:16]}"
+        module = types.ModuleType(module_name)
+        module.__file__ = location
+        sys.modules[module_name] = module  # dataclasses look their module up while building the class
+        try:
+            exec(compile(text, location, "exec"), module.__dict__)
+        except Exception as error:
+            del sys.modules[module_name]
+            raise SparseDecodeError(
+                f"selector file {location!r} failed to import: {type(error).__name__}: {error}"
+            ) from None
+        held = _FILES[key] = (text, module)
+    cls = getattr(held[1], class_name, None)
+    if cls is None:
+        raise SparseDecodeError(f"selector file {location!r} has no class {class_name!r}")
+    check_selector_class(cls)
+    cls.source = (location, digest)
+    return cls
+
+
+def rebuild_file_selector(location: str, digest: str, text: str, class_name: str, params: dict) -> Selector:
+    """Unpickling a selector from a file: the file's content travels with it (see ``Selector.__reduce_ex__``)."""
+    provide_sources({location: (digest, text)})
+    return build(load_file_class(location, class_name), params)
+
+
+def _split(text: str) -> tuple[str, str]:
+    """``(what, parameters)`` of a spec string."""
+    head, sep, rest = text.partition(":")
+    if head.endswith(".py"):  # FILE.py:CLASS[:params]
+        class_name, _, params = rest.partition(":")
+        if not class_name or "=" in class_name:
+            raise SparseDecodeError(f"selector {text!r}: a file selector is path/to/file.py:ClassName")
+        return f"{head}:{class_name}", params
+    return head, rest
+
+
+def _value(selector: type, field: dataclasses.Field, text: str):
+    default = field.default
+    kind = type(default) if default is not dataclasses.MISSING else None
+    try:
+        if kind is bool:
+            if text.lower() in ("true", "false"):
+                return text.lower() == "true"
+        elif kind is int:
+            return int(text)
+        elif kind is float:
+            return float(text)
+        elif kind is str or kind is None:
+            return text
+    except ValueError:
+        pass
+    wanted = kind.__name__ if kind is not None else "a value"
+    raise SparseDecodeError(f"selector {selector.selector_name()}: parameter {field.name}={text!r} is not {wanted}")
+
+
+def parse_params(cls: type[Selector], text: str) -> dict:
+    fields = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+    params = {}
+    for item in text.replace(";", ",").split(",") if text else ():  # ';' where ',' separates something else
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise SparseDecodeError(f"selector {cls.selector_name()}: parameters are key=value, got {item!r}")
+        if key not in fields:
+            known = ", ".join(fields) or "none"
+            raise SparseDecodeError(
+                f"selector {cls.selector_name()} has no parameter {key!r} (its parameters: {known})"
+            )
+        if key in params:
+            raise SparseDecodeError(f"selector {cls.selector_name()}: parameter {key!r} given twice")
+        params[key] = _value(cls, fields[key], value.strip())
+    return params
+
+
+def build(cls: type[Selector], params: dict) -> Selector:
+    try:
+        return cls(**params)
+    except SparseDecodeError:
+        raise
+    except (TypeError, ValueError) as error:
+        raise SparseDecodeError(f"selector {cls.selector_name()}: {error}") from None
+
+
+def parse_selector(text: str) -> Selector:
+    """A selector from its spec string (see the module)."""
+    if not isinstance(text, str) or not text.strip():
+        raise SparseDecodeError(f"a selector is a name or path/to/file.py:ClassName, got {text!r}")
+    what, params = _split(text.strip())
+    if ":" in what:
+        location, class_name = what.rsplit(":", 1)
+        cls = load_file_class(location, class_name)
+    else:
+        cls = selector_class(what)
+    return build(cls, parse_params(cls, params))
+
+
+def resolve_selector(selector) -> Selector:
+    """A selector instance from a spec string, a selector class (default parameters) or an instance."""
+    if isinstance(selector, Selector):
+        check_selector_class(type(selector))
+        return selector
+    if isinstance(selector, type):
+        return build(check_selector_class(selector), {})
+    return parse_selector(selector)
+
+
+def split_selector_list(text: str) -> list[str]:
+    """Comma-separated selector specs, parameters included (see the module)."""
+    items: list[str] = []
+    for part in text.split(","):
+        if items and "=" in part and ":" not in part:
+            items[-1] += "," + part
+        else:
+            items.append(part)
+    return items

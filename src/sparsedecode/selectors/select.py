@@ -1,0 +1,245 @@
+"""From a selector's scores to a step's support: the library's half of the protocol, the same for every selector.
+
+:func:`choose_blocks` and :func:`choose_positions` hand a selector what it declared it reads (keys, incrementally kept
+block statistics, or H2O's history), check what it returns (shape, finite values; one line naming the selector
+otherwise), and pick with the project's tie rule (:func:`~sparsedecode.selectors.ops.top_blocks`). An adaptive block
+selector's budget keeps the first ``k_h <= b`` of the chosen blocks in score order. :func:`select_support` is the
+public one-call form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import kernels
+from ..centroids import BlockCentroids, reduce_blocks
+from ..errors import SparseDecodeError
+from ..layout import BlockLayout, support_positions
+from ..validate import check_finite
+from .base import BlockSelector, Selector, TokenSelector
+from .ops import token_index, top_blocks, top_positions
+from .registry import resolve_selector
+
+
+@dataclass
+class BlockChoice:
+    """The blocks a step reads per KV head, ascending ``(kv, b)``; ``keep`` ``(kv, b)`` marks those an adaptive
+    budget kept (``None``: all of them)."""
+
+    blocks: torch.Tensor
+    keep: torch.Tensor | None = None
+
+
+def _checked(selector: Selector, scores, shape: tuple[int, int], what: str) -> torch.Tensor:
+    name = selector.spec()
+    if not isinstance(scores, torch.Tensor):
+        raise SparseDecodeError(f"selector {name}: {what} returned {type(scores).__name__}, not a tensor")
+    if tuple(scores.shape) != shape:
+        raise SparseDecodeError(f"selector {name}: {what} returned shape {tuple(scores.shape)}, expected {shape}")
+    if not (scores.is_floating_point() or scores.dtype in (torch.int32, torch.int64)):
+        raise SparseDecodeError(f"selector {name}: {what} returned {scores.dtype} scores, not numbers")
+    scores = scores.float()
+    if not bool(torch.isfinite(scores).all()):
+        bad = int((~torch.isfinite(scores)).sum())
+        raise SparseDecodeError(
+            f"selector {name}: {what} returned {bad} non-finite score(s) (NaN ranks nowhere); a NaN or infinite "
+            "query or key gives them too"
+        )
+    return scores
+
+
+def _call(selector: Selector, method, *args):
+    try:
+        return method(*args)
+    except SparseDecodeError:
+        raise
+    except Exception as error:  # a user's selector failing is one line naming it
+        raise SparseDecodeError(
+            f"selector {selector.spec()} failed in {method.__name__}: {type(error).__name__}: {error}"
+        ) from None
+
+
+def block_statistics(cache: BlockCentroids, keys: torch.Tensor, layout: BlockLayout) -> dict[str, torch.Tensor]:
+    """Every distant block's statistics ``(kv, n_blocks, d)``: the cached full blocks (extended by any completed since
+    the last call) and the short last block reduced on the fly."""
+    stats = cache.update_all(keys, layout.n_full)
+    if layout.n_blocks == layout.n_full:
+        return stats
+    tail = keys[:, 1 + layout.n_full * layout.block_size : layout.distant_end].float().unsqueeze(1)
+    return {kind: torch.cat([stats[kind], reduce_blocks(tail, kind)], dim=1) for kind in cache.kinds}
+
+
+def block_scores(selector: BlockSelector, cache: BlockCentroids, queries, keys, layout: BlockLayout) -> torch.Tensor:
+    """The selector's checked float32 scores ``(kv, n_blocks)``."""
+    reads = block_statistics(cache, keys, layout) if selector.statistics else keys[:, : layout.n]
+    scores = _call(selector, selector.score_blocks, queries, reads, layout)
+    return _checked(selector, scores, (keys.shape[0], layout.n_blocks), "score_blocks")
+
+
+def _budget(selector: BlockSelector, scores: torch.Tensor, blocks: torch.Tensor, layout) -> torch.Tensor | None:
+    counts = _call(selector, selector.budget, scores, layout)
+    if counts is None:
+        return None
+    kv_heads, b = blocks.shape
+    if not isinstance(counts, torch.Tensor) or tuple(counts.shape) != (kv_heads,):
+        got = tuple(counts.shape) if isinstance(counts, torch.Tensor) else type(counts).__name__
+        raise SparseDecodeError(f"selector {selector.spec()}: budget returned {got}, expected ({kv_heads},) counts")
+    counts = counts.to(torch.long).clamp(0, b)
+    picked = scores.gather(1, blocks)  # (kv, b): each chosen block's score
+    # rank among the chosen: higher score first, ties to the lower index (blocks are ascending)
+    ahead = (picked.unsqueeze(1) > picked.unsqueeze(2)) | (
+        (picked.unsqueeze(1) == picked.unsqueeze(2)) & (blocks.unsqueeze(1) < blocks.unsqueeze(2))
+    )
+    return ahead.sum(dim=2) < counts.unsqueeze(1)
+
+
+def choose_blocks(
+    selector: BlockSelector, budget: int, cache: BlockCentroids, queries, keys, layout: BlockLayout, kernel="auto"
+) -> BlockChoice:
+    """The ``budget`` blocks ``selector`` keeps, per KV head, ascending (see the module).
+
+    A selector whose scoring the kernels implement (``kernel_scoring``) and a fixed budget runs on the kernel
+    :func:`sparsedecode.kernels.selection_kernel` picks for ``kernel``: Triton (CUDA) scores and picks without a
+    host synchronisation (the same set, best first), the C kernel in one call (the same blocks, ascending); neither
+    is asked to check the scores' finiteness the torch path checks, except the C kernel, which does.
+    """
+    if selector.kernel_scoring == "mean-dot" and not selector.adaptive:
+        chosen = kernels.selection_kernel(kernel, queries, keys, layout)
+        if chosen != "torch":
+            centroids = cache.update_all(keys, layout.n_full)["mean"]
+            return BlockChoice(kernels.select_mean_pooled(chosen, queries, keys, centroids, layout, budget))
+    scores = block_scores(selector, cache, queries, keys, layout)
+    blocks = top_blocks(scores, budget)
+    return BlockChoice(blocks, _budget(selector, scores, blocks, layout) if selector.adaptive else None)
+
+
+def choose_positions(
+    selector: TokenSelector, count: int, queries, keys, layout: BlockLayout, *, history=None
+) -> torch.Tensor:
+    """The ``count`` distant positions ``selector`` keeps per KV head, ascending ``(kv, count)``.
+
+    A selector with ``uses_history`` is handed ``history`` ``(kv, >= N)``: the attention each position received from
+    the queries *before* this one (the session keeps it)."""
+    kv_heads = keys.shape[0]
+    if selector.uses_history:
+        if history is None:
+            raise SparseDecodeError(
+                f"{selector.spec()} ranks positions by the attention they received at earlier steps; pass that "
+                "history (history=) or decode inside a sparse_decoding session that saw the prefill"
+            )
+        reads = history[:, : layout.n]
+    else:
+        reads = keys[:, : layout.n]
+    scores = _call(selector, selector.score_positions, queries, reads, layout)
+    scores = _checked(selector, scores, (kv_heads, layout.n), "score_positions")
+    return top_positions(scores, layout, count)
+
+
+def support_of(choice: BlockChoice, layout: BlockLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(index, valid)`` ``(kv, S)`` of a block choice: :func:`~sparsedecode.layout.support_positions`, with the
+    blocks an adaptive budget dropped marked invalid."""
+    index, valid = support_positions(choice.blocks, layout)
+    if choice.keep is not None:
+        b, block = choice.blocks.shape[1], layout.block_size
+        valid = valid.clone()
+        valid[:, 1 : 1 + b * block] &= choice.keep.repeat_interleave(block, dim=1)
+    return index, valid
+
+
+def select_support(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    *,
+    support: int,
+    window: int = 64,
+    block_size: int = 16,
+    method: str | Selector = "mean-pooled",
+    seed: int = 0,
+    history: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """Positions each KV head reads at one decode step.
+
+    Args:
+        queries: ``(query_heads, d)`` post-RoPE queries of the current token.
+        keys: ``(kv_heads, N, d)`` post-RoPE cached keys, the current token's included.
+        support: nominal support size; floored to ``1 + window + b * block_size`` for block selectors (see
+            :attr:`SparseConfig.effective_support`).
+        window, block_size: ``W`` and ``B``.
+        method: a registered selector name, a spec string (``"top-p:p=0.8"``, ``"path.py:Class"``) or a selector
+            instance (``"mean-pooled"`` by default). The scale of attention-reading selectors is ``1/sqrt(d)``.
+        seed: the session's seed (random-blocks draws with it).
+        history: ``(kv_heads, N)`` attention each position received at earlier steps; ``h2o`` needs it.
+
+    Returns:
+        One sorted 1-D ``LongTensor`` per KV head: the anchor, the chosen blocks and the window, or all ``N``
+        positions when ``N <= effective support``. A chosen short last block, or an adaptive budget, makes a list
+        shorter. Token-level selectors return exactly ``support`` positions.
+
+    Raises:
+        SparseDecodeError: tensors of the wrong kind or shape, NaN or infinite queries or keys, settings
+            :class:`SparseConfig` refuses, or a selector that fails or returns scores of the wrong shape.
+    """
+    from ..config import SparseConfig
+
+    cfg = SparseConfig(
+        support=support, window=window, block_size=block_size, selector=resolve_selector(method), seed=seed
+    )
+    check_finite(queries, "queries")
+    check_finite(keys, "keys")
+    shapes_ok = queries.dim() == 2 and keys.dim() == 3 and queries.shape[-1] == keys.shape[-1]
+    if not shapes_ok or keys.shape[0] == 0 or keys.shape[1] == 0 or queries.shape[0] % keys.shape[0]:
+        raise SparseDecodeError(
+            f"expected queries (query_heads, d) and keys (kv_heads, N, d) with query_heads a multiple of "
+            f"kv_heads; got {tuple(queries.shape)} and {tuple(keys.shape)}"
+        )
+    kv_heads, n, d = keys.shape
+    if history is not None:
+        check_finite(history, "history")
+        if tuple(history.shape) != (kv_heads, n):
+            raise SparseDecodeError(
+                f"history must be (kv_heads, N) = {(kv_heads, n)}, the attention each cached position received; "
+                f"got {tuple(history.shape)}"
+            )
+    if n <= cfg.effective_support:
+        return [torch.arange(n, device=keys.device) for _ in range(kv_heads)]
+    layout = BlockLayout(n=n, window=window, block_size=block_size, scale=d**-0.5, seed=seed)
+    selector = cfg.selector
+    if selector.token_level:
+        distant = choose_positions(selector, cfg.distant_positions, queries, keys, layout, history=history)
+        index = token_index(distant, layout)
+        return [index[h] for h in range(kv_heads)]
+    cache = BlockCentroids(block_size, selector.statistics or ("mean",))
+    index, valid = support_of(choose_blocks(selector, cfg.blocks, cache, queries, keys, layout), layout)
+    return [index[h][valid[h]] for h in range(kv_heads)]
+
+
+def _layout_for(cfg, layout: BlockLayout, scale, salt) -> BlockLayout:
+    return BlockLayout(
+        n=layout.n,
+        window=layout.window,
+        block_size=layout.block_size,
+        layer=salt if salt is not None else layout.layer,
+        scale=scale if scale is not None else layout.scale,
+        seed=cfg.seed,
+    )
+
+
+def select_blocks(cfg, cache: BlockCentroids, queries, keys, layout: BlockLayout, *, scale=None, salt=None):
+    """The blocks ``cfg``'s block selector keeps at one step, ascending ``(kv, b)`` (``cfg.kernel`` picks the kernel
+    of a selector the kernels score; ``salt`` is the layer). An adaptive budget's dropped blocks are not removed:
+    use :func:`choose_blocks` for them."""
+    if cfg.selector.token_level:
+        raise SparseDecodeError(f"{cfg.selector.spec()!r} is not a block selector")
+    step = _layout_for(cfg, layout, scale, salt)
+    return choose_blocks(cfg.selector, cfg.blocks, cache, queries, keys, step, cfg.kernel).blocks
+
+
+def select_positions(cfg, queries, keys, layout: BlockLayout, *, scale=None, accumulated=None, salt=None):
+    """The positions ``cfg``'s token selector reads at one step, ascending ``(kv, S)``: anchor, distant, window."""
+    if not cfg.selector.token_level:
+        raise SparseDecodeError(f"{cfg.selector.spec()!r} is not a token-level selector")
+    step = _layout_for(cfg, layout, scale, salt)
+    distant = choose_positions(cfg.selector, cfg.distant_positions, queries, keys, step, history=accumulated)
+    return token_index(distant, step)
