@@ -73,8 +73,8 @@ class SparseConfig:
             raise SparseDecodeError(f"unknown kernel {self.kernel!r}; choose one of: {', '.join(KERNELS)}")
         if self.kernel in ("c", "triton") and (self.token_level or self.selector.adaptive):
             raise SparseDecodeError(
-                f"kernel {self.kernel!r} serves block selectors with a fixed budget only; {self.selector_name} steps "
-                "run as torch operations: use kernel='auto' or 'torch'"
+                f"kernel {self.kernel!r} serves block selectors only; {self.selector_name} steps run as torch "
+                "operations (token-level or adaptive budget): use kernel='auto' or 'torch'"
             )
 
     @property

@@ -554,9 +554,13 @@ def _table_lines(rows: list[dict]) -> list[str]:
     ]
 
 
+def _kind(practical: bool | None) -> str:
+    return "unknown" if practical is None else "practical" if practical else "reference"
+
+
 def selector_markdown(data: dict) -> str:
     """``selectors.md`` of a comparison (the JSON document of ``compare-selectors``)."""
-    from .experiments.selector_comparison import ANSWER_TOKENS, PRACTICAL
+    from .experiments.selector_comparison import ANSWER_TOKENS
 
     settings, rows = data["settings"], data["summary"]
     env = settings.get("environment") or {}
@@ -596,9 +600,8 @@ def selector_markdown(data: dict) -> str:
         "| selector | kind | reads |",
         "|---|---|---|",
         *(
-            f"| `{name}` | {'practical' if practical else 'reference'} | {what} |"
-            for name, (practical, what) in PRACTICAL.items()
-            if name in settings["selectors"]
+            f"| `{name}` | {_kind(practical)} | {what} |"
+            for name, (practical, what) in {r["selector"]: (r["practical"], r["reads"]) for r in rows}.items()
         ),
         "",
         "Medians over the prompts; first div. = the decode step t >= 1 whose sparse token first differs from dense "
