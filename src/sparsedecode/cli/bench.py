@@ -6,6 +6,7 @@ import argparse
 import re
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 
 from rich.table import Table
 
@@ -28,6 +29,14 @@ from .common import (
     quiet_transformers,
 )
 from .outputs import check_output_file, inputs_of, write_json
+
+
+def recorded_model(spec: str) -> str:
+    """The model as a result file records it: an alias or hub id as given, a local folder or file by its name only,
+    so a committed file names no absolute path of the machine it ran on."""
+    path = Path(spec).expanduser()
+    return path.name if path.exists() else spec
+
 
 # From :mod:`sparsedecode.experiments.bench` (which imports torch), spelled out so that building the parser does
 # not; a test keeps them equal.
@@ -263,7 +272,7 @@ def cmd_bench_e2e(args) -> int:
             rows.extend(
                 bench_e2e(
                     model,
-                    args.model,
+                    recorded_model(args.model),
                     ids,
                     tuple(args.support),
                     tokens=args.tokens,
@@ -340,7 +349,7 @@ def _bench_e2e_batch(args, clock: dict) -> int:
             rows.extend(
                 bench_e2e_batch(
                     model,
-                    args.model,
+                    recorded_model(args.model),
                     prompts,
                     tuple(args.batch),
                     tuple(args.support),
