@@ -69,12 +69,25 @@ def _device(text: str) -> str:
 def add_parsers(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks: op (one decode-attention call), e2e (real model decoding)")
     benches = bench.add_subparsers(dest="bench", required=True, parser_class=Parser)
-    op = benches.add_parser("op", help="one decode-attention call: torch SDPA dense vs sparse select + attend")
-    op.add_argument("--shape", default="qwen2-0.5b", choices=sorted(SHAPES))
-    op.add_argument("--context", type=int_list, default=list(DEFAULT_CONTEXTS))
+    op = benches.add_parser(
+        "op",
+        help="one decode-attention call: torch SDPA dense vs sparse select + attend",
+        description="Time one decode-attention call on synthetic keys and values of a model's shape: torch SDPA "
+        "over all N positions against the sparse step (selection, attention), with the bytes it must read and "
+        "the read bandwidth measured in the same run.",
+        epilog="examples:\n"
+        "  sparsedecode bench op --context 2048,32768 --support 193 --budget 0.2\n"
+        "  sparsedecode bench op --shape llama3-8b --layers 1 --json op-warm.json",
+    )
+    op.add_argument(
+        "--shape", default="qwen2-0.5b", choices=sorted(SHAPES), help="model shape: heads, head dim, layer count"
+    )
+    op.add_argument(
+        "--context", type=int_list, default=list(DEFAULT_CONTEXTS), help="cached positions N, comma-separated"
+    )
     op.add_argument("--support", type=int_list, default=list(DEFAULT_SUPPORTS))
-    op.add_argument("--dtype", default="float32", choices=DTYPES)
-    op.add_argument("--selector", default="mean-pooled", help="any selector (see `run --help`)")
+    op.add_argument("--dtype", default="float32", choices=DTYPES, help="keys, values and queries dtype")
+    op.add_argument("--selector", default="mean-pooled", help="any selector, see `run --help`")
     op.add_argument(
         "--budget", type=positive_seconds, default=0.6, help="seconds of calls per timing, > 0 (at least 10 calls)"
     )
@@ -88,19 +101,38 @@ def add_parsers(sub) -> None:
         "--device",
         default="cpu",
         type=_device,
+        metavar="cpu|cuda[:i]",
         help="cpu, or cuda[:i]: device-event timings, and the Triton kernel beside torch's gather + SDPA",
     )
     op.add_argument(
-        "--json", type=file_arg, help="write {machine, run, bandwidth_gbs, rows} here (run: started_utc, wall_s)"
+        "--json",
+        type=file_arg,
+        help="write {machine, run, bandwidth_gbs, rows} to this JSON file (run: started_utc, wall_s; "
+        "default: not written)",
     )
-    e2e = benches.add_parser("e2e", help="real model: prefill, then greedy decoding dense vs sparse, same process")
+    e2e = benches.add_parser(
+        "e2e",
+        help="real model: prefill, then greedy decoding dense vs sparse, same process",
+        description="Prefill one real prompt once, then decode greedily from the same cache: dense on transformers' "
+        "DynamicCache and on the in-place GrowingCache, sparse (and lossless) on GrowingCache; every mode "
+        "--repeats times, medians. With --batch, aggregate throughput of batches of prompts.",
+        epilog="examples:\n"
+        "  sparsedecode bench e2e --context 2048 --support 193 --tokens 16 --repeats 1\n"
+        "  sparsedecode bench e2e --context 2048 --tokens 16 --batch 1,4 --json e2e-batch.json",
+    )
     add_model_args(e2e)
     e2e.add_argument("--corpus", default="python-docs")
-    e2e.add_argument("--context", type=int_list, default=[8192])
+    e2e.add_argument(
+        "--context", type=int_list, default=[8192], help="prompt length(s) in tokens (plus --tokens must fit the model)"
+    )
     e2e.add_argument("--support", type=int_list, default=[193])
     e2e.add_argument("--tokens", type=int, default=64)
     e2e.add_argument("--prompt-index", type=int, default=0)
-    e2e.add_argument("--json", type=file_arg, help="write {machine, run, rows} here (run: started_utc, wall_s)")
+    e2e.add_argument(
+        "--json",
+        type=file_arg,
+        help="write {machine, run, rows} to this JSON file (run: started_utc, wall_s; default: not written)",
+    )
     e2e.add_argument(
         "--mode",
         default="standard",
@@ -121,7 +153,8 @@ def add_parsers(sub) -> None:
         "--batch",
         type=int_list,
         default=None,
-        help="batch sizes, e.g. 1,4,8: aggregate throughput per batch (prompts --prompt-index onwards)",
+        help="batch sizes, e.g. 1,4,8: aggregate throughput per batch (prompts --prompt-index onwards; "
+        "default: none, one prompt per mode)",
     )
     op.set_defaults(handler=cmd_bench_op)
     e2e.set_defaults(handler=cmd_bench_e2e)
