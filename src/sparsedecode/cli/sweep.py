@@ -91,9 +91,7 @@ def add_parsers(sub) -> None:
         help="report.md (or selectors.md) with tables, CSVs and plots for a results folder",
         description="Render a sweep, retrieval, evaluation or selector-comparison folder: Markdown, CSVs and plots "
         "written into the folder.",
-        epilog="examples (after `sparsedecode sweep --help`'s first example):\n"
-        "  sparsedecode report runs/small\n"
-        "  sparsedecode report docs/reports/qwen2.5-coder-0.5b",
+        epilog="examples (after `sparsedecode sweep --help`'s first example):\n  sparsedecode report runs/small",
     )
     report.add_argument(
         "directory",
