@@ -235,7 +235,7 @@ class HelpFormatter(argparse.HelpFormatter):
         return _METAVARS.get(action.type, "NAME")
 
     def _get_default_metavar_for_positional(self, action):
-        return _METAVARS.get(action.type, action.dest)
+        return action.dest.upper()
 
     def _get_help_string(self, action):
         text = action.help or ""

@@ -102,6 +102,7 @@ def add_parsers(sub) -> None:
     report.add_argument(
         "--retrieval",
         type=path_arg,
+        metavar="PATH",
         help="retrieval.json (or its folder) to include (default: retrieval.json beside sweep.json, if any)",
     )
     sweep.set_defaults(handler=cmd_sweep)
