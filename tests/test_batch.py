@@ -312,6 +312,7 @@ def test_bench_e2e_batch_rows(tiny_model_dir, tmp_path):
     data = json.loads(out.read_text())
     assert data["run"]["started_utc"].endswith("+00:00") and data["run"]["wall_s"] >= 0
     rows = data["rows"]
+    assert {r["model"] for r in rows} == {tiny_model_dir.name}, "the model's name, not the path it was loaded from"
     assert [(r["batch"], r["mode"], r["support"]) for r in rows] == [
         (1, "dense", None),
         (1, "sparse", 97),

@@ -230,6 +230,7 @@ def test_bench_cli_writes_json(tiny_model_dir, tmp_path, capsys):
     ]
     for row in rows:
         assert set(E2E_FIELDS) <= set(row)
+        assert row["model"] == tiny_model_dir.name, "a local model is recorded by its name, not its absolute path"
     assert rows[1]["tokens_equal_to_dense"] == 6, "the in-place cache decodes exactly like DynamicCache"
     assert rows[3]["tokens_equal_to_dense"] == 6, "a support covering everything is dense"
     assert rows[4]["tokens_equal_to_dense"] == 6 and rows[4]["draft_tokens"] == 2, "lossless output is dense output"

@@ -151,9 +151,9 @@ def test_support_check_names_the_window_and_block_size(no_model_load, capsys):
 
 
 def test_token_level_selectors_take_any_support():
-    from sparsedecode.cli.common import check_whole_blocks
     from conftest import TOKEN_SELECTORS
 
+    from sparsedecode.cli.common import check_whole_blocks
     from sparsedecode.config import SparseConfig
 
     check_whole_blocks([SparseConfig(support=100, selector=s) for s in TOKEN_SELECTORS])

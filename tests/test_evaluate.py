@@ -193,6 +193,7 @@ def test_shards_partition_samples_and_merge_equals_unsharded(loaded, tmp_path):
     assert (outcome.rows, outcome.missing) == (len(spec.keys()), 0)
     meta, merged = load_eval(tmp_path / "merged")
     assert stripped(merged) == stripped(rows_of(tmp_path / "all")) and meta["shard"] is None
+    assert meta["merged_from"] == ["../shard1", "../shard2"], "relative to the merged folder, no absolute path"
     assert run_eval(spec, tmp_path / "merged", loaded=loaded).ran == 0
     run_eval(small_spec(samples=1, selectors=("quest",)), tmp_path / "other", loaded=loaded)
     with pytest.raises(SparseDecodeError, match=r"samples: 3 vs 1; selectors: \['mean-pooled'\] vs \['quest'\]"):

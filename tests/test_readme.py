@@ -1,5 +1,6 @@
-"""The README's library examples run as written, on a tiny random Llama in place of the real model (its names for
-prompts and tensors bound to small ones), so a change of the public API that the README does not follow fails."""
+"""The library examples of README.md and docs/ run as written, on a tiny random Llama in place of the real model (its
+names for prompts and tensors bound to small ones), so a change of the public API that the docs do not follow
+fails."""
 
 from __future__ import annotations
 
@@ -11,19 +12,22 @@ from conftest import char_tokenizer, prompt, tiny_model
 
 import sparsedecode as sd
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def python_blocks() -> list[str]:
-    return re.findall(r"^```python\n(.*?)^```$", README.read_text(), flags=re.S | re.M)
+def python_blocks(path: Path) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```$", path.read_text(), flags=re.S | re.M)
 
 
-def test_the_readme_has_its_two_library_examples():
-    blocks = python_blocks()
-    assert len(blocks) == 2 and "sd.sparse_decoding" in blocks[0] and "ids_a" in blocks[1]
+def test_the_docs_have_their_library_examples():
+    (library,) = python_blocks(ROOT / "README.md")
+    (batches,) = python_blocks(ROOT / "docs" / "batches.md")
+    (lossless,) = python_blocks(ROOT / "docs" / "lossless.md")
+    assert "sd.sparse_decoding" in library and "sd.compare" in library and "sd.generate" in library
+    assert "ids_a" in batches and 'mode="lossless"' in lossless
 
 
-def test_the_readme_library_examples_run(monkeypatch):
+def test_the_library_examples_run(monkeypatch):
     model, tokenizer = tiny_model("llama"), char_tokenizer()
     monkeypatch.setattr(sd, "load_model", lambda spec, *args, **kwargs: (model, tokenizer))
     generator = torch.Generator().manual_seed(5)
@@ -37,11 +41,15 @@ def test_the_readme_library_examples_run(monkeypatch):
         "ids_c": prompt(300, seed=6),
         "eos": 2,
     }
-    first, second = python_blocks()
+    (library,) = python_blocks(ROOT / "README.md")
     scope = dict(names)
-    exec(compile(first, "README.md (library)", "exec"), scope)
+    exec(compile(library, "README.md (library)", "exec"), scope)
     assert [len(positions) for positions in scope["kept"]] == [193, 193]
     assert scope["result"].first_divergence >= 1 and len(scope["out"].tokens) >= 1
-    scope.update(names)  # the batch example reuses cfg and model from the first
-    exec(compile(second, "README.md (batches)", "exec"), scope)
-    assert len(scope["outs"]) == 3 and len(scope["results"]) == 2
+    for page, check in (("batches.md", ("outs", 3)), ("lossless.md", ("out", None))):
+        scope.update(names)  # the pages' examples reuse sd, cfg, model and tokenizer from the README's
+        scope.pop(check[0], None)
+        (block,) = python_blocks(ROOT / "docs" / page)
+        exec(compile(block, f"docs/{page}", "exec"), scope)
+        assert check[1] is None or len(scope[check[0]]) == check[1]
+    assert len(scope["results"]) == 2 and scope["out"].acceptance_rate is not None

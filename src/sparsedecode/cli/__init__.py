@@ -24,7 +24,14 @@ __all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="sparsedecode", description="Sparse decoding, measured against dense decoding.")
+    parser = Parser(
+        prog="sparsedecode",
+        description="Sparse decoding, measured against dense decoding. `sparsedecode COMMAND --help` shows a "
+        "command's options, their defaults and examples.",
+        epilog="examples:\n"
+        "  sparsedecode run --context 2048 --support 97,193 --tokens 64 --prompt-index 2\n"
+        "  sparsedecode models",
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     run.add_parsers(sub)
     probe.add_parsers(sub)
@@ -37,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.add_parser(
         evaluation.LM_EVAL_COMMAND,
-        help="lm-evaluation-harness with the `sparsedecode` model registered: every argument goes to lm-eval",
+        help="lm-evaluation-harness with the `sparsedecode` model registered: every argument goes to lm-eval "
+        "(`sparsedecode lm-eval --help` is lm-eval's own help)",
         add_help=False,
     )
     return parser

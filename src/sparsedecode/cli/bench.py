@@ -6,6 +6,7 @@ import argparse
 import re
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 
 from rich.table import Table
 
@@ -13,7 +14,6 @@ from ..errors import SparseDecodeError
 from .common import (
     DRAFT_TOKENS,
     DTYPES,
-    SELECTOR_FORMS,
     Parser,
     add_model_args,
     at_least_one,
@@ -30,6 +30,14 @@ from .common import (
     selector_arg,
 )
 from .outputs import check_output_file, inputs_of, write_json
+
+
+def recorded_model(spec: str) -> str:
+    """The model as a result file records it: an alias or hub id as given, a local folder or file by its name only,
+    so a committed file names no absolute path of the machine it ran on."""
+    path = Path(spec).expanduser()
+    return path.name if path.exists() else spec
+
 
 # From :mod:`sparsedecode.experiments.bench` (which imports torch), spelled out so that building the parser does
 # not; a test keeps them equal.
@@ -62,12 +70,25 @@ def _device(text: str) -> str:
 def add_parsers(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks: op (one decode-attention call), e2e (real model decoding)")
     benches = bench.add_subparsers(dest="bench", required=True, parser_class=Parser)
-    op = benches.add_parser("op", help="one decode-attention call: torch SDPA dense vs sparse select + attend")
-    op.add_argument("--shape", default="qwen2-0.5b", choices=sorted(SHAPES))
-    op.add_argument("--context", type=int_list, default=list(DEFAULT_CONTEXTS))
+    op = benches.add_parser(
+        "op",
+        help="one decode-attention call: torch SDPA dense vs sparse select + attend",
+        description="Time one decode-attention call on synthetic keys and values of a model's shape: torch SDPA "
+        "over all N positions against the sparse step (selection, attention), with the bytes it must read and "
+        "the read bandwidth measured in the same run.",
+        epilog="examples:\n"
+        "  sparsedecode bench op --context 2048,32768 --support 193 --budget 0.2\n"
+        "  sparsedecode bench op --shape llama3-8b --layers 1 --json op-warm.json",
+    )
+    op.add_argument(
+        "--shape", default="qwen2-0.5b", choices=sorted(SHAPES), help="model shape: heads, head dim, layer count"
+    )
+    op.add_argument(
+        "--context", type=int_list, default=list(DEFAULT_CONTEXTS), help="cached positions N, comma-separated"
+    )
     op.add_argument("--support", type=int_list, default=list(DEFAULT_SUPPORTS))
-    op.add_argument("--dtype", default="float32", choices=DTYPES)
-    op.add_argument("--selector", type=selector_arg, default="mean-pooled", help=SELECTOR_FORMS)
+    op.add_argument("--dtype", default="float32", choices=DTYPES, help="keys, values and queries dtype")
+    op.add_argument("--selector", type=selector_arg, default="mean-pooled")
     op.add_argument(
         "--budget", type=positive_seconds, default=0.6, help="seconds of calls per timing, > 0 (at least 10 calls)"
     )
@@ -81,19 +102,38 @@ def add_parsers(sub) -> None:
         "--device",
         default="cpu",
         type=_device,
+        metavar="cpu|cuda[:i]",
         help="cpu, or cuda[:i]: device-event timings, and the Triton kernel beside torch's gather + SDPA",
     )
     op.add_argument(
-        "--json", type=file_arg, help="write {machine, run, bandwidth_gbs, rows} here (run: started_utc, wall_s)"
+        "--json",
+        type=file_arg,
+        help="write {machine, run, bandwidth_gbs, rows} to this JSON file (run: started_utc, wall_s; "
+        "default: not written)",
     )
-    e2e = benches.add_parser("e2e", help="real model: prefill, then greedy decoding dense vs sparse, same process")
+    e2e = benches.add_parser(
+        "e2e",
+        help="real model: prefill, then greedy decoding dense vs sparse, same process",
+        description="Prefill one real prompt once, then decode greedily from the same cache: dense on transformers' "
+        "DynamicCache and on the in-place GrowingCache, sparse (and lossless) on GrowingCache; every mode "
+        "--repeats times, medians. With --batch, aggregate throughput of batches of prompts.",
+        epilog="examples:\n"
+        "  sparsedecode bench e2e --context 2048 --support 193 --tokens 16 --repeats 1\n"
+        "  sparsedecode bench e2e --context 2048 --tokens 16 --batch 1,4 --json e2e-batch.json",
+    )
     add_model_args(e2e)
     e2e.add_argument("--corpus", default="python-docs")
-    e2e.add_argument("--context", type=int_list, default=[8192])
+    e2e.add_argument(
+        "--context", type=int_list, default=[8192], help="prompt length(s) in tokens (plus --tokens must fit the model)"
+    )
     e2e.add_argument("--support", type=int_list, default=[193])
     e2e.add_argument("--tokens", type=int, default=64)
     e2e.add_argument("--prompt-index", type=int, default=0)
-    e2e.add_argument("--json", type=file_arg, help="write {machine, run, rows} here (run: started_utc, wall_s)")
+    e2e.add_argument(
+        "--json",
+        type=file_arg,
+        help="write {machine, run, rows} to this JSON file (run: started_utc, wall_s; default: not written)",
+    )
     e2e.add_argument(
         "--mode",
         default="standard",
@@ -114,7 +154,8 @@ def add_parsers(sub) -> None:
         "--batch",
         type=int_list,
         default=None,
-        help="batch sizes, e.g. 1,4,8: aggregate throughput per batch (prompts --prompt-index onwards)",
+        help="batch sizes, e.g. 1,4,8: aggregate throughput per batch (prompts --prompt-index onwards; "
+        "default: none, one prompt per mode)",
     )
     op.set_defaults(handler=cmd_bench_op)
     e2e.set_defaults(handler=cmd_bench_e2e)
@@ -265,7 +306,7 @@ def cmd_bench_e2e(args) -> int:
             rows.extend(
                 bench_e2e(
                     model,
-                    args.model,
+                    recorded_model(args.model),
                     ids,
                     tuple(args.support),
                     tokens=args.tokens,
@@ -342,7 +383,7 @@ def _bench_e2e_batch(args, clock: dict) -> int:
             rows.extend(
                 bench_e2e_batch(
                     model,
-                    args.model,
+                    recorded_model(args.model),
                     prompts,
                     tuple(args.batch),
                     tuple(args.support),

@@ -70,7 +70,19 @@ keeps the two equal)."""
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line and exit status 2."""
+    """argparse, but a usage error is one line and exit status 2; help shows every option's default and form
+    (:class:`HelpFormatter`), and options that mean the same in every command take their help from
+    :data:`SHARED_HELP` where they are added without one."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, **kwargs):
+        action = super().add_argument(*args, **kwargs)
+        if action.help is None and action.option_strings:
+            action.help = SHARED_HELP.get(action.option_strings[-1])
+        return action
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise SparseDecodeError(f"{self.prog}: {message}")
@@ -147,12 +159,6 @@ def _number(text: str, kind, holds, expected: str):
     return value
 
 
-SELECTOR_FORMS = (
-    "a selector: a registered name (`sparsedecode selectors` lists them), NAME:key=value,... to set its parameters, "
-    "or path/to/file.py:ClassName[:key=value,...] for a class of your own"
-)
-
-
 def selector_arg(text: str) -> str:
     """``--selector``: a name, ``NAME:key=value,...`` or ``path.py:Class[:...]``, as its canonical spec string."""
     from ..errors import SparseDecodeError
@@ -195,20 +201,92 @@ def file_arg(text: str) -> Path:
     return path
 
 
+SHARED_HELP = {
+    "--dtype": "weights and activations dtype",
+    "--corpus": "prompt text: python-docs (offline), wikitext2 (needs the hub), or a local text file or folder",
+    "--context": "prompt length(s) in tokens, comma-separated",
+    "--support": "support size(s) S in positions, comma-separated; block selectors take S = 1 + W + b*B",
+    "--window": "local window W, in positions",
+    "--block-size": "block size B, in positions",
+    "--reuse": "selection reuse interval R, in decode steps (1 = select afresh every step)",
+    "--selector": "a registered name (mean-pooled, quest, top-p, ...; see docs/selectors.md), NAME:key=value,... "
+    "to set its parameters, or path/to/file.py:ClassName[:key=value,...] for a class of your own",
+    "--tokens": "greedy tokens T per run",
+    "--prompt-index": "which prompt: the i-th non-overlapping prefix of the tokenised corpus",
+    "--prompts": "prompts per context (corpus prefixes 0..n-1)",
+    "--seed": "seed of the generated passkeys or samples",
+    "--answer-tokens": "greedy answer tokens decoded per trial",
+}
+"""Help of options added without one: what they mean is the same in every command."""
+
+_METAVARS = {
+    int_list: "N[,N...]",
+    float_list: "X[,X...]",
+    int: "N",
+    at_least_one: "N",
+    positive_seconds: "SECONDS",
+    shard_arg: "I/N",
+    selector_list: "NAME[,NAME...]|all",
+    path_arg: "DIR",
+    file_arg: "FILE",
+}
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Help that teaches: each option's value is named by its form (``N[,N...]``, ``SECONDS``, ``I/N``, ``FILE``,
+    ``DIR``), each option's help ends with its default unless it states one itself, and the examples (an epilog
+    that starts with ``examples``) keep their lines, so each can be copied as it is."""
+
+    def _fill_text(self, text, width, indent):
+        if text.startswith("examples"):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+    def _get_default_metavar_for_optional(self, action):
+        return _METAVARS.get(action.type, "NAME")
+
+    def _get_default_metavar_for_positional(self, action):
+        return action.dest.upper()
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if not action.option_strings or action.default is argparse.SUPPRESS or "default" in text.lower():
+            return text
+        if action.required:
+            return f"{text} (required)"
+        return f"{text} (default: {_shown(action)})"
+
+
+def _shown(action) -> str:
+    """An option's default as one would type it: a list comma-separated, a flag as off, nothing as none."""
+    default = action.default
+    if isinstance(action, argparse._StoreTrueAction):
+        return "off"
+    if default is None:
+        return "none"
+    if isinstance(default, (list, tuple)):
+        return ",".join(str(item) for item in default)
+    return str(default).replace("%", "%%")
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="alias, local dir or .gguf, or hub id")
-    parser.add_argument("--dtype", default="float32", choices=DTYPES)
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="model alias (see `sparsedecode models`), local folder or .gguf file, or hub id",
+    )
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations dtype")
 
 
 def add_prompt_args(parser: argparse.ArgumentParser, *, tokens: int) -> None:
-    parser.add_argument("--corpus", default="python-docs", help="python-docs (offline), wikitext2, or a path")
-    parser.add_argument("--context", type=int_list, default=[2048], help="prompt length(s), comma-separated")
-    parser.add_argument("--support", type=int_list, default=[97, 193], help="support size(s) S = 1 + W + b*B")
+    parser.add_argument("--corpus", default="python-docs")
+    parser.add_argument("--context", type=int_list, default=[2048])
+    parser.add_argument("--support", type=int_list, default=[97, 193])
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--reuse", type=int, default=1, help="selection reuse interval R (1 = fresh each step)")
-    parser.add_argument("--selector", type=selector_arg, default="mean-pooled", help=SELECTOR_FORMS)
-    parser.add_argument("--tokens", type=int, default=tokens, help="greedy tokens T per run")
+    parser.add_argument("--reuse", type=int, default=1)
+    parser.add_argument("--selector", type=selector_arg, default="mean-pooled")
+    parser.add_argument("--tokens", type=int, default=tokens)
     parser.add_argument("--prompt-index", type=int, default=0)
 
 
@@ -226,7 +304,8 @@ def add_backend_args(parser: argparse.ArgumentParser, *, unit: str) -> None:
     parser.add_argument(
         "--address",
         default=None,
-        help="with --backend ray: the cluster to join (HOST:PORT, auto); default: a Ray instance for this command",
+        metavar="HOST:PORT",
+        help="with --backend ray: the cluster to join (HOST:PORT, or auto); default: a Ray instance for this command",
     )
     parser.add_argument(
         "--workers",

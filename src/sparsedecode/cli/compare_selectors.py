@@ -25,15 +25,30 @@ from .outputs import check_output_folder, inputs_of
 
 
 def add_parsers(sub) -> None:
-    selectors = sub.add_parser("compare-selectors", help="all selectors on the same prompts and budget, side by side")
+    selectors = sub.add_parser(
+        "compare-selectors",
+        help="all selectors on the same prompts and budget, side by side",
+        description="One dense reference per context and prompt, every selector at every support paired with it: "
+        "survival, first divergence, teacher-forced match, perplexity, the certificate, and with the options "
+        "captured mass and passkey retrieval; selectors.md, CSV and JSON in OUT.",
+        epilog="examples:\n"
+        "  sparsedecode compare-selectors --context 1024 --support 97,193 --prompts 1 --tokens 32\n"
+        "  sparsedecode compare-selectors --context 2048 --support 97,193 --audit --retrieval 5 --out runs/selectors",
+    )
     add_model_args(selectors)
     selectors.add_argument("--corpus", default="python-docs")
     selectors.add_argument("--context", type=int_list, default=[2048])
     selectors.add_argument("--support", type=int_list, default=[97, 193])
     selectors.add_argument("--prompts", type=int, default=2)
     selectors.add_argument("--tokens", type=int, default=64)
-    selectors.add_argument("--selectors", type=selector_list, default="all", help="comma-separated selectors, or all")
-    selectors.add_argument("--audit", action="store_true", help="captured-mass ratio from the omitted-mass audit")
+    selectors.add_argument(
+        "--selectors", type=selector_list, default="all", help="comma-separated selector names, or all"
+    )
+    selectors.add_argument(
+        "--audit",
+        action="store_true",
+        help="captured-mass ratio from the omitted-mass audit (one extra dense pass per step)",
+    )
     selectors.add_argument(
         "--retrieval",
         type=int,
@@ -42,10 +57,16 @@ def add_parsers(sub) -> None:
         help="passkey retrieval trials per context (depths spread over 0..1), answered by every selector; 0 = off",
     )
     selectors.add_argument(
-        "--batch", type=int, default=1, help="decode up to B prompts of one context together (same runs, faster)"
+        "--batch",
+        type=int,
+        default=1,
+        help="decode up to this many prompts of one context together (same runs, faster)",
     )
     selectors.add_argument(
-        "--out", type=path_arg, default=Path("runs/selectors"), help="folder for JSON, CSV, markdown"
+        "--out",
+        type=path_arg,
+        default=Path("runs/selectors"),
+        help="folder for selectors.json, selectors.csv and selectors.md",
     )
     add_backend_args(selectors, unit="(context, prompt) and passkey trial")
     selectors.set_defaults(handler=cmd_compare_selectors)

@@ -52,26 +52,71 @@ def _names(text: str | None, choices: tuple[str, ...], what: str) -> tuple[str, 
 def add_eval_parser(sub, *, int_list, add_model_args) -> argparse.ArgumentParser:
     """The ``eval`` subcommand; ``int_list`` and ``add_model_args`` are the CLI's own helpers."""
     parser = sub.add_parser(
-        "eval", help="RULER-style task accuracy, dense vs sparse on the same samples (resumable); or --export"
+        "eval",
+        help="RULER-style task accuracy, dense vs sparse on the same samples (resumable); or --export",
+        description="Generate RULER-style tasks (seeded, offline, sized in the model's tokens), answer each sample "
+        "densely and under each (selector, support) after one dense prefill, and score them; rows go to "
+        "OUT/runs.jsonl, resumable like a sweep. --export DIR writes the same tasks for lm-eval instead.",
+        epilog="examples:\n"
+        "  sparsedecode eval --tasks niah_single_noise,vt --context 1024 --samples 2 --out runs/eval-small\n"
+        "  sparsedecode eval --tasks all --context 2048 --export runs/lm-eval-tasks",
     )
     add_model_args(parser)
-    parser.add_argument("--tasks", default="all", help="comma-separated task names, or all")
-    parser.add_argument("--context", type=int_list, default=[4096], help="prompt lengths in the model's tokens")
+    parser.add_argument(
+        "--tasks",
+        default="all",
+        metavar="NAME[,NAME...]|all",
+        help="comma-separated task names (niah_single_noise, niah_single_prose, niah_multikey, niah_multivalue, "
+        "niah_multiquery, vt, cwe, fwe), or all",
+    )
+    parser.add_argument(
+        "--context", type=int_list, default=[4096], help="prompt lengths in the model's tokens, comma-separated"
+    )
     parser.add_argument("--samples", type=int, default=5, help="samples per task and context")
     parser.add_argument(
-        "--selectors", type=selector_list, default=("mean-pooled",), help="comma-separated selectors, or all"
+        "--selectors",
+        type=selector_list,
+        default="mean-pooled",
+        metavar="SELECTOR[,SELECTOR...]|all",
+        help="comma-separated selectors (see `run --help` for the forms), or all",
     )
-    parser.add_argument("--support", type=int_list, default=[193], help="supports S, comma-separated")
+    parser.add_argument("--support", type=int_list, default=[193])
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--reuse", type=int, default=1, help="selection reuse interval R")
-    parser.add_argument("--corpus", default="python-docs", help="prose haystacks and cwe words: python-docs or a path")
-    parser.add_argument("--template", default="auto", choices=("auto", "chat", "plain"), help="chat template use")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--answer-tokens", type=int, default=None, help="answer budget (default: each task's own)")
-    parser.add_argument("--shard", type=shard_arg, default=None, help="i/n: run every n-th sample group from the i-th")
-    parser.add_argument("--out", type=path_arg, default=None, help="evaluation folder (eval.json, runs.jsonl)")
-    parser.add_argument("--export", type=path_arg, default=None, help="write lm-eval tasks (YAML + data) here instead")
+    parser.add_argument("--reuse", type=int, default=1, help="selection reuse interval R, in decode steps")
+    parser.add_argument(
+        "--corpus",
+        default="python-docs",
+        help="prose haystacks and cwe words: python-docs or a local text file or folder",
+    )
+    parser.add_argument(
+        "--template",
+        default="auto",
+        choices=("auto", "chat", "plain"),
+        help="auto: the chat template where the tokenizer has one; chat: refuse a tokenizer without one; plain: none",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated samples")
+    parser.add_argument(
+        "--answer-tokens", type=int, default=None, help="answer budget in tokens (default: each task's own)"
+    )
+    parser.add_argument(
+        "--shard",
+        type=shard_arg,
+        default=None,
+        help="run every n-th sample group from the i-th (1-based; default: all)",
+    )
+    parser.add_argument(
+        "--out",
+        type=path_arg,
+        default=None,
+        help="evaluation folder (eval.json, runs.jsonl); resumable (this or --export is needed)",
+    )
+    parser.add_argument(
+        "--export",
+        type=path_arg,
+        default=None,
+        help="write lm-eval tasks (YAML + data) to this folder instead of running (default: none)",
+    )
     add_backend_args(parser, unit="sample")
     return parser
 

@@ -8,7 +8,13 @@ from .common import console
 
 
 def add_parsers(sub) -> None:
-    models = sub.add_parser("models", help="list built-in model aliases and what is cached")
+    models = sub.add_parser(
+        "models",
+        help="list built-in model aliases and what is cached",
+        description="The built-in model aliases, whether each is fetched and converted in the cache "
+        "(~/.cache/sparsedecode, or $SPARSEDECODE_CACHE), and where.",
+        epilog="examples:\n  sparsedecode models",
+    )
     models.set_defaults(handler=cmd_models)
 
 

@@ -7,7 +7,6 @@ from pathlib import Path
 from rich.table import Table
 
 from .common import (
-    SELECTOR_FORMS,
     Parser,
     add_model_args,
     add_prompt_args,
@@ -30,24 +29,50 @@ from .outputs import atomic_path, check_output_folder, inputs_of, write_json
 def add_parsers(sub) -> None:
     probe = sub.add_parser("probe", help="probes: mass (attention-mass decomposition), retrieval (passkey)")
     probes = probe.add_subparsers(dest="probe", required=True, parser_class=Parser)
-    mass = probes.add_parser("mass", help="attention-mass decomposition per layer and head for one prompt")
+    mass = probes.add_parser(
+        "mass",
+        help="attention-mass decomposition per layer and head for one prompt",
+        description="Decode one prompt sparsely, recompute dense attention at every step, and split the attention "
+        "mass into anchor / window / selected blocks / omitted, per layer; a layer x head heat map of the omitted "
+        "mass (PNG) and the arrays go to OUT.",
+        epilog="examples:\n"
+        "  sparsedecode probe mass --context 2048 --support 97,193\n"
+        "  sparsedecode probe mass --context 1024 --support 193 --selector quest --out runs/mass-quest",
+    )
     add_model_args(mass)
     add_prompt_args(mass, tokens=16)
-    mass.add_argument("--out", type=path_arg, default=Path("runs/probe-mass"), help="folder for PNG and JSON")
+    mass.add_argument(
+        "--out", type=path_arg, default=Path("runs/probe-mass"), help="folder for the PNG heat map, JSON and arrays"
+    )
     mass.set_defaults(handler=cmd_probe_mass)
 
-    retrieval = probes.add_parser("retrieval", help="passkey retrieval, dense vs sparse, with captured mass")
+    retrieval = probes.add_parser(
+        "retrieval",
+        help="passkey retrieval, dense vs sparse, with captured mass",
+        description="Plant a passkey at each depth of a haystack, prefill densely, feed the question token by token "
+        "and answer greedily, dense and at each support; the audit records the captured attention mass per trial.",
+        epilog="examples:\n"
+        "  sparsedecode probe retrieval --context 1024 --depths 0,0.5,1 --trials 2 --support 97,193\n"
+        "  sparsedecode probe retrieval --context 2048 --haystack python-docs --out runs/retrieval-prose",
+    )
     add_model_args(retrieval)
-    retrieval.add_argument("--context", type=int_list, default=[2048], help="prompt lengths, question included")
-    retrieval.add_argument("--depths", type=float_list, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="0 = start")
+    retrieval.add_argument(
+        "--context", type=int_list, default=[2048], help="prompt lengths in tokens, question included, comma-separated"
+    )
+    retrieval.add_argument(
+        "--depths",
+        type=float_list,
+        default=[0.0, 0.25, 0.5, 0.75, 1.0],
+        help="passkey depths, comma-separated: 0 = right after the instructions, 1 = right before the question",
+    )
     retrieval.add_argument("--trials", type=int, default=3, help="passkeys per (context, depth)")
-    retrieval.add_argument("--support", type=int_list, default=[97, 193], help="supports S, comma-separated")
+    retrieval.add_argument("--support", type=int_list, default=[97, 193])
     retrieval.add_argument("--window", type=int, default=64)
     retrieval.add_argument("--block-size", type=int, default=16)
     retrieval.add_argument("--reuse", type=int, default=1)
-    retrieval.add_argument("--selector", type=selector_arg, default="mean-pooled", help=SELECTOR_FORMS)
+    retrieval.add_argument("--selector", type=selector_arg, default="mean-pooled")
     retrieval.add_argument("--haystack", default="filler", help="filler (repeated sentences), or a corpus name/path")
-    retrieval.add_argument("--digits", type=int, default=5, help="passkey length")
+    retrieval.add_argument("--digits", type=int, default=5, help="passkey length, in digits")
     retrieval.add_argument("--answer-tokens", type=int, default=8)
     retrieval.add_argument("--seed", type=int, default=0)
     retrieval.add_argument(

@@ -22,10 +22,19 @@ from .outputs import check_output_file, inputs_of, write_json
 
 
 def add_parsers(sub) -> None:
-    run = sub.add_parser("run", help="paired dense vs sparse decoding of one prompt")
+    run = sub.add_parser(
+        "run",
+        help="paired dense vs sparse decoding of one prompt",
+        description="Dense greedy decoding of one prompt against sparse decoding at each support: free-running "
+        "(first divergence) and teacher-forced (match, perplexity), the margin certificate, both continuations "
+        "side by side.",
+        epilog="examples:\n"
+        "  sparsedecode run --context 2048 --support 97,193 --tokens 64 --prompt-index 2\n"
+        "  sparsedecode run --mode lossless --draft-tokens 4 --context 1024 --support 193 --tokens 32 --json run.json",
+    )
     add_model_args(run)
     add_prompt_args(run, tokens=128)
-    run.add_argument("--json", type=file_arg, help="write {settings, results} here")
+    run.add_argument("--json", type=file_arg, help="write {settings, results} to this JSON file (default: not written)")
     run.add_argument(
         "--mode",
         default="compare",

@@ -6,7 +6,6 @@ import time
 
 from ..errors import SparseDecodeError
 from .common import (
-    SELECTOR_FORMS,
     add_backend_args,
     add_model_args,
     check_backend_args,
@@ -26,36 +25,60 @@ from .outputs import check_output_folder, check_writable_folder, inputs_of
 
 
 def add_parsers(sub) -> None:
-    sweep = sub.add_parser("sweep", help="survival sweep: paired dense/sparse runs over contexts x prompts x supports")
-    add_model_args(sweep)
-    sweep.add_argument("--corpus", default="python-docs", help="python-docs (offline), wikitext2, or a path")
-    sweep.add_argument("--context", type=int_list, default=[2048], help="prompt lengths, comma-separated")
-    sweep.add_argument("--support", type=int_list, default=[97, 193, 385, 769], help="supports S, comma-separated")
-    sweep.add_argument("--reuse", type=int_list, default=[1], help="selection reuse intervals R, comma-separated")
-    sweep.add_argument(
-        "--selector", type=selector_arg, default=None, help=f"one selector (default mean-pooled): {SELECTOR_FORMS}"
+    sweep = sub.add_parser(
+        "sweep",
+        help="survival sweep: paired dense/sparse runs over contexts x prompts x supports",
+        description="The paired protocol over contexts x prompts x supports x reuse intervals (x selectors), one row "
+        "per run appended to OUT/runs.jsonl; rerun the same command to resume.",
+        epilog="examples:\n"
+        "  sparsedecode sweep --context 1024 --support 97,193 --prompts 2 --tokens 32 --out runs/small\n"
+        "  sparsedecode sweep --context 1024 --support 97,193 --prompts 2 --tokens 32 --shard 1/2 --out runs/small-1",
     )
+    add_model_args(sweep)
+    sweep.add_argument("--corpus", default="python-docs")
+    sweep.add_argument("--context", type=int_list, default=[2048])
+    sweep.add_argument("--support", type=int_list, default=[97, 193, 385, 769])
+    sweep.add_argument(
+        "--reuse", type=int_list, default=[1], help="selection reuse intervals R in decode steps, comma-separated"
+    )
+    sweep.add_argument("--selector", type=selector_arg, default=None, help="one selector (default: mean-pooled)")
     sweep.add_argument(
         "--selectors",
         type=selector_list,
         default=None,
-        help="comma-separated selectors, or all: one more dimension of the grid",
+        help="comma-separated selectors, or all: one more dimension of the grid (default: --selector)",
     )
-    sweep.add_argument("--prompts", type=int, default=5, help="prompts per context (corpus prefixes 0..n-1)")
-    sweep.add_argument("--tokens", type=int, default=128, help="greedy tokens T per run")
+    sweep.add_argument("--prompts", type=int, default=5)
+    sweep.add_argument("--tokens", type=int, default=128)
     sweep.add_argument("--window", type=int, default=64)
     sweep.add_argument("--block-size", type=int, default=16)
-    sweep.add_argument("--audit", action="store_true", help="omitted-mass audit of every sparse step (slower)")
     sweep.add_argument(
-        "--shard", type=shard_arg, default=None, help="i/n: run every n-th (context, prompt) group from the i-th"
+        "--audit", action="store_true", help="omitted-mass audit of every sparse step (one extra dense pass per step)"
     )
     sweep.add_argument(
-        "--batch", type=int, default=1, help="decode up to B prompts of one context together (same rows, faster)"
+        "--shard",
+        type=shard_arg,
+        default=None,
+        help="run every n-th (context, prompt) group from the i-th (1-based; default: all)",
+    )
+    sweep.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="decode up to this many prompts of one context together (same rows, faster)",
     )
     sweep.add_argument("--out", type=path_arg, required=True, help="sweep folder (sweep.json, runs.jsonl); resumable")
     add_backend_args(sweep, unit="(context, prompt) group")
 
-    merge = sub.add_parser("merge", help="combine shard folders of one sweep (or one evaluation) into one folder")
+    merge = sub.add_parser(
+        "merge",
+        help="combine shard folders of one sweep (or one evaluation) into one folder",
+        description="Combine sweep (or evaluation) folders of the same settings, or of grids that differ only in "
+        "contexts, prompts, supports, reuse or selectors, into one folder; duplicates are dropped.",
+        epilog="examples (the second after `sparsedecode sweep --help`'s second example):\n"
+        "  sparsedecode sweep --context 1024 --support 97,193 --prompts 2 --tokens 32 --shard 2/2 --out runs/small-2\n"
+        "  sparsedecode merge runs/small-1 runs/small-2 --out runs/small-merged",
+    )
     merge.add_argument("sources", type=path_arg, nargs="+", help="sweep (or evaluation) folders with the same settings")
     merge.add_argument(
         "--out",
@@ -65,7 +88,11 @@ def add_parsers(sub) -> None:
     )
 
     report = sub.add_parser(
-        "report", help="report.md (or selectors.md) with tables, CSVs and plots for a results folder"
+        "report",
+        help="report.md (or selectors.md) with tables, CSVs and plots for a results folder",
+        description="Render a sweep, retrieval, evaluation or selector-comparison folder: Markdown, CSVs and plots "
+        "written into the folder.",
+        epilog="examples (after `sparsedecode sweep --help`'s first example):\n  sparsedecode report runs/small",
     )
     report.add_argument(
         "directory",
@@ -73,7 +100,12 @@ def add_parsers(sub) -> None:
         help="a sweep folder (sweep.json, and retrieval.json beside it if any), a retrieval, evaluation or selector-"
         "comparison folder",
     )
-    report.add_argument("--retrieval", type=path_arg, help="retrieval.json (or its folder) to include")
+    report.add_argument(
+        "--retrieval",
+        type=path_arg,
+        metavar="PATH",
+        help="retrieval.json (or its folder) to include (default: retrieval.json beside sweep.json, if any)",
+    )
     sweep.set_defaults(handler=cmd_sweep)
     merge.set_defaults(handler=cmd_merge)
     report.set_defaults(handler=cmd_report)

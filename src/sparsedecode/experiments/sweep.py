@@ -670,12 +670,16 @@ def source_metas(
 
 def merged_provenance(metas: list[tuple[Path, dict]], directory: Path) -> dict:
     """The meta fields a merge writes besides its spec: no shard, the folders' sessions once each, in order, and the
-    folders merged into ``directory`` (itself left out)."""
+    folders merged into ``directory`` (itself left out), as paths relative to ``directory``, so a committed result
+    names no absolute path of the machine it was merged on."""
     sessions = [s for _, meta in metas for s in meta.get("sessions", [])]
+    target = directory.resolve()
     return {
         "shard": None,
         "sessions": [s for i, s in enumerate(sessions) if s not in sessions[:i]],
-        "merged_from": sorted({str(source) for source, _ in metas if source.resolve() != directory.resolve()}),
+        "merged_from": sorted(
+            {os.path.relpath(source.resolve(), target) for source, _ in metas if source.resolve() != target}
+        ),
     }
 
 
