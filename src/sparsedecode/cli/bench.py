@@ -51,6 +51,13 @@ def _clock() -> dict:
     return {"started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "t0": time.monotonic()}
 
 
+def _selector_record(spec: str) -> dict:
+    """The selector of a bench result: its spec, parameters and, for a file, its sha256."""
+    from ..selectors import resolve_selector
+
+    return resolve_selector(spec).record()
+
+
 def _write_result(path, clock: dict, **fields) -> None:
     """Write a bench result file: the machine, the run itself (when it started and how long the whole command took,
     model loading and prefills included; the rows' timings are medians of what is measured, not this), then
@@ -127,6 +134,7 @@ def add_parsers(sub) -> None:
         "--context", type=int_list, default=[8192], help="prompt length(s) in tokens (plus --tokens must fit the model)"
     )
     e2e.add_argument("--support", type=int_list, default=[193])
+    e2e.add_argument("--selector", type=selector_arg, default="mean-pooled")
     e2e.add_argument("--tokens", type=int, default=64)
     e2e.add_argument("--prompt-index", type=int, default=0)
     e2e.add_argument(
@@ -261,7 +269,13 @@ def cmd_bench_op(args) -> int:
         "matched-quality or end-to-end speed.[/]"
     )
     if args.json:
-        _write_result(args.json, clock, bandwidth_gbs=bandwidth, rows=op_rows_as_dicts(rows))
+        _write_result(
+            args.json,
+            clock,
+            selector=_selector_record(args.selector),
+            bandwidth_gbs=bandwidth,
+            rows=op_rows_as_dicts(rows),
+        )
     return 0
 
 
@@ -283,7 +297,7 @@ def cmd_bench_e2e(args) -> int:
         )
     if args.repeats < 1:
         raise SparseDecodeError(f"--repeats must be >= 1 (got {args.repeats})")
-    check_whole_blocks([SparseConfig(support=s) for s in args.support])
+    check_whole_blocks([SparseConfig(support=s, selector=args.selector) for s in args.support])
     check_prompt_source(args)
     if args.batch is not None:
         if min(args.batch) < 1:
@@ -314,6 +328,7 @@ def cmd_bench_e2e(args) -> int:
                     lossless=tuple(args.draft_tokens) if args.mode == "lossless" else (),
                     adaptive=args.adaptive,
                     repeats=args.repeats,
+                    selector=args.selector,
                 )
             )
     table = Table(
@@ -353,7 +368,7 @@ def cmd_bench_e2e(args) -> int:
         "leading tokens equal to dense greedy output; peak RSS is the process peak so far.[/]"
     )
     if args.json:
-        _write_result(args.json, clock, rows=[asdict(r) for r in rows])
+        _write_result(args.json, clock, selector=_selector_record(args.selector), rows=[asdict(r) for r in rows])
     return 0
 
 
@@ -390,6 +405,7 @@ def _bench_e2e_batch(args, clock: dict) -> int:
                     tokens=args.tokens,
                     repeats=args.repeats,
                     progress=progress,
+                    selector=args.selector,
                 )
             )
     table = Table(title=f"batched decoding, {args.model} {args.dtype} on cpu: {args.tokens} greedy tokens per sequence")
@@ -428,5 +444,5 @@ def _bench_e2e_batch(args, clock: dict) -> int:
         "equal its own batch-1 run in the same mode; peak RSS per batch size.[/]"
     )
     if args.json:
-        _write_result(args.json, clock, rows=[asdict(r) for r in rows])
+        _write_result(args.json, clock, selector=_selector_record(args.selector), rows=[asdict(r) for r in rows])
     return 0

@@ -505,6 +505,7 @@ def bench_e2e(
     kernel: str = "auto",
     repeats: int = 2,
     progress: Progress | None = None,
+    selector: str = "mean-pooled",
 ) -> list[E2ERow]:
     """Dense prefill once, then ``tokens`` greedy tokens per mode from the same prefilled KV cache.
 
@@ -533,7 +534,7 @@ def bench_e2e(
         return elapsed, out
 
     def sparse(support: int, stage: str) -> tuple[float, list[int]]:
-        with sparse_decoding(model, SparseConfig(support=support, kernel=kernel)):
+        with sparse_decoding(model, SparseConfig(support=support, kernel=kernel, selector=selector)):
             return timed(growing, stage)
 
     def speculative(support: int, k: int, stage: str):
@@ -542,7 +543,7 @@ def bench_e2e(
             growing,
             context,
             first,
-            SparseConfig(support=support, kernel=kernel),
+            SparseConfig(support=support, kernel=kernel, selector=selector),
             tokens + 1,
             draft_tokens=k,
             adaptive=adaptive,
@@ -710,6 +711,7 @@ def bench_e2e_batch(
     kernel: str = "auto",
     repeats: int = 2,
     progress: Progress | None = None,
+    selector: str = "mean-pooled",
 ) -> list[BatchRow]:
     """Aggregate decode throughput per batch size, dense vs sparse, side by side in one process.
 
@@ -751,7 +753,7 @@ def bench_e2e_batch(
         return (
             contextlib.nullcontext()
             if kind == "dense"
-            else sparse_decoding(model, SparseConfig(support=support, kernel=kernel))
+            else sparse_decoding(model, SparseConfig(support=support, kernel=kernel, selector=selector))
         )
 
     alone: dict[tuple, list[list[int]]] = {}
