@@ -301,3 +301,26 @@ def test_eval_on_ray_equals_local_and_resumes(cluster, tmp_path, capsys, monkeyp
     assert main([*args, "--backend", "ray", "--out", str(tmp_path / "ray")]) == 0
     assert "2 runs now, 4 before: 6 of 6" in capsys.readouterr().out
     assert by_key(parse_rows(runs), eval_key) == by_key(local, eval_key)
+
+
+def test_a_selector_file_reaches_the_workers_and_their_rows_equal_the_local_ones(cluster, tiny_model_dir, tmp_path):
+    """The file's content travels with the work: the workers import it even where its path is gone (a cluster whose
+    machines do not share the driver's files), and a sweep of it on Ray writes the local rows."""
+    from test_selector_protocol import USER_SELECTOR
+
+    source = tmp_path / "mine.py"
+    source.write_text(USER_SELECTOR)
+    grid = ["--selectors", f"mean-pooled,{source}:MaxKeyBlocks:temperature=2", "--workers", "2", "--address", cluster]
+    assert main([*sweep_args(tiny_model_dir), *grid[:2], "--out", str(tmp_path / "local")]) == 0
+    from sparsedecode.selectors import registry
+
+    registry.provide_sources(registry.loaded_sources())  # as a worker would, this process now reads what it imported
+    moved = tmp_path / "moved.py"
+    source.rename(moved)  # the workers cannot read the path; the driver sends what it imported
+    try:
+        assert main([*sweep_args(tiny_model_dir, "--backend", "ray"), *grid, "--out", str(tmp_path / "ray")]) == 0
+    finally:
+        moved.rename(source)
+    local, remote = (read_rows(tmp_path / d / RUNS_FILE) for d in ("local", "ray"))
+    assert by_key(remote) == by_key(local)
+    assert {row["selector_sha256"] for row in local if "MaxKeyBlocks" in row["selector"]} != set()

@@ -196,7 +196,7 @@ def test_register_selector_as_a_decorator_and_by_entry_point(monkeypatch):
     "cls, says",
     [
         ("WrongShape", "returned shape"),
-        ("NotFinite", "non-finite score"),
+        ("NotFinite", "hold NaN or infinite values"),
         ("Raises", "failed in score_blocks: RuntimeError"),
     ],
 )

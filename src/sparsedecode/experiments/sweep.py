@@ -182,8 +182,8 @@ def make_row(key: RunKey, result: CompareResult, *, run_s: float, audit: bool = 
     row.update({name: list(getattr(result, name)) for name in TOKEN_FIELDS})
     row.update({name: getattr(result, name) for name in TIMING_FIELDS})
     row["run_s"] = run_s
-    row["first_divergence_convention"] = result.first_divergence_convention
     row.update({name: getattr(result, name) for name in SUPPORT_READ_FIELDS})
+    row["first_divergence_convention"] = result.first_divergence_convention
     return row
 
 

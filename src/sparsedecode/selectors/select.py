@@ -44,8 +44,8 @@ def _checked(selector: Selector, scores, shape: tuple[int, int], what: str) -> t
     if not bool(torch.isfinite(scores).all()):
         bad = int((~torch.isfinite(scores)).sum())
         raise SparseDecodeError(
-            f"selector {name}: {what} returned {bad} non-finite score(s) (NaN ranks nowhere); a NaN or infinite "
-            "query or key gives them too"
+            f"selector {name}: the {what} scores hold NaN or infinite values ({bad}; NaN ranks nowhere): a NaN or "
+            "infinite query or key gives them too"
         )
     return scores
 
