@@ -70,7 +70,13 @@ keeps the two equal)."""
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line and exit status 2."""
+    """argparse, but a usage error is one line and exit status 2, and an option is matched only as spelt: argparse's
+    default would take ``--mode`` for ``--model`` (the only option it begins), so a misspelt or missing option ran
+    as another one. Subparsers are made of this class too, so every command refuses abbreviations."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise SparseDecodeError(f"{self.prog}: {message}")
