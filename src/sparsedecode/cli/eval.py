@@ -163,7 +163,9 @@ def cmd_eval(args, *, console, progress_bars) -> int:
     from ..experiments.sweep import Shard
 
     shard = Shard.parse(args.shard) if args.shard else None
-    check_folder(args.out, spec, shard or Shard())  # another folder, bad files or changed settings: before the model
+    # another folder, bad files or changed settings: before the model; a grid that grows says so
+    for line in check_folder(args.out, spec, shard or Shard()):
+        console.print(line)
     loaded = load(args)
     console.print(
         f"[bold]{args.model}[/] {args.dtype}; tasks {', '.join(spec.tasks)}; contexts {list(spec.contexts)}; "
