@@ -102,6 +102,42 @@ def check_model_args(kwargs: dict) -> None:
         )
 
 
+def sparse_settings(
+    *,
+    batch_size: int | str = 1,
+    support=193,
+    selector: str = "mean-pooled",
+    window=64,
+    block_size=16,
+    reuse=1,
+    kernel: str = "auto",
+    seed=0,
+    sparse_tail=1,
+    **others,
+) -> tuple[SparseConfig, int]:
+    """``(SparseConfig, sparse_tail)`` from the model arguments, every one checked (``others``: the rest, which
+    :func:`check_model_args` checks by name); loads nothing, so the command line checks ``--model_args`` with it
+    before lm-eval starts."""
+    check_model_args({name: value for name, value in others.items() if name not in ("pretrained", "dtype", "device")})
+    if str(batch_size) != "1":
+        raise SparseDecodeError(f"sparsedecode runs one sequence at a time: use batch_size 1 (got {batch_size})")
+    support, window, block_size, reuse, seed, sparse_tail = (
+        _integer(name, value)
+        for name, value in zip(INTEGER_ARGS, (support, window, block_size, reuse, seed, sparse_tail))
+    )
+    if sparse_tail < 0:
+        raise SparseDecodeError(f"sparse_tail must be an integer >= 0, got {sparse_tail!r}")
+    cfg = SparseConfig(
+        support=support, window=window, block_size=block_size, reuse=reuse, selector=selector, kernel=kernel, seed=seed
+    )
+    if not cfg.token_level and cfg.effective_support != cfg.support:
+        raise SparseDecodeError(
+            f"support={cfg.support} is not 1 + W + b*B with W = {cfg.window}, B = {cfg.block_size} (block "
+            f"selectors read whole blocks): use {cfg.effective_support} or {cfg.effective_support + cfg.block_size}"
+        )
+    return cfg, sparse_tail
+
+
 def _integer(name: str, value):
     """``value`` as an int when it is one, whole floats included (lm-eval's command line parses ``-5`` as ``-5.0``);
     anything else is refused naming the argument."""
@@ -158,30 +194,18 @@ class SparseDecodeLM(HFLM):
     ) -> None:
         from .models import load_model
 
-        check_model_args(kwargs)
-        if str(batch_size) != "1":
-            raise SparseDecodeError(f"sparsedecode runs one sequence at a time: use batch_size 1 (got {batch_size})")
-        support, window, block_size, reuse, seed, sparse_tail = (
-            _integer(name, value)
-            for name, value in zip(INTEGER_ARGS, (support, window, block_size, reuse, seed, sparse_tail))
-        )
-        if sparse_tail < 0:
-            raise SparseDecodeError(f"sparse_tail must be an integer >= 0, got {sparse_tail!r}")
-        self.sparse_config = SparseConfig(
+        self.sparse_config, sparse_tail = sparse_settings(
+            batch_size=batch_size,
             support=support,
+            selector=selector,
             window=window,
             block_size=block_size,
             reuse=reuse,
-            selector=selector,
             kernel=kernel,
             seed=seed,
+            sparse_tail=sparse_tail,
+            **kwargs,
         )
-        cfg = self.sparse_config
-        if not cfg.token_level and cfg.effective_support != cfg.support:
-            raise SparseDecodeError(
-                f"support={cfg.support} is not 1 + W + b*B with W = {cfg.window}, B = {cfg.block_size} (block "
-                f"selectors read whole blocks): use {cfg.effective_support} or {cfg.effective_support + cfg.block_size}"
-            )
         self.sparse_tail = sparse_tail
         model, tokenizer = load_model(str(pretrained), dtype=dtype)
         model = model.to(_device(device))

@@ -221,7 +221,7 @@ def run_lm_eval(argv: list[str]) -> int:
     spelt (no abbreviations), and a usage error, a malformed ``--model_args`` or a task lm-eval does not know is one
     line and exit status 2 (a :class:`SparseDecodeError`), not argparse's usage text or a traceback.
     """
-    from ..lm_eval_model import register
+    from ..lm_eval_model import MODEL_NAME, register, sparse_settings
 
     register()
     from lm_eval._cli import HarnessCLI
@@ -247,6 +247,8 @@ def run_lm_eval(argv: list[str]) -> int:
             raise
         except (ValueError, TypeError) as error:  # a malformed key=value list: lm-eval's actions raise these
             raise SparseDecodeError(f"sparsedecode {LM_EVAL_COMMAND}: {_first_line(error)}") from None
+        if getattr(args, "model", None) == MODEL_NAME and isinstance(getattr(args, "model_args", None), dict):
+            sparse_settings(**args.model_args)  # our model's arguments, before lm-eval starts (the model checks again)
         cli.execute(args)
     except SystemExit as exit_:
         code = exit_.code
