@@ -490,3 +490,68 @@ def test_a_failed_command_leaves_no_empty_output_folder_and_names_the_file(
     args = ["run", "--model", str(tiny_model_dir), "--corpus", str(corpus), "--context", "100", "--support", "97"]
     assert_refused([*args, "--tokens", "3", "--json", str(target)], f"No space left on device: {target}", capsys)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt"], "the folders made for --json are gone"
+
+
+# ---- issue 27: an abbreviated or misspelt option is refused as such, on every command ----
+
+
+def leaf_commands():
+    """``(words, parser)`` of every command that parses its own options (``lm-eval`` hands them to lm-eval)."""
+    import argparse
+
+    from sparsedecode.cli import build_parser
+
+    def walk(parser, words):
+        subs = [action for action in parser._actions if isinstance(action, argparse._SubParsersAction)]
+        yield words, parser, not subs
+        for sub in subs:
+            for name, child in sub.choices.items():
+                yield from walk(child, [*words, name])
+
+    return [(words, parser, leaf) for words, parser, leaf in walk(build_parser(), []) if words != ["lm-eval"]]
+
+
+def test_no_parser_takes_abbreviations():
+    commands = leaf_commands()
+    assert {" ".join(words) for words, _, _ in commands} >= {"", "bench", "run", "sweep", "merge", "report", "eval"}
+    assert all(parser.allow_abbrev is False for _, parser, _ in commands)
+    assert main(["--hel"]) == 2 and main(["bench", "--hel"]) == 2
+
+
+@pytest.mark.parametrize("words", [words for words, _, leaf in leaf_commands() if leaf], ids=" ".join)
+def test_every_option_shortened_by_a_letter_is_an_unknown_argument(words, tmp_path, no_model_load, capsys):
+    """Each long option less its last letter (``--mode`` for ``--model``), on each command, with its required
+    arguments given: refused as an unrecognised argument of that command, nothing written."""
+    parser = {" ".join(w): p for w, p, _ in leaf_commands()}[" ".join(words)]
+    required = []
+    for action in parser._actions:
+        if not action.option_strings and action.required:
+            required.append(str(tmp_path / "in"))
+        elif action.required and action.option_strings:
+            required += [action.option_strings[0], str(tmp_path / "out")]
+    known = {option for action in parser._actions for option in action.option_strings}
+    shortened = sorted({o[:-1] for o in known if o.startswith("--") and len(o) > 4 and o[:-1] not in known})
+    assert shortened
+    for option in shortened:
+        code = main([*words, *required, f"{option}=1"])
+        err = capsys.readouterr().err
+        assert code == 2, (words, option, err)
+        assert err == f"sparsedecode: error: sparsedecode {' '.join(words)}: unrecognized arguments: {option}=1\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["sweep", "--mode", "lossless", "--out", "OUT"],
+        ["eval", "--mode", "lossless", "--out", "OUT"],
+        ["compare-selectors", "--mode", "lossless"],
+        ["run", "--mode", "lossless", "--draft", "4"],
+        ["run", "--sup", "97"],
+    ],
+)
+def test_the_issues_abbreviations_are_not_taken_for_another_option(args, tmp_path, no_model_load, capsys):
+    args = [str(tmp_path / "o") if a == "OUT" else a for a in args]
+    err = one_line_exit_2(args, capsys)
+    assert "unrecognized arguments: " in err and "unknown model" not in err
+    assert list(tmp_path.iterdir()) == []

@@ -233,3 +233,172 @@ def test_argument_format_errors_import_no_torch(tmp_path):
     ):
         assert line.startswith("sparsedecode: error: ") and expected in line, line
     assert file.read_text() == "keep me" and not (tmp_path / "never").exists()
+
+
+# ---- issue 27: bad input on the newer surfaces ----
+
+
+def export_args(model_dir: Path, out: Path, *extra: str, tasks: str = "vt") -> list[str]:
+    return ["eval", "--model", str(model_dir), *ARGS[2:], "--tasks", tasks, *extra, "--export", str(out)]
+
+
+@pytest.mark.usefixtures("no_model_load")
+def test_an_export_is_a_kind_of_results_of_its_own(finished, tiny_model_dir, tmp_path, capsys):
+    from sparsedecode.cli import main
+
+    folder = copy_of(finished, tmp_path)
+    before = contents(folder)
+    err = one_line_exit_2(export_args(tiny_model_dir, folder), capsys)
+    assert "holds an evaluation (eval.json); write exported lm-eval tasks into a folder of its own" in err
+    assert contents(folder) == before
+    export = tmp_path / "x"
+    assert main(export_args(tiny_model_dir, export)) == 0  # a tokenizer only: no model load
+    before = contents(export)
+    for args, kind in (
+        (eval_args(tiny_model_dir, export), "an evaluation"),
+        (["sweep", "--model", str(tiny_model_dir), "--out", str(export)], "a sweep"),
+        (["probe", "retrieval", "--model", str(tiny_model_dir), "--out", str(export)], "retrieval results"),
+    ):
+        err = one_line_exit_2(args, capsys)
+        assert f"holds exported lm-eval tasks (export.json); write {kind} into a folder of its own" in err, err
+        assert contents(export) == before
+
+
+def test_exporting_again_replaces_the_earlier_exports_tasks(tiny_model_dir, tmp_path, capsys):
+    from sparsedecode.cli import main
+    from sparsedecode.experiments.lm_eval_tasks import TAG
+
+    export = tmp_path / "x"
+    assert main(export_args(tiny_model_dir, export, tasks="vt,niah_single_noise")) == 0
+    (export / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    assert main(export_args(tiny_model_dir, export, tasks="niah_single_noise")) == 0
+    assert "removed 1 task(s) of the previous export that this one does not hold: sparsedecode_vt_600" in (
+        capsys.readouterr().out.replace("\n", " ")
+    )
+    listed = json.loads((export / "export.json").read_text())["tasks"]
+    tagged = sorted(p.stem for p in export.glob("*.yaml") if f"tag: {TAG}" in p.read_text())
+    assert listed == tagged == ["sparsedecode_niah_single_noise_600"], "--tasks sparsedecode_ruler runs only these"
+    assert sorted(p.name for p in export.iterdir()) == [
+        "export.json",
+        "notes.txt",
+        "sparsedecode_niah_single_noise_600.jsonl",
+        "sparsedecode_niah_single_noise_600.yaml",
+        "sparsedecode_ruler_utils.py",
+    ]
+    (export / "export.json").write_text('{"tasks": ["../notes"]}')  # names no task of ours: refused, nothing removed
+    before = contents(export)
+    err = one_line_exit_2(export_args(tiny_model_dir, export), capsys)
+    assert "export.json is not an export description" in err and contents(export) == before
+
+
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        (["--backend", "ray"], "--backend ray"),
+        (["--workers", "2"], "--workers"),
+        (["--address", "127.0.0.1:1"], "--address"),
+        (["--worker-threads", "1"], "--worker-threads"),
+    ],
+)
+@pytest.mark.usefixtures("no_model_load")
+def test_ray_options_with_export_are_refused(tiny_model_dir, tmp_path, capsys, extra, named):
+    err = one_line_exit_2(export_args(tiny_model_dir, tmp_path / "x", *extra), capsys)
+    assert f"{named} applies to runs, not to --export" in err and not (tmp_path / "x").exists()
+
+
+def test_a_folder_listed_twice_counts_its_rows_as_duplicates(finished, tmp_path, capsys):
+    from sparsedecode.cli import main
+
+    twin = copy_of(finished, tmp_path / "twin")
+    for sources in ([finished, finished], [finished, twin]):
+        out = tmp_path / f"m{len(list(tmp_path.iterdir()))}"
+        assert main(["merge", *map(str, sources), "--out", str(out)]) == 0
+        assert "2 runs, 2 duplicate(s) dropped" in " ".join(capsys.readouterr().out.split())
+    folder = copy_of(finished, tmp_path)
+    assert merge_evals([folder, twin], folder).duplicates == 2, "--out among the sources: its own rows read once"
+
+
+@pytest.mark.usefixtures("no_model_load")
+def test_report_on_a_folder_without_results_names_every_kind(tmp_path, capsys):
+    err = one_line_exit_2(["report", str(tmp_path)], capsys)
+    assert "holds neither a sweep (sweep.json), an evaluation (eval.json), retrieval results" in err
+
+
+def _report_of(folder: Path, rows: list[dict]) -> str:
+    from sparsedecode.cli import main
+
+    (folder / RUNS_FILE).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert main(["report", str(folder)]) == 0
+    return (folder / "report.md").read_text()
+
+
+def test_an_eval_report_says_only_what_its_rows_show(finished, tmp_path):
+    folder = copy_of(finished, tmp_path)
+    dense, sparse = (json.loads(line) for line in (folder / RUNS_FILE).read_text().splitlines())
+    right = {"score": 1.0, "correct": True}
+    report = _report_of(folder, [])
+    assert "No run is stored yet" in report and "No dense run is stored yet" in report
+    assert "in every cell" not in report and "Dense answers every sample fully" not in report
+    assert "wherever dense answered fully" not in report
+    # the dense row of one task, only the sparse row of another
+    other = {**sparse, **right, "task": "niah_single_noise", "dense_score": 1.0}
+    report = _report_of(folder, [{**dense, **right}, other])
+    assert "in every cell." not in report and "Dense answers every sample fully" not in report
+    assert "in every cell where it has run (1 of 2)" in report
+    assert "No dense run yet in 1 of 2 cells (niah_single_noise at 600)" in report
+    assert "1 sample(s) with sparse runs have no dense run yet" in report
+    # every cell with its dense row: the claims hold and are made
+    report = _report_of(folder, [{**dense, **right}, {**sparse, **right, "dense_score": 1.0}])
+    assert "answers some sample fully in every cell." in report and "Dense answers every sample fully." in report
+    assert "No dense run yet" not in report
+
+
+def test_an_eval_folder_grows_as_a_sweep_folder_does(finished, tiny_model_dir, tmp_path, capsys):
+    from sparsedecode.cli import main
+
+    folder = copy_of(finished, tmp_path)
+    before = (folder / RUNS_FILE).read_bytes()
+    grown = [a if a != "97" else "97,113" for a in eval_args(tiny_model_dir, folder)]
+    assert main(grown) == 0
+    assert "extending the grid of" in " ".join(capsys.readouterr().out.split())
+    meta, rows = load_eval(folder)
+    assert meta["spec"]["supports"] == [97, 113] and len(rows) == 3
+    assert meta["sessions"][-1]["extended"] == [f"extending the grid of {folder}: supports: [97] -> [97, 113]"]
+    assert (folder / RUNS_FILE).read_bytes().startswith(before), "the stored rows stay as they were"
+    # dropping or reordering a stored value is no extension, nor is a change outside the grid
+    before = contents(folder)
+    for args, named in (
+        ([a if a != "97" else "113" for a in eval_args(tiny_model_dir, folder)], "supports: [97, 113] vs [113]"),
+        ([*grown, "--seed", "1"], "seed: 0 vs 1"),
+    ):
+        err = one_line_exit_2(args, capsys)
+        assert named in err and "only add to its grid (more tasks, contexts, samples, selectors or supports" in err
+        assert contents(folder) == before
+    # a shard's grid cannot grow
+    shard = tmp_path / "shard"
+    assert main(eval_args(tiny_model_dir, shard, "--samples", "2", "--shard", "1/2")) == 0
+    more = [*eval_args(tiny_model_dir, shard, "--samples", "2", "--shard", "1/2"), "--support", "97,113"]
+    assert "cannot grow shard by shard" in one_line_exit_2(more, capsys)
+
+
+def test_eval_folders_of_different_grids_merge_into_their_union(finished, tiny_model_dir, tmp_path, capsys):
+    from sparsedecode.cli import main
+
+    other = tmp_path / "other"
+    assert main([a if a != "97" else "113" for a in eval_args(tiny_model_dir, other)]) == 0
+    merged = tmp_path / "merged"
+    assert main(["merge", str(finished), str(other), "--out", str(merged)]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
+    assert "3 runs, 1 duplicate(s) dropped, 0 run(s) of the grid still missing" in out
+    meta, rows = load_eval(merged)
+    assert meta["spec"]["supports"] == [97, 113]
+    assert [(r["selector"], r["support"]) for r in rows] == [("dense", None), ("mean-pooled", 97), ("mean-pooled", 113)]
+    err = one_line_exit_2(eval_args(tiny_model_dir, merged), capsys)  # the merged spec holds both supports
+    assert "supports: [97, 113] vs [97]" in err
+    assert main([a if a != "97" else "97,113" for a in eval_args(tiny_model_dir, merged)]) == 0
+    assert "0 runs now, 3 before: 3 of 3" in " ".join(capsys.readouterr().out.split()), "nothing left to run"
+    outside = tmp_path / "outside"
+    assert main([*eval_args(tiny_model_dir, outside), "--seed", "1"]) == 0
+    err = one_line_exit_2(["merge", str(finished), str(outside), "--out", str(tmp_path / "m2")], capsys)
+    assert "their settings differ outside the grid (seed: 0 vs 1" in err and not (tmp_path / "m2").exists()

@@ -195,9 +195,16 @@ def test_shards_partition_samples_and_merge_equals_unsharded(loaded, tmp_path):
     assert stripped(merged) == stripped(rows_of(tmp_path / "all")) and meta["shard"] is None
     assert meta["merged_from"] == ["../shard1", "../shard2"], "relative to the merged folder, no absolute path"
     assert run_eval(spec, tmp_path / "merged", loaded=loaded).ran == 0
+    # folders that differ only in their grid merge into its union, as sweep folders do (issue 27)
     run_eval(small_spec(samples=1, selectors=("quest",)), tmp_path / "other", loaded=loaded)
-    with pytest.raises(SparseDecodeError, match=r"samples: 3 vs 1; selectors: \['mean-pooled'\] vs \['quest'\]"):
-        merge_evals([tmp_path / "shard1", tmp_path / "other"], tmp_path / "m2")
+    outcome = merge_evals([tmp_path / "shard1", tmp_path / "other"], tmp_path / "m2")
+    union = small_spec(samples=3, selectors=("mean-pooled", "quest"))
+    assert EvalSpec.from_dict(load_eval(tmp_path / "m2")[0]["spec"]) == union
+    assert (outcome.rows, outcome.duplicates, outcome.missing) == (4 + 2 - 1, 1, len(union.keys()) - 5)
+    run_eval(small_spec(samples=1, selectors=("quest",), answer_tokens=3), tmp_path / "third", loaded=loaded)
+    with pytest.raises(SparseDecodeError, match=r"differ outside the grid \(answer_tokens: 4 vs 3"):
+        merge_evals([tmp_path / "shard1", tmp_path / "third"], tmp_path / "m4")
+    assert not (tmp_path / "m4").exists()
     with pytest.raises(SparseDecodeError, match="not an evaluation folder"):
         merge_evals([tmp_path / "shard1", tmp_path / "nothing"], tmp_path / "m3")
 

@@ -148,7 +148,7 @@ def hf(model_dir, tasks_dir):
 
 
 def test_full_support_gives_the_hf_models_results(model_dir, tasks_dir, hf):
-    sparse = evaluate("sparsedecode", f"pretrained={model_dir},support=100000", TASKS, tasks_dir)
+    sparse = evaluate("sparsedecode", f"pretrained={model_dir},support=100001", TASKS, tasks_dir)
     assert responses(sparse, "tiny_gen") == responses(hf, "tiny_gen")
     for task in ("tiny_mc", "tiny_ppl"):
         mine, theirs = loglikelihoods(sparse, task), loglikelihoods(hf, task)
@@ -185,7 +185,7 @@ def test_exported_eval_tasks_run_the_same_samples_by_both_routes(model_dir, tmp_
     rows = parse_rows(tmp_path / "eval" / "runs.jsonl")
     dense = [r["output"] for r in sorted((r for r in rows if r["selector"] == DENSE), key=lambda r: r["sample"])]
     hf = evaluate("hf", f"pretrained={model_dir},dtype=float32", [TAG], tmp_path / "export")
-    full = evaluate("sparsedecode", f"pretrained={model_dir},support=100000", [TAG], tmp_path / "export")
+    full = evaluate("sparsedecode", f"pretrained={model_dir},support=100001", [TAG], tmp_path / "export")
     small = evaluate("sparsedecode", f"pretrained={model_dir},support=97", [TAG], tmp_path / "export")
     docs = [json.loads(line) for line in (tmp_path / "export" / f"{name}.jsonl").read_text().splitlines()]
     for result in (hf, full):
@@ -223,7 +223,7 @@ def test_the_thin_command_line_entry(model_dir, tasks_dir, tmp_path):
     from sparsedecode.cli.eval import run_lm_eval
 
     out = tmp_path / "results"
-    args = ["--model", "sparsedecode", "--model_args", f"pretrained={model_dir},support=100000", "--tasks", "tiny_gen"]
+    args = ["--model", "sparsedecode", "--model_args", f"pretrained={model_dir},support=100001", "--tasks", "tiny_gen"]
     # no --device: lm-eval then asks for cuda:0, which a machine without CUDA answers with the CPU, as lm-eval's own
     # HF model does (this used to end in a traceback: "Torch not compiled with CUDA enabled")
     code = run_lm_eval([*args, "--include_path", str(tasks_dir), "--output_path", str(out)])
@@ -261,7 +261,7 @@ def test_real_model_alias_against_lm_evals_hf_model(tasks_dir, tmp_path):
         (tmp_path / name).write_text((tasks_dir / name).read_text().replace(str(tasks_dir), str(tmp_path)))
     tasks = ["tiny_mc", "tiny_gen", "long_ppl"]
     hf = evaluate("hf", f"pretrained={weights},dtype=float32", tasks, tmp_path)
-    full = evaluate("sparsedecode", "pretrained=smollm2-135m,support=100000", tasks, tmp_path)
+    full = evaluate("sparsedecode", "pretrained=smollm2-135m,support=100001", tasks, tmp_path)
     small = evaluate("sparsedecode", "pretrained=smollm2-135m,support=97", tasks, tmp_path)
     assert responses(full, "tiny_gen") == responses(hf, "tiny_gen")
     for (a, a_greedy), (b, b_greedy) in zip(loglikelihoods(full, "tiny_mc"), loglikelihoods(hf, "tiny_mc")):
@@ -269,3 +269,67 @@ def test_real_model_alias_against_lm_evals_hf_model(tasks_dir, tmp_path):
     ppl = {name: r["results"]["long_ppl"]["word_perplexity,none"] for name, r in (("hf", hf), ("full", full))}
     assert ppl["full"] == pytest.approx(ppl["hf"], rel=1e-4)
     assert small["results"]["long_ppl"]["word_perplexity,none"] != pytest.approx(ppl["hf"], rel=1e-4)
+
+
+# ---- issue 27: bad model arguments and bad lm-eval arguments, one line each ----
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        ({"frobnicate": 3}, "unknown model argument 'frobnicate' for the sparsedecode model;"),
+        ({"suport": 97}, "unknown model argument 'suport' for the sparsedecode model (did you mean 'support'?)"),
+        ({"revision": "main"}, "'revision' is for lm-eval's hf model loading a model by name"),
+        (
+            {"support": 100},
+            "support=100 is not 1 + W + b*B with W = 64, B = 16 (block selectors read whole blocks): use 97 or 113",
+        ),  # fmt: skip
+        ({"support": -5.0}, "support -5 is smaller than anchor + window = 65"),  # lm-eval's CLI parses -5 as -5.0
+        ({"support": 97.5}, "model argument support must be an integer, got 97.5"),
+        ({"window": "64"}, "model argument window must be an integer, got '64'"),
+    ],
+)
+def test_bad_model_arguments_are_refused_before_the_model_loads(model_dir, monkeypatch, arguments, message):
+    from sparsedecode import models
+    from sparsedecode.lm_eval_model import SparseDecodeLM, sparse_settings
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("refused after loading the model"))
+    with pytest.raises(SparseDecodeError) as raised:
+        SparseDecodeLM(pretrained=str(model_dir), **arguments)
+    assert message in str(raised.value) and "\n" not in str(raised.value)
+    with pytest.raises(SparseDecodeError, match="."):
+        sparse_settings(pretrained=str(model_dir), **arguments)
+
+
+def test_whole_number_arguments_are_taken_as_the_integers_they_are(model_dir):
+    from sparsedecode.lm_eval_model import SparseDecodeLM
+
+    lm = SparseDecodeLM(pretrained=str(model_dir), support=113.0, window=64.0, device="cpu", max_batch_size=64)
+    assert lm.sparse_config.support == 113 and isinstance(lm.sparse_config.window, int)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--tasks", "no_such_task_xyz"], "sparsedecode lm-eval: Tasks not found: no_such_task_xyz"),
+        (["--tasks", "tiny_gen", "--mod", "x"], "unrecognized arguments: --mod x"),
+        (["--tasks", "tiny_gen", "--model_args", "pretrained=M,foo"], "expected `key=value`, got 'foo'"),
+        (["--tasks", "tiny_gen", "--model_args", "pretrained=M,suport=97"], "unknown model argument 'suport'"),
+        (["--tasks", "tiny_gen", "--model_args", "pretrained=M,support=100"], "use 97 or 113"),
+        (["--tasks", "tiny_gen", "--model_args", "pretrained=M,support=-5"], "support -5 is smaller"),
+    ],
+)
+def test_bad_lm_eval_arguments_are_one_line_and_exit_2(model_dir, tasks_dir, tmp_path, capsys, args, message):
+    from sparsedecode.cli import main
+
+    args = [a.replace("pretrained=M", f"pretrained={model_dir}") for a in args]
+    if "--model_args" not in args:
+        args += ["--model_args", f"pretrained={model_dir}"]
+    base = ["lm-eval", "--model", "sparsedecode", "--include_path", str(tasks_dir), "--device", "cpu"]
+    capsys.readouterr()
+    code = main([*base, *args, "--output_path", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error" in line.lower()]
+    assert code == 2 and "Traceback" not in err, err
+    assert errors == [errors[0]] and errors[0].startswith("sparsedecode: error: ") and message in errors[0], err
+    assert err.endswith(errors[0] + "\n") and not (tmp_path / "out").exists()

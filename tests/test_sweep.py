@@ -196,7 +196,8 @@ def test_shards_partition_groups_and_merge_equals_unsharded(loaded, tmp_path):
     # merging the shards in any order, twice over, yields the unsharded rows once each
     sources = [tmp_path / "shard3", tmp_path / "shard1", tmp_path / "shard2", tmp_path / "shard1", tmp_path / "all"]
     outcome = merge_sweeps(sources, tmp_path / "merged")
-    assert outcome.rows == 12 and outcome.missing == 0 and outcome.duplicates == 12  # a folder listed twice counts once
+    # a folder listed twice counts its rows twice, as two copies would: 12 of "all" and shard1's 4 again
+    assert outcome.rows == 12 and outcome.missing == 0 and outcome.duplicates == 16
     meta, merged = load_sweep(tmp_path / "merged")
     assert stripped(merged) == stripped(rows_of(tmp_path / "all"))
     assert meta["shard"] is None and SweepSpec.from_dict(meta["spec"]) == spec

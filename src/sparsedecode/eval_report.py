@@ -72,9 +72,25 @@ def write_eval_report(directory: Path) -> Path:
 
     out = [f"# Task accuracy under sparse decoding: {spec.model}", ""]
     grid = len(spec.keys())
+    dense_rows = [r for r in rows if r["selector"] == summary.DENSE]
+    dense_cells = set(summary.cells(dense_rows))
+    without_dense = [cell for cell in cells if cell not in dense_cells]
+    samples = {(r["task"], r["context"], r["sample"]) for r in rows}
+    dense_samples = {(r["task"], r["context"], r["sample"]) for r in dense_rows}
+    missing_note = (
+        [
+            f"No dense run yet in {len(without_dense)} of {len(cells)} cells ("
+            + ", ".join(f"{task} at {context}" for task, context in without_dense)
+            + "): their sparse scores are paired with nothing, and nothing here is said of dense there.",
+            "",
+        ]
+        if without_dense
+        else []
+    )
+    shown_modes = f"; {', '.join(summary.mode_label(*m) for m in modes)}" if modes else ""
     out += [
         f"{len(rows)} of {grid} runs in `{RUNS_FILE}` ({len(cells)} task x context cells, up to {spec.samples} samples "
-        f"each; {', '.join(summary.mode_label(*m) for m in modes)}).",
+        f"each{shown_modes})." + ("" if rows else " No run is stored yet: there is nothing to report."),
         "",
         "## Conditions",
         "",
@@ -155,7 +171,9 @@ def write_eval_report(directory: Path) -> Path:
         out += ["No sparse run is paired with a dense run yet.", ""]
 
     out += ["## Where dense fails", ""]
-    if failing:
+    if not dense_rows:
+        out += ["No dense run is stored yet, so nothing can be said of where dense fails.", ""]
+    elif failing:
         out += [
             f"Dense decoding scores below {summary.DENSE_FAILS:.0%}, or answers no sample fully, here, so these "
             "cells measure the model, not sparse decoding (they are left out of Δ (dense ok)): "
@@ -167,11 +185,18 @@ def write_eval_report(directory: Path) -> Path:
             + ".",
             "",
         ]
-    else:
+    elif not without_dense:
         out += [
             f"Dense decoding scores at least {summary.DENSE_FAILS:.0%} and answers some sample fully in every cell.",
             "",
         ]
+    else:
+        out += [
+            f"Dense decoding scores at least {summary.DENSE_FAILS:.0%} and answers some sample fully in every cell "
+            f"where it has run ({len(dense_cells)} of {len(cells)}).",
+            "",
+        ]
+    out += missing_note
     imperfect = summary.dense_imperfect(rows)
     if imperfect:
         out += [
@@ -195,8 +220,16 @@ def write_eval_report(directory: Path) -> Path:
             ),
             "",
         ]
-    else:
+    elif not dense_rows:
+        pass  # said above: no dense run yet
+    elif dense_samples == samples:
         out += ["Dense answers every sample fully.", ""]
+    else:
+        out += [
+            f"Dense answers fully every sample it has run ({len(dense_samples)}); {len(samples - dense_samples)} "
+            "sample(s) with sparse runs have no dense run yet.",
+            "",
+        ]
 
     out += ["## Samples dense answers and sparse decoding does not", ""]
     if regressions:
@@ -222,6 +255,8 @@ def write_eval_report(directory: Path) -> Path:
             ),
             "",
         ]
+    elif not paired:
+        out += ["None to show: no sparse run is paired with a dense run yet.", ""]
     else:
         out += ["None: wherever dense answered fully, every sparse setting did too.", ""]
 

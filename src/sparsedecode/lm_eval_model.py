@@ -29,7 +29,12 @@ the chunked computation. Batches are one sequence (``batch_size=1``), as every s
 Model arguments, besides ``HFLM``'s: ``pretrained`` (an alias of :func:`sparsedecode.list_models`, a local
 directory or ``.gguf`` file, or a hub id), ``dtype`` (float32), ``support`` (193), ``selector`` (mean-pooled),
 ``window`` (64), ``block_size`` (16), ``reuse`` (1), ``kernel`` (auto), ``seed`` (0, for random-blocks),
-``sparse_tail`` (1).
+``sparse_tail`` (1). Of ``HFLM``'s own arguments those that act on a model already loaded are taken
+(:data:`HFLM_ARGS`); the ones for loading a model by name (``revision``, ``peft``, ``parallelize``, ...) are refused,
+and so is any name neither model knows: a misspelt ``suport=97`` must not run the default support. lm-eval's
+command line turns ``-5`` into ``-5.0``, so a whole number of a float type is taken as the integer it is; a block
+selector's ``support`` must be whole blocks, ``1 + window + b * block_size``, as on every command (``support=100`` is
+refused naming 97 and 113, rather than run as 97).
 
 This module imports lm-eval; the library never imports this module.
 """
@@ -54,6 +59,93 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 
 MODEL_NAME = "sparsedecode"
 SPARSE_ARGS = ("support", "selector", "window", "block_size", "reuse", "kernel", "seed")
+INTEGER_ARGS = ("support", "window", "block_size", "reuse", "seed", "sparse_tail")
+HFLM_ARGS = (
+    "backend",
+    "truncation",
+    "logits_cache",
+    "max_length",
+    "softmax_dtype",
+    "mixed_precision_dtype",
+    "max_batch_size",
+    "trust_remote_code",
+    "add_bos_token",
+    "prefix_token_id",
+    "think_end_token",
+    "enable_thinking",
+    "chat_template_args",
+)
+"""``HFLM``'s arguments that act on a model it is given (lm-eval passes ``max_batch_size`` and, with
+``--trust_remote_code``, ``trust_remote_code`` itself); its others load a model by name, which this model does not."""
+OWN_ARGS = ("pretrained", "dtype", "device", "batch_size", *SPARSE_ARGS, "sparse_tail")
+
+
+def check_model_args(kwargs: dict) -> None:
+    """Refuse a model argument that neither this model nor ``HFLM`` given a loaded model would use."""
+    import difflib
+    import inspect
+
+    loading = set(inspect.signature(HFLM.__init__).parameters) - {"self", "kwargs", *HFLM_ARGS}
+    for name in kwargs:
+        if name in HFLM_ARGS:
+            continue
+        if name in loading:
+            raise SparseDecodeError(
+                f"model argument {name!r} is for lm-eval's hf model loading a model by name; the sparsedecode model "
+                "loads `pretrained` itself (a built-in alias, a local directory or .gguf file, or a hub id): drop it"
+            )
+        close = difflib.get_close_matches(name, (*OWN_ARGS, *HFLM_ARGS), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise SparseDecodeError(
+            f"unknown model argument {name!r} for the sparsedecode model{hint}; it takes {', '.join(OWN_ARGS)} and "
+            f"lm-eval's {', '.join(HFLM_ARGS)}"
+        )
+
+
+def sparse_settings(
+    *,
+    batch_size: int | str = 1,
+    support=193,
+    selector: str = "mean-pooled",
+    window=64,
+    block_size=16,
+    reuse=1,
+    kernel: str = "auto",
+    seed=0,
+    sparse_tail=1,
+    **others,
+) -> tuple[SparseConfig, int]:
+    """``(SparseConfig, sparse_tail)`` from the model arguments, every one checked (``others``: the rest, which
+    :func:`check_model_args` checks by name); loads nothing, so the command line checks ``--model_args`` with it
+    before lm-eval starts."""
+    check_model_args({name: value for name, value in others.items() if name not in ("pretrained", "dtype", "device")})
+    if str(batch_size) != "1":
+        raise SparseDecodeError(f"sparsedecode runs one sequence at a time: use batch_size 1 (got {batch_size})")
+    support, window, block_size, reuse, seed, sparse_tail = (
+        _integer(name, value)
+        for name, value in zip(INTEGER_ARGS, (support, window, block_size, reuse, seed, sparse_tail))
+    )
+    if sparse_tail < 0:
+        raise SparseDecodeError(f"sparse_tail must be an integer >= 0, got {sparse_tail!r}")
+    cfg = SparseConfig(
+        support=support, window=window, block_size=block_size, reuse=reuse, selector=selector, kernel=kernel, seed=seed
+    )
+    if not cfg.token_level and cfg.effective_support != cfg.support:
+        raise SparseDecodeError(
+            f"support={cfg.support} is not 1 + W + b*B with W = {cfg.window}, B = {cfg.block_size} (block "
+            f"selectors read whole blocks): use {cfg.effective_support} or {cfg.effective_support + cfg.block_size}"
+        )
+    return cfg, sparse_tail
+
+
+def _integer(name: str, value):
+    """``value`` as an int when it is one, whole floats included (lm-eval's command line parses ``-5`` as ``-5.0``);
+    anything else is refused naming the argument."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise SparseDecodeError(f"model argument {name} must be an integer, got {value!r}")
+    return value
 
 
 def _device(requested: str | None) -> torch.device:
@@ -102,18 +194,17 @@ class SparseDecodeLM(HFLM):
     ) -> None:
         from .models import load_model
 
-        if str(batch_size) != "1":
-            raise SparseDecodeError(f"sparsedecode runs one sequence at a time: use batch_size 1 (got {batch_size})")
-        if not isinstance(sparse_tail, int) or isinstance(sparse_tail, bool) or sparse_tail < 0:
-            raise SparseDecodeError(f"sparse_tail must be an integer >= 0, got {sparse_tail!r}")
-        self.sparse_config = SparseConfig(
+        self.sparse_config, sparse_tail = sparse_settings(
+            batch_size=batch_size,
             support=support,
+            selector=selector,
             window=window,
             block_size=block_size,
             reuse=reuse,
-            selector=selector,
             kernel=kernel,
             seed=seed,
+            sparse_tail=sparse_tail,
+            **kwargs,
         )
         self.sparse_tail = sparse_tail
         model, tokenizer = load_model(str(pretrained), dtype=dtype)

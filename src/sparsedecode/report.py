@@ -733,7 +733,8 @@ def write_report(directory: Path, *, retrieval: Path | None = None) -> Path:
         return write_selector_comparison(directory)
     if not has_sweep and retrieval is None:
         raise SparseDecodeError(
-            f"{directory} holds neither a sweep ({SPEC_FILE}), retrieval results nor a selector comparison"
+            f"{directory} holds neither a sweep ({SPEC_FILE}), an evaluation (eval.json), retrieval results "
+            f"({RETRIEVAL_FILE}) nor a selector comparison ({SELECTORS_FILE})"
         )
     out: list[str] = []
     if has_sweep:  # read and check every input before writing anything

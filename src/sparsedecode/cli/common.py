@@ -70,11 +70,14 @@ keeps the two equal)."""
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line and exit status 2; help shows every option's default and form
-    (:class:`HelpFormatter`), and options that mean the same in every command take their help from
-    :data:`SHARED_HELP` where they are added without one."""
+    """argparse, but a usage error is one line and exit status 2, and an option is matched only as spelt: argparse's
+    default would take ``--mode`` for ``--model`` (the only option it begins), so a misspelt or missing option ran
+    as another one. Subparsers are made of this class too, so every command refuses abbreviations. Help shows every
+    option's default and form (:class:`HelpFormatter`), and options that mean the same in every command take their
+    help from :data:`SHARED_HELP` where they are added without one."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
 

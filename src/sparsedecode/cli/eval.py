@@ -167,7 +167,14 @@ def _check_eval_args(args):
     if args.export is not None:
         if args.shard:
             raise SparseDecodeError("--shard applies to runs, not to --export")
-        check_output_folder(args.export, "--export", inputs=inputs_of(args))
+        ray = {"--backend ray": args.backend == "ray", "--address": args.address is not None}
+        ray.update({"--workers": args.workers is not None, "--worker-threads": args.worker_threads is not None})
+        given = [flag for flag, on in ray.items() if on]
+        if given:
+            raise SparseDecodeError(f"{', '.join(given)} applies to runs, not to --export (which runs no model)")
+        check_output_folder(
+            args.export, "--export", inputs=inputs_of(args), files=("export.json",), results="export.json"
+        )
     else:
         check_backend_args(args)
         check_output_folder(args.out, inputs=inputs_of(args), files=("eval.json", "runs.jsonl"), results="eval.json")
@@ -187,6 +194,11 @@ def cmd_eval(args, *, console, progress_bars) -> int:
             tokenizer = load_tokenizer(args.model)
         with console.status(f"writing {len(spec.tasks) * len(spec.contexts)} tasks"):
             outcome = export_tasks(spec, tokenizer, args.export)
+        if outcome.removed:
+            console.print(
+                f"removed {len(outcome.removed)} task(s) of the previous export that this one does not hold: "
+                + ", ".join(outcome.removed)
+            )
         console.print(
             f"wrote {len(outcome.tasks)} lm-eval tasks ({outcome.documents} samples) into {outcome.directory}: "
             f"`sparsedecode lm-eval --model sparsedecode --model_args pretrained={args.model},support=... "
@@ -198,7 +210,9 @@ def cmd_eval(args, *, console, progress_bars) -> int:
     from ..experiments.sweep import Shard
 
     shard = Shard.parse(args.shard) if args.shard else None
-    check_folder(args.out, spec, shard or Shard())  # another folder, bad files or changed settings: before the model
+    # another folder, bad files or changed settings: before the model; a grid that grows says so
+    for line in check_folder(args.out, spec, shard or Shard()):
+        console.print(line)
     loaded = load(args)
     console.print(
         f"[bold]{args.model}[/] {args.dtype}; tasks {', '.join(spec.tasks)}; contexts {list(spec.contexts)}; "
@@ -248,19 +262,72 @@ def cmd_report_eval(args, *, console) -> int:
 
 def run_lm_eval(argv: list[str]) -> int:
     """Register the ``sparsedecode`` model, then run lm-eval's command line on ``argv`` (lm-eval's own arguments);
-    returns its exit status."""
-    from ..lm_eval_model import register
+    returns its exit status.
+
+    lm-eval's own parsers are used, with what every ``sparsedecode`` command does: an option is matched only as
+    spelt (no abbreviations), and a usage error, a malformed ``--model_args`` or a task lm-eval does not know is one
+    line and exit status 2 (a :class:`SparseDecodeError`), not argparse's usage text or a traceback.
+    """
+    from ..lm_eval_model import MODEL_NAME, register, sparse_settings
 
     register()
-    from lm_eval.__main__ import cli_evaluate
+    from lm_eval._cli import HarnessCLI
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+    from lm_eval.utils import setup_logging
 
+    setup_logging()
+    cli = HarnessCLI()
+    parsers = [cli._parser, *cli._subparsers.choices.values()]  # lm-eval 0.4.13's own parser and its subcommands
+    for parser in parsers:
+        parser.allow_abbrev = False
+        parser.error = _lm_eval_usage_error(parser.prog)
     saved = sys.argv
+    originals = {name: EvaluatorConfig.__dict__[name] for name in ("from_cli", "process_tasks")}
     sys.argv = [LM_EVAL_COMMAND, *argv]
+    # lm-eval's own checks of its arguments (options that go together, tasks it knows), as one line
+    EvaluatorConfig.from_cli = classmethod(_one_line_errors(originals["from_cli"].__func__))
+    EvaluatorConfig.process_tasks = _one_line_errors(originals["process_tasks"])
     try:
-        cli_evaluate()
+        try:
+            args = cli.parse_args()
+        except SparseDecodeError:
+            raise
+        except (ValueError, TypeError) as error:  # a malformed key=value list: lm-eval's actions raise these
+            raise SparseDecodeError(f"sparsedecode {LM_EVAL_COMMAND}: {_first_line(error)}") from None
+        if getattr(args, "model", None) == MODEL_NAME and isinstance(getattr(args, "model_args", None), dict):
+            sparse_settings(**args.model_args)  # our model's arguments, before lm-eval starts (the model checks again)
+        cli.execute(args)
     except SystemExit as exit_:
         code = exit_.code
         return code if isinstance(code, int) else (0 if code is None else 1)
     finally:
         sys.argv = saved
+        for name, original in originals.items():
+            setattr(EvaluatorConfig, name, original)
     return 0
+
+
+def _lm_eval_usage_error(prog: str):
+    def error(message: str):
+        raise SparseDecodeError(f"sparsedecode {prog}: {message}")
+
+    return error
+
+
+def _one_line_errors(function):
+    """``function`` (one of lm-eval's checks of its configuration) with the errors it raises for bad arguments as
+    a :class:`SparseDecodeError`."""
+
+    def checked(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except SparseDecodeError:
+            raise
+        except (ValueError, TypeError, FileNotFoundError) as error:
+            raise SparseDecodeError(f"sparsedecode {LM_EVAL_COMMAND}: {_first_line(error)}") from None
+
+    return checked
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]

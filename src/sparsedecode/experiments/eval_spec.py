@@ -15,6 +15,10 @@ DENSE = "dense"
 KEY_FIELDS = ("task", "context", "sample", "selector", "support")
 """The fields of a row that identify its run; dense rows have selector ``"dense"`` and support ``None``."""
 
+GRID_FIELDS = ("tasks", "contexts", "samples", "selectors", "supports")
+"""The :class:`EvalSpec` fields that span the grid of runs: a resume or a merge may add to these, nothing else (as
+a sweep's :data:`.specs.GRID_FIELDS`)."""
+
 RunKey = tuple[str, int, int, str, "int | None"]
 Group = tuple[str, int, int]
 """``(task, context, sample)``: the runs that share one sample and one dense prefill."""
@@ -30,6 +34,9 @@ class EvalSpec(Spec):
     task's own budget, see :data:`.ruler.TASKS`); ``template`` is ``auto``, ``chat`` or ``plain``."""
 
     WHAT = "eval spec"
+    GRID = GRID_FIELDS
+    COUNTS = ("samples",)
+    GRID_WORDS = "more tasks, contexts, samples, selectors or supports"
 
     model: str
     dtype: str = "float32"

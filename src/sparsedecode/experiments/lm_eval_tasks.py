@@ -6,7 +6,9 @@ answer prefix included; ``outputs`` the expected answers) and ``sparsedecode_TAS
 ``generate_until`` task: greedy, at most the task's answer budget, stopping at end-of-sequence, scored by
 ``string_match_all`` as :func:`.ruler.score` scores). Every task carries the tag ``sparsedecode_ruler``, so
 ``--tasks sparsedecode_ruler`` runs them all. ``sparsedecode_ruler_utils.py`` holds the scoring function the YAML
-files name; ``export.json`` records the spec and the model the samples were sized for.
+files name; ``export.json`` records the spec and the model the samples were sized for. Exporting again into the
+folder replaces the export: the tasks of an earlier one that this one does not hold are removed (else
+``--tasks sparsedecode_ruler`` would still run them).
 
 The samples are sized in one model's tokens and already hold its chat template: run them with that model and
 without ``--apply_chat_template``. Dense answers are the same by both routes (lm-eval's ``hf`` model and
@@ -19,7 +21,8 @@ data files by absolute path; export again after moving the folder. This module d
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import SparseDecodeError
@@ -81,6 +84,41 @@ class ExportOutcome:
     directory: Path
     tasks: list[str]
     documents: int
+    removed: list[str] = field(default_factory=list)
+    """Tasks of an earlier export into the folder that this one does not hold, removed."""
+
+
+EXPORT_FILE = "export.json"
+TASK_FILE = re.compile(r"sparsedecode_\w+")
+"""What an exported task's name (and so its files' stem) looks like: no other file is ever removed."""
+
+
+def exported_tasks(directory: Path) -> list[str]:
+    """The tasks an earlier export wrote into ``directory``: those its ``export.json`` lists, and any task file of
+    ours (``sparsedecode_*.yaml`` tagged :data:`TAG`) it may have lost track of. An ``export.json`` that is not one
+    is refused."""
+    path = directory / EXPORT_FILE
+    names: list[str] = []
+    if path.exists():
+        try:
+            meta = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:
+            raise SparseDecodeError(f"{path} is not an export description ({error}); fix or remove it") from None
+        listed = meta.get("tasks") if isinstance(meta, dict) else None
+        ours = isinstance(listed, list) and all(
+            isinstance(n, str) and re.fullmatch(r"sparsedecode_\w+", n) for n in listed
+        )
+        if not ours:
+            raise SparseDecodeError(f"{path} is not an export description (no list of tasks); fix or remove it")
+        names += listed
+    for yaml in sorted(directory.glob("sparsedecode_*.yaml")):
+        try:
+            tagged = f"\ntag: {TAG}\n" in yaml.read_text(encoding="utf-8")
+        except (OSError, ValueError):
+            continue
+        if tagged and yaml.stem not in names:
+            names.append(yaml.stem)
+    return names
 
 
 def export_tasks(spec: EvalSpec, tokenizer, directory: Path) -> ExportOutcome:
@@ -89,6 +127,7 @@ def export_tasks(spec: EvalSpec, tokenizer, directory: Path) -> ExportOutcome:
     directory = Path(directory).resolve()
     if directory.exists() and not directory.is_dir():
         raise SparseDecodeError(f"{directory} exists and is not a folder: choose another export folder")
+    earlier = exported_tasks(directory) if directory.is_dir() else []
     directory.mkdir(parents=True, exist_ok=True)
     names, documents = [], 0
     for task in spec.tasks:
@@ -118,7 +157,11 @@ def export_tasks(spec: EvalSpec, tokenizer, directory: Path) -> ExportOutcome:
             documents += len(samples)
     write_text_atomic(directory / f"{UTILS}.py", _UTILS_SOURCE)
     write_json_atomic(
-        directory / "export.json",
+        directory / EXPORT_FILE,
         {"spec": spec.to_dict(), "generator_version": GENERATOR_VERSION, "tasks": names, "tag": TAG},
     )
-    return ExportOutcome(directory, names, documents)
+    removed = [name for name in earlier if name not in names]
+    for name in removed:  # after the new export is complete: a failure before leaves the earlier one whole
+        for suffix in (".yaml", ".jsonl"):
+            (directory / f"{name}{suffix}").unlink(missing_ok=True)
+    return ExportOutcome(directory, names, documents, removed)

@@ -26,10 +26,15 @@ Group = tuple[int, int]
 
 
 class Spec:
-    """What every spec dataclass shares: its JSON form and back, and what differs between two of them. ``WHAT``
-    names the spec in messages."""
+    """What every spec dataclass shares: its JSON form and back, what differs between two of them, and the rules by
+    which a results folder grows (:meth:`extension_of`, :meth:`union`). ``WHAT`` names the spec in messages;
+    ``GRID`` names the fields that span its grid of runs (lists of values, or the counts in ``COUNTS``, such as a
+    number of prompts), which a resume or a merge may add to, and ``GRID_WORDS`` says what adding to them means."""
 
     WHAT = "spec"
+    GRID = ()
+    COUNTS = ()
+    GRID_WORDS = ""
 
     def to_dict(self) -> dict:
         return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
@@ -46,6 +51,48 @@ class Spec:
         """``"name: mine vs other"`` for every field that differs."""
         mine, theirs = self.to_dict(), other.to_dict()
         return [f"{name}: {mine[name]!r} vs {theirs[name]!r}" for name in mine if mine[name] != theirs[name]]
+
+    def differences_outside_grid(self, other) -> list[str]:
+        """:meth:`differences` in the fields outside ``GRID``: those no resume or merge may change."""
+        return [d for d in self.differences(other) if d.split(":")[0] not in self.GRID]
+
+    def extension_of(self, stored) -> list[str] | None:
+        """What this spec adds to ``stored``'s grid, one ``"name: stored -> mine"`` per grown field (empty when
+        equal); ``None`` when it is no extension: a field outside ``GRID`` differs, or a stored grid value is missing
+        or out of its stored order (a smaller count, a dropped context, reordered selectors)."""
+        mine, theirs = self.to_dict(), stored.to_dict()
+        grown = []
+        for name in mine:
+            if mine[name] == theirs[name]:
+                continue
+            if name not in self.GRID:
+                return None
+            if name in self.COUNTS and mine[name] < theirs[name]:
+                return None
+            if name not in self.COUNTS and [v for v in mine[name] if v in theirs[name]] != theirs[name]:
+                return None
+            grown.append(f"{name}: {theirs[name]!r} -> {mine[name]!r}")
+        return grown
+
+    @classmethod
+    def union(cls, specs: list):
+        """The smallest spec whose grid holds every spec's grid: values in first-seen order, the largest counts.
+
+        Raises :class:`SparseDecodeError` when the specs differ outside ``GRID``.
+        """
+        first = specs[0]
+        merged = first.to_dict()
+        for spec in specs[1:]:
+            outside = first.differences_outside_grid(spec)
+            if outside:
+                raise SparseDecodeError(f"settings outside the grid differ ({'; '.join(outside)})")
+            theirs = spec.to_dict()
+            for name in cls.GRID:
+                if name in cls.COUNTS:
+                    merged[name] = max(merged[name], theirs[name])
+                else:
+                    merged[name] = merged[name] + [v for v in theirs[name] if v not in merged[name]]
+        return cls.from_dict(merged)
 
 
 def canonical_selectors(specs) -> tuple[str, ...]:
@@ -90,6 +137,9 @@ class SweepSpec(Spec):
     """
 
     WHAT = "sweep spec"
+    GRID = GRID_FIELDS
+    COUNTS = ("prompts",)
+    GRID_WORDS = "more contexts, prompts, supports, reuse values or selectors"
 
     model: str
     dtype: str = "float32"
@@ -168,24 +218,6 @@ class SweepSpec(Spec):
                 raise SparseDecodeError("sweep spec has both 'selector' and 'selectors'; keep one")
             data["selectors"] = [data.pop("selector")]
         return super().from_dict(data)
-
-    def extension_of(self, stored: SweepSpec) -> list[str] | None:
-        """What this spec adds to ``stored``'s grid, one ``"name: stored -> mine"`` per grown field (empty when
-        equal); ``None`` when it is no extension: a field outside :data:`GRID_FIELDS` differs, or a stored grid
-        value is missing or out of its stored order (fewer prompts, a dropped context, reordered selectors)."""
-        mine, theirs = self.to_dict(), stored.to_dict()
-        grown = []
-        for name in mine:
-            if mine[name] == theirs[name]:
-                continue
-            if name not in GRID_FIELDS:
-                return None
-            if name == "prompts" and mine[name] < theirs[name]:
-                return None
-            if name != "prompts" and [v for v in mine[name] if v in theirs[name]] != theirs[name]:
-                return None
-            grown.append(f"{name}: {theirs[name]!r} -> {mine[name]!r}")
-        return grown
 
 
 @dataclass(frozen=True)

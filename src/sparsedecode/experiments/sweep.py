@@ -6,7 +6,7 @@ per (selector, support, reuse). A sweep directory holds
 * ``sweep.json``: the :class:`SweepSpec` (every argument that defines the results), the sha256 of the corpus
   text, the shard, and one entry per session (start time and :func:`environment`). Written before any row; a
   later run into the same directory with another spec, corpus or shard is refused, except a spec that only
-  adds to the grid (:data:`GRID_FIELDS`: more contexts, prompts, supports, reuse intervals or selectors, the
+  adds to the grid (:data:`.specs.GRID_FIELDS`: more contexts, prompts, supports, reuse intervals or selectors, the
   stored values kept in their order): the stored spec becomes the requested one and the session says so.
 * ``runs.jsonl``: one JSON row per finished run (see :func:`make_row`), appended with a single ``os.write``
   of the whole line and an ``fsync``. A run killed mid-write leaves at most a torn last line, which is
@@ -51,7 +51,7 @@ from ..errors import SparseDecodeError, naming
 from ..files import write_json_atomic, write_text_atomic
 from .corpus import check_context_fits, load_text, prompt_count, prompt_ids
 from .environment import environment
-from .specs import GRID_FIELDS, KEY_FIELDS, Group, RunKey, SweepSpec, check_selector_files, selector_files
+from .specs import KEY_FIELDS, Group, RunKey, Spec, SweepSpec, check_selector_files, selector_files
 from .work import Executor
 
 SPEC_FILE = "sweep.json"
@@ -59,24 +59,13 @@ RUNS_FILE = "runs.jsonl"
 LOCK_FILE = ".lock"
 
 
-def union_spec(specs: list[SweepSpec]) -> SweepSpec:
-    """The smallest spec whose grid holds every spec's grid: values in first-seen order, the most prompts.
+def union_spec(specs: list[Spec]) -> Spec:
+    """The smallest spec whose grid holds every spec's grid (:meth:`.specs.Spec.union`: values in first-seen order,
+    the largest counts); a sweep's or an evaluation's.
 
-    Raises :class:`SparseDecodeError` when the specs differ outside :data:`GRID_FIELDS`.
+    Raises :class:`SparseDecodeError` when the specs differ outside their grid fields.
     """
-    first = specs[0]
-    merged = first.to_dict()
-    for spec in specs[1:]:
-        outside = [d for d in first.differences(spec) if d.split(":")[0] not in GRID_FIELDS]
-        if outside:
-            raise SparseDecodeError(f"settings outside the grid differ ({'; '.join(outside)})")
-        theirs = spec.to_dict()
-        for name in GRID_FIELDS:
-            if name == "prompts":
-                merged[name] = max(merged[name], theirs[name])
-            else:
-                merged[name] = merged[name] + [v for v in theirs[name] if v not in merged[name]]
-    return SweepSpec.from_dict(merged)
+    return type(specs[0]).union(specs)
 
 
 @dataclass(frozen=True)
@@ -309,27 +298,11 @@ def read_meta(directory: Path) -> dict | None:
 def check_meta(directory: Path, meta: dict, spec: SweepSpec, corpus: str | None, shard: Shard | None) -> list[str]:
     """Refuse to add runs of ``spec`` (corpus hash ``corpus``, ``shard``) to a directory holding another sweep.
 
-    A ``spec`` that only adds to the stored grid (see :meth:`SweepSpec.extension_of`) is accepted in an unsharded
-    directory; returns one line per grown grid field (empty when the specs are equal).
+    A ``spec`` that only adds to the stored grid (see :func:`check_growth`) is accepted in an unsharded directory;
+    returns one line per grown grid field (empty when the specs are equal).
     """
-    stored = SweepSpec.from_dict(meta["spec"])
-    differences = stored.differences(spec)
-    grown = spec.extension_of(stored)
-    if grown is None:
-        raise SparseDecodeError(
-            f"{directory} holds a sweep with other settings ({'; '.join(differences)}, stored vs requested): "
-            "rerun with the stored settings to resume, only add to its grid (more contexts, prompts, supports, reuse "
-            "values or selectors, the stored ones kept in order), or use another --out"
-        )
     stored_shard = meta.get("shard")
-    if grown and ((shard is not None and shard.count > 1) or stored_shard not in (None, str(Shard()))):
-        raise SparseDecodeError(
-            f"{directory} is shard {stored_shard} of a sweep, and a grid cannot grow shard by shard: run the new "
-            "settings in another --out and combine the folders with `sparsedecode merge`"
-            if stored_shard not in (None, str(Shard()))
-            else f"the grid of {directory} cannot grow shard by shard (--shard {shard}): run without --shard, or "
-            "run the new settings in another --out and combine the folders with `sparsedecode merge`"
-        )
+    grown = check_growth(directory, SweepSpec.from_dict(meta["spec"]), spec, stored_shard, shard, "a sweep")
     if corpus is not None and meta.get("corpus_sha256") not in (None, corpus):
         raise SparseDecodeError(
             f"{directory} was swept over another text of corpus {spec.corpus!r} (sha256 differs), so its prompts "
@@ -339,6 +312,33 @@ def check_meta(directory: Path, meta: dict, spec: SweepSpec, corpus: str | None,
         raise SparseDecodeError(
             f"{directory} holds shard {stored_shard} of this sweep, not {shard}: give each shard its own --out and "
             "combine them with `sparsedecode merge`"
+        )
+    return grown
+
+
+def check_growth(
+    directory: Path, stored: Spec, spec: Spec, stored_shard: str | None, shard: Shard | None, what: str
+) -> list[str]:
+    """The rule by which a results folder of ``what`` (``"a sweep"``, ``"an evaluation"``) holding ``stored``
+    takes ``spec``: the same spec, or one that only adds to its grid (:meth:`.specs.Spec.extension_of`) in an
+    unsharded folder. Returns one line per grown grid field (none when the specs are equal); anything else is
+    refused, naming the fields that differ."""
+    differences = stored.differences(spec)
+    grown = spec.extension_of(stored)
+    if grown is None:
+        raise SparseDecodeError(
+            f"{directory} holds {what} with other settings "
+            f"({'; '.join(differences)}, stored vs requested): rerun with the stored settings to resume, only add to "
+            f"its grid ({spec.GRID_WORDS}, the stored ones kept in order), or use another --out"
+        )
+    if grown and ((shard is not None and shard.count > 1) or stored_shard not in (None, str(Shard()))):
+        raise SparseDecodeError(
+            f"{directory} is shard {stored_shard} of {what}, and a grid cannot "
+            "grow shard by shard: run the new settings in another --out and combine the folders with "
+            "`sparsedecode merge`"
+            if stored_shard not in (None, str(Shard()))
+            else f"the grid of {directory} cannot grow shard by shard (--shard {shard}): run without --shard, or "
+            "run the new settings in another --out and combine the folders with `sparsedecode merge`"
         )
     return [f"extending the grid of {directory}: {line}" for line in grown]
 
@@ -668,6 +668,23 @@ def source_metas(
     return metas
 
 
+def read_once(entries: list[tuple], directory: Path, own: bool) -> list[tuple]:
+    """The entries of a merge whose rows are read, in order: ``entries`` (each a ``((folder, meta), ...)`` or a
+    ``(folder, meta)``), less the first listing of ``directory`` among the sources when its own rows, ``own``, come
+    first (``merge A B --out A`` reads A once). Any other folder listed twice is read twice, so its rows count as
+    duplicates, as those of two copies would."""
+    if not own:
+        return entries
+    target, kept, skipped = Path(directory).resolve(), entries[:1], False
+    for entry in entries[1:]:
+        folder = entry[0][0] if isinstance(entry[0], tuple) else entry[0]
+        if not skipped and Path(folder).resolve() == target:
+            skipped = True
+            continue
+        kept.append(entry)
+    return kept
+
+
 def merged_provenance(metas: list[tuple[Path, dict]], directory: Path) -> dict:
     """The meta fields a merge writes besides its spec: no shard, the folders' sessions once each, in order, and the
     folders merged into ``directory`` (itself left out), as paths relative to ``directory``, so a committed result
@@ -686,12 +703,13 @@ def merged_provenance(metas: list[tuple[Path, dict]], directory: Path) -> dict:
 def merge_sweeps(sources: list[Path], directory: Path) -> MergeOutcome:
     """Combine the rows of sweep directories into ``directory`` (which may be one of them).
 
-    The sources' specs may differ only in the grid (:data:`GRID_FIELDS`); the merged spec is their union (see
+    The sources' specs may differ only in the grid (:data:`.specs.GRID_FIELDS`); the merged spec is their union (see
     :func:`union_spec`). Rows are de-duplicated by key (the first source listing a key wins; ``directory``'s own
-    rows come first), upgraded to today's ``first_divergence`` convention, and written in the order of an
-    unsharded sweep of the merged spec. Refused: specs that differ outside the grid, other corpus texts, a row
-    outside its own folder's spec, two folders holding the same run with other results (timings aside) when their
-    specs differ, and rows of one (context, prompt) paired with different dense references.
+    rows come first; a folder listed twice counts its rows twice, as two copies of it would), upgraded to today's
+    ``first_divergence`` convention, and written in the order of an unsharded sweep of the merged spec. Refused:
+    specs that differ outside the grid, other corpus texts, a row outside its own folder's spec, two folders holding
+    the same run with other results (timings aside) when their specs differ, and rows of one (context, prompt)
+    paired with different dense references.
     """
     directory = Path(directory)
     metas = source_metas(sources, "sweep directory")
@@ -703,7 +721,7 @@ def merge_sweeps(sources: list[Path], directory: Path) -> MergeOutcome:
         corpus = next((meta["corpus_sha256"] for _, meta in metas if meta.get("corpus_sha256")), None)
         specs = [SweepSpec.from_dict(meta["spec"]) for _, meta in metas]
         for (source, meta), other in zip(metas, specs):
-            outside = [d for d in specs[0].differences(other) if d.split(":")[0] not in GRID_FIELDS]
+            outside = specs[0].differences_outside_grid(other)
             if outside:
                 raise SparseDecodeError(
                     f"cannot merge {source} with {first_dir}: their settings differ outside the grid "
@@ -716,11 +734,7 @@ def merge_sweeps(sources: list[Path], directory: Path) -> MergeOutcome:
         merged: dict[RunKey, tuple[dict, Path, SweepSpec]] = {}
         dense: dict[Group, tuple[list[int], Path]] = {}
         duplicates = 0
-        seen_dirs: set[Path] = set()
-        for (source, _), own_spec in zip(metas, specs):
-            if source.resolve() in seen_dirs:
-                continue
-            seen_dirs.add(source.resolve())
+        for (source, _), own_spec in read_once(list(zip(metas, specs)), directory, own is not None):
             own_keys = set(own_spec.keys())
             for row in read_rows(source / RUNS_FILE):
                 key = key_of(row)
