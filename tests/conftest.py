@@ -91,6 +91,40 @@ def roundoff_tolerance(reference: torch.Tensor, *, depth: int, width: int) -> fl
     return depth * math.sqrt(width) * FLOAT32_EPS * float(reference.abs().max())
 
 
+def logits_tolerance(reference: torch.Tensor, model: torch.nn.Module, *, positions: int) -> float:
+    """:func:`roundoff_tolerance` for ``model``'s logits over contexts of up to ``positions`` tokens: the width is
+    the longest sum a layer makes (hidden size, MLP width, or the attention over every position), the depth its
+    layer count. On the tiny models (2 layers, sums of at most 340 terms, logits below ~0.6) about 2.6e-6, some 9
+    times the 3e-7 batched and batch-1 logits differ by here."""
+    config = model.config
+    width = max(config.hidden_size, getattr(config, "intermediate_size", 0) or 0, positions)
+    return roundoff_tolerance(reference, depth=config.num_hidden_layers, width=width)
+
+
+def attention_tolerance(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> float:
+    """How far float32 attention of ``query`` over ``keys``/``values`` (heads x positions x d) may sit from the same
+    attention computed in float64.
+
+    A score sums d products, so it is off by about ``sqrt(d) * eps * |q| |k| * scaling`` (Cauchy-Schwarz bounds what
+    it sums); exp turns that absolute error into the same relative error of a weight. The softmax's normaliser and
+    the weighted sum of n value rows then add ``sqrt(n) * eps`` relative to the largest value. So
+    ``(sqrt(n) + sqrt(d) * max|q| max|k| scaling) * eps * max|v|``: about 1e-6 on the tiny models, against 6e-8 seen.
+    """
+    n, d = keys.shape[-2], keys.shape[-1]
+    scores = float(query.double().norm(dim=-1).max() * keys.double().norm(dim=-1).max()) * scaling
+    return (math.sqrt(n) + math.sqrt(d) * scores) * FLOAT32_EPS * float(values.abs().max())
+
+
+def assert_attention_close(out, reference, query, keys, values, scaling: float) -> None:
+    """``out`` is attention of ``query`` over (a support of) ``keys``/``values`` within float32 round-off of
+    ``reference``: :func:`attention_tolerance` from a float64 reference, twice it from another float32 computation
+    (each is that far from the exact value). All of ``keys`` count as attended: an upper bound for a support."""
+    tolerance = attention_tolerance(query, keys, values, scaling)
+    tolerance *= 1 if reference.dtype == torch.float64 else 2
+    error = float((out.double() - reference.double()).abs().max())
+    assert out.shape == reference.shape and error <= tolerance, f"{error:.3g} > {tolerance:.3g}"
+
+
 def prompt(length: int, *, seed: int = 1, vocab: int = 96) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(1, vocab, (1, length), generator=generator)  # 0 is the pad id

@@ -153,6 +153,7 @@ def test_question_tail_is_question_then_answer_prefix(tokenizer):
 
 
 def test_scoring_is_the_share_of_answers_found():
+    # a float64 share of three answers: exact but for the rounding of 2 / 3
     assert score("The numbers are 1234567 AND abcde.", ["1234567", "ABCDE", "7654321"]) == pytest.approx(2 / 3)
     assert score("nothing", ["1"]) == 0.0 and score("x 1 y", ["1"]) == 1.0
     with pytest.raises(SparseDecodeError):

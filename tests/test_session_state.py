@@ -2,14 +2,15 @@
 
 Each case is a sequence of forwards on one prompt (prefill, decode steps, crops, rollbacks, generate()). It runs
 once in a fresh session and once in a session that first decoded another prompt (leaving selections, centroids,
-H2O history and a reuse counter mid-way behind); the logits must agree to float32 round-off.
+H2O history and a reuse counter mid-way behind); the logits must agree to float32 round-off (the long-lived session
+may have summed a block's centroid in another order: :func:`conftest.logits_tolerance` over the longest context, 300).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import prompt, tiny_model
+from conftest import logits_tolerance, prompt, tiny_model
 from test_attention import Oracle
 from transformers import DynamicCache
 
@@ -163,10 +164,10 @@ def test_long_lived_session_equals_fresh_sessions(arch, case, selector, kernel, 
     cfg = SparseConfig(support=97, reuse=reuse, selector=selector, kernel=kernel)
     long_lived, fresh, oracles = long_lived_and_fresh(model, cfg, case_ops(case))
     assert long_lived.shape == fresh.shape
-    torch.testing.assert_close(long_lived, fresh, atol=1e-5, rtol=0)
+    torch.testing.assert_close(long_lived, fresh, atol=logits_tolerance(fresh, model, positions=300), rtol=0)
     assert torch.equal(long_lived.argmax(-1), fresh.argmax(-1))
     for oracle in oracles:  # every sparse step: refreshes are fresh selections, reuse repeats the last refresh
-        assert oracle.steps > 0 and oracle.max_error < 1e-5
+        assert oracle.steps > 0 and oracle.max_error_ratio < 1, oracle.max_error
 
 
 @pytest.mark.parametrize("cache_kind", ["dynamic", "growing"])
@@ -176,8 +177,8 @@ def test_in_place_and_concatenating_caches_alike(cache_kind):
         for reuse in (1, 4):
             cfg = SparseConfig(support=97, reuse=reuse)
             long_lived, fresh, oracles = long_lived_and_fresh(model, cfg, case_ops(case, cache_kind))
-            torch.testing.assert_close(long_lived, fresh, atol=1e-5, rtol=0)
-            assert oracles[0].max_error < 1e-5
+            torch.testing.assert_close(long_lived, fresh, atol=logits_tolerance(fresh, model, positions=300), rtol=0)
+            assert oracles[0].max_error_ratio < 1, oracles[0].max_error
 
 
 def test_two_caches_interleaved_in_one_session_stay_apart(arch):
@@ -205,8 +206,8 @@ def test_two_caches_interleaved_in_one_session_stay_apart(arch):
                 out[i].append(logits[i])
         expected = [alone(a_ids), alone(b_ids)]
     for got, want in zip(out, expected):
-        torch.testing.assert_close(torch.stack(got), want, atol=1e-5, rtol=0)
-    assert oracle.steps == 2 * 24 and oracle.max_error < 1e-5
+        torch.testing.assert_close(torch.stack(got), want, atol=logits_tolerance(want, model, positions=213), rtol=0)
+    assert oracle.steps == 2 * 24 and oracle.max_error_ratio < 1, oracle.max_error
 
 
 def test_blocks_are_kept_exactly_when_the_cache_continues():
@@ -260,7 +261,9 @@ def test_h2o_without_its_prefill_refuses_then_adopts_a_history():
         with sparse_decoding(model, cfg):
             own = DynamicCache(config=model.config)
             decode(model, own, feed(model, own, ids), 10, inside)
-    torch.testing.assert_close(torch.stack(adopted), torch.stack(inside), atol=1e-5, rtol=0)
+    inside = torch.stack(inside)  # the same history, adopted or recorded: float32 round-off of reordered sums at most
+    tolerance = logits_tolerance(inside, model, positions=210)
+    torch.testing.assert_close(torch.stack(adopted), inside, atol=tolerance, rtol=0)
 
 
 def test_compare_gives_h2o_the_prefill_history():
@@ -317,8 +320,9 @@ def test_long_lived_session_equals_fresh_sessions_on_real_model(smollm2, reuse):
         ops = case_ops(case, length=150, steps=10, vocab=vocab, warm=warm["length"])
         long_lived, fresh, oracles = long_lived_and_fresh(smollm2, cfg, ops, **warm)
         assert torch.equal(long_lived.argmax(-1), fresh.argmax(-1)), case
-        torch.testing.assert_close(long_lived, fresh, atol=1e-4, rtol=0, msg=case)
-        assert oracles[0].max_error < 1e-4, case
+        tolerance = logits_tolerance(fresh, smollm2, positions=200)  # float32 round-off over 30 layers
+        torch.testing.assert_close(long_lived, fresh, atol=tolerance, rtol=0, msg=case)
+        assert oracles[0].max_error_ratio < 1, (case, oracles[0].max_error)
 
 
 def test_generate_gives_h2o_the_prefill_history():
@@ -410,7 +414,7 @@ def test_library_calls_leave_a_session_the_caller_has_open_undisturbed(cfg):
 
     expected = own_decoding(lambda: None)
     for name, call in calls.items():
-        torch.testing.assert_close(own_decoding(call), expected, atol=0, rtol=0, msg=name)
+        torch.testing.assert_close(own_decoding(call), expected, atol=0, rtol=0, msg=name)  # the same arithmetic
 
 
 @pytest.mark.parametrize("batched", [False, True])
@@ -440,4 +444,5 @@ def test_a_reference_left_mid_decode_by_an_interrupt_is_taken_back(batched):
     again = compare(model, None, ids, cfg, 20, reference=ref)
     for a, b in zip(again if batched else [again], expected if batched else [expected]):
         assert a.sparse_tokens == b.sparse_tokens and a.teacher_forced_match == b.teacher_forced_match
+        # the same arithmetic gives the same NLLs; 1e-9 percent points is float64 round-off of exp and the ratio
         assert a.delta_ppl_percent == pytest.approx(b.delta_ppl_percent, abs=1e-9)
