@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
 import os
 
@@ -15,6 +17,11 @@ from hypothesis import settings  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 ARCHS = ("llama", "qwen2")
+
+# Parallel workers (pytest-xdist, `make test`) share the machine's cores: one torch thread each, or two workers of
+# two threads each would fight over two cores. A test that needs another thread count sets it and restores it.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 # CI runs the same hypothesis examples every time, so a red build is reproducible.
 settings.register_profile("ci", derandomize=True, deadline=None)
@@ -38,7 +45,28 @@ SMALL = dict(
 
 
 def tiny_model(arch: str = "llama", *, layers: int = 2, seed: int = 0, dtype=torch.float32, **overrides):
-    """A 2-layer GQA model (4 query heads sharing 2 KV heads, d = 16) with random weights."""
+    """A 2-layer GQA model (4 query heads sharing 2 KV heads, d = 16) with random weights.
+
+    Each call returns a model of its own (a deep copy of one built once per process and arguments), so a test may
+    change its weights, attention implementation or config without another test seeing it."""
+    key = (arch, layers, seed, dtype, tuple(sorted(overrides.items())))
+    try:
+        hash(key)
+    except TypeError:  # an unhashable override: build it afresh
+        return _build_tiny_model(arch, layers=layers, seed=seed, dtype=dtype, **overrides)
+    model, rng_state = _cached_tiny_model(key)
+    torch.set_rng_state(rng_state)  # the global generator as building the model leaves it, as before the cache
+    return copy.deepcopy(model)
+
+
+@functools.cache
+def _cached_tiny_model(key) -> tuple[torch.nn.Module, torch.Tensor]:
+    arch, layers, seed, dtype, overrides = key
+    model = _build_tiny_model(arch, layers=layers, seed=seed, dtype=dtype, **dict(overrides))
+    return model, torch.get_rng_state()
+
+
+def _build_tiny_model(arch: str, *, layers: int, seed: int, dtype, **overrides):
     torch.manual_seed(seed)
     common = dict(SMALL, num_hidden_layers=layers, attn_implementation="sdpa", dtype=dtype)
     common.update(overrides)
@@ -145,6 +173,19 @@ def char_tokenizer():
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M and its tokenizer from the real cache, loaded once per test process (about 5 s a load). Tests
+    use it inside sparse_decoding sessions, which restore the model on exit; none may change its weights."""
+    from sparsedecode import load_model
+
+    model, tokenizer = load_model("smollm2-135m")
+    sums = {name: float(p.double().sum()) for name, p in model.named_parameters()}
+    yield model, tokenizer
+    changed = [name for name, p in model.named_parameters() if float(p.double().sum()) != sums[name]]
+    assert not changed, f"a test changed the shared SmolLM2's weights: {changed[:3]}"
 
 
 @pytest.fixture(scope="session")

@@ -221,10 +221,8 @@ def test_batches_refused_where_not_supported():
 
 
 @pytest.mark.realmodel
-def test_ragged_batch_on_real_model():
-    from sparsedecode import load_model
-
-    model = load_model("smollm2-135m")[0]
+def test_ragged_batch_on_real_model(smollm2):
+    model = smollm2[0]
     vocab = model.config.vocab_size
     prompts, ids, mask = ragged((330, 180, 70, 250), vocab=vocab)
     for reuse in (1, 4):

@@ -249,13 +249,13 @@ def test_the_device_falls_back_as_lm_evals_own_model_does(capsys):
 
 
 @pytest.mark.realmodel
-def test_real_model_alias_against_lm_evals_hf_model(tasks_dir, tmp_path):
+def test_real_model_alias_against_lm_evals_hf_model(smollm2, tasks_dir, tmp_path):
     """The issue's check on the default model: ``pretrained=smollm2-135m`` (our alias) at full support gives what
     lm-eval's ``hf`` model gives from the same weights (the converted safetensors in our cache); at S = 97 a
     document of ~290 tokens is scored by sparse steps past position 97 and the perplexity departs."""
-    from sparsedecode.models import cache_dir, load_model
+    from sparsedecode.models import cache_dir
 
-    load_model("smollm2-135m")  # fetched and converted once (cached)
+    # the smollm2 fixture has fetched and converted it once (cached)
     weights = cache_dir() / "models" / "smollm2-135m"
     (tmp_path / "long.jsonl").write_text(json.dumps({"text": " ".join([DOC] * 3)}) + "\n")
     body = ["output_type: loglikelihood_rolling", 'doc_to_text: ""', 'doc_to_target: "{{text}}"']

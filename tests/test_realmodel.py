@@ -4,15 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from sparsedecode import SparseConfig, compare, dense_reference, load_model
+from sparsedecode import SparseConfig, compare, dense_reference
 from sparsedecode.experiments.corpus import prompt_ids
 
-pytestmark = pytest.mark.realmodel
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return load_model("smollm2-135m")
+pytestmark = pytest.mark.realmodel  # the model itself: conftest's session-wide smollm2 fixture
 
 
 def test_support_covering_everything_equals_dense_on_real_model(smollm2):

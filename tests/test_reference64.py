@@ -75,10 +75,8 @@ def test_reference_sees_divergence_somewhere():
 
 @pytest.mark.realmodel
 @pytest.mark.parametrize("reuse", [1, 4])
-def test_protocol_matches_float64_reference_on_smollm2(reuse):
-    from sparsedecode import load_model
-
-    model, tokenizer = load_model("smollm2-135m")
+def test_protocol_matches_float64_reference_on_smollm2(smollm2, reuse):
+    model, tokenizer = smollm2
     text = inspect.getsource(textwrap)  # a corpus no issue names: the source of a standard-library module
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][:, 1000:1320]
     # default 0.05: SmolLM2's float32 logits sit ~1e-4 from float64 (roundoff_tolerance bounds them at 3.6e-3);

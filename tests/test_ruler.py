@@ -172,10 +172,8 @@ def test_bad_requests_are_refused(tokenizer):
 
 
 @pytest.mark.realmodel
-def test_fit_and_answers_with_the_real_tokenizer():
-    from sparsedecode import load_model
-
-    _, tokenizer = load_model("smollm2-135m")
+def test_fit_and_answers_with_the_real_tokenizer(smollm2):
+    _, tokenizer = smollm2
     for task in TASK_NAMES:
         for context in (1024, 4096):
             sample = build_sample(tokenizer, task, context, 1)

@@ -1,9 +1,10 @@
 """A long-lived sparse_decoding session gives the same logits as a fresh session per prompt.
 
 Each case is a sequence of forwards on one prompt (prefill, decode steps, crops, rollbacks, generate()). It runs
-once in a fresh session and once in a session that first decoded another prompt (leaving selections, centroids,
-H2O history and a reuse counter mid-way behind); the logits must agree to float32 round-off (the long-lived session
-may have summed a block's centroid in another order: :func:`conftest.logits_tolerance` over the longest context, 300).
+once in a fresh session and once in a long-lived session that first decoded another prompt (leaving selections,
+centroids, H2O history and a reuse counter mid-way behind) and then the cases before it, one such session per
+configuration; the logits must agree to float32 round-off (the long-lived session may have summed a block's
+centroid in another order: :func:`conftest.logits_tolerance` over the longest context, 300).
 """
 
 from __future__ import annotations
@@ -138,18 +139,25 @@ def warm_up(model, *, length: int = 230, steps: int = 13, vocab: int = VOCAB):
     return cache
 
 
-def long_lived_and_fresh(model, cfg: SparseConfig, ops, **warm) -> tuple[torch.Tensor, torch.Tensor, list]:
-    oracles = []
+def long_lived_and_fresh_cases(model, cfg: SparseConfig, cases: dict, **warm) -> tuple[dict, dict, dict]:
+    """Every case in one long-lived session (warmed up once; each case then also finds what the cases before it
+    left behind), and each case again in a fresh session of its own. The oracle's steps are counted per case."""
+    long_lived, fresh, oracle_steps = {}, {}, {}
+    oracle = None
     with torch.no_grad():
         with sparse_decoding(model, cfg) as session:
             if cfg.selector != "h2o":
-                oracles.append(Oracle(cfg))
-                session.observers.append(oracles[-1])
+                oracle = Oracle(cfg)
+                session.observers.append(oracle)
             warm_up(model, **warm)
-            long_lived = torch.stack(ops(model))
-        with sparse_decoding(model, cfg) as session:
-            fresh = torch.stack(ops(model))
-    return long_lived, fresh, oracles
+            for name, ops in cases.items():
+                before = oracle.steps if oracle else 0
+                long_lived[name] = torch.stack(ops(model))
+                oracle_steps[name] = (oracle.steps if oracle else 0) - before
+        for name, ops in cases.items():
+            with sparse_decoding(model, cfg):
+                fresh[name] = torch.stack(ops(model))
+    return long_lived, fresh, {"oracle": oracle, "steps": oracle_steps}
 
 
 CASES = ("new-prompt", "grows-past-support", "earlier-blocks-differ", "crops", "rollbacks", "generate")
@@ -158,27 +166,34 @@ SETTINGS = [("mean-pooled", "torch"), ("mean-pooled", "auto"), ("quest", "torch"
 
 @pytest.mark.parametrize("reuse", [1, 4])
 @pytest.mark.parametrize("selector, kernel", SETTINGS)
-@pytest.mark.parametrize("case", CASES)
-def test_long_lived_session_equals_fresh_sessions(arch, case, selector, kernel, reuse):
+def test_long_lived_session_equals_fresh_sessions(arch, selector, kernel, reuse):
+    """Every case of CASES, in one long-lived session per configuration (not one per case)."""
     model = tiny_model(arch)
     cfg = SparseConfig(support=97, reuse=reuse, selector=selector, kernel=kernel)
-    long_lived, fresh, oracles = long_lived_and_fresh(model, cfg, case_ops(case))
-    assert long_lived.shape == fresh.shape
-    torch.testing.assert_close(long_lived, fresh, atol=logits_tolerance(fresh, model, positions=300), rtol=0)
-    assert torch.equal(long_lived.argmax(-1), fresh.argmax(-1))
-    for oracle in oracles:  # every sparse step: refreshes are fresh selections, reuse repeats the last refresh
-        assert oracle.steps > 0 and oracle.max_error_ratio < 1, oracle.max_error
+    long_lived, fresh, oracle = long_lived_and_fresh_cases(model, cfg, {case: case_ops(case) for case in CASES})
+    assert list(long_lived) == list(CASES)
+    for case in CASES:
+        assert long_lived[case].shape == fresh[case].shape, case
+        tolerance = logits_tolerance(fresh[case], model, positions=300)
+        torch.testing.assert_close(long_lived[case], fresh[case], atol=tolerance, rtol=0, msg=case)
+        assert torch.equal(long_lived[case].argmax(-1), fresh[case].argmax(-1)), case
+        if oracle["oracle"] is not None:  # every sparse step: refreshes are fresh selections, reuse repeats the last
+            assert oracle["steps"][case] > 0, case
+    if oracle["oracle"] is not None:
+        assert oracle["oracle"].max_error_ratio < 1, oracle["oracle"].max_error
 
 
 @pytest.mark.parametrize("cache_kind", ["dynamic", "growing"])
 def test_in_place_and_concatenating_caches_alike(cache_kind):
     model = tiny_model("llama")
-    for case in ("new-prompt", "crops", "rollbacks"):
-        for reuse in (1, 4):
-            cfg = SparseConfig(support=97, reuse=reuse)
-            long_lived, fresh, oracles = long_lived_and_fresh(model, cfg, case_ops(case, cache_kind))
-            torch.testing.assert_close(long_lived, fresh, atol=logits_tolerance(fresh, model, positions=300), rtol=0)
-            assert oracles[0].max_error_ratio < 1, oracles[0].max_error
+    cases = {case: case_ops(case, cache_kind) for case in ("new-prompt", "crops", "rollbacks")}
+    for reuse in (1, 4):
+        cfg = SparseConfig(support=97, reuse=reuse)
+        long_lived, fresh, oracle = long_lived_and_fresh_cases(model, cfg, cases)
+        for case in cases:
+            tolerance = logits_tolerance(fresh[case], model, positions=300)
+            torch.testing.assert_close(long_lived[case], fresh[case], atol=tolerance, rtol=0, msg=case)
+        assert oracle["oracle"].max_error_ratio < 1, oracle["oracle"].max_error
 
 
 def test_two_caches_interleaved_in_one_session_stay_apart(arch):
@@ -303,26 +318,21 @@ def test_distinct_distant_positions_are_counted_once(selector):
 # --- the real model (SmolLM2-135M): the "must show" of the issue, on short contexts ---
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    from sparsedecode import load_model
-
-    return load_model("smollm2-135m")[0]
-
-
 @pytest.mark.realmodel
 @pytest.mark.parametrize("reuse", [1, 4])
 def test_long_lived_session_equals_fresh_sessions_on_real_model(smollm2, reuse):
+    smollm2 = smollm2[0]
     vocab = smollm2.config.vocab_size
     cfg = SparseConfig(support=97, reuse=reuse)
     warm = dict(length=160, steps=9, vocab=vocab)  # short contexts: S = 97 of 150-200 positions
+    cases = {case: case_ops(case, length=150, steps=10, vocab=vocab, warm=warm["length"]) for case in CASES}
+    long_lived, fresh, oracle = long_lived_and_fresh_cases(smollm2, cfg, cases, **warm)
     for case in CASES:
-        ops = case_ops(case, length=150, steps=10, vocab=vocab, warm=warm["length"])
-        long_lived, fresh, oracles = long_lived_and_fresh(smollm2, cfg, ops, **warm)
-        assert torch.equal(long_lived.argmax(-1), fresh.argmax(-1)), case
-        tolerance = logits_tolerance(fresh, smollm2, positions=200)  # float32 round-off over 30 layers
-        torch.testing.assert_close(long_lived, fresh, atol=tolerance, rtol=0, msg=case)
-        assert oracles[0].max_error_ratio < 1, (case, oracles[0].max_error)
+        assert torch.equal(long_lived[case].argmax(-1), fresh[case].argmax(-1)), case
+        tolerance = logits_tolerance(fresh[case], smollm2, positions=200)  # float32 round-off over 30 layers
+        torch.testing.assert_close(long_lived[case], fresh[case], atol=tolerance, rtol=0, msg=case)
+        assert oracle["steps"][case] > 0, case
+    assert oracle["oracle"].max_error_ratio < 1, oracle["oracle"].max_error
 
 
 def test_generate_gives_h2o_the_prefill_history():
