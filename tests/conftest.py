@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
 import os
 
@@ -28,6 +30,11 @@ SELECTORS, BLOCK_SELECTORS = _builtin_selectors()
 """Every built-in selector (the tests run over this one list, as kvpress's run over its presses), and the block ones."""
 TOKEN_SELECTORS = tuple(name for name in SELECTORS if name not in BLOCK_SELECTORS)
 
+# Parallel workers (pytest-xdist, `make test`) share the machine's cores: one torch thread each, or two workers of
+# two threads each would fight over two cores. A test that needs another thread count sets it and restores it.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 # CI runs the same hypothesis examples every time, so a red build is reproducible.
 settings.register_profile("ci", derandomize=True, deadline=None)
 if os.environ.get("CI"):
@@ -50,7 +57,28 @@ SMALL = dict(
 
 
 def tiny_model(arch: str = "llama", *, layers: int = 2, seed: int = 0, dtype=torch.float32, **overrides):
-    """A 2-layer GQA model (4 query heads sharing 2 KV heads, d = 16) with random weights."""
+    """A 2-layer GQA model (4 query heads sharing 2 KV heads, d = 16) with random weights.
+
+    Each call returns a model of its own (a deep copy of one built once per process and arguments), so a test may
+    change its weights, attention implementation or config without another test seeing it."""
+    key = (arch, layers, seed, dtype, tuple(sorted(overrides.items())))
+    try:
+        hash(key)
+    except TypeError:  # an unhashable override: build it afresh
+        return _build_tiny_model(arch, layers=layers, seed=seed, dtype=dtype, **overrides)
+    model, rng_state = _cached_tiny_model(key)
+    torch.set_rng_state(rng_state)  # the global generator as building the model leaves it, as before the cache
+    return copy.deepcopy(model)
+
+
+@functools.cache
+def _cached_tiny_model(key) -> tuple[torch.nn.Module, torch.Tensor]:
+    arch, layers, seed, dtype, overrides = key
+    model = _build_tiny_model(arch, layers=layers, seed=seed, dtype=dtype, **dict(overrides))
+    return model, torch.get_rng_state()
+
+
+def _build_tiny_model(arch: str, *, layers: int, seed: int, dtype, **overrides):
     torch.manual_seed(seed)
     common = dict(SMALL, num_hidden_layers=layers, attn_implementation="sdpa", dtype=dtype)
     common.update(overrides)
@@ -103,6 +131,40 @@ def roundoff_tolerance(reference: torch.Tensor, *, depth: int, width: int) -> fl
     return depth * math.sqrt(width) * FLOAT32_EPS * float(reference.abs().max())
 
 
+def logits_tolerance(reference: torch.Tensor, model: torch.nn.Module, *, positions: int) -> float:
+    """:func:`roundoff_tolerance` for ``model``'s logits over contexts of up to ``positions`` tokens: the width is
+    the longest sum a layer makes (hidden size, MLP width, or the attention over every position), the depth its
+    layer count. On the tiny models (2 layers, sums of at most 340 terms, logits below ~0.6) about 2.6e-6, some 9
+    times the 3e-7 batched and batch-1 logits differ by here."""
+    config = model.config
+    width = max(config.hidden_size, getattr(config, "intermediate_size", 0) or 0, positions)
+    return roundoff_tolerance(reference, depth=config.num_hidden_layers, width=width)
+
+
+def attention_tolerance(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> float:
+    """How far float32 attention of ``query`` over ``keys``/``values`` (heads x positions x d) may sit from the same
+    attention computed in float64.
+
+    A score sums d products, so it is off by about ``sqrt(d) * eps * |q| |k| * scaling`` (Cauchy-Schwarz bounds what
+    it sums); exp turns that absolute error into the same relative error of a weight. The softmax's normaliser and
+    the weighted sum of n value rows then add ``sqrt(n) * eps`` relative to the largest value. So
+    ``(sqrt(n) + sqrt(d) * max|q| max|k| scaling) * eps * max|v|``: about 1e-6 on the tiny models, against 6e-8 seen.
+    """
+    n, d = keys.shape[-2], keys.shape[-1]
+    scores = float(query.double().norm(dim=-1).max() * keys.double().norm(dim=-1).max()) * scaling
+    return (math.sqrt(n) + math.sqrt(d) * scores) * FLOAT32_EPS * float(values.abs().max())
+
+
+def assert_attention_close(out, reference, query, keys, values, scaling: float) -> None:
+    """``out`` is attention of ``query`` over (a support of) ``keys``/``values`` within float32 round-off of
+    ``reference``: :func:`attention_tolerance` from a float64 reference, twice it from another float32 computation
+    (each is that far from the exact value). All of ``keys`` count as attended: an upper bound for a support."""
+    tolerance = attention_tolerance(query, keys, values, scaling)
+    tolerance *= 1 if reference.dtype == torch.float64 else 2
+    error = float((out.double() - reference.double()).abs().max())
+    assert out.shape == reference.shape and error <= tolerance, f"{error:.3g} > {tolerance:.3g}"
+
+
 def prompt(length: int, *, seed: int = 1, vocab: int = 96) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(1, vocab, (1, length), generator=generator)  # 0 is the pad id
@@ -123,6 +185,19 @@ def char_tokenizer():
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M and its tokenizer from the real cache, loaded once per test process (about 5 s a load). Tests
+    use it inside sparse_decoding sessions, which restore the model on exit; none may change its weights."""
+    from sparsedecode import load_model
+
+    model, tokenizer = load_model("smollm2-135m")
+    sums = {name: float(p.double().sum()) for name, p in model.named_parameters()}
+    yield model, tokenizer
+    changed = [name for name, p in model.named_parameters() if float(p.double().sum()) != sums[name]]
+    assert not changed, f"a test changed the shared SmolLM2's weights: {changed[:3]}"
 
 
 @pytest.fixture(scope="session")

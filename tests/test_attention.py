@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from conftest import prompt, tiny_model
+from conftest import attention_tolerance, logits_tolerance, prompt, tiny_model
 from transformers import DynamicCache
 
 import sparsedecode.attention as attention
@@ -31,10 +31,13 @@ def greedy_loop(model, ids, steps, cache=None):
 class Oracle:
     """Checks every sparse step against float64 attention over the selected positions, and the selection itself:
     at a refresh step (steps 1, 1 + R, ... of a chain of sparse steps) it equals a fresh selection from the keys
-    alone; between refreshes it equals the last refresh's (blocks, or distant positions for token selectors)."""
+    alone; between refreshes it equals the last refresh's (blocks, or distant positions for token selectors).
+
+    ``max_error`` is the largest absolute difference from float64; ``max_error_ratio`` the largest difference as a
+    share of that step's :func:`conftest.attention_tolerance` (float32 round-off): below 1 when the step is exact."""
 
     def __init__(self, cfg: SparseConfig):
-        self.cfg, self.steps, self.max_error, self.blocks = cfg, 0, 0.0, []
+        self.cfg, self.steps, self.max_error, self.max_error_ratio, self.blocks = cfg, 0, 0.0, 0.0, []
         self.last: dict[int, torch.Tensor] = {}
         self.refreshes = self.changed = 0
 
@@ -67,6 +70,8 @@ class Oracle:
             expected = torch.softmax(q @ k.T * view.scaling, dim=-1) @ v
             error = (expected - view.output[h * group : (h + 1) * group].double()).abs().max()
             self.max_error = max(self.max_error, float(error))
+            tolerance = attention_tolerance(q, k, v, view.scaling)
+            self.max_error_ratio = max(self.max_error_ratio, float(error) / tolerance)
         self.blocks.append((view.layer, view.step, None if view.blocks is None else view.blocks.clone()))
         self.steps += 1
 
@@ -95,8 +100,9 @@ def test_sparse_step_matches_masked_dense_oracle(arch, reuse):
         session.observers.append(oracle)
         tokens, logits = greedy_loop(model, prompt(180), 70)
     assert session.sparse_steps == oracle.steps == 70 * 2
-    assert oracle.max_error < 1e-5
+    assert oracle.max_error_ratio < 1, oracle.max_error  # float32 round-off of float64 attention
     dense_tokens, dense_logits = greedy_loop(model, prompt(180), 70)
+    # far more than round-off (conftest.logits_tolerance: ~3e-6 here): the selection itself moves the logits
     assert not torch.allclose(logits, dense_logits, atol=1e-4), "S=97 of 250 positions must change the logits"
     assert oracle.refreshes == 2 * len(range(0, 70, reuse)) and oracle.changed > 0, "selections move over time"
     assert all(s.centroids.computed == s.centroids.count for s in session.layers.values()), "each block once"
@@ -116,7 +122,7 @@ def test_centroid_cache_survives_new_prompts_and_crops(arch):
                 model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True)
         greedy_loop(model, prompt(260, seed=2), 20)  # a new generation in the same session
     assert oracle.steps == (20 + 30 + 20) * 2
-    assert oracle.max_error < 1e-5
+    assert oracle.max_error_ratio < 1, oracle.max_error  # float32 round-off of float64 attention
     assert any(s.centroids.computed > s.centroids.count for s in session.layers.values()), "blocks were recomputed"
 
 
@@ -188,4 +194,5 @@ def test_short_multi_token_forward_in_a_session_is_exact_dense(arch):
         model(input_ids=ids, cache=cache, use_cache=True)
         with sparse_decoding(model, SparseConfig(support=97)):
             got = model(input_ids=chunk, cache=cache, use_cache=True).logits
-    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+    # the same attention without repeat_kv: its sums may run in another order, so float32 round-off apart
+    assert torch.allclose(got, expected, atol=logits_tolerance(expected, model, positions=205), rtol=0)

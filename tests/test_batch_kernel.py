@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import prompt, tiny_model
+from conftest import logits_tolerance, prompt, tiny_model
 
 import sparsedecode.attention as attention
 from sparsedecode import SparseConfig, SparseDecodeError, sparse_decoding
@@ -248,7 +248,8 @@ def test_every_sequence_of_a_ragged_batch_decodes_as_alone(arch, reuse, monkeypa
     for i, length in enumerate(LENGTHS):
         alone, alone_logits, _ = generate(model, prompt(length, seed=10 + i), None, cfg, 40)
         assert torch.equal(tokens[i], alone[0]), i
-        assert (logits[i] - alone_logits[0]).abs().max() < 1e-4, i
+        # the batched C call adds in another order than batch 1: float32 round-off of reordered sums
+        assert (logits[i] - alone_logits[0]).abs().max() <= logits_tolerance(alone_logits[0], model, positions=340), i
 
 
 @pytest.mark.parametrize(
@@ -285,7 +286,8 @@ def test_padding_is_never_read(arch, lengths, poison, path, monkeypatch):
             mask = mask[:, : ids.shape[1]]
         outputs.append(torch.stack(steps, dim=1))
     assert torch.isfinite(outputs[1]).all()
-    assert (outputs[0] - outputs[1]).abs().max() < 1e-5
+    # pads add exact zeros either way; what differs is at most float32 round-off of the sums around them
+    assert (outputs[0] - outputs[1]).abs().max() <= logits_tolerance(outputs[0], model, positions=310)
 
 
 def test_observers_keep_the_per_sequence_path(monkeypatch):
@@ -312,7 +314,9 @@ def test_other_kernels_keep_the_per_sequence_path(monkeypatch):
     assert calls.batched == 0
     c_tokens, c_logits, _ = generate(model, ids, mask, SparseConfig(support=97), 6)
     assert calls.batched == 2 * 5
-    assert torch.equal(tokens, c_tokens) and (logits - c_logits).abs().max() < 1e-4
+    # torch and C sum the same attention in another order: float32 round-off apart
+    assert torch.equal(tokens, c_tokens)
+    assert (logits - c_logits).abs().max() <= logits_tolerance(c_logits, model, positions=306)
 
 
 def test_without_a_mask_a_fixed_size_cache_advances_with_the_position_ids():

@@ -37,13 +37,17 @@ def test_audit_identity_bound_and_ranges(arch):
     result = audited_run(arch)
     arrays = result.audit_arrays
     assert arrays["omitted_mass"].shape == (29, 2, 4)  # steps x layers x query heads
+    # the identity holds exactly in float64; the residual (relative to |o_dense|) is the float32 output's round-off:
+    # conftest.attention_tolerance, about 1e-6 of values below 1 on the tiny models
     assert result.identity_residual_max <= 1e-5
     assert result.bound_violations == 0
+    # the same round-off, now relative to the largest value norm (at least 1), as the library's own check allows
     assert np.all(arrays["error_norm"] <= arrays["bound"] + 1e-5 * np.maximum(arrays["max_value_norm"], 1)[..., None])
+    # masses and ratios are float64 sums of at most 340 softmax weights: off by at most 340 * 2**-53 = 4e-14
     for name in ("selector_recall", "captured_mass_ratio", "omitted_mass", "mass_anchor", "mass_window"):
         assert np.all((arrays[name] >= -1e-12) & (arrays[name] <= 1 + 1e-12)), name
     total = arrays["mass_anchor"] + arrays["mass_window"] + arrays["mass_blocks"] + arrays["omitted_mass"]
-    assert np.allclose(total, 1.0, atol=1e-9)
+    assert np.allclose(total, 1.0, atol=1e-9)  # four such float64 sums: far below 1e-9
     assert 0 < result.omitted_mass_mean < 1
     assert len(result.audit["layers"]) == 2
     assert "audit_arrays" not in result.to_dict()
@@ -62,6 +66,8 @@ def test_selecting_every_block_gives_full_recall_and_no_error():
     output = (probs @ values).reshape(4, 8)
     view = StepView(0, 1, query, keys, values, index, valid, output, scale, layout, blocks)
     stats = audit_step(view)
+    # float64 sums of 150 weights at most 1 (round-off 150 * 2**-53 = 2e-14); the output is float32 softmax attention
+    # over 150 positions, so the identity's residual is its round-off, ~1e-6 relative (conftest.attention_tolerance)
     assert torch.allclose(stats["selector_recall"], torch.ones(4, dtype=torch.float64))
     assert torch.allclose(stats["captured_mass_ratio"], torch.ones(4, dtype=torch.float64))
     assert float(stats["omitted_mass"].abs().max()) < 1e-12
@@ -77,6 +83,7 @@ def test_audit_arrays_round_trip(tmp_path):
     assert np.array_equal(loaded["omitted_mass"], result.audit_arrays["omitted_mass"])
     summary = summarize_audit(loaded)
     assert summary["bound_violations"] == 0
+    # the same float64 arrays averaged again (in another order): approx's default 1e-6 relative is far above that
     assert summary["captured_mass_ratio_mean"] == pytest.approx(result.captured_mass_ratio_mean)
     assert summary["selector_recall_per_head_best_mean"] == pytest.approx(result.selector_recall_per_head_best_mean)
 
@@ -92,7 +99,7 @@ def test_an_audit_saved_before_the_group_reference_reads_as_per_head(tmp_path):
     assert np.array_equal(loaded["selector_recall_per_head_best"], arrays["selector_recall_per_head_best"])
     summary = summarize_audit(loaded)
     assert summary["selector_recall_mean"] is None and summary["captured_mass_ratio_mean"] is None
-    assert summary["captured_mass_ratio_per_head_best_mean"] == pytest.approx(
+    assert summary["captured_mass_ratio_per_head_best_mean"] == pytest.approx(  # one float64 mean, reordered
         arrays["captured_mass_ratio_per_head_best"].mean()
     )
     assert summary["layers"][0]["selector_recall_mean"] is None
@@ -134,7 +141,7 @@ def test_a_built_flip_is_uncertified():
     assert cert["certified"].tolist() == [False, True]
     summary = summarize_certificate(cert, first_divergence=1)  # s_1 != d_1: decode step 1
     assert summary["flips"] == 1 and summary["certificate_violations"] == 0
-    assert summary["margin_at_divergence"] == pytest.approx(0.1)
+    assert summary["margin_at_divergence"] == pytest.approx(0.1)  # 2.0 - 1.9 in float32: off by ~1e-7 relative
     assert summarize_certificate(cert, first_divergence=2)["margin_at_divergence"] == pytest.approx(4.0)
     assert summarize_certificate(cert, first_divergence=None)["margin_at_divergence"] is None
     assert summary["certified_fraction"] == 0.5
@@ -177,7 +184,7 @@ def test_oracles_reach_the_group_best_at_every_step(arch, selector, support):
     arrays = compare(model, None, prompt(300), cfg, tokens=16).audit_arrays
     assert arrays["selector_recall"].size > 0
     assert np.all(arrays["selector_recall"] == 1.0)
-    assert np.allclose(arrays["captured_mass_ratio"], 1.0, rtol=0, atol=1e-12)
+    assert np.allclose(arrays["captured_mass_ratio"], 1.0, rtol=0, atol=1e-12)  # float64 ratio of equal sums
     # against each query head's own best, the oracle falls short: that is why it is no longer the headline figure
     assert arrays["selector_recall_per_head_best"].min() < 1
     assert arrays["captured_mass_ratio_per_head_best"].min() < 1 - 1e-6
@@ -193,7 +200,7 @@ def test_group_figures_bound_a_practical_selector(arch):
     assert arrays["captured_mass_ratio"].min() < 1  # the test means something: mean-pooled misses somewhere
     # group figures are one value per KV-head group, repeated for its query heads (4 query heads, 2 KV heads)
     assert np.array_equal(arrays["selector_recall"][..., 0::2], arrays["selector_recall"][..., 1::2])
-    assert result.to_dict()["captured_mass_ratio_per_head_best_mean"] == pytest.approx(
+    assert result.to_dict()["captured_mass_ratio_per_head_best_mean"] == pytest.approx(  # one float64 mean
         arrays["captured_mass_ratio_per_head_best"].mean()
     )
 
@@ -202,7 +209,8 @@ def test_selection_quality_on_a_hand_built_group():
     # one KV head, two query heads, four distant blocks, budget 2
     mass = torch.tensor([[[0.5, 0.3, 0.0, 0.1], [0.0, 0.3, 0.4, 0.1]]], dtype=torch.float64)
     # group sums 0.5, 0.6, 0.4, 0.2: the group best is {0, 1} (1.1);
-    # head 0's own best is {0, 1} (0.8), head 1's {1, 2} (0.7)
+    # head 0's own best is {0, 1} (0.8), head 1's {1, 2} (0.7); float64 sums and ratios of four terms: approx's
+    # default 1e-6 relative is far above their round-off
     stats = selection_quality(mass, torch.tensor([[False, True, True, False]]), 2)
     assert stats["selector_recall"].tolist() == [[0.5, 0.5]]
     assert stats["captured_mass_ratio"][0].tolist() == pytest.approx([1.0 / 1.1, 1.0 / 1.1])  # (0.3 + 0.7) / 1.1
@@ -288,4 +296,4 @@ def test_audit_step_matches_a_brute_force_loop(group, kv_heads, n, token_level, 
         expected = _brute_force(probs, units, chosen, budget)
         for name, value in expected.items():
             got = stats[name].view(kv_heads, group)[h].numpy()
-            assert np.allclose(got, value, rtol=1e-9, atol=1e-12), name
+            assert np.allclose(got, value, rtol=1e-9, atol=1e-12), name  # float64 both ways: round-off ~1e-14

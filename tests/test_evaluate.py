@@ -303,7 +303,7 @@ def test_dense_imperfect_cells_count_full_and_zero_answers():
         "task": "cwe",
         "context": 4096,
         "samples": 3,
-        "score": pytest.approx(1.4 / 3),
+        "score": pytest.approx(1.4 / 3),  # a float64 mean of three scores: round-off ~1e-16
         "fully_right": 1,
         "zero": 1,
     }
@@ -322,6 +322,7 @@ def test_dense_fails_where_it_scores_below_half_or_answers_no_sample_fully():
     dense += [row("vt", 0, 1.0), row("vt", 1, 0.5)]
     sparse = [row(r["task"], r["sample"], s, "quest", 193) for r, s in zip(dense, (0.2, 0.2, 1.0, 1.0, 0.0, 0.5))]
     failing = dense_fails(dense + sparse)
+    # means of two float64 scores, differences of them: round-off ~1e-16, far inside approx's default 1e-6
     assert [(f["task"], f["score"], f["correct"]) for f in failing] == [
         ("cwe", pytest.approx(0.7), 0.0),
         ("fwe", pytest.approx(0.4), 0.0),

@@ -12,7 +12,6 @@ import hashlib
 import shutil
 import subprocess
 import sys
-import time
 import zipfile
 from pathlib import Path
 
@@ -389,12 +388,9 @@ def test_list_models_empty_cache(cache: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def smollm():
-    """SmolLM2-135M from the real cache (downloads and converts it on first use)."""
-    start = time.perf_counter()
-    model, tokenizer = load_model("smollm2-135m")
-    print(f"\nsmollm2-135m load: {time.perf_counter() - start:.1f} s")
-    return model, tokenizer
+def smollm(smollm2):
+    """SmolLM2-135M from the real cache (downloads and converts it on first use): conftest's session-wide load."""
+    return smollm2
 
 
 @pytest.mark.realmodel

@@ -60,6 +60,7 @@ def test_paired_comparison_reuses_the_prefill_exactly(model):
     full = compare(model, None, ids, SparseConfig(support=385), 12)  # support >= context: dense by construction
     assert full.dense_tokens == expected
     assert full.sparse_tokens == expected and full.survives
+    # the session's dense path sums in another order: 1e-3 percent points covers it (see test_families)
     assert full.teacher_forced_match == 100.0 and full.delta_ppl_percent == pytest.approx(0.0, abs=1e-3)
     sparse = compare(model, None, ids, SparseConfig(support=97), 12)
     assert sparse.dense_tokens == expected
@@ -72,7 +73,7 @@ def test_a_batch_equals_its_prompts_alone(model):
     for ids, result in zip(prompts, together):
         alone = compare(model, None, ids, cfg, 10)
         assert result.dense_tokens == alone.dense_tokens and result.sparse_tokens == alone.sparse_tokens
-        assert result.teacher_forced_match == pytest.approx(alone.teacher_forced_match, abs=1e-9)
+        assert result.teacher_forced_match == pytest.approx(alone.teacher_forced_match, abs=1e-9)  # a share of tokens
 
 
 def test_lossless_drops_rejected_drafts(model):

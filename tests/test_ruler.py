@@ -153,6 +153,7 @@ def test_question_tail_is_question_then_answer_prefix(tokenizer):
 
 
 def test_scoring_is_the_share_of_answers_found():
+    # a float64 share of three answers: exact but for the rounding of 2 / 3
     assert score("The numbers are 1234567 AND abcde.", ["1234567", "ABCDE", "7654321"]) == pytest.approx(2 / 3)
     assert score("nothing", ["1"]) == 0.0 and score("x 1 y", ["1"]) == 1.0
     with pytest.raises(SparseDecodeError):
@@ -171,10 +172,8 @@ def test_bad_requests_are_refused(tokenizer):
 
 
 @pytest.mark.realmodel
-def test_fit_and_answers_with_the_real_tokenizer():
-    from sparsedecode import load_model
-
-    _, tokenizer = load_model("smollm2-135m")
+def test_fit_and_answers_with_the_real_tokenizer(smollm2):
+    _, tokenizer = smollm2
     for task in TASK_NAMES:
         for context in (1024, 4096):
             sample = build_sample(tokenizer, task, context, 1)

@@ -103,7 +103,7 @@ def test_engine_matches_fresh_selection_and_float64_attention(selector):
     with sparse_decoding(model, cfg) as session:
         session.observers.append(oracle)
         greedy_loop(model, prompt(200), 30)
-    assert oracle.steps == 60 and oracle.max_error < 1e-5
+    assert oracle.steps == 60 and oracle.max_error_ratio < 1, oracle.max_error  # float32 round-off
 
 
 @pytest.mark.parametrize("selector", SELECTORS)

@@ -1,15 +1,17 @@
 """A long-lived sparse_decoding session gives the same logits as a fresh session per prompt.
 
 Each case is a sequence of forwards on one prompt (prefill, decode steps, crops, rollbacks, generate()). It runs
-once in a fresh session and once in a session that first decoded another prompt (leaving selections, centroids,
-H2O history and a reuse counter mid-way behind); the logits must agree to float32 round-off.
+once in a fresh session and once in a long-lived session that first decoded another prompt (leaving selections,
+centroids, H2O history and a reuse counter mid-way behind) and then the cases before it, one such session per
+configuration; the logits must agree to float32 round-off (the long-lived session may have summed a block's
+centroid in another order: :func:`conftest.logits_tolerance` over the longest context, 300).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import prompt, tiny_model
+from conftest import logits_tolerance, prompt, tiny_model
 from test_attention import Oracle
 from transformers import DynamicCache
 
@@ -137,18 +139,25 @@ def warm_up(model, *, length: int = 230, steps: int = 13, vocab: int = VOCAB):
     return cache
 
 
-def long_lived_and_fresh(model, cfg: SparseConfig, ops, **warm) -> tuple[torch.Tensor, torch.Tensor, list]:
-    oracles = []
+def long_lived_and_fresh_cases(model, cfg: SparseConfig, cases: dict, **warm) -> tuple[dict, dict, dict]:
+    """Every case in one long-lived session (warmed up once; each case then also finds what the cases before it
+    left behind), and each case again in a fresh session of its own. The oracle's steps are counted per case."""
+    long_lived, fresh, oracle_steps = {}, {}, {}
+    oracle = None
     with torch.no_grad():
         with sparse_decoding(model, cfg) as session:
             if cfg.selector != "h2o":
-                oracles.append(Oracle(cfg))
-                session.observers.append(oracles[-1])
+                oracle = Oracle(cfg)
+                session.observers.append(oracle)
             warm_up(model, **warm)
-            long_lived = torch.stack(ops(model))
-        with sparse_decoding(model, cfg) as session:
-            fresh = torch.stack(ops(model))
-    return long_lived, fresh, oracles
+            for name, ops in cases.items():
+                before = oracle.steps if oracle else 0
+                long_lived[name] = torch.stack(ops(model))
+                oracle_steps[name] = (oracle.steps if oracle else 0) - before
+        for name, ops in cases.items():
+            with sparse_decoding(model, cfg):
+                fresh[name] = torch.stack(ops(model))
+    return long_lived, fresh, {"oracle": oracle, "steps": oracle_steps}
 
 
 CASES = ("new-prompt", "grows-past-support", "earlier-blocks-differ", "crops", "rollbacks", "generate")
@@ -157,27 +166,34 @@ SETTINGS = [("mean-pooled", "torch"), ("mean-pooled", "auto"), ("quest", "torch"
 
 @pytest.mark.parametrize("reuse", [1, 4])
 @pytest.mark.parametrize("selector, kernel", SETTINGS)
-@pytest.mark.parametrize("case", CASES)
-def test_long_lived_session_equals_fresh_sessions(arch, case, selector, kernel, reuse):
+def test_long_lived_session_equals_fresh_sessions(arch, selector, kernel, reuse):
+    """Every case of CASES, in one long-lived session per configuration (not one per case)."""
     model = tiny_model(arch)
     cfg = SparseConfig(support=97, reuse=reuse, selector=selector, kernel=kernel)
-    long_lived, fresh, oracles = long_lived_and_fresh(model, cfg, case_ops(case))
-    assert long_lived.shape == fresh.shape
-    torch.testing.assert_close(long_lived, fresh, atol=1e-5, rtol=0)
-    assert torch.equal(long_lived.argmax(-1), fresh.argmax(-1))
-    for oracle in oracles:  # every sparse step: refreshes are fresh selections, reuse repeats the last refresh
-        assert oracle.steps > 0 and oracle.max_error < 1e-5
+    long_lived, fresh, oracle = long_lived_and_fresh_cases(model, cfg, {case: case_ops(case) for case in CASES})
+    assert list(long_lived) == list(CASES)
+    for case in CASES:
+        assert long_lived[case].shape == fresh[case].shape, case
+        tolerance = logits_tolerance(fresh[case], model, positions=300)
+        torch.testing.assert_close(long_lived[case], fresh[case], atol=tolerance, rtol=0, msg=case)
+        assert torch.equal(long_lived[case].argmax(-1), fresh[case].argmax(-1)), case
+        if oracle["oracle"] is not None:  # every sparse step: refreshes are fresh selections, reuse repeats the last
+            assert oracle["steps"][case] > 0, case
+    if oracle["oracle"] is not None:
+        assert oracle["oracle"].max_error_ratio < 1, oracle["oracle"].max_error
 
 
 @pytest.mark.parametrize("cache_kind", ["dynamic", "growing"])
 def test_in_place_and_concatenating_caches_alike(cache_kind):
     model = tiny_model("llama")
-    for case in ("new-prompt", "crops", "rollbacks"):
-        for reuse in (1, 4):
-            cfg = SparseConfig(support=97, reuse=reuse)
-            long_lived, fresh, oracles = long_lived_and_fresh(model, cfg, case_ops(case, cache_kind))
-            torch.testing.assert_close(long_lived, fresh, atol=1e-5, rtol=0)
-            assert oracles[0].max_error < 1e-5
+    cases = {case: case_ops(case, cache_kind) for case in ("new-prompt", "crops", "rollbacks")}
+    for reuse in (1, 4):
+        cfg = SparseConfig(support=97, reuse=reuse)
+        long_lived, fresh, oracle = long_lived_and_fresh_cases(model, cfg, cases)
+        for case in cases:
+            tolerance = logits_tolerance(fresh[case], model, positions=300)
+            torch.testing.assert_close(long_lived[case], fresh[case], atol=tolerance, rtol=0, msg=case)
+        assert oracle["oracle"].max_error_ratio < 1, oracle["oracle"].max_error
 
 
 def test_two_caches_interleaved_in_one_session_stay_apart(arch):
@@ -205,8 +221,8 @@ def test_two_caches_interleaved_in_one_session_stay_apart(arch):
                 out[i].append(logits[i])
         expected = [alone(a_ids), alone(b_ids)]
     for got, want in zip(out, expected):
-        torch.testing.assert_close(torch.stack(got), want, atol=1e-5, rtol=0)
-    assert oracle.steps == 2 * 24 and oracle.max_error < 1e-5
+        torch.testing.assert_close(torch.stack(got), want, atol=logits_tolerance(want, model, positions=213), rtol=0)
+    assert oracle.steps == 2 * 24 and oracle.max_error_ratio < 1, oracle.max_error
 
 
 def test_blocks_are_kept_exactly_when_the_cache_continues():
@@ -260,7 +276,9 @@ def test_h2o_without_its_prefill_refuses_then_adopts_a_history():
         with sparse_decoding(model, cfg):
             own = DynamicCache(config=model.config)
             decode(model, own, feed(model, own, ids), 10, inside)
-    torch.testing.assert_close(torch.stack(adopted), torch.stack(inside), atol=1e-5, rtol=0)
+    inside = torch.stack(inside)  # the same history, adopted or recorded: float32 round-off of reordered sums at most
+    tolerance = logits_tolerance(inside, model, positions=210)
+    torch.testing.assert_close(torch.stack(adopted), inside, atol=tolerance, rtol=0)
 
 
 def test_compare_gives_h2o_the_prefill_history():
@@ -300,25 +318,21 @@ def test_distinct_distant_positions_are_counted_once(selector):
 # --- the real model (SmolLM2-135M): the "must show" of the issue, on short contexts ---
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    from sparsedecode import load_model
-
-    return load_model("smollm2-135m")[0]
-
-
 @pytest.mark.realmodel
 @pytest.mark.parametrize("reuse", [1, 4])
 def test_long_lived_session_equals_fresh_sessions_on_real_model(smollm2, reuse):
+    smollm2 = smollm2[0]
     vocab = smollm2.config.vocab_size
     cfg = SparseConfig(support=97, reuse=reuse)
     warm = dict(length=160, steps=9, vocab=vocab)  # short contexts: S = 97 of 150-200 positions
+    cases = {case: case_ops(case, length=150, steps=10, vocab=vocab, warm=warm["length"]) for case in CASES}
+    long_lived, fresh, oracle = long_lived_and_fresh_cases(smollm2, cfg, cases, **warm)
     for case in CASES:
-        ops = case_ops(case, length=150, steps=10, vocab=vocab, warm=warm["length"])
-        long_lived, fresh, oracles = long_lived_and_fresh(smollm2, cfg, ops, **warm)
-        assert torch.equal(long_lived.argmax(-1), fresh.argmax(-1)), case
-        torch.testing.assert_close(long_lived, fresh, atol=1e-4, rtol=0, msg=case)
-        assert oracles[0].max_error < 1e-4, case
+        assert torch.equal(long_lived[case].argmax(-1), fresh[case].argmax(-1)), case
+        tolerance = logits_tolerance(fresh[case], smollm2, positions=200)  # float32 round-off over 30 layers
+        torch.testing.assert_close(long_lived[case], fresh[case], atol=tolerance, rtol=0, msg=case)
+        assert oracle["steps"][case] > 0, case
+    assert oracle["oracle"].max_error_ratio < 1, oracle["oracle"].max_error
 
 
 def test_generate_gives_h2o_the_prefill_history():
@@ -410,7 +424,7 @@ def test_library_calls_leave_a_session_the_caller_has_open_undisturbed(cfg):
 
     expected = own_decoding(lambda: None)
     for name, call in calls.items():
-        torch.testing.assert_close(own_decoding(call), expected, atol=0, rtol=0, msg=name)
+        torch.testing.assert_close(own_decoding(call), expected, atol=0, rtol=0, msg=name)  # the same arithmetic
 
 
 @pytest.mark.parametrize("batched", [False, True])
@@ -440,4 +454,5 @@ def test_a_reference_left_mid_decode_by_an_interrupt_is_taken_back(batched):
     again = compare(model, None, ids, cfg, 20, reference=ref)
     for a, b in zip(again if batched else [again], expected if batched else [expected]):
         assert a.sparse_tokens == b.sparse_tokens and a.teacher_forced_match == b.teacher_forced_match
+        # the same arithmetic gives the same NLLs; 1e-9 percent points is float64 round-off of exp and the ratio
         assert a.delta_ppl_percent == pytest.approx(b.delta_ppl_percent, abs=1e-9)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import prompt, tiny_model
+from conftest import assert_attention_close, logits_tolerance, prompt, tiny_model
 from test_attention import greedy_loop
 
 from sparsedecode import SparseConfig, SparseDecodeError, sparse_decoding
@@ -65,7 +65,7 @@ def test_kernel_matches_gather_and_sdpa(case):
     reference = attend_support(q, keys, values, blocks, layout, scale)
     assert out.shape == reference.shape and out.dtype == torch.float32
     assert torch.isfinite(out).all()
-    assert (out - reference).norm() / reference.norm() < 1e-5
+    assert_attention_close(out, reference, q, keys, values, scale)
 
 
 @pytest.mark.parametrize("splits", [1, 4])
@@ -77,11 +77,11 @@ def test_kernel_masks_a_chosen_short_last_block(splits):
     assert layout.n_blocks > layout.n_full and bool((blocks == layout.n_blocks - 1).any())
     out = support_attention(q, keys, values, blocks, layout, 0.125, splits=splits)
     reference = attend_support(q, keys, values, blocks, layout, 0.125)
-    assert (out - reference).norm() / reference.norm() < 1e-5
+    assert_attention_close(out, reference, q, keys, values, 0.125)
     # the position just past the distant region is a window key: counting it twice would move the output
     keys[:, layout.distant_end] += 5.0
     moved = support_attention(q, keys, values, blocks, layout, 0.125, splits=splits)
-    assert (moved - attend_support(q, keys, values, blocks, layout, 0.125)).norm() / reference.norm() < 1e-5
+    assert_attention_close(moved, attend_support(q, keys, values, blocks, layout, 0.125), q, keys, values, 0.125)
 
 
 def test_kernel_in_half_precision():
@@ -90,6 +90,8 @@ def test_kernel_in_half_precision():
     q, keys, values, blocks, layout = random_case(14, 2, 64, 2048, 8, dtype=torch.float16, seed=5)
     out = support_attention(q, keys, values, blocks, layout, 0.125, splits=3)
     reference = attend_support(q, keys, values, blocks, layout, 0.125)
+    # float16 inputs and output: one rounding is 2**-11 relative (4.9e-4); 2e-3 is a few of them, while the
+    # accumulation runs in float32 (a float16 sum over 193 positions would be off by ~7e-3)
     assert (out - reference).norm() / reference.norm() < 2e-3
 
 
@@ -103,7 +105,9 @@ def test_decoding_with_the_triton_kernel_matches_torch(arch):
         assert session.sparse_steps == 12 * 2
     (torch_tokens, torch_logits), (triton_tokens, triton_logits) = results["torch"], results["triton"]
     assert triton_tokens == torch_tokens
-    assert torch.allclose(triton_logits, torch_logits, atol=1e-4)
+    # Triton and torch sum the same attention in another order: float32 round-off apart
+    tolerance = logits_tolerance(torch_logits, model, positions=192)
+    assert torch.allclose(triton_logits, torch_logits, atol=tolerance, rtol=0)
 
 
 def test_triton_kernel_refused_where_it_cannot_run(monkeypatch):
