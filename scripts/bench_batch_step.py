@@ -90,7 +90,7 @@ def main(argv=None) -> None:
     pads = [i * (n0 // 2) // max(batch - 1, 1) for i in range(batch)] if args.ragged else [0] * batch
     cfg = SparseConfig(support=args.support, reuse=args.reuse)
     cache = _Cache(keys)
-    one_call = attention._sparse_rows_in_one_call
+    one_call = attention.batch._sparse_rows_in_one_call
 
     def per_row(*args) -> bool:  # the per-sequence loop: what runs where the one call declines
         return False
@@ -111,7 +111,7 @@ def main(argv=None) -> None:
                 position_ids = torch.full((batch, 1), n - 1)
                 for layer, (module, k, v) in enumerate(zip(modules, keys, values)):
                     path = ("per row", "one call")[(layer + step) % 2]
-                    attention._sparse_rows_in_one_call = one_call if path == "one call" else per_row
+                    attention.batch._sparse_rows_in_one_call = one_call if path == "one call" else per_row
                     session.look(module, (), {"cache": cache})
                     start = time.perf_counter_ns()
                     attention.sparse_attention_forward(
@@ -132,7 +132,7 @@ def main(argv=None) -> None:
         for _ in range(args.turns):
             turn()
     finally:
-        attention._sparse_rows_in_one_call = one_call
+        attention.batch._sparse_rows_in_one_call = one_call
     medians = {path: statistics.median(times) for path, times in results.items() if times}
     blocks = cfg.blocks
     support = 1 + cfg.window + blocks * cfg.block_size

@@ -129,7 +129,7 @@ def reference_by_position(q, keys, values, blocks, layout, scale):
 def check_limits() -> list[dict]:
     """The largest tiles the Triton kernels accept must compile and match float64; refused tensors must run on
     torch under ``auto`` (and match) and raise under ``kernel="triton"``."""
-    from sparsedecode.attention import _attend_blocks
+    from sparsedecode.attention.attend import _attend_blocks
     from sparsedecode.centroids import BlockCentroids
     from sparsedecode.selectors import select_blocks
 

@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 import sparsedecode.attention as attention
 from sparsedecode import SparseConfig, select_support, sparse_decoding
-from sparsedecode.compare import crop_cache
+from sparsedecode.paired import crop_cache
 
 
 def greedy_loop(model, ids, steps, cache=None):
@@ -168,13 +168,14 @@ def test_sessions_are_per_model_and_per_thread():
 def test_sparse_path_never_computes_dense_attention(monkeypatch):
     model = tiny_model("llama")
     calls = []
-    original = attention.sdpa_attention_forward
+    original = attention.hf.sdpa_attention_forward
 
     def counting(module, query, *args, **kwargs):
         calls.append(query.shape[2])
         return original(module, query, *args, **kwargs)
 
-    monkeypatch.setattr(attention, "sdpa_attention_forward", counting)
+    monkeypatch.setattr(attention.hf, "sdpa_attention_forward", counting)  # every module that calls it
+    monkeypatch.setattr(attention.batch, "sdpa_attention_forward", counting)
     with sparse_decoding(model, SparseConfig(support=97)) as session:
         greedy_loop(model, prompt(200), 10)
     assert session.sparse_steps == 20

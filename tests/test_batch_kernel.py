@@ -195,7 +195,7 @@ class Calls:
 
 def per_row(monkeypatch):
     """Force the per-sequence loop of ``_batch_forward`` (what runs with observers or other kernels)."""
-    monkeypatch.setattr(attention, "_sparse_rows_in_one_call", lambda *args: False)
+    monkeypatch.setattr(attention.batch, "_sparse_rows_in_one_call", lambda *args: False)
 
 
 def row_states(session):

@@ -9,7 +9,7 @@ from transformers import DynamicCache
 
 from sparsedecode import SparseConfig, sparse_decoding
 from sparsedecode.cache import GrowingCache, GrowingLayer
-from sparsedecode.compare import crop_cache
+from sparsedecode.paired import crop_cache
 
 
 def trace(model, cache, steps=120, crop_at=40, crop_to=330):

@@ -14,7 +14,7 @@ import torch
 from conftest import assert_attention_close, prompt
 
 from sparsedecode import SparseConfig, SparseDecodeError, kernels, sparse_decoding
-from sparsedecode.attention import _attend_blocks
+from sparsedecode.attention.attend import _attend_blocks
 from sparsedecode.centroids import BlockCentroids
 from sparsedecode.kernels import cpu, dispatch, triton_attention
 from sparsedecode.kernels.common import largest_offset

@@ -7,7 +7,6 @@ import ast
 from pathlib import Path
 
 import sparsedecode
-from sparsedecode import layout
 
 PACKAGE = Path(sparsedecode.__file__).parent
 ON_TOP = {"cli", "experiments", "report", "plots", "__main__", "eval_report", "lm_eval_model"}
@@ -67,17 +66,15 @@ def test_kernels_depend_on_the_layout_never_on_the_selectors():
         assert imported <= KERNELS_MAY_IMPORT, f"{path.relative_to(PACKAGE)} imports sparsedecode.{imported}"
     assert package_imports(PACKAGE / "layout.py") == set()  # the layout: torch only
     # the check itself sees the imports it should: selectors and attention do use the kernels and the layout
-    assert {"kernels", "layout"} <= package_imports(PACKAGE / "selectors.py")
-    assert {"kernels", "layout", "selectors"} <= package_imports(PACKAGE / "attention.py")
+    assert {"kernels", "layout"} <= package_imports(PACKAGE / "selectors" / "select.py")
+    assert {"kernels", "layout", "selectors"} <= package_imports(PACKAGE / "attention" / "step.py")
     assert "errors" in package_imports(PACKAGE / "kernels" / "cpu.py")
 
 
-def test_old_kernel_module_names_are_the_new_modules():
-    from sparsedecode import cpu_kernel, kernels, triton_attention
-    from sparsedecode.layout import BlockLayout, support_positions
+def test_the_layout_is_imported_from_the_layout_module_only():
+    import sparsedecode.selectors as selectors
 
-    assert cpu_kernel is kernels.cpu and triton_attention is kernels.triton_attention
-    assert (BlockLayout, support_positions) == (layout.BlockLayout, layout.support_positions)
+    assert not hasattr(selectors, "BlockLayout") and not hasattr(selectors, "support_positions")
 
 
 def test_models_command_lists_aliases(capsys):

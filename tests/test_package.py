@@ -37,13 +37,13 @@ def test_every_public_name_is_its_module_attribute():
         "TokenSelector": "selectors",
         "register_selector": "selectors",
         "DEFAULT_MODEL": "models",
-        "CompareResult": "compare",
-        "DenseReference": "compare",
+        "CompareResult": "paired",
+        "DenseReference": "paired",
         "SparseConfig": "config",
         "SparseDecodeError": "errors",
         "SparseSession": "attention",
-        "compare": "compare",
-        "dense_reference": "compare",
+        "compare": "paired",
+        "dense_reference": "paired",
         "generate": "speculative",
         "list_models": "models",
         "load_model": "models",
@@ -56,9 +56,9 @@ def test_every_public_name_is_its_module_attribute():
         assert getattr(sparsedecode, name) is getattr(importlib.import_module(f"sparsedecode.{module}"), name), name
         assert name in dir(sparsedecode)
     assert callable(sparsedecode.compare), "the function, not the submodule of the same name"
-    from sparsedecode import compare, cpu_kernel, models  # submodules still import by name
+    from sparsedecode import compare, models  # a public function, a submodule
 
-    assert callable(compare) and models.__name__ == "sparsedecode.models" and hasattr(cpu_kernel, "library")
+    assert callable(compare) and models.__name__ == "sparsedecode.models"
 
 
 def test_unknown_names_raise_attribute_error():
@@ -70,9 +70,20 @@ def test_unknown_names_raise_attribute_error():
         raise AssertionError("no AttributeError")
 
 
-def test_compare_stays_the_function_when_the_submodule_is_imported_first():
-    done = imported_after("import sparsedecode.compare\nimport sparsedecode\nprint(callable(sparsedecode.compare))")
-    assert done["printed"] == ["True"]
+def test_no_submodule_shares_a_public_name_so_importing_every_module_hides_none():
+    """Importing ``sparsedecode.X`` binds the submodule as the package's attribute ``X``: a module named like a public
+    function would hide it. None is (the paired protocol lives in ``paired``, the kernels under ``kernels``)."""
+    import importlib.util
+    import pkgutil
+
+    names = [m.name for m in pkgutil.walk_packages(sparsedecode.__path__, "sparsedecode.")]
+    assert {name.split(".")[1] for name in names} & set(sparsedecode.__all__) == set()
+    assert importlib.util.find_spec("sparsedecode.cpu_kernel") is None  # the old kernel names are gone
+    assert importlib.util.find_spec("sparsedecode.triton_attention") is None
+    skip = (".cli", "lm_eval", "__main__")
+    script = "import " + ", ".join(n for n in names if not any(s in n for s in skip)) + "\nimport sparsedecode"
+    done = imported_after(script + "\nprint(callable(sparsedecode.compare), callable(sparsedecode.generate))")
+    assert done["printed"] == ["True True"]
 
 
 def test_top_level_generate_reproduces_dense_greedy_decoding():

@@ -9,7 +9,6 @@ from conftest import char_tokenizer, tiny_model
 
 from sparsedecode import SparseConfig, SparseDecodeError
 from sparsedecode.cli import main
-from sparsedecode.compare import prefill
 from sparsedecode.experiments.retrieval import (
     NEEDLE,
     QUESTION,
@@ -21,6 +20,7 @@ from sparsedecode.experiments.retrieval import (
     passkey,
     run_retrieval,
 )
+from sparsedecode.paired import prefill
 
 
 @pytest.fixture(scope="module")

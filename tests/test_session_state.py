@@ -17,7 +17,7 @@ from transformers import DynamicCache
 
 from sparsedecode import SparseConfig, SparseDecodeError, compare, sparse_decoding
 from sparsedecode.cache import GrowingCache
-from sparsedecode.compare import compare_batch, crop_cache, dense_reference, dense_references
+from sparsedecode.paired import compare_batch, crop_cache, dense_reference, dense_references
 
 VOCAB = 96
 

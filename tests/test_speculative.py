@@ -6,7 +6,7 @@ import pytest
 from conftest import prompt, tiny_model
 
 from sparsedecode import SparseConfig, SparseDecodeError
-from sparsedecode.compare import dense_reference
+from sparsedecode.paired import dense_reference
 from sparsedecode.speculative import compare_lossless, generate
 
 

@@ -15,7 +15,6 @@ from conftest import char_tokenizer, tiny_model
 
 from sparsedecode import SparseDecodeError
 from sparsedecode.cli import main
-from sparsedecode.compare import FIRST_DIVERGENCE_CONVENTION
 from sparsedecode.experiments.sweep import (
     RUNS_FILE,
     Shard,
@@ -30,6 +29,7 @@ from sparsedecode.experiments.sweep import (
     upgrade_rows_file,
     without_timings,
 )
+from sparsedecode.paired import FIRST_DIVERGENCE_CONVENTION
 
 REQUIRED = (
     "context",

@@ -74,7 +74,7 @@ def test_the_attention_call_refuses_what_the_model_check_misses(kind, monkeypatc
     """The forward's own ``s_aux`` / ``softcap`` arguments are refused at the first call, the prefill's."""
     build, words = MODELS[kind]
     model = build()
-    monkeypatch.setattr(attention, "check_sparse_attention", lambda *_: None)
+    monkeypatch.setattr(attention.hf, "check_sparse_attention", lambda *_: None)
     with pytest.raises(SparseDecodeError, match=words):
         with sparse_decoding(model, SparseConfig(support=97)):
             model(prompt(120))

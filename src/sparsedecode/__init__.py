@@ -7,29 +7,27 @@ The public names are imported on first use (PEP 562), so ``import sparsedecode``
 """
 
 import importlib as _importlib
-import sys as _sys
-import types as _types
 import typing as _typing
 
 if _typing.TYPE_CHECKING:
     from .attention import SparseSession, sparse_decoding
-    from .compare import CompareResult, DenseReference, compare, dense_reference
     from .config import SparseConfig
     from .errors import SparseDecodeError
     from .models import DEFAULT_MODEL, list_models, load_model, load_tokenizer
+    from .paired import CompareResult, DenseReference, compare, dense_reference
     from .selectors import BlockSelector, TokenSelector, register_selector, select_support
     from .speculative import generate
 
 _EXPORTS = {
     "BlockSelector": "selectors",
     "DEFAULT_MODEL": "models",
-    "CompareResult": "compare",
-    "DenseReference": "compare",
+    "CompareResult": "paired",
+    "DenseReference": "paired",
     "SparseConfig": "config",
     "SparseDecodeError": "errors",
     "SparseSession": "attention",
-    "compare": "compare",
-    "dense_reference": "compare",
+    "compare": "paired",
+    "dense_reference": "paired",
     "generate": "speculative",
     "list_models": "models",
     "load_model": "models",
@@ -75,19 +73,3 @@ def __getattr__(name: str) -> object:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
-
-
-class _Package(_types.ModuleType):
-    """Keeps ``sparsedecode.compare`` the function when the submodule of the same name is imported.
-
-    Importing ``sparsedecode.compare`` binds the submodule as an attribute of the package, which would hide the
-    lazily exported function; an eager ``from .compare import compare`` used to rebind it, and this does the same.
-    """
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if isinstance(value, _types.ModuleType) and _EXPORTS.get(name) == name and hasattr(value, name):
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-_sys.modules[__name__].__class__ = _Package

@@ -130,7 +130,7 @@ def restore(cache, saved: Snapshot) -> None:
 
 def checkpoint(cache) -> None:
     """Make the cache's current length the one :func:`rewind` can come back to when ``crop`` cannot (see
-    :func:`snapshot`); a new checkpoint replaces the previous one. :func:`~sparsedecode.compare.prefill` takes
+    :func:`snapshot`); a new checkpoint replaces the previous one. :func:`~sparsedecode.paired.prefill` takes
     one at the prompt."""
     cache._sparsedecode_checkpoint = None if crop_rewinds(cache) else snapshot(cache)
 

@@ -46,9 +46,9 @@ import sys
 import torch
 
 from .attention import sparse_decoding
-from .compare import crop_cache, prefill
 from .config import SparseConfig
 from .errors import SparseDecodeError
+from .paired import crop_cache, prefill
 
 try:
     from lm_eval.models.huggingface import HFLM

@@ -23,9 +23,9 @@ import torch
 from . import batch as batching
 from .attention import dense_attention, prefill_history, sparse_decoding
 from .cache import GrowingCache, crop_rewinds, restore, snapshot
-from .compare import Progress, crop_cache, greedy_decode, prefill
 from .config import SparseConfig
 from .errors import SparseDecodeError
+from .paired import Progress, crop_cache, greedy_decode, prefill
 from .validate import (
     check_config,
     check_count,

@@ -137,8 +137,8 @@ def cmd_run(args) -> int:
     )
     check_output_file(args.json, "--json", inputs=inputs_of(args), also=audits)
     configs, model, tokenizer, prompts = prepare(args, audit=args.audit)
-    from ..compare import compare, dense_reference
     from ..diagnostics import save_audit
+    from ..paired import compare, dense_reference
 
     settings = {**run_settings(args, "run"), "audit": args.audit}
     console.print(conditions(args))

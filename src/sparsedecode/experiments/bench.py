@@ -30,15 +30,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .. import cpu_kernel, triton_attention
 from ..attention import LayerState, SparseSession, attend_positions, attend_support, sparse_decode_step, sparse_decoding
 from ..batch import greedy_decode as batched_greedy
 from ..cache import GrowingCache, crop_rewinds, growing_copy
 from ..centroids import BlockCentroids
-from ..compare import Progress, crop_cache, greedy_decode, prefill
 from ..config import SparseConfig
 from ..errors import SparseDecodeError
+from ..kernels import cpu as cpu_kernel
+from ..kernels import triton_attention
 from ..layout import BlockLayout
+from ..paired import Progress, crop_cache, greedy_decode, prefill
 from ..selectors import resolve_selector, select_blocks, select_positions
 from ..speculative import lossless_decode
 

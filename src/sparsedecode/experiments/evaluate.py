@@ -35,10 +35,10 @@ from pathlib import Path
 import torch
 
 from ..attention import prefill_history, sparse_decoding
-from ..compare import Progress, crop_cache, prefill
 from ..config import SparseConfig
 from ..errors import SparseDecodeError
 from ..files import write_json_atomic
+from ..paired import Progress, crop_cache, prefill
 from .environment import environment
 from .eval_spec import DENSE, KEY_FIELDS, EvalSpec, Group, RunKey
 from .ruler import GENERATOR_VERSION, Sample, build_sample, score

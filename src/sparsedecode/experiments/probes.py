@@ -15,9 +15,9 @@ import numpy as np
 import torch
 
 from ..attention import prefill_history, sparse_decoding
-from ..compare import Progress, crop_cache, greedy_decode, prefill
 from ..config import SparseConfig
 from ..diagnostics import MassAudit, summarize_audit
+from ..paired import Progress, crop_cache, greedy_decode, prefill
 
 
 @dataclass

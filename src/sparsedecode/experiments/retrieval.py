@@ -30,10 +30,10 @@ import numpy as np
 import torch
 
 from ..attention import StepView, prefill_history, sparse_decoding
-from ..compare import Progress, crop_cache, prefill
 from ..config import SparseConfig
 from ..diagnostics import MassAudit, summarize_audit
 from ..errors import SparseDecodeError
+from ..paired import Progress, crop_cache, prefill
 from .corpus import FILLER, corpus_ids
 from .specs import RetrievalSpec
 

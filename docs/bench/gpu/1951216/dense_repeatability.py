@@ -14,7 +14,7 @@ import gpu_check as g  # noqa: E402
 from transformers import DynamicCache
 
 from sparsedecode.cache import GrowingCache
-from sparsedecode.compare import crop_cache, greedy_decode, prefill
+from sparsedecode.paired import crop_cache, greedy_decode, prefill
 
 ctx = 512 if g.QUICK else 32704
 model = g.random_qwen_coder()
