@@ -100,8 +100,8 @@ def test_batches_are_checked_before_the_model_runs(model):
     batch = prompt(150).repeat(2, 1)
     cfg = SparseConfig(support=97)
     with NoForward(model):
-        with pytest.raises(SparseDecodeError, match="shape \\(1, length >= 1\\)"):
-            dense_reference(model, batch, tokens=8)  # one prompt; dense_references takes several
+        with pytest.raises(SparseDecodeError, match="must lie in"):
+            dense_reference(model, [prompt(150), prompt(150) + 200], tokens=8)  # one prompt or several, each checked
         with pytest.raises(SparseDecodeError, match="lossless generation runs one sequence at a time"):
             generate(model, batch, cfg, 8)
         with pytest.raises(SparseDecodeError, match="must lie in"):

@@ -16,7 +16,7 @@ from conftest import logits_tolerance, prompt, roundoff_tolerance, tiny_model
 
 import sparsedecode as sd
 from sparsedecode import SparseConfig, SparseDecodeError, sparse_decoding
-from sparsedecode import batch as batching
+from sparsedecode import decode as batching
 from sparsedecode.attention import prefill_history
 from sparsedecode.cache import GrowingCache
 
@@ -141,7 +141,7 @@ def test_padding_is_never_selected_nor_attended(selector):
     results = []
     for poison in (False, True):
         cache = GrowingCache(config=model.config)
-        first = batching.prefill(model, ids, mask, cache).argmax(-1).tolist()
+        first = batching.prefill(model, ids, mask=mask, cache=cache)[1].argmax(-1).tolist()
         if poison:
             with torch.no_grad():
                 for layer in cache.layers:
@@ -152,7 +152,9 @@ def test_padding_is_never_selected_nor_attended(selector):
         with sparse_decoding(model, cfg) as session:
             if histories is not None:
                 session.adopt_batch_history(cache, histories, pads)
-            batching.greedy_decode(model, cache, mask, first, 20, on_logits=lambda step, x, out=logits: out.append(x))
+            batching.decode_tokens(
+                model, cache, first, 20, mask=mask, on_logits=lambda step, x, out=logits: out.append(x)
+            )
         assert session.sparse_steps > 0
         results.append(torch.stack(logits))
     assert torch.equal(results[0], results[1])

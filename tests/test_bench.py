@@ -137,7 +137,7 @@ def test_bench_op_refuses_before_any_work(monkeypatch, contexts, supports, optio
 
 def test_bench_e2e_times_every_mode_as_often_as_dense(monkeypatch):
     calls = {"dense/sparse": 0, "lossless": 0}
-    greedy, lossless = bench.greedy_decode, bench.lossless_decode
+    greedy, lossless = bench.decode_tokens, bench.lossless_decode
 
     def counted(name, function):
         def wrapper(*args, **kwargs):
@@ -146,7 +146,7 @@ def test_bench_e2e_times_every_mode_as_often_as_dense(monkeypatch):
 
         return wrapper
 
-    monkeypatch.setattr(bench, "greedy_decode", counted("dense/sparse", greedy))
+    monkeypatch.setattr(bench, "decode_tokens", counted("dense/sparse", greedy))
     monkeypatch.setattr(bench, "lossless_decode", counted("lossless", lossless))
     rows = bench_e2e(tiny_model("qwen2"), "tiny", prompt(200), (97,), tokens=4, lossless=(2,), repeats=3)
     assert [(r.mode, r.cache, r.runs) for r in rows] == [

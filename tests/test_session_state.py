@@ -17,7 +17,7 @@ from transformers import DynamicCache
 
 from sparsedecode import SparseConfig, SparseDecodeError, compare, sparse_decoding
 from sparsedecode.cache import GrowingCache
-from sparsedecode.paired import compare_batch, crop_cache, dense_reference, dense_references
+from sparsedecode.paired import crop_cache, dense_reference
 
 VOCAB = 96
 
@@ -434,7 +434,7 @@ def test_a_reference_left_mid_decode_by_an_interrupt_is_taken_back(batched):
     model = tiny_model("llama")
     ids = [prompt(150), prompt(130, seed=5)] if batched else prompt(150)
     cfg = SparseConfig(support=97)
-    ref = dense_references(model, ids, tokens=20) if batched else dense_reference(model, ids, tokens=20)
+    ref = dense_reference(model, ids, tokens=20)  # one prompt or several
     expected = compare(model, None, ids, cfg, 20, reference=ref)
 
     def interrupt(stage, done, total):
@@ -443,9 +443,7 @@ def test_a_reference_left_mid_decode_by_an_interrupt_is_taken_back(batched):
 
     length = ref.cache.get_seq_length()
     with pytest.raises(KeyboardInterrupt):
-        compare_batch(model, ids, cfg, 20, reference=ref, progress=interrupt) if batched else compare(
-            model, None, ids, cfg, 20, reference=ref, progress=interrupt
-        )
+        compare(model, None, ids, cfg, 20, reference=ref, progress=interrupt)
     assert ref.cache.get_seq_length() == length
     if not batched:
         with torch.no_grad():

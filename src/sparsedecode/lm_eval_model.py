@@ -47,8 +47,9 @@ import torch
 
 from .attention import sparse_decoding
 from .config import SparseConfig
+from .decode import decode_tokens, prefill
 from .errors import SparseDecodeError
-from .paired import crop_cache, prefill
+from .paired import crop_cache
 
 try:
     from lm_eval.models.huggingface import HFLM
@@ -240,19 +241,19 @@ class SparseDecodeLM(HFLM):
         self._reuse = (tuple(ids), cache, logits)
         return cache, logits
 
-    def _step(self, cache, token: int) -> torch.Tensor:
-        ids = torch.tensor([[token]], device=self.device)
-        return self.model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1].float()
-
     @torch.no_grad()
     def _score(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
         """Log-probability of ``continuation`` after ``context`` and whether it is the greedy continuation."""
         split = max(len(context) - self.sparse_tail, 0)
         cache, logits = self._prefilled(context[:split])
-        scored = [logits] if split == len(context) else []  # sparse_tail = 0: the first token from the prefill
-        with sparse_decoding(self.model, self.sparse_config):
-            for token in context[split:] + continuation[:-1]:
-                scored.append(self._step(cache, token))
+        whole = split == len(context) and logits is not None  # sparse_tail = 0: the first token from the prefill
+        scored = [logits[0]] if whole else []
+        fed = context[split:] + continuation[:-1]  # teacher-forced: each step's logits score the next token
+        if fed:
+            with sparse_decoding(self.model, self.sparse_config):
+                decode_tokens(
+                    self.model, cache, fed[:1], len(fed), teacher=[fed], on_logits=lambda _, x: scored.append(x[0])
+                )
         last = torch.stack(scored[-len(continuation) :])
         targets = torch.tensor(continuation, device=last.device)
         total = float(torch.log_softmax(last, dim=-1).gather(1, targets[:, None]).sum())
@@ -292,18 +293,24 @@ class SparseDecodeLM(HFLM):
         cache, logits = self._prefilled(ids[:split])
         eos = self.model.generation_config.eos_token_id
         eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
-        new: list[int] = []
-        with sparse_decoding(self.model, self.sparse_config):
-            for token in ids[split:]:
-                logits = self._step(cache, token)
-            while len(ids) + len(new) < max_length:
-                token = int(logits.argmax())
-                new.append(token)
-                if token in eos:
-                    break
-                text = self.tokenizer.decode(new, skip_special_tokens=False)
-                if any(s and s in text for s in stop):
-                    break
-                if len(ids) + len(new) < max_length:
-                    logits = self._step(cache, token)
+        budget = max_length - len(ids)  # new tokens at most
+
+        def done(new: list[int]) -> bool:
+            if new[-1] in eos:
+                return True
+            text = self.tokenizer.decode(new, skip_special_tokens=False)
+            return any(s and s in text for s in stop)
+
+        fed = ids[split:]  # the context's tail, fed under sparse attention before the answer
+        if budget <= 0:
+            new = []
+        elif fed:
+            with sparse_decoding(self.model, self.sparse_config):
+                (out,), _ = decode_tokens(self.model, cache, fed[:1], len(fed) - 1 + budget, teacher=[fed], stop=done)
+            new = out[len(fed) - 1 :]
+        else:  # the first new token comes from the prefill
+            first = int(logits[0].argmax())
+            with sparse_decoding(self.model, self.sparse_config):
+                (out,), _ = decode_tokens(self.model, cache, [first], budget - 1, stop=done)
+            new = [first, *out]
         return torch.tensor([ids + new], device=context.device)

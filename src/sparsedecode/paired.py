@@ -23,10 +23,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 from transformers import DynamicCache
 
-from . import batch as batching
 from .attention import SparseSession, dense_attention, prefill_history, sparse_decoding
-from .cache import checkpoint, rewind
+from .cache import rewind
 from .config import SparseConfig
+from .decode import Progress, decode_tokens, left_pad, prefill
 from .diagnostics import (
     WARNING_MATCH_PERCENT,
     MassAudit,
@@ -43,8 +43,6 @@ FIRST_DIVERGENCE_CONVENTION = 2
 first differing token counting the shared first token (one more than today's value when the run diverged; ``T``
 for a divergence at the last step as well as for survival): :func:`upgrade_row` recomputes them."""
 
-Progress = Callable[[str, int, int], None]
-"""``progress(stage, done, total)``: called as work advances; the CLI draws bars from it."""
 
 LogitsHook = Callable[[int, torch.Tensor], None]
 """``hook(step, logits)``: called with the float32 logits of every decode step (1-based step)."""
@@ -207,103 +205,65 @@ def crop_cache(cache: DynamicCache, length: int) -> None:
     rewind(cache, length)
 
 
-@torch.no_grad()
-def prefill(
-    model: torch.nn.Module,
-    prompt_ids: torch.Tensor,
-    *,
-    chunk: int = 1024,
-    progress: Progress | None = None,
-    cache: DynamicCache | None = None,
-) -> tuple[DynamicCache, torch.Tensor]:
-    """Dense prefill in chunks (bounded memory, visible progress) into ``cache`` (a new ``DynamicCache`` by
-    default); returns the cache and the last position's logits."""
-    if prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1:
-        raise SparseDecodeError(f"expected prompt ids of shape (1, length), got {tuple(prompt_ids.shape)}")
-    cache = cache if cache is not None else DynamicCache(config=model.config)
-    length = prompt_ids.shape[1]
-    logits = None
-    for start in range(0, length, chunk):
-        stop = min(start + chunk, length)
-        out = model(input_ids=prompt_ids[:, start:stop], cache=cache, use_cache=True, logits_to_keep=1)
-        logits = out.logits[0, -1].float()
-        if progress:
-            progress("prefill", stop, length)
-    checkpoint(cache)  # so that sliding-window and recurrent layers can come back to the prompt
-    return cache, logits
-
-
-@torch.no_grad()
-def greedy_decode(
-    model: torch.nn.Module,
-    cache: DynamicCache,
-    first: int,
-    steps: int,
-    *,
-    teacher: list[int] | None = None,
-    progress: Progress | None = None,
-    stage: str = "decode",
-    on_logits: LogitsHook | None = None,
-    stop: int | None = None,
-) -> tuple[list[int], list[float]]:
-    """Greedy (or teacher-forced) decoding from ``first``; returns per-step argmax and NLL of the target.
-
-    ``stop``: a token id (end of sequence) after which greedy decoding ends early; the returned tokens end with it.
-    """
-    token, argmaxes, nll = first, [], []
-    device = next(model.parameters()).device
-    for step in range(1, steps + 1):
-        ids = torch.tensor([[token]], device=device)
-        logits = model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1].float()
-        best = int(logits.argmax())
-        target = teacher[step] if teacher is not None else best
-        nll.append(float(torch.logsumexp(logits, dim=-1) - logits[target]))
-        argmaxes.append(best)
-        if on_logits:
-            on_logits(step, logits)
-        token = target
-        if progress:
-            progress(stage, step, steps)
-        if teacher is None and best == stop:
-            break
-    return argmaxes, nll
+def _prompts(model: torch.nn.Module, prompts: object, where: str) -> tuple[list[torch.Tensor], bool]:
+    """The prompts of a call as ``(1, P_i)`` tensors, and whether it was one prompt (a ``(1, P)`` tensor) rather than
+    several (a list, or ``(B, P)`` ids with ``B > 1``)."""
+    one = isinstance(prompts, torch.Tensor) and prompts.dim() == 2 and prompts.shape[0] == 1
+    if one:
+        check_prompt_ids(model, prompts, where)
+        return [prompts], True
+    return _check_batch(model, prompts, where), False
 
 
 def dense_reference(
     model: torch.nn.Module,
-    prompt_ids: torch.Tensor,
+    prompt_ids: torch.Tensor | list[torch.Tensor],
     *,
     tokens: int = 128,
     progress: Progress | None = None,
-    on_logits: LogitsHook | None = None,
-) -> DenseReference:
-    """Dense prefill of ``prompt_ids`` ``(1, P)`` and ``tokens`` greedy tokens with their dense NLL."""
+) -> DenseReference | BatchReference:
+    """Dense prefill and ``tokens`` greedy tokens with their dense NLL, for one prompt or several.
+
+    One prompt (``(1, P)``) gives a :class:`DenseReference`; several (a list of ``(1, P_i)`` prompts, or ``(B, P)``
+    ids with ``B > 1``) a :class:`BatchReference`, decoded together left-padded: each prompt's tokens and NLL are
+    those of its batch-1 reference (the batch rounds matrix products differently, so NLLs agree to float32
+    round-off, not bit for bit), and each reference's timings are its share of the batch's.
+    """
     check_model(model, "dense_reference")
-    check_prompt_ids(model, prompt_ids, "dense_reference")
+    prompts, one = _prompts(model, prompt_ids, "dense_reference")
     _check_tokens(tokens)
-    check_positions(model, int(prompt_ids.shape[1]), tokens, "dense_reference")
+    for p in prompts:
+        check_positions(model, int(p.shape[1]), tokens, "dense_reference")
+    ids, mask = (prompts[0], None) if one else left_pad(prompts)
     steps: list[torch.Tensor] = []
-
-    def keep(step: int, step_logits: torch.Tensor) -> None:
-        steps.append(step_logits)
-        if on_logits:
-            on_logits(step, step_logits)
-
     with dense_attention(model):  # dense even inside a session the caller has open on this model
         started = time.perf_counter()
-        cache, logits = prefill(model, prompt_ids, progress=progress)
+        cache, logits = prefill(model, ids, mask=mask, progress=progress)
         prefill_s = time.perf_counter() - started
-        first = int(logits.argmax())
-        first_nll = float(torch.logsumexp(logits, dim=-1) - logits[first])
+        first = logits.argmax(dim=-1).tolist()
+        first_nll = (torch.logsumexp(logits, dim=-1) - logits.gather(1, torch.tensor(first)[:, None])[:, 0]).tolist()
         started = time.perf_counter()
-        argmaxes, nll = greedy_decode(
-            model, cache, first, tokens - 1, progress=progress, stage="dense decode", on_logits=keep
+        argmaxes, nll = decode_tokens(
+            model,
+            cache,
+            first,
+            tokens - 1,
+            mask=mask,
+            progress=progress,
+            stage="dense decode",
+            on_logits=lambda step, step_logits: steps.append(step_logits),
         )
         decode_s = time.perf_counter() - started
-    crop_cache(cache, prompt_ids.shape[1])
-    return DenseReference(
-        prompt_ids, [first, *argmaxes], [first_nll, *nll], cache, prefill_s, decode_s, torch.stack(steps)
-    )
+    crop_cache(cache, ids.shape[1])
+    stacked = torch.stack(steps, dim=1) if steps else torch.zeros(len(prompts), 0, 0)
+    count = len(prompts)
+    references = [
+        DenseReference(
+            p, [first[i], *argmaxes[i]], [first_nll[i], *nll[i]], cache, prefill_s / count, decode_s / count, stacked[i]
+        )
+        for i, p in enumerate(prompts)
+    ]
+    return references[0] if one else BatchReference(references, cache, mask, prefill_s, decode_s)
 
 
 def _h2o_history(model: torch.nn.Module, reference: DenseReference) -> dict[int, torch.Tensor]:
@@ -318,106 +278,138 @@ def _check_tokens(tokens: int) -> None:
         raise SparseDecodeError(f"tokens must be an integer >= 2 (got {tokens!r}): step 1 is shared with dense")
 
 
+def _check_reference(reference, prompts: list[torch.Tensor], one: bool, tokens: int) -> list[DenseReference]:
+    kind = DenseReference if one else BatchReference
+    if not isinstance(reference, kind):
+        what = (
+            "one prompt's reference must be a DenseReference" if one else "a batch's reference must be a BatchReference"
+        )
+        raise SparseDecodeError(f"compare: {what}, got {type(reference).__name__}")
+    refs = [reference] if one else reference.references
+    if len(refs) != len(prompts) or not all(
+        r.prompt_ids.shape == p.shape and torch.equal(r.prompt_ids, p) for r, p in zip(refs, prompts)
+    ):
+        raise SparseDecodeError(
+            "the dense reference was computed for another prompt"
+            if one
+            else "the dense reference was computed for other prompts"
+        )
+    if tokens > min(len(r.tokens) for r in refs):
+        raise SparseDecodeError(
+            f"the dense reference has {min(len(r.tokens) for r in refs)} tokens; asked for {tokens}"
+        )
+    return refs
+
+
 def compare(
     model: torch.nn.Module,
     tokenizer: object | None,
-    prompt_ids: torch.Tensor,
+    prompt_ids: torch.Tensor | list[torch.Tensor],
     cfg: SparseConfig,
     tokens: int = 128,
     *,
-    reference: DenseReference | None = None,
+    reference: DenseReference | BatchReference | None = None,
     progress: Progress | None = None,
     session_hook: Callable[[str, SparseSession], None] | None = None,
 ) -> CompareResult | list[CompareResult]:
-    """Paired dense/sparse comparison of one prompt under ``cfg`` (DESIGN.md section 3).
+    """Paired dense/sparse comparison (DESIGN.md section 3) of one prompt or several under ``cfg``.
 
-    Pass ``reference`` (from :func:`dense_reference`) to reuse one dense run across several settings;
-    otherwise one is computed. A batch (a list of ``(1, P_i)`` prompts, or ``(B, P)`` ids with ``B > 1``) goes to
-    :func:`compare_batch` and gives a list of results. ``tokenizer`` is accepted for symmetry with generation APIs
-    and unused here.
-    The teacher-forced pass always yields the margin certificate (it reuses the dense logits kept by the
-    reference); ``cfg.audit`` adds the omitted-mass audit of every free-running sparse step.
-    ``session_hook(phase, session)`` is called as each sparse phase ("free", "teacher") starts.
+    One prompt (``(1, P)``) gives a :class:`CompareResult`; several (a list of ``(1, P_i)`` prompts, or ``(B, P)``
+    ids with ``B > 1``) a list, one per prompt, decoded together left-padded: each equals its batch-1 result apart
+    from timings (each sequence's share of the batch's wall time) and float32 round-off, since every sequence gets
+    its own support (:mod:`sparsedecode.attention.batch`). Pass ``reference`` (from :func:`dense_reference` of the
+    same prompts) to reuse one dense run across settings; otherwise one is computed. ``tokenizer`` is accepted for
+    symmetry with generation APIs and unused here. The teacher-forced pass always yields the margin certificate (it
+    reuses the dense logits kept by the reference); ``cfg.audit`` adds the omitted-mass audit of every free-running
+    sparse step. ``session_hook(phase, session)`` is called as each sparse phase ("free", "teacher") starts.
     """
     del tokenizer
-    if isinstance(prompt_ids, (list, tuple)) or (
-        isinstance(prompt_ids, torch.Tensor) and prompt_ids.dim() == 2 and prompt_ids.shape[0] > 1
-    ):
-        if session_hook is not None:
-            raise SparseDecodeError("compare: session_hook is for one prompt; a batch has none")
-        return compare_batch(model, prompt_ids, cfg, tokens, reference=reference, progress=progress)
     check_model(model, "compare")
-    check_prompt_ids(model, prompt_ids, "compare")
+    prompts, one = _prompts(model, prompt_ids, "compare")
     check_config(cfg, "compare")
     check_sparse_attention(model, "compare")
     _check_tokens(tokens)
-    check_positions(model, int(prompt_ids.shape[1]), tokens, "compare")
-    if reference is not None and not isinstance(reference, DenseReference):
-        raise SparseDecodeError(f"compare: reference must be a DenseReference, got {type(reference).__name__}")
+    for p in prompts:
+        check_positions(model, int(p.shape[1]), tokens, "compare")
     if reference is None:
-        reference = dense_reference(model, prompt_ids, tokens=tokens, progress=progress)
-    elif reference.prompt_ids.shape != prompt_ids.shape or not torch.equal(reference.prompt_ids, prompt_ids):
-        raise SparseDecodeError("the dense reference was computed for another prompt")
-    if tokens > len(reference.tokens):
-        raise SparseDecodeError(f"the dense reference has {len(reference.tokens)} tokens; asked for {tokens}")
-    dense_tokens = reference.tokens[:tokens]
-    cache, context = reference.cache, reference.context
-    audit = MassAudit() if cfg.audit else None
-    history = _h2o_history(model, reference) if cfg.selector.uses_history else None  # H2O keeps the prefill's
+        reference = dense_reference(model, prompts[0] if one else prompts, tokens=tokens, progress=progress)
+    refs = _check_reference(reference, prompts, one, tokens)
+    cache, mask = reference.cache, None if one else reference.mask
+    length = prompts[0].shape[1] if one else mask.shape[1]
+    dense = [r.tokens[:tokens] for r in refs]
+    histories = [_h2o_history(model, r) for r in refs] if cfg.selector.uses_history else None
+    audits = ([MassAudit()] if one else [MassAudit(sequence=i) for i in range(len(refs))]) if cfg.audit else None
+    sequences = [None] if one else list(range(len(refs)))
 
-    # the reference's cache holds the prompt only; whatever happens below (an interrupt, an error), it is left so
-    crop_cache(cache, context)
+    def adopt(session: SparseSession) -> None:
+        if histories is not None and one:
+            session.adopt_history(cache, histories[0])
+        elif histories is not None:
+            session.adopt_batch_history(cache, histories, reference.pads)
+
+    # the reference's cache holds the prompts only; whatever happens below (an interrupt, an error), it is left so
+    crop_cache(cache, length)
     try:
         started = time.perf_counter()
         with sparse_decoding(model, cfg) as session:
-            if history is not None:
-                session.adopt_history(cache, history)
+            adopt(session)
             session.track_reads = True
-            if audit is not None:
-                session.observers.append(audit)
+            session.observers.extend(audits or ())
             if session_hook:
                 session_hook("free", session)
-            free, _ = greedy_decode(model, cache, dense_tokens[0], tokens - 1, progress=progress, stage="sparse decode")
+            free, _ = decode_tokens(
+                model, cache, [d[0] for d in dense], tokens - 1, mask=mask, progress=progress, stage="sparse decode"
+            )
         sparse_decode_s = time.perf_counter() - started
-        unique = session.unique_distant_positions()
-        crop_cache(cache, context)
+        unique = [session.unique_distant_positions(i) for i in sequences]
+        centroid_bytes = [session.centroid_bytes(i) for i in sequences]
+        support_read = [session.support_read(i or 0) for i in sequences]
+        steps = [
+            (session.sparse_steps, session.dense_steps) if one else tuple(session.sequence_steps.get(i, [0, 0]))
+            for i in sequences
+        ]
+        crop_cache(cache, length)
 
         teacher_logits: list[torch.Tensor] = []
         started = time.perf_counter()
         with sparse_decoding(model, cfg) as teacher_session:
-            if history is not None:
-                teacher_session.adopt_history(cache, history)
+            adopt(teacher_session)
             if session_hook:
                 session_hook("teacher", teacher_session)
-            forced, sparse_nll = greedy_decode(
+            forced, sparse_nll = decode_tokens(
                 model,
                 cache,
-                dense_tokens[0],
+                [d[0] for d in dense],
                 tokens - 1,
-                teacher=dense_tokens,
+                mask=mask,
+                teacher=dense,
                 progress=progress,
                 stage="teacher-forced",
                 on_logits=lambda step, logits: teacher_logits.append(logits),
             )
         teacher_forced_s = time.perf_counter() - started
     finally:
-        crop_cache(cache, context)
-
-    return _assemble(
-        reference,
-        cfg,
-        tokens,
-        free,
-        forced,
-        sparse_nll,
-        torch.stack(teacher_logits),
-        steps=(session.sparse_steps, session.dense_steps),
-        centroid_bytes=session.centroid_bytes(),
-        unique=unique,
-        audit=audit,
-        timings=(sparse_decode_s, teacher_forced_s),
-        support_read=session.support_read(),
-    )
+        crop_cache(cache, length)
+    stacked = torch.stack(teacher_logits, dim=1)
+    results = [
+        _assemble(
+            ref,
+            cfg,
+            tokens,
+            free[i],
+            forced[i],
+            sparse_nll[i],
+            stacked[i],
+            steps=steps[i],
+            centroid_bytes=centroid_bytes[i],
+            unique=unique[i],
+            audit=audits[i] if audits else None,
+            timings=(sparse_decode_s / len(refs), teacher_forced_s / len(refs)),
+            support_read=support_read[i],
+        )
+        for i, ref in enumerate(refs)
+    ]
+    return results[0] if one else results
 
 
 def _assemble(
@@ -525,163 +517,3 @@ def _check_batch(model: torch.nn.Module, prompts: object, where: str) -> list[to
     for p in prompts:
         check_prompt_ids(model, p, where)
     return list(prompts)
-
-
-def dense_references(
-    model: torch.nn.Module,
-    prompts: list[torch.Tensor],
-    *,
-    tokens: int = 128,
-    progress: Progress | None = None,
-) -> BatchReference:
-    """:func:`dense_reference` of several prompts at once: a left-padded batched prefill and batched greedy decoding.
-
-    Each prompt's tokens and NLL are those of its batch-1 reference (the batch rounds matrix products differently,
-    so NLLs agree to float32 round-off, not bit for bit). Each reference's timings are its share (the batch's wall
-    time over the batch size); the :class:`BatchReference` keeps the batch's.
-    """
-    check_model(model, "dense_references")
-    prompts = _check_batch(model, prompts, "dense_references")
-    _check_tokens(tokens)
-    for p in prompts:
-        check_positions(model, int(p.shape[1]), tokens, "dense_references")
-    ids, mask = batching.left_pad(prompts)
-    cache = DynamicCache(config=model.config)
-    steps: list[torch.Tensor] = []
-    with dense_attention(model):  # as in dense_reference
-        started = time.perf_counter()
-        logits = batching.prefill(model, ids, mask, cache, progress=progress)
-        prefill_s = time.perf_counter() - started
-        first = logits.argmax(dim=-1).tolist()
-        first_nll = (torch.logsumexp(logits, dim=-1) - logits.gather(1, torch.tensor(first)[:, None])[:, 0]).tolist()
-        started = time.perf_counter()
-        argmaxes, nll = batching.greedy_decode(
-            model,
-            cache,
-            mask,
-            first,
-            tokens - 1,
-            progress=progress,
-            stage="dense decode",
-            on_logits=lambda step, step_logits: steps.append(step_logits),
-        )
-        decode_s = time.perf_counter() - started
-    crop_cache(cache, ids.shape[1])
-    stacked = torch.stack(steps, dim=1) if steps else torch.zeros(len(prompts), 0, 0)
-    references = [
-        DenseReference(
-            p,
-            [first[i], *argmaxes[i]],
-            [first_nll[i], *nll[i]],
-            cache,
-            prefill_s / len(prompts),
-            decode_s / len(prompts),
-            stacked[i],
-        )
-        for i, p in enumerate(prompts)
-    ]
-    return BatchReference(references, cache, mask, prefill_s, decode_s)
-
-
-def compare_batch(
-    model: torch.nn.Module,
-    prompts: list[torch.Tensor] | torch.Tensor,
-    cfg: SparseConfig,
-    tokens: int = 128,
-    *,
-    reference: BatchReference | None = None,
-    progress: Progress | None = None,
-) -> list[CompareResult]:
-    """:func:`compare` of several prompts decoded together; one result per prompt, equal to its batch-1
-    :func:`compare` apart from timings and float32 round-off (the free-running and teacher-forced passes run as
-    left-padded batches; every sequence gets its own support, see :mod:`sparsedecode.batch`).
-
-    Timings are each sequence's share: the batch's wall time over the batch size.
-    """
-    check_model(model, "compare")
-    prompts = _check_batch(model, prompts, "compare")
-    check_config(cfg, "compare")
-    check_sparse_attention(model, "compare")
-    _check_tokens(tokens)
-    for p in prompts:
-        check_positions(model, int(p.shape[1]), tokens, "compare")
-    if reference is not None and not isinstance(reference, BatchReference):
-        raise SparseDecodeError(
-            f"compare: a batch's reference must be a BatchReference, got {type(reference).__name__}"
-        )
-    if reference is None:
-        reference = dense_references(model, prompts, tokens=tokens, progress=progress)
-    elif len(reference.references) != len(prompts) or not all(
-        r.prompt_ids.shape == p.shape and torch.equal(r.prompt_ids, p) for r, p in zip(reference.references, prompts)
-    ):
-        raise SparseDecodeError("the dense reference was computed for other prompts")
-    refs = reference.references
-    if tokens > min(len(r.tokens) for r in refs):
-        raise SparseDecodeError(
-            f"the dense reference has {min(len(r.tokens) for r in refs)} tokens; asked for {tokens}"
-        )
-    cache, mask, pads = reference.cache, reference.mask, reference.pads
-    length = mask.shape[1]
-    dense = [r.tokens[:tokens] for r in refs]
-    histories = [_h2o_history(model, r) for r in refs] if cfg.selector.uses_history else None
-    audits = [MassAudit(sequence=i) for i in range(len(refs))] if cfg.audit else None
-
-    crop_cache(cache, length)  # as in compare: the shared cache holds the prompts only, before and after
-    try:
-        started = time.perf_counter()
-        with sparse_decoding(model, cfg) as session:
-            if histories is not None:
-                session.adopt_batch_history(cache, histories, pads)
-            session.track_reads = True
-            session.observers.extend(audits or ())
-            free, _ = batching.greedy_decode(
-                model, cache, mask, [d[0] for d in dense], tokens - 1, progress=progress, stage="sparse decode"
-            )
-        sparse_decode_s = time.perf_counter() - started
-        unique = [session.unique_distant_positions(i) for i in range(len(refs))]
-        support_read = [session.support_read(i) for i in range(len(refs))]
-        centroid_bytes = [session.centroid_bytes(i) for i in range(len(refs))]
-        crop_cache(cache, length)
-
-        teacher_logits: list[torch.Tensor] = []
-        started = time.perf_counter()
-        with sparse_decoding(model, cfg) as teacher_session:
-            if histories is not None:
-                teacher_session.adopt_batch_history(cache, histories, pads)
-            forced, sparse_nll = batching.greedy_decode(
-                model,
-                cache,
-                mask,
-                [d[0] for d in dense],
-                tokens - 1,
-                teachers=dense,
-                progress=progress,
-                stage="teacher-forced",
-                on_logits=lambda step, logits: teacher_logits.append(logits),
-            )
-        teacher_forced_s = time.perf_counter() - started
-    finally:
-        crop_cache(cache, length)
-    stacked = torch.stack(teacher_logits, dim=1)
-    return [
-        _assemble(
-            ref,
-            cfg,
-            tokens,
-            free[i],
-            forced[i],
-            sparse_nll[i],
-            stacked[i],
-            steps=(
-                tuple(session.sequence_steps.get(i, [0, 0]))
-                if len(refs) > 1
-                else (session.sparse_steps, session.dense_steps)  # a batch of one runs the batch-1 path
-            ),
-            centroid_bytes=centroid_bytes[i],
-            unique=unique[i],
-            audit=audits[i] if audits else None,
-            timings=(sparse_decode_s / len(refs), teacher_forced_s / len(refs)),
-            support_read=support_read[i],
-        )
-        for i, ref in enumerate(refs)
-    ]

@@ -20,12 +20,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from . import batch as batching
 from .attention import dense_attention, prefill_history, sparse_decoding
 from .cache import GrowingCache, crop_rewinds, restore, snapshot
 from .config import SparseConfig
+from .decode import Progress, check_left_padded, decode_one_token, decode_tokens, left_pad, prefill
 from .errors import SparseDecodeError
-from .paired import Progress, crop_cache, greedy_decode, prefill
+from .paired import crop_cache
 from .validate import (
     check_config,
     check_count,
@@ -78,15 +78,10 @@ class Generation:
         return data
 
 
-def _step(model: torch.nn.Module, cache, token: int) -> torch.Tensor:
-    ids = torch.tensor([[token]], device=next(model.parameters()).device)
-    return model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1]
-
-
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
-    input_ids: torch.Tensor,
+    input_ids: torch.Tensor | list[torch.Tensor],
     cfg: SparseConfig | None,
     max_new_tokens: int,
     *,
@@ -98,36 +93,30 @@ def generate(
     attention_mask: torch.Tensor | None = None,
     eos_token_id: int | None = None,
 ) -> Generation | list[Generation]:
-    """Greedy generation of ``max_new_tokens`` tokens after ``input_ids`` ``(1, P)``; the prefill is dense.
+    """Greedy generation of ``max_new_tokens`` tokens after one prompt or several; the prefill is dense.
 
-    A batch (``input_ids`` ``(B, P)`` left-padded, with ``attention_mask``; or a list of ``(1, P_i)`` prompts)
-    goes to :func:`generate_batch` and gives one :class:`Generation` per sequence (``dense`` and ``sparse`` modes;
-    lossless runs batch 1 only).
+    One prompt (``(1, P)`` ids without a mask) gives one :class:`Generation`. Several (``(B, P)`` ids, left-padded
+    when ``attention_mask`` ``(B, P)`` says so; a list of ``(1, P_i)`` prompts, padded here; or one prompt with a
+    mask) give one per sequence, decoded together: each as it would be alone (its own support), a sequence that
+    emits ``eos_token_id`` stopping there while the others go on; timings are the batch's, the same in every result.
 
-    ``mode="lossless"`` drafts ``draft_tokens`` tokens with sparse attention (``cfg``) and verifies them with one
-    dense forward; ``adaptive=True`` doubles ``k`` after a fully accepted draft (up to ``max_draft_tokens``) and
-    halves it when fewer than half were accepted. ``"dense"`` and ``"sparse"`` decode one token per step. All
-    modes use an in-place :class:`~sparsedecode.cache.GrowingCache`. With ``eos_token_id``, generation ends once
-    that token is output (the tokens end with it), in every mode.
+    ``mode="lossless"`` (one prompt) drafts ``draft_tokens`` tokens with sparse attention (``cfg``) and verifies them
+    with one dense forward; ``adaptive=True`` doubles ``k`` after a fully accepted draft (up to
+    ``max_draft_tokens``) and halves it when fewer than half were accepted. ``"dense"`` and ``"sparse"`` decode one
+    token per step (:func:`~sparsedecode.decode.decode_tokens`). All modes use an in-place
+    :class:`~sparsedecode.cache.GrowingCache`. With ``eos_token_id``, generation ends once that token is output (the
+    tokens end with it), in every mode.
     """
     if mode not in MODES:
         raise SparseDecodeError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
-    batched = isinstance(input_ids, (list, tuple)) or (
-        isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[0] > 1
-    )
-    if batched or attention_mask is not None:
-        return generate_batch(
-            model,
-            input_ids,
-            cfg,
-            max_new_tokens,
-            mode=mode,
-            attention_mask=attention_mask,
-            eos_token_id=eos_token_id,
-            progress=progress,
-        )
     check_model(model, "generate")
-    check_prompt_ids(model, input_ids, "generate")
+    one = isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[0] == 1
+    if one and attention_mask is None:
+        check_prompt_ids(model, input_ids, "generate")
+        ids, mask = input_ids, None
+    else:
+        one = False
+        ids, mask = _batch_prompts(model, input_ids, attention_mask, mode)
     check_count(max_new_tokens, "max_new_tokens", 1)
     if mode != "dense" and cfg is None:
         raise SparseDecodeError(f"mode {mode} needs a SparseConfig")
@@ -135,6 +124,61 @@ def generate(
         check_sparse_attention(model, "generate")
     if cfg is not None:
         check_config(cfg, "generate")
+    if one:
+        _check_drafting(draft_tokens, adaptive, max_draft_tokens)
+    check_token_id(model, eos_token_id, "eos_token_id", "generate")
+    check_positions(model, int(ids.shape[1]), max_new_tokens, "generate")
+    lengths = [ids.shape[1]] if one else mask.sum(dim=1).tolist()
+    started = time.perf_counter()
+    with dense_attention(model):  # dense, and unseen by a session the caller has open on this model
+        cache, logits = prefill(model, ids, mask=mask, progress=progress, cache=GrowingCache(config=model.config))
+    histories = None
+    if mode != "dense" and cfg.selector.uses_history:
+        histories = [prefill_history(model, ids[i : i + 1, ids.shape[1] - n :]) for i, n in enumerate(lengths)]
+    prefill_s = time.perf_counter() - started
+    first = logits.argmax(dim=-1).tolist()
+    if mode == "lossless":
+        if first[0] == eos_token_id or max_new_tokens == 1:
+            return Generation(mode, first[:1], prefill_s, 0.0)
+        result = lossless_decode(
+            model,
+            cache,
+            int(ids.shape[1]),
+            first[0],
+            cfg,
+            max_new_tokens,
+            draft_tokens=draft_tokens,
+            adaptive=adaptive,
+            max_draft_tokens=max_draft_tokens,
+            progress=progress,
+            history=histories[0] if histories else None,
+            eos_token_id=eos_token_id,
+        )
+        result.prefill_s = prefill_s
+        return result
+    started = time.perf_counter()
+    # dense even inside a session the caller has open on this model
+    with dense_attention(model) if mode == "dense" else sparse_decoding(model, cfg) as session:
+        if histories is not None and one:
+            session.adopt_history(cache, histories[0])
+        elif histories is not None:
+            session.adopt_batch_history(cache, histories, [ids.shape[1] - n for n in lengths])
+        rest, _ = decode_tokens(
+            model,
+            cache,
+            first,
+            max_new_tokens - 1,
+            mask=mask,
+            stop=eos_token_id,
+            progress=progress,
+            stage=f"{mode} decode",
+        )
+    decode_s = time.perf_counter() - started
+    generations = [Generation(mode, [head, *tail], prefill_s, decode_s) for head, tail in zip(first, rest)]
+    return generations[0] if one else generations
+
+
+def _check_drafting(draft_tokens: int, adaptive: bool, max_draft_tokens: int) -> None:
     check_count(draft_tokens, "draft_tokens", 1)
     check_count(max_draft_tokens, "max_draft_tokens", 1)
     if not isinstance(adaptive, bool):
@@ -144,49 +188,6 @@ def generate(
             f"generate: max_draft_tokens ({max_draft_tokens}) is below draft_tokens ({draft_tokens}); the adaptive "
             "draft length grows from draft_tokens up to max_draft_tokens"
         )
-    check_token_id(model, eos_token_id, "eos_token_id", "generate")
-    check_positions(model, int(input_ids.shape[1]), max_new_tokens, "generate")
-    started = time.perf_counter()
-    with dense_attention(model):  # dense, and unseen by a session the caller has open on this model
-        cache, logits = prefill(model, input_ids, progress=progress, cache=GrowingCache(config=model.config))
-    history = prefill_history(model, input_ids) if mode != "dense" and cfg.selector.uses_history else None
-    prefill_s = time.perf_counter() - started
-    first = int(logits.argmax())
-    started = time.perf_counter()
-    steps = 0 if first == eos_token_id else max_new_tokens - 1
-    if mode == "dense":
-        with dense_attention(model):  # dense even inside a session the caller has open on this model
-            rest, _ = greedy_decode(
-                model, cache, first, steps, progress=progress, stage="dense decode", stop=eos_token_id
-            )
-        return Generation(mode, [first, *rest], prefill_s, time.perf_counter() - started)
-    if mode == "sparse":
-        with sparse_decoding(model, cfg) as session:
-            if history is not None:
-                session.adopt_history(cache, history)
-            rest, _ = greedy_decode(
-                model, cache, first, steps, progress=progress, stage="sparse decode", stop=eos_token_id
-            )
-        return Generation(mode, [first, *rest], prefill_s, time.perf_counter() - started)
-    if not steps:
-        return Generation(mode, [first], prefill_s, 0.0)
-
-    result = lossless_decode(
-        model,
-        cache,
-        int(input_ids.shape[1]),
-        first,
-        cfg,
-        max_new_tokens,
-        draft_tokens=draft_tokens,
-        adaptive=adaptive,
-        max_draft_tokens=max_draft_tokens,
-        progress=progress,
-        history=history,
-        eos_token_id=eos_token_id,
-    )
-    result.prefill_s = prefill_s
-    return result
 
 
 @torch.no_grad()
@@ -224,7 +225,7 @@ def lossless_decode(
             start = snapshot(cache)  # the round's start (copies only the layers crop cannot take back)
             drafts, token = [], result.tokens[-1]
             for _ in range(k_now):
-                token = int(_step(model, cache, token).argmax())
+                token = int(decode_one_token(model, cache, torch.tensor([token], device=device))[0].argmax())
                 drafts.append(token)
             restore(cache, start)
             result.draft_s += time.perf_counter() - begun
@@ -316,35 +317,15 @@ def _dense_margin(model: torch.nn.Module, input_ids: torch.Tensor, tokens: list[
     """Dense top-1 minus top-2 logit when predicting ``tokens[position - 1]`` by one-token steps."""
     with dense_attention(model):
         cache, logits = prefill(model, input_ids, cache=GrowingCache(config=model.config))
+        device = next(model.parameters()).device
         for token in tokens[: position - 1]:
-            logits = _step(model, cache, token)
-    top = logits.float().topk(2).values
+            logits = decode_one_token(model, cache, torch.tensor([token], device=device))
+    top = logits[0].topk(2).values
     return float(top[0] - top[1])
 
 
-@torch.no_grad()
-def generate_batch(
-    model: torch.nn.Module,
-    prompts: torch.Tensor | list[torch.Tensor],
-    cfg: SparseConfig | None,
-    max_new_tokens: int,
-    *,
-    mode: str = "sparse",
-    attention_mask: torch.Tensor | None = None,
-    eos_token_id: int | None = None,
-    progress: Progress | None = None,
-) -> list[Generation]:
-    """Greedy generation for a batch of prompts decoded together; one :class:`Generation` per sequence.
-
-    ``prompts`` is ``(B, P)`` ids, left-padded when ``attention_mask`` ``(B, P)`` says so, or a list of ``(1, P_i)``
-    prompts (padded here). Each sequence is decoded as it would be alone (its own support, see
-    :mod:`sparsedecode.batch`). A sequence that emits ``eos_token_id`` stops there (its tokens end with it) while
-    the others go on; the batch stops when all have. Timings are the batch's, the same in every result.
-    Lossless decoding with batches (per-sequence acceptance and rollback) is not implemented: it raises.
-    """
-    if mode not in MODES:
-        raise SparseDecodeError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
-    check_model(model, "generate")
+def _batch_prompts(model, prompts, attention_mask, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ids, mask`` ``(B, P)`` of several prompts (a list, padded here; or ids with their left-padded mask)."""
     if isinstance(prompts, (list, tuple)):
         if attention_mask is not None:
             raise SparseDecodeError(
@@ -352,7 +333,7 @@ def generate_batch(
             )
         for p in prompts:
             check_prompt_ids(model, p, "generate")
-        ids, mask = batching.left_pad(prompts)
+        ids, mask = left_pad(prompts)
     else:
         if not isinstance(prompts, torch.Tensor) or prompts.dim() != 2:
             raise SparseDecodeError("generate: a batch is (batch, length) ids with an attention_mask, or a list")
@@ -360,7 +341,7 @@ def generate_batch(
             check_prompt_ids(model, prompts[i : i + 1], "generate")
         ids = prompts
         if attention_mask is not None:
-            batching.check_left_padded(attention_mask)
+            check_left_padded(attention_mask)
         mask = torch.ones_like(prompts) if attention_mask is None else attention_mask.to(prompts.device)
         if mask.shape != ids.shape:
             raise SparseDecodeError(
@@ -376,39 +357,4 @@ def generate_batch(
             "lossless generation runs one sequence at a time (per-sequence acceptance and rollback are not "
             "implemented for batches): pass a (1, length) prompt, or use mode='sparse' or 'dense'"
         )
-    check_count(max_new_tokens, "max_new_tokens", 1)
-    if mode != "dense" and cfg is None:
-        raise SparseDecodeError(f"mode {mode} needs a SparseConfig")
-    if mode != "dense":
-        check_sparse_attention(model, "generate")
-    if cfg is not None:
-        check_config(cfg, "generate")
-    check_token_id(model, eos_token_id, "eos_token_id", "generate")
-    check_positions(model, int(ids.shape[1]), max_new_tokens, "generate")
-    lengths = mask.sum(dim=1).tolist()
-    started = time.perf_counter()
-    cache = GrowingCache(config=model.config)
-    with dense_attention(model):  # as for one prompt
-        logits = batching.prefill(model, ids, mask, cache, progress=progress)
-    histories = None
-    if mode == "sparse" and cfg.selector.uses_history:
-        histories = [prefill_history(model, ids[i : i + 1, ids.shape[1] - n :]) for i, n in enumerate(lengths)]
-    prefill_s = time.perf_counter() - started
-    first = logits.argmax(dim=-1).tolist()
-    started = time.perf_counter()
-    context = dense_attention(model) if mode == "dense" else sparse_decoding(model, cfg)
-    with context as session:
-        if histories is not None:
-            session.adopt_batch_history(cache, histories, [ids.shape[1] - n for n in lengths])
-        rest, _ = batching.greedy_decode(
-            model,
-            cache,
-            mask,
-            first,
-            max_new_tokens - 1,
-            progress=progress,
-            stage=f"{mode} decode",
-            eos_token_id=eos_token_id,
-        )
-    decode_s = time.perf_counter() - started
-    return [Generation(mode, [head, *tail], prefill_s, decode_s) for head, tail in zip(first, rest)]
+    return ids, mask

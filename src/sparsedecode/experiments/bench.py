@@ -31,15 +31,15 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import LayerState, SparseSession, attend_positions, attend_support, sparse_decode_step, sparse_decoding
-from ..batch import greedy_decode as batched_greedy
 from ..cache import GrowingCache, crop_rewinds, growing_copy
 from ..centroids import BlockCentroids
 from ..config import SparseConfig
+from ..decode import Progress, decode_tokens, prefill
 from ..errors import SparseDecodeError
 from ..kernels import cpu as cpu_kernel
 from ..kernels import triton_attention
 from ..layout import BlockLayout
-from ..paired import Progress, crop_cache, greedy_decode, prefill
+from ..paired import crop_cache
 from ..selectors import resolve_selector, select_blocks, select_positions
 from ..speculative import lossless_decode
 
@@ -529,7 +529,7 @@ def bench_e2e(
 
     def timed(cache, stage: str) -> tuple[float, list[int]]:
         begun = time.perf_counter()
-        out, _ = greedy_decode(model, cache, first, tokens, progress=progress, stage=stage)
+        (out,), _ = decode_tokens(model, cache, [first], tokens, progress=progress, stage=stage)
         elapsed = time.perf_counter() - begun
         crop_cache(cache, context)
         return elapsed, out
@@ -762,7 +762,9 @@ def bench_e2e_batch(
         outs = []
         for i, cache in enumerate(caches):
             with context_for(mode):
-                out, _ = greedy_decode(model, cache, firsts[i], tokens, progress=progress, stage=f"{mode[0]} alone")
+                (out,), _ = decode_tokens(
+                    model, cache, [firsts[i]], tokens, progress=progress, stage=f"{mode[0]} alone"
+                )
             crop_cache(cache, context)
             outs.append(out)
         alone[mode] = outs
@@ -780,13 +782,10 @@ def bench_e2e_batch(
                 stage = f"batch {b}, {mode[0]}" + (f" S={mode[1]}" if mode[1] else "") + f" ({repeat + 1}/{repeats})"
                 begun = time.perf_counter()
                 with context_for(mode):
-                    if b == 1:
-                        out, _ = greedy_decode(model, stacked, firsts[0], tokens, progress=progress, stage=stage)
-                        outs = [out]
-                    else:
-                        outs, _ = batched_greedy(
-                            model, stacked, mask, firsts[:b], tokens, progress=progress, stage=stage
-                        )
+                    padded = None if b == 1 else mask  # batch 1 runs as one prompt does
+                    outs, _ = decode_tokens(
+                        model, stacked, firsts[:b], tokens, mask=padded, progress=progress, stage=stage
+                    )
                 times[mode].append(time.perf_counter() - begun)
                 crop_cache(stacked, context)
                 outputs[mode] = outs

@@ -36,9 +36,10 @@ import torch
 
 from ..attention import prefill_history, sparse_decoding
 from ..config import SparseConfig
+from ..decode import Progress, decode_tokens, prefill
 from ..errors import SparseDecodeError
 from ..files import write_json_atomic
-from ..paired import Progress, crop_cache, prefill
+from ..paired import crop_cache
 from .environment import environment
 from .eval_spec import DENSE, KEY_FIELDS, EvalSpec, Group, RunKey
 from .ruler import GENERATOR_VERSION, Sample, build_sample, score
@@ -111,28 +112,17 @@ def answer(model, tokenizer, sample: Sample, cache, cfg: SparseConfig | None, *,
     attention history of that prefill (:func:`~sparsedecode.attention.prefill_history`), which a selector with
     ``uses_history`` (H2O) needs.
     """
-    device = next(model.parameters()).device
-
-    def step(token: int) -> torch.Tensor:
-        ids = torch.tensor([[token]], device=device)
-        return model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1]
-
+    question = list(sample.ids[sample.question_start :])
     started = time.perf_counter()
-    generated: list[int] = []
-    reason = "length"
     with sparse_decoding(model, cfg) if cfg is not None else contextlib.nullcontext() as session:
         if cfg is not None and cfg.selector.uses_history:
             session.adopt_history(cache, history)
-        for token in sample.ids[sample.question_start :]:
-            logits = step(token)
-        while len(generated) < sample.max_new_tokens:
-            token = int(logits.argmax())
-            if token in stop:
-                reason = "eos"
-                break
-            generated.append(token)
-            if len(generated) < sample.max_new_tokens:
-                logits = step(token)
+        steps = len(question) - 1 + sample.max_new_tokens  # feed the question, then decode the answer
+        (out,), _ = decode_tokens(model, cache, question[:1], steps, teacher=[question], stop=stop)
+    generated = out[len(question) - 1 :]
+    reason = "eos" if generated and generated[-1] in stop else "length"
+    if reason == "eos":
+        generated = generated[:-1]
     decode_s = time.perf_counter() - started
     crop_cache(cache, sample.question_start)
     output = tokenizer.decode(generated, skip_special_tokens=True)

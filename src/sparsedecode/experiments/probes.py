@@ -16,8 +16,9 @@ import torch
 
 from ..attention import prefill_history, sparse_decoding
 from ..config import SparseConfig
+from ..decode import Progress, decode_tokens, prefill
 from ..diagnostics import MassAudit, summarize_audit
-from ..paired import Progress, crop_cache, greedy_decode, prefill
+from ..paired import crop_cache
 
 
 @dataclass
@@ -61,7 +62,7 @@ def mass_probe(
         if history is not None:
             session.adopt_history(cache, history)
         session.observers.append(audit)
-        generated, _ = greedy_decode(model, cache, first, tokens - 1, progress=progress, stage="audited decode")
+        (generated,), _ = decode_tokens(model, cache, [first], tokens - 1, progress=progress, stage="audited decode")
     crop_cache(cache, prompt_ids.shape[1])
     arrays = audit.arrays()
     return MassProbe(

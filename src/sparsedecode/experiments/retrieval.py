@@ -31,9 +31,10 @@ import torch
 
 from ..attention import StepView, prefill_history, sparse_decoding
 from ..config import SparseConfig
+from ..decode import Progress, decode_tokens, prefill
 from ..diagnostics import MassAudit, summarize_audit
 from ..errors import SparseDecodeError
-from ..paired import Progress, crop_cache, prefill
+from ..paired import crop_cache
 from .corpus import FILLER, corpus_ids
 from .specs import RetrievalSpec
 
@@ -162,7 +163,6 @@ def answer(
     ``cache`` holds exactly ``prompt.ids[:, :question_start]`` (it is cropped back afterwards); ``history`` is H2O's
     history of that prefill (:func:`~sparsedecode.attention.prefill_history`), needed by ``h2o``.
     """
-    device = next(model.parameters()).device
     audit = MassAudit()
     needle = NeedleReads(prompt.needle_start, prompt.needle_end)
     question = prompt.ids[0, prompt.question_start :].tolist()
@@ -172,15 +172,9 @@ def answer(
             session.observers.extend([audit, needle])
             if cfg.selector.uses_history:  # H2O keeps the attention history of the prefill
                 session.adopt_history(cache, history or prefill_history(model, prompt.ids[:, : prompt.question_start]))
-        logits = None
-        for token in question:
-            logits = model(input_ids=torch.tensor([[token]], device=device), cache=cache, use_cache=True).logits
-        generated = []
-        for step in range(answer_tokens):
-            token = int(logits[0, -1].argmax())
-            generated.append(token)
-            if step + 1 < answer_tokens:
-                logits = model(input_ids=torch.tensor([[token]], device=device), cache=cache, use_cache=True).logits
+        steps = len(question) - 1 + answer_tokens  # feed the question, then decode the answer
+        (out,), _ = decode_tokens(model, cache, question[:1], steps, teacher=[question])
+        generated = out[len(question) - 1 :]
     decode_s = time.perf_counter() - started
     crop_cache(cache, prompt.question_start)
     text = tokenizer.decode(generated)

@@ -27,8 +27,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..config import SparseConfig
+from ..decode import Progress
 from ..errors import SparseDecodeError
-from ..paired import Progress, compare, compare_batch, dense_reference, dense_references, upgrade_row
+from ..paired import compare, dense_reference, upgrade_row
 from ..selectors import resolve_selector
 from .bench import bench_op
 from .corpus import prompt_ids
@@ -79,7 +80,7 @@ class SelectorRow:
 class PromptUnit:
     """Every selector at every support on prompts ``indices`` of one context, each paired with its own dense
     reference (a :class:`~.work.Unit`; ``ids`` are the prompts, cut by the caller). ``batched``: decoded together
-    (:func:`~sparsedecode.paired.compare_batch`), as ``compare_selectors(batch > 1)`` does."""
+    (:func:`~sparsedecode.paired.compare` of several prompts), as ``compare_selectors(batch > 1)`` does."""
 
     context: int
     indices: list[int]
@@ -97,7 +98,7 @@ class PromptUnit:
 
     def run(self, model, tokenizer, *, progress: Progress | None = None, on_row=None) -> list[dict]:
         if self.batched:
-            reference = dense_references(model, self.ids, tokens=self.tokens, progress=progress)
+            reference = dense_reference(model, self.ids, tokens=self.tokens, progress=progress)
         else:
             reference = dense_reference(model, self.ids[0], tokens=self.tokens, progress=progress)
         runs = []
@@ -105,7 +106,7 @@ class PromptUnit:
             for support in self.supports:
                 cfg = SparseConfig(support=support, selector=selector, audit=self.audit)
                 if self.batched:
-                    results = compare_batch(model, self.ids, cfg, self.tokens, reference=reference, progress=progress)
+                    results = compare(model, None, self.ids, cfg, self.tokens, reference=reference, progress=progress)
                 else:
                     results = [
                         compare(model, tokenizer, self.ids[0], cfg, self.tokens, reference=reference, progress=progress)

@@ -44,9 +44,7 @@ from ..paired import (
     CompareResult,
     Progress,
     compare,
-    compare_batch,
     dense_reference,
-    dense_references,
     upgrade_row,
 )
 from .corpus import check_context_fits, load_text, prompt_count, prompt_ids
@@ -421,7 +419,7 @@ def run_sweep(
 
     ``loaded`` is an already loaded ``(model, tokenizer)`` for ``spec.model`` (otherwise it is loaded here).
     ``on_start(done, total)`` is called once the work is known, before the first run. ``batch > 1`` decodes up to
-    ``batch`` prompts of one context together (:func:`~sparsedecode.paired.compare_batch`): the same rows apart
+    ``batch`` prompts of one context together (:func:`~sparsedecode.paired.compare` of a batch): the same rows apart
     from timing fields (each row's timings are its share, the batch's wall time over the batch size) and float32
     round-off in the perplexities and margins; the session record in ``sweep.json`` notes the batch size. With
     ``execute`` the pending groups run as units elsewhere (:class:`GroupUnit`, see :mod:`.work`) and only this process
@@ -525,7 +523,7 @@ def _run_batched(spec, directory, groups, done, rows, outcome, configs, model, t
     chunks = [same[i : i + batch] for same in by_context.values() for i in range(0, len(same), batch)]
     for chunk in chunks:
         ids = [prompt_ids(tokenizer, spec.corpus, context, index, spec.tokens, spec.gap) for context, index in chunk]
-        reference = dense_references(model, ids, tokens=spec.tokens, progress=progress)
+        reference = dense_reference(model, ids, tokens=spec.tokens, progress=progress)
         for group, ref in zip(chunk, reference.references):
             _check_reference(
                 directory, group, ref.tokens, [r for r in rows if (r["context"], r["prompt_index"]) == group]
@@ -535,7 +533,7 @@ def _run_batched(spec, directory, groups, done, rows, outcome, configs, model, t
             if all(key in done for _, key in wanted):
                 continue
             started = time.perf_counter()
-            results = compare_batch(model, ids, cfg, spec.tokens, reference=reference, progress=progress)
+            results = compare(model, None, ids, cfg, spec.tokens, reference=reference, progress=progress)
             share = (time.perf_counter() - started) / len(chunk)
             for (_, key), result in zip(wanted, results):
                 if key in done:
