@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 import sparsedecode.attention as attention
 from sparsedecode import SparseConfig, select_support, sparse_decoding
-from sparsedecode.paired import crop_cache
+from sparsedecode.cache import crop_cache
 
 
 def greedy_loop(model, ids, steps, cache=None):

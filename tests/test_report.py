@@ -266,7 +266,7 @@ def test_report_cli_errors_are_one_line(tmp_path, capsys):
 
 
 def test_rows_audited_under_the_per_head_normaliser_are_kept_apart():
-    from sparsedecode.paired import upgrade_audit_fields, upgrade_row
+    from sparsedecode.results import upgrade_audit_fields, upgrade_row
 
     old = {"selector_recall_mean": 0.5, "captured_mass_ratio_mean": 0.7, "first_divergence_convention": 2}
     new = upgrade_row(old)

@@ -9,6 +9,7 @@ from conftest import char_tokenizer, tiny_model
 
 from sparsedecode import SparseConfig, SparseDecodeError
 from sparsedecode.cli import main
+from sparsedecode.decode import prefill
 from sparsedecode.experiments.retrieval import (
     NEEDLE,
     QUESTION,
@@ -20,7 +21,6 @@ from sparsedecode.experiments.retrieval import (
     passkey,
     run_retrieval,
 )
-from sparsedecode.paired import prefill
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,9 @@ from transformers import DynamicCache
 from sparsedecode import SparseConfig, compare, generate
 from sparsedecode.cache import checkpoint, crop_rewinds, rewind
 from sparsedecode.cli import main
+from sparsedecode.decode import prefill
 from sparsedecode.errors import SparseDecodeError
 from sparsedecode.experiments.bench import bench_e2e, bench_e2e_batch
-from sparsedecode.paired import prefill
 from sparsedecode.speculative import compare_lossless
 
 HYBRIDS = {

@@ -16,8 +16,8 @@ from test_attention import Oracle
 from transformers import DynamicCache
 
 from sparsedecode import SparseConfig, SparseDecodeError, compare, sparse_decoding
-from sparsedecode.cache import GrowingCache
-from sparsedecode.paired import crop_cache, dense_reference
+from sparsedecode.cache import GrowingCache, crop_cache
+from sparsedecode.paired import dense_reference
 
 VOCAB = 96
 

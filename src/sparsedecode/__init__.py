@@ -14,15 +14,16 @@ if _typing.TYPE_CHECKING:
     from .config import SparseConfig
     from .errors import SparseDecodeError
     from .models import DEFAULT_MODEL, list_models, load_model, load_tokenizer
-    from .paired import CompareResult, DenseReference, compare, dense_reference
+    from .paired import compare, dense_reference
+    from .results import CompareResult, DenseReference
     from .selectors import BlockSelector, TokenSelector, register_selector, select_support
     from .speculative import generate
 
 _EXPORTS = {
     "BlockSelector": "selectors",
     "DEFAULT_MODEL": "models",
-    "CompareResult": "paired",
-    "DenseReference": "paired",
+    "CompareResult": "results",
+    "DenseReference": "results",
     "SparseConfig": "config",
     "SparseDecodeError": "errors",
     "SparseSession": "attention",

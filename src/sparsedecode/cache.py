@@ -151,3 +151,9 @@ def rewind(cache, length: int) -> None:
             "(sliding windows past their window, convolution or recurrent states) and no checkpoint was taken there"
         )
     restore(cache, saved)
+
+
+def crop_cache(cache: DynamicCache, length: int) -> None:
+    """Drop cached positions past ``length`` (:func:`rewind`: crops, and restores the layers crop cannot
+    rewind from the checkpoint :func:`~sparsedecode.decode.prefill` took)."""
+    rewind(cache, length)

@@ -46,10 +46,10 @@ import sys
 import torch
 
 from .attention import sparse_decoding
+from .cache import crop_cache
 from .config import SparseConfig
 from .decode import decode_tokens, prefill
 from .errors import SparseDecodeError
-from .paired import crop_cache
 
 try:
     from lm_eval.models.huggingface import HFLM

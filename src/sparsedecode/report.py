@@ -699,7 +699,7 @@ def read_retrieval(path: Path) -> dict:
         )
     if not all(isinstance(trial, dict) for trial in data["trials"]):
         raise SparseDecodeError(f"{path} holds a trial that is not a JSON object; rerun `sparsedecode retrieval`")
-    from .paired import upgrade_audit_fields
+    from .results import upgrade_audit_fields
 
     return {**data, "trials": [upgrade_audit_fields(trial) for trial in data["trials"]]}
 

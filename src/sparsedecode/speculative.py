@@ -21,11 +21,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .attention import dense_attention, prefill_history, sparse_decoding
-from .cache import GrowingCache, crop_rewinds, restore, snapshot
+from .cache import GrowingCache, crop_cache, crop_rewinds, restore, snapshot
 from .config import SparseConfig
 from .decode import Progress, check_left_padded, decode_one_token, decode_tokens, left_pad, prefill
 from .errors import SparseDecodeError
-from .paired import crop_cache
 from .validate import (
     check_config,
     check_count,

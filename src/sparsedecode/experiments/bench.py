@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import LayerState, SparseSession, attend_positions, attend_support, sparse_decode_step, sparse_decoding
-from ..cache import GrowingCache, crop_rewinds, growing_copy
+from ..cache import GrowingCache, crop_cache, crop_rewinds, growing_copy
 from ..centroids import BlockCentroids
 from ..config import SparseConfig
 from ..decode import Progress, decode_tokens, prefill
@@ -39,7 +39,6 @@ from ..errors import SparseDecodeError
 from ..kernels import cpu as cpu_kernel
 from ..kernels import triton_attention
 from ..layout import BlockLayout
-from ..paired import crop_cache
 from ..selectors import resolve_selector, select_blocks, select_positions
 from ..speculative import lossless_decode
 

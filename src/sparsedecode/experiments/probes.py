@@ -15,10 +15,10 @@ import numpy as np
 import torch
 
 from ..attention import prefill_history, sparse_decoding
+from ..cache import crop_cache
 from ..config import SparseConfig
 from ..decode import Progress, decode_tokens, prefill
 from ..diagnostics import MassAudit, summarize_audit
-from ..paired import crop_cache
 
 
 @dataclass

@@ -30,11 +30,11 @@ import numpy as np
 import torch
 
 from ..attention import StepView, prefill_history, sparse_decoding
+from ..cache import crop_cache
 from ..config import SparseConfig
 from ..decode import Progress, decode_tokens, prefill
 from ..diagnostics import MassAudit, summarize_audit
 from ..errors import SparseDecodeError
-from ..paired import crop_cache
 from .corpus import FILLER, corpus_ids
 from .specs import RetrievalSpec
 

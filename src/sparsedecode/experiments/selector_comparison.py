@@ -29,7 +29,8 @@ import torch
 from ..config import SparseConfig
 from ..decode import Progress
 from ..errors import SparseDecodeError
-from ..paired import compare, dense_reference, upgrade_row
+from ..paired import compare, dense_reference
+from ..results import upgrade_row
 from ..selectors import resolve_selector
 from .bench import bench_op
 from .corpus import prompt_ids

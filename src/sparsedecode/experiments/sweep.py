@@ -37,16 +37,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..decode import Progress
 from ..errors import SparseDecodeError, naming
 from ..files import write_json_atomic, write_text_atomic
-from ..paired import (
-    FIRST_DIVERGENCE_CONVENTION,
-    CompareResult,
-    Progress,
-    compare,
-    dense_reference,
-    upgrade_row,
-)
+from ..paired import compare, dense_reference
+from ..results import FIRST_DIVERGENCE_CONVENTION, CompareResult, upgrade_row
 from .corpus import check_context_fits, load_text, prompt_count, prompt_ids
 from .environment import environment
 from .specs import KEY_FIELDS, Group, RunKey, Spec, SweepSpec, check_selector_files, selector_files

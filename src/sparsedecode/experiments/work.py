@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from ..paired import Progress
+    from ..decode import Progress
 
 RowCallback = Callable[[dict], None]
 
