@@ -14,7 +14,7 @@ from conftest import logits_tolerance, prompt, tiny_model
 import sparsedecode.attention as attention
 from sparsedecode import SparseConfig, SparseDecodeError, sparse_decoding
 from sparsedecode.centroids import BlockCentroids
-from sparsedecode.kernels import cpu
+from sparsedecode.kernels import cpu, cpu_batch
 from sparsedecode.layout import BlockLayout
 
 LENGTHS = (300, 150, 60, 233)  # differing by more than a block; one below the support, growing past it
@@ -82,7 +82,7 @@ def test_batch_call_equals_single_calls_sequence_by_sequence(case, threads):
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        cpu.sparse_step_batch(q, keys, values, out, rows, 64, 16, d**-0.5)
+        cpu_batch.sparse_step_batch(q, keys, values, out, rows, 64, 16, d**-0.5)
     finally:
         torch.set_num_threads(previous)
     assert torch.equal(out[0], torch.full((query_heads, d), 123.0))  # a row not named is not written
@@ -114,8 +114,8 @@ def test_batch_call_refuses_a_non_finite_score_of_a_row_that_selects(where, bad)
         return out
 
     with pytest.raises(SparseDecodeError, match="scores hold NaN or infinite"):
-        cpu.sparse_step_batch(q, keys, values, torch.empty(2, 4, d), rows(True), 64, 16, d**-0.5)
-    cpu.sparse_step_batch(q, keys, values, torch.empty(2, 4, d), rows(False), 64, 16, d**-0.5)
+        cpu_batch.sparse_step_batch(q, keys, values, torch.empty(2, 4, d), rows(True), 64, 16, d**-0.5)
+    cpu_batch.sparse_step_batch(q, keys, values, torch.empty(2, 4, d), rows(False), 64, 16, d**-0.5)
 
 
 def test_batch_call_refuses_rows_it_cannot_read():
@@ -127,7 +127,7 @@ def test_batch_call_refuses_rows_it_cannot_read():
     blocks = torch.zeros(2, 2, dtype=torch.int64)
 
     def call(row, k=keys, query=q):
-        cpu.sparse_step_batch(query, k, k, out, [row], 64, 16, 0.25)
+        cpu_batch.sparse_step_batch(query, k, k, out, [row], 64, 16, 0.25)
 
     call((0, 50, 250, cache.storage(), blocks, True))  # fits
     with pytest.raises(SparseDecodeError, match="positions"):
@@ -172,7 +172,7 @@ class Calls:
 
     def __init__(self, monkeypatch):
         self.batched, self.blocks = 0, []
-        run_step_batch, run_attention, run_step = cpu.run_step_batch, cpu.run_attention, cpu.run_step
+        run_step_batch, run_attention, run_step = cpu_batch.run_step_batch, cpu.run_attention, cpu.run_step
 
         def batched(q, keys, values, out, rows, *args):
             self.batched += 1
@@ -188,7 +188,7 @@ class Calls:
             self.blocks.append(blocks.clone())
             return out, blocks
 
-        monkeypatch.setattr(cpu, "run_step_batch", batched)
+        monkeypatch.setattr(cpu_batch, "run_step_batch", batched)
         monkeypatch.setattr(cpu, "run_attention", single)
         monkeypatch.setattr(cpu, "run_step", whole_step)
 

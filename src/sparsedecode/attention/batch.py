@@ -62,6 +62,26 @@ def _extents(session, attention_mask, key, q_len, kwargs) -> tuple[int, tuple[in
     return found
 
 
+def _rows_after_dense_forward(rows, pads, query, key, n, keep, scale, h2o) -> None:
+    """Each row's bookkeeping after a multi-token dense forward of the batch: what survives, H2O's history."""
+    q_len = query.shape[2]
+    start = n - q_len
+    for i, (row, pad) in enumerate(zip(rows, pads)):
+        row_start = max(start - pad, 0)
+        row_q = n - pad - row_start
+        if row_q <= 0:
+            row.forget()
+            continue
+        row.unchanged = max(keep - pad, 0)
+        row.begin(row_start, row_q)
+        keys_i = key[i : i + 1, :, pad:]
+        if h2o:
+            q_i = query[i, :, q_len - row_q :]
+            received = functools.partial(causal_attention_received, q_i, keys_i[0, :, : n - pad], row_start, scale)
+            _remember_attention(row, keys_i, n - pad, received)
+        row.end_row(n - pad)
+
+
 def _batch_forward(session, state, module, query, key, value, attention_mask, dropout, scaling, kwargs):
     """A forward of a batch: each sequence is handled as it would be alone, in its own coordinates.
 
@@ -89,24 +109,7 @@ def _batch_forward(session, state, module, query, key, value, attention_mask, dr
 
     if q_len != 1:
         out = dense_all()
-        for i, (row, pad) in enumerate(zip(rows, pads)):
-            row_start = max(start - pad, 0)
-            row_q = n - pad - row_start
-            if row_q <= 0:
-                row.forget()
-                continue
-            row.unchanged = max(keep - pad, 0)
-            row.begin(row_start, row_q)
-            keys_i = key[i : i + 1, :, pad:]
-            if h2o:
-                q_i = query[i, :, q_len - row_q :]
-                _remember_attention(
-                    row,
-                    keys_i,
-                    n - pad,
-                    functools.partial(causal_attention_received, q_i, keys_i[0, :, : n - pad], row_start, scale),
-                )
-            row.end_row(n - pad)
+        _rows_after_dense_forward(rows, pads, query, key, n, keep, scale, h2o)
         state.end(key, n)
         return out, None
     lengths = [n - pad for pad in pads]
@@ -202,7 +205,7 @@ def _sparse_rows_in_one_call(session, sparse, query, key, value, out, scale) -> 
         row.step += 1
     if not q.is_contiguous():
         q = q.contiguous()
-    kernels.cpu.run_step_batch(q, key, value, out.view(q.shape), calls, window, block, scale)
+    kernels.cpu_batch.run_step_batch(q, key, value, out.view(q.shape), calls, window, block, scale)
     for i, row, _pad, m in sparse:
         if session.track_reads:
             index, valid = support_positions(row.blocks, BlockLayout(n=m, window=window, block_size=block))

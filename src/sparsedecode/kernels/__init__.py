@@ -5,7 +5,7 @@ This package depends on :mod:`sparsedecode.layout` (where the support lies) and 
 only, never on the selectors or the attention step, which call into it.
 """
 
-from . import cpu, triton_attention
+from . import cpu, cpu_batch, triton_attention
 from .common import check_inputs
 from .dispatch import attend, attention_kernel, refusals, select_mean_pooled, selection_kernel
 
@@ -14,6 +14,7 @@ __all__ = [
     "attention_kernel",
     "check_inputs",
     "cpu",
+    "cpu_batch",
     "refusals",
     "select_mean_pooled",
     "selection_kernel",

@@ -30,7 +30,7 @@ first (:func:`refusal`, :func:`sparsedecode.kernels.check_inputs` and the entry 
 Batches: these kernels serve one sequence per launch. A batch on CUDA is served sequence by sequence (the
 per-sequence loop of :mod:`sparsedecode.attention`, each sequence on its own slice of the cache: its own
 launches per sparse sequence and layer); only the C kernel has a batched entry point
-(:func:`sparsedecode.kernels.cpu.sparse_step_batch`). A batched launch (a grid over sequences x KV heads x
+(:func:`sparsedecode.kernels.cpu_batch.sparse_step_batch`). A batched launch (a grid over sequences x KV heads x
 splits, per-sequence lengths and centroid pointers) is not written yet.
 """
 
