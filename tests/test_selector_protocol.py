@@ -446,3 +446,20 @@ def test_a_file_selector_runs_through_every_command(user_file, tiny_model_dir, t
         "run", *common, "--context", "200", "--support", "97", "--tokens", "4", "--selector", f"{user_file}:WrongShape"
     )
     assert done.returncode == 2 and "WrongShape" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_lm_eval_model_takes_every_form_of_selector(user_file):
+    pytest.importorskip("lm_eval")
+    from lm_eval.utils import simple_parse_args_string
+
+    from sparsedecode.lm_eval_model import sparse_settings
+
+    for argument, spec in [
+        ("selector=quest", "quest"),
+        ("selector=top-p:p=0.8", "top-p:p=0.8"),
+        (f"selector={user_file}:MaxKeyBlocks:temperature=2", f"{user_file}:MaxKeyBlocks:temperature=2.0"),
+    ]:
+        cfg, _ = sparse_settings(**simple_parse_args_string(f"pretrained=x,support=97,{argument}"))
+        assert cfg.selector_name == spec
+    with pytest.raises(SparseDecodeError, match="has no parameter 'q'"):
+        sparse_settings(**simple_parse_args_string("pretrained=x,support=97,selector=top-p:q=1"))
