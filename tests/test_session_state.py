@@ -146,7 +146,7 @@ def long_lived_and_fresh_cases(model, cfg: SparseConfig, cases: dict, **warm) ->
     oracle = None
     with torch.no_grad():
         with sparse_decoding(model, cfg) as session:
-            if cfg.selector != "h2o":
+            if not cfg.selector.uses_history:
                 oracle = Oracle(cfg)
                 session.observers.append(oracle)
             warm_up(model, **warm)

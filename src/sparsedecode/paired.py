@@ -35,8 +35,10 @@ from .validate import check_config, check_model, check_positions, check_prompt_i
 def _prompts(model: torch.nn.Module, prompts: object, where: str) -> tuple[list[torch.Tensor], bool]:
     """The prompts of a call as ``(1, P_i)`` tensors, and whether it was one prompt (a ``(1, P)`` tensor) rather than
     several (a list, or ``(B, P)`` ids with ``B > 1``)."""
-    one = isinstance(prompts, torch.Tensor) and prompts.dim() == 2 and prompts.shape[0] == 1
-    if one:
+    one = not isinstance(prompts, (list, tuple)) and not (
+        isinstance(prompts, torch.Tensor) and prompts.dim() == 2 and prompts.shape[0] > 1
+    )
+    if one:  # anything but a list or (B, P) ids is checked as one prompt (and refused as such)
         check_prompt_ids(model, prompts, where)
         return [prompts], True
     return _check_batch(model, prompts, where), False
@@ -217,13 +219,13 @@ def _free_run(model, cfg, cache, mask, dense, adopt, session_hook, progress, seq
         first = [d[0] for d in dense]
         free, _ = decode_tokens(model, cache, first, tokens - 1, mask=mask, progress=progress, stage="sparse decode")
     seconds = time.perf_counter() - started
-    one = sequences == [None]
+    totals = len(sequences) == 1  # one prompt, or a batch of one (which runs as one prompt does)
     stats = {
         "unique": [session.unique_distant_positions(i) for i in sequences],
         "centroid_bytes": [session.centroid_bytes(i) for i in sequences],
         "support_read": [session.support_read(i or 0) for i in sequences],
         "steps": [
-            (session.sparse_steps, session.dense_steps) if one else tuple(session.sequence_steps.get(i, [0, 0]))
+            (session.sparse_steps, session.dense_steps) if totals else tuple(session.sequence_steps.get(i, [0, 0]))
             for i in sequences
         ],
     }

@@ -176,7 +176,9 @@ def _generation_inputs(model, input_ids, cfg, max_new_tokens, mode, attention_ma
     if mode not in MODES:
         raise SparseDecodeError(f"unknown mode {mode!r}; choose one of: {', '.join(MODES)}")
     check_model(model, "generate")
-    one = isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[0] == 1
+    one = not isinstance(input_ids, (list, tuple)) and not (
+        isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[0] > 1
+    )  # anything but a list or (B, P) ids is checked (and refused) as one prompt
     if one and attention_mask is None:
         check_prompt_ids(model, input_ids, "generate")
         ids, mask = input_ids, None
