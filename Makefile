@@ -6,7 +6,11 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 DEMO_ARGS ?= --model smollm2-135m --context 2048 --support 97,193 --tokens 64 --prompt-index 2
 
-.PHONY: demo test test-slow lint venv clean
+# Parallel test workers (pytest-xdist): one per core by default; PYTEST_WORKERS=0 runs the suite in this process.
+PYTEST_WORKERS ?= auto
+PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadgroup
+
+.PHONY: demo test test-quick test-slow lint venv clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +25,14 @@ demo: venv
 	$(VENV)/bin/sparsedecode run $(DEMO_ARGS)
 
 # pytest exits 5 when it collected no test; that is a failure of the suite, not a pass.
+# CI's run: everything but the slow tests, with the 25 slowest listed at the end.
 test: venv
-	@$(PY) -m pytest -q -ra -m "not slow"; rc=$$?; \
+	@$(PY) -m pytest -q -ra $(PYTEST_PARALLEL) --durations=25 -m "not slow"; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
+
+# For development: no real model, no Ray, nothing slow.
+test-quick: venv
+	@$(PY) -m pytest -q -ra $(PYTEST_PARALLEL) -m "not slow and not realmodel and not ray"; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 test-slow: venv

@@ -24,6 +24,24 @@ from sparsedecode.experiments.bench import (
 )
 from sparsedecode.layout import BlockLayout
 
+STUB_BANDWIDTH_GBS = 12.5
+
+
+@pytest.fixture(autouse=True)
+def stub_bandwidth(request, monkeypatch):
+    """These tests check the rows' structure, not speed: the read-bandwidth measurement (a 512 MB buffer summed for a
+    second, in every bench_op) is replaced by a fixed figure, except in the test of the measurement itself."""
+    if request.function is not test_read_bandwidth_is_measured_and_reported:
+        monkeypatch.setattr(bench, "read_bandwidth_gbs", lambda *a, **k: STUB_BANDWIDTH_GBS)
+
+
+def test_read_bandwidth_is_measured_and_reported():
+    measured = bench.read_bandwidth_gbs()
+    assert math.isfinite(measured) and measured > 0
+    rows, bandwidth = bench_op("smollm2-135m", (512,), (97,), budget_s=0.001, layers=1, kernels=("c",))
+    assert math.isfinite(bandwidth) and bandwidth > 0 and rows[0].bandwidth_gbs == bandwidth
+
+
 OP_FIELDS = (
     "shape",
     "context",
@@ -54,7 +72,7 @@ def test_bytes_accounting():
 
 def test_bench_op_rows_are_consistent():
     rows, bandwidth = bench_op("smollm2-135m", (512,), (97, 193), budget_s=0.001, layers=3)
-    assert bandwidth > 0 and [(r.support, r.kernel) for r in rows] == [
+    assert bandwidth == STUB_BANDWIDTH_GBS and [(r.support, r.kernel) for r in rows] == [
         (97, "torch"),
         (97, "c"),
         (193, "torch"),

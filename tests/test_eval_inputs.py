@@ -21,6 +21,8 @@ from test_cli_inputs import (
 from sparsedecode.errors import SparseDecodeError
 from sparsedecode.experiments.evaluate import RUNS_FILE, SPEC_FILE, load_eval, merge_evals
 
+pytestmark = pytest.mark.xdist_group("eval-inputs")  # one parallel worker builds the module's fixtures
+
 ARGS = ["--tasks", "vt", "--context", "600", "--samples", "1", "--support", "97", "--answer-tokens", "3"]
 """A one-sample evaluation of the tiny model: a dense and a sparse run (``runs.jsonl`` holds two rows)."""
 

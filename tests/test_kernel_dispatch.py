@@ -167,6 +167,7 @@ def auto_considers_triton(monkeypatch):
     monkeypatch.setattr(dispatch, "_auto_candidates", lambda keys: ("triton",))
 
 
+@pytest.mark.triton
 def test_triton_serves_auto_when_every_assumption_holds(auto_considers_triton):
     q, keys, values, layout = case()
     assert kernels.attention_kernel("auto", q, keys, values, layout) == "triton"
@@ -176,12 +177,14 @@ def test_triton_serves_auto_when_every_assumption_holds(auto_considers_triton):
 
 
 @pytest.mark.parametrize("name", TRITON_REFUSALS)
+@pytest.mark.triton
 def test_triton_refusals(name, auto_considers_triton):
     overrides, match = TRITON_REFUSALS[name]
     q, keys, values, layout = case(**overrides)
     assert_refused_under_auto("triton", q, keys, values, layout, match)
 
 
+@pytest.mark.triton
 def test_triton_refused_where_it_is_not_installed(auto_considers_triton, monkeypatch):
     monkeypatch.setattr(triton_attention, "triton_installed", lambda: False)
     q, keys, values, layout = case()
@@ -201,6 +204,7 @@ def test_triton_refused_where_32_bit_offsets_would_overflow(monkeypatch):
     assert "2**31" in triton_attention.refusal(q, small, huge, layout)
 
 
+@pytest.mark.triton
 def test_triton_reads_nothing_for_a_block_outside_the_distant_region():
     pytest.importorskip("triton")
     q, keys, values, layout = case(n=400)

@@ -11,6 +11,8 @@ from conftest import char_tokenizer, tiny_model
 
 from sparsedecode import SparseDecodeError
 
+pytestmark = pytest.mark.xdist_group("lm-eval")  # one parallel worker builds the module's fixtures
+
 DOC = (
     "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. " * 4
 ).strip()  # 359 characters: every token of the rolling window past S = 97 is scored by a sparse step

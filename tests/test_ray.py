@@ -31,6 +31,7 @@ from sparsedecode.experiments.evaluate import key_of as eval_key
 from sparsedecode.experiments.sweep import RUNS_FILE, key_of, parse_rows, read_rows, without_timings
 
 SRC = Path(__file__).parents[1] / "src"
+pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("ray")]  # one worker, one Ray instance
 
 
 @pytest.fixture(scope="module")

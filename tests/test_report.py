@@ -13,6 +13,8 @@ from sparsedecode.experiments import summary
 from sparsedecode.experiments.sweep import RUNS_FILE, SweepSpec, run_sweep
 from sparsedecode.report import sweep_command, write_report
 
+pytestmark = pytest.mark.xdist_group("report")  # one parallel worker builds the module's fixtures
+
 PNG = b"\x89PNG\r\n\x1a\n"
 
 

@@ -20,6 +20,7 @@ from sparsedecode.layout import BlockLayout
 from sparsedecode.selectors import select_blocks
 
 pytest.importorskip("triton", reason="the Triton kernel tests need the test extra (pip install -e '.[test]')")
+pytestmark = pytest.mark.triton
 
 
 def random_case(query_heads, kv_heads, d, n, b, *, dtype, seed, short_tail=False):
