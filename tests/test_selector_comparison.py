@@ -85,10 +85,11 @@ def test_retrieval_accuracy_is_counted_per_context_selector_and_support(loaded, 
     }
 
     def fake_trial(model, tokenizer, prompt, configs, *, trial, answer_tokens):
-        assert [(c.selector, c.support) for c in configs] == [(s, S) for s in ("streaming", "quest") for S in (97, 113)]
+        expected = [(s, S) for s in ("streaming", "quest") for S in (97, 113)]
+        assert [(c.selector_name, c.support) for c in configs] == expected
         trials = []
         for cfg in [None, *configs]:
-            selector, support = (None, None) if cfg is None else (cfg.selector, cfg.support)
+            selector, support = (None, None) if cfg is None else (cfg.selector_name, cfg.support)
             mode = "dense" if cfg is None else "sparse"
             correct = outcome[prompt.context, selector, support][trial]
             trials.append(

@@ -138,7 +138,11 @@ def test_sigkill_then_rerun_equals_an_uninterrupted_run(tiny_model_dir, tmp_path
         "16",
     ]
     killed = tmp_path / "killed"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    import torch
+
+    # the killed run sums in the order this process does: its thread count (a parallel worker runs one)
+    threads = str(torch.get_num_threads())
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"), "OMP_NUM_THREADS": threads}
     proc = subprocess.Popen(
         [sys.executable, "-m", "sparsedecode", *args, "--out", str(killed)],
         stdout=subprocess.DEVNULL,

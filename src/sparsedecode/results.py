@@ -100,13 +100,13 @@ class CompareResult:
     captured_mass_ratio_per_head_best_mean: float | None = None
     audit: dict | None = None
     audit_arrays: dict | None = field(default=None, repr=False)
-    first_divergence_convention: int = FIRST_DIVERGENCE_CONVENTION
     support_read_mean: float | None = None
     """Positions a KV head read per sparse step of the free-running run (mean, min, max over layers, heads and
     steps; ``None`` without a sparse step): the effective support for a fixed budget (a chosen short last block reads
     less), what an adaptive budget chose otherwise."""
     support_read_min: int | None = None
     support_read_max: int | None = None
+    first_divergence_convention: int = FIRST_DIVERGENCE_CONVENTION
 
     def to_dict(self) -> dict:
         """JSON-ready fields (the per-step audit arrays are left out: save them with ``save_audit``)."""

@@ -185,7 +185,7 @@ def selector_list(text: str) -> tuple[str, ...]:
             raise argparse.ArgumentTypeError("all stands alone (it means every selector); or name the selectors")
         return selector_arg(name)
 
-    return tuple(comma_list(text, known, "selectors", split=split_selector_list))
+    return tuple(comma_list(text, known, "selectors (or all)", split=split_selector_list))
 
 
 def path_arg(text: str) -> Path:
