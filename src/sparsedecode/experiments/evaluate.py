@@ -54,12 +54,12 @@ from .sweep import (
     check_growth,
     corpus_sha256,
     locked,
+    merge_run,
     merged_provenance,
     parse_rows,
     read_once,
     source_metas,
     union_spec,
-    without_timings,
     write_rows,
 )
 from .sweep import SPEC_FILE as SWEEP_FILE
@@ -589,16 +589,7 @@ def merge_evals(sources: list[Path], directory: Path) -> MergeOutcome:
                             f"cannot merge {source} with {where}: their dense answers to {key[0]}, context {key[1]}, "
                             f"sample {key[2]} differ (another thread count, version or machine?)"
                         )
-                if key not in merged:
-                    merged[key] = (row, source, own_spec)
-                    continue
-                duplicates += 1
-                kept, kept_source, kept_spec = merged[key]
-                if kept_spec != own_spec and without_timings(kept) != without_timings(row):
-                    raise SparseDecodeError(
-                        f"cannot merge {source} with {kept_source}: both hold run {key} with other results; "
-                        "folders of different grids may only overlap in identical runs"
-                    )
+                duplicates += merge_run(merged, key, row, source, own_spec)
         meta = {
             "spec": spec.to_dict(),
             "corpus_sha256": corpus,

@@ -693,6 +693,22 @@ def merged_provenance(metas: list[tuple[Path, dict]], directory: Path) -> dict:
     }
 
 
+def merge_run(merged: dict, key, row: dict, source: Path, own_spec) -> int:
+    """Add one source's ``row`` of run ``key`` to ``merged`` (key -> (row, source, spec)); 1 if the run was there
+    already (a duplicate, dropped), 0 otherwise. A run held twice must have the same results unless both folders
+    share one spec (then the first copy is kept, as a rerun's would be)."""
+    if key not in merged:
+        merged[key] = (row, source, own_spec)
+        return 0
+    kept, kept_source, kept_spec = merged[key]
+    if kept_spec != own_spec and without_timings(kept) != without_timings(row):
+        raise SparseDecodeError(
+            f"cannot merge {source} with {kept_source}: both hold run {key} with other results; "
+            "folders of different grids may only overlap in identical runs"
+        )
+    return 1
+
+
 def merge_sweeps(sources: list[Path], directory: Path) -> MergeOutcome:
     """Combine the rows of sweep directories into ``directory`` (which may be one of them).
 
@@ -740,16 +756,7 @@ def merge_sweeps(sources: list[Path], directory: Path) -> MergeOutcome:
                         f"cannot merge {source} with {where}: their runs of context {group[0]}, prompt {group[1]} "
                         "were paired with different dense references (another thread count, version or machine?)"
                     )
-                if key not in merged:
-                    merged[key] = (row, source, own_spec)
-                    continue
-                duplicates += 1
-                kept, kept_source, kept_spec = merged[key]
-                if kept_spec != own_spec and without_timings(kept) != without_timings(row):
-                    raise SparseDecodeError(
-                        f"cannot merge {source} with {kept_source}: both hold run {key} with other results; "
-                        "folders of different grids may only overlap in identical runs"
-                    )
+                duplicates += merge_run(merged, key, row, source, own_spec)
         meta = {"spec": spec.to_dict(), "corpus_sha256": corpus, **merged_provenance(metas, directory)}
         rows = sorted((row for row, _, _ in merged.values()), key=lambda row: order[key_of(row)])
         write_json_atomic(directory / SPEC_FILE, meta)
