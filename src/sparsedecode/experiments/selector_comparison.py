@@ -232,6 +232,7 @@ def summarize(
 ) -> list[SelectorRow]:
     """One :class:`SelectorRow` per (context, selector, support) from the per-run results and retrieval trials;
     ``op_ms`` maps ``(context, selector, support)`` to a measured operator time."""
+    described = {selector: _describe(selector) for selector in selectors}  # each selector resolved once
     rows = []
     for context in contexts:
         for selector in selectors:
@@ -252,8 +253,8 @@ def summarize(
                 rows.append(
                     SelectorRow(
                         selector=selector,
-                        practical=_describe(selector)[0],
-                        reads=_describe(selector)[1],
+                        practical=described[selector][0],
+                        reads=described[selector][1],
                         context=context,
                         support=support,
                         runs=len(mine),
