@@ -175,7 +175,7 @@ def test_sparse_path_never_computes_dense_attention(monkeypatch):
         return original(module, query, *args, **kwargs)
 
     monkeypatch.setattr(attention.hf, "sdpa_attention_forward", counting)  # every module that calls it
-    monkeypatch.setattr(attention.batch, "sdpa_attention_forward", counting)
+    monkeypatch.setattr(attention.forward, "sdpa_attention_forward", counting)
     with sparse_decoding(model, SparseConfig(support=97)) as session:
         greedy_loop(model, prompt(200), 10)
     assert session.sparse_steps == 20

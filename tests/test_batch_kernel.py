@@ -172,7 +172,7 @@ class Calls:
 
     def __init__(self, monkeypatch):
         self.batched, self.blocks = 0, []
-        run_step_batch, run_attention, run_step = cpu_batch.run_step_batch, cpu.run_attention, cpu.run_step
+        run_step_batch, run_attention = cpu_batch.run_step_batch, cpu.run_attention
 
         def batched(q, keys, values, out, rows, *args):
             self.batched += 1
@@ -183,19 +183,14 @@ class Calls:
             self.blocks.append(blocks.clone())
             return run_attention(q, keys, values, blocks, *args)
 
-        def whole_step(*args):  # a single sequence's step in one call: its blocks as the call returns them
-            out, blocks = run_step(*args)
-            self.blocks.append(blocks.clone())
-            return out, blocks
-
         monkeypatch.setattr(cpu_batch, "run_step_batch", batched)
         monkeypatch.setattr(cpu, "run_attention", single)
-        monkeypatch.setattr(cpu, "run_step", whole_step)
 
 
 def per_row(monkeypatch):
-    """Force the per-sequence loop of ``_batch_forward`` (what runs with observers or other kernels)."""
-    monkeypatch.setattr(attention.batch, "_sparse_rows_in_one_call", lambda *args: False)
+    """Force the per-row attention of ``sparse_rows`` (what runs for other kernels, adaptive budgets and token-level
+    selectors) where the one C call would serve."""
+    monkeypatch.setattr(attention.step, "ONE_CALL", False)
 
 
 def row_states(session):
@@ -290,8 +285,8 @@ def test_padding_is_never_read(arch, lengths, poison, path, monkeypatch):
     assert (outputs[0] - outputs[1]).abs().max() <= logits_tolerance(outputs[0], model, positions=310)
 
 
-def test_observers_keep_the_per_sequence_path(monkeypatch):
-    """Observers need a StepView per sequence: the batch is then served sequence by sequence, positions its own."""
+def test_observers_see_each_sequence_in_its_own_positions(monkeypatch):
+    """Observers get a StepView per sequence, positions its own, while the one C call serves the layer."""
     model = tiny_model("llama")
     ids, mask = ragged_batch(LENGTHS)
     calls, seen = Calls(monkeypatch), []
@@ -300,7 +295,7 @@ def test_observers_keep_the_per_sequence_path(monkeypatch):
         seen.append((view.sequence, int(view.index.max()), view.layout.n))
 
     generate(model, ids, mask, SparseConfig(support=97), 4, observers=[observe])
-    assert calls.batched == 0 and seen
+    assert calls.batched == 2 * 3 and seen  # 3 decode forwards of 2 layers
     assert {sequence for sequence, _, _ in seen} == {0, 1, 3}  # the 60-token prompt stays dense for 4 steps
     assert all(top < n <= LENGTHS[sequence] + 4 for sequence, top, n in seen)
 

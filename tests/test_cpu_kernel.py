@@ -13,7 +13,7 @@ from test_attention import greedy_loop
 from sparsedecode import SparseConfig, SparseDecodeError, sparse_decoding
 from sparsedecode.attention import attend_support
 from sparsedecode.centroids import BlockCentroids
-from sparsedecode.kernels import cpu
+from sparsedecode.kernels import cpu, cpu_batch
 from sparsedecode.layout import BlockLayout
 from sparsedecode.selectors import select_blocks
 
@@ -143,21 +143,23 @@ def test_decoding_with_the_c_kernel_matches_torch(arch):
 
 @pytest.mark.parametrize("selector", ["mean-pooled", "quest"])
 def test_a_sparse_step_is_one_c_call_per_layer(selector, monkeypatch):
-    """Under kernel="auto" on float32 CPU tensors every sparse step of every layer is one ``run_step`` call (the
-    mean-pooled selection inside it; quest selects in torch first), never the separate selection and attention."""
+    """Under kernel="auto" on float32 CPU tensors every sparse step of every layer is one ``run_step_batch`` call of
+    one row (the mean-pooled selection inside it; quest selects in torch first), never the separate selection and
+    attention."""
     model = tiny_model("llama")
     calls = {"step": 0, "apart": 0}
-    run_step = cpu.run_step
+    run_step_batch = cpu_batch.run_step_batch
 
-    def counted(*args):
+    def counted(q, keys, values, out, rows, *args):
         calls["step"] += 1
-        return run_step(*args)
+        assert len(rows) == 1, "a sequence alone is a batch of one row"
+        return run_step_batch(q, keys, values, out, rows, *args)
 
     def apart(*args):
         calls["apart"] += 1
         raise AssertionError("the sparse step called the selection or attention kernel on its own")
 
-    monkeypatch.setattr(cpu, "run_step", counted)
+    monkeypatch.setattr(cpu_batch, "run_step_batch", counted)
     monkeypatch.setattr(cpu, "run_selection", apart)
     monkeypatch.setattr(cpu, "run_attention", apart)
     with sparse_decoding(model, SparseConfig(support=97, reuse=2, selector=selector)) as session:

@@ -253,3 +253,50 @@ def test_h2o_answers_retrieval_trials_with_its_prefill_history(loaded):
     rows, _, trials = run(loaded, supports=(97,), selectors=("h2o",), retrieval=1)
     assert [r.retrieval_trials for r in rows] == [1]
     assert any(t["selector"] == "h2o" and t["sparse_steps"] > 0 for t in trials)
+
+
+def _comparable(data):
+    """A comparison without what differs between processes: timings (fields ending in _s, op ms), environments."""
+
+    def strip(row):
+        return {k: v for k, v in row.items() if not k.endswith("_s") and k != "op_ms"}
+
+    return [strip(r) for r in data["summary"]], [strip(r) for r in data["runs"]], [strip(t) for t in data["retrieval"]]
+
+
+def test_merged_comparisons_equal_one_comparison_of_every_selector(tiny_model_dir, tmp_path, capsys):
+    """Selectors run in two comparisons and merged give the rows one comparison of all of them gives; comparisons
+    of other settings, of a shared selector or against another dense reference are refused, nothing written."""
+    base = ["compare-selectors", "--model", str(tiny_model_dir), "--context", "300", "--support", "97"]
+    base += ["--prompts", "2", "--tokens", "4", "--retrieval", "2", "--batch", "2"]
+    folders = {}
+    for name, selectors in (("all", "streaming,top-p,quest"), ("a", "streaming"), ("b", "top-p,quest")):
+        folders[name] = tmp_path / name
+        assert main([*base, "--selectors", selectors, "--out", str(folders[name])]) == 0
+    assert main(["merge", str(folders["a"]), str(folders["b"]), "--out", str(tmp_path / "merged")]) == 0
+    assert "merged 2 comparison(s)" in capsys.readouterr().out
+    merged = json.loads((tmp_path / "merged" / "selectors.json").read_text())
+    whole = json.loads((folders["all"] / "selectors.json").read_text())
+    assert merged["settings"]["selectors"] == ["streaming", "top-p", "quest"]
+    assert [p["selectors"] for p in merged["settings"]["parts"]] == [["streaming"], ["top-p", "quest"]]
+    assert _comparable(merged) == _comparable(whole)
+    assert "Merged by `sparsedecode merge` from 2 comparisons" in (tmp_path / "merged" / "selectors.md").read_text()
+
+    other = tmp_path / "other"
+    assert main([*base[:-4], "--tokens", "5", "--selectors", "h2o", "--out", str(other)]) == 0
+    changed = tmp_path / "changed"
+    changed.mkdir()
+    data = json.loads((folders["b"] / "selectors.json").read_text())
+    data["runs"][0]["dense_tokens"][1] += 1
+    (changed / "selectors.json").write_text(json.dumps(data))
+    capsys.readouterr()
+    for sources, message in (
+        ([folders["a"], other], "differ from"),
+        ([folders["all"], folders["b"]], "already in an earlier folder"),
+        ([folders["a"], changed], "the dense continuation of prompt 0 at context 300 differs"),
+    ):
+        out = tmp_path / "refused"
+        assert main(["merge", *map(str, sources), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+        assert not out.exists()

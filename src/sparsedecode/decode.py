@@ -11,7 +11,7 @@ alone; with one, each sequence is left-padded and gets its own RoPE positions.
 A batch holds sequences of different lengths left-padded to the longest (:func:`left_pad`): sequence ``i`` of
 length ``P_i`` sits at cache positions ``[P - P_i, P)`` and its RoPE positions are ``0 .. P_i - 1``, as if it were
 alone. Inside a :func:`~sparsedecode.attention.sparse_decoding` session every sequence then gets its own anchor,
-window, blocks, centroids and reuse schedule (:mod:`sparsedecode.attention.batch`); padding is never selected nor
+window, blocks, centroids and reuse schedule (:mod:`sparsedecode.attention.forward`); padding is never selected nor
 attended. The mask grows with every decoded token; position ids are derived from it, as ``model.generate`` does.
 """
 

@@ -146,7 +146,7 @@ def compare(
     One prompt (``(1, P)``) gives a :class:`CompareResult`; several (a list of ``(1, P_i)`` prompts, or ``(B, P)``
     ids with ``B > 1``) a list, one per prompt, decoded together left-padded: each equals its batch-1 result apart
     from timings (each sequence's share of the batch's wall time) and float32 round-off, since every sequence gets
-    its own support (:mod:`sparsedecode.attention.batch`). Pass ``reference`` (from :func:`dense_reference` of the
+    its own support (:mod:`sparsedecode.attention.forward`). Pass ``reference`` (from :func:`dense_reference` of the
     same prompts) to reuse one dense run across settings; otherwise one is computed. ``tokenizer`` is accepted for
     symmetry with generation APIs and unused here. The teacher-forced pass always yields the margin certificate (it
     reuses the dense logits kept by the reference); ``cfg.audit`` adds the omitted-mass audit of every free-running

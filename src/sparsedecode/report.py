@@ -546,6 +546,25 @@ def _selectors_command(settings: dict) -> str:
     )
 
 
+def _parts_lines(settings: dict) -> list[str]:
+    """Where a merged comparison's selectors ran (``sparsedecode merge`` of comparison folders)."""
+    parts = settings.get("parts")
+    if not parts:
+        return []
+    described = "; ".join(
+        f"{', '.join(f'`{name}`' for name in part['selectors'])} at revision "
+        f"{(part.get('environment') or {}).get('revision')} (batch {part.get('batch', 1)}"
+        + (", op ms re-measured" if part.get("op_ms_remeasured") else "")
+        + ")"
+        for part in parts
+    )
+    return [
+        f"Merged by `sparsedecode merge` from {len(parts)} comparisons of these settings, the same prompts and dense "
+        f"references: {described}.",
+        "",
+    ]
+
+
 def _table_lines(rows: list[dict]) -> list[str]:
     return [
         "| " + " | ".join(SELECTOR_HEADERS) + " |",
@@ -573,6 +592,7 @@ def selector_markdown(data: dict) -> str:
         f"{env.get('threads')} threads, corpus {settings['corpus']}, torch {env.get('torch')}, transformers "
         f"{env.get('transformers')}).",
         "",
+        *_parts_lines(settings),
         *(_table_lines(sparse) if sparse else ["No condition takes a sparse step."]),
         "",
     ]

@@ -17,8 +17,9 @@ attention history, the positions read). :class:`LayerState` says why that state 
 no longer in the cache, at a cost of O(1) per layer and step.
 
 The package: :mod:`.hf` (transformers glue), :mod:`.session` and :mod:`.state` (session and per-layer state),
-:mod:`.step` (one layer's sparse step), :mod:`.batch` (a padded batch's forward), :mod:`.attend` (attention over a
-support).
+:mod:`.forward` (a forward of one sequence or a padded batch, each sequence in its own coordinates), :mod:`.step`
+(one layer's sparse step over a batch of rows, a sequence alone being a batch of one), :mod:`.attend` (attention over
+a support).
 """
 
 from .attend import attend_positions, attend_support, dense_short_forward
@@ -34,7 +35,7 @@ from .hf import (
 )
 from .session import SparseSession
 from .state import KeyMark, LayerState, StepView
-from .step import sparse_decode_step
+from .step import sparse_decode_step, sparse_rows
 
 __all__ = [
     "ATTENTION_NAME",
@@ -53,4 +54,5 @@ __all__ = [
     "sparse_attention_forward",
     "sparse_decode_step",
     "sparse_decoding",
+    "sparse_rows",
 ]

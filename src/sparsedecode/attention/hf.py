@@ -15,14 +15,10 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..config import SparseConfig
 from ..errors import SparseDecodeError
-from ..layout import BlockLayout
-from ..selectors import causal_attention_received, group_attention
 from ..selectors.h2o import H2O
 from ..validate import check_config, check_model, check_sparse_attention, config_from_overrides
-from .attend import SHORT_FORWARD, dense_short_forward
-from .batch import _batch_forward, _context_length, _extents
+from .forward import session_forward
 from .session import _ACTIVE, SparseSession
-from .step import _remember_attention, sparse_decode_step
 
 ATTENTION_NAME = "sparsedecode"
 
@@ -66,48 +62,7 @@ def sparse_attention_forward(
             raise SparseDecodeError(
                 f"sparse decoding does not support {meaning} ({argument} in the attention call) yet"
             )
-    q_len = query.shape[2]
-    if query.shape[0] != 1 or (
-        attention_mask is not None and _extents(session, attention_mask, key, q_len, kwargs)[1][0] > 0
-    ):  # a batch, or one left-padded sequence: each sequence in its own coordinates, padding never read
-        return _batch_forward(session, state, module, query, key, value, attention_mask, dropout, scaling, kwargs)
-    if state.rows is not None:  # batch 1 after a batch: the rows described other sequences
-        state.rows, state.pads = None, None
-    n = _context_length(key, kwargs)
-    sliding = kwargs.get("sliding_window")
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    state.begin(n - q_len, q_len)
-    h2o = session.config.selector.uses_history
-    if q_len != 1:  # prefill, chunked prefill, speculative verification: dense
-        if q_len <= SHORT_FORWARD and sliding is None:
-            out = dense_short_forward(query, key, value, n, scaling)
-        else:
-            out = sdpa_attention_forward(
-                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-            )[0]
-        if h2o:
-            _remember_attention(
-                state, key, n, lambda: causal_attention_received(query[0], key[0, :, :n], n - q_len, scale)
-            )
-        state.end(key, n)
-        return out, None
-    cfg = session.config
-    if n <= cfg.effective_support or (sliding is not None and n > sliding):
-        session.dense_steps += 1
-        if session.track_reads:
-            state.note_all_distant(
-                key.shape[1], BlockLayout(n=n, window=cfg.window, block_size=cfg.block_size), key.device
-            )
-        if h2o:
-            _remember_attention(state, key, n, lambda: group_attention(query[0, :, 0], key[0, :, :n], scale))
-        state.end(key, n)
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    session.sparse_steps += 1
-    out = sparse_decode_step(session, state, query, key, value, n, scaling)
-    state.end(key, n, chained=True)
-    return out, None
+    return session_forward(session, state, module, query, key, value, attention_mask, dropout, scaling, kwargs)
 
 
 def register() -> None:

@@ -55,7 +55,6 @@ class SparseSession:
     sequence_steps: dict[int, list[int]] = field(default_factory=dict)
     """Per sequence of a batch: ``[sparse_steps, dense_steps]`` (the totals above count every sequence)."""
     extents: tuple | None = field(default=None, repr=False)
-    sequence: int = field(default=0, repr=False)
 
     support_reads: dict[int, list] = field(default_factory=dict)
     """Per sequence: ``[total, count, min, max]`` of the positions each KV head read at a sparse step (recorded with
@@ -145,7 +144,7 @@ class SparseSession:
         """:meth:`adopt_history` for a left-padded batch: ``histories[i]`` is sequence ``i``'s (its own positions,
         from :func:`prefill_history` of its prompt alone), ``pads[i]`` where it starts in the cache."""
         pads = tuple(int(p) for p in pads)
-        if len(pads) == 1 and pads[0] == 0:  # a batch of one runs the batch-1 path
+        if pads == (0,):  # one unpadded sequence: its rows are the layers' own states (LayerState.rows_for)
             self.adopt_history(cache, histories[0])
             return
         for layer, state in self.layers.items():

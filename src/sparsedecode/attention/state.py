@@ -199,13 +199,15 @@ class LayerState:
         self.seen, self.chained = keep, False
         return keep
 
-    def end(self, keys: torch.Tensor, n: int, *, chained: bool = False) -> None:
-        """The call is over: the state now describes the first ``n`` positions of ``keys`` ``(1, kv, >= n, d)``."""
-        self.mark, self.seen, self.chained = KeyMark.of(keys, n), n, chained
+    def end(self, keys: torch.Tensor, n: int) -> None:
+        """The call is over: the state now describes the first ``n`` positions of ``keys`` ``(batch, kv, >= n, d)``
+        (whether it continues a chain of sparse steps its row said, :meth:`end_row`)."""
+        self.mark, self.seen = KeyMark.of(keys, n), n
 
     def end_row(self, n: int, *, chained: bool = False) -> None:
-        """A batch row's call is over: as :meth:`end`, without a mark of its own. No pre-hook looks at a row: the
-        batch's state proves what is unchanged and hands each row its share (``unchanged - pad``)."""
+        """A row's call is over: it describes its sequence's first ``n`` positions, ``chained`` after a sparse decode
+        step. A row of a padded batch has no mark of its own (no pre-hook looks at it): the layer's state proves what
+        is unchanged and hands each row its share (``unchanged - pad``)."""
         self.seen, self.chained = n, chained
 
     def forget_from(self, keep: int) -> None:
@@ -227,6 +229,14 @@ class LayerState:
         self.mark, self.seen, self.chained, self.unchanged = None, 0, False, 0
         self.history_complete = True
         self.rows, self.pads = None, None
+
+    def rows_for(self, pads: tuple[int, ...]) -> list[LayerState]:
+        """The states of a forward's sequences: this state itself for one unpadded sequence (a batch of one), else
+        :meth:`batch_rows`."""
+        if pads == (0,):
+            self.rows, self.pads = None, None  # after a batch: its rows described other sequences
+            return [self]
+        return self.batch_rows(pads)
 
     def batch_rows(self, pads: tuple[int, ...]) -> list[LayerState]:
         """One state per sequence of a left-padded batch (row ``i`` starts at cache position ``pads[i]``).

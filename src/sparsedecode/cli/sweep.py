@@ -72,19 +72,27 @@ def add_parsers(sub) -> None:
 
     merge = sub.add_parser(
         "merge",
-        help="combine shard folders of one sweep (or one evaluation) into one folder",
+        help="combine shard folders of one sweep (or one evaluation, or selector comparisons) into one folder",
         description="Combine sweep (or evaluation) folders of the same settings, or of grids that differ only in "
-        "contexts, prompts, supports, reuse or selectors, into one folder; duplicates are dropped.",
+        "contexts, prompts, supports, reuse or selectors, into one folder; duplicates are dropped. Selector "
+        "comparison folders (compare-selectors) of the same settings and different selectors merge into one "
+        "comparison (their dense references must agree); --out may be one of them.",
         epilog="examples (the second after `sparsedecode sweep --help`'s second example):\n"
         "  sparsedecode sweep --context 1024 --support 97,193 --prompts 2 --tokens 32 --shard 2/2 --out runs/small-2\n"
         "  sparsedecode merge runs/small-1 runs/small-2 --out runs/small-merged",
     )
-    merge.add_argument("sources", type=path_arg, nargs="+", help="sweep (or evaluation) folders with the same settings")
+    merge.add_argument(
+        "sources",
+        type=path_arg,
+        nargs="+",
+        help="sweep, evaluation or selector comparison folders (all of one kind) with the same settings",
+    )
     merge.add_argument(
         "--out",
         type=path_arg,
         required=True,
-        help="folder for the merged settings file (sweep.json or eval.json) and runs.jsonl",
+        help="folder for the merged settings file (sweep.json or eval.json) and runs.jsonl, or for selectors.json, "
+        ".csv and .md",
     )
 
     report = sub.add_parser(
@@ -210,13 +218,30 @@ def cmd_sweep(args) -> int:
     return 0
 
 
+def _merge_comparisons(args) -> int:
+    from ..experiments.comparison_merge import merge_comparisons
+    from ..report import write_selector_comparison
+
+    check_output_folder(args.out, files=("selectors.md", "selectors.csv", "selectors.json"), results="selectors.json")
+    data = merge_comparisons(args.sources)  # everything checked and built before anything is written
+    path = write_selector_comparison(args.out, data)
+    console.print(
+        f"merged {len(args.sources)} comparison(s) into {path}: {len(data['settings']['selectors'])} selectors, "
+        f"{len(data['runs'])} runs, {len(data['retrieval'])} retrieval rows"
+    )
+    return 0
+
+
 def cmd_merge(args) -> int:
+    from ..experiments.comparison_merge import is_comparison_folder
     from ..experiments.sweep import merge_sweeps
     from .eval import cmd_merge_eval, is_eval_folder
 
     if args.sources and is_eval_folder(args.sources[0]):
         check_output_folder(args.out, files=("eval.json", "runs.jsonl"), results="eval.json")
         return cmd_merge_eval(args, console=console)
+    if args.sources and is_comparison_folder(args.sources[0]):
+        return _merge_comparisons(args)
     check_output_folder(args.out, files=("sweep.json", "runs.jsonl"), results="sweep.json")
     outcome = merge_sweeps(args.sources, args.out)
     console.print(

@@ -105,11 +105,20 @@ def choose_blocks(
     host synchronisation (the same set, best first), the C kernel in one call (the same blocks, ascending); neither
     is asked to check the scores' finiteness the torch path checks, except the C kernel, which does.
     """
+    chosen = "torch"
     if selector.kernel_scoring == "mean-dot" and not selector.adaptive:
         chosen = kernels.selection_kernel(kernel, queries, keys, layout)
-        if chosen != "torch":
-            centroids = cache.update_all(keys, layout.n_full)["mean"]
-            return BlockChoice(kernels.select_mean_pooled(chosen, queries, keys, centroids, layout, budget))
+    return choose_planned_blocks(selector, budget, cache, queries, keys, layout, chosen)
+
+
+def choose_planned_blocks(
+    selector: BlockSelector, budget: int, cache: BlockCentroids, queries, keys, layout: BlockLayout, chosen: str
+) -> BlockChoice:
+    """:func:`choose_blocks` with the selection kernel already chosen (``"c"``, ``"triton"``; ``"torch"``, the only
+    one for a selector the kernels do not score): what a planned step calls."""
+    if chosen != "torch" and selector.kernel_scoring == "mean-dot" and not selector.adaptive:
+        centroids = cache.update_all(keys, layout.n_full)["mean"]
+        return BlockChoice(kernels.select_mean_pooled(chosen, queries, keys, centroids, layout, budget))
     scores = block_scores(selector, cache, queries, keys, layout)
     blocks = top_blocks(scores, budget)
     return BlockChoice(blocks, _budget(selector, scores, blocks, layout) if selector.adaptive else None)

@@ -651,13 +651,27 @@ static int batch_task(const void *arg, int64_t task) {
 }
 
 /* The sparse step of `n_rows` rows (`rows`: n_rows * ROW_FIELDS int64, see above). Returns 0; NONFINITE when a row
- * selecting afresh met a NaN or infinite score (outputs then undefined); -1 when memory ran out. */
+ * selecting afresh met a NaN or infinite score (outputs then undefined); -1 when memory ran out.
+ * One row selecting afresh with fewer KV heads than threads (a sequence alone, a head's selection then split into
+ * ranges of blocks) runs the selection and the attention calls in turn: the same blocks and output to the bit, as
+ * both score with score_blocks and tail_score and attend with attend_head. */
 int sparse_step_batch(const float *q, const float *keys, int64_t k_stride_h, int64_t k_stride_n, const float *values,
                       int64_t v_stride_h, int64_t v_stride_n, float *out, const int64_t *rows, int64_t n_rows,
                       int64_t kv_heads, int64_t group, int64_t d, int64_t window, int64_t block, float scale,
                       int64_t threads) {
     enum { MIN_SELECT_PER_THREAD = 1 << 16, MIN_ATTEND_PER_THREAD = 1 << 18 }; /* as the single-row calls */
     const row_t *row = (const row_t *)rows;
+    if (n_rows == 1 && row->fresh && row->b > 0 && kv_heads < threads) {
+        int64_t n = row->n, distant_end = n - window > 1 ? n - window : 1;
+        const float *q0 = q + row->q, *k0 = keys + row->k, *v0 = values + row->v;
+        int64_t *chosen = (int64_t *)(intptr_t)row->chosen;
+        int status = select_mean_pooled(q0, (const float *)(intptr_t)row->centroids, row->c_stride_h, row->c_stride_d,
+                                        (distant_end - 1) / block, k0, k_stride_h, k_stride_n, kv_heads, group, d,
+                                        distant_end, block, row->b, threads, chosen);
+        if (status) return status;
+        return attend_support(q0, k0, k_stride_h, k_stride_n, v0, v_stride_h, v_stride_n, chosen, row->b, kv_heads,
+                              group, d, n, distant_end, block, scale, threads, out + row->out);
+    }
     int64_t *order = scratch(sizeof(int64_t) * (size_t)(2 * n_rows + 1));
     if (!order) return -1;
     int64_t *cost = order + n_rows;
@@ -678,25 +692,14 @@ int sparse_step_batch(const float *q, const float *keys, int64_t k_stride_h, int
 }
 
 /* The whole sparse step of one sequence in one call: when `fresh`, select into chosen (kv, b) what
- * select_mean_pooled selects, then attend over anchor + chosen + window as attend_support does (the same blocks and
- * output to the bit: both routes below score with score_blocks and tail_score and attend with attend_head). With at
- * least as many KV heads as threads it is one batch row: one dispatch, each task a head's selection then its
- * attention, so a worker is woken once per step, not twice. With fewer KV heads (a head's selection is then split
- * into ranges of blocks) it is the two calls in turn. Returns 0, or what the failing call returned (out undefined). */
+ * select_mean_pooled selects, then attend over anchor + chosen + window as attend_support does: one batch row. */
 int sparse_step(const float *q, const float *centroids, int64_t c_stride_h, int64_t c_stride_d, int64_t n_full,
                 const float *keys, int64_t k_stride_h, int64_t k_stride_n, const float *values, int64_t v_stride_h,
                 int64_t v_stride_n, int64_t *chosen, int64_t b, int64_t fresh, int64_t kv_heads, int64_t group,
                 int64_t d, int64_t n, int64_t distant_end, int64_t block, float scale, int64_t threads, float *out) {
-    if (!fresh || kv_heads >= threads) {
-        row_t row = {0, 0, 0, 0, n, (int64_t)(intptr_t)centroids, c_stride_h, c_stride_d, (int64_t)(intptr_t)chosen,
-                     b, fresh ? 1 : 0};
-        (void)n_full; /* the row derives it from n and the window */
-        return sparse_step_batch(q, keys, k_stride_h, k_stride_n, values, v_stride_h, v_stride_n, out,
-                                 (const int64_t *)&row, 1, kv_heads, group, d, n - distant_end, block, scale, threads);
-    }
-    int status = select_mean_pooled(q, centroids, c_stride_h, c_stride_d, n_full, keys, k_stride_h, k_stride_n,
-                                    kv_heads, group, d, distant_end, block, b, threads, chosen);
-    if (status) return status;
-    return attend_support(q, keys, k_stride_h, k_stride_n, values, v_stride_h, v_stride_n, chosen, b, kv_heads, group,
-                          d, n, distant_end, block, scale, threads, out);
+    row_t row = {0, 0, 0, 0, n, (int64_t)(intptr_t)centroids, c_stride_h, c_stride_d, (int64_t)(intptr_t)chosen,
+                 b, fresh ? 1 : 0};
+    (void)n_full; /* the row derives it from n and the window */
+    return sparse_step_batch(q, keys, k_stride_h, k_stride_n, values, v_stride_h, v_stride_n, out,
+                             (const int64_t *)&row, 1, kv_heads, group, d, n - distant_end, block, scale, threads);
 }

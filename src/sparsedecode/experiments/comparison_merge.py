@@ -1,0 +1,95 @@
+"""Merging selector comparisons: ``compare-selectors`` folders of the same settings (model, dtype, corpus, contexts,
+supports, prompts, tokens, audit, retrieval) and different selectors become one comparison, as if every selector had
+run in one command. This is how a selector added later joins a committed comparison without rerunning the others.
+
+The folders must have decoded the same prompts to the same dense continuations and answered the same passkey
+trials densely alike (checked run by run): a selector's row is only comparable against the dense reference the
+others had. Each folder's selectors and environment are kept in ``settings["parts"]``; the operator times are each
+folder's own (measured in its process) until ``scripts/retime_selector_ops.py`` measures them together.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import SparseDecodeError
+from .selector_comparison import rebuild
+
+SAME_SETTINGS = ("model", "dtype", "corpus", "context", "support", "prompts", "tokens", "audit", "retrieval")
+"""The settings two comparisons must share to merge."""
+
+COMPARISON_FILE = "selectors.json"
+
+
+def is_comparison_folder(folder: Path) -> bool:
+    return (Path(folder) / COMPARISON_FILE).is_file()
+
+
+def _read(folder: Path) -> dict:
+    path = Path(folder) / COMPARISON_FILE
+    if not path.is_file():
+        raise SparseDecodeError(f"{folder} is not a selector comparison folder (no {COMPARISON_FILE})")
+    try:
+        data = json.loads(path.read_text())
+        data["settings"]["selectors"], data["runs"], data["summary"]  # noqa: B018 - the fields a merge needs
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise SparseDecodeError(f"{path} is not a selector comparison ({type(error).__name__})") from None
+    return data
+
+
+def _agree(seen: dict, key: tuple, value, folder: Path, first: Path, what: str) -> None:
+    if seen.setdefault(key, value) != value:
+        raise SparseDecodeError(
+            f"{folder}: {what} differs from {first}'s: not the same prompts, model or code; comparisons merge only "
+            "against the same dense reference"
+        )
+
+
+def merge_comparisons(folders: list[Path]) -> dict:
+    """One comparison document (``selectors.json``'s content, summary rebuilt) of ``folders``' runs and trials."""
+    if len(folders) < 2:
+        raise SparseDecodeError("give at least two selector comparison folders to merge")
+    docs = [(Path(folder), _read(folder)) for folder in folders]
+    first, settings = docs[0][0], docs[0][1]["settings"]
+    selectors: list[str] = []
+    runs, trials, summary, parts = [], [], [], []
+    dense: dict[tuple, object] = {}
+    for folder, data in docs:
+        these = data["settings"]
+        differ = [name for name in SAME_SETTINGS if these.get(name) != settings.get(name)]
+        if differ:
+            raise SparseDecodeError(
+                f"{folder}: its {', '.join(differ)} differ from {first}'s; only comparisons of the same settings merge"
+            )
+        again = [name for name in these["selectors"] if name in selectors]
+        if again:
+            raise SparseDecodeError(
+                f"{folder}: selector(s) {', '.join(again)} are already in an earlier folder; "
+                "merge comparisons of different selectors"
+            )
+        selectors += these["selectors"]
+        for run in data["runs"]:
+            where = f"the dense continuation of prompt {run['prompt_index']} at context {run['context']}"
+            _agree(dense, ("run", run["context"], run["prompt_index"]), run["dense_tokens"], folder, first, where)
+        for trial in data.get("retrieval", []):
+            if trial.get("selector") is None:
+                where = f"the dense answer of passkey trial {trial['trial']} at context {trial['context']}"
+                key = ("trial", trial["context"], trial["trial"])
+                _agree(dense, key, (trial["passkey"], trial["answer_ids"]), folder, first, where)
+                if data is not docs[0][1]:
+                    continue  # one dense row per trial, the first folder's
+            trials.append(trial)
+        runs += data["runs"]
+        summary += data["summary"]
+        part = {"selectors": these["selectors"], "batch": these.get("batch", 1)}
+        part["environment"] = these.get("environment")
+        if these.get("op_ms_remeasured"):
+            part["op_ms_remeasured"] = these["op_ms_remeasured"]
+        parts.append(part)
+    contexts = list(settings["context"])
+    runs.sort(key=lambda r: (contexts.index(r["context"]), r["prompt_index"]))  # stable: selectors in folder order
+    trials.sort(key=lambda t: (contexts.index(t["context"]), t["trial"]))
+    merged = {key: value for key, value in settings.items() if key != "op_ms_remeasured"}
+    merged.update(selectors=selectors, parts=parts)
+    return rebuild({"settings": merged, "summary": summary, "runs": runs, "retrieval": trials})
