@@ -90,11 +90,6 @@ def main(argv=None) -> None:
     pads = [i * (n0 // 2) // max(batch - 1, 1) for i in range(batch)] if args.ragged else [0] * batch
     cfg = SparseConfig(support=args.support, reuse=args.reuse)
     cache = _Cache(keys)
-    one_call = attention.batch._sparse_rows_in_one_call
-
-    def per_row(*args) -> bool:  # the per-sequence loop: what runs where the one call declines
-        return False
-
     results = {"per row": [], "one call": [], "dense": []}
 
     def turn() -> None:
@@ -111,7 +106,7 @@ def main(argv=None) -> None:
                 position_ids = torch.full((batch, 1), n - 1)
                 for layer, (module, k, v) in enumerate(zip(modules, keys, values)):
                     path = ("per row", "one call")[(layer + step) % 2]
-                    attention.batch._sparse_rows_in_one_call = one_call if path == "one call" else per_row
+                    attention.step.ONE_CALL = path == "one call"  # else each row attends on its own
                     session.look(module, (), {"cache": cache})
                     start = time.perf_counter_ns()
                     attention.sparse_attention_forward(
@@ -132,7 +127,7 @@ def main(argv=None) -> None:
         for _ in range(args.turns):
             turn()
     finally:
-        attention.batch._sparse_rows_in_one_call = one_call
+        attention.step.ONE_CALL = True
     medians = {path: statistics.median(times) for path, times in results.items() if times}
     blocks = cfg.blocks
     support = 1 + cfg.window + blocks * cfg.block_size

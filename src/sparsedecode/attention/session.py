@@ -55,6 +55,8 @@ class SparseSession:
     sequence_steps: dict[int, list[int]] = field(default_factory=dict)
     """Per sequence of a batch: ``[sparse_steps, dense_steps]`` (the totals above count every sequence)."""
     extents: tuple | None = field(default=None, repr=False)
+    plans: dict = field(default_factory=dict, repr=False)
+    """The sparse step's kernel plans by kind of tensors (:func:`~sparsedecode.attention.step.plan_step`)."""
 
     support_reads: dict[int, list] = field(default_factory=dict)
     """Per sequence: ``[total, count, min, max]`` of the positions each KV head read at a sparse step (recorded with

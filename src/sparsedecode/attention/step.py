@@ -48,10 +48,44 @@ class StepPlan:
     one_call: bool
 
 
-def plan_step(cfg: SparseConfig, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout) -> StepPlan:
+def _signature(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> tuple | None:
+    """What the kernels' choice depends on for CPU tensors (dtypes, head counts and dims, row strides), or ``None``
+    where it also depends on the step (CUDA: Triton's limits grow with the cache)."""
+    if not keys.is_cpu:
+        return None
+    return (
+        q.dtype,
+        keys.dtype,
+        values.dtype,
+        q.device,
+        keys.device,
+        values.device,
+        q.shape,
+        keys.shape[0],
+        keys.shape[-1],
+        values.shape[-1],
+        keys.stride(-1),
+        values.stride(-1),
+    )
+
+
+def plan_step(
+    cfg: SparseConfig, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout, plans: dict | None = None
+) -> StepPlan:
     """The :class:`StepPlan` for a layer call, from one row's ``q (H, d)``, ``keys``/``values (kv, >= n, d)`` and
     layout (the longest row's: the kernels' limits grow with ``n``). A kernel insisted on (``cfg.kernel``) that
-    cannot serve raises here, once."""
+    cannot serve raises here. ``plans`` (a session's) keeps the plans of CPU tensors by what they depend on, so a
+    session plans once per kind of tensors, not once per call."""
+    key = None if plans is None else _signature(q, keys, values)
+    if key is not None and key in plans:
+        return plans[key]
+    plan = _plan(cfg, q, keys, values, layout)
+    if key is not None:
+        plans[key] = plan
+    return plan
+
+
+def _plan(cfg: SparseConfig, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout) -> StepPlan:
     selector = cfg.selector
     if selector.token_level:
         return StepPlan("torch", "torch", False)
@@ -60,7 +94,7 @@ def plan_step(cfg: SparseConfig, q: torch.Tensor, keys: torch.Tensor, values: to
     if selector.kernel_scoring == "mean-dot" and not selector.adaptive:
         # the C kernel attending serves these tensors, so it serves their selection (which needs less of them)
         select = "c" if attend == "c" else kernels.selection_kernel(cfg.kernel, q, keys, layout)
-    return StepPlan(attend, select, ONE_CALL and attend == "c" and not selector.adaptive)
+    return StepPlan(attend, select, attend == "c" and not selector.adaptive)
 
 
 def _check_history(selector, state: LayerState) -> None:
@@ -165,22 +199,21 @@ def sparse_rows(
         i: BlockLayout(n=m, window=cfg.window, block_size=cfg.block_size, layer=state.layer, scale=scale, seed=cfg.seed)
         for i, state, _, m in rows
     }
-    longest = max(rows, key=lambda r: r[3])
-    plan = plan_step(
-        cfg, q[longest[0]], key[longest[0], :, longest[2] :], value[longest[0], :, longest[2] :], layouts[longest[0]]
-    )
+    i, _, pad, _ = max(rows, key=lambda r: r[3]) if len(rows) > 1 else rows[0]
+    plan = plan_step(cfg, q[i], key[i, :, pad:], value[i, :, pad:], layouts[i], session.plans)
+    one_call = plan.one_call and ONE_CALL
     if selector.uses_history:
         for _, state, _, _ in rows:
             _check_history(selector, state)
     fresh = [_fresh(cfg, state) for _, state, _, _ in rows]
-    if plan.one_call:
+    if one_call:
         if not q.is_contiguous():
             q = q.contiguous()
         _one_call(cfg, plan, rows, layouts, fresh, q, key, value, out.view(q.shape))
     for (i, state, pad, m), f in zip(rows, fresh):
         keys, values, layout = key[i, :, pad:], value[i, :, pad:], layouts[i]
         blocks = None
-        if plan.one_call:
+        if one_call:
             row_out, blocks = out[i, 0], state.blocks
         elif selector.token_level:
             row_out, index, valid = _token_row(cfg, state, q[i], keys, values, layout, f)
@@ -196,7 +229,7 @@ def sparse_rows(
             view.sequence = i
             for observe in session.observers:
                 observe(view)
-        if not plan.one_call:
+        if not one_call:
             out[i, 0] = row_out
         session.sparse_steps += 1
         session.sequence_steps.setdefault(i, [0, 0])[0] += 1

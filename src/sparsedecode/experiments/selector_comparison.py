@@ -31,16 +31,12 @@ from ..decode import Progress
 from ..errors import SparseDecodeError
 from ..paired import compare, dense_reference
 from ..results import upgrade_row
-from ..selectors import resolve_selector
+from ..selectors import resolve_selector, selector_names
 from .bench import bench_op
 from .corpus import prompt_ids
 from .retrieval import run_trial, trial_prompt
 from .summary import dense_by_construction
 from .work import Executor
-
-BUILTIN_SELECTORS = ("mean-pooled", "quest", "oracle-blocks", "random-blocks", "oracle-tokens", "h2o", "streaming")
-"""The selectors compared when none are named: the seven the comparison was first run with (``--selectors all``
-on the command line adds every registered one)."""
 
 ANSWER_TOKENS = 8
 """Greedy answer tokens per retrieval trial (the retrieval probe's default)."""
@@ -170,7 +166,7 @@ def compare_selectors(
         raise SparseDecodeError(f"retrieval must be an integer >= 0 (trials per context), got {retrieval!r}")
     from .specs import canonical_selectors
 
-    selectors = canonical_selectors(BUILTIN_SELECTORS if selectors is None else selectors)
+    selectors = canonical_selectors(selector_names() if selectors is None else selectors)  # none named: all registered
     # Built first, so a context too short for the passkey prompt is refused before any run.
     passkey_prompts = {
         (context, trial): trial_prompt(tokenizer, context, depth, trial)
