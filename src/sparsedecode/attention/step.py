@@ -117,9 +117,9 @@ def _block_row(cfg, plan, state, q, keys, values, layout, fresh) -> torch.Tensor
 
 def _one_call(cfg, plan, rows, layouts, fresh, q, key, value, out) -> None:
     """Every row's step in one C call, written into ``out (batch, H, d)`` float32 (whatever the dtype of ``q``, ``key``
-    and ``value``, which the call reads as they are): mean-pooled selection inside the
-    call where the row selects afresh (the C kernel's scoring), other block selectors selecting per row first. The
-    call scores and attends with the code of the C kernel's single-sequence calls: the same blocks and outputs."""
+    and ``value``, which the call reads as they are): mean-pooled selection inside the call where the row selects
+    afresh (the C kernel's scoring), other block selectors selecting per row first. The call scores and attends with
+    the code of the C kernel's single-sequence calls: the same blocks and outputs."""
     inside = plan.select == "c"
     selecting = [r for r, f in zip(rows, fresh) if f and inside]
     if selecting:  # run_selection's cap, b <= n_blocks (a row past the support always has more than cfg.blocks)

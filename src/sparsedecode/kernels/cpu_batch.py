@@ -27,18 +27,18 @@ def sparse_step_batch(
 
     ``q (batch, H, d)``, ``keys``/``values (batch, kv, positions, d)`` of one dtype the C code reads (float32,
     bfloat16 or float16), ``out (batch, H, d)`` float32 contiguous whatever that dtype (only the rows named are
-    written). Each entry of ``rows`` is ``(sequence, pad, n, centroids, chosen,
-    fresh)``: sequence ``sequence`` of the batch occupies cache positions ``[pad, pad + n)``, its own positions
-    ``0 .. n - 1`` (its layout has ``n`` positions); ``centroids`` its cache's ``(kv, d, capacity)`` float32
-    storage (:meth:`~sparsedecode.centroids.BlockCentroids.storage`, holding at least its ``n_full`` blocks; read
-    only when ``fresh``); ``chosen`` its ``(kv, b)`` int64 blocks, contiguous: written when ``fresh`` (the ``b <=
-    n_blocks`` best, ascending, as :func:`select_mean_pooled`), read as they are otherwise. No two rows may share
-    ``chosen`` storage, nor two fresh rows the same output row.
+    written). Each entry of ``rows`` is ``(sequence, pad, n, centroids, chosen, fresh)``: sequence ``sequence`` of
+    the batch occupies cache positions ``[pad, pad + n)``, its own positions ``0 .. n - 1`` (its layout has ``n``
+    positions); ``centroids`` its cache's ``(kv, d, capacity)`` float32 storage
+    (:meth:`~sparsedecode.centroids.BlockCentroids.storage`, holding at least its ``n_full`` blocks; read only when
+    ``fresh``); ``chosen`` its ``(kv, b)`` int64 blocks, contiguous: written when ``fresh`` (the ``b <= n_blocks``
+    best, ascending, as :func:`select_mean_pooled`), read as they are otherwise. No two rows may share ``chosen``
+    storage, nor two fresh rows the same output row.
 
     Bytes read per sequence: the support's keys and values, ``S x kv x d x 2 x e`` (``S = 1 + b*B + W``, ``e`` the
     element size: 4 or 2), plus at a fresh step its ``n_full x kv x d x 4`` float32 centroid bytes and the tail
-    block's keys. Checks the tensors and every
-    row first (:class:`~sparsedecode.errors.SparseDecodeError`), so no row can move a read outside its tensors.
+    block's keys. Checks the tensors and every row first (:class:`~sparsedecode.errors.SparseDecodeError`), so no
+    row can move a read outside its tensors.
     """
     if q.dim() != 3 or keys.dim() != 4 or values.dim() != 4:
         raise SparseDecodeError(

@@ -512,7 +512,7 @@ static inline v8 half8(const void *p) { /* half_to_float on 8 lanes */
 }
 #endif
 
-/* 8 elements of `dtype` at p as floats. Inlined into code specialised for one dtype, so the test folds away. */
+/* 8 elements of `dtype` at p as floats. Inlined into code specialised for one dtype, where the tests fold away. */
 static inline __attribute__((always_inline)) v8 load8_as(const void *p, int dtype) {
     if (dtype == DTYPE_F32) return load8(p);
     if (dtype == DTYPE_BF16) return (v8)(__builtin_convertvector(*(const v8h *)p, v8w) << 16);
