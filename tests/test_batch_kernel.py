@@ -36,12 +36,12 @@ def ragged_batch(lengths, seed=10):
     return ids, mask
 
 
-def random_cache(batch, kv_heads, d, lengths, pads, seed):
+def random_cache(batch, kv_heads, d, lengths, pads, seed, dtype=torch.float32):
     """Random keys and values of a batch holding sequences of ``lengths`` at ``pads``, and the generator."""
     generator = torch.Generator().manual_seed(seed)
     positions = max(p + n for p, n in zip(pads, lengths)) + 3
-    keys = torch.randn(batch, kv_heads, positions, d, generator=generator)
-    values = torch.randn(batch, kv_heads, positions, d, generator=generator)
+    keys = torch.randn(batch, kv_heads, positions, d, generator=generator).to(dtype)
+    values = torch.randn(batch, kv_heads, positions, d, generator=generator).to(dtype)
     return keys, values, generator
 
 
@@ -55,15 +55,16 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:3])) + f"-{len(c[3])}rows")
-def test_batch_call_equals_single_calls_sequence_by_sequence(case, threads):
+def test_batch_call_equals_single_calls_sequence_by_sequence(case, threads, dtype):
     query_heads, kv_heads, d, lengths, b = case
     batch = len(lengths) + 1  # one sequence of the batch is not served by the call (a dense row)
     pads = [7 * i for i in range(len(lengths))]
-    keys, values, generator = random_cache(batch, kv_heads, d, lengths, pads, seed=sum(lengths))
-    q = 3 * torch.randn(batch, query_heads, d, generator=generator)
-    out = torch.full((batch, query_heads, d), 123.0)
+    keys, values, generator = random_cache(batch, kv_heads, d, lengths, pads, seed=sum(lengths), dtype=dtype)
+    q = (3 * torch.randn(batch, query_heads, d, generator=generator)).to(dtype)
+    out = torch.full((batch, query_heads, d), 123.0)  # float32 whatever the inputs' dtype
     rows, expected = [], []
     for i, (pad, n) in enumerate(zip(pads, lengths)):
         layout = BlockLayout(n=n, window=64, block_size=16)
@@ -146,6 +147,12 @@ def test_batch_call_refuses_rows_it_cannot_read():
         call((0, 0, 90, cache.storage(), torch.zeros(2, 3, dtype=torch.int64), True))  # 2 blocks in all
     with pytest.raises(SparseDecodeError, match="float32"):
         call((0, 0, 250, cache.storage(), blocks, True), k=keys.double(), query=q.double())
+    with pytest.raises(SparseDecodeError, match="alike"):  # it would read the query's elements at the keys' size
+        call((0, 0, 250, cache.storage(), blocks, True), query=q.bfloat16())
+    with pytest.raises(SparseDecodeError, match="float32"):  # the output is float32 whatever the inputs' dtype
+        cpu_batch.sparse_step_batch(
+            q.half(), keys.half(), keys.half(), out.half(), [(0, 0, 250, None, blocks, False)], 64, 16, 0.25
+        )
     with pytest.raises(SparseDecodeError, match="contiguous"):
         call((0, 0, 250, cache.storage(), blocks, True), query=q.transpose(0, 1).contiguous().transpose(0, 1))
 
@@ -298,6 +305,32 @@ def test_observers_see_each_sequence_in_its_own_positions(monkeypatch):
     assert calls.batched == 2 * 3 and seen  # 3 decode forwards of 2 layers
     assert {sequence for sequence, _, _ in seen} == {0, 1, 3}  # the 60-token prompt stays dense for 4 steps
     assert all(top < n <= LENGTHS[sequence] + 4 for sequence, top, n in seen)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_precision_one_call_equals_the_per_sequence_loop(arch, dtype, monkeypatch):
+    """A half-precision ragged batch: one C call per layer (reading bfloat16 or float16, writing float32, copied into
+    the model's dtype) decodes as the per-sequence C calls (selection, then attention), to the bit: the same C code
+    on the same inputs, rounded to the model's dtype in the same place. And as the torch path, token for token."""
+    model = tiny_model(arch, dtype=dtype)
+    ids, mask = ragged_batch(LENGTHS)
+    results = {}
+    for path in ("one call", "per row", "torch"):
+        cfg = SparseConfig(support=97, reuse=2, kernel="torch" if path == "torch" else "auto")
+        with monkeypatch.context() as patch:
+            calls = Calls(patch)
+            if path == "per row":
+                per_row(patch)
+            tokens, logits, session = generate(model, ids, mask, cfg, 12)
+        results[path] = (tokens, logits, calls.batched, calls.blocks, session.sparse_steps)
+    (tokens, logits, batched, blocks, steps), (tokens1, logits1, batched1, blocks1, steps1) = (
+        results["one call"],
+        results["per row"],
+    )
+    assert batched == 2 * 11 and batched1 == 0 and steps == steps1 == len(blocks) == len(blocks1) > 0
+    assert all(torch.equal(a, b) for a, b in zip(blocks, blocks1))
+    assert torch.equal(tokens, tokens1) and torch.equal(logits, logits1)
+    assert torch.equal(tokens, results["torch"][0])
 
 
 def test_other_kernels_keep_the_per_sequence_path(monkeypatch):

@@ -7,6 +7,7 @@ import math
 from datetime import datetime, timedelta, timezone
 
 import pytest
+import torch
 from conftest import prompt, tiny_model
 
 from sparsedecode import SparseDecodeError
@@ -293,3 +294,22 @@ def test_bench_op_cli_refuses_bad_input(tmp_path, capsys, monkeypatch, options, 
 def test_bench_e2e_cli_refuses_repeats_below_one(tiny_model_dir, capsys):
     assert main(["bench", "e2e", "--model", str(tiny_model_dir), "--context", "300", "--repeats", "0"]) == 2
     assert "--repeats" in capsys.readouterr().err
+
+
+def test_bytes_accounting_of_two_byte_elements():
+    """bfloat16 or float16 caches: keys, values, the tail block's keys and the query at 2 bytes an element, the
+    float32 centroids at 4 (the cache keeps them in float32 whatever the keys' dtype)."""
+    cfg = SparseConfig(support=193)
+    dense, sparse = _op_bytes(cfg, 131072, 2, 14, 64, 2)
+    assert dense == 2 * 2 * 131072 * 64 * 2 + 14 * 64 * 2
+    blocks = (131072 - 64 - 1) // 16
+    assert sparse == 2 * blocks * 64 * 4 + 15 * 2 * 64 * 2 + 2 * 2 * 193 * 64 * 2 + 14 * 64 * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_bench_op_times_the_c_kernel_in_half_precision(dtype):
+    """The default kernels on the CPU are torch and the C kernel in half precision too, its bytes at 2 an element."""
+    rows, _ = bench_op("smollm2-135m", (512,), (97,), dtype=dtype, budget_s=0.001, layers=1)
+    name = str(dtype).removeprefix("torch.")
+    assert [(r.kernel, r.dtype) for r in rows] == [("torch", name), ("c", name)]
+    assert rows[1].bytes_sparse == _op_bytes(SparseConfig(support=97), 512, 3, 9, 64, 2)[1]

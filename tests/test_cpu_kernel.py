@@ -1,7 +1,12 @@
-"""The C kernel of the sparse step (float32 on the CPU, the default there): the same blocks as the torch selection
-(ties included) and the same attention as gather + SDPA, and decoding that agrees with the torch path."""
+"""The C kernel of the sparse step (float32, bfloat16 or float16 on the CPU, the default there): the same blocks as
+the torch selection (ties included) and the same attention as gather + SDPA, and decoding that agrees with the torch
+path."""
 
 from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
 
 import pytest
 import torch
@@ -16,6 +21,8 @@ from sparsedecode.centroids import BlockCentroids
 from sparsedecode.kernels import cpu, cpu_batch
 from sparsedecode.layout import BlockLayout
 from sparsedecode.selectors import select_blocks
+
+HALF = (torch.bfloat16, torch.float16)
 
 
 @pytest.fixture(autouse=True)
@@ -112,16 +119,18 @@ def test_c_attention_masks_a_chosen_short_last_block():
     st.integers(min_value=70, max_value=600),
     st.integers(min_value=1, max_value=12),
     st.integers(min_value=0, max_value=2**31 - 1),
+    st.sampled_from((torch.float32, *HALF)),
 )
-def test_c_selection_breaks_ties_as_top_blocks(n, b, seed):
-    """Keys of 0s and 1s make many blocks tie: the C kernel must keep the lowest-indexed ones, as top_blocks."""
+def test_c_selection_breaks_ties_as_top_blocks(n, b, seed, dtype):
+    """Keys of 0s and 1s make many blocks tie: the C kernel must keep the lowest-indexed ones, as top_blocks, in
+    every dtype it reads (0 and 1 are exact in all)."""
     generator = torch.Generator().manual_seed(seed)
     layout = BlockLayout(n=n, window=64, block_size=16)
-    keys = torch.randint(0, 2, (2, n, 8), generator=generator).float()
+    keys = torch.randint(0, 2, (2, n, 8), generator=generator).to(dtype)
     keys[:, 1 : layout.distant_end] = keys[:, 1 : layout.distant_end : 16].repeat_interleave(16, 1)[
         :, : layout.distant_end - 1
     ]  # constant within a block, so the tail block's mean ties full blocks' exactly
-    q = torch.ones(4, 8)
+    q = torch.ones(4, 8, dtype=dtype)
     centroids = BlockCentroids(16).update(keys, layout.n_full)
     chosen = cpu.select_mean_pooled(q, keys, centroids, layout, b)
     assert torch.equal(chosen, torch_selection(q, keys, layout, b))
@@ -168,13 +177,120 @@ def test_a_sparse_step_is_one_c_call_per_layer(selector, monkeypatch):
     assert calls["step"] == session.sparse_steps
 
 
-def test_c_kernel_refused_for_half_precision():
-    model = tiny_model("llama", dtype=torch.bfloat16)
-    with (
-        sparse_decoding(model, SparseConfig(support=97, kernel="c")),
-        pytest.raises(SparseDecodeError, match="float32"),
-    ):
-        greedy_loop(model, prompt(180), 2)
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("case", CASES + [(14, 2, 64, 70000, 8)], ids=lambda c: "-".join(map(str, c)))
+def test_c_half_precision_selection_and_attention_match_torch(case, dtype):
+    """bfloat16 and float16 caches: the torch path's blocks, and its attention over them within float32 round-off
+    (both convert the same half-precision numbers to float32 exactly and then compute in float32, so they differ only
+    by the order of their sums: assert_attention_close). The one C call gives the two calls' results to the bit."""
+    query_heads, kv_heads, d, n, b = case
+    generator = torch.Generator().manual_seed(n)
+    layout = BlockLayout(n=n, window=64, block_size=16)
+    keys = torch.randn(kv_heads, n + 5, d, generator=generator).to(dtype)
+    values = torch.randn(kv_heads, n + 5, d, generator=generator).to(dtype)
+    q = (3 * torch.randn(query_heads, d, generator=generator)).to(dtype)
+    expected = torch_selection(q, keys, layout, b)
+    cache = BlockCentroids(16)
+    chosen = cpu.select_mean_pooled(q, keys, cache.update(keys, layout.n_full), layout, b)
+    assert torch.equal(chosen, expected)
+    out = cpu.attend_support(q, keys, values, chosen, layout, d**-0.5)
+    assert out.dtype == torch.float32
+    reference = attend_support(q, keys, values, expected, layout, d**-0.5)
+    assert_attention_close(out, reference, q, keys, values, d**-0.5)
+    whole, blocks = cpu.run_step(q, keys, values, cache.storage(), None, layout, b, d**-0.5)
+    assert torch.equal(blocks, chosen) and torch.equal(whole, out)
+
+
+@given(
+    st.integers(min_value=70, max_value=600),
+    st.integers(min_value=1, max_value=12),
+    st.integers(min_value=0, max_value=2**31 - 1),
+    st.sampled_from(HALF),
+)
+def test_c_half_precision_selection_equals_torch_on_exact_scores(n, b, seed, dtype):
+    """Keys constant within each block, of -1, -1/2, 0, 1/2 and 1, and queries of small integers, in half precision:
+    every score is a multiple of 1/64 below 2^6, which float32 holds exactly however its sum is ordered (and the torch
+    path's scaling by 1/sqrt(16) is exact), so C and torch compute the very same scores, many of them tied. The C
+    kernel must pick exactly top_blocks' blocks, the lowest index first among ties; attention over them as torch's
+    within float32 round-off."""
+    generator = torch.Generator().manual_seed(seed)
+    layout = BlockLayout(n=n, window=64, block_size=16)
+    keys = (torch.randint(-2, 3, (2, n, 16), generator=generator) / 2).to(dtype)
+    keys[:, 1 : layout.distant_end] = keys[:, 1 : layout.distant_end : 16].repeat_interleave(16, 1)[
+        :, : layout.distant_end - 1
+    ]  # the tail block's mean is exact too
+    values = torch.randn(2, n, 16, generator=generator).to(dtype)
+    q = torch.randint(-2, 3, (4, 16), generator=generator).to(dtype)
+    expected = torch_selection(q, keys, layout, b)
+    centroids = BlockCentroids(16).update(keys, layout.n_full)
+    chosen = cpu.select_mean_pooled(q, keys, centroids, layout, b)
+    assert torch.equal(chosen, expected)
+    out = cpu.attend_support(q, keys, values, chosen, layout, 0.25)
+    assert_attention_close(out, attend_support(q, keys, values, expected, layout, 0.25), q, keys, values, 0.25)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_half_precision_decodes_in_c_as_torch(arch, dtype, monkeypatch):
+    """A bfloat16 or float16 model's sparse steps run in C, one ``run_step_batch`` call per layer and step (never the
+    torch path), and decode the torch path's tokens. At every step the C kernel's blocks are a fresh torch
+    selection's (reuse 1) and its float32 output is torch's attention over them within float32 round-off."""
+    model = tiny_model(arch, dtype=dtype)
+    ids = prompt(200)
+    with sparse_decoding(model, SparseConfig(support=97, kernel="torch")):
+        expected = greedy_loop(model, ids, 30)[0]
+    calls, checked = [], []
+    run_step_batch = cpu_batch.run_step_batch
+
+    def counted(q, keys, values, out, rows, *args):
+        calls.append((q.dtype, out.dtype, len(rows)))
+        return run_step_batch(q, keys, values, out, rows, *args)
+
+    def check(view):
+        keys, values, layout = view.keys[:, : view.layout.n], view.values[:, : view.layout.n], view.layout
+        assert torch.equal(view.blocks, torch_selection(view.query, keys, layout, view.blocks.shape[1]))
+        reference = attend_support(view.query, keys, values, view.blocks, layout, view.scaling)
+        assert view.output.dtype == torch.float32
+        assert_attention_close(view.output, reference, view.query, keys, values, view.scaling)
+        checked.append(view.layer)
+
+    monkeypatch.setattr(cpu_batch, "run_step_batch", counted)
+    with sparse_decoding(model, SparseConfig(support=97)) as session:
+        session.observers.append(check)
+        tokens = greedy_loop(model, ids, 30)[0]
+    assert session.sparse_steps == len(calls) == len(checked) == 30 * 2
+    assert set(calls) == {(dtype, torch.float32, 1)}  # half-precision inputs, a float32 output
+    assert tokens == expected
+
+
+def _variant(tmp_path, variant: int) -> ctypes.CDLL | None:
+    """The kernel built with ``-DSPARSE_STEP_HALF=variant`` (1 F16C, 2 _Float16, 3 integer arithmetic), or None
+    where this compiler or processor cannot build it."""
+    compiler = os.environ.get("CC") or "cc"
+    target = tmp_path / f"variant{variant}.so"
+    command = [compiler, *cpu.FLAGS, f"-DSPARSE_STEP_HALF={variant}", str(cpu.SOURCE), "-o", str(target), "-lm"]
+    if subprocess.run(command, capture_output=True, timeout=120).returncode != 0:
+        return None
+    library = ctypes.CDLL(str(target))
+    library.to_float32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    return library
+
+
+def test_every_half_precision_number_converts_exactly(tmp_path):
+    """All 65536 bfloat16 and float16 bit patterns become the float32 torch makes of them (NaN for NaN), eight at a
+    time and one at a time (65533 is not a multiple of 8), in the library built here and in every conversion
+    variant this compiler builds (the portable one always)."""
+    libraries = {"built": cpu.library(), **{v: _variant(tmp_path, v) for v in (1, 2, 3)}}
+    assert libraries[3] is not None
+    for dtype in HALF:
+        halves = torch.arange(-(2**15), 2**15 - 3, dtype=torch.int32).to(torch.int16).view(dtype)
+        expected = halves.float()
+        for name, library in libraries.items():
+            if library is None:
+                continue
+            got = torch.empty(halves.numel())
+            library.to_float32(halves.data_ptr(), halves.numel(), cpu.DTYPES[dtype], got.data_ptr())
+            same = (got.view(torch.int32) == expected.view(torch.int32)) | (got.isnan() & expected.isnan())
+            assert bool(same.all()), f"{name}, {dtype}: {int((~same).sum())} differ"
 
 
 def test_without_a_compiler_auto_falls_back_to_torch(monkeypatch, tmp_path):

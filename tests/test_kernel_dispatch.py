@@ -82,10 +82,9 @@ def assert_refused_under_auto(kernel, q, keys, values, layout, match):
 # ---------------------------------------------------------------------------------------------------- C kernel
 
 C_REFUSALS = {
-    "bfloat16": (dict(dtype=torch.bfloat16), "float32"),
-    "float16": (dict(dtype=torch.float16), "float32"),
-    "float64": (dict(dtype=torch.float64), "float32"),
-    "float64-values": (dict(value_dtype=torch.float64), "float32"),
+    "float64": (dict(dtype=torch.float64), "float32, bfloat16 or float16"),
+    "float64-values": (dict(value_dtype=torch.float64), "alike"),
+    "keys-and-values-differ": (dict(dtype=torch.bfloat16, value_dtype=torch.float32), "alike"),
     "value-dim-smaller": (dict(dv=8), "value head dim"),
     "value-dim-larger": (dict(dv=32), "value head dim"),
     "key-rows-strided": (dict(key_stride=2), "contiguous"),
@@ -93,8 +92,9 @@ C_REFUSALS = {
 }
 
 
-def test_c_kernel_serves_auto_when_every_assumption_holds():
-    q, keys, values, layout = case()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_c_kernel_serves_auto_when_every_assumption_holds(dtype):
+    q, keys, values, layout = case(dtype=dtype)
     assert kernels.attention_kernel("auto", q, keys, values, layout) == "c"
     assert kernels.selection_kernel("auto", q, keys, layout) == "c"
     blocks, out, scale = step("auto", q, keys, values, layout)

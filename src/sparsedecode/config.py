@@ -10,10 +10,10 @@ from .selectors.base import Selector
 KERNELS = ("auto", "torch", "c", "triton")
 """How a block selector's step runs: ``torch`` (torch operations: scores, top-k, gather + SDPA; any device, dtype
 and head dims), ``c`` (the CPU kernel of :mod:`sparsedecode.kernels.cpu`: selection and attention in one call each,
-float32), ``triton`` (:mod:`sparsedecode.kernels.triton_attention`; CUDA, or Triton's interpreter on CPU), ``auto``
-(Triton on CUDA, the C kernel on the CPU, each only where every assumption of its code holds, torch otherwise).
-``c`` and ``triton`` raise where they cannot serve (token-level and adaptive selectors: at once, in
-:class:`SparseConfig`);
+float32, bfloat16 or float16), ``triton`` (:mod:`sparsedecode.kernels.triton_attention`; CUDA, or Triton's
+interpreter on CPU), ``auto`` (Triton on CUDA, the C kernel on the CPU, each only where every assumption of its code
+holds, torch otherwise). ``c`` and ``triton`` raise where they cannot serve (token-level and adaptive selectors: at
+once, in :class:`SparseConfig`);
 :mod:`sparsedecode.kernels.dispatch` decides."""
 
 

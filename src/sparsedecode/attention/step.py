@@ -150,9 +150,10 @@ def _block_row(cfg, plan, state, q, keys, values, layout, fresh) -> torch.Tensor
 
 
 def _one_call(cfg, plan, rows, layouts, fresh, q, key, value, out) -> None:
-    """Every row's step in one C call, written into ``out (batch, H, d)`` float32: mean-pooled selection inside the
-    call where the row selects afresh (the C kernel's scoring), other block selectors selecting per row first. The
-    call scores and attends with the code of the C kernel's single-sequence calls: the same blocks and outputs."""
+    """Every row's step in one C call, written into ``out (batch, H, d)`` float32 (whatever the dtype of ``q``, ``key``
+    and ``value``, which the call reads as they are): mean-pooled selection inside the call where the row selects
+    afresh (the C kernel's scoring), other block selectors selecting per row first. The call scores and attends with
+    the code of the C kernel's single-sequence calls: the same blocks and outputs."""
     inside = plan.select == "c"
     selecting = [r for r, f in zip(rows, fresh) if f and inside]
     if selecting:  # run_selection's cap, b <= n_blocks (a row past the support always has more than cfg.blocks)
@@ -209,12 +210,15 @@ def sparse_rows(
     if one_call:
         if not q.is_contiguous():
             q = q.contiguous()
-        _one_call(cfg, plan, rows, layouts, fresh, q, key, value, out.view(q.shape))
+        # the C call writes float32: into ``out`` itself when it is float32, else into a buffer copied row by row
+        direct = out.dtype == torch.float32
+        written = out.view(q.shape) if direct else torch.empty(q.shape, dtype=torch.float32)
+        _one_call(cfg, plan, rows, layouts, fresh, q, key, value, written)
     for (i, state, pad, m), f in zip(rows, fresh):
         keys, values, layout = key[i, :, pad:], value[i, :, pad:], layouts[i]
         blocks = None
         if one_call:
-            row_out, blocks = out[i, 0], state.blocks
+            row_out, blocks = written[i], state.blocks
         elif selector.token_level:
             row_out, index, valid = _token_row(cfg, state, q[i], keys, values, layout, f)
         else:
@@ -229,7 +233,7 @@ def sparse_rows(
             view.sequence = i
             for observe in session.observers:
                 observe(view)
-        if not one_call:
+        if not (one_call and direct):
             out[i, 0] = row_out
         session.sparse_steps += 1
         session.sequence_steps.setdefault(i, [0, 0])[0] += 1

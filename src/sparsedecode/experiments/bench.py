@@ -330,9 +330,10 @@ def bench_op(
     and bounds are per call (one layer's reads, the same for every layer).
 
     ``kernels`` (``SparseConfig.kernel`` values) default to torch's operations and the fused kernel of the device:
-    the C kernel for float32 on the CPU, the Triton kernels on CUDA. ``device="cuda"`` times with device events
-    (L2 flushed before every call). Raises :class:`SparseDecodeError` before any work for a support at or above a
-    context (nothing sparse to time there), a context or layer count below 1 or a budget that is not positive.
+    the C kernel on the CPU (float32, bfloat16 or float16), the Triton kernels on CUDA. ``device="cuda"`` times with
+    device events (L2 flushed before every call). Raises :class:`SparseDecodeError` before any work for a support at
+    or above a context (nothing sparse to time there), a context or layer count below 1 or a budget that is not
+    positive.
     """
     name, dims, requested = check_op_args(
         shape,
@@ -351,7 +352,7 @@ def bench_op(
         kernels = ("torch",)
     elif kernels is None:  # torch's operations beside the fused kernel the device has (the C one on the CPU)
         if device == "cpu":
-            kernels = ("torch", "c") if dtype == torch.float32 and cpu_kernel.library() is not None else ("torch",)
+            kernels = ("torch", "c") if dtype in cpu_kernel.DTYPES and cpu_kernel.library() is not None else ("torch",)
         else:
             kernels = ("torch", "triton") if triton_attention.usable(torch.device(device), 16) else ("torch",)
     for kernel in kernels:  # an explicit fused kernel for a token-level selector is refused here, as SparseConfig does
@@ -515,7 +516,7 @@ def bench_e2e(
     runs: the modes run in order, then in reverse order, and so on, so a drift of a shared machine moves every
     mode's median alike instead of favouring one mode. ``speedup_vs_best_dense`` divides by the faster dense mode.
     Peak RSS is the process peak so far. ``kernel`` is the sparse attention kernel (``SparseConfig.kernel``;
-    ``auto`` = the C kernel for float32 on the CPU, Triton on CUDA, else torch).
+    ``auto`` = the C kernel on the CPU (float32, bfloat16, float16), Triton on CUDA, else torch).
     """
     if isinstance(repeats, bool) or not isinstance(repeats, numbers.Integral) or repeats < 1:
         raise SparseDecodeError(f"bench e2e: repeats must be an integer >= 1 (got {repeats!r})")

@@ -17,10 +17,12 @@ What the C code assumes, all checked before it runs (:func:`refusal`, :func:`spa
 and the entry points below); where one does not hold, ``kernel="auto"`` uses torch and ``kernel="c"`` refuses:
 
 * the library built here (a C compiler; :data:`BUILD_ERROR` says why not);
-* CPU float32 tensors: query, keys, values and centroids are read as ``float``;
+* CPU tensors, the query, keys and values of one dtype among :data:`DTYPES` (float32, bfloat16, float16), each
+  element converted to float32 as it is loaded: scores, softmax and sums are float32, as on the torch path (which
+  upcasts what it gathers); centroids float32 (as the cache keeps them), outputs float32;
 * the value head dim equals the key head dim (one ``d`` for the logits and the output rows), and the query's
   head dim equals them too;
-* each key and value row is ``d`` contiguous floats (head-dim stride 1); any head and position strides;
+* each key and value row is ``d`` contiguous elements (head-dim stride 1); any head and position strides;
 * query heads a multiple of KV heads (``H = kv * group``), the query ``(H, d)`` contiguous (copied if not);
 * the cache holds at least the layout's ``n`` positions (the window reads up to ``n - 1``);
 * ``blocks`` an ``(kv, b)`` int64 table (converted here); an index outside ``[0, n_blocks)`` is skipped by the
@@ -65,6 +67,9 @@ SOURCE = Path(__file__).with_name("csrc") / "sparse_step.c"
 # even if the file on disk changes in between.
 _SOURCE_TEXT = SOURCE.read_bytes()
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-pthread", "-shared", "-fPIC", "-std=gnu99")
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+"""The dtypes the C code reads, and each one's code (``DTYPE_*`` in ``sparse_step.c``, every entry point's last
+argument)."""
 BUILD_ERROR: str | None = None
 _LIBRARY: ctypes.CDLL | None = None
 _TRIED = False
@@ -114,13 +119,15 @@ def _build() -> ctypes.CDLL:
                 raise OSError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
             os.replace(built, target)  # atomic: concurrent builders each write their own scratch copy
     library = ctypes.CDLL(str(target))
-    library.select_mean_pooled.argtypes = [_ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64] + [_i64] * 7 + [_ptr]
+    library.select_mean_pooled.argtypes = [_ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64] + [_i64] * 7 + [_ptr, _i64]
     library.sparse_step_batch.argtypes = (
-        [_ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr] + [_i64] * 6 + [_f32, _i64]
+        [_ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr] + [_i64] * 6 + [_f32, _i64, _i64]
     )
     library.sparse_step.argtypes = (
-        [_ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr] + [_i64] * 8 + [_f32, _i64, _ptr]
+        [_ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr] + [_i64] * 8 + [_f32, _i64, _ptr, _i64]
     )
+    library.to_float32.argtypes = [_ptr, _i64, _i64, _ptr]
+    library.to_float32.restype = None
     library.select_mean_pooled.restype = ctypes.c_int
     library.sparse_step.restype = library.sparse_step_batch.restype = ctypes.c_int
     return library
@@ -146,18 +153,17 @@ def refusal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None = N
     Shapes are checked by :func:`~sparsedecode.kernels.check_inputs`; this is what the C code adds to them. Runs
     at every step: cheap attribute reads only (a sparse tensor has no strides: ``stride()`` raises).
     """
-    values_ok = values is None or (values.is_cpu and values.dtype == torch.float32)
     if not (q.is_cpu and keys.is_cpu and (values is None or values.is_cpu)):
         return f"it runs on CPU tensors (the cache is on {keys.device})"
-    if not (q.dtype == keys.dtype == torch.float32 and values_ok):
+    if keys.dtype not in DTYPES or q.dtype != keys.dtype or (values is not None and values.dtype != keys.dtype):
         got = f"query {q.dtype}, keys {keys.dtype}" + ("" if values is None else f", values {values.dtype}")
-        return f"it takes float32 tensors ({got.replace('torch.', '')})"
+        return f"it takes float32, bfloat16 or float16, query, keys and values alike ({got.replace('torch.', '')})"
     d = keys.shape[-1]
     if values is not None and values.shape[-1] != d:
         return f"it needs the value head dim equal to the key head dim (keys {d}, values {values.shape[-1]})"
     if keys.stride()[-1] != 1 or (values is not None and values.stride()[-1] != 1):
         strides = f"keys {keys.stride()[-1]}" + ("" if values is None else f", values {values.stride()[-1]}")
-        return f"it reads each key and value row as contiguous floats (head-dim strides: {strides})"
+        return f"it reads each key and value row as contiguous elements (head-dim strides: {strides})"
     if library() is None:
         return f"it did not build here ({BUILD_ERROR})"
     return None
@@ -191,6 +197,16 @@ def attend_support(
     """
     _require(q, keys, values, layout)
     return run_attention(q, keys, values, blocks, layout, scale)
+
+
+def dtype_code(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None = None) -> int:
+    """The C code's code (:data:`DTYPES`) for the dtype the query, keys and values share; raises
+    :class:`SparseDecodeError` where they share none it reads (it would read elements of the wrong size)."""
+    code = DTYPES.get(keys.dtype)
+    if code is None or q.dtype != keys.dtype or (values is not None and values.dtype != keys.dtype):
+        got = f"query {q.dtype}, keys {keys.dtype}" + ("" if values is None else f", values {values.dtype}")
+        raise SparseDecodeError(f"the C kernel reads float32, bfloat16 or float16, all alike; got {got}")
+    return code
 
 
 NONFINITE = 2
@@ -250,6 +266,7 @@ def run_selection(
         b,
         torch.get_num_threads(),
         chosen.data_ptr(),
+        dtype_code(q, keys),
     )
     check_status(status)
     return chosen
@@ -299,7 +316,8 @@ def run_step(
     b: int,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole sparse step of one sequence in one C call: ``(out (H, d) float32, blocks (kv, b) int64)``.
+    """The whole sparse step of one sequence in one C call: ``(out (H, d) float32, blocks (kv, b) int64)``, whatever
+    the dtype (:data:`DTYPES`) of the query, keys and values.
 
     With ``blocks=None`` it selects afresh (what :func:`run_selection` returns for ``b``, from ``centroids``: the
     cache's ``(kv, d, capacity)`` float32 storage, :meth:`~sparsedecode.centroids.BlockCentroids.storage`, holding
@@ -349,6 +367,7 @@ def run_step(
         scale,
         torch.get_num_threads(),
         out.data_ptr(),
+        dtype_code(q, keys, values),
     )
     check_status(status)
     return out, blocks

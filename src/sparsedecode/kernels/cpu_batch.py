@@ -8,7 +8,7 @@ import array
 import torch
 
 from ..errors import SparseDecodeError
-from .cpu import _centroid_storage, check_status, library, refusal
+from .cpu import _centroid_storage, check_status, dtype_code, library, refusal
 
 
 def sparse_step_batch(
@@ -25,18 +25,20 @@ def sparse_step_batch(
     :func:`select_mean_pooled` (where a sequence selects afresh) and then :func:`attend_support` compute for each
     sequence alone, in its own coordinates.
 
-    ``q (batch, H, d)`` float32, ``keys``/``values (batch, kv, positions, d)``, ``out (batch, H, d)`` float32
-    contiguous (only the rows named are written). Each entry of ``rows`` is ``(sequence, pad, n, centroids, chosen,
-    fresh)``: sequence ``sequence`` of the batch occupies cache positions ``[pad, pad + n)``, its own positions
-    ``0 .. n - 1`` (its layout has ``n`` positions); ``centroids`` its cache's ``(kv, d, capacity)`` float32
-    storage (:meth:`~sparsedecode.centroids.BlockCentroids.storage`, holding at least its ``n_full`` blocks; read
-    only when ``fresh``); ``chosen`` its ``(kv, b)`` int64 blocks, contiguous: written when ``fresh`` (the ``b <=
-    n_blocks`` best, ascending, as :func:`select_mean_pooled`), read as they are otherwise. No two rows may share
-    ``chosen`` storage, nor two fresh rows the same output row.
+    ``q (batch, H, d)``, ``keys``/``values (batch, kv, positions, d)`` of one dtype the C code reads (float32,
+    bfloat16 or float16), ``out (batch, H, d)`` float32 contiguous whatever that dtype (only the rows named are
+    written). Each entry of ``rows`` is ``(sequence, pad, n, centroids, chosen, fresh)``: sequence ``sequence`` of
+    the batch occupies cache positions ``[pad, pad + n)``, its own positions ``0 .. n - 1`` (its layout has ``n``
+    positions); ``centroids`` its cache's ``(kv, d, capacity)`` float32 storage
+    (:meth:`~sparsedecode.centroids.BlockCentroids.storage`, holding at least its ``n_full`` blocks; read only when
+    ``fresh``); ``chosen`` its ``(kv, b)`` int64 blocks, contiguous: written when ``fresh`` (the ``b <= n_blocks``
+    best, ascending, as :func:`select_mean_pooled`), read as they are otherwise. No two rows may share ``chosen``
+    storage, nor two fresh rows the same output row.
 
-    Bytes read per sequence: the support's keys and values, ``S x kv x d x 2 x 4`` (``S = 1 + b*B + W``), plus at a
-    fresh step its ``n_full x kv x d x 4`` centroid bytes and the tail block's keys. Checks the tensors and every
-    row first (:class:`~sparsedecode.errors.SparseDecodeError`), so no row can move a read outside its tensors.
+    Bytes read per sequence: the support's keys and values, ``S x kv x d x 2 x e`` (``S = 1 + b*B + W``, ``e`` the
+    element size: 4 or 2), plus at a fresh step its ``n_full x kv x d x 4`` float32 centroid bytes and the tail
+    block's keys. Checks the tensors and every row first (:class:`~sparsedecode.errors.SparseDecodeError`), so no
+    row can move a read outside its tensors.
     """
     if q.dim() != 3 or keys.dim() != 4 or values.dim() != 4:
         raise SparseDecodeError(
@@ -59,8 +61,8 @@ def run_step_batch(
     block_size: int,
     scale: float,
 ) -> None:
-    """:func:`sparse_step_batch` on tensors whose dtype, device and row strides the dispatch has checked
-    (:func:`refusal`); shapes and every row are checked here."""
+    """:func:`sparse_step_batch` on tensors whose device and row strides the dispatch has checked (:func:`refusal`);
+    shapes, the dtype and every row are checked here."""
     batch, heads, d = q.shape
     kv_heads = keys.shape[1]
     if not (
@@ -77,8 +79,9 @@ def run_step_batch(
     ):
         raise SparseDecodeError(
             f"q {tuple(q.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)} and out {tuple(out.shape)} "
-            "do not fit together (q and out contiguous (batch, heads, d) float32, heads a multiple of KV heads)"
+            "do not fit together (q and out contiguous (batch, heads, d), out float32, heads a multiple of KV heads)"
         )
+    code = dtype_code(q, keys, values)
     fields = _row_table(q, keys, values, rows, window, block_size)
     if not fields:
         return
@@ -101,6 +104,7 @@ def run_step_batch(
         block_size,
         scale,
         torch.get_num_threads(),
+        code,
     )
     check_status(status)
 

@@ -1,14 +1,17 @@
-/* The sparse decode step on the CPU in one call per layer (float32 caches): mean-pooled block selection over the
- * cached centroids, and attention over anchor + chosen blocks + window read in place from the KV cache.
+/* The sparse decode step on the CPU in one call per layer: mean-pooled block selection over the cached centroids,
+ * and attention over anchor + chosen blocks + window read in place from the KV cache.
  *
  * Built at first use by sparsedecode/kernels/cpu.py (cc -O3 -march=native -fopenmp-simd -pthread), called through
  * ctypes.
  * It replaces ~20 small torch operations whose fixed per-call cost dominated below ~32K positions. Semantics are
  * those of sparsedecode.selectors (top_blocks: the b best, ties to the lowest block, ascending) and of
  * sparsedecode.attention.attend_support (softmax over the support, all query heads of a GQA group sharing it).
- * Layouts: q (H, d) contiguous; keys/values rows of d contiguous floats at head * stride_h + position * stride_n;
- * centroids stored (kv, d, capacity): element (h, i, j) at h * c_stride_h + i * c_stride_d + j.
- * The caller checks the rest (sparsedecode/kernels/cpu.py: float32, one d for q, keys and values, caches of at
+ * Queries, keys and values are float32, bfloat16 or float16, one dtype for the three (every entry point's last
+ * argument, DTYPE_*), converted to float32 as they are loaded; everything is computed and accumulated in float32, as
+ * the torch path does after its upcast. Centroids and outputs are float32.
+ * Layouts: q (H, d) contiguous; keys/values rows of d contiguous elements at head * stride_h + position * stride_n
+ * (strides in elements); centroids stored (kv, d, capacity): element (h, i, j) at h * c_stride_h + i * c_stride_d + j.
+ * The caller checks the rest (sparsedecode/kernels/cpu.py: the dtype, one d for q, keys and values, caches of at
  * least n rows, chosen (kv, b), b <= n_blocks for selection); a chosen block outside the distant region is skipped.
  *
  * Speed where it counts, a decode step: every layer's centroids and support come from memory, not from the
@@ -60,6 +63,68 @@ static inline float exp_nonpositive(float x) {
         float f;
     } scale = {.i = ((int32_t)k + 127) << 23};
     return p * scale.f;
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * Element types. A bfloat16 is the upper half of a float32: a shift. A float16 converts exactly too (every float16
+ * is a float32): one element at a time by integer arithmetic (half_to_float), eight at a time (half8, after the
+ * vector types below) by F16C's vcvtph2ps where the build targets it, by _Float16 on aarch64, else by the same
+ * integer arithmetic on vectors. SPARSE_STEP_HALF (1, 2, 3) picks one of the three by hand (the tests build each
+ * that compiles here); all give the same floats.
+ */
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
+
+#ifndef SPARSE_STEP_HALF
+#if defined(__F16C__)
+#define SPARSE_STEP_HALF 1
+#elif defined(__aarch64__) && defined(__FLT16_MAX__)
+#define SPARSE_STEP_HALF 2
+#else
+#define SPARSE_STEP_HALF 3
+#endif
+#endif
+#if SPARSE_STEP_HALF == 1
+#include <immintrin.h>
+#endif
+
+static inline int64_t element_size(int dtype) { return dtype == DTYPE_F32 ? 4 : 2; }
+
+/* The address of element i of an array of `dtype` elements at p. */
+static inline const char *element(const void *p, int64_t i, int dtype) {
+    return (const char *)p + i * element_size(dtype);
+}
+
+static inline float bits_float(uint32_t u) {
+    union {
+        uint32_t u;
+        float f;
+    } v = {u};
+    return v.f;
+}
+
+static inline uint32_t float_bits(float f) {
+    union {
+        float f;
+        uint32_t u;
+    } v = {f};
+    return v.u;
+}
+
+/* float16 -> float32: zero and subnormals as m * 2^-24 (exact, and no subnormal float arithmetic, which a
+ * denormals-are-zero mode would flush); normal numbers rebiased from 15 to 127; infinities and NaNs to exponent 255,
+ * the mantissa kept. */
+static inline float half_to_float(uint16_t h) {
+    uint32_t magnitude = h & 0x7fffu, sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t rebias = (magnitude >= 0x7c00u ? 224u : 112u) << 23;
+    float value = magnitude < 0x400u ? (float)magnitude * 0x1p-24f : bits_float((magnitude << 13) + rebias);
+    return bits_float(float_bits(value) | sign);
+}
+
+/* Element i of an array of `dtype` elements at p, as a float. */
+static inline float load1(const void *p, int64_t i, int dtype) {
+    if (dtype == DTYPE_F32) return ((const float *)p)[i];
+    uint16_t h = ((const uint16_t *)p)[i];
+    return dtype == DTYPE_BF16 ? bits_float((uint32_t)h << 16) : half_to_float(h);
 }
 
 /* a better than b: a higher score, or an equal score at a lower block index */
@@ -264,17 +329,19 @@ enum { NONFINITE = 2 }; /* a status: a selection score is NaN or infinite (-1 is
 static inline int nonfinite(float x) { return x * 0.0f != 0.0f; }
 
 typedef struct {
-    const float *q, *centroids;
+    const void *q;
+    const float *centroids;
     int64_t c_stride_h, c_stride_d, n_full, group, d, b, chunks;
+    int dtype;
     float *best_scores;   /* (tasks, b) */
     int64_t *best_blocks; /* (tasks, b) */
     int64_t *kept;        /* (tasks) */
 } select_job;
 
-static void mean_query(const float *q, int64_t h, int64_t group, int64_t d, float *q_mean) {
+static void mean_query(const void *q, int64_t h, int64_t group, int64_t d, int dtype, float *q_mean) {
     for (int64_t i = 0; i < d; i++) {
         float sum = 0.0f;
-        for (int64_t g = 0; g < group; g++) sum += q[(h * group + g) * d + i];
+        for (int64_t g = 0; g < group; g++) sum += load1(q, (h * group + g) * d + i, dtype);
         q_mean[i] = sum / (float)group;
     }
 }
@@ -323,15 +390,15 @@ __attribute__((noinline)) static int score_blocks(const float *q_mean, const flo
     return 0;
 }
 
-/* The score of the short tail block [start, distant_end) of one head's keys `k` (rows k_stride_n apart): the mean
- * query against the mean of its keys, averaged now (the centroid cache holds full blocks only). */
-__attribute__((noinline)) static float tail_score(const float *q_mean, const float *k, int64_t k_stride_n,
-                                                  int64_t start, int64_t distant_end, int64_t d) {
+/* The score of the short tail block [start, distant_end) of one head's keys `k` (rows k_stride_n elements apart):
+ * the mean query against the mean of its keys, averaged now (the centroid cache holds full blocks only). */
+__attribute__((noinline)) static float tail_score(const float *q_mean, const void *k, int64_t k_stride_n,
+                                                  int64_t start, int64_t distant_end, int64_t d, int dtype) {
     int64_t tail = distant_end - start;
     float dot = 0.0f;
     for (int64_t i = 0; i < d; i++) {
         float sum = 0.0f;
-        for (int64_t p = start; p < distant_end; p++) sum += k[p * k_stride_n + i];
+        for (int64_t p = start; p < distant_end; p++) sum += load1(k, p * k_stride_n + i, dtype);
         dot += q_mean[i] * (sum / (float)tail);
     }
     return dot;
@@ -344,19 +411,20 @@ static int select_task(const void *arg, int64_t task) {
     float stack_mean[256];
     float *q_mean = d <= 256 ? stack_mean : malloc(sizeof(float) * (size_t)d);
     if (!q_mean) return -1;
-    mean_query(job->q, h, job->group, d, q_mean);
+    mean_query(job->q, h, job->group, d, job->dtype, q_mean);
     int status = score_blocks(q_mean, job->centroids + h * job->c_stride_h, job->c_stride_d, first, stop, d, b,
                               job->best_scores + task * b, job->best_blocks + task * b, job->kept + task);
     if (q_mean != stack_mean) free(q_mean);
     return status;
 }
 
-/* chosen (kv, b) = the b best blocks per KV head, ascending. Returns 0; NONFINITE when a score (a cached block's
- * or the tail block's) is NaN or infinite, chosen then undefined; -1 (or -1 | NONFINITE) when memory ran out. */
-int select_mean_pooled(const float *q, const float *centroids, int64_t c_stride_h, int64_t c_stride_d,
-                       int64_t n_full, const float *keys, int64_t k_stride_h, int64_t k_stride_n, int64_t kv_heads,
+/* chosen (kv, b) = the b best blocks per KV head, ascending (q and keys of `dtype`). Returns 0; NONFINITE when a
+ * score (a cached block's or the tail block's) is NaN or infinite, chosen then undefined; -1 (or -1 | NONFINITE)
+ * when memory ran out. */
+int select_mean_pooled(const void *q, const float *centroids, int64_t c_stride_h, int64_t c_stride_d,
+                       int64_t n_full, const void *keys, int64_t k_stride_h, int64_t k_stride_n, int64_t kv_heads,
                        int64_t group, int64_t d, int64_t distant_end, int64_t block, int64_t b, int64_t threads,
-                       int64_t *chosen) {
+                       int64_t *chosen, int64_t dtype) {
     enum { MIN_WORK_PER_THREAD = 1 << 16 }; /* centroid floats: 256 KB from memory pays for waking a worker */
     int64_t n_blocks = (distant_end - 1 + block - 1) / block;
     int64_t work = kv_heads * n_full * d, parts = threads;
@@ -372,8 +440,8 @@ int select_mean_pooled(const float *q, const float *centroids, int64_t c_stride_
     int64_t *best_blocks = (int64_t *)space, *kept = best_blocks + tasks * width, *merged = kept + tasks;
     float *best_scores = (float *)(merged + width), *merged_scores = best_scores + tasks * width;
     float *q_mean = merged_scores + width;
-    select_job job = {q, centroids, c_stride_h, c_stride_d, n_full, group, d, b, chunks, best_scores, best_blocks,
-                      kept};
+    select_job job = {q,      centroids, c_stride_h, c_stride_d, n_full,      group, d,
+                      b,      chunks,    (int)dtype, best_scores, best_blocks, kept};
     int status = b > 0 ? parallel(select_task, &job, tasks, parts, 0) : 0;
     if (status) return status;
     for (int64_t h = 0; h < kv_heads && b > 0; h++) {
@@ -382,8 +450,9 @@ int select_mean_pooled(const float *q, const float *centroids, int64_t c_stride_
             for (int64_t k = 0; k < kept[t]; k++)
                 offer(best_scores[t * b + k], best_blocks[t * b + k], merged_scores, merged, &count, b);
         if (n_blocks > n_full) { /* the short tail block is not cached: average its keys now */
-            mean_query(q, h, group, d, q_mean);
-            float dot = tail_score(q_mean, keys + h * k_stride_h, k_stride_n, 1 + n_full * block, distant_end, d);
+            mean_query(q, h, group, d, (int)dtype, q_mean);
+            float dot = tail_score(q_mean, element(keys, h * k_stride_h, (int)dtype), k_stride_n, 1 + n_full * block,
+                                   distant_end, d, (int)dtype);
             if (nonfinite(dot)) return NONFINITE;
             offer(dot, n_full, merged_scores, merged, &count, b);
         }
@@ -423,22 +492,62 @@ static inline v8 exp8_nonpositive(v8 x) {
     return p * (v8)exponent;
 }
 
+typedef uint16_t v8h __attribute__((vector_size(16), aligned(2), may_alias)); /* an unaligned view of 8 halves */
+typedef uint32_t v8w __attribute__((vector_size(32)));
+
+/* 8 float16 at p as floats (see "Element types"). */
+#if SPARSE_STEP_HALF == 1
+static inline v8 half8(const void *p) { return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+#elif SPARSE_STEP_HALF == 2
+typedef _Float16 v8f16 __attribute__((vector_size(16), aligned(2), may_alias));
+static inline v8 half8(const void *p) { return __builtin_convertvector(*(const v8f16 *)p, v8); }
+#else
+static inline v8 half8(const void *p) { /* half_to_float on 8 lanes */
+    v8w h = __builtin_convertvector(*(const v8h *)p, v8w);
+    v8w magnitude = h & 0x7fffu, sign = (h & 0x8000u) << 16;
+    v8w small = (v8w)(magnitude < 0x400u), large = (v8w)(magnitude >= 0x7c00u);
+    v8w normal = (magnitude << 13) + 112u * (1u << 23) + (large & (112u * (1u << 23)));
+    v8w tiny = (v8w)(__builtin_convertvector((v8i)magnitude, v8) * 0x1p-24f);
+    return (v8)(((normal & ~small) | (tiny & small)) | sign);
+}
+#endif
+
+/* 8 elements of `dtype` at p as floats. Inlined into code specialised for one dtype, where the tests fold away. */
+static inline __attribute__((always_inline)) v8 load8_as(const void *p, int dtype) {
+    if (dtype == DTYPE_F32) return load8(p);
+    if (dtype == DTYPE_BF16) return (v8)(__builtin_convertvector(*(const v8h *)p, v8w) << 16);
+    return half8(p);
+}
+
+/* Elements i .. i + 7 of a row of `dtype` elements at p as floats. */
+static inline __attribute__((always_inline)) v8 load8_at(const char *p, int64_t i, int dtype) {
+    return load8_as(p + i * element_size(dtype), dtype);
+}
+
+/* n elements of `dtype` at src as floats into dst: the conversion every load makes, for the tests. */
+void to_float32(const void *src, int64_t n, int64_t dtype, float *dst) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) store8(dst + i, load8_as(element(src, i, (int)dtype), (int)dtype));
+    for (; i < n; i++) dst[i] = load1(src, i, (int)dtype);
+}
+
 enum { QUERIES = 4, PREFETCH_ROWS = 16, ROW_TILE = 32 };
 
 typedef struct {
-    const float *q, *keys, *values;
+    const void *q, *keys, *values; /* of `dtype` */
     const int64_t *chosen;
     int64_t k_stride_h, k_stride_n, v_stride_h, v_stride_n, b, group, d, n, distant_end, block;
     float scale;
     float *out;
+    int dtype;
 } attend_job;
 
-static void prefetch_row(const float *row, int64_t d) {
-    for (int64_t i = 0; i < d; i += LINE) __builtin_prefetch(row + i, 0, 3);
+static void prefetch_row(const char *row, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(row + i, 0, 3);
 }
 
-static int attend_head(const void *arg, int64_t h) {
-    const attend_job *job = arg;
+/* One KV head's attention, for keys and values of one dtype `t` (a constant where it is inlined: attend_head). */
+static inline __attribute__((always_inline)) int attend_head_as(const attend_job *job, int64_t h, int t) {
     int64_t group = job->group, d = job->d, block = job->block, distant_end = job->distant_end;
     int64_t padded = (group + QUERIES - 1) / QUERIES * QUERIES, vector_d = d / 8 * 8;
     int64_t capacity = 1 + job->b * block + (job->n - distant_end);
@@ -459,34 +568,39 @@ static int attend_head(const void *arg, int64_t h) {
     }
     for (int64_t p = distant_end; p < job->n; p++) positions[count++] = p;
     float *qh = weights + capacity * padded, *acc = qh + padded * d; /* the group's queries, zero-padded; output */
-    memcpy(qh, job->q + h * group * d, sizeof(float) * (size_t)(group * d));
+    const void *q = element(job->q, h * group * d, t);
+    for (int64_t i = 0; i < group * d; i++) qh[i] = load1(q, i, t);
     memset(qh + group * d, 0, sizeof(float) * (size_t)((padded - group) * d));
     memset(acc, 0, sizeof(float) * (size_t)(padded * d));
-    const float *keys = job->keys + h * job->k_stride_h, *values = job->values + h * job->v_stride_h;
-    int64_t k_stride = job->k_stride_n, v_stride = job->v_stride_n;
+    const char *keys = element(job->keys, h * job->k_stride_h, t);
+    const char *values = element(job->values, h * job->v_stride_h, t);
+    int64_t k_stride = job->k_stride_n * element_size(t), v_stride = job->v_stride_n * element_size(t); /* bytes */
+    int64_t row_bytes = d * element_size(t);
 
-    for (int64_t s = 0; s < count && s < PREFETCH_ROWS; s++) prefetch_row(keys + positions[s] * k_stride, d);
+    for (int64_t s = 0; s < count && s < PREFETCH_ROWS; s++) prefetch_row(keys + positions[s] * k_stride, row_bytes);
     for (int64_t s = 0; s < count; s += 2) { /* logits: two key rows against every query of the group */
-        for (int64_t t = s; t < s + 2 && t < count; t++) {
-            if (t + PREFETCH_ROWS < count) prefetch_row(keys + positions[t + PREFETCH_ROWS] * k_stride, d);
-            prefetch_row(values + positions[t] * v_stride, d);
+        for (int64_t r = s; r < s + 2 && r < count; r++) {
+            if (r + PREFETCH_ROWS < count) prefetch_row(keys + positions[r + PREFETCH_ROWS] * k_stride, row_bytes);
+            prefetch_row(values + positions[r] * v_stride, row_bytes);
         }
-        const float *k = keys + positions[s] * k_stride;
-        const float *l = s + 1 < count ? keys + positions[s + 1] * k_stride : k; /* a lone last row: twice */
+        const char *k = keys + positions[s] * k_stride;
+        const char *l = s + 1 < count ? keys + positions[s + 1] * k_stride : k; /* a lone last row: twice */
         for (int64_t g = 0; g < padded; g += QUERIES) {
             const float *q0 = qh + g * d, *q1 = q0 + d, *q2 = q1 + d, *q3 = q2 + d;
             v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
             for (int64_t i = 0; i < vector_d; i += 8) {
-                v8 x = load8(k + i), y = load8(l + i), p0 = load8(q0 + i), p1 = load8(q1 + i);
+                v8 x = load8_at(k, i, t), y = load8_at(l, i, t), p0 = load8(q0 + i), p1 = load8(q1 + i);
                 v8 p2 = load8(q2 + i), p3 = load8(q3 + i);
                 a0 += p0 * x, a1 += p1 * x, a2 += p2 * x, a3 += p3 * x;
                 b0 += p0 * y, b1 += p1 * y, b2 += p2 * y, b3 += p3 * y;
             }
             float r[2][QUERIES] = {{sum8(a0), sum8(a1), sum8(a2), sum8(a3)}, {sum8(b0), sum8(b1), sum8(b2), sum8(b3)}};
-            for (int64_t i = vector_d; i < d; i++)
-                for (int64_t e = 0; e < QUERIES; e++) r[0][e] += q0[e * d + i] * k[i], r[1][e] += q0[e * d + i] * l[i];
-            for (int64_t t = 0; t < 2 && s + t < count; t++)
-                for (int64_t e = 0; e < QUERIES; e++) weights[(g + e) * count + s + t] = r[t][e] * job->scale;
+            for (int64_t i = vector_d; i < d; i++) {
+                float ki = load1(k, i, t), li = load1(l, i, t);
+                for (int64_t e = 0; e < QUERIES; e++) r[0][e] += q0[e * d + i] * ki, r[1][e] += q0[e * d + i] * li;
+            }
+            for (int64_t u = 0; u < 2 && s + u < count; u++)
+                for (int64_t e = 0; e < QUERIES; e++) weights[(g + e) * count + s + u] = r[u][e] * job->scale;
         }
     }
     int64_t vector_count = count / 8 * 8;
@@ -516,8 +630,8 @@ static int attend_head(const void *arg, int64_t h) {
                 v8 a0 = load8(o0 + i), a1 = load8(o1 + i), a2 = load8(o2 + i), a3 = load8(o3 + i);
                 v8 b0 = load8(o0 + i + 8), b1 = load8(o1 + i + 8), b2 = load8(o2 + i + 8), b3 = load8(o3 + i + 8);
                 for (int64_t s = s0; s < s1; s++) {
-                    const float *row = values + positions[s] * v_stride + i;
-                    v8 x = load8(row), y = load8(row + 8);
+                    const char *row = values + positions[s] * v_stride;
+                    v8 x = load8_at(row, i, t), y = load8_at(row, i + 8, t);
                     a0 += w0[s] * x, a1 += w1[s] * x, a2 += w2[s] * x, a3 += w3[s] * x;
                     b0 += w0[s] * y, b1 += w1[s] * y, b2 += w2[s] * y, b3 += w3[s] * y;
                 }
@@ -527,14 +641,14 @@ static int attend_head(const void *arg, int64_t h) {
             for (; i < vector_d; i += 8) {
                 v8 a0 = load8(o0 + i), a1 = load8(o1 + i), a2 = load8(o2 + i), a3 = load8(o3 + i);
                 for (int64_t s = s0; s < s1; s++) {
-                    v8 x = load8(values + positions[s] * v_stride + i);
+                    v8 x = load8_at(values + positions[s] * v_stride, i, t);
                     a0 += w0[s] * x, a1 += w1[s] * x, a2 += w2[s] * x, a3 += w3[s] * x;
                 }
                 store8(o0 + i, a0), store8(o1 + i, a1), store8(o2 + i, a2), store8(o3 + i, a3);
             }
             for (int64_t i = vector_d; i < d; i++)
                 for (int64_t s = s0; s < s1; s++) {
-                    float v = values[positions[s] * v_stride + i];
+                    float v = load1(values + positions[s] * v_stride, i, t);
                     o0[i] += w0[s] * v, o1[i] += w1[s] * v, o2[i] += w2[s] * v, o3[i] += w3[s] * v;
                 }
         }
@@ -544,14 +658,22 @@ static int attend_head(const void *arg, int64_t h) {
     return 0;
 }
 
-/* out (H, d) = softmax(q . k_support * scale) v_support per query head. Returns 0, or -1 on allocation failure. */
-int attend_support(const float *q, const float *keys, int64_t k_stride_h, int64_t k_stride_n, const float *values,
+static int attend_head(const void *arg, int64_t h) {
+    const attend_job *job = arg;
+    if (job->dtype == DTYPE_BF16) return attend_head_as(job, h, DTYPE_BF16);
+    if (job->dtype == DTYPE_F16) return attend_head_as(job, h, DTYPE_F16);
+    return attend_head_as(job, h, DTYPE_F32);
+}
+
+/* out (H, d) = softmax(q . k_support * scale) v_support per query head (q, keys and values of `dtype`, out float32).
+ * Returns 0, or -1 on allocation failure. */
+int attend_support(const void *q, const void *keys, int64_t k_stride_h, int64_t k_stride_n, const void *values,
                    int64_t v_stride_h, int64_t v_stride_n, const int64_t *chosen, int64_t b, int64_t kv_heads,
                    int64_t group, int64_t d, int64_t n, int64_t distant_end, int64_t block, float scale,
-                   int64_t threads, float *out) {
+                   int64_t threads, float *out, int64_t dtype) {
     enum { MIN_WORK_PER_THREAD = 1 << 18 }; /* multiply-adds */
     attend_job job = {q, keys, values, chosen, k_stride_h, k_stride_n, v_stride_h, v_stride_n, b, group, d, n,
-                      distant_end, block, scale, out};
+                      distant_end, block, scale, out, (int)dtype};
     int64_t support = 1 + b * block + (n - distant_end), work = 2 * kv_heads * support * group * d;
     int64_t parts = threads < work / MIN_WORK_PER_THREAD ? threads : work / MIN_WORK_PER_THREAD;
     return parallel(attend_head, &job, kv_heads, parts, 0);
@@ -564,7 +686,8 @@ int attend_support(const float *q, const float *keys, int64_t k_stride_h, int64_
  * Tasks are taken longest first by whichever thread is free, so rows of different lengths share the threads well.
  *
  * A row is described by ROW_FIELDS int64 values (pointers as integers), in this order:
- *   q, k, v, out    element offsets from the query, key, value and output bases: the row's query (H, d)
+ *   q, k, v, out    element offsets from the query, key, value and output bases (elements of the call's dtype;
+ *                   of float32 for the output): the row's query (H, d)
  *                   contiguous, its keys and values at its own position 0 (head h, position p at
  *                   + h * stride_h + p * stride_n), its output (H, d) contiguous;
  *   n               the row's positions (the current token included): distant_end = max(n - window, 1);
@@ -581,16 +704,17 @@ typedef struct {
 } row_t;
 
 typedef struct {
-    const float *q, *keys, *values;
+    const void *q, *keys, *values; /* of `dtype` */
     float *out;
     const row_t *rows;
     const int64_t *order; /* rows, most work first */
     int64_t k_stride_h, k_stride_n, v_stride_h, v_stride_n, kv_heads, group, d, window, block;
     float scale;
+    int dtype;
 } batch_job;
 
 /* chosen (b) of head h of one row: the b best blocks against the head's mean query, ascending. */
-static int select_head(const batch_job *job, const row_t *row, int64_t h, const float *q, const float *keys,
+static int select_head(const batch_job *job, const row_t *row, int64_t h, const void *q, const void *keys,
                        int64_t distant_end) {
     int64_t d = job->d, b = row->b, block = job->block, count = 0;
     int64_t n_full = (distant_end - 1) / block, n_blocks = (distant_end - 1 + block - 1) / block;
@@ -601,12 +725,12 @@ static int select_head(const batch_job *job, const row_t *row, int64_t h, const 
     int64_t *blocks = b <= 64 ? stack_blocks : malloc(sizeof(int64_t) * (size_t)b);
     int status = -1;
     if (q_mean && scores && blocks) {
-        mean_query(q, h, job->group, d, q_mean);
+        mean_query(q, h, job->group, d, job->dtype, q_mean);
         const float *c = (const float *)(intptr_t)row->centroids + h * row->c_stride_h;
         status = score_blocks(q_mean, c, row->c_stride_d, 0, n_full, d, b, scores, blocks, &count);
         if (!status && n_blocks > n_full) { /* the short tail block is not cached: average its keys now */
-            float dot = tail_score(q_mean, keys + h * job->k_stride_h, job->k_stride_n, 1 + n_full * block,
-                                   distant_end, d);
+            float dot = tail_score(q_mean, element(keys, h * job->k_stride_h, job->dtype), job->k_stride_n,
+                                   1 + n_full * block, distant_end, d, job->dtype);
             if (nonfinite(dot)) status = NONFINITE;
             offer(dot, n_full, scores, blocks, &count, b);
         }
@@ -626,7 +750,9 @@ static int batch_task(const void *arg, int64_t task) {
     const row_t *row = job->rows + job->order[task / job->kv_heads];
     int64_t h = task % job->kv_heads, n = row->n;
     int64_t distant_end = n - job->window > 1 ? n - job->window : 1;
-    const float *q = job->q + row->q, *keys = job->keys + row->k, *values = job->values + row->v;
+    int t = job->dtype;
+    const void *q = element(job->q, row->q, t), *keys = element(job->keys, row->k, t);
+    const void *values = element(job->values, row->v, t);
     if (row->fresh && row->b > 0) {
         int status = select_head(job, row, h, q, keys, distant_end);
         if (status) return status;
@@ -646,31 +772,34 @@ static int batch_task(const void *arg, int64_t task) {
                          distant_end,
                          job->block,
                          job->scale,
-                         job->out + row->out};
+                         job->out + row->out,
+                         t};
     return attend_head(&attend, h);
 }
 
-/* The sparse step of `n_rows` rows (`rows`: n_rows * ROW_FIELDS int64, see above). Returns 0; NONFINITE when a row
- * selecting afresh met a NaN or infinite score (outputs then undefined); -1 when memory ran out.
+/* The sparse step of `n_rows` rows (`rows`: n_rows * ROW_FIELDS int64, see above), queries, keys and values of
+ * `dtype`, out float32. Returns 0; NONFINITE when a row selecting afresh met a NaN or infinite score (outputs then
+ * undefined); -1 when memory ran out.
  * One row selecting afresh with fewer KV heads than threads (a sequence alone, a head's selection then split into
  * ranges of blocks) runs the selection and the attention calls in turn: the same blocks and output to the bit, as
  * both score with score_blocks and tail_score and attend with attend_head. */
-int sparse_step_batch(const float *q, const float *keys, int64_t k_stride_h, int64_t k_stride_n, const float *values,
+int sparse_step_batch(const void *q, const void *keys, int64_t k_stride_h, int64_t k_stride_n, const void *values,
                       int64_t v_stride_h, int64_t v_stride_n, float *out, const int64_t *rows, int64_t n_rows,
                       int64_t kv_heads, int64_t group, int64_t d, int64_t window, int64_t block, float scale,
-                      int64_t threads) {
+                      int64_t threads, int64_t dtype) {
     enum { MIN_SELECT_PER_THREAD = 1 << 16, MIN_ATTEND_PER_THREAD = 1 << 18 }; /* as the single-row calls */
     const row_t *row = (const row_t *)rows;
     if (n_rows == 1 && row->fresh && row->b > 0 && kv_heads < threads) {
         int64_t n = row->n, distant_end = n - window > 1 ? n - window : 1;
-        const float *q0 = q + row->q, *k0 = keys + row->k, *v0 = values + row->v;
+        const void *q0 = element(q, row->q, (int)dtype), *k0 = element(keys, row->k, (int)dtype);
+        const void *v0 = element(values, row->v, (int)dtype);
         int64_t *chosen = (int64_t *)(intptr_t)row->chosen;
         int status = select_mean_pooled(q0, (const float *)(intptr_t)row->centroids, row->c_stride_h, row->c_stride_d,
                                         (distant_end - 1) / block, k0, k_stride_h, k_stride_n, kv_heads, group, d,
-                                        distant_end, block, row->b, threads, chosen);
+                                        distant_end, block, row->b, threads, chosen, dtype);
         if (status) return status;
         return attend_support(q0, k0, k_stride_h, k_stride_n, v0, v_stride_h, v_stride_n, chosen, row->b, kv_heads,
-                              group, d, n, distant_end, block, scale, threads, out + row->out);
+                              group, d, n, distant_end, block, scale, threads, out + row->out, dtype);
     }
     int64_t *order = scratch(sizeof(int64_t) * (size_t)(2 * n_rows + 1));
     if (!order) return -1;
@@ -686,20 +815,22 @@ int sparse_step_batch(const float *q, const float *keys, int64_t k_stride_h, int
         for (; at > 0 && cost[order[at - 1]] < cost[r]; at--) order[at] = order[at - 1];
         order[at] = r;
     }
-    batch_job job = {q,          keys,       values,     out,      row, order, k_stride_h, k_stride_n,
-                     v_stride_h, v_stride_n, kv_heads,   group,    d,   window, block,     scale};
+    batch_job job = {q,          keys,       values,   out,   row, order,  k_stride_h, k_stride_n,
+                     v_stride_h, v_stride_n, kv_heads, group, d,   window, block,      scale,      (int)dtype};
     return parallel(batch_task, &job, n_rows * kv_heads, threads < parts ? threads : (int64_t)parts, 1);
 }
 
 /* The whole sparse step of one sequence in one call: when `fresh`, select into chosen (kv, b) what
  * select_mean_pooled selects, then attend over anchor + chosen + window as attend_support does: one batch row. */
-int sparse_step(const float *q, const float *centroids, int64_t c_stride_h, int64_t c_stride_d, int64_t n_full,
-                const float *keys, int64_t k_stride_h, int64_t k_stride_n, const float *values, int64_t v_stride_h,
+int sparse_step(const void *q, const float *centroids, int64_t c_stride_h, int64_t c_stride_d, int64_t n_full,
+                const void *keys, int64_t k_stride_h, int64_t k_stride_n, const void *values, int64_t v_stride_h,
                 int64_t v_stride_n, int64_t *chosen, int64_t b, int64_t fresh, int64_t kv_heads, int64_t group,
-                int64_t d, int64_t n, int64_t distant_end, int64_t block, float scale, int64_t threads, float *out) {
+                int64_t d, int64_t n, int64_t distant_end, int64_t block, float scale, int64_t threads, float *out,
+                int64_t dtype) {
     row_t row = {0, 0, 0, 0, n, (int64_t)(intptr_t)centroids, c_stride_h, c_stride_d, (int64_t)(intptr_t)chosen,
                  b, fresh ? 1 : 0};
     (void)n_full; /* the row derives it from n and the window */
     return sparse_step_batch(q, keys, k_stride_h, k_stride_n, values, v_stride_h, v_stride_n, out,
-                             (const int64_t *)&row, 1, kv_heads, group, d, n - distant_end, block, scale, threads);
+                             (const int64_t *)&row, 1, kv_heads, group, d, n - distant_end, block, scale, threads,
+                             dtype);
 }
