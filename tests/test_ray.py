@@ -31,7 +31,9 @@ from sparsedecode.experiments.evaluate import key_of as eval_key
 from sparsedecode.experiments.sweep import RUNS_FILE, key_of, parse_rows, read_rows, without_timings
 
 SRC = Path(__file__).parents[1] / "src"
-pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("ray")]  # one worker, one Ray instance
+pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("ray")]  # one worker, one Ray instance per group
+OTHER_WORKER = pytest.mark.xdist_group("ray-2")
+"""The longest Ray tests split over two groups, so two parallel workers (each with its own Ray instance) share them."""
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +134,7 @@ def test_ray_options_are_refused_in_one_line_without_the_ray_backend_or_without_
     assert not (tmp_path / "s").exists(), "nothing written by a refused command"
 
 
+@OTHER_WORKER
 def test_sweep_on_ray_equals_local_even_when_a_worker_dies_mid_unit(
     cluster, tiny_model_dir, tmp_path, capsys, monkeypatch
 ):
@@ -260,6 +263,7 @@ def test_changed_settings_are_refused_with_the_ray_backend_as_locally(tiny_model
     assert (tmp_path / "s" / RUNS_FILE).read_bytes() == before, "nothing written by a refused run"
 
 
+@OTHER_WORKER
 def test_compare_selectors_on_ray_equals_local(cluster, tiny_model_dir, tmp_path, capsys, monkeypatch):
     args = ["compare-selectors", "--model", str(tiny_model_dir), "--context", "300", "--support", "97,113"]
     args += ["--selectors", "mean-pooled,streaming", "--prompts", "2", "--tokens", "8", "--retrieval", "1"]
@@ -304,6 +308,7 @@ def test_eval_on_ray_equals_local_and_resumes(cluster, tmp_path, capsys, monkeyp
     assert by_key(parse_rows(runs), eval_key) == by_key(local, eval_key)
 
 
+@OTHER_WORKER
 def test_a_selector_file_reaches_the_workers_and_their_rows_equal_the_local_ones(cluster, tiny_model_dir, tmp_path):
     """The file's content travels with the work: the workers import it even where its path is gone (a cluster whose
     machines do not share the driver's files), and a sweep of it on Ray writes the local rows."""

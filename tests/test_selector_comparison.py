@@ -280,7 +280,12 @@ def test_merged_comparisons_equal_one_comparison_of_every_selector(tiny_model_di
     assert merged["settings"]["selectors"] == ["streaming", "top-p", "quest"]
     assert [p["selectors"] for p in merged["settings"]["parts"]] == [["streaming"], ["top-p", "quest"]]
     assert _comparable(merged) == _comparable(whole)
-    assert "Merged by `sparsedecode merge` from 2 comparisons" in (tmp_path / "merged" / "selectors.md").read_text()
+    markdown = (tmp_path / "merged" / "selectors.md").read_text()
+    assert "Merged by `sparsedecode merge` from 2 comparisons" in markdown
+    top_p = [r for r in merged["summary"] if r["selector"] == "top-p"]
+    assert top_p and all(r["support_read_min"] <= r["support_read_mean"] <= r["support_read_max"] <= 97 for r in top_p)
+    fewer = [r for r in merged["summary"] if r["support_read_mean"] is not None and r["support_read_mean"] < 97]
+    assert ("Positions read per KV head and sparse step" in markdown) == bool(fewer)
 
     other = tmp_path / "other"
     assert main([*base[:-4], "--tokens", "5", "--selectors", "h2o", "--out", str(other)]) == 0

@@ -604,6 +604,19 @@ def selector_markdown(data: dict) -> str:
             *_table_lines(dense),
             "",
         ]
+    fewer = [r for r in sparse if r.get("support_read_mean") is not None and r["support_read_mean"] < r["support"]]
+    if fewer:
+        out += [
+            "Positions read per KV head and sparse step, where fewer than S on average (an adaptive budget, or a "
+            "chosen short last block): "
+            + "; ".join(
+                f"`{r['selector']}` at S = {r['support']}: mean {r['support_read_mean']:.1f}, min "
+                f"{r['support_read_min']}, max {r['support_read_max']}"
+                for r in fewer
+            )
+            + ".",
+            "",
+        ]
     remeasured = settings.get("op_ms_remeasured")
     if remeasured:
         renv = remeasured.get("environment") or {}

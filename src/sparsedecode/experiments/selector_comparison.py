@@ -71,6 +71,11 @@ class SelectorRow:
     op_ms: float | None
     dense_by_construction: bool = False
     """Every run of the condition is dense by construction (effective support >= context + T - 1)."""
+    support_read_mean: float | None = None
+    """Positions a KV head read per sparse step, over the runs (mean of their means, min of their minima, max of
+    their maxima; ``None`` where no run recorded it): below the support for an adaptive budget."""
+    support_read_min: int | None = None
+    support_read_max: int | None = None
 
 
 @dataclass(eq=False)
@@ -246,6 +251,7 @@ def summarize(
                     if (t["context"], t["selector"], t["support"]) == (context, selector, support)
                 ]
                 dense = [t["correct"] for t in trials if t["context"] == context and t["mode"] == "dense"]
+                read = [r for r in mine if r.get("support_read_mean") is not None]
                 rows.append(
                     SelectorRow(
                         selector=selector,
@@ -267,6 +273,9 @@ def summarize(
                         dense_retrieval_correct=sum(dense) if dense else None,
                         op_ms=op_ms.get((context, selector, support)),
                         dense_by_construction=bool(mine) and all(dense_by_construction(r) for r in mine),
+                        support_read_mean=statistics.mean(r["support_read_mean"] for r in read) if read else None,
+                        support_read_min=min(r["support_read_min"] for r in read) if read else None,
+                        support_read_max=max(r["support_read_max"] for r in read) if read else None,
                     )
                 )
     return rows
