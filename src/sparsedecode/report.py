@@ -19,12 +19,13 @@ from pathlib import Path
 
 from .errors import SparseDecodeError
 from .experiments import summary
+from .experiments.comparison_merge import COMPARISON_FILE
 from .experiments.sweep import RUNS_FILE, SPEC_FILE, SweepSpec, load_sweep
 from .files import write_json_atomic, write_text_atomic
 
 REPORT_FILE = "report.md"
 RETRIEVAL_FILE = "retrieval.json"
-SELECTORS_FILE = "selectors.json"
+SELECTORS_FILE = COMPARISON_FILE
 REFERENCE = (
     "Qwen2-0.5B, fp16 GPU, WikiText-2 test prefixes; contexts 2K/8K/16K; S in 97..769; 5 prefixes; T = 128; 60 runs"
 )

@@ -121,6 +121,12 @@ def _attend_blocks(cfg, q, keys, values, blocks, layout, scale) -> torch.Tensor:
     for ``cfg.kernel`` (the torch path where no kernel can serve under ``auto``; an insisted-on kernel that cannot
     raises)."""
     kernel = kernels.attention_kernel(cfg.kernel, q, keys, values, layout)
+    return attend_blocks_on(kernel, q, keys, values, blocks, layout, scale)
+
+
+def attend_blocks_on(kernel: str, q, keys, values, blocks, layout, scale) -> torch.Tensor:
+    """Attention over anchor + ``blocks`` + window by ``kernel`` as already chosen (``"torch"``, ``"c"`` or
+    ``"triton"``): what a planned step calls."""
     if kernel == "torch":
         return attend_support(q, keys, values, blocks, layout, scale)
     return kernels.attend(kernel, q, keys, values, blocks, layout, scale)

@@ -101,11 +101,12 @@ def _dense_forward(state, rows, pads, query, key, n, keep, scale, h2o) -> None:
         row.end_row(n - pad)
 
 
-def _decode(session, state, rows, pads, n, keep, module, query, key, value, attention_mask, dropout, scaling, kwargs):
+def _decode(
+    session, state, rows, pads, n, keep, scale, module, query, key, value, attention_mask, dropout, scaling, kwargs
+):
     """A decode step of every row: one batched SDPA call where every row is dense (dense batched decoding,
     exactly), otherwise each dense row its own SDPA over its own slice and the sparse rows one sparse step."""
     cfg = session.config
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     sliding = kwargs.get("sliding_window")
     h2o = cfg.selector.uses_history
     lengths = [n - pad for pad in pads]
@@ -153,13 +154,28 @@ def session_forward(session, state, module, query, key, value, attention_mask, d
     or the exact short forward of one unpadded sequence); a decode step is :func:`_decode`, so padding is never
     selected nor attended.
     """
-    batch, _, q_len, _ = query.shape
+    q_len = query.shape[2]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     n, pads = _extents(session, attention_mask, key, q_len, kwargs)
     keep = state.begin(n - q_len, q_len)
     rows = state.rows_for(pads)
     if q_len == 1:
         out = _decode(
-            session, state, rows, pads, n, keep, module, query, key, value, attention_mask, dropout, scaling, kwargs
+            session,
+            state,
+            rows,
+            pads,
+            n,
+            keep,
+            scale,
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout,
+            scaling,
+            kwargs,
         )
     else:
         sliding = kwargs.get("sliding_window")
@@ -169,7 +185,6 @@ def session_forward(session, state, module, query, key, value, attention_mask, d
             out = sdpa_attention_forward(
                 module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
             )[0]
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         _dense_forward(state, rows, pads, query, key, n, keep, scale, session.config.selector.uses_history)
     state.end(key, n)
     return out, None

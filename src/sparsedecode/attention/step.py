@@ -1,9 +1,9 @@
 """The sparse decode step of one layer over a batch of rows: every sequence of a forward that decodes sparsely, each
 in its own coordinates (a sequence alone is a batch of one row). One path for every selector and kernel:
 
-1. :func:`plan_step` decides, once per layer call, what serves the rows: which kernel attends (C, Triton or torch),
-   which one scores a selector whose scoring the kernels implement, and whether the C kernel takes every row in one
-   call;
+1. :func:`plan_step` decides, once per session and kind of tensors (once per layer call on CUDA), what serves the
+   rows: which kernel attends (C, Triton or torch), which one scores a selector whose scoring the kernels implement,
+   and whether the C kernel takes every row in one call;
 2. each row selects afresh when its reuse schedule says so (or reuses its selection, the window still sliding);
 3. attention over each row's support (one C call for all rows, or per row);
 4. the same bookkeeping per row: reuse counter, reads, support sizes, H2O's history, observers, step counts.
@@ -21,7 +21,7 @@ from ..errors import SparseDecodeError
 from ..layout import BlockLayout
 from ..selectors import choose_positions, token_index
 from ..selectors.select import BlockChoice, choose_planned_blocks, support_of
-from .attend import attend_positions, attend_support
+from .attend import attend_blocks_on, attend_positions
 from .session import SparseSession
 from .state import LayerState, StepView
 
@@ -144,9 +144,7 @@ def _block_row(cfg, plan, state, q, keys, values, layout, fresh) -> torch.Tensor
     if state.keep is not None:  # an adaptive budget: its support by position, the dropped blocks masked
         index, valid = support_of(BlockChoice(state.blocks, state.keep), layout)
         return attend_positions(q, keys, values, index, layout.scale, valid=valid)
-    if plan.attend == "torch":
-        return attend_support(q, keys, values, state.blocks, layout, layout.scale)
-    return kernels.attend(plan.attend, q, keys, values, state.blocks, layout, layout.scale)
+    return attend_blocks_on(plan.attend, q, keys, values, state.blocks, layout, layout.scale)
 
 
 def _one_call(cfg, plan, rows, layouts, fresh, q, key, value, out) -> None:
