@@ -1,6 +1,6 @@
 """One prepared check of the optional Triton path on a CUDA machine; writes JSON files into the folder given.
 
-    PYTHONPATH=src python3 scripts/gpu_check.py OUTDIR [--quick] [--graphs-only | --batch-only]
+    PYTHONPATH=src python3 scripts/gpu_check.py OUTDIR [--quick] [--graphs-only | --batch-only | --compiled-only]
 
 ``--quick`` shrinks every stage (a dry run of the script itself; without CUDA it runs on the CPU, the kernel
 through Triton's interpreter: set TRITON_INTERPRET=1).
@@ -18,8 +18,12 @@ through Triton's interpreter: set TRITON_INTERPRET=1).
    sparse S = 193 with each kernel, and lossless k = 4.
 6. Batched end to end (``--batch-only``: this stage alone): the same model, batch 1 / 8 / 32 at 32K, dense vs
    Triton sparse S = 193 (``bench_e2e_batch``: aggregate tokens/s, step latency, every sequence's tokens against
-   its batch-1 run). No CUDA graphs here: a batched sparse step synchronises with the host (per-sequence
-   bookkeeping, top-k tie checks), so it cannot be captured; stage 4 times the capturable calls.
+   its batch-1 run), the session's eager step (it synchronises with the host per layer).
+7. Compiled end to end (``--compiled-only``: this stage alone): the whole decode step compiled with
+   ``mode="reduce-overhead"`` (replayed from a CUDA graph; the sparse step host-free,
+   ``sparsedecode.attention.static_device``) over a static cache, dense vs sparse S = 193, at 32K: Qwen2.5-0.5B
+   shapes at batch 1 and 8, llama3-8b shapes at batch 1, random weights; compile seconds, aggregate tokens/s, and
+   whether sparse and dense agree with each sequence's eager tokens.
 
 Each stage runs even if an earlier one failed; a summary is printed last.
 """
@@ -322,6 +326,77 @@ def batched_e2e(out_dir: Path) -> list[dict]:
     return data
 
 
+def random_llama3_8b():
+    """A model with llama3-8b's shapes and random weights on the device (2 layers with --quick)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    shapes = dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=2 if QUICK else 32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=65536,
+        rope_parameters={"rope_theta": 500000.0, "rope_type": "default"},
+    )
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    with torch.device(DEVICE):
+        config = LlamaConfig(**shapes, attn_implementation="sdpa", dtype=dtype)
+        return LlamaForCausalLM(config).to(dtype).eval().requires_grad_(False)
+
+
+def compiled_e2e(out_dir: Path) -> list[dict]:
+    """Stage 7: dense and sparse decoding, each a whole decode step compiled and replayed from CUDA graphs."""
+    from sparsedecode.compiled import CompiledDecoder
+    from sparsedecode.decode import decode_tokens
+
+    context, tokens = (512, 8) if QUICK else (32704, 64)
+    cases = [("qwen2.5-coder-0.5b", random_qwen_coder, (1, 2) if QUICK else (1, 8))]
+    cases.append(("llama3-8b", random_llama3_8b, (1,)))
+    rows = []
+    for name, build, batches in cases:
+        model = build()
+        for batch in batches:
+            generator = torch.Generator().manual_seed(4)
+            ids = torch.randint(1, 100000, (batch, context), generator=generator).to(DEVICE)
+            dense = CompiledDecoder(model, None, batch=batch, max_len=context + tokens + 2, mode="reduce-overhead")
+            sparse = CompiledDecoder(
+                model, SparseConfig(support=193), batch=batch, max_len=context + tokens + 2, cache=dense.cache,
+                mode="reduce-overhead",
+            )  # fmt: skip
+            with dense.installed():
+                first = dense.prefill(ids).argmax(dim=-1)
+            outputs = {}
+            for mode, decoder in (("dense", dense), ("sparse S=193", sparse)):
+                with decoder.installed():
+                    decoder.resume(context)
+                    compile_s = decoder.warm_up(first)
+                    decoder.resume(context)
+                    torch.cuda.synchronize() if DEVICE == "cuda" else None
+                    started = time.perf_counter()
+                    out, _ = decode_tokens(model, None, first.tolist(), tokens, step_fn=decoder.step)
+                    torch.cuda.synchronize() if DEVICE == "cuda" else None
+                    seconds = time.perf_counter() - started
+                outputs[mode] = out
+                row = {"model": f"{name} shapes, random weights", "context": context, "batch": batch, "mode": mode}
+                row.update(compile_s=compile_s, decode_s=seconds, aggregate_tokens_per_s=batch * tokens / seconds)
+                row.update(decoder.tally())
+                rows.append(row)
+            rows[-1]["speedup_vs_dense"] = rows[-2]["decode_s"] / rows[-1]["decode_s"]
+            rows[-1]["leading_tokens_equal_to_dense"] = [
+                next((i for i, (a, b) in enumerate(zip(s, d)) if a != b), len(d))
+                for s, d in zip(outputs["sparse S=193"], outputs["dense"])
+            ]
+            for row in rows[-2:]:
+                print(json.dumps(row), flush=True)
+        del model
+        torch.cuda.empty_cache() if DEVICE == "cuda" else None
+    (out_dir / "e2e-gpu-compiled.json").write_text(json.dumps({"gpu": DEVICE, "rows": rows}, indent=1))
+    return rows
+
+
 def main() -> int:
     out_dir = Path(sys.argv[1])
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -347,6 +422,10 @@ def main() -> int:
         if graphs is not None:
             (out_dir / "op-gpu-graphs.json").write_text(json.dumps({"gpu": gpu, "rows": graphs}, indent=1))
         print(summary.get("graphs"))
+        return 0
+    if "--compiled-only" in sys.argv:  # the compiled end-to-end stage alone
+        stage("compiled e2e", lambda: compiled_e2e(out_dir))
+        print(summary.get("compiled e2e"))
         return 0
     if "--batch-only" in sys.argv:  # the batched end-to-end stage alone
         stage("batch e2e", lambda: batched_e2e(out_dir))
@@ -407,6 +486,7 @@ def main() -> int:
 
     e2e_rows = stage("e2e", e2e)
     stage("batch e2e", lambda: batched_e2e(out_dir))
+    stage("compiled e2e", lambda: compiled_e2e(out_dir))
 
     print("\n== summary ==")
     for key, value in summary.items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -180,6 +181,81 @@ def test_bench_e2e_times_every_mode_as_often_as_dense(monkeypatch):
         bench_e2e(tiny_model("qwen2"), "tiny", prompt(200), (97,), tokens=4, repeats=0)
 
 
+def test_bench_e2e_compile_adds_compiled_modes_with_dense_tokens(monkeypatch):
+    from sparsedecode import compiled
+
+    monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")  # capture without inductor's C++ build
+    rows = bench_e2e(tiny_model("llama"), "tiny", prompt(200), (97, 2048), tokens=6, repeats=1, compile=True)
+    assert [(r.mode, r.cache, r.support) for r in rows] == [
+        ("dense", "dynamic", None),
+        ("dense", "growing", None),
+        ("sparse", "growing", 97),
+        ("sparse", "growing", 2048),
+        ("dense", "static, compiled", None),
+        ("sparse", "static, compiled", 97),
+        ("sparse", "static, compiled", 2048),
+    ]
+    by_mode = {(r.mode, r.cache, r.support): r for r in rows}
+    assert all((r.compile_s is not None) == (r.cache == "static, compiled") for r in rows)
+    assert by_mode[("dense", "static, compiled", None)].tokens_equal_to_dense == 6
+    assert by_mode[("sparse", "static, compiled", 2048)].tokens_equal_to_dense == 6  # support >= N: dense
+    sparse, compiled_sparse = by_mode[("sparse", "growing", 97)], by_mode[("sparse", "static, compiled", 97)]
+    assert compiled_sparse.tokens_equal_to_dense == sparse.tokens_equal_to_dense
+    fastest = min(r.decode_s for r in rows if r.mode == "dense")
+    assert all(r.speedup_vs_best_dense == pytest.approx(fastest / r.decode_s) for r in rows)
+
+
+class FakeLlama:
+    """Stands in for llama_cpp.Llama (not installed in the test extra): a 'model' whose greedy next token is the
+    last token + 1, with the attributes the baseline reads (scores, n_tokens, reset, eval)."""
+
+    made: list[dict] = []
+    prompts: list[list[int]] = []
+
+    def __init__(self, model_path, n_ctx, n_threads, n_threads_batch, n_batch, flash_attn, verbose):
+        import numpy as np
+
+        self.made.append(dict(path=model_path, n_ctx=n_ctx, threads=n_threads, flash_attn=flash_attn))
+        self.scores = np.zeros((n_ctx, 96), dtype=np.float32)
+        self.n_tokens = 0
+
+    def reset(self):
+        self.n_tokens = 0
+
+    def eval(self, tokens):
+        if len(tokens) > 1:
+            self.prompts.append(list(tokens))
+        for token in tokens:
+            self.scores[self.n_tokens] = 0
+            self.scores[self.n_tokens, (token + 1) % 96] = 1
+            self.n_tokens += 1
+
+
+def test_bench_e2e_baseline_runs_llama_cpp_in_the_rotation(monkeypatch, tmp_path):
+    import types
+
+    from sparsedecode.experiments.baseline import LLAMA_CPP, LLAMA_CPP_FLASH, LlamaCpp
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=FakeLlama))
+    monkeypatch.setattr(bench, "read_bandwidth_gbs", lambda *a, **k: 10.0)  # structure, not speed
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"\0" * 1000)
+    engines = {LLAMA_CPP: LlamaCpp(gguf, 220, 2), LLAMA_CPP_FLASH: LlamaCpp(gguf, 220, 2, flash_attn=True)}
+    ids = prompt(200)
+    rows = bench_e2e(tiny_model("qwen2"), "tiny", ids, (97,), tokens=4, repeats=2, baseline=engines)
+    assert [(r.mode, r.cache) for r in rows][-2:] == [("dense", LLAMA_CPP), ("dense", LLAMA_CPP_FLASH)]
+    llama = rows[-2]
+    assert llama.runs == 2 and llama.vs_llama_cpp == 1.0
+    assert all(r.vs_llama_cpp == pytest.approx(llama.decode_s / r.decode_s) for r in rows)
+    assert llama.bytes_per_token_mb * 1e6 > 1000  # the GGUF file plus its float16 KV cache reads
+    sparse = next(r for r in rows if r.mode == "sparse")
+    dense = rows[0]
+    assert sparse.bytes_per_token_mb < dense.bytes_per_token_mb
+    assert dense.bound_tokens_per_s == pytest.approx(10e9 / (dense.bytes_per_token_mb * 1e6))
+    assert FakeLlama.prompts[-1] == ids[0].tolist()  # llama.cpp was handed the same token ids
+    assert [m["flash_attn"] for m in FakeLlama.made[-2:]] == [False, True]
+
+
 def assert_run_record(run: dict) -> None:
     """A result file says when its command started (UTC) and how long it took in all."""
     started = datetime.fromisoformat(run["started_utc"])
@@ -294,6 +370,30 @@ def test_bench_op_cli_refuses_bad_input(tmp_path, capsys, monkeypatch, options, 
 def test_bench_e2e_cli_refuses_repeats_below_one(tiny_model_dir, capsys):
     assert main(["bench", "e2e", "--model", str(tiny_model_dir), "--context", "300", "--repeats", "0"]) == 2
     assert "--repeats" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--baseline", "llama.cpp"], "is not one"),  # a model folder has no GGUF it came from
+        (["--baseline", "llama.cpp", "--batch", "1,2"], "run batch 1 only"),
+        (["--compile", "--batch", "1"], "run batch 1 only"),
+    ],
+)
+def test_bench_e2e_cli_refuses_a_baseline_or_compile_it_cannot_run(tiny_model_dir, capsys, extra, message):
+    assert main(["bench", "e2e", "--model", str(tiny_model_dir), "--context", "300", *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_e2e_cli_says_how_to_install_llama_cpp(monkeypatch, capsys):
+    from sparsedecode.experiments import baseline
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # not installed: importing it raises ImportError
+    monkeypatch.setattr(baseline, "gguf_of", lambda name: pytest.fail("fetched before the check"))
+    assert main(["bench", "e2e", "--model", "smollm2-135m", "--context", "300", "--baseline", "llama.cpp"]) == 2
+    err = capsys.readouterr().err
+    assert "needs llama-cpp-python" in err and "CMAKE_ARGS" in err
 
 
 def test_bytes_accounting_of_two_byte_elements():

@@ -123,6 +123,7 @@ def decode_tokens(
     on_logits: LogitsHook | None = None,
     progress: Progress | None = None,
     stage: str = "decode",
+    step_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """``steps`` one-token steps from ``first`` (a token per sequence); per sequence, the argmax and the NLL of the
     step's target at every step.
@@ -133,7 +134,8 @@ def decode_tokens(
     sequence's greedy tokens so far (``first`` included when there is no teacher) that returns true to stop. A
     stopped sequence's outputs end with the token that stopped it; it is fed that token again while the others go
     on, and the loop ends once every sequence has stopped.
-    ``mask`` ``(B, P)`` is a left-padded batch's prompt mask; without it the model gets token ids alone.
+    ``mask`` ``(B, P)`` is a left-padded batch's prompt mask; without it the model gets token ids alone. ``step_fn(
+    tokens) -> logits`` replaces a step's forward (:meth:`~sparsedecode.compiled.CompiledDecoder.step`).
     """
     device = next(model.parameters()).device
     batch = len(first)
@@ -163,7 +165,9 @@ def decode_tokens(
     for step in range(1, steps + 1):
         if all(done):
             break
-        if mask is not None:
+        if step_fn is not None:
+            logits = step_fn(tokens)
+        elif mask is not None:
             mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
             logits = decode_one_token(model, cache, tokens, mask=mask, position=next_position + step - 1)
         else:

@@ -51,6 +51,8 @@ class Generation:
     verifications: int = 0
     accepted: list[int] = field(default_factory=list)
     draft_lengths: list[int] = field(default_factory=list)
+    compile_s: float = 0.0
+    """``compile=True``: the first compiled step's time, compiling included (0 when an earlier call compiled)."""
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -91,6 +93,7 @@ def generate(
     progress: Progress | None = None,
     attention_mask: torch.Tensor | None = None,
     eos_token_id: int | None = None,
+    compile: bool = False,
 ) -> Generation | list[Generation]:
     """Greedy generation of ``max_new_tokens`` tokens after one prompt or several; the prefill is dense.
 
@@ -104,7 +107,8 @@ def generate(
     ``max_draft_tokens``) and halves it when fewer than half were accepted. ``"dense"`` and ``"sparse"`` decode one
     token per step (:func:`~sparsedecode.decode.decode_tokens`). All modes use an in-place
     :class:`~sparsedecode.cache.GrowingCache`. With ``eos_token_id``, generation ends once that token is output (the
-    tokens end with it), in every mode.
+    tokens end with it), in every mode. ``compile=True`` (dense, sparse; prompts of one length): the same tokens from
+    a whole decode step compiled over a static cache (:mod:`sparsedecode.compiled`), its cost in ``compile_s``.
     """
     ids, mask, one = _generation_inputs(
         model,
@@ -116,6 +120,11 @@ def generate(
         eos_token_id,
         (draft_tokens, adaptive, max_draft_tokens),
     )
+    if compile is not False:
+        from .compiled import generate_compiled
+
+        generations = generate_compiled(model, ids, mask, cfg, max_new_tokens, mode, eos_token_id, progress, compile)
+        return generations[0] if one else generations
     lengths = [ids.shape[1]] if one else mask.sum(dim=1).tolist()
     started = time.perf_counter()
     with dense_attention(model):  # dense, and unseen by a session the caller has open on this model

@@ -125,7 +125,7 @@ def add_parsers(sub) -> None:
         "DynamicCache and on the in-place GrowingCache, sparse (and lossless) on GrowingCache; every mode "
         "--repeats times, medians. With --batch, aggregate throughput of batches of prompts.",
         epilog="examples:\n"
-        "  sparsedecode bench e2e --context 2048 --support 193 --tokens 16 --repeats 1\n"
+        "  sparsedecode bench e2e --context 2048 --support 193 --tokens 16 --repeats 1 --compile\n"
         "  sparsedecode bench e2e --context 2048 --tokens 16 --batch 1,4 --json e2e-batch.json",
     )
     add_model_args(e2e)
@@ -164,6 +164,20 @@ def add_parsers(sub) -> None:
         default=None,
         help="batch sizes, e.g. 1,4,8: aggregate throughput per batch (prompts --prompt-index onwards; "
         "default: none, one prompt per mode)",
+    )
+    e2e.add_argument(
+        "--baseline",
+        default="none",
+        choices=("none", "llama.cpp"),
+        help="llama.cpp: also decode the alias's GGUF with llama.cpp (dense; with and without flash attention), the "
+        "same token ids and threads, timed in the same rotation; adds each row's ratio to it and bytes per token "
+        "(needs the llamacpp extra)",
+    )
+    e2e.add_argument(
+        "--compile",
+        action="store_true",
+        help="add dense and sparse modes over a static cache with the decode step compiled (torch.compile, "
+        "fullgraph; compile seconds reported; batch 1 only; default: off)",
     )
     op.set_defaults(handler=cmd_bench_op)
     e2e.set_defaults(handler=cmd_bench_e2e)
@@ -279,6 +293,19 @@ def cmd_bench_op(args) -> int:
     return 0
 
 
+def _llama_engines(path, context: int) -> dict:
+    """llama.cpp with and without flash attention, on torch's thread count (ours)."""
+    import torch
+
+    from ..experiments.baseline import LLAMA_CPP, LLAMA_CPP_FLASH, LlamaCpp
+
+    threads = torch.get_num_threads()
+    return {
+        LLAMA_CPP: LlamaCpp(path, context, threads),
+        LLAMA_CPP_FLASH: LlamaCpp(path, context, threads, flash_attn=True),
+    }
+
+
 def cmd_bench_e2e(args) -> int:
     from dataclasses import asdict
 
@@ -302,12 +329,18 @@ def cmd_bench_e2e(args) -> int:
     if args.batch is not None:
         if min(args.batch) < 1:
             raise SparseDecodeError("--batch values must be >= 1")
+        if args.compile or args.baseline != "none":
+            raise SparseDecodeError("--compile and --baseline run batch 1 only: drop --batch")
         if args.mode == "lossless":
             raise SparseDecodeError(
                 "--mode lossless runs batch 1 only (per-sequence acceptance and rollback are not implemented): "
                 "drop --batch"
             )
         return _bench_e2e_batch(args, clock)
+    if args.baseline != "none":
+        from ..experiments import baseline
+
+        baseline.check_baseline(args.model)  # before any work
     model, tokenizer = load(args)
     from ..experiments.bench import bench_e2e
     from ..experiments.corpus import check_context_fits, prompt_ids
@@ -316,6 +349,9 @@ def cmd_bench_e2e(args) -> int:
     rows = []
     for context in args.context:
         ids = prompt_ids(tokenizer, args.corpus, context, args.prompt_index, args.tokens)
+        engines = None
+        if args.baseline != "none":
+            engines = _llama_engines(baseline.gguf_of(args.model), context + args.tokens + 1)
         with progress_bars() as progress:
             rows.extend(
                 bench_e2e(
@@ -329,27 +365,29 @@ def cmd_bench_e2e(args) -> int:
                     adaptive=args.adaptive,
                     repeats=args.repeats,
                     selector=args.selector,
+                    compile=args.compile,
+                    baseline=engines,
                 )
             )
+        del engines  # llama.cpp's models and caches go before the next context
+    _print_e2e(args, rows)
+    if args.json:
+        _write_result(args.json, clock, selector=_selector_record(args.selector), rows=[asdict(r) for r in rows])
+    return 0
+
+
+def _print_e2e(args, rows) -> None:
+    """The table of ``bench e2e`` rows (llama.cpp's columns with ``--baseline``)."""
+    baseline = args.baseline != "none"
     table = Table(
         title=f"end to end, {args.model} {args.dtype} on cpu: {args.tokens} greedy tokens after a dense prefill"
     )
-    for name in (
-        "context",
-        "mode",
-        "KV cache",
-        "S",
-        "k",
-        "accepted",
-        "prefill s",
-        "decode tok/s",
-        "vs best dense",
-        "same tokens",
-        "peak RSS MB",
-    ):
+    names = ["context", "mode", "KV cache", "S", "k", "accepted", "prefill s", "decode tok/s", "vs best dense"]
+    names += ["vs llama.cpp", "MB/token", "bound tok/s"] if baseline else []
+    for name in (*names, "same tokens", "compile s", "peak RSS MB"):
         table.add_column(name, justify="right")
     for r in rows:
-        table.add_row(
+        cells = [
             str(r.context),
             r.mode,
             r.cache,
@@ -359,17 +397,26 @@ def cmd_bench_e2e(args) -> int:
             f"{r.prefill_s:.1f}",
             f"{r.decode_tokens_per_s:.2f}",
             f"{r.speedup_vs_best_dense:.2f}x",
+        ]
+        if baseline:
+            cells += [f"{r.vs_llama_cpp:.2f}x", f"{r.bytes_per_token_mb:.0f}", f"{r.bound_tokens_per_s:.0f}"]
+        cells += [
             f"{r.tokens_equal_to_dense}/{r.tokens}",
+            "-" if r.compile_s is None else f"{r.compile_s:.1f}",
             f"{r.peak_rss_mb:.0f}",
-        )
+        ]
+        table.add_row(*cells)
     console.print(table)
     console.print(
         f"[dim]every mode runs {args.repeats} times (in order, then reversed) and reports the median; 'same tokens' = "
-        "leading tokens equal to dense greedy output; peak RSS is the process peak so far.[/]"
+        "leading tokens equal to dense greedy output; peak RSS is the process peak so far"
+        + (
+            "; vs llama.cpp = llama.cpp's dense decode time over the row's; MB/token = weights + attention reads at "
+            "the mean context, bound = read bandwidth / MB per token.[/]"
+            if baseline
+            else ".[/]"
+        )
     )
-    if args.json:
-        _write_result(args.json, clock, selector=_selector_record(args.selector), rows=[asdict(r) for r in rows])
-    return 0
 
 
 def _bench_e2e_batch(args, clock: dict) -> int:

@@ -492,6 +492,10 @@ class E2ERow:
     verify_s: float | None = None
     kernel: str | None = None
     runs: int = 1  # timed runs of this mode; decode_s (and draft_s, verify_s) are their medians
+    compile_s: float | None = None  # compiled modes: the first step's time, compiling included (not in decode_s)
+    vs_llama_cpp: float | None = None  # with a llama.cpp baseline: its dense decode seconds over this row's
+    bytes_per_token_mb: float | None = None  # with a baseline: weights + attention reads per token (MB)
+    bound_tokens_per_s: float | None = None  # with a baseline: read bandwidth / bytes per token
 
 
 def bench_e2e(
@@ -507,6 +511,8 @@ def bench_e2e(
     repeats: int = 2,
     progress: Progress | None = None,
     selector: str = "mean-pooled",
+    compile: bool = False,
+    baseline: dict | None = None,
 ) -> list[E2ERow]:
     """Dense prefill once, then ``tokens`` greedy tokens per mode from the same prefilled KV cache.
 
@@ -514,9 +520,12 @@ def bench_e2e(
     (appends in place), sparse on ``GrowingCache`` per support, and (``lossless`` lists draft lengths k)
     self-speculative decoding per support and k. Every mode runs ``repeats`` times and reports the median of its
     runs: the modes run in order, then in reverse order, and so on, so a drift of a shared machine moves every
-    mode's median alike instead of favouring one mode. ``speedup_vs_best_dense`` divides by the faster dense mode.
+    mode's median alike instead of favouring one mode. ``speedup_vs_best_dense`` divides by the fastest dense mode.
     Peak RSS is the process peak so far. ``kernel`` is the sparse attention kernel (``SparseConfig.kernel``;
-    ``auto`` = the C kernel on the CPU (float32, bfloat16, float16), Triton on CUDA, else torch).
+    ``auto`` = the C kernel on the CPU (float32, bfloat16, float16), Triton on CUDA, else torch). ``compile`` adds
+    dense and each sparse mode over a static cache with the decode step compiled (:mod:`sparsedecode.compiled`),
+    their compile time in ``compile_s``. ``baseline`` (``{label: LlamaCpp}``, :mod:`.baseline`) adds llama.cpp's dense
+    decoding of the same token ids, timed in the same rotation, and every row's ratio to it and bytes per token.
     """
     if isinstance(repeats, bool) or not isinstance(repeats, numbers.Integral) or repeats < 1:
         raise SparseDecodeError(f"bench e2e: repeats must be an integer >= 1 (got {repeats!r})")
@@ -559,12 +568,24 @@ def bench_e2e(
     }
     modes.update({("sparse", "growing", support, None): partial(sparse, support) for support in supports})
     modes.update({("lossless", "growing", s, k): partial(speculative, s, k) for s in supports for k in lossless})
+    compile_s = {}
+    if compile:
+        from ..compiled import timed_modes
+
+        cfgs = {None: None, **{s: SparseConfig(support=s, kernel=kernel, selector=selector) for s in supports}}
+        compiled, compile_s = timed_modes(model, prompt_ids, first, cfgs, tokens, progress)
+        modes.update({("dense" if s is None else "sparse", "static, compiled", s, None): compiled[s] for s in cfgs})
+    prefills: dict = {}
+    if baseline:
+        from .baseline import baseline_modes
+
+        modes.update(baseline_modes(baseline, prompt_ids, tokens, prefills))
     runs: dict[tuple, list] = {mode: [] for mode in modes}
     order = list(modes)
     for repeat in range(repeats):
         for mode in order if repeat % 2 == 0 else order[::-1]:
             kind, cache, support, k = mode
-            label = {"dense": f"dense, {cache} cache", "sparse": f"sparse S={support}"}.get(
+            label = {"dense": f"dense, {cache}", "sparse": f"sparse S={support}, {cache}"}.get(
                 kind, f"lossless S={support} k={k}"
             )
             runs[mode].append(modes[mode](f"{label} (run {repeat + 1}/{repeats})"))
@@ -574,7 +595,8 @@ def bench_e2e(
         return result[0] if isinstance(result, tuple) else result.decode_s
 
     median_s = {mode: statistics.median(seconds(r) for r in results) for mode, results in runs.items()}
-    best = min(median_s[("dense", "dynamic", None, None)], median_s[("dense", "growing", None, None)])
+    # our fastest dense mode (compiled dense too); llama.cpp's rows say their own ratio (vs_llama_cpp)
+    best = min(seconds for mode, seconds in median_s.items() if mode[0] == "dense" and mode[1] not in (baseline or {}))
     dense_tokens = runs[("dense", "dynamic", None, None)][0][1]
 
     def agreeing(out: list[int]) -> int:
@@ -585,6 +607,8 @@ def bench_e2e(
         kind, cache, support, k = mode
         decode_s = median_s[mode]
         extra = {"kernel": None if kind == "dense" else kernel, "runs": len(results)}
+        if cache == "static, compiled":
+            extra["compile_s"] = compile_s[support]
         if kind == "lossless":
             g = results[0]  # greedy and deterministic: every run drafts and accepts the same
             out = g.tokens[1:]
@@ -614,6 +638,10 @@ def bench_e2e(
                 **extra,
             )
         )
+    if baseline:
+        from .baseline import annotate
+
+        annotate(rows, model, baseline, prefills, read_bandwidth_gbs())
     return rows
 
 

@@ -1,0 +1,256 @@
+"""A capturable sparse decode step: the step as one torch custom op over state in preallocated tensors, for a
+static (preallocated) KV cache, so that ``torch.compile(..., fullgraph=True)`` can take a whole decode step.
+
+The session's step (:mod:`~sparsedecode.attention.forward`) decides in Python, per layer and step, from state kept
+in Python objects and found through a context variable: nothing a compiler can trace. Here every attention module
+of the model carries a :class:`StaticLayer` (attribute :data:`STATE`), whose tensors hold what the session's
+:class:`~sparsedecode.attention.LayerState` holds for one sequence of a batch without padding:
+
+* ``stats (kinds, batch, kv, d, capacity)`` float32: the block statistics the selector reads, the storage of a
+  :class:`~sparsedecode.centroids.BlockCentroids` (the C kernel reads it in place); ``count (batch,)`` how many
+  blocks hold values;
+* ``blocks`` / ``keep (batch, kv, b)``: the block selection being reused (``keep``: what an adaptive budget kept),
+  ``positions (batch, kv, distant)`` a token selector's; ``step (batch,)``: sparse steps of the current chain (the
+  reuse counter); ``last (batch,)``: the context length of the layer's last call;
+* ``tally (4,)`` int64: sparse row-steps, dense row-steps, positions read by sparse steps (summed over KV heads),
+  KV heads of the sparse row-steps.
+
+:func:`sparse_step` (``torch.ops.sparsedecode.sparse_step``) is one layer's decode step of every row: it reads the
+context length from the position ids inside the op (a host read the compiler never sees), then runs the library's
+selection and kernels (:func:`~sparsedecode.selectors.select.choose_planned_blocks`,
+:func:`~sparsedecode.attention.attend.attend_blocks_on`): the same blocks and outputs as the session's step. Its
+fake implementation only says the output's shape, so the compiled graph holds one call per layer and no Python.
+
+Why the state is never stale: every write into the cache goes through the attention function, and each call
+writes positions ``[start, n)`` and drops what was derived from them (:func:`_truncate`): block statistics of blocks
+reaching ``start``, and the reuse chain unless the call continues it (a decode step at ``start == last``). A new
+prompt (a forward from position 0), a crop or a rollback thus keep only what still describes the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from ..centroids import BlockCentroids
+from ..config import SparseConfig
+from ..errors import SparseDecodeError
+from ..layout import BlockLayout
+from ..selectors import choose_positions, token_index
+from ..selectors.select import BlockChoice, choose_planned_blocks, support_of
+from .attend import attend_blocks_on, attend_positions
+from .static_device import device_step, fill_statistics, serves
+from .step import plan_step
+
+STATIC_ATTENTION = "sparsedecode-static"
+"""The attention implementation name the capturable step registers under."""
+STATE = "_sparsedecode_static"
+"""The attribute of an attention module that holds its :class:`StaticLayer`."""
+
+DEVICE_STEP_ON_CPU = False
+"""Run the host-free step (:mod:`~sparsedecode.attention.static_device`, what CUDA runs) on the CPU too: tests turn
+it on to check it against the host step."""
+
+_CONFIGS: dict[str, SparseConfig] = {}
+_PLANS: dict[str, dict] = {}
+
+
+def config_key(cfg: SparseConfig) -> str:
+    """The string the op is handed for ``cfg`` (custom ops take strings, not objects): stable per config."""
+    key = repr(cfg)
+    _CONFIGS.setdefault(key, cfg)
+    _PLANS.setdefault(key, {})
+    return key
+
+
+@dataclass
+class StaticLayer:
+    """One attention layer's state for the capturable step (see the module); built by :func:`allocate`."""
+
+    layer: int
+    config: str
+    kinds: tuple[str, ...]
+    stats: torch.Tensor
+    count: torch.Tensor
+    blocks: torch.Tensor
+    keep: torch.Tensor
+    positions: torch.Tensor
+    step: torch.Tensor
+    last: torch.Tensor
+    tally: torch.Tensor
+
+    def reset(self) -> None:
+        """Nothing derived from any key: the state of a new cache."""
+        for tensor in (self.count, self.step, self.last, self.tally):
+            tensor.zero_()
+
+
+def allocate(cfg: SparseConfig, layer: int, batch: int, kv_heads: int, head_dim: int, max_len: int, device):
+    """A :class:`StaticLayer` for a cache of ``max_len`` positions: every tensor at its final size."""
+    kinds = cfg.selector.statistics or ("mean",)
+    capacity = max(max_len // cfg.block_size + 1, 1)
+    b = max(cfg.blocks, 1)
+    distant = max(cfg.distant_positions, 1) if cfg.selector.token_level else 1
+    long = dict(dtype=torch.int64, device=device)
+    state = StaticLayer(
+        layer=layer,
+        config=config_key(cfg),
+        kinds=kinds,
+        stats=torch.zeros(len(kinds), batch, kv_heads, head_dim, capacity, dtype=torch.float32, device=device),
+        count=torch.zeros(batch, **long),
+        blocks=torch.zeros(batch, kv_heads, b, **long),
+        keep=torch.ones(batch, kv_heads, b, dtype=torch.bool, device=device),
+        positions=torch.zeros(batch, kv_heads, distant, **long),
+        step=torch.zeros(batch, **long),
+        last=torch.zeros(batch, **long),
+        tally=torch.zeros(4, **long),
+    )
+    for name in ("stats", "count", "blocks", "keep", "positions", "step", "last", "tally"):
+        torch._dynamo.mark_static_address(getattr(state, name))  # mutated in place: CUDA graphs keep their memory
+    return state
+
+
+def _on_device(cfg: SparseConfig, tensor: torch.Tensor) -> bool:
+    """Whether the step runs host-free (CUDA, or the CPU when tests ask) for ``cfg``."""
+    return serves(cfg) and (tensor.is_cuda or DEVICE_STEP_ON_CPU)
+
+
+def _truncate(count: torch.Tensor, step: torch.Tensor, last: torch.Tensor, start: int, n: int, block: int) -> None:
+    """A call writes positions ``[start, n)``: keep the statistics of the blocks wholly before ``start`` (block
+    ``j`` covers ``[1 + j B, 1 + (j + 1) B)``) and the reuse chain only for a decode step that continues it."""
+    count.clamp_(max=max((start - 1) // block, 0))
+    if not (n - start == 1 and bool((last == start).all())):
+        step.zero_()
+    last.fill_(n)
+
+
+def _centroids(state_stats: torch.Tensor, kinds: tuple[str, ...], count: int, block: int) -> BlockCentroids:
+    """A :class:`BlockCentroids` over one row's preallocated storage ``(kinds, kv, d, capacity)``."""
+    cache = BlockCentroids(block, kinds)
+    cache._stats = {kind: state_stats[k] for k, kind in enumerate(kinds)}
+    cache.count = count
+    return cache
+
+
+def _row(cfg, plan, layout, q, keys, values, stats, kinds, count, blocks, keep, positions, fresh):
+    """One row's sparse step: select when ``fresh`` (into the row's state tensors), then attend. Returns the output
+    ``(H, dv)``, the support positions read (summed over KV heads) and the row's new block-statistics count."""
+    selector = cfg.selector
+    if selector.token_level:
+        if fresh:
+            positions.copy_(choose_positions(selector, cfg.distant_positions, q, keys, layout))
+        index = token_index(positions, layout)
+        return attend_positions(q, keys, values, index, layout.scale), index.numel(), count
+    cache = _centroids(stats, kinds, count, cfg.block_size)
+    if fresh:
+        choice = choose_planned_blocks(selector, cfg.blocks, cache, q, keys, layout, plan.select)
+        blocks.copy_(choice.blocks)
+        keep.copy_(choice.keep) if choice.keep is not None else keep.fill_(True)
+    index, valid = support_of(BlockChoice(blocks, keep if selector.adaptive else None), layout)
+    read = int(valid.sum())
+    if selector.adaptive:
+        return attend_positions(q, keys, values, index, layout.scale, valid=valid), read, cache.count
+    return attend_blocks_on(plan.attend, q, keys, values, blocks, layout, layout.scale), read, cache.count
+
+
+@torch.library.custom_op(
+    "sparsedecode::sparse_step", mutates_args=("stats", "count", "blocks", "keep", "positions", "step", "last", "tally")
+)
+def sparse_step(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    position: torch.Tensor,
+    stats: torch.Tensor,
+    count: torch.Tensor,
+    blocks: torch.Tensor,
+    keep: torch.Tensor,
+    positions: torch.Tensor,
+    step: torch.Tensor,
+    last: torch.Tensor,
+    tally: torch.Tensor,
+    config: str,
+    layer: int,
+    scale: float,
+) -> torch.Tensor:
+    """One layer's decode step of every row of a batch without padding: ``query (batch, H, 1, d)``, ``key`` /
+    ``value (batch, kv, L, d)`` (a static cache, the current token written), ``position (batch, 1)`` the current
+    token's position; returns ``(batch, 1, H, dv)`` in the query dtype. Dense over ``[0, n)`` while the context
+    fits the support; otherwise each row reuses or refreshes its selection (reuse ``R``) and attends over it."""
+    cfg = _CONFIGS[config]
+    if _on_device(cfg, query):
+        kinds = cfg.selector.statistics
+        return device_step(cfg, kinds, layer, scale, query, key, value, position, stats, blocks, step, last, tally)
+    n = int(position.reshape(-1)[-1]) + 1  # the host read the compiled graph leaves to the op
+    _truncate(count, step, last, n - 1, n, cfg.block_size)
+    batch, heads = query.shape[0], query.shape[1]
+    if n <= cfg.effective_support:
+        tally[1] += batch
+        keys, values = key[:, :, :n], value[:, :, :n]
+        out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, scale=scale, enable_gqa=True)
+        return out.transpose(1, 2).contiguous()
+    out = query.new_empty(batch, 1, heads, value.shape[-1])
+    layout = BlockLayout(n=n, window=cfg.window, block_size=cfg.block_size, layer=layer, scale=scale, seed=cfg.seed)
+    q = query[:, :, 0, :]
+    plan = plan_step(cfg, q[0], key[0], value[0], layout, _PLANS[config])
+    kinds = cfg.selector.statistics or ("mean",)
+    fresh = ((step % cfg.reuse) == 0).tolist()
+    for i in range(batch):
+        row_fresh = fresh[i] or cfg.selector.reselects_every_step
+        row_out, read, stored = _row(
+            cfg, plan, layout, q[i], key[i], value[i], stats[:, i], kinds, int(count[i]), blocks[i], keep[i],
+            positions[i], row_fresh,
+        )  # fmt: skip
+        out[i, 0] = row_out
+        count[i] = stored
+        tally[2] += read
+    step += 1
+    tally[0] += batch
+    tally[3] += batch * key.shape[1]
+    return out
+
+
+@sparse_step.register_fake
+def _(query, key, value, position, stats, count, blocks, keep, positions, step, last, tally, config, layer, scale):
+    return query.new_empty(query.shape[0], 1, query.shape[1], value.shape[-1])
+
+
+def static_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function of the capturable step: multi-token forwards dense (SDPA with the mask),
+    decode steps :func:`sparse_step` on the module's :class:`StaticLayer`; a module without one, or a
+    sliding-window layer, dense."""
+    state = getattr(module, STATE, None)
+    position = kwargs.get("position_ids")
+    if state is not None and position is None:
+        raise SparseDecodeError(
+            f"compiled sparse decoding needs the position ids in {type(module).__name__}'s attention call, which "
+            "this model does not pass; decode without compile"
+        )
+    if state is None or kwargs.get("sliding_window") is not None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if query.shape[2] == 1:
+        out = torch.ops.sparsedecode.sparse_step(
+            query, key, value, position, state.stats, state.count, state.blocks, state.keep, state.positions,
+            state.step, state.last, state.tally, state.config, state.layer, float(scale),
+        )  # fmt: skip
+        return out, None
+    n, cfg = int(position.reshape(-1)[-1]) + 1, _CONFIGS[state.config]
+    start = n - query.shape[2]
+    _truncate(state.count, state.step, state.last, start, n, cfg.block_size)
+    if _on_device(cfg, query):
+        fill_statistics(state.stats, state.kinds, key, start, n, cfg.block_size)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)

@@ -1,0 +1,310 @@
+"""Compiled decoding: the decode step over a static (preallocated) KV cache taken whole by ``torch.compile(...,
+fullgraph=True)``, the sparse attention of every layer one custom op (:mod:`sparsedecode.attention.static`).
+
+:class:`CompiledDecoder` owns the cache and the per-layer state; its :meth:`~CompiledDecoder.step` is what the one
+decode loop (:func:`~sparsedecode.decode.decode_tokens`) calls instead of a plain forward. ``generate(...,
+compile=True)`` and ``--compile`` use it. What it serves: one prompt, or a batch of equal-length prompts (no padding),
+greedy, dense or sparse with any selector but those that keep an attention history (H2O). The first step compiles
+(seconds to a minute on a CPU); a decoder is kept on the model per configuration, batch and cache size (rounded up
+to :data:`CACHE_ROUND` positions), so later calls of the same shape reuse the compiled step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import time
+import types
+
+import torch
+
+from .attention.static import STATE, STATIC_ATTENTION, allocate, static_attention_forward
+from .config import SparseConfig
+from .errors import SparseDecodeError
+
+CACHE_ROUND = 512
+"""Cache sizes are rounded up to a multiple of this, so prompts of similar length share one compiled step."""
+DEFAULT_BACKEND = os.environ.get("SPARSEDECODE_COMPILE_BACKEND", "inductor")
+"""``torch.compile``'s backend (``SPARSEDECODE_COMPILE_BACKEND``; ``aot_eager`` captures without code generation)."""
+KEPT = 4
+"""Decoders kept per model (each holds its compiled step; those of one batch and cache size share one cache)."""
+_REGISTERED = False
+
+
+def register() -> None:
+    """Register the capturable step's attention function and mask builder with transformers (idempotent)."""
+    global _REGISTERED
+    if not _REGISTERED:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        AttentionInterface.register(STATIC_ATTENTION, static_attention_forward)
+        AttentionMaskInterface.register(STATIC_ATTENTION, sdpa_mask)
+        _REGISTERED = True
+
+
+def check_compilable(model: torch.nn.Module, cfg: SparseConfig | None, what: str) -> None:
+    """One line saying why ``cfg`` cannot decode compiled on ``model`` (nothing when it can)."""
+    if cfg is not None and cfg.selector.uses_history:
+        raise SparseDecodeError(
+            f"{what}: {cfg.selector.spec()} keeps the attention every position received, which the compiled step "
+            "does not; decode it without compile"
+        )
+    text = model.config.get_text_config(decoder=True)
+    if cfg is not None and any(kind != "full_attention" for kind in getattr(text, "layer_types", None) or ()):
+        raise SparseDecodeError(
+            f"{what}: compile serves models whose every layer attends fully ({type(model).__name__} has "
+            f"{sorted(set(text.layer_types) - {'full_attention'})} layers); decode without compile"
+        )
+    if getattr(model.config, "_attn_implementation", None) not in ("sdpa", "eager", STATIC_ATTENTION):
+        raise SparseDecodeError(
+            f"{what}: compile needs the model's own SDPA or eager attention (it has "
+            f"{model.config._attn_implementation!r}; inside a sparse_decoding session, decode without compile)"
+        )
+
+
+def _seek(cache, length: int) -> None:
+    """Make a ``StaticCache`` write its next tokens at ``length`` (its layers append at their own counter)."""
+    for layer in cache.layers:
+        counter = getattr(layer, "cumulative_length", None)
+        if isinstance(counter, torch.Tensor):
+            counter.fill_(length)
+        elif counter is not None:
+            layer.cumulative_length = length
+
+
+def _own_method(owner, name: str):
+    """``owner.name`` bound to a copy of the function with a code object of its own: dynamo keeps compiled graphs per
+    code object, at most ``recompile_limit`` of them, so decoders sharing one code object would run out (and each
+    call would check every other decoder's guards)."""
+    function = getattr(type(owner), name)
+    fresh = types.FunctionType(
+        function.__code__.replace(),
+        function.__globals__,
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
+    return types.MethodType(fresh, owner)
+
+
+def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "config")]
+
+
+class CompiledDecoder:
+    """Greedy decoding of ``batch`` unpadded sequences over a ``StaticCache`` of ``max_len`` positions, dense
+    (``cfg=None``) or sparse, the decode step compiled with ``backend`` and ``mode`` (``torch.compile``,
+    ``fullgraph=True``; ``mode="reduce-overhead"`` replays it from a CUDA graph on CUDA).
+
+    Use it inside :meth:`installed`: :meth:`prefill` (dense, in chunks, eager) then :meth:`step` per token.
+    ``tally()`` sums the layers' counts: sparse and dense row-steps, positions read by sparse steps."""
+
+    def __init__(
+        self,
+        model,
+        cfg: SparseConfig | None,
+        *,
+        batch: int,
+        max_len: int,
+        backend: str | None = None,
+        cache=None,
+        mode: str | None = None,
+    ):
+        from transformers import StaticCache
+
+        register()
+        backend = backend or DEFAULT_BACKEND
+        self.model, self.cfg, self.batch, self.max_len, self.backend = model, cfg, batch, max_len, backend
+        self.device = next(model.parameters()).device
+        self.cache = cache if cache is not None else StaticCache(config=model.config, max_cache_len=max_len)
+        self.position = 0
+        self.compile_s = 0.0
+        self.states = {}
+        if cfg is not None:
+            text = model.config.get_text_config(decoder=True)
+            kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+            head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+            for module in _attention_modules(model):
+                self.states[module] = allocate(cfg, module.layer_idx, batch, kv_heads, head_dim, max_len, self.device)
+        # mode="reduce-overhead": replayed from CUDA graphs on CUDA (the state tensors have static addresses)
+        self._compiled = torch.compile(
+            _own_method(self, "_forward"), fullgraph=True, backend=backend, dynamic=False, mode=mode
+        )
+        self._warm = False
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=input_ids, position_ids=position_ids, cache=self.cache, use_cache=True)
+        return out.logits[:, -1].float()
+
+    @contextlib.contextmanager
+    def installed(self):
+        """The model routes attention through the capturable step inside the block; restored afterwards."""
+        model = self.model
+        previous = model.config._attn_implementation
+        if previous != STATIC_ATTENTION:
+            model.set_attn_implementation(STATIC_ATTENTION)
+        for module, state in self.states.items():
+            setattr(module, STATE, state)
+        try:
+            yield self
+        finally:
+            for module in self.states:
+                if hasattr(module, STATE):
+                    delattr(module, STATE)
+            if previous != STATIC_ATTENTION:
+                model.set_attn_implementation(previous)
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor, *, chunk: int = 1024, progress=None) -> torch.Tensor:
+        """Dense prefill of ``ids (batch, P)`` from position 0 (a new prompt: nothing earlier survives); returns the
+        last position's logits ``(batch, vocab)`` float32."""
+        if ids.dim() != 2 or ids.shape[0] != self.batch:
+            raise SparseDecodeError(f"expected prompt ids of shape ({self.batch}, length), got {tuple(ids.shape)}")
+        length = ids.shape[1]
+        if length >= self.max_len:
+            raise SparseDecodeError(f"a prompt of {length} tokens leaves no room in a cache of {self.max_len}")
+        ids = ids.to(self.device)
+        _seek(self.cache, 0)
+        logits = None
+        for start in range(0, length, chunk):
+            stop = min(start + chunk, length)
+            position = torch.arange(start, stop, device=self.device).expand(self.batch, -1)
+            out = self.model(
+                input_ids=ids[:, start:stop], position_ids=position, cache=self.cache, use_cache=True, logits_to_keep=1
+            )
+            logits = out.logits[:, -1].float()
+            if progress:
+                progress("prefill", stop, length)
+        self.position = length
+        return logits
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed ``tokens (batch,)`` at the next position; the next logits ``(batch, vocab)`` float32. The first call
+        compiles (its time, the step included, is ``compile_s``)."""
+        if self.position >= self.max_len:
+            raise SparseDecodeError(f"the compiled decoder's cache of {self.max_len} positions is full")
+        position = torch.full((self.batch, 1), self.position, dtype=torch.long, device=self.device)
+        _seek(self.cache, self.position)
+        started = time.perf_counter()
+        logits = self._compiled(tokens.reshape(self.batch, 1).to(self.device), position)
+        if not self._warm:
+            self._warm, self.compile_s = True, time.perf_counter() - started
+        self.position += 1
+        return logits
+
+    def warm_up(self, tokens: torch.Tensor) -> float:
+        """Compile now if not yet (one step at the next position, which the next :meth:`step` writes again): the
+        seconds it took, 0 when the step was compiled already."""
+        if self._warm:
+            return 0.0
+        self.step(tokens)
+        self.position -= 1
+        return self.compile_s
+
+    def resume(self, length: int) -> None:
+        """The cache holds a prompt of ``length`` positions prefilled elsewhere (another decoder sharing it): decode
+        from there, deriving nothing from earlier steps (the state is reset; the first step reads the prompt's
+        blocks afresh)."""
+        for state in self.states.values():
+            state.reset()
+        self.position = length
+
+    def tally(self) -> dict[str, int]:
+        totals = torch.zeros(4, dtype=torch.long)
+        for state in self.states.values():
+            totals += state.tally.cpu()
+        sparse, dense, read, heads = totals.tolist()
+        return {"sparse_steps": sparse, "dense_steps": dense, "positions_read": read, "kv_head_steps": heads}
+
+
+def decoder_for(model, cfg: SparseConfig | None, batch: int, length: int, backend: str | None = None):
+    """The model's :class:`CompiledDecoder` for ``cfg``, ``batch`` and a cache of at least ``length`` positions
+    (made once per configuration, batch and rounded size, then reused: its step stays compiled)."""
+    backend = backend or DEFAULT_BACKEND
+    size = -(-length // CACHE_ROUND) * CACHE_ROUND
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if limit:
+        size = max(min(size, int(limit)), length)
+    kept = model.__dict__.setdefault("_sparsedecode_decoders", {})
+    key = (None if cfg is None else repr(cfg), batch, size, backend)
+    if key not in kept:
+        shared = next((d.cache for d in kept.values() if (d.batch, d.max_len) == (batch, size)), None)
+        while len(kept) >= KEPT:
+            kept.pop(next(iter(kept)))
+        kept[key] = CompiledDecoder(model, cfg, batch=batch, max_len=size, backend=backend, cache=shared)
+    return kept[key]
+
+
+def generate_compiled(model, ids, mask, cfg, max_new_tokens: int, mode: str, eos_token_id, progress, compile=True):
+    """``generate(..., compile=True)`` after its checks: one :class:`~sparsedecode.speculative.Generation` per
+    sequence of ``ids (B, P)`` (``mask``, if any, all ones)."""
+    from .decode import decode_tokens
+    from .speculative import Generation
+
+    if compile is not True:
+        raise SparseDecodeError(f"generate: compile must be True or False, got {compile!r}")
+    if mode not in ("dense", "sparse"):
+        raise SparseDecodeError(
+            f"generate: compile=True decodes one token per step (modes dense and sparse), not mode {mode}"
+        )
+    if mask is not None and not bool(mask.bool().all()):
+        raise SparseDecodeError("generate: compile=True needs prompts of one length (no padding); decode without it")
+    sparse_cfg = cfg if mode == "sparse" else None
+    check_compilable(model, sparse_cfg, "generate")
+    decoder = decoder_for(model, sparse_cfg, int(ids.shape[0]), int(ids.shape[1]) + max_new_tokens)
+    with decoder.installed():
+        started = time.perf_counter()
+        logits = decoder.prefill(ids, progress=progress)
+        prefill_s = time.perf_counter() - started
+        first = logits.argmax(dim=-1)
+        compile_s = decoder.warm_up(first) if max_new_tokens > 1 else 0.0
+        started = time.perf_counter()
+        rest, _ = decode_tokens(
+            model,
+            None,
+            first.tolist(),
+            max_new_tokens - 1,
+            stop=eos_token_id,
+            progress=progress,
+            stage=f"{mode} decode (compiled)",
+            step_fn=decoder.step,
+        )
+        decode_s = time.perf_counter() - started
+    return [
+        Generation(mode, [head, *tail], prefill_s, decode_s, compile_s=compile_s)
+        for head, tail in zip(first.tolist(), rest)
+    ]
+
+
+def timed_modes(model, prompt_ids: torch.Tensor, first: int, cfgs: dict, tokens: int, progress=None):
+    """``bench e2e --compile``: for each ``cfgs`` entry (a name and its config, ``None`` = dense) a function
+    ``timed(stage) -> (seconds, tokens)`` decoding ``tokens`` greedy tokens after ``first`` with the compiled step,
+    every mode from one prefill of ``prompt_ids (1, P)`` into one shared cache; and each mode's compile seconds
+    (measured here, before any timed run)."""
+    from .decode import decode_tokens
+
+    context = int(prompt_ids.shape[1])
+    for cfg in cfgs.values():
+        check_compilable(model, cfg, "bench e2e --compile")
+    decoders = {name: decoder_for(model, cfg, 1, context + tokens + 1) for name, cfg in cfgs.items()}
+    prefilled = next(iter(decoders.values()))
+    with prefilled.installed():
+        prefilled.prefill(prompt_ids, progress=progress)
+    compile_s = {}
+    for name, decoder in decoders.items():
+        with decoder.installed():
+            decoder.resume(context)
+            compile_s[name] = decoder.warm_up(torch.tensor([first]))
+
+    def timed(decoder, stage):
+        with decoder.installed():
+            decoder.resume(context)
+            begun = time.perf_counter()
+            step = decoder.step
+            (out,), _ = decode_tokens(model, None, [first], tokens, progress=progress, stage=stage, step_fn=step)
+            return time.perf_counter() - begun, out
+
+    return {name: functools.partial(timed, decoder) for name, decoder in decoders.items()}, compile_s

@@ -1,0 +1,147 @@
+"""``bench e2e --baseline llama.cpp``: llama.cpp's dense decoding of the GGUF a model alias came from, the same prompt
+token ids, the same thread count, in the same run as our modes; and what each mode must read per token.
+
+llama.cpp comes from the optional extra ``llamacpp`` (llama-cpp-python, built from its source distribution; see
+docs/benchmarks.md for the flags). It is imported only here, when the baseline is asked for. Token ids are handed
+to it as they are: the alias's tokenizer is the GGUF's own vocabulary, so both engines see one sequence.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import SparseDecodeError
+
+INSTALL = (
+    'pip install "sparsedecode[llamacpp]" (llama-cpp-python from source; on x86-64 set CMAKE_ARGS="-DGGML_NATIVE=OFF '
+    '-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON", adding -DGGML_AVX512=ON where the CPU has it; docs/benchmarks.md)'
+)
+
+
+def check_baseline(model_name: str) -> None:
+    """Before any work: ``model_name`` is an alias with a GGUF source, and llama-cpp-python is installed."""
+    from ..models import ALIASES
+
+    if model_name not in ALIASES:
+        raise SparseDecodeError(
+            f"--baseline llama.cpp decodes the GGUF a built-in alias came from; {model_name!r} is not one "
+            f"(aliases: {', '.join(sorted(ALIASES))})"
+        )
+    _llama_class()
+
+
+def gguf_of(model_name: str) -> Path:
+    """The GGUF file the alias ``model_name`` was converted from (fetched and checked like the alias itself)."""
+    from ..model_cache import _ensure_gguf
+    from ..models import ALIASES
+
+    return _ensure_gguf(ALIASES[model_name])
+
+
+def _llama_class():
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        raise SparseDecodeError(f"--baseline llama.cpp needs llama-cpp-python: {INSTALL}") from None
+    return Llama
+
+
+@dataclass
+class LlamaCpp:
+    """One loaded llama.cpp model: :meth:`decode` runs a dense prefill of the prompt, then greedy tokens."""
+
+    path: Path
+    context: int
+    threads: int
+    flash_attn: bool = False
+
+    def __post_init__(self) -> None:
+        llama = _llama_class()
+        self.model = llama(
+            model_path=str(self.path),
+            n_ctx=self.context,
+            n_threads=self.threads,
+            n_threads_batch=self.threads,
+            n_batch=512,
+            flash_attn=self.flash_attn,
+            verbose=False,
+        )
+
+    def decode(self, prompt: list[int], tokens: int) -> tuple[float, float, list[int]]:
+        """``(prefill_s, decode_s, tokens)``: the prompt evaluated from an empty cache, then ``tokens`` greedy
+        steps; token 0 comes from the prefill, as in our modes, and ``decode_s`` times the ``tokens`` steps after
+        it (the last one's logits included)."""
+        model = self.model
+        model.reset()
+        started = time.perf_counter()
+        model.eval(prompt)
+        token = int(model.scores[model.n_tokens - 1].argmax())  # logits of the prompt's last position
+        prefill_s = time.perf_counter() - started
+        out = [token]
+        started = time.perf_counter()
+        for _ in range(tokens):
+            model.eval([out[-1]])
+            out.append(int(model.scores[model.n_tokens - 1].argmax()))
+        return prefill_s, time.perf_counter() - started, out[1:]
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights a decode step reads: every parameter once (the tied embedding counted once, as the
+    output projection; the embedding lookup reads one row)."""
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def attention_bytes(config, n: int, support: int | None, element: int, block_size: int = 16) -> int:
+    """Bytes attention reads per token at ``n`` positions: every key and value (``support=None``: dense), or the
+    support's keys and values plus the float32 block centroids selection scores (one per ``block_size`` keys)."""
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_position = 2 * kv_heads * head_dim * element
+    if support is None or n <= support:
+        read = n * per_position
+    else:
+        read = support * per_position + (n // block_size) * kv_heads * head_dim * 4
+    return config.num_hidden_layers * read
+
+
+LLAMA_CPP = "llama.cpp"
+LLAMA_CPP_FLASH = "llama.cpp, flash attention"
+
+
+def baseline_modes(engines: dict[str, LlamaCpp], prompt_ids: torch.Tensor, tokens: int, prefills: dict) -> dict:
+    """``bench_e2e`` modes for llama.cpp engines (``{cache label: engine}``): each a function ``(stage) ->
+    (decode seconds, tokens)``; every run's prefill seconds go to ``prefills[label]``."""
+    prompt = [int(t) for t in prompt_ids.reshape(-1).tolist()]
+
+    def run(label: str, stage: str):
+        prefill_s, decode_s, out = engines[label].decode(prompt, tokens)
+        prefills.setdefault(label, []).append(prefill_s)
+        return decode_s, out
+
+    return {("dense", label, None, None): (lambda stage, label=label: run(label, stage)) for label in engines}
+
+
+def annotate(rows: list, model: torch.nn.Module, engines: dict[str, LlamaCpp], prefills: dict, bandwidth_gbs: float):
+    """Each row's ratio to llama.cpp's dense decoding (``vs_llama_cpp``: its decode seconds over the row's), the bytes
+    a token reads (weights + attention at the run's mean context) and the bound that puts on tokens/s; llama.cpp's
+    rows get their own prefill time."""
+    import statistics
+
+    reference = next((r for r in rows if r.cache == LLAMA_CPP), None)
+    element = next(model.parameters()).element_size()
+    weights = parameter_bytes(model)
+    for row in rows:
+        n = row.context + row.tokens // 2
+        if row.cache in engines:
+            row.prefill_s = statistics.median(prefills[row.cache])
+            read = engines[row.cache].path.stat().st_size + attention_bytes(model.config, n, None, 2)
+        else:
+            read = weights + attention_bytes(model.config, n, row.support if row.mode == "sparse" else None, element)
+        row.bytes_per_token_mb = read / 1e6
+        row.bound_tokens_per_s = bandwidth_gbs * 1e9 / read
+        if reference is not None:
+            row.vs_llama_cpp = reference.decode_s / row.decode_s

@@ -1,0 +1,320 @@
+"""The capturable sparse step (sparsedecode.attention.static, sparsedecode.compiled): a whole decode step compiled
+with fullgraph=True on tiny Llama and Qwen2, and the session's guarantees on the new path.
+
+Compiling uses the ``aot_eager`` backend here: it runs dynamo's full-graph capture and AOT autograd's
+functionalisation of the custom op's mutations (what capturability means), without inductor's C++ build (half a
+minute per model on this CPU); ``test_inductor_compiled_step`` (slow) runs inductor too. The eager references are
+the session's step (``sparse_decoding`` over a ``GrowingCache``, through the one decode loop) and the same static
+step uncompiled."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from conftest import logits_tolerance, tiny_model
+
+from sparsedecode import SparseConfig, sparse_decoding
+from sparsedecode.cache import GrowingCache
+from sparsedecode.compiled import CompiledDecoder
+from sparsedecode.decode import decode_tokens, prefill
+from sparsedecode.errors import SparseDecodeError
+from sparsedecode.selectors import BlockSelector, selector_names
+from sparsedecode.selectors.ops import group_mean_queries
+from sparsedecode.speculative import generate
+
+PROMPT, STEPS = 300, 24
+SMALL_CFG = dict(support=97, window=32, block_size=8)  # 97 = 1 + 32 + 8 * 8: sparse from the first step at 300
+
+
+def _prompt(seed: int = 1, length: int = PROMPT, batch: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 90, (batch, length), generator=generator)
+
+
+def _session_run(model, ids, cfg, steps=STEPS):
+    """The session's eager step: tokens per sequence and the logits of every step ``(steps, B, vocab)``."""
+    cache, logits = prefill(model, ids, cache=GrowingCache(config=model.config))
+    first = logits.argmax(dim=-1).tolist()
+    seen = []
+    with sparse_decoding(model, cfg) if cfg is not None else _nothing():
+        out, _ = decode_tokens(model, cache, first, steps, on_logits=lambda _, lg: seen.append(lg.clone()))
+    return [[f, *o] for f, o in zip(first, out)], torch.stack(seen)
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _static_run(decoder: CompiledDecoder, ids, steps=STEPS, *, compiled=True):
+    """The static step (compiled, or its eager function): tokens per sequence and every step's logits."""
+    step = decoder.step if compiled else (lambda t: decoder._forward(*decoder_inputs(decoder, t)))
+    seen = []
+    with decoder.installed():
+        first = decoder.prefill(ids).argmax(dim=-1).tolist()
+        out, _ = decode_tokens(
+            decoder.model, None, first, steps, on_logits=lambda _, lg: seen.append(lg.clone()), step_fn=step
+        )
+    return [[f, *o] for f, o in zip(first, out)], torch.stack(seen)
+
+
+def decoder_inputs(decoder: CompiledDecoder, tokens: torch.Tensor):
+    """What :meth:`CompiledDecoder.step` hands its compiled function, for calling the function uncompiled."""
+    from sparsedecode.compiled import _seek
+
+    position = torch.full((decoder.batch, 1), decoder.position, dtype=torch.long)
+    _seek(decoder.cache, decoder.position)
+    decoder.position += 1
+    return tokens.reshape(decoder.batch, 1), position
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_whole_decode_step_compiles_fullgraph_and_gives_the_eager_tokens(arch):
+    model = tiny_model(arch)
+    ids, cfg = _prompt(), SparseConfig(**SMALL_CFG)
+    eager_tokens, eager_logits = _session_run(model, ids, cfg)
+    uncompiled = CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + STEPS + 1, backend="aot_eager")
+    static_tokens, static_logits = _static_run(uncompiled, ids, compiled=False)
+    decoder = CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + STEPS + 1, backend="aot_eager")
+    tokens, logits = _static_run(decoder, ids)
+    assert decoder.compile_s > 0
+    assert tokens == eager_tokens == static_tokens
+    # the compiled graph calls the same op and the same float32 layers as the uncompiled step
+    assert float((logits - static_logits).abs().max()) <= 1e-5
+    # the session's step and the static one attend with other kernels over the same support (sums reordered)
+    assert torch.allclose(logits, eager_logits, rtol=0, atol=logits_tolerance(eager_logits, model, positions=PROMPT))
+    tally = decoder.tally()
+    assert tally["sparse_steps"] == STEPS * model.config.num_hidden_layers and tally["dense_steps"] == 0
+    assert tally["positions_read"] <= tally["kv_head_steps"] * cfg.effective_support
+
+
+def _block_selectors() -> list[str]:
+    return [name for name in selector_names() if name != "h2o"]
+
+
+@pytest.mark.parametrize("selector", _block_selectors())
+@pytest.mark.parametrize("reuse", [1, 4])
+def test_static_step_equals_the_session_step_for_every_selector(selector, reuse):
+    """The op runs the library's selection and kernels: the same tokens as the session for every registered
+    selector but H2O (refused, see below), with reuse 1 and 4."""
+    model = tiny_model("llama")
+    ids, cfg = _prompt(2), SparseConfig(**SMALL_CFG, selector=selector, reuse=reuse)
+    eager_tokens, eager_logits = _session_run(model, ids, cfg)
+    decoder = CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + STEPS + 1, backend="aot_eager")
+    tokens, logits = _static_run(decoder, ids, compiled=False)
+    assert tokens == eager_tokens
+    assert torch.allclose(logits, eager_logits, rtol=0, atol=logits_tolerance(eager_logits, model, positions=PROMPT))
+
+
+@dataclass(frozen=True)
+class MaxKeyBlocks(BlockSelector):
+    """A user's selector (the protocol's example): blocks by their largest logit under the group-mean query."""
+
+    name = "max-key-test"
+
+    def score_blocks(self, queries, keys, layout):
+        q = group_mean_queries(queries, keys.shape[0])
+        logits = torch.einsum("hd,hnd->hn", q, keys.float())[:, 1 : layout.distant_end]
+        padded = torch.nn.functional.pad(
+            logits, (0, layout.n_blocks * layout.block_size - logits.shape[1]), value=float("-inf")
+        )
+        return padded.view(keys.shape[0], layout.n_blocks, -1).amax(dim=-1)
+
+
+def test_a_users_selector_compiles_too():
+    model = tiny_model("qwen2")
+    ids, cfg = _prompt(3), SparseConfig(**SMALL_CFG, selector=MaxKeyBlocks())
+    eager_tokens, _ = _session_run(model, ids, cfg, steps=12)
+    decoder = CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + 13, backend="aot_eager")
+    tokens, _ = _static_run(decoder, ids, steps=12)
+    assert tokens == eager_tokens
+
+
+def test_full_support_equals_dense_and_dense_compiles():
+    """A support covering the context is dense attention over ``[0, n)``; the dense decoder (no op) compiles too."""
+    model = tiny_model("llama")
+    ids = _prompt(4, length=120)
+    dense_tokens, dense_logits = _session_run(model, ids, None, steps=16)
+    full = CompiledDecoder(model, SparseConfig(support=193), batch=1, max_len=140, backend="aot_eager")
+    tokens, logits = _static_run(full, ids, steps=16, compiled=False)
+    dense = CompiledDecoder(model, None, batch=1, max_len=140, backend="aot_eager")
+    compiled_tokens, compiled_logits = _static_run(dense, ids, steps=16)
+    assert tokens == dense_tokens == compiled_tokens
+    tolerance = logits_tolerance(dense_logits, model, positions=140)
+    assert torch.allclose(logits, dense_logits, rtol=0, atol=tolerance)
+    assert torch.allclose(compiled_logits, dense_logits, rtol=0, atol=tolerance)
+    assert full.tally()["sparse_steps"] == 0 and full.tally()["dense_steps"] == 16 * 2
+
+
+def test_a_long_lived_decoder_equals_fresh_ones_across_prompts_and_rollbacks():
+    """One decoder over three prompts (the second shorter, so stale blocks would lie inside its context), then a
+    rollback of 50 steps (past the window: blocks whose keys change) and other tokens: each the same as a fresh
+    decoder's. A rollback restarts the reuse chain (as in a session), so that part runs with reuse 1."""
+    model = tiny_model("llama")
+    size = PROMPT + 64
+    lived = CompiledDecoder(model, SparseConfig(**SMALL_CFG, reuse=3), batch=1, max_len=size, backend="aot_eager")
+    for seed, length in ((5, PROMPT), (6, 220), (7, PROMPT)):
+        ids = _prompt(seed, length=length)
+        fresh = CompiledDecoder(model, lived.cfg, batch=1, max_len=size, backend="aot_eager")
+        assert _static_run(lived, ids, compiled=False)[0] == _static_run(fresh, ids, compiled=False)[0]
+    ids, cfg = _prompt(8), SparseConfig(**SMALL_CFG)
+
+    def feed(decoder, tokens):
+        return [decoder._forward(*decoder_inputs(decoder, torch.tensor([t]))) for t in tokens]
+
+    lived = CompiledDecoder(model, cfg, batch=1, max_len=size, backend="aot_eager")
+    with lived.installed():
+        lived.prefill(ids)
+        feed(lived, range(60))
+        lived.position -= 50  # roll back 50 steps, then decode other tokens from there
+        rolled = feed(lived, range(40, 52))
+    fresh = CompiledDecoder(model, cfg, batch=1, max_len=size, backend="aot_eager")
+    with fresh.installed():
+        fresh.prefill(ids)
+        feed(fresh, range(10))
+        direct = feed(fresh, range(40, 52))
+    assert all(torch.equal(a, b) for a, b in zip(rolled, direct))
+
+
+def test_a_batch_decodes_as_each_sequence_alone():
+    model = tiny_model("qwen2")
+    cfg = SparseConfig(**SMALL_CFG)
+    ids = torch.cat([_prompt(9), _prompt(10)])
+    batch = CompiledDecoder(model, cfg, batch=2, max_len=PROMPT + STEPS + 1, backend="aot_eager")
+    tokens, logits = _static_run(batch, ids, compiled=False)
+    for i in range(2):
+        alone = CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + STEPS + 1, backend="aot_eager")
+        alone_tokens, alone_logits = _static_run(alone, ids[i : i + 1], compiled=False)
+        assert tokens[i] == alone_tokens[0]
+        # batched and batch-1 float32 layers sum in another order
+        tolerance = logits_tolerance(alone_logits, model, positions=PROMPT)
+        assert torch.allclose(logits[:, i], alone_logits[:, 0], rtol=0, atol=tolerance)
+
+
+def test_generate_compile_gives_generate_tokens_and_reuses_the_compiled_step(monkeypatch):
+    from sparsedecode import compiled
+
+    monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
+    model = tiny_model("llama")
+    ids, cfg = _prompt(11), SparseConfig(**SMALL_CFG)
+    plain = generate(model, ids, cfg, 20, mode="sparse")
+    first = generate(model, ids, cfg, 20, mode="sparse", compile=True)
+    again = generate(model, _prompt(12, length=280), cfg, 20, mode="sparse", compile=True)
+    assert first.tokens == plain.tokens and first.compile_s > 0
+    assert again.tokens == generate(model, _prompt(12, length=280), cfg, 20, mode="sparse").tokens
+    assert again.compile_s == 0.0  # the same shapes: the step compiled by the first call
+    batch = generate(model, torch.cat([ids, _prompt(13)]), cfg, 8, mode="sparse", compile=True)
+    assert [g.tokens for g in batch] == [g.tokens for g in generate(model, [ids, _prompt(13)], cfg, 8, mode="sparse")]
+    dense = generate(model, ids, None, 12, mode="dense", compile=True)
+    assert dense.tokens == generate(model, ids, None, 12, mode="dense").tokens
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (dict(cfg=SparseConfig(**SMALL_CFG, selector="h2o")), "keeps the attention every position received"),
+        (dict(mode="lossless"), "not mode lossless"),
+        (dict(compile="yes"), "compile must be True or False"),
+        (dict(padded=True), "needs prompts of one length"),
+    ],
+)
+def test_compile_refuses_what_it_cannot_decode(call, message):
+    model = tiny_model("llama")
+    cfg = call.get("cfg", SparseConfig(**SMALL_CFG))
+    ids = _prompt(14)
+    kwargs = {"mode": call.get("mode", "sparse"), "compile": call.get("compile", True)}
+    if call.get("padded"):
+        ids = [ids, _prompt(15, length=200)]
+    with pytest.raises(SparseDecodeError, match=message):
+        generate(model, ids, cfg, 8, **kwargs)
+
+
+def test_compile_refuses_sliding_window_layers():
+    model = tiny_model("qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=1)
+    assert "sliding_attention" in model.config.layer_types
+    with pytest.raises(SparseDecodeError, match="whose every layer attends fully"):
+        generate(model, _prompt(20), SparseConfig(**SMALL_CFG), 8, mode="sparse", compile=True)
+
+
+def test_compile_inside_a_session_is_refused():
+    model = tiny_model("llama")
+    with sparse_decoding(model, SparseConfig(**SMALL_CFG)):
+        with pytest.raises(SparseDecodeError, match="inside a sparse_decoding session"):
+            generate(model, _prompt(16), SparseConfig(**SMALL_CFG), 8, mode="sparse", compile=True)
+
+
+@pytest.mark.slow
+def test_inductor_compiled_step():
+    """The default backend (inductor, C++ code generation): the eager tokens, logits within 1e-5 (inductor fuses
+    float32 operations, reordering a few sums: far below that on a 2-layer model)."""
+    model = tiny_model("llama")
+    ids, cfg = _prompt(17), SparseConfig(**SMALL_CFG)
+    eager_tokens, eager_logits = _static_run(
+        CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + STEPS + 1), ids, compiled=False
+    )
+    tokens, logits = _static_run(CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + STEPS + 1), ids)
+    assert tokens == eager_tokens
+    assert float((logits - eager_logits).abs().max()) <= 1e-5
+
+
+@pytest.fixture
+def device_step_on_cpu(monkeypatch):
+    from sparsedecode.attention import static
+
+    monkeypatch.setattr(static, "DEVICE_STEP_ON_CPU", True)
+
+
+@pytest.mark.parametrize("selector", ["mean-pooled", "quest"])
+@pytest.mark.parametrize("reuse", [1, 4])
+def test_host_free_step_equals_the_session_step(device_step_on_cpu, selector, reuse):
+    """The step CUDA runs (tensor operations only), run on the CPU: the session's tokens, dense steps included (a
+    prompt shorter than the support grows past it)."""
+    model = tiny_model("llama")
+    for length in (PROMPT, 80):
+        ids, cfg = _prompt(18, length=length), SparseConfig(**SMALL_CFG, selector=selector, reuse=reuse)
+        eager_tokens, eager_logits = _session_run(model, ids, cfg, steps=40)
+        decoder = CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + 41, backend="aot_eager")
+        tokens, logits = _static_run(decoder, ids, steps=40, compiled=False)
+        assert tokens == eager_tokens
+        tolerance = logits_tolerance(eager_logits, model, positions=PROMPT + 40)
+        assert torch.allclose(logits, eager_logits, rtol=0, atol=tolerance)
+
+
+def test_host_free_step_keeps_the_guarantees(device_step_on_cpu):
+    """Long-lived across prompts and a rollback past the window, and a batch as each sequence alone, on the step
+    CUDA runs."""
+    test_a_long_lived_decoder_equals_fresh_ones_across_prompts_and_rollbacks()
+    test_a_batch_decodes_as_each_sequence_alone()
+
+
+def test_host_free_step_traces_without_a_host_read():
+    """Dynamo refuses a full graph at any host read (``.item()``, ``bool()``, ``.tolist()``): the host-free step
+    traced whole, as CUDA graphs need, and equal to its eager run."""
+    from sparsedecode.attention.static import allocate
+    from sparsedecode.attention.static_device import device_step
+
+    cfg = SparseConfig(**SMALL_CFG, reuse=2)
+    generator = torch.Generator().manual_seed(19)
+    query = torch.randn(2, 4, 1, 16, generator=generator)
+    key, value = torch.randn(2, 2, 400, 16, generator=generator), torch.randn(2, 2, 400, 16, generator=generator)
+
+    def run(step):
+        state = allocate(cfg, 0, 2, 2, 16, 400, "cpu")
+        outs = []
+        for n in (90, 97, 98, 300, 301, 302):
+            position = torch.full((2, 1), n - 1)
+            outs.append(
+                step(cfg, ("mean",), 0, 0.25, query, key, value, position, state.stats, state.blocks, state.step,
+                     state.last, state.tally)
+            )  # fmt: skip
+        return torch.stack(outs), state.tally
+
+    compiled = torch.compile(device_step, fullgraph=True, backend="aot_eager", dynamic=False)
+    eager_out, eager_tally = run(device_step)
+    compiled_out, compiled_tally = run(compiled)
+    assert torch.equal(eager_out, compiled_out) and torch.equal(eager_tally, compiled_tally)
