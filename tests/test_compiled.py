@@ -73,8 +73,18 @@ def decoder_inputs(decoder: CompiledDecoder, tokens: torch.Tensor):
     return tokens.reshape(decoder.batch, 1), position
 
 
+@pytest.fixture(params=["fused", "op"])
+def path(request, monkeypatch):
+    """Both forms of the compiled step: the host-free step traced into the graph (``FUSE``, the default where it
+    serves the selector) and the custom op ``torch.ops.sparsedecode.sparse_step`` (every selector)."""
+    from sparsedecode.attention import static
+
+    monkeypatch.setattr(static, "FUSE", request.param == "fused")
+    return request.param
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_whole_decode_step_compiles_fullgraph_and_gives_the_eager_tokens(arch):
+def test_whole_decode_step_compiles_fullgraph_and_gives_the_eager_tokens(arch, path):
     model = tiny_model(arch)
     ids, cfg = _prompt(), SparseConfig(**SMALL_CFG)
     eager_tokens, eager_logits = _session_run(model, ids, cfg)
@@ -99,7 +109,7 @@ def _block_selectors() -> list[str]:
 
 @pytest.mark.parametrize("selector", _block_selectors())
 @pytest.mark.parametrize("reuse", [1, 4])
-def test_static_step_equals_the_session_step_for_every_selector(selector, reuse):
+def test_static_step_equals_the_session_step_for_every_selector(selector, reuse, path):
     """The op runs the library's selection and kernels: the same tokens as the session for every registered
     selector but H2O (refused, see below), with reuse 1 and 4."""
     model = tiny_model("llama")
@@ -151,7 +161,7 @@ def test_full_support_equals_dense_and_dense_compiles():
     assert full.tally()["sparse_steps"] == 0 and full.tally()["dense_steps"] == 16 * 2
 
 
-def test_a_long_lived_decoder_equals_fresh_ones_across_prompts_and_rollbacks():
+def test_a_long_lived_decoder_equals_fresh_ones_across_prompts_and_rollbacks(path):
     """One decoder over three prompts (the second shorter, so stale blocks would lie inside its context), then a
     rollback of 50 steps (past the window: blocks whose keys change) and other tokens: each the same as a fresh
     decoder's. A rollback restarts the reuse chain (as in a session), so that part runs with reuse 1."""
@@ -181,7 +191,7 @@ def test_a_long_lived_decoder_equals_fresh_ones_across_prompts_and_rollbacks():
     assert all(torch.equal(a, b) for a, b in zip(rolled, direct))
 
 
-def test_a_batch_decodes_as_each_sequence_alone():
+def test_a_batch_decodes_as_each_sequence_alone(path):
     model = tiny_model("qwen2")
     cfg = SparseConfig(**SMALL_CFG)
     ids = torch.cat([_prompt(9), _prompt(10)])
@@ -271,9 +281,12 @@ def device_step_on_cpu(monkeypatch):
 
 @pytest.mark.parametrize("selector", ["mean-pooled", "quest"])
 @pytest.mark.parametrize("reuse", [1, 4])
-def test_host_free_step_equals_the_session_step(device_step_on_cpu, selector, reuse):
-    """The step CUDA runs (tensor operations only), run on the CPU: the session's tokens, dense steps included (a
-    prompt shorter than the support grows past it)."""
+def test_host_free_step_equals_the_session_step(device_step_on_cpu, selector, reuse, monkeypatch):
+    """The step CUDA runs inside the op (tensor operations only), run on the CPU: the session's tokens, dense steps
+    included (a prompt shorter than the support grows past it)."""
+    from sparsedecode.attention import static
+
+    monkeypatch.setattr(static, "FUSE", False)
     model = tiny_model("llama")
     for length in (PROMPT, 80):
         ids, cfg = _prompt(18, length=length), SparseConfig(**SMALL_CFG, selector=selector, reuse=reuse)
@@ -285,11 +298,26 @@ def test_host_free_step_equals_the_session_step(device_step_on_cpu, selector, re
         assert torch.allclose(logits, eager_logits, rtol=0, atol=tolerance)
 
 
-def test_host_free_step_keeps_the_guarantees(device_step_on_cpu):
+def test_host_free_step_keeps_the_guarantees(device_step_on_cpu, monkeypatch):
     """Long-lived across prompts and a rollback past the window, and a batch as each sequence alone, on the step
-    CUDA runs."""
-    test_a_long_lived_decoder_equals_fresh_ones_across_prompts_and_rollbacks()
-    test_a_batch_decodes_as_each_sequence_alone()
+    CUDA runs inside the op."""
+    from sparsedecode.attention import static
+
+    monkeypatch.setattr(static, "FUSE", False)
+    test_a_long_lived_decoder_equals_fresh_ones_across_prompts_and_rollbacks("op")
+    test_a_batch_decodes_as_each_sequence_alone("op")
+    # a prompt prefilled by another decoder sharing the cache (bench e2e --compile, gpu_check.py): resumed
+    model, ids, cfg = tiny_model("llama"), _prompt(21), SparseConfig(**SMALL_CFG)
+    dense = CompiledDecoder(model, None, batch=1, max_len=PROMPT + 20, backend="aot_eager")
+    resumed = CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + 20, backend="aot_eager", cache=dense.cache)
+    with dense.installed():
+        first = dense.prefill(ids).argmax(dim=-1).tolist()
+    with resumed.installed():
+        resumed.resume(PROMPT)
+        step = lambda t: resumed._forward(*decoder_inputs(resumed, t))  # noqa: E731
+        out, _ = decode_tokens(model, None, first, 16, step_fn=step)
+    direct = CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + 20, backend="aot_eager")
+    assert [first + out[0]] == _static_run(direct, ids, steps=16, compiled=False)[0]
 
 
 def test_host_free_step_traces_without_a_host_read():

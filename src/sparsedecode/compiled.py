@@ -20,6 +20,7 @@ import types
 import torch
 
 from .attention.static import STATE, STATIC_ATTENTION, allocate, static_attention_forward
+from .attention.static_device import fill_statistics
 from .config import SparseConfig
 from .errors import SparseDecodeError
 
@@ -129,8 +130,9 @@ class CompiledDecoder:
             for module in _attention_modules(model):
                 self.states[module] = allocate(cfg, module.layer_idx, batch, kv_heads, head_dim, max_len, self.device)
         # mode="reduce-overhead": replayed from CUDA graphs on CUDA (the state tensors have static addresses)
+        options = {"mode": mode} if backend == "inductor" else {}  # modes are inductor's (other backends: none)
         self._compiled = torch.compile(
-            _own_method(self, "_forward"), fullgraph=True, backend=backend, dynamic=False, mode=mode
+            _own_method(self, "_forward"), fullgraph=True, backend=backend, dynamic=False, **options
         )
         self._warm = False
 
@@ -210,6 +212,9 @@ class CompiledDecoder:
         blocks afresh)."""
         for state in self.states.values():
             state.reset()
+            if state.host_free:  # its statistics are filled by the forwards that write keys: fill the prompt's
+                keys = self.cache.layers[state.layer].keys
+                fill_statistics(state.stats, state.kinds, keys, 0, length, state.cfg.block_size)
         self.position = length
 
     def tally(self) -> dict[str, int]:

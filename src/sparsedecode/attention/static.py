@@ -29,6 +29,7 @@ prompt (a forward from position 0), a crop or a rollback thus keep only what sti
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,10 @@ STATIC_ATTENTION = "sparsedecode-static"
 STATE = "_sparsedecode_static"
 """The attribute of an attention module that holds its :class:`StaticLayer`."""
 
+FUSE = os.environ.get("SPARSEDECODE_FUSE_STEP", "0") == "1"
+"""Where the host-free step serves the selector, trace it into the compiled graph (the compiler fuses it with the
+layer) instead of calling the custom op: ``SPARSEDECODE_FUSE_STEP=1``. Off by default: on the 2-core development
+CPU it compiled several times slower (minutes for SmolLM2's 30 layers) and decoded no faster than the op."""
 DEVICE_STEP_ON_CPU = False
 """Run the host-free step (:mod:`~sparsedecode.attention.static_device`, what CUDA runs) on the CPU too: tests turn
 it on to check it against the host step."""
@@ -71,6 +76,10 @@ class StaticLayer:
 
     layer: int
     config: str
+    cfg: SparseConfig
+    host_free: bool
+    """The step is the host-free one (:mod:`~sparsedecode.attention.static_device`): traced into the compiled graph
+    (:data:`FUSE`), or run inside the op on CUDA; its statistics are filled by every multi-token forward."""
     kinds: tuple[str, ...]
     stats: torch.Tensor
     count: torch.Tensor
@@ -97,6 +106,8 @@ def allocate(cfg: SparseConfig, layer: int, batch: int, kv_heads: int, head_dim:
     state = StaticLayer(
         layer=layer,
         config=config_key(cfg),
+        cfg=cfg,
+        host_free=serves(cfg) and (FUSE or torch.device(device).type == "cuda" or DEVICE_STEP_ON_CPU),
         kinds=kinds,
         stats=torch.zeros(len(kinds), batch, kv_heads, head_dim, capacity, dtype=torch.float32, device=device),
         count=torch.zeros(batch, **long),
@@ -237,12 +248,26 @@ def static_attention_forward(
             f"compiled sparse decoding needs the position ids in {type(module).__name__}'s attention call, which "
             "this model does not pass; decode without compile"
         )
+    if state is None and query.shape[2] == 1 and kwargs.get("sliding_window") is None and not dropout:
+        # dense decoding over the static cache: grouped heads read their KV head in place (transformers' SDPA path
+        # repeats every key and value per query head when a mask is given: a copy of the whole cache per layer)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
+        )
+        return out.transpose(1, 2).contiguous(), None
     if state is None or kwargs.get("sliding_window") is not None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if query.shape[2] == 1:
+        cfg = state.cfg
+        if FUSE and state.host_free:  # traced into the graph, fused with the layer by the compiler
+            out = device_step(
+                cfg, state.kinds, state.layer, float(scale), query, key, value, position, state.stats,
+                state.blocks, state.step, state.last, state.tally,
+            )  # fmt: skip
+            return out, None
         out = torch.ops.sparsedecode.sparse_step(
             query, key, value, position, state.stats, state.count, state.blocks, state.keep, state.positions,
             state.step, state.last, state.tally, state.config, state.layer, float(scale),
@@ -251,6 +276,6 @@ def static_attention_forward(
     n, cfg = int(position.reshape(-1)[-1]) + 1, _CONFIGS[state.config]
     start = n - query.shape[2]
     _truncate(state.count, state.step, state.last, start, n, cfg.block_size)
-    if _on_device(cfg, query):
+    if state.host_free:
         fill_statistics(state.stats, state.kinds, key, start, n, cfg.block_size)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
