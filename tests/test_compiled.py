@@ -103,15 +103,25 @@ def test_whole_decode_step_compiles_fullgraph_and_gives_the_eager_tokens(arch, p
     assert tally["positions_read"] <= tally["kv_head_steps"] * cfg.effective_support
 
 
-def _block_selectors() -> list[str]:
-    return [name for name in selector_names() if name != "h2o"]
+def _selector_paths() -> list[tuple[str, str]]:
+    """Every registered selector but H2O (refused, see below) through the op; those the host-free step serves
+    fused too (for the others both settings take the op)."""
+    from sparsedecode.attention.static_device import serves
+
+    cases = []
+    for name in selector_names():
+        if name != "h2o":
+            cases.append((name, "op"))
+            if serves(SparseConfig(**SMALL_CFG, selector=name)):
+                cases.append((name, "fused"))
+    return cases
 
 
-@pytest.mark.parametrize("selector", _block_selectors())
+@pytest.mark.parametrize("selector, path", _selector_paths(), indirect=["path"])
 @pytest.mark.parametrize("reuse", [1, 4])
 def test_static_step_equals_the_session_step_for_every_selector(selector, reuse, path):
     """The op runs the library's selection and kernels: the same tokens as the session for every registered
-    selector but H2O (refused, see below), with reuse 1 and 4."""
+    selector, with reuse 1 and 4."""
     model = tiny_model("llama")
     ids, cfg = _prompt(2), SparseConfig(**SMALL_CFG, selector=selector, reuse=reuse)
     eager_tokens, eager_logits = _session_run(model, ids, cfg)
