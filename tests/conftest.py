@@ -35,6 +35,16 @@ TOKEN_SELECTORS = tuple(name for name in SELECTORS if name not in BLOCK_SELECTOR
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
+
+def pytest_collection_modifyitems(config, items):
+    """The long tests (``realmodel``, ``ray``) first, each file's in their order, then the rest as collected.
+
+    pytest-xdist's ``--dist loadgroup`` hands out groups of several tests first, then single tests in collection
+    order: a minute-long real-model test collected late would start last and leave the other worker idle while it
+    runs. Every test already runs in any order (parallel workers interleave them anyway)."""
+    items.sort(key=lambda item: item.get_closest_marker("realmodel") is None and item.get_closest_marker("ray") is None)
+
+
 # CI runs the same hypothesis examples every time, so a red build is reproducible.
 settings.register_profile("ci", derandomize=True, deadline=None)
 if os.environ.get("CI"):
