@@ -180,6 +180,25 @@ def prompt(length: int, *, seed: int = 1, vocab: int = 96) -> torch.Tensor:
     return torch.randint(1, vocab, (1, length), generator=generator)  # 0 is the pad id
 
 
+@pytest.fixture(autouse=True)
+def quick_operator_times(monkeypatch):
+    """``compare-selectors`` times each selector's decode-attention call (``bench_op``: a read-bandwidth measurement
+    of a second, which it does not use, and 0.2 s per timing), 25 of the 28 s of a comparison of every selector on a
+    tiny model. The tests check where times appear (``op_ms`` positive where the support is sparse, none where it is
+    not), not their size: here the same ``bench_op`` runs with a fixed bandwidth and 1 ms budgets (each timing still
+    the median of at least ten real calls). ``test_bench.py`` measures the bandwidth itself once."""
+    from sparsedecode.experiments import bench, selector_comparison
+
+    real = selector_comparison.bench_op
+
+    def quick(*args, **kwargs):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(bench, "read_bandwidth_gbs", lambda *a, **k: 12.5)
+            return real(*args, **{**kwargs, "budget_s": 0.001})
+
+    monkeypatch.setattr(selector_comparison, "bench_op", quick)
+
+
 @pytest.fixture(params=ARCHS)
 def arch(request) -> str:
     return request.param
