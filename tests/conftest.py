@@ -36,13 +36,29 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    """The long tests (``realmodel``, ``ray``) first, each file's in their order, then the rest as collected.
+    """The long tests (``realmodel``, ``ray``) first, each file's in their order, then the rest as collected; under
+    ``--dist loadgroup``, each test of an ``xdist_group`` named by the node id pytest-xdist groups by.
 
-    pytest-xdist's ``--dist loadgroup`` hands out groups of several tests first, then single tests in collection
-    order: a minute-long real-model test collected late would start last and leave the other worker idle while it
-    runs. Every test already runs in any order (parallel workers interleave them anyway)."""
+    pytest-xdist's ``loadgroup`` hands out groups of several tests first, then single tests in collection order: a
+    minute-long real-model test collected late would start last and leave the other worker idle while it runs.
+    Every test already runs in any order (parallel workers interleave them anyway).
+
+    ``loadgroup`` keeps a group on one worker by node ids ending in ``@GROUP``. pytest-xdist 3.8 adds that suffix by
+    setting ``item._nodeid``, which pytest 9 no longer reads (a node id comes from ``item._id``): every group was
+    split over both workers, each building the group's module fixtures (a Ray instance, the lm-eval runs, the
+    lossless grid's prefill). The suffix is set here where pytest reads it."""
     items.sort(key=lambda item: item.get_closest_marker("realmodel") is None and item.get_closest_marker("ray") is None)
+    if not getattr(config.option, "loadgroup", False):
+        return
+    from _pytest.nodeid import coerce_node_id
+
+    for item in items:
+        names = {m.args[0] if m.args else m.kwargs.get("name", "default") for m in item.iter_markers("xdist_group")}
+        suffix = "@" + "_".join(sorted(map(str, names)))
+        if names and not item.nodeid.endswith(suffix):
+            item._id = coerce_node_id(item.nodeid + suffix)
 
 
 # CI runs the same hypothesis examples every time, so a red build is reproducible.
