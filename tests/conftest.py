@@ -35,6 +35,32 @@ TOKEN_SELECTORS = tuple(name for name in SELECTORS if name not in BLOCK_SELECTOR
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """The long tests (``realmodel``, ``ray``) first, each file's in their order, then the rest as collected; under
+    ``--dist loadgroup``, each test of an ``xdist_group`` named by the node id pytest-xdist groups by.
+
+    pytest-xdist's ``loadgroup`` hands out groups of several tests first, then single tests in collection order: a
+    minute-long real-model test collected late would start last and leave the other worker idle while it runs.
+    Every test already runs in any order (parallel workers interleave them anyway).
+
+    ``loadgroup`` keeps a group on one worker by node ids ending in ``@GROUP``. pytest-xdist 3.8 adds that suffix by
+    setting ``item._nodeid``, which pytest 9 no longer reads (a node id comes from ``item._id``): every group was
+    split over both workers, each building the group's module fixtures (a Ray instance, the lm-eval runs, the
+    lossless grid's prefill). The suffix is set here where pytest reads it."""
+    items.sort(key=lambda item: item.get_closest_marker("realmodel") is None and item.get_closest_marker("ray") is None)
+    if not getattr(config.option, "loadgroup", False):
+        return
+    from _pytest.nodeid import coerce_node_id
+
+    for item in items:
+        names = {m.args[0] if m.args else m.kwargs.get("name", "default") for m in item.iter_markers("xdist_group")}
+        suffix = "@" + "_".join(sorted(map(str, names)))
+        if names and not item.nodeid.endswith(suffix):
+            item._id = coerce_node_id(item.nodeid + suffix)
+
+
 # CI runs the same hypothesis examples every time, so a red build is reproducible.
 settings.register_profile("ci", derandomize=True, deadline=None)
 if os.environ.get("CI"):
@@ -168,6 +194,25 @@ def assert_attention_close(out, reference, query, keys, values, scaling: float) 
 def prompt(length: int, *, seed: int = 1, vocab: int = 96) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(1, vocab, (1, length), generator=generator)  # 0 is the pad id
+
+
+@pytest.fixture(autouse=True)
+def quick_operator_times(monkeypatch):
+    """``compare-selectors`` times each selector's decode-attention call (``bench_op``: a read-bandwidth measurement
+    of a second, which it does not use, and 0.2 s per timing), 25 of the 28 s of a comparison of every selector on a
+    tiny model. The tests check where times appear (``op_ms`` positive where the support is sparse, none where it is
+    not), not their size: here the same ``bench_op`` runs with a fixed bandwidth and 1 ms budgets (each timing still
+    the median of at least ten real calls). ``test_bench.py`` measures the bandwidth itself once."""
+    from sparsedecode.experiments import bench, selector_comparison
+
+    real = selector_comparison.bench_op
+
+    def quick(*args, **kwargs):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(bench, "read_bandwidth_gbs", lambda *a, **k: 12.5)
+            return real(*args, **{**kwargs, "budget_s": 0.001})
+
+    monkeypatch.setattr(selector_comparison, "bench_op", quick)
 
 
 @pytest.fixture(params=ARCHS)

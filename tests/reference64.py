@@ -136,10 +136,14 @@ def paired_protocol(
     prompt_length = prompt_ids.shape[1]
     _STATE.update(prompt_length=prompt_length, support=None, reuse=reuse, grown_reuses=0)
 
+    # every prompt row is dense in every pass (``_attention``): the prefill is computed once, each pass continues a
+    # copy of its cache
+    prompt_cache = DynamicCache(config=reference.config)
+    prompt_logits = _forward(reference, prompt_ids, prompt_cache)[-1]
+
     def prefilled():
         _STATE["chains"] = {}  # each pass starts its own chains of sparse steps
-        cache = DynamicCache(config=reference.config)
-        return cache, _forward(reference, prompt_ids, cache)[-1]
+        return copy.deepcopy(prompt_cache), prompt_logits
 
     # 1. dense reference: T greedy tokens with their NLL
     cache, logits = prefilled()

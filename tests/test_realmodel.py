@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
+import torch
 
 from sparsedecode import SparseConfig, compare, dense_reference
 from sparsedecode.experiments.corpus import prompt_ids
@@ -36,23 +39,64 @@ def test_audit_and_certificate_on_real_model_at_2k(smollm2):
     assert 0 <= result.selector_recall_mean <= 1 and 0 <= result.captured_mass_ratio_mean <= 1
 
 
-def _lossless_grid(model, ids, supports=(97, 193)):
-    from sparsedecode.speculative import compare_lossless, generate
+def _prefilled(model, ids):
+    """``generate``'s dense prefill of ``ids`` (a GrowingCache) and the first token, for lossless runs to share."""
+    from sparsedecode.attention import dense_attention
+    from sparsedecode.cache import GrowingCache
+    from sparsedecode.decode import prefill
 
-    dense = generate(model, ids, None, 128, mode="dense")
-    for support in supports:
-        for k in (1, 4, 8):
-            check = compare_lossless(model, ids, SparseConfig(support=support), 128, draft_tokens=k, dense=dense)
-            assert check.mismatches == [], (support, k, check.mismatches)
+    with torch.no_grad(), dense_attention(model):
+        cache, logits = prefill(model, ids, cache=GrowingCache(config=model.config))
+    return cache, int(logits[0].argmax())
 
 
-@pytest.mark.parametrize("support", [97, 193])  # one test per support: parallel workers take one each
-def test_lossless_equals_dense_on_real_model_at_2k(smollm2, support):
+def _lossless_from(model, prefilled, length: int, support: int, k: int, tokens: int) -> list[int]:
+    """What ``generate(mode="lossless")`` outputs, from a copy of the shared prefill instead of a prefill of its own
+    (the same dense forwards of the same ids: the same cache bit for bit, so the same run)."""
+    from sparsedecode.speculative import lossless_decode
+
+    cache, first = prefilled
+    run = lossless_decode(
+        model, copy.deepcopy(cache), length, first, SparseConfig(support=support), tokens, draft_tokens=k
+    )
+    return run.tokens
+
+
+class LosslessGrid:
+    """One prompt's dense greedy tokens (``generate(mode="dense")``, one-token steps: the oracle) and one dense
+    prefill that every lossless run of the grid continues from a copy of."""
+
+    def __init__(self, model, ids, tokens: int = 128):
+        from sparsedecode.speculative import generate
+
+        self.model, self.length, self.tokens = model, int(ids.shape[1]), tokens
+        self.dense = generate(model, ids, None, tokens, mode="dense").tokens
+        self.prefilled = _prefilled(model, ids)
+
+    def check(self, support: int, k: int) -> None:
+        lossless = _lossless_from(self.model, self.prefilled, self.length, support, k, self.tokens)
+        mismatches = [(i + 1, a, b) for i, (a, b) in enumerate(zip(self.dense, lossless)) if a != b]
+        assert len(lossless) == len(self.dense) == self.tokens and mismatches == [], (support, k, mismatches)
+
+
+@pytest.fixture(scope="module")
+def grid_2k(smollm2):
     model, tokenizer = smollm2
-    _lossless_grid(model, prompt_ids(tokenizer, "python-docs", 2048, 2, 128), supports=(support,))
+    return LosslessGrid(model, prompt_ids(tokenizer, "python-docs", 2048, 2, 128))
+
+
+# every (support, k) of the grid from one prefill and one dense reference: one worker takes the group
+@pytest.mark.xdist_group("smollm2-2k")
+@pytest.mark.parametrize("k", [1, 4, 8])
+@pytest.mark.parametrize("support", [97, 193])
+def test_lossless_equals_dense_on_real_model_at_2k(grid_2k, support, k):
+    grid_2k.check(support, k)
 
 
 @pytest.mark.slow
 def test_lossless_equals_dense_on_real_model_at_8k(smollm2):
     model, tokenizer = smollm2
-    _lossless_grid(model, prompt_ids(tokenizer, "python-docs", 8000, 1, 128))
+    grid = LosslessGrid(model, prompt_ids(tokenizer, "python-docs", 8000, 1, 128))
+    for support in (97, 193):
+        for k in (1, 4, 8):
+            grid.check(support, k)

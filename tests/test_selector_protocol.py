@@ -318,16 +318,19 @@ def test_capabilities_not_names_decide_what_the_library_does():
 # --- every command takes a file selector ---------------------------------------------------------------------------
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "sparsedecode", *args],
-        capture_output=True,
-        text=True,
-        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
-    )
+@pytest.fixture(scope="module")
+def commands():
+    """``python -m sparsedecode`` commands, each in a fresh process (forked from a helper that imported torch and
+    transformers once: tests/forked_commands.py)."""
+    from forked_commands import ForkedCommands
+
+    forked = ForkedCommands({**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    yield forked
+    forked.close()
 
 
-def test_a_file_selector_runs_through_every_command(user_file, tiny_model_dir, tmp_path):
+def test_a_file_selector_runs_through_every_command(commands, user_file, tiny_model_dir, tmp_path):
+    cli = commands.run
     spec = f"{user_file}:MaxKeyBlocks:temperature=2"
     common = ["--model", str(tiny_model_dir)]
     done = cli(
