@@ -97,14 +97,12 @@ def parameter_bytes(model: torch.nn.Module) -> int:
 def attention_bytes(config, n: int, support: int | None, element: int, block_size: int = 16) -> int:
     """Bytes attention reads per token at ``n`` positions: every key and value (``support=None``: dense), or the
     support's keys and values plus the float32 block centroids selection scores (one per ``block_size`` keys)."""
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    per_position = 2 * kv_heads * head_dim * element
+    from .bench import kv_cache_bytes
+
     if support is None or n <= support:
-        read = n * per_position
-    else:
-        read = support * per_position + (n // block_size) * kv_heads * head_dim * 4
-    return config.num_hidden_layers * read
+        return kv_cache_bytes(config, 1, n, element)
+    centroids = kv_cache_bytes(config, 1, n // block_size, 4) // 2  # keys only: one float32 mean per block
+    return kv_cache_bytes(config, 1, support, element) + centroids
 
 
 LLAMA_CPP = "llama.cpp"
