@@ -356,3 +356,76 @@ def test_host_free_step_traces_without_a_host_read():
     eager_out, eager_tally = run(device_step)
     compiled_out, compiled_tally = run(compiled)
     assert torch.equal(eager_out, compiled_out) and torch.equal(eager_tally, compiled_tally)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_the_prepared_call_equals_the_general_op_path(batch, monkeypatch):
+    """The op's prepared C call (made once per layer state, integers through NumPy views) gives the general path's
+    logits bit for bit (the same C call) and the same state: over prompts of other lengths (stale blocks inside the
+    second), reuse 3 (rows reusing and reselecting), a rollback, and positions read counted alike."""
+    from sparsedecode.attention import static
+
+    model = tiny_model("qwen2")
+    cfg = SparseConfig(**SMALL_CFG, reuse=3)
+    size = PROMPT + 64
+
+    def run(fast: bool):
+        monkeypatch.setattr(static, "FAST", fast)
+        static._PREPARED.clear()
+        decoder = CompiledDecoder(model, cfg, batch=batch, max_len=size, backend="aot_eager")
+        seen = []
+        for seed, length in ((5, PROMPT), (6, 220)):
+            seen += _static_run(decoder, _prompt(seed, length=length, batch=batch), steps=20, compiled=False)[1]
+        with decoder.installed():
+            decoder.position -= 30
+            for t in range(40, 52):
+                seen.append(decoder._forward(*decoder_inputs(decoder, torch.full((batch,), t))))
+        prepared = [p for p in static._PREPARED.values() if p is not None]
+        return seen, decoder.tally(), [s.step.clone() for s in decoder.states.values()], prepared
+
+    general, general_tally, general_steps, none = run(False)
+    fast, fast_tally, fast_steps, prepared = run(True)
+    assert not none and len(prepared) == model.config.num_hidden_layers  # one prepared call per layer, used
+    assert all(torch.equal(a, b) for a, b in zip(general, fast))
+    assert general_tally == fast_tally and all(torch.equal(a, b) for a, b in zip(general_steps, fast_steps))
+
+
+def test_half_precision_linear_rows_sum_in_float32():
+    """A half-precision model's one-token linear layers in the compiled step: products and one sum in float32,
+    rounded once, so within one rounding of the float32 result (as F.linear's own half-precision path); more than
+    one token goes through F.linear itself."""
+    from sparsedecode.compiled import _row_linear
+
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16):
+        linear = torch.nn.Linear(96, 40, bias=True).to(dtype)
+        x = torch.randn(1, 1, 96, generator=generator).to(dtype)
+        exact = torch.nn.functional.linear(x.double(), linear.weight.double(), linear.bias.double())
+        out = _row_linear(linear, x)
+        assert out.dtype == dtype and out.shape == (1, 1, 40)
+        # one rounding to dtype (half an ulp of the result) plus float32 round-off of 97 terms, far below it
+        ulp = torch.finfo(dtype).eps * exact.abs()
+        assert bool(((out.double() - exact).abs() <= ulp / 2 + 1e-5).all())
+        several = torch.randn(1, 3, 96, generator=generator).to(dtype)
+        assert torch.equal(_row_linear(linear, several), linear(several))
+
+
+def test_a_half_precision_compiled_step_uses_row_linears_and_gives_the_uncompiled_step(monkeypatch):
+    """bfloat16 on the CPU: the compiled step computes its one-token linears as float32 row sums (the installed
+    layers), the compiled graph and the same step uncompiled give the same logits, and the layers are restored."""
+    from sparsedecode import compiled
+
+    model = tiny_model("llama").to(torch.bfloat16)
+    ids, cfg = _prompt(3), SparseConfig(**SMALL_CFG)
+    uncompiled = CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + 9, backend="aot_eager")
+    with uncompiled.installed():
+        patched = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and "forward" in vars(m)]
+    assert patched and len(patched) == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert not any("forward" in vars(m) for m in model.modules() if isinstance(m, torch.nn.Linear))
+    static_tokens, static_logits = _static_run(uncompiled, ids, steps=8, compiled=False)
+    decoder = CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + 9, backend="aot_eager")
+    tokens, logits = _static_run(decoder, ids, steps=8)
+    assert tokens == static_tokens and torch.equal(logits, static_logits)
+    monkeypatch.setattr(compiled, "ROW_PRODUCTS", False)
+    with CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + 9, backend="aot_eager").installed():
+        assert not any("forward" in vars(m) for m in model.modules() if isinstance(m, torch.nn.Linear))
