@@ -64,6 +64,9 @@ FAST = True
 """Serve the common step (every row's selection scored and attended in one C call) by a call prepared once per
 layer state (:class:`_Prepared`); ``False`` takes the general path for it too (tests compare the two)."""
 
+SPLIT_WORK = 1 << 20
+"""Centroid floats a prepared call scores (rows x KV heads x blocks x d) from which it splits over torch's threads."""
+
 _CONFIGS: dict[str, SparseConfig] = {}
 _PLANS: dict[str, dict] = {}
 _PREPARED: dict[tuple, _Prepared | None] = {}
@@ -246,9 +249,11 @@ class _Prepared:
                 count[i] = cache.count
             fields[11 * i + 4] = n
             fields[11 * i + 10] = 1 if fresh else 0
-        status = self.function(
-            q.data_ptr(), *self.arguments, out.data_ptr(), self.table, *self.tail, torch.get_num_threads(), self.code
-        )
+        # one thread unless the centroids scored are many: a worker woken for a small call waits for a core that the
+        # compiled graph's OpenMP workers spin on after each kernel (SmolLM2 at 8K: 120 us a call on two threads,
+        # 74 us on one)
+        threads = torch.get_num_threads() if batch * self.kv_heads * n_full * q.shape[-1] >= SPLIT_WORK else 1
+        status = self.function(q.data_ptr(), *self.arguments, out.data_ptr(), self.table, *self.tail, threads, self.code)
         self.check(status)
         kv, b = self.kv_heads, self.blocks.shape[2]
         reads = batch * (kv * (1 + n - distant_end) + block * kv * b)
