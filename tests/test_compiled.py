@@ -363,6 +363,7 @@ def test_the_prepared_call_equals_the_general_op_path(batch, monkeypatch):
     """The op's prepared C call (made once per layer state, integers through NumPy views) gives the general path's
     logits bit for bit (the same C call) and the same state: over prompts of other lengths (stale blocks inside the
     second), reuse 3 (rows reusing and reselecting), a rollback, and positions read counted alike."""
+    from sparsedecode.attention import prepared as prepared_module
     from sparsedecode.attention import static
 
     model = tiny_model("qwen2")
@@ -371,7 +372,7 @@ def test_the_prepared_call_equals_the_general_op_path(batch, monkeypatch):
 
     def run(fast: bool):
         monkeypatch.setattr(static, "FAST", fast)
-        static._PREPARED.clear()
+        prepared_module.PREPARED.clear()
         decoder = CompiledDecoder(model, cfg, batch=batch, max_len=size, backend="aot_eager")
         seen = []
         for seed, length in ((5, PROMPT), (6, 220)):
@@ -380,7 +381,7 @@ def test_the_prepared_call_equals_the_general_op_path(batch, monkeypatch):
             decoder.position -= 30
             for t in range(40, 52):
                 seen.append(decoder._forward(*decoder_inputs(decoder, torch.full((batch,), t))))
-        prepared = [p for p in static._PREPARED.values() if p is not None]
+        prepared = [p for p in prepared_module.PREPARED.values() if p is not None]
         return seen, decoder.tally(), [s.step.clone() for s in decoder.states.values()], prepared
 
     general, general_tally, general_steps, none = run(False)

@@ -5,7 +5,7 @@ generation and one row each of sweep, eval and compare-selectors on tiny Llama/Q
 comparison per selector on SmolLM2. Each case is recomputed here and compared with its recorded value: tokens,
 counts, flags and strings exactly; floats (perplexities, margins, masses, percentages) to float32 round-off of
 sums taken in another order (another machine's BLAS, another kernel): relative 1e-4 (800 eps, far above the ~10 eps
-such reorderings give), and besides it an absolute term from the logits' round-off (:func:`conftest.roundoff_tolerance`),
+such reorderings give), and besides it an absolute term from the logits' round-off (conftest.roundoff_tolerance),
 since a field that is a difference of two nearly equal quantities (a logit error, a margin, a perplexity change in
 percent) keeps the absolute error of its terms, not a relative one. Fields added since the recording are allowed;
 none may go.

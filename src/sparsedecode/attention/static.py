@@ -29,7 +29,6 @@ prompt (a forward from position 0), a crop or a rollback thus keep only what sti
 
 from __future__ import annotations
 
-import array
 import os
 from dataclasses import dataclass
 
@@ -37,13 +36,13 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .. import kernels
-from ..centroids import BlockCentroids
 from ..config import SparseConfig
 from ..errors import SparseDecodeError
 from ..layout import BlockLayout
 from ..selectors import choose_positions, token_index
 from ..selectors.select import BlockChoice, choose_planned_blocks, support_of
 from .attend import attend_blocks_on, attend_positions
+from .prepared import PREPARED, centroids_of, prepare, signature_of
 from .static_device import device_step, fill_statistics, serves
 from .step import plan_step
 
@@ -62,14 +61,11 @@ it on to check it against the host step."""
 
 FAST = True
 """Serve the common step (every row's selection scored and attended in one C call) by a call prepared once per
-layer state (:class:`_Prepared`); ``False`` takes the general path for it too (tests compare the two)."""
-
-SPLIT_WORK = 1 << 20
-"""Centroid floats a prepared call scores (rows x KV heads x blocks x d) from which it splits over torch's threads."""
+layer state (:mod:`~sparsedecode.attention.prepared`); ``False`` takes the general path for it too (tests compare
+the two)."""
 
 _CONFIGS: dict[str, SparseConfig] = {}
 _PLANS: dict[str, dict] = {}
-_PREPARED: dict[tuple, _Prepared | None] = {}
 
 
 def config_key(cfg: SparseConfig) -> str:
@@ -147,14 +143,6 @@ def _truncate(count: torch.Tensor, step: torch.Tensor, last: torch.Tensor, start
     last.fill_(n)
 
 
-def _centroids(state_stats: torch.Tensor, kinds: tuple[str, ...], count: int, block: int) -> BlockCentroids:
-    """A :class:`BlockCentroids` over one row's preallocated storage ``(kinds, kv, d, capacity)``."""
-    cache = BlockCentroids(block, kinds)
-    cache._stats = {kind: state_stats[k] for k, kind in enumerate(kinds)}
-    cache.count = count
-    return cache
-
-
 def _block_reads(blocks: torch.Tensor, layout: BlockLayout) -> int:
     """Positions a fixed-budget block support reads, summed over KV heads: the anchor, the window and the chosen
     blocks (the short last block, when chosen, only its distant positions)."""
@@ -202,98 +190,6 @@ def _one_call(cfg, plan, layout, q, key, value, out, caches, blocks, fresh) -> N
     kernels.cpu_batch.run_step_batch(q, key, value, out, rows, cfg.window, cfg.block_size, layout.scale)
 
 
-class _Prepared:
-    """One layer state's C call made ready once: what the general path of :func:`sparse_step` checks and builds
-    at every call (the plan, the row table with its bounds checks, the argument list) depends only on tensors that
-    a static cache and a :class:`StaticLayer` keep, so it is done at the first call and reused while they stay;
-    per call only the context length, which rows select afresh, and the integer state change. Served: selectors
-    scored inside the C call (mean-dot, fixed budget), every row in one call. The state's integers are read and
-    written through NumPy views of its tensors (no torch operation per integer)."""
-
-    def __init__(self, cfg, plan, q, key, value, stats, count, blocks, step, last, tally, scale):
-        from ..kernels import cpu, cpu_batch
-
-        self.cfg, self.plan = cfg, plan
-        batch, heads, d = q.shape
-        self.batch, self.kv_heads = batch, key.shape[1]
-        self.rows = [
-            (i, 0, key.shape[2], stats[0, i], blocks[i], True) for i in range(batch)
-        ]  # checked once at the longest context the cache holds: every call's n is at most that
-        self.fields = array.array("q", cpu_batch._row_table(q, key, value, self.rows, cfg.window, cfg.block_size))
-        self.function, self.check = cpu.library().sparse_step_batch, cpu.check_status
-        self.arguments = [
-            key.data_ptr(), key.stride(1), key.stride(2), value.data_ptr(), value.stride(1), value.stride(2),
-        ]  # fmt: skip
-        self.tail = [len(self.rows), self.kv_heads, heads // self.kv_heads, d, cfg.window, cfg.block_size, scale]
-        self.code = cpu.dtype_code(q, key, value)
-        self.count, self.step, self.last, self.tally = (t.numpy() for t in (count, step, last, tally))
-        self.blocks = blocks.numpy()
-        self.table = self.fields.buffer_info()[0]
-
-    def __call__(self, q, key, stats, out, n: int) -> None:
-        cfg, block, batch = self.cfg, self.cfg.block_size, self.batch
-        count, step, last = self.count, self.step, self.last
-        start = n - 1
-        count.clip(max=max((start - 1) // block, 0), out=count)  # _truncate, on the integers
-        if not (last == start).all():
-            step[:] = 0
-        last[:] = n
-        distant_end = max(n - cfg.window, 1)
-        n_full = (distant_end - 1) // block
-        fields = self.fields
-        for i in range(batch):
-            fresh = step[i] % cfg.reuse == 0 or cfg.selector.reselects_every_step
-            if fresh and count[i] < n_full:  # the blocks completed since the last call
-                cache = _centroids(stats[:, i], self.cfg.selector.statistics or ("mean",), int(count[i]), block)
-                cache.update(key[i], n_full)
-                count[i] = cache.count
-            fields[11 * i + 4] = n
-            fields[11 * i + 10] = 1 if fresh else 0
-        # one thread unless the centroids scored are many: a worker woken for a small call waits for a core that the
-        # compiled graph's OpenMP workers spin on after each kernel (SmolLM2 at 8K: 120 us a call on two threads,
-        # 74 us on one)
-        threads = torch.get_num_threads() if batch * self.kv_heads * n_full * q.shape[-1] >= SPLIT_WORK else 1
-        status = self.function(q.data_ptr(), *self.arguments, out.data_ptr(), self.table, *self.tail, threads, self.code)
-        self.check(status)
-        kv, b = self.kv_heads, self.blocks.shape[2]
-        reads = batch * (kv * (1 + n - distant_end) + block * kv * b)
-        if -(-(distant_end - 1) // block) > n_full:  # a short last block, where chosen, reads its distant part only
-            short = distant_end - 1 - n_full * block
-            reads -= int((self.blocks == n_full).sum()) * (block - short)
-        step += 1
-        self.tally += (batch, 0, reads, batch * kv)
-
-
-def _signature(config, layer, scale, query, key, value, stats, count, blocks, step, last, tally) -> tuple:
-    """What a :class:`_Prepared` call depends on: the configuration, the layer, and every tensor's address and
-    layout (a static cache and a :class:`StaticLayer` keep them from call to call)."""
-    return (
-        config, layer, scale, query.shape, query.stride(), query.dtype, key.data_ptr(), key.shape, key.stride(),
-        value.data_ptr(), value.shape, value.stride(), value.dtype, stats.data_ptr(), stats.shape,
-        count.data_ptr(), blocks.data_ptr(), blocks.shape, step.data_ptr(), last.data_ptr(), tally.data_ptr(),
-    )  # fmt: skip
-
-
-def _prepare(signature, cfg, plan, q, key, value, stats, count, blocks, step, last, tally, scale) -> None:
-    """Make the :class:`_Prepared` call for ``signature`` (or note that it does not serve these tensors)."""
-    if signature not in _PREPARED:
-        selector = cfg.selector
-        serves_it = (
-            plan.one_call
-            and plan.select == "c"
-            and not selector.adaptive
-            and not selector.token_level
-            and (selector.statistics or ("mean",))[0] == "mean"
-            and q.is_contiguous()
-            and all(t.is_contiguous() for t in (count, blocks, step, last, tally))
-        )
-        if len(_PREPARED) >= 1024:  # states of decoders long gone
-            _PREPARED.clear()
-        _PREPARED[signature] = (
-            _Prepared(cfg, plan, q, key, value, stats, count, blocks, step, last, tally, scale) if serves_it else None
-        )
-
-
 def sparse_step(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -324,8 +220,8 @@ def sparse_step(
         raise SparseDecodeError(f"sparse_step: position {n - 1} lies past the cache's {key.shape[2]} positions")
     batch, heads = query.shape[0], query.shape[1]
     if FAST and n > cfg.effective_support:
-        signature = _signature(config, layer, scale, query, key, value, stats, count, blocks, step, last, tally)
-        prepared = _PREPARED.get(signature)
+        signature = signature_of(config, layer, scale, query, key, value, stats, count, blocks, step, last, tally)
+        prepared = PREPARED.get(signature)
         if prepared is not None:
             out = query.new_empty(batch, heads, value.shape[-1], dtype=torch.float32)
             prepared(query[:, :, 0, :], key, stats, out, n)
@@ -340,10 +236,10 @@ def sparse_step(
     q = query[:, :, 0, :]
     plan = plan_step(cfg, q[0], key[0], value[0], layout, _PLANS[config])
     if FAST:  # the next calls on these tensors take the prepared call
-        _prepare(signature, cfg, plan, q, key, value, stats, count, blocks, step, last, tally, scale)
+        prepare(signature, cfg, plan, q, key, value, stats, count, blocks, step, last, tally, scale)
     kinds = cfg.selector.statistics or ("mean",)
     fresh = [bool(f) or cfg.selector.reselects_every_step for f in ((step % cfg.reuse) == 0).tolist()]
-    caches = [_centroids(stats[:, i], kinds, c, cfg.block_size) for i, c in enumerate(count.tolist())]
+    caches = [centroids_of(stats[:, i], kinds, c, cfg.block_size) for i, c in enumerate(count.tolist())]
     if plan.one_call:
         q = q.contiguous()
         direct = query.dtype == torch.float32

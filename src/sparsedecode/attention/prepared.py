@@ -1,0 +1,120 @@
+"""The capturable step's common case made ready once per layer state: every row's selection scored and attended in
+one call of the C kernel (:func:`~sparsedecode.attention.static.sparse_step` looks it up by :func:`signature_of`).
+
+What the op's general path checks and builds at every call (the plan, the row table with its bounds checks, the
+argument list) depends only on tensors that a static cache and a :class:`~sparsedecode.attention.static.StaticLayer`
+keep from call to call, so :func:`prepare` does it at the first call on them; later calls only set the context
+length and which rows select afresh, and change the state's integers through NumPy views of its tensors.
+"""
+
+from __future__ import annotations
+
+import array
+
+import torch
+
+from ..centroids import BlockCentroids
+
+SPLIT_WORK = 1 << 20
+"""Centroid floats a prepared call scores (rows x KV heads x blocks x d) from which it splits over torch's threads."""
+
+PREPARED: dict[tuple, Prepared | None] = {}
+"""Prepared calls by :func:`signature_of` (``None``: the general path serves those tensors)."""
+
+
+def centroids_of(state_stats: torch.Tensor, kinds: tuple[str, ...], count: int, block: int) -> BlockCentroids:
+    """A :class:`BlockCentroids` over one row's preallocated storage ``(kinds, kv, d, capacity)``."""
+    cache = BlockCentroids(block, kinds)
+    cache._stats = {kind: state_stats[k] for k, kind in enumerate(kinds)}
+    cache.count = count
+    return cache
+
+
+class Prepared:
+    """One layer state's C call, checked and built once (see the module); calling it runs one decode step of every
+    row at context length ``n``: the same output and state changes as the op's general path. Serves selectors
+    scored inside the C call (mean-dot, a fixed budget)."""
+
+    def __init__(self, cfg, plan, q, key, value, stats, count, blocks, step, last, tally, scale):
+        from ..kernels import cpu, cpu_batch
+
+        self.cfg, self.plan = cfg, plan
+        batch, heads, d = q.shape
+        self.batch, self.kv_heads = batch, key.shape[1]
+        self.rows = [
+            (i, 0, key.shape[2], stats[0, i], blocks[i], True) for i in range(batch)
+        ]  # checked once at the longest context the cache holds: every call's n is at most that
+        self.fields = array.array("q", cpu_batch._row_table(q, key, value, self.rows, cfg.window, cfg.block_size))
+        self.function, self.check = cpu.library().sparse_step_batch, cpu.check_status
+        self.arguments = [
+            key.data_ptr(), key.stride(1), key.stride(2), value.data_ptr(), value.stride(1), value.stride(2),
+        ]  # fmt: skip
+        self.tail = [len(self.rows), self.kv_heads, heads // self.kv_heads, d, cfg.window, cfg.block_size, scale]
+        self.code = cpu.dtype_code(q, key, value)
+        self.count, self.step, self.last, self.tally = (t.numpy() for t in (count, step, last, tally))
+        self.blocks = blocks.numpy()
+        self.table = self.fields.buffer_info()[0]
+
+    def __call__(self, q, key, stats, out, n: int) -> None:
+        cfg, block, batch = self.cfg, self.cfg.block_size, self.batch
+        count, step, last = self.count, self.step, self.last
+        start = n - 1
+        count.clip(max=max((start - 1) // block, 0), out=count)  # _truncate, on the integers
+        if not (last == start).all():
+            step[:] = 0
+        last[:] = n
+        distant_end = max(n - cfg.window, 1)
+        n_full = (distant_end - 1) // block
+        fields = self.fields
+        for i in range(batch):
+            fresh = step[i] % cfg.reuse == 0 or cfg.selector.reselects_every_step
+            if fresh and count[i] < n_full:  # the blocks completed since the last call
+                cache = centroids_of(stats[:, i], self.cfg.selector.statistics or ("mean",), int(count[i]), block)
+                cache.update(key[i], n_full)
+                count[i] = cache.count
+            fields[11 * i + 4] = n
+            fields[11 * i + 10] = 1 if fresh else 0
+        # one thread unless the centroids scored are many: a worker woken for a small call waits for a core that the
+        # compiled graph's OpenMP workers spin on after each kernel (SmolLM2 at 8K: 120 us a call on two threads,
+        # 74 us on one)
+        threads = torch.get_num_threads() if batch * self.kv_heads * n_full * q.shape[-1] >= SPLIT_WORK else 1
+        pointers = (q.data_ptr(), *self.arguments, out.data_ptr(), self.table)
+        status = self.function(*pointers, *self.tail, threads, self.code)
+        self.check(status)
+        kv, b = self.kv_heads, self.blocks.shape[2]
+        reads = batch * (kv * (1 + n - distant_end) + block * kv * b)
+        if -(-(distant_end - 1) // block) > n_full:  # a short last block, where chosen, reads its distant part only
+            short = distant_end - 1 - n_full * block
+            reads -= int((self.blocks == n_full).sum()) * (block - short)
+        step += 1
+        self.tally += (batch, 0, reads, batch * kv)
+
+
+def signature_of(config, layer, scale, query, key, value, stats, count, blocks, step, last, tally) -> tuple:
+    """What a :class:`Prepared` call depends on: the configuration, the layer, and every tensor's address and
+    layout (a static cache and a :class:`StaticLayer` keep them from call to call)."""
+    return (
+        config, layer, scale, query.shape, query.stride(), query.dtype, key.data_ptr(), key.shape, key.stride(),
+        value.data_ptr(), value.shape, value.stride(), value.dtype, stats.data_ptr(), stats.shape,
+        count.data_ptr(), blocks.data_ptr(), blocks.shape, step.data_ptr(), last.data_ptr(), tally.data_ptr(),
+    )  # fmt: skip
+
+
+def prepare(signature, cfg, plan, q, key, value, stats, count, blocks, step, last, tally, scale) -> None:
+    """Make the :class:`Prepared` call for ``signature`` (or note that it does not serve these tensors)."""
+    if signature not in PREPARED:
+        selector = cfg.selector
+        serves_it = (
+            plan.one_call
+            and plan.select == "c"
+            and not selector.adaptive
+            and not selector.token_level
+            and (selector.statistics or ("mean",))[0] == "mean"
+            and q.is_contiguous()
+            and all(t.is_contiguous() for t in (count, blocks, step, last, tally))
+        )
+        if len(PREPARED) >= 1024:  # states of decoders long gone
+            PREPARED.clear()
+        PREPARED[signature] = (
+            Prepared(cfg, plan, q, key, value, stats, count, blocks, step, last, tally, scale) if serves_it else None
+        )
