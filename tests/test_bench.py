@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import pytest
 import torch
@@ -207,21 +209,29 @@ def test_bench_e2e_compile_adds_compiled_modes_with_dense_tokens(monkeypatch):
 
 class FakeLlama:
     """Stands in for llama_cpp.Llama (not installed in the test extra): a 'model' whose greedy next token is the
-    last token + 1, with the methods the baseline calls (reset, eval, sample)."""
+    last token + 1, with the methods the baseline calls (reset, eval, sample). Each engine runs in a forked process,
+    so what it was made with and handed is written as JSON lines to ``log`` (set before the engines start)."""
 
-    made: list[dict] = []
-    prompts: list[list[int]] = []
+    log: Path | None = None
 
     def __init__(self, model_path, n_ctx, n_threads, n_threads_batch, n_batch, flash_attn, verbose):
-        self.made.append(dict(path=model_path, n_ctx=n_ctx, threads=n_threads, flash_attn=flash_attn))
+        self._note(made=dict(path=model_path, n_ctx=n_ctx, threads=n_threads, flash_attn=flash_attn))
         self.tokens: list[int] = []
+
+    def _note(self, **entry):
+        with open(self.log, "a") as out:
+            out.write(json.dumps(entry) + "\n")
+
+    @classmethod
+    def notes(cls, kind: str) -> list:
+        return [e[kind] for e in map(json.loads, cls.log.read_text().splitlines()) if kind in e]
 
     def reset(self):
         self.tokens = []
 
     def eval(self, tokens):
         if len(tokens) > 1:
-            self.prompts.append(list(tokens))
+            self._note(prompt=list(tokens))
         self.tokens += list(tokens)
 
     def sample(self, temp):
@@ -235,6 +245,7 @@ def test_bench_e2e_baseline_runs_llama_cpp_in_the_rotation(monkeypatch, tmp_path
     from sparsedecode.experiments.baseline import LLAMA_CPP, LLAMA_CPP_FLASH, LlamaCpp
 
     monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=FakeLlama))
+    monkeypatch.setattr(FakeLlama, "log", tmp_path / "llama.jsonl")
     monkeypatch.setattr(bench, "read_bandwidth_gbs", lambda *a, **k: 10.0)  # structure, not speed
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"\0" * 1000)
@@ -251,8 +262,12 @@ def test_bench_e2e_baseline_runs_llama_cpp_in_the_rotation(monkeypatch, tmp_path
     dense = rows[0]
     assert sparse.bytes_per_token_mb < dense.bytes_per_token_mb
     assert dense.bound_tokens_per_s == pytest.approx(10e9 / (dense.bytes_per_token_mb * 1e6))
-    assert FakeLlama.prompts[-1] == ids[0].tolist()  # llama.cpp was handed the same token ids
-    assert [m["flash_attn"] for m in FakeLlama.made[-2:]] == [False, True]
+    assert FakeLlama.notes("prompt")[-1] == ids[0].tolist()  # llama.cpp was handed the same token ids
+    assert [m["flash_attn"] for m in FakeLlama.notes("made")] == [False, True]
+    assert all(engine._process.pid != os.getpid() for engine in engines.values())  # each in a process of its own
+    for engine in engines.values():
+        engine.close()
+        assert not engine._process.is_alive()
 
 
 def assert_run_record(run: dict) -> None:
@@ -412,3 +427,17 @@ def test_bench_op_times_the_c_kernel_in_half_precision(dtype):
     name = str(dtype).removeprefix("torch.")
     assert [(r.kernel, r.dtype) for r in rows] == [("torch", name), ("c", name)]
     assert rows[1].bytes_sparse == _op_bytes(SparseConfig(support=97), 512, 3, 9, 64, 2)[1]
+
+
+def test_a_llama_cpp_engine_that_cannot_load_is_refused_in_one_line(monkeypatch, tmp_path):
+    import types
+
+    from sparsedecode.experiments.baseline import LlamaCpp
+
+    class Broken:
+        def __init__(self, model_path, **settings):
+            raise ValueError("not a GGUF file")
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=Broken))
+    with pytest.raises(SparseDecodeError, match=r"llama.cpp: cannot load .*model.gguf: not a GGUF file"):
+        LlamaCpp(tmp_path / "model.gguf", 220, 2)

@@ -369,7 +369,8 @@ def cmd_bench_e2e(args) -> int:
                     baseline=engines,
                 )
             )
-        del engines  # llama.cpp's models and caches go before the next context
+        for engine in (engines or {}).values():
+            engine.close()  # llama.cpp's processes (models and caches) end before the next context
     _print_e2e(args, rows)
     if args.json:
         _write_result(args.json, clock, selector=_selector_record(args.selector), rows=[asdict(r) for r in rows])
