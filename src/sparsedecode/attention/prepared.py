@@ -38,18 +38,19 @@ class Prepared:
     def __init__(self, cfg, plan, q, key, value, stats, count, blocks, step, last, tally, scale):
         from ..kernels import cpu, cpu_batch
 
-        self.cfg, self.plan = cfg, plan
+        self.cfg = cfg
         batch, heads, d = q.shape
         self.batch, self.kv_heads = batch, key.shape[1]
-        self.rows = [
-            (i, 0, key.shape[2], stats[0, i], blocks[i], True) for i in range(batch)
-        ]  # checked once at the longest context the cache holds: every call's n is at most that
-        self.fields = array.array("q", cpu_batch._row_table(q, key, value, self.rows, cfg.window, cfg.block_size))
+        # checked once at the longest context the cache holds: every call's n is at most that. Only addresses are
+        # kept: the NumPy views below keep the state's integer tensors alive, so no later state can have their
+        # addresses, and a signature naming them names this state
+        rows = [(i, 0, key.shape[2], stats[0, i], blocks[i], True) for i in range(batch)]
+        self.fields = array.array("q", cpu_batch._row_table(q, key, value, rows, cfg.window, cfg.block_size))
         self.function, self.check = cpu.library().sparse_step_batch, cpu.check_status
         self.arguments = [
             key.data_ptr(), key.stride(1), key.stride(2), value.data_ptr(), value.stride(1), value.stride(2),
         ]  # fmt: skip
-        self.tail = [len(self.rows), self.kv_heads, heads // self.kv_heads, d, cfg.window, cfg.block_size, scale]
+        self.tail = [batch, self.kv_heads, heads // self.kv_heads, d, cfg.window, cfg.block_size, scale]
         self.code = cpu.dtype_code(q, key, value)
         self.count, self.step, self.last, self.tally = (t.numpy() for t in (count, step, last, tally))
         self.blocks = blocks.numpy()
@@ -94,9 +95,10 @@ def signature_of(config, layer, scale, query, key, value, stats, count, blocks, 
     """What a :class:`Prepared` call depends on: the configuration, the layer, and every tensor's address and
     layout (a static cache and a :class:`StaticLayer` keep them from call to call)."""
     return (
-        config, layer, scale, query.shape, query.stride(), query.dtype, key.data_ptr(), key.shape, key.stride(),
-        value.data_ptr(), value.shape, value.stride(), value.dtype, stats.data_ptr(), stats.shape,
-        count.data_ptr(), blocks.data_ptr(), blocks.shape, step.data_ptr(), last.data_ptr(), tally.data_ptr(),
+        config, layer, scale, query.shape, query.stride(), query.dtype,
+        key.data_ptr(), key.shape, key.stride(), key.dtype, value.data_ptr(), value.shape, value.stride(), value.dtype,
+        stats.data_ptr(), stats.shape, count.data_ptr(), blocks.data_ptr(), blocks.shape, step.data_ptr(),
+        last.data_ptr(), tally.data_ptr(),
     )  # fmt: skip
 
 
