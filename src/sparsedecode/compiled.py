@@ -23,6 +23,7 @@ from .attention.static import STATE, STATIC_ATTENTION, allocate, static_attentio
 from .attention.static_device import fill_statistics
 from .config import SparseConfig
 from .errors import SparseDecodeError
+from .models import attention_shape
 
 CACHE_ROUND = 512
 """Cache sizes are rounded up to a multiple of this, so prompts of similar length share one compiled step."""
@@ -151,9 +152,7 @@ class CompiledDecoder:
         self.compile_s = 0.0
         self.states = {}
         if cfg is not None:
-            text = model.config.get_text_config(decoder=True)
-            kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-            head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+            _, kv_heads, head_dim, _ = attention_shape(model.config)
             for module in _attention_modules(model):
                 self.states[module] = allocate(cfg, module.layer_idx, batch, kv_heads, head_dim, max_len, self.device)
         self._row_linears = {}

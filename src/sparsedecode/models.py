@@ -82,6 +82,16 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+def attention_shape(config) -> tuple[int, int, int, int]:
+    """``(query heads, KV heads, head dim, layers)`` of a transformers model config (its text part for a multimodal
+    one): KV heads default to the query heads, the head dim to the hidden size over them."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return heads, kv_heads, head_dim, text.num_hidden_layers
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """Map ``"float32"``/``"bfloat16"``/``"float16"`` (or a torch dtype among them) to a torch dtype."""
     if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():

@@ -39,6 +39,7 @@ from ..errors import SparseDecodeError
 from ..kernels import cpu as cpu_kernel
 from ..kernels import triton_attention
 from ..layout import BlockLayout
+from ..models import attention_shape
 from ..selectors import resolve_selector, select_blocks, select_positions
 from ..speculative import lossless_decode
 
@@ -55,8 +56,7 @@ MEMORY_FRACTION = 0.5  # bench op's per-layer caches take at most this share of 
 def model_shape(config) -> tuple[int, int, int, int]:
     """(query heads, KV heads, head dim, layers) of a transformers model config, as :data:`SHAPES` and
     :data:`SHAPE_LAYERS` give them (and as :func:`bench_op` takes a shape)."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return config.num_attention_heads, config.num_key_value_heads, head_dim, config.num_hidden_layers
+    return attention_shape(config)
 
 
 DEFAULT_SUPPORTS = (97, 193, 769)
@@ -670,9 +670,8 @@ def current_peak_rss_mb() -> float:
 
 def kv_cache_bytes(config, sequences: int, positions: int, element: int) -> int:
     """Bytes of keys and values of ``sequences`` sequences of ``positions`` positions under ``config``."""
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * sequences * kv_heads * positions * head_dim * element
+    _, kv_heads, head_dim, layers = attention_shape(config)
+    return 2 * layers * sequences * kv_heads * positions * head_dim * element
 
 
 def check_batches_fit(model: torch.nn.Module, batches: tuple[int, ...], context: int, tokens: int) -> int:
