@@ -31,19 +31,13 @@ DEFAULT_BACKEND = os.environ.get("SPARSEDECODE_COMPILE_BACKEND", "inductor")
 """``torch.compile``'s backend (``SPARSEDECODE_COMPILE_BACKEND``; ``aot_eager`` captures without code generation)."""
 KEPT = 4
 """Decoders kept per model (each holds its compiled step; those of one batch and cache size share one cache)."""
-_REGISTERED = False
 
 
 def register() -> None:
     """Register the capturable step's attention function and mask builder with transformers (idempotent)."""
-    global _REGISTERED
-    if not _REGISTERED:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from .attention.hf import register_attention
 
-        AttentionInterface.register(STATIC_ATTENTION, static_attention_forward)
-        AttentionMaskInterface.register(STATIC_ATTENTION, sdpa_mask)
-        _REGISTERED = True
+    register_attention(STATIC_ATTENTION, static_attention_forward)
 
 
 def check_compilable(model: torch.nn.Module, cfg: SparseConfig | None, what: str) -> None:

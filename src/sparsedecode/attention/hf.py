@@ -22,7 +22,6 @@ from .session import _ACTIVE, SparseSession
 
 ATTENTION_NAME = "sparsedecode"
 
-_REGISTERED = False
 _SWITCH_LOCK = threading.Lock()
 _MODEL_USERS: dict[int, tuple[int, str]] = {}
 
@@ -65,13 +64,21 @@ def sparse_attention_forward(
     return session_forward(session, state, module, query, key, value, attention_mask, dropout, scaling, kwargs)
 
 
+_NAMES: set[str] = set()
+
+
+def register_attention(name: str, function) -> None:
+    """Register ``function`` as transformers attention implementation ``name``, with SDPA's mask builder (once per
+    name)."""
+    if name not in _NAMES:
+        AttentionInterface.register(name, function)
+        AttentionMaskInterface.register(name, sdpa_mask)
+        _NAMES.add(name)
+
+
 def register() -> None:
     """Register the sparse attention function and its mask builder with transformers (idempotent)."""
-    global _REGISTERED
-    if not _REGISTERED:
-        AttentionInterface.register(ATTENTION_NAME, sparse_attention_forward)
-        AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
-        _REGISTERED = True
+    register_attention(ATTENTION_NAME, sparse_attention_forward)
 
 
 def _switch_on(model: torch.nn.Module) -> None:
