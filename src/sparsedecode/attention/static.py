@@ -129,11 +129,6 @@ def allocate(cfg: SparseConfig, layer: int, batch: int, kv_heads: int, head_dim:
     return state
 
 
-def _on_device(cfg: SparseConfig, tensor: torch.Tensor) -> bool:
-    """Whether the step runs host-free (CUDA, or the CPU when tests ask) for ``cfg``."""
-    return serves(cfg) and (tensor.is_cuda or DEVICE_STEP_ON_CPU)
-
-
 def _truncate(count: torch.Tensor, step: torch.Tensor, last: torch.Tensor, start: int, n: int, block: int) -> None:
     """A call writes positions ``[start, n)``: keep the statistics of the blocks wholly before ``start`` (block
     ``j`` covers ``[1 + j B, 1 + (j + 1) B)``) and the reuse chain only for a decode step that continues it."""
@@ -206,13 +201,14 @@ def sparse_step(
     config: str,
     layer: int,
     scale: float,
+    host_free: bool,
 ) -> torch.Tensor:
     """One layer's decode step of every row of a batch without padding: ``query (batch, H, 1, d)``, ``key`` /
     ``value (batch, kv, L, d)`` (a static cache, the current token written), ``position (batch, 1)`` the current
     token's position; returns ``(batch, 1, H, dv)`` in the query dtype. Dense over ``[0, n)`` while the context
     fits the support; otherwise each row reuses or refreshes its selection (reuse ``R``) and attends over it."""
     cfg = _CONFIGS[config]
-    if _on_device(cfg, query):
+    if host_free:  # the state's flag (StaticLayer.host_free): CUDA, or the CPU where tests ask
         kinds = cfg.selector.statistics
         return device_step(cfg, kinds, layer, scale, query, key, value, position, stats, blocks, step, last, tally)
     n = int(position.reshape(-1)[-1]) + 1  # the host read the compiled graph leaves to the op
@@ -261,7 +257,7 @@ def sparse_step(
     return out
 
 
-def _fake(query, key, value, position, stats, count, blocks, keep, positions, step, last, tally, config, layer, scale):
+def _fake(query, key, value, *state_and_settings):
     return query.new_empty(query.shape[0], 1, query.shape[1], value.shape[-1])
 
 
@@ -269,7 +265,7 @@ _LIBRARY = torch.library.Library("sparsedecode", "DEF")
 _LIBRARY.define(
     "sparse_step(Tensor query, Tensor key, Tensor value, Tensor position, Tensor(a!) stats, Tensor(b!) count, "
     "Tensor(c!) blocks, Tensor(d!) keep, Tensor(e!) positions, Tensor(f!) step, Tensor(g!) last, Tensor(h!) tally, "
-    "str config, int layer, float scale) -> Tensor"
+    "str config, int layer, float scale, bool host_free) -> Tensor"
 )
 # defined with torch.library's schema API rather than the custom_op decorator: its dispatch costs about 8 us a
 # call, the decorator's wrappers about 130 us (30 layers: 4 ms a token)
@@ -319,7 +315,7 @@ def static_attention_forward(
             return out, None
         out = torch.ops.sparsedecode.sparse_step(
             query, key, value, position, state.stats, state.count, state.blocks, state.keep, state.positions,
-            state.step, state.last, state.tally, state.config, state.layer, float(scale),
+            state.step, state.last, state.tally, state.config, state.layer, float(scale), state.host_free,
         )  # fmt: skip
         return out, None
     n, cfg = int(position.reshape(-1)[-1]) + 1, _CONFIGS[state.config]
