@@ -10,10 +10,12 @@ length and which rows select afresh, and change the state's integers through Num
 from __future__ import annotations
 
 import array
+import math
 
 import torch
 
 from ..centroids import BlockCentroids
+from ..layout import BlockLayout
 
 SPLIT_WORK = 1 << 20
 """Centroid floats a prepared call scores (rows x KV heads x blocks x d) from which it splits over torch's threads."""
@@ -28,6 +30,18 @@ def centroids_of(state_stats: torch.Tensor, kinds: tuple[str, ...], count: int, 
     cache._stats = {kind: state_stats[k] for k, kind in enumerate(kinds)}
     cache.count = count
     return cache
+
+
+def block_reads(blocks, layout: BlockLayout) -> int:
+    """Positions a fixed-budget block support reads, summed over rows and KV heads: the anchor, the window and the
+    chosen blocks (the short last block, when chosen, only its distant positions). ``blocks (..., kv, b)``, a torch
+    tensor or a NumPy array."""
+    heads, b = math.prod(blocks.shape[:-1]), blocks.shape[-1]
+    reads = heads * (1 + layout.n - layout.distant_end) + layout.block_size * heads * b
+    if layout.n_blocks > layout.n_full:
+        short = layout.distant_end - 1 - layout.n_full * layout.block_size
+        reads -= int((blocks == layout.n_full).sum()) * (layout.block_size - short)
+    return reads
 
 
 class Prepared:
@@ -64,8 +78,8 @@ class Prepared:
         if not (last == start).all():
             step[:] = 0
         last[:] = n
-        distant_end = max(n - cfg.window, 1)
-        n_full = (distant_end - 1) // block
+        layout = BlockLayout(n=n, window=cfg.window, block_size=block)
+        n_full = layout.n_full
         fields = self.fields
         for i in range(batch):
             fresh = step[i] % cfg.reuse == 0 or cfg.selector.reselects_every_step
@@ -82,13 +96,8 @@ class Prepared:
         pointers = (q.data_ptr(), *self.arguments, out.data_ptr(), self.table)
         status = self.function(*pointers, *self.tail, threads, self.code)
         self.check(status)
-        kv, b = self.kv_heads, self.blocks.shape[2]
-        reads = batch * (kv * (1 + n - distant_end) + block * kv * b)
-        if -(-(distant_end - 1) // block) > n_full:  # a short last block, where chosen, reads its distant part only
-            short = distant_end - 1 - n_full * block
-            reads -= int((self.blocks == n_full).sum()) * (block - short)
         step += 1
-        self.tally += (batch, 0, reads, batch * kv)
+        self.tally += (batch, 0, block_reads(self.blocks, layout), batch * self.kv_heads)
 
 
 def signature_of(config, layer, scale, query, key, value, stats, count, blocks, step, last, tally) -> tuple:

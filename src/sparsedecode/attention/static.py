@@ -42,7 +42,7 @@ from ..layout import BlockLayout
 from ..selectors import choose_positions, token_index
 from ..selectors.select import BlockChoice, choose_planned_blocks, support_of
 from .attend import attend_blocks_on, attend_positions
-from .prepared import PREPARED, centroids_of, prepare, signature_of
+from .prepared import PREPARED, block_reads, centroids_of, prepare, signature_of
 from .static_device import device_step, fill_statistics, serves
 from .step import plan_step
 
@@ -138,17 +138,6 @@ def _truncate(count: torch.Tensor, step: torch.Tensor, last: torch.Tensor, start
     last.fill_(n)
 
 
-def _block_reads(blocks: torch.Tensor, layout: BlockLayout) -> int:
-    """Positions a fixed-budget block support reads, summed over KV heads: the anchor, the window and the chosen
-    blocks (the short last block, when chosen, only its distant positions)."""
-    kv_heads, b = blocks.shape
-    reads = kv_heads * (1 + layout.n - layout.distant_end) + layout.block_size * kv_heads * b
-    if layout.n_blocks > layout.n_full:
-        short = layout.distant_end - 1 - layout.n_full * layout.block_size
-        reads -= int((blocks == layout.n_full).sum()) * (layout.block_size - short)
-    return reads
-
-
 def _row(cfg, plan, layout, q, keys, values, cache, blocks, keep, positions, fresh):
     """One row's sparse step outside the one C call: select when ``fresh`` (into the row's state tensors), then
     attend. Returns the output ``(H, dv)`` and the support positions read (summed over KV heads)."""
@@ -165,7 +154,7 @@ def _row(cfg, plan, layout, q, keys, values, cache, blocks, keep, positions, fre
     if selector.adaptive:
         index, valid = support_of(BlockChoice(blocks, keep), layout)
         return attend_positions(q, keys, values, index, layout.scale, valid=valid), int(valid.sum())
-    return attend_blocks_on(plan.attend, q, keys, values, blocks, layout, layout.scale), _block_reads(blocks, layout)
+    return attend_blocks_on(plan.attend, q, keys, values, blocks, layout, layout.scale), block_reads(blocks, layout)
 
 
 def _one_call(cfg, plan, layout, q, key, value, out, caches, blocks, fresh) -> None:
@@ -241,7 +230,7 @@ def sparse_step(
         direct = query.dtype == torch.float32
         out = torch.empty(q.shape, dtype=torch.float32) if not direct else query.new_empty(q.shape)
         _one_call(cfg, plan, layout, q, key, value, out, caches, blocks, fresh)
-        read = sum(_block_reads(blocks[i], layout) for i in range(batch))
+        read = block_reads(blocks, layout)
         out = out.view(batch, 1, heads, -1).to(query.dtype)
     else:
         out = query.new_empty(batch, 1, heads, value.shape[-1])
