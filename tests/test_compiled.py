@@ -391,11 +391,15 @@ def test_the_prepared_call_equals_the_general_op_path(batch, monkeypatch):
     assert general_tally == fast_tally and all(torch.equal(a, b) for a, b in zip(general_steps, fast_steps))
 
 
-def test_half_precision_linear_rows_sum_in_float32():
+@pytest.mark.parametrize("chunk", [8192, 16])  # 16: the 40 outputs in pieces of 16, 16 and 8, as a vocabulary's
+def test_half_precision_linear_rows_sum_in_float32(monkeypatch, chunk):
     """A half-precision model's one-token linear layers in the compiled step: products and one sum in float32,
-    rounded once, so within one rounding of the float32 result (as F.linear's own half-precision path); more than
-    one token goes through F.linear itself."""
+    rounded once, so within one rounding of the float32 result (as F.linear's own half-precision path), whether the
+    outputs are summed at once or in pieces; more than one token goes through F.linear itself."""
+    from sparsedecode import compiled
     from sparsedecode.compiled import _row_linear
+
+    monkeypatch.setattr(compiled, "ROW_CHUNK", chunk)
 
     generator = torch.Generator().manual_seed(0)
     for dtype in (torch.bfloat16, torch.float16):

@@ -93,9 +93,10 @@ float32 one here; the loop reads them at the memory's speed, so half-precision w
 time."""
 
 
-ROW_PRODUCTS_UP_TO = int(os.environ.get("SPARSEDECODE_ROW_PRODUCTS_UP_TO", "8192"))
-"""Linear layers with this many outputs or more (a vocabulary projection) keep ``F.linear``: inductor fuses the
-row sums with the norm before them, which was no faster there."""
+ROW_CHUNK = int(os.environ.get("SPARSEDECODE_ROW_CHUNK", "8192"))
+"""A row-sum linear layer with more outputs (a vocabulary projection) sums them in pieces of this many outputs: on
+SmolLM2's (49,152 outputs) one piece per 8,192 made the projection 1.6x faster than one loop over all of them, and
+than ``F.linear``, in the compiled step here (inductor fuses the whole projection with the norm before it)."""
 
 
 def _row_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -103,7 +104,9 @@ def _row_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rounded to the model's dtype once (what ``F.linear`` does for half precision, in another order)."""
     if x.shape[:-1].numel() != 1:
         return torch.nn.functional.linear(x, module.weight, module.bias)
-    out = (x.float().unsqueeze(-2) * module.weight.float()).sum(-1)
+    row = x.float().unsqueeze(-2)
+    parts = [(row * w.float()).sum(-1) for w in module.weight.split(ROW_CHUNK)]
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
     if module.bias is not None:
         out = out + module.bias.float()
     return out.to(x.dtype)
@@ -154,9 +157,7 @@ class CompiledDecoder:
         self._row_linears = {}
         if _uses_row_products(model, self.device):
             self._row_linears = {
-                m: functools.partial(_row_linear, m)
-                for m in model.modules()
-                if type(m) is torch.nn.Linear and m.out_features < ROW_PRODUCTS_UP_TO
+                m: functools.partial(_row_linear, m) for m in model.modules() if type(m) is torch.nn.Linear
             }
         # mode="reduce-overhead": replayed from CUDA graphs on CUDA (the state tensors have static addresses)
         options = {"mode": mode} if backend == "inductor" else {}  # modes are inductor's (other backends: none)
