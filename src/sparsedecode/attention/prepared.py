@@ -12,6 +12,7 @@ from __future__ import annotations
 import array
 import math
 
+import numpy as np
 import torch
 
 from ..centroids import BlockCentroids
@@ -69,12 +70,15 @@ class Prepared:
         self.count, self.step, self.last, self.tally = (t.numpy() for t in (count, step, last, tally))
         self.blocks = blocks.numpy()
         self.table = self.fields.buffer_info()[0]
+        self.kinds = cfg.selector.statistics or ("mean",)
+        self.every_step = bool(cfg.selector.reselects_every_step)
 
-    def __call__(self, q, key, stats, out, n: int) -> None:
+    def __call__(self, query, key, stats, out, n: int) -> None:
+        """One step at context length ``n``: ``query (batch, H, 1, d)``, ``out (batch, 1, H, dv)`` float32."""
         cfg, block, batch = self.cfg, self.cfg.block_size, self.batch
         count, step, last = self.count, self.step, self.last
         start = n - 1
-        count.clip(max=max((start - 1) // block, 0), out=count)  # _truncate, on the integers
+        np.minimum(count, max((start - 1) // block, 0), out=count)  # _truncate, on the integers
         if not (last == start).all():
             step[:] = 0
         last[:] = n
@@ -82,9 +86,9 @@ class Prepared:
         n_full = layout.n_full
         fields = self.fields
         for i in range(batch):
-            fresh = step[i] % cfg.reuse == 0 or cfg.selector.reselects_every_step
+            fresh = self.every_step or step[i] % cfg.reuse == 0
             if fresh and count[i] < n_full:  # the blocks completed since the last call
-                cache = centroids_of(stats[:, i], self.cfg.selector.statistics or ("mean",), int(count[i]), block)
+                cache = centroids_of(stats[:, i], self.kinds, int(count[i]), block)
                 cache.update(key[i], n_full)
                 count[i] = cache.count
             fields[11 * i + 4] = n
@@ -92,8 +96,8 @@ class Prepared:
         # one thread unless the centroids scored are many: a worker woken for a small call waits for a core that the
         # compiled graph's OpenMP workers spin on after each kernel (SmolLM2 at 8K: 120 us a call on two threads,
         # 74 us on one)
-        threads = torch.get_num_threads() if batch * self.kv_heads * n_full * q.shape[-1] >= SPLIT_WORK else 1
-        pointers = (q.data_ptr(), *self.arguments, out.data_ptr(), self.table)
+        threads = torch.get_num_threads() if batch * self.kv_heads * n_full * query.shape[-1] >= SPLIT_WORK else 1
+        pointers = (query.data_ptr(), *self.arguments, out.data_ptr(), self.table)
         status = self.function(*pointers, *self.tail, threads, self.code)
         self.check(status)
         step += 1

@@ -66,6 +66,7 @@ the two)."""
 
 _CONFIGS: dict[str, SparseConfig] = {}
 _PLANS: dict[str, dict] = {}
+_SUPPORTS: dict[str, int] = {}  # each config's effective support, read at every call
 
 
 def config_key(cfg: SparseConfig) -> str:
@@ -73,6 +74,7 @@ def config_key(cfg: SparseConfig) -> str:
     key = repr(cfg)
     _CONFIGS.setdefault(key, cfg)
     _PLANS.setdefault(key, {})
+    _SUPPORTS.setdefault(key, cfg.effective_support)
     return key
 
 
@@ -204,13 +206,13 @@ def sparse_step(
     if n > key.shape[2]:
         raise SparseDecodeError(f"sparse_step: position {n - 1} lies past the cache's {key.shape[2]} positions")
     batch, heads = query.shape[0], query.shape[1]
-    if FAST and n > cfg.effective_support:
+    if FAST and n > _SUPPORTS[config]:
         signature = signature_of(config, layer, scale, query, key, value, stats, count, blocks, step, last, tally)
         prepared = PREPARED.get(signature)
         if prepared is not None:
-            out = query.new_empty(batch, heads, value.shape[-1], dtype=torch.float32)
-            prepared(query[:, :, 0, :], key, stats, out, n)
-            return out.view(batch, 1, heads, -1).to(query.dtype)
+            out = query.new_empty(batch, 1, heads, value.shape[-1], dtype=torch.float32)
+            prepared(query, key, stats, out, n)
+            return out.to(query.dtype)
     _truncate(count, step, last, n - 1, n, cfg.block_size)
     if n <= cfg.effective_support:
         tally[1] += batch
