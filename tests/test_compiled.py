@@ -9,6 +9,7 @@ step uncompiled."""
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 
 import pytest
@@ -434,3 +435,55 @@ def test_a_half_precision_compiled_step_uses_row_linears_and_gives_the_uncompile
     monkeypatch.setattr(compiled, "ROW_PRODUCTS", False)
     with CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + 9, backend="aot_eager").installed():
         assert not any("forward" in vars(m) for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_a_model_changed_between_installs_gets_a_step_compiled_for_it(monkeypatch):
+    """dynamo's guards on the modules' attributes are checked once per install (sparsedecode.compile_guards): one
+    layer's attention scale changed between two installs is decoded with the new value, as the uncompiled step
+    decodes it. Without the install's check the guards left would replay the old step (shown last)."""
+    from sparsedecode import compiled
+
+    model = tiny_model("llama")
+    ids, cfg = _prompt(4), SparseConfig(**SMALL_CFG)
+
+    def decoder():
+        return CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + 9, backend="aot_eager")
+
+    kept = decoder()
+    before = _static_run(kept, ids, steps=8)
+    attention = model.model.layers[0].self_attn
+    monkeypatch.setattr(attention, "scaling", attention.scaling * 0.5)
+    changed, reference = _static_run(kept, ids, steps=8), _static_run(decoder(), ids, steps=8, compiled=False)
+    assert not torch.equal(changed[1], before[1])
+    assert changed[0] == reference[0] and torch.equal(changed[1], reference[1])
+    stale = decoder()
+    _static_run(stale, ids, steps=8)  # compiled with the halved scale
+    monkeypatch.setattr(compiled, "model_fingerprint", lambda model: "unchanged")  # an install that checks nothing
+    monkeypatch.setattr(stale, "_fingerprint", "unchanged")
+    monkeypatch.setattr(attention, "scaling", attention.scaling * 2)  # back to the first run's
+    assert not torch.equal(_static_run(stale, ids, steps=8)[1], before[1]), "the halved scale's step, replayed"
+
+
+def test_the_guard_filter_keeps_tensor_guards_and_drops_module_attributes():
+    """What sparsedecode.compile_guards.drop_module_guards leaves to dynamo: a parameter of another shape is seen
+    (tensor guards stay), a module's plain attribute is not (the install's fingerprint covers those)."""
+    from sparsedecode.compile_guards import drop_module_guards, model_fingerprint
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear, self.factor = torch.nn.Linear(4, 4, bias=False), 2.0
+
+        def forward(self, x):
+            return self.linear(x) * self.factor
+
+    module, x = Scaled(), torch.ones(1, 4)
+    step = torch.compile(module, fullgraph=True, backend="eager", options={"guard_filter_fn": drop_module_guards})
+    assert torch.equal(step(x), module(x))
+    module.linear.weight = torch.nn.Parameter(torch.ones(3, 4))
+    assert step(x).shape == (1, 3) and torch.equal(step(x), module(x))
+    module.config = types.SimpleNamespace()  # model_fingerprint reads a model's config
+    fingerprint = model_fingerprint(module)
+    module.factor = 3.0
+    assert not torch.equal(step(x), module(x)), "dropped: the attribute's guard"
+    assert model_fingerprint(module) != fingerprint

@@ -21,6 +21,7 @@ import torch
 
 from .attention.static import STATE, STATIC_ATTENTION, allocate, static_attention_forward
 from .attention.static_device import fill_statistics
+from .compile_guards import drop_module_guards, model_fingerprint
 from .config import SparseConfig
 from .errors import SparseDecodeError
 from .models import attention_shape
@@ -31,6 +32,9 @@ DEFAULT_BACKEND = os.environ.get("SPARSEDECODE_COMPILE_BACKEND", "inductor")
 """``torch.compile``'s backend (``SPARSEDECODE_COMPILE_BACKEND``; ``aot_eager`` captures without code generation)."""
 KEPT = 4
 """Decoders kept per model (each holds its compiled step; those of one batch and cache size share one cache)."""
+MODULE_GUARDS_PER_INSTALL = os.environ.get("SPARSEDECODE_MODULE_GUARDS", "install") == "install"
+"""dynamo's guards on the model's modules are checked once per install (:mod:`sparsedecode.compile_guards`);
+``SPARSEDECODE_MODULE_GUARDS=step`` keeps them all, checked before every step."""
 
 
 def register() -> None:
@@ -159,12 +163,24 @@ class CompiledDecoder:
             self._row_linears = {
                 m: functools.partial(_row_linear, m) for m in model.modules() if type(m) is torch.nn.Linear
             }
-        # mode="reduce-overhead": replayed from CUDA graphs on CUDA (the state tensors have static addresses)
-        options = {"mode": mode} if backend == "inductor" else {}  # modes are inductor's (other backends: none)
-        self._compiled = torch.compile(
-            _own_method(self, "_forward"), fullgraph=True, backend=backend, dynamic=False, **options
-        )
+        # guards on the modules' attributes checked once per install (compile_guards), not at every step
+        self._options = {"guard_filter_fn": drop_module_guards} if MODULE_GUARDS_PER_INSTALL else {}
+        if backend == "inductor":
+            from torch._inductor import list_mode_options
+
+            # mode="reduce-overhead": replayed from CUDA graphs on CUDA (the state tensors have static addresses);
+            # inductor's own size and stride checks of every input repeat dynamo's tensor guards, which stay
+            self._options.update(list_mode_options(mode) if mode else {}, size_asserts=False)
+        self._compiled = self._compile()
+        self._fingerprint = None
+
+    def _compile(self):
+        """A new compiled step (nothing compiled yet: its first call compiles)."""
         self._warm = False
+        options = dict(self._options)  # torch.compile takes the guard filter out of the dict it is given
+        return torch.compile(
+            _own_method(self, "_forward"), fullgraph=True, backend=self.backend, dynamic=False, options=options
+        )
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         out = self.model(input_ids=input_ids, position_ids=position_ids, cache=self.cache, use_cache=True)
@@ -182,6 +198,8 @@ class CompiledDecoder:
         linears = [(m, f) for m, f in self._row_linears.items() if "forward" not in vars(m)]
         for linear, forward in linears:
             linear.forward = forward  # the same object at every install: the compiled step's guards hold
+        if self._warm and self._options.get("guard_filter_fn") and model_fingerprint(model) != self._fingerprint:
+            self._compiled = self._compile()  # the model changed since the step was compiled: what guards saw
         try:
             yield self
         finally:
@@ -229,6 +247,8 @@ class CompiledDecoder:
         logits = self._compiled(tokens.reshape(self.batch, 1).to(self.device), position)
         if not self._warm:
             self._warm, self.compile_s = True, time.perf_counter() - started
+            if self._options.get("guard_filter_fn"):
+                self._fingerprint = model_fingerprint(self.model)
         self.position += 1
         return logits
 
