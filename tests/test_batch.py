@@ -341,6 +341,29 @@ def test_bench_e2e_batch_rows(tiny_model_dir, tmp_path):
     assert rows[3]["speedup_vs_best_dense"] == pytest.approx(rows[3]["aggregate_tokens_per_s"] / best)
 
 
+def test_bench_e2e_batch_compile_adds_compiled_rows_that_equal_batch_one(monkeypatch):
+    """``bench e2e --batch --compile``: every batch size again with the compiled step, from copies of the same
+    prefilled caches; each batch's tokens equal each prompt's compiled batch-1 run, ratios against the faster dense."""
+    from sparsedecode import compiled
+    from sparsedecode.experiments.bench import bench_e2e_batch
+
+    monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")  # capture without inductor's C++ build
+    prompts = [prompt(300, seed=20 + i) for i in range(3)]
+    rows = bench_e2e_batch(tiny_model("llama"), "tiny", prompts, (1, 3), (97,), tokens=8, repeats=1, compile=True)
+    session, static = "growing", "static, compiled"
+    assert [(r.batch, r.mode, r.cache) for r in rows] == [
+        (1, "dense", session), (1, "sparse", session), (3, "dense", session), (3, "sparse", session),
+        (1, "dense", static), (1, "sparse", static), (3, "dense", static), (3, "sparse", static),
+    ]  # fmt: skip
+    assert all(r.tokens_equal_to_batch1 for r in rows)
+    assert all((r.compile_s is not None) == (r.cache == static) for r in rows)
+    best = max(r.aggregate_tokens_per_s for r in rows if r.mode == "dense")
+    for r in rows:
+        same_batch = max(d.aggregate_tokens_per_s for d in rows if d.mode == "dense" and d.batch == r.batch)
+        assert r.speedup_vs_best_dense == pytest.approx(r.aggregate_tokens_per_s / best)
+        assert r.speedup_vs_dense_same_batch == pytest.approx(r.aggregate_tokens_per_s / same_batch)
+
+
 def test_bench_e2e_batch_that_does_not_fit_is_refused_before_prefill(tiny_model_dir, tmp_path, monkeypatch, capsys):
     from sparsedecode.cli import main
     from sparsedecode.experiments import bench

@@ -390,11 +390,12 @@ def test_bench_e2e_cli_refuses_repeats_below_one(tiny_model_dir, capsys):
     "extra, message",
     [
         (["--baseline", "llama.cpp"], "is not one"),  # a model folder has no GGUF it came from
-        (["--baseline", "llama.cpp", "--batch", "1,2"], "run batch 1 only"),
-        (["--compile", "--batch", "1"], "run batch 1 only"),
+        (["--baseline", "llama.cpp", "--batch", "1,2"], "--baseline runs batch 1 only"),
+        (["--compile", "--batch", "1", "--selector", "h2o"], "bench e2e --batch --compile: h2o keeps the attention"),
     ],
 )
-def test_bench_e2e_cli_refuses_a_baseline_or_compile_it_cannot_run(tiny_model_dir, capsys, extra, message):
+def test_bench_e2e_cli_refuses_a_baseline_or_compile_it_cannot_run(tiny_model_dir, capsys, monkeypatch, extra, message):
+    monkeypatch.setattr(bench, "prefill", lambda *a, **k: pytest.fail("refused after the prefill"))
     assert main(["bench", "e2e", "--model", str(tiny_model_dir), "--context", "300", *extra]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1

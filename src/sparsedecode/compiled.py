@@ -272,6 +272,18 @@ class CompiledDecoder:
                 fill_statistics(state.stats, state.kinds, keys, 0, length, state.cfg.block_size)
         self.position = length
 
+    def load(self, caches, length: int) -> None:
+        """The cache's rows take ``caches`` (one batch-1 cache per row holding ``length`` prefilled positions, such as
+        a :class:`~sparsedecode.cache.GrowingCache`), copied in; then :meth:`resume` from ``length``."""
+        if len(caches) != self.batch or length >= self.max_len:
+            raise SparseDecodeError(f"load: {self.batch} caches of fewer than {self.max_len} positions expected")
+        _seek(self.cache, 0)
+        for index, layer in enumerate(self.cache.layers):
+            keys = torch.cat([c.layers[index].keys[:, :, :length] for c in caches]).to(self.device)
+            values = torch.cat([c.layers[index].values[:, :, :length] for c in caches]).to(self.device)
+            layer.update(keys, values)  # positions [0, length), allocating the layer if this is its first write
+        self.resume(length)
+
     def tally(self) -> dict[str, int]:
         totals = torch.zeros(4, dtype=torch.long)
         for state in self.states.values():

@@ -716,6 +716,9 @@ class BatchRow:
     tokens_equal_to_batch1: bool
     kernel: str | None
     runs: int
+    cache: str = "growing"
+    """``growing``: the session's step on an in-place cache; ``static, compiled``: the compiled step."""
+    compile_s: float | None = None
 
 
 def _stack_caches(model: torch.nn.Module, caches: list[GrowingCache]) -> GrowingCache:
@@ -740,6 +743,7 @@ def bench_e2e_batch(
     repeats: int = 2,
     progress: Progress | None = None,
     selector: str = "mean-pooled",
+    compile: bool = False,
 ) -> list[BatchRow]:
     """Aggregate decode throughput per batch size, dense vs sparse, side by side in one process.
 
@@ -750,7 +754,9 @@ def bench_e2e_batch(
     for the whole batch: aggregate tokens/s is ``b * tokens / decode_s``, the step latency ``decode_s / tokens``.
     ``tokens_equal_to_batch1``: every sequence's tokens equal its own batch-1 run in the same mode (each prompt is
     run alone, in every mode, for that). Peak RSS is measured per batch size (the kernel's high-water mark is reset
-    before it, where Linux allows).
+    before it, where Linux allows). ``compile`` adds every mode with the decode step compiled
+    (:mod:`sparsedecode.compiled`, ``cache`` "static, compiled"), its rows and compile seconds beside the others';
+    "vs dense same batch" and "vs best dense" then divide by the faster dense mode.
     """
     if isinstance(repeats, bool) or not isinstance(repeats, numbers.Integral) or repeats < 1:
         raise SparseDecodeError(f"bench e2e: repeats must be an integer >= 1 (got {repeats!r})")
@@ -765,6 +771,16 @@ def bench_e2e_batch(
             "bench e2e --batch: this model has sliding-window or recurrent cache layers, which cannot be stacked "
             "into a batch here; time it at batch 1 (without --batch)"
         )
+    modes: list[tuple[str, int | None]] = [("dense", None)] + [("sparse", s) for s in supports]
+
+    def config_of(mode) -> SparseConfig | None:
+        return None if mode[0] == "dense" else SparseConfig(support=mode[1], kernel=kernel, selector=selector)
+
+    if compile:  # before any prefill
+        from ..compiled import check_compilable
+
+        for mode in modes:
+            check_compilable(model, config_of(mode), "bench e2e --batch --compile")
     prompts = prompts[: max(batches)]
     caches, firsts = [], []
     for number, ids in enumerate(prompts, start=1):
@@ -774,15 +790,10 @@ def bench_e2e_batch(
         firsts.append(int(logits.argmax()))
         if progress:
             progress("prefill (each prompt alone)", number, len(prompts))
-    modes: list[tuple[str, int | None]] = [("dense", None)] + [("sparse", s) for s in supports]
 
     def context_for(mode):
-        kind, support = mode
-        return (
-            contextlib.nullcontext()
-            if kind == "dense"
-            else sparse_decoding(model, SparseConfig(support=support, kernel=kernel, selector=selector))
-        )
+        cfg = config_of(mode)
+        return contextlib.nullcontext() if cfg is None else sparse_decoding(model, cfg)
 
     alone: dict[tuple, list[list[int]]] = {}
     for mode in modes:  # every prompt alone, every mode: what the batches must reproduce
@@ -819,12 +830,18 @@ def bench_e2e_batch(
         rss = current_peak_rss_mb()
         for mode in modes:
             equal = all(outputs[mode][i] == alone[mode][i] for i in range(b))
-            measured[(b, *mode)] = dict(decode_s=statistics.median(times[mode]), equal=equal, rss=rss)
+            measured[(b, *mode, "growing")] = dict(decode_s=statistics.median(times[mode]), equal=equal, rss=rss)
         del stacked
-    best_dense = max(b * tokens / measured[(b, "dense", None)]["decode_s"] for b in batches)
+    if compile:
+        measured.update(_compiled_batches(model, caches, firsts, batches, modes, config_of, tokens, repeats, progress))
+    dense_s = {}  # the faster dense mode's time per batch size
+    for (b, kind, _, _), m in measured.items():
+        if kind == "dense":
+            dense_s[b] = min(dense_s.get(b, m["decode_s"]), m["decode_s"])
+    best_dense = max(b * tokens / dense_s[b] for b in batches)
     element = next(model.parameters()).element_size()
     rows = []
-    for (b, kind, support), m in measured.items():
+    for (b, kind, support, cache), m in measured.items():
         aggregate = b * tokens / m["decode_s"]
         rows.append(
             BatchRow(
@@ -837,13 +854,71 @@ def bench_e2e_batch(
                 m["decode_s"],
                 1000 * m["decode_s"] / tokens,
                 aggregate,
-                aggregate / (b * tokens / measured[(b, "dense", None)]["decode_s"]),
+                aggregate / (b * tokens / dense_s[b]),
                 aggregate / best_dense,
                 m["rss"],
                 kv_cache_bytes(model.config, b, context + tokens, element) / 2**20,
                 m["equal"],
                 None if kind == "dense" else kernel,
                 repeats,
+                cache,
+                m.get("compile_s"),
             )
         )
     return rows
+
+
+def _compiled_batches(model, caches, firsts, batches, modes, config_of, tokens, repeats, progress) -> dict:
+    """:func:`bench_e2e_batch`'s compiled modes, measured like the others (each prompt alone at batch 1 first, then
+    every batch size, each mode ``repeats`` times in order and reversed), from copies of the same prefilled caches."""
+    from ..compiled import decoder_for
+
+    context = int(caches[0].get_seq_length())
+
+    def decoded(decoder, rows: int, stage: str) -> tuple[float, list[list[int]]]:
+        with decoder.installed():
+            decoder.resume(context)
+            begun = time.perf_counter()
+            outs, _ = decode_tokens(
+                model, None, firsts[:rows], tokens, progress=progress, stage=stage, step_fn=decoder.step
+            )
+            return time.perf_counter() - begun, outs
+
+    def loaded(mode, b: int, rows: list):
+        decoder = decoder_for(model, config_of(mode), b, context + tokens + 1)
+        with decoder.installed():
+            decoder.load(rows, context)
+            decoder.warm_up(torch.tensor(firsts[: len(rows)]))
+        return decoder
+
+    alone = {}
+    for mode in modes:  # every prompt alone: what the batches must reproduce
+        alone[mode] = []
+        for i, cache in enumerate(caches):
+            decoder = loaded(mode, 1, [cache])
+            with decoder.installed():
+                decoder.resume(context)  # the warm-up's step left the state one step on
+                stage = f"{mode[0]} alone, compiled"
+                (out,), _ = decode_tokens(
+                    model, None, [firsts[i]], tokens, progress=progress, stage=stage, step_fn=decoder.step
+                )
+            alone[mode].append(out)
+    measured = {}
+    for b in sorted(batches):
+        gc.collect()
+        reset_peak_rss()
+        decoders = {mode: loaded(mode, b, caches[:b]) for mode in modes}
+        times: dict[tuple, list[float]] = {mode: [] for mode in modes}
+        outputs = {}
+        for repeat in range(repeats):
+            for mode in modes if repeat % 2 == 0 else modes[::-1]:
+                stage = f"batch {b}, {mode[0]} compiled" + (f" S={mode[1]}" if mode[1] else "")
+                seconds, outputs[mode] = decoded(decoders[mode], b, f"{stage} ({repeat + 1}/{repeats})")
+                times[mode].append(seconds)
+        rss = current_peak_rss_mb()
+        for mode in modes:
+            equal = all(outputs[mode][i] == alone[mode][i] for i in range(b))
+            median = statistics.median(times[mode])
+            compile_s = decoders[mode].compile_s
+            measured[(b, *mode, "static, compiled")] = dict(decode_s=median, equal=equal, rss=rss, compile_s=compile_s)
+    return measured
