@@ -392,6 +392,7 @@ def test_bench_e2e_cli_refuses_repeats_below_one(tiny_model_dir, capsys):
         (["--baseline", "llama.cpp"], "is not one"),  # a model folder has no GGUF it came from
         (["--baseline", "llama.cpp", "--batch", "1,2"], "--baseline runs batch 1 only"),
         (["--compile", "--batch", "1", "--selector", "h2o"], "bench e2e --batch --compile: h2o keeps the attention"),
+        (["--compile", "--selector", "h2o"], "bench e2e --compile: h2o keeps the attention"),
     ],
 )
 def test_bench_e2e_cli_refuses_a_baseline_or_compile_it_cannot_run(tiny_model_dir, capsys, monkeypatch, extra, message):

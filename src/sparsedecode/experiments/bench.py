@@ -529,6 +529,11 @@ def bench_e2e(
     """
     if isinstance(repeats, bool) or not isinstance(repeats, numbers.Integral) or repeats < 1:
         raise SparseDecodeError(f"bench e2e: repeats must be an integer >= 1 (got {repeats!r})")
+    if compile:  # before the prefill
+        from ..compiled import check_compilable
+
+        for cfg in (None, *(SparseConfig(support=s, kernel=kernel, selector=selector) for s in supports)):
+            check_compilable(model, cfg, "bench e2e --compile")
     started = time.perf_counter()
     dynamic, logits = prefill(model, prompt_ids, progress=progress)
     prefill_s = time.perf_counter() - started
