@@ -126,15 +126,23 @@ def _nll(logits: torch.Tensor, target: int) -> float:
     return float(torch.logsumexp(logits, dim=-1) - logits[target])
 
 
-@torch.no_grad()
 def paired_protocol(
     model: torch.nn.Module, prompt_ids: torch.Tensor, support: int, tokens: int, reuse: int = 1
 ) -> PairedOutcome:
     """DESIGN.md section 3 for one prompt, one support and one reuse interval, in float64 with masks."""
+    return paired_protocols(model, prompt_ids, support, tokens, (reuse,))[0]
+
+
+@torch.no_grad()
+def paired_protocols(
+    model: torch.nn.Module, prompt_ids: torch.Tensor, support: int, tokens: int, reuses: tuple[int, ...]
+) -> list[PairedOutcome]:
+    """:func:`paired_protocol` for each reuse interval of ``reuses``, the float64 copy, the prefill and the dense
+    reference made once (none of them depends on the reuse interval)."""
     reference = copy.deepcopy(model).double()
     reference.set_attn_implementation(NAME)
     prompt_length = prompt_ids.shape[1]
-    _STATE.update(prompt_length=prompt_length, support=None, reuse=reuse, grown_reuses=0)
+    _STATE.update(prompt_length=prompt_length, support=None, reuse=None, grown_reuses=0)
 
     # every prompt row is dense in every pass (``_attention``): the prefill is computed once, each pass continues a
     # copy of its cache
@@ -153,30 +161,35 @@ def paired_protocol(
         dense.append(token)
         dense_nll.append(_nll(logits, token))
         logits = _forward(reference, torch.tensor([[token]]), cache)[-1]
-    _STATE["support"] = Support(support)
-
-    # 2. free-running sparse from the same first token
-    cache, _ = prefilled()
-    sparse = [dense[0]]
-    for _ in range(tokens - 1):
-        logits = _forward(reference, torch.tensor([[sparse[-1]]]), cache)[-1]
-        sparse.append(int(logits.argmax()))
-    diverged = [t for t in range(1, tokens) if sparse[t] != dense[t]]
-
-    # 3. teacher-forced: one forward over d_0 .. d_{T-2}, every row with its own support
-    cache, _ = prefilled()
-    forced = _forward(reference, torch.tensor([dense[:-1]]), cache)
-    matches = sum(int(forced[t - 1].argmax()) == dense[t] for t in range(1, tokens))
-    sparse_nll = [_nll(forced[t - 1], dense[t]) for t in range(1, tokens)]
     dense_ppl = math.exp(sum(dense_nll[1:]) / (tokens - 1))
-    sparse_ppl = math.exp(sum(sparse_nll) / (tokens - 1))
+    outcomes = []
+    for reuse in reuses:
+        _STATE.update(support=Support(support), reuse=reuse, grown_reuses=0)
+
+        # 2. free-running sparse from the same first token
+        cache, _ = prefilled()
+        sparse = [dense[0]]
+        for _ in range(tokens - 1):
+            logits = _forward(reference, torch.tensor([[sparse[-1]]]), cache)[-1]
+            sparse.append(int(logits.argmax()))
+        diverged = [t for t in range(1, tokens) if sparse[t] != dense[t]]
+
+        # 3. teacher-forced: one forward over d_0 .. d_{T-2}, every row with its own support
+        cache, _ = prefilled()
+        forced = _forward(reference, torch.tensor([dense[:-1]]), cache)
+        matches = sum(int(forced[t - 1].argmax()) == dense[t] for t in range(1, tokens))
+        sparse_nll = [_nll(forced[t - 1], dense[t]) for t in range(1, tokens)]
+        sparse_ppl = math.exp(sum(sparse_nll) / (tokens - 1))
+        outcomes.append(
+            PairedOutcome(
+                first_divergence=diverged[0] if diverged else tokens,
+                survives=not diverged,
+                teacher_forced_match=100.0 * matches / (tokens - 1),
+                delta_ppl_percent=100.0 * (sparse_ppl - dense_ppl) / dense_ppl,
+                dense_tokens=dense,
+                sparse_tokens=sparse,
+                grown_reuses=_STATE["grown_reuses"],
+            )
+        )
     _STATE["support"] = None
-    return PairedOutcome(
-        first_divergence=diverged[0] if diverged else tokens,
-        survives=not diverged,
-        teacher_forced_match=100.0 * matches / (tokens - 1),
-        delta_ppl_percent=100.0 * (sparse_ppl - dense_ppl) / dense_ppl,
-        dense_tokens=dense,
-        sparse_tokens=sparse,
-        grown_reuses=_STATE["grown_reuses"],
-    )
+    return outcomes

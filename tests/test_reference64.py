@@ -11,9 +11,9 @@ import textwrap
 
 import pytest
 from conftest import prompt, tiny_model
-from reference64 import paired_protocol
+from reference64 import paired_protocol, paired_protocols
 
-from sparsedecode import SparseConfig, compare
+from sparsedecode import SparseConfig, compare, dense_reference
 
 CASES = [
     # (prompt length, prompt seed, support, tokens): long prompts, a prompt that grows past S while decoding
@@ -32,9 +32,11 @@ REUSE_CASES = [
 ]
 
 
-def _check(model, ids, support: int, tokens: int, reuse: int = 1, ppl_tolerance: float = 0.05):
-    expected = paired_protocol(model, ids, support, tokens, reuse)
-    result = compare(model, None, ids, SparseConfig(support=support, reuse=reuse), tokens)
+def _check(model, ids, support: int, tokens: int, reuse: int = 1, ppl_tolerance: float = 0.05, *, expected=None, **kw):
+    """The library's paired comparison against the reference's ``expected`` outcome (computed here if not given);
+    ``kw`` goes to ``compare`` (a shared dense ``reference``)."""
+    expected = expected or paired_protocol(model, ids, support, tokens, reuse)
+    result = compare(model, None, ids, SparseConfig(support=support, reuse=reuse), tokens, **kw)
     assert result.dense_tokens == expected.dense_tokens
     assert result.sparse_tokens == expected.sparse_tokens
     assert result.first_divergence == expected.first_divergence
@@ -74,11 +76,14 @@ def test_reference_sees_divergence_somewhere():
 
 
 @pytest.mark.realmodel
-@pytest.mark.parametrize("reuse", [1, 4])
-def test_protocol_matches_float64_reference_on_smollm2(smollm2, reuse):
+def test_protocol_matches_float64_reference_on_smollm2(smollm2):
+    """Reuse 1 and 4, sharing the reference's float64 copy, prefill and dense pass, and the library's dense run."""
     model, tokenizer = smollm2
     text = inspect.getsource(textwrap)  # a corpus no issue names: the source of a standard-library module
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][:, 1000:1320]
-    # default 0.05: SmolLM2's float32 logits sit ~1e-4 from float64 (roundoff_tolerance bounds them at 3.6e-3);
-    # 16 NLL errors of random sign move the percent change by 400 * 1e-4 / sqrt(16) = 0.01
-    _check(model, ids, 97, 16, reuse)
+    reuses = (1, 4)
+    reference = dense_reference(model, ids, tokens=16)
+    for reuse, expected in zip(reuses, paired_protocols(model, ids, 97, 16, reuses)):
+        # default 0.05: SmolLM2's float32 logits sit ~1e-4 from float64 (roundoff_tolerance bounds them at 3.6e-3);
+        # 16 NLL errors of random sign move the percent change by 400 * 1e-4 / sqrt(16) = 0.01
+        _check(model, ids, 97, 16, reuse, expected=expected, reference=reference)
