@@ -63,15 +63,20 @@ def _lossless_from(model, prefilled, length: int, support: int, k: int, tokens: 
 
 
 class LosslessGrid:
-    """One prompt's dense greedy tokens (``generate(mode="dense")``, one-token steps: the oracle) and one dense
-    prefill that every lossless run of the grid continues from a copy of."""
+    """One dense prefill of a prompt, which every lossless run of the grid continues from a copy of, and the dense
+    greedy tokens after it (the oracle: what ``generate(mode="dense")`` does after its own identical prefill, one
+    dense one-token step at a time through the library's decode loop)."""
 
     def __init__(self, model, ids, tokens: int = 128):
-        from sparsedecode.speculative import generate
+        from sparsedecode.attention import dense_attention
+        from sparsedecode.decode import decode_tokens
 
         self.model, self.length, self.tokens = model, int(ids.shape[1]), tokens
-        self.dense = generate(model, ids, None, tokens, mode="dense").tokens
         self.prefilled = _prefilled(model, ids)
+        cache, first = self.prefilled
+        with torch.no_grad(), dense_attention(model):
+            (rest,), _ = decode_tokens(model, copy.deepcopy(cache), [first], tokens - 1)
+        self.dense = [first, *rest]
 
     def check(self, support: int, k: int) -> None:
         lossless = _lossless_from(self.model, self.prefilled, self.length, support, k, self.tokens)
