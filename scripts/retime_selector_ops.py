@@ -15,10 +15,9 @@ import json
 import sys
 from pathlib import Path
 
-from sparsedecode.experiments.bench import model_shape
 from sparsedecode.experiments.environment import environment
 from sparsedecode.experiments.selector_comparison import _op_times, rebuild
-from sparsedecode.models import load_model
+from sparsedecode.models import attention_shape, load_model
 from sparsedecode.report import write_selector_comparison
 
 
@@ -26,7 +25,7 @@ def retime(folder: Path) -> None:
     data = json.loads((folder / "selectors.json").read_text())
     settings, summary = data["settings"], data["summary"]
     times = _op_times(
-        model_shape(load_model(settings["model"])[0].config),
+        attention_shape(load_model(settings["model"])[0].config),
         tuple(settings["context"]),
         tuple(settings["support"]),
         settings["selectors"],

@@ -206,7 +206,8 @@ def sparse_step(
     if n > key.shape[2]:
         raise SparseDecodeError(f"sparse_step: position {n - 1} lies past the cache's {key.shape[2]} positions")
     batch, heads = query.shape[0], query.shape[1]
-    if FAST and n > _SUPPORTS[config]:
+    support = _SUPPORTS[config]
+    if FAST and n > support:
         signature = signature_of(config, layer, scale, query, key, value, stats, count, blocks, step, last, tally)
         prepared = PREPARED.get(signature)
         if prepared is not None:
@@ -214,7 +215,7 @@ def sparse_step(
             prepared(query, key, stats, out, n)
             return out.to(query.dtype)
     _truncate(count, step, last, n - 1, n, cfg.block_size)
-    if n <= cfg.effective_support:
+    if n <= support:
         tally[1] += batch
         keys, values = key[:, :, :n], value[:, :, :n]
         out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, scale=scale, enable_gqa=True)

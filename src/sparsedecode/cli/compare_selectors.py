@@ -89,12 +89,12 @@ def cmd_compare_selectors(args) -> int:
     written = ("selectors.md", "selectors.csv", "selectors.json")
     check_output_folder(args.out, inputs=inputs_of(args), files=written, results="selectors.json")
     model, tokenizer = load(args)
-    from ..experiments.bench import model_shape
     from ..experiments.corpus import check_context_fits
     from ..experiments.selector_comparison import ANSWER_TOKENS, compare_selectors
+    from ..models import attention_shape
 
     check_context_fits(model, args.context, max(args.tokens, ANSWER_TOKENS if args.retrieval else 0))
-    shape = model_shape(model.config)
+    shape = attention_shape(model.config)
     with progress_bars() as progress, executor(args, progress) as execute:
         rows, runs, trials = compare_selectors(
             model,

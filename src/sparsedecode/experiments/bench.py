@@ -53,12 +53,6 @@ DEFAULT_CONTEXTS = (2048, 8192, 32768, 131072)
 MEMORY_FRACTION = 0.5  # bench op's per-layer caches take at most this share of the memory available when it starts
 
 
-def model_shape(config) -> tuple[int, int, int, int]:
-    """(query heads, KV heads, head dim, layers) of a transformers model config, as :data:`SHAPES` and
-    :data:`SHAPE_LAYERS` give them (and as :func:`bench_op` takes a shape)."""
-    return attention_shape(config)
-
-
 DEFAULT_SUPPORTS = (97, 193, 769)
 
 
@@ -880,13 +874,12 @@ def _compiled_batches(model, caches, firsts, batches, modes, config_of, tokens, 
 
     context = int(caches[0].get_seq_length())
 
-    def decoded(decoder, rows: int, stage: str) -> tuple[float, list[list[int]]]:
+    def decoded(decoder, heads: list[int], stage: str) -> tuple[float, list[list[int]]]:
+        """Seconds and tokens of decoding after ``heads`` (a first token per row) from the loaded prompts."""
         with decoder.installed():
-            decoder.resume(context)
+            decoder.resume(context)  # a warm-up's step left the state one step on
             begun = time.perf_counter()
-            outs, _ = decode_tokens(
-                model, None, firsts[:rows], tokens, progress=progress, stage=stage, step_fn=decoder.step
-            )
+            outs, _ = decode_tokens(model, None, heads, tokens, progress=progress, stage=stage, step_fn=decoder.step)
             return time.perf_counter() - begun, outs
 
     def loaded(mode, b: int, rows: list):
@@ -899,14 +892,8 @@ def _compiled_batches(model, caches, firsts, batches, modes, config_of, tokens, 
     alone = {}
     for mode in modes:  # every prompt alone: what the batches must reproduce
         alone[mode] = []
-        for i, cache in enumerate(caches):
-            decoder = loaded(mode, 1, [cache])
-            with decoder.installed():
-                decoder.resume(context)  # the warm-up's step left the state one step on
-                stage = f"{mode[0]} alone, compiled"
-                (out,), _ = decode_tokens(
-                    model, None, [firsts[i]], tokens, progress=progress, stage=stage, step_fn=decoder.step
-                )
+        for cache, first in zip(caches, firsts):
+            _, (out,) = decoded(loaded(mode, 1, [cache]), [first], f"{mode[0]} alone, compiled")
             alone[mode].append(out)
     measured = {}
     for b in sorted(batches):
@@ -918,7 +905,7 @@ def _compiled_batches(model, caches, firsts, batches, modes, config_of, tokens, 
         for repeat in range(repeats):
             for mode in modes if repeat % 2 == 0 else modes[::-1]:
                 stage = f"batch {b}, {mode[0]} compiled" + (f" S={mode[1]}" if mode[1] else "")
-                seconds, outputs[mode] = decoded(decoders[mode], b, f"{stage} ({repeat + 1}/{repeats})")
+                seconds, outputs[mode] = decoded(decoders[mode], firsts[:b], f"{stage} ({repeat + 1}/{repeats})")
                 times[mode].append(seconds)
         rss = current_peak_rss_mb()
         for mode in modes:
