@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -356,6 +357,18 @@ def test_c_kernel_from_concurrent_python_threads_matches_serial():
         torch.set_num_threads(previous)
     for (chosen, out), (expected_chosen, expected_out) in zip(concurrent, serial * 4):
         assert torch.equal(chosen, expected_chosen) and torch.equal(out, expected_out)
+
+
+def test_the_kernel_runs_on_torchs_openmp_threads_where_torch_has_libgomp():
+    """Where torch's OpenMP runtime is GNU libgomp (the Linux wheels), the kernel is built against it and binds to the
+    copy torch loaded: one runtime in the process, whose threads serve both (sparsedecode.kernels.cpu.OPENMP)."""
+    assert cpu.library() is not None, cpu.BUILD_ERROR
+    assert cpu.OPENMP == cpu._shares_libgomp()
+    maps = Path("/proc/self/maps")
+    if maps.exists():
+        runtimes = {line.split()[-1] for line in maps.read_text().splitlines() if "libgomp" in line}
+        assert cpu.OPENMP == any(path.endswith("/libgomp.so.1") for path in runtimes)
+        assert len(runtimes) <= 1, runtimes
 
 
 def _select_in_child(keys, centroids, q, layout, expected, done):

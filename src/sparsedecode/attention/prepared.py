@@ -19,7 +19,13 @@ from ..centroids import BlockCentroids
 from ..layout import BlockLayout
 
 SPLIT_WORK = 1 << 20
-"""Centroid floats a prepared call scores (rows x KV heads x blocks x d) from which it splits over torch's threads."""
+"""Centroid floats a prepared call scores (rows x KV heads x blocks x d) from which it splits over torch's threads;
+:data:`SPLIT_WORK_SHARED` where the kernel shares torch's OpenMP threads (:data:`sparsedecode.kernels.cpu.OPENMP`).
+With workers of its own, a worker woken for a small call waits for a core that the compiled graph's OpenMP workers
+spin on after each kernel (SmolLM2 at 8K: 120 us a call on two threads, 74 us on one); torch's own threads are
+awake when the call comes (SmolLM2 at 8K, bfloat16, compiled: batch 1 21.9 -> 20.4 ms a step, batch 8 42 -> 34 ms
+on two threads)."""
+SPLIT_WORK_SHARED = 1 << 16
 
 PREPARED: dict[tuple, Prepared | None] = {}
 """Prepared calls by :func:`signature_of` (``None``: the general path serves those tensors)."""
@@ -70,8 +76,11 @@ class Prepared:
         self.count, self.step, self.last, self.tally = (t.numpy() for t in (count, step, last, tally))
         self.blocks = blocks.numpy()
         self.table = self.fields.buffer_info()[0]
+        self.rows = np.frombuffer(self.fields, dtype=np.int64).reshape(batch, -1)  # a view: one row per sequence
+        self.every_row = np.ones(batch, dtype=bool)
         self.kinds = cfg.selector.statistics or ("mean",)
         self.every_step = bool(cfg.selector.reselects_every_step)
+        self.split = SPLIT_WORK_SHARED if cpu.OPENMP else SPLIT_WORK
 
     def __call__(self, query, key, stats, out, n: int) -> None:
         """One step at context length ``n``: ``query (batch, H, 1, d)``, ``out (batch, 1, H, dv)`` float32."""
@@ -84,19 +93,14 @@ class Prepared:
         last[:] = n
         layout = BlockLayout(n=n, window=cfg.window, block_size=block)
         n_full = layout.n_full
-        fields = self.fields
-        for i in range(batch):
-            fresh = self.every_step or step[i] % cfg.reuse == 0
-            if fresh and count[i] < n_full:  # the blocks completed since the last call
-                cache = centroids_of(stats[:, i], self.kinds, int(count[i]), block)
-                cache.update(key[i], n_full)
-                count[i] = cache.count
-            fields[11 * i + 4] = n
-            fields[11 * i + 10] = 1 if fresh else 0
-        # one thread unless the centroids scored are many: a worker woken for a small call waits for a core that the
-        # compiled graph's OpenMP workers spin on after each kernel (SmolLM2 at 8K: 120 us a call on two threads,
-        # 74 us on one)
-        threads = torch.get_num_threads() if batch * self.kv_heads * n_full * query.shape[-1] >= SPLIT_WORK else 1
+        fresh = self.every_row if self.every_step else step % cfg.reuse == 0
+        for i in np.flatnonzero(fresh & (count < n_full)):  # the blocks completed since the last call
+            cache = centroids_of(stats[:, i], self.kinds, int(count[i]), block)
+            cache.update(key[i], n_full)
+            count[i] = cache.count
+        self.rows[:, 4] = n
+        self.rows[:, 10] = fresh
+        threads = torch.get_num_threads() if batch * self.kv_heads * n_full * query.shape[-1] >= self.split else 1
         pointers = (query.data_ptr(), *self.arguments, out.data_ptr(), self.table)
         status = self.function(*pointers, *self.tail, threads, self.code)
         self.check(status)

@@ -6,7 +6,7 @@ and attention over anchor + chosen blocks + window read in place from the KV cac
 (:func:`run_step`, what the attention step uses). They replace ~20 small torch operations whose fixed cost (a few
 microseconds each) made the sparse step slower than dense SDPA below ~32K positions. A call large enough to pay
 for it is split (KV heads, and ranges of blocks for selection) over up to ``torch.get_num_threads()`` threads:
-persistent workers started on first need.
+torch's own OpenMP threads where torch runs on GNU libgomp (:data:`OPENMP`), else workers of its own.
 
 For a batch, :mod:`.cpu_batch` serves every sparse sequence of a layer in one call: each sequence with its own
 length (its own layout), centroid cache, blocks and reuse schedule; it selects for the sequences that select
@@ -37,8 +37,8 @@ path's score check does (:func:`check_status`); nothing is chosen from it.
 
 The shared library is built with the system C compiler (``$CC``, else ``cc``) into
 ``$SPARSEDECODE_CACHE/kernels`` (default ``~/.cache/sparsedecode/kernels``), keyed by the source, the flags and
-the processor, so a rebuild happens only when one of them changes. Without a compiler, or if the build fails,
-:func:`library` returns ``None`` once (the reason in :data:`BUILD_ERROR`) and the torch path is used.
+the processor. Without a compiler, or if every build fails, :func:`library` returns ``None`` once (the reason in
+:data:`BUILD_ERROR`) and the torch path is used.
 """
 
 from __future__ import annotations
@@ -63,14 +63,18 @@ if TYPE_CHECKING:
     from ..layout import BlockLayout
 
 SOURCE = Path(__file__).with_name("csrc") / "sparse_step.c"
-# Read once, at import: the library built (possibly much later, at first use) must match this module's argtypes
-# even if the file on disk changes in between.
+# read once, at import: the library built at first use must match this module's argtypes whatever changes on disk
 _SOURCE_TEXT = SOURCE.read_bytes()
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-pthread", "-shared", "-fPIC", "-std=gnu99")
+OPENMP_FLAGS = ("-fopenmp", "-DSPARSE_STEP_OPENMP")
+"""Added where torch runs on GNU libgomp in this process (:func:`_shares_libgomp`): the kernel's parallel parts then
+run on the threads of torch's own parallel regions (see ``parallel`` in ``sparse_step.c``)."""
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 """The dtypes the C code reads, and each one's code (``DTYPE_*`` in ``sparse_step.c``, every entry point's last
 argument)."""
 BUILD_ERROR: str | None = None
+OPENMP = False
+"""The library built shares torch's OpenMP threads (built with :data:`OPENMP_FLAGS`)."""
 _LIBRARY: ctypes.CDLL | None = None
 _TRIED = False
 _LOCK = threading.Lock()
@@ -93,32 +97,55 @@ def _processor() -> str:
     return platform.processor()
 
 
+def _key(flags: tuple[str, ...]) -> str:
+    text = _SOURCE_TEXT + " ".join(flags).encode() + platform.machine().encode() + _processor().encode()
+    return hashlib.sha256(text).hexdigest()[:16]
+
+
+def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
+    """Build the library with ``flags`` into ``target``: None, or the compiler's message when it fails."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built, source = Path(scratch) / target.name, Path(scratch) / SOURCE.name
+        source.write_bytes(_SOURCE_TEXT)
+        command = [compiler, *flags, str(source), "-o", str(built), "-lm"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            return done.stderr.strip()[-500:] or f"exit status {done.returncode}"
+        os.replace(built, target)  # atomic: concurrent builders each write their own scratch copy
+    return None
+
+
+def _shares_libgomp() -> bool:
+    """torch's OpenMP runtime in this process is GNU libgomp under its usual name (``libgomp.so.1``), so a library
+    linked with ``-fopenmp`` binds to the copy already loaded rather than loading a second runtime. Linux only."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+    return any(line.endswith("/libgomp.so.1") for line in maps.splitlines())
+
+
 def _build() -> ctypes.CDLL:
+    global OPENMP
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler found (set CC)")
-    key = hashlib.sha256(
-        _SOURCE_TEXT + " ".join(FLAGS).encode() + platform.machine().encode() + _processor().encode()
-    ).hexdigest()[:16]
-    target = _cache_dir() / f"sparse_step-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-            built, source = Path(scratch) / target.name, Path(scratch) / SOURCE.name
-            source.write_bytes(_SOURCE_TEXT)
-            for flags in (FLAGS, tuple(f for f in FLAGS if f != "-march=native")):  # not every compiler has it
-                done = subprocess.run(
-                    [compiler, *flags, str(source), "-o", str(built), "-lm"],
-                    capture_output=True,
-                    text=True,
-                    timeout=120,
-                )
-                if done.returncode == 0:
-                    break
-            else:
-                raise OSError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
-            os.replace(built, target)  # atomic: concurrent builders each write their own scratch copy
-    library = ctypes.CDLL(str(target))
+    variants = [FLAGS, tuple(f for f in FLAGS if f != "-march=native")]  # not every compiler has -march=native
+    if _shares_libgomp():
+        variants = [flags + OPENMP_FLAGS for flags in variants] + variants
+    for flags in variants:
+        target = _cache_dir() / f"sparse_step-{_key(flags)}.so"
+        error = None if target.exists() else _compile(compiler, flags, target)
+        if error is None:
+            try:
+                library = ctypes.CDLL(str(target))
+                break
+            except OSError as failed:  # built, but this process cannot load it (an OpenMP runtime it lacks)
+                error = str(failed)
+    else:
+        raise OSError(f"{compiler} failed: {error}")
+    OPENMP = OPENMP_FLAGS[0] in flags
     library.select_mean_pooled.argtypes = [_ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64] + [_i64] * 7 + [_ptr, _i64]
     library.sparse_step_batch.argtypes = (
         [_ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr] + [_i64] * 6 + [_f32, _i64, _i64]

@@ -275,7 +275,7 @@ static int finish_or_take_back(worker_t *w) {
 /* Run tasks 0 .. tasks - 1 in up to `parts` parts; returns the tasks' statuses or-ed together. The parts are
  * contiguous ranges of tasks of about equal size, or, `dynamic`, the threads take the next task in order as they
  * finish one (for tasks of unequal sizes). */
-static int parallel(task_fn run, const void *job, int64_t tasks, int64_t parts, int dynamic) {
+static int pool_parallel(task_fn run, const void *job, int64_t tasks, int64_t parts, int dynamic) {
     if (parts > tasks) parts = tasks;
     if (parts > MAX_THREADS) parts = MAX_THREADS;
     if (parts < 2 || pthread_mutex_trylock(&pool_lock) != 0) {
@@ -301,6 +301,42 @@ static int parallel(task_fn run, const void *job, int64_t tasks, int64_t parts, 
     pthread_mutex_unlock(&pool_lock);
     return status;
 }
+
+#ifdef SPARSE_STEP_OPENMP
+/* Built against the OpenMP runtime torch itself runs on (sparsedecode/kernels/cpu.py links it only when the process
+ * has GNU libgomp loaded, which it then shares): the parts run on the threads of torch's own parallel regions, which
+ * spin awhile after each of them, so a call made between two of torch's kernels finds them awake instead of
+ * waiting for a core they hold. In a process forked from one that ran OpenMP, libgomp's threads stayed in the
+ * parent and a parallel region would wait for them forever: there the persistent workers above serve. */
+#include <omp.h>
+static int forked = 0;
+static void note_fork(void) { forked = 1; }
+__attribute__((constructor)) static void watch_forks(void) { pthread_atfork(NULL, NULL, note_fork); }
+
+static int parallel(task_fn run, const void *job, int64_t tasks, int64_t parts, int dynamic) {
+    if (parts > tasks) parts = tasks;
+    if (parts > MAX_THREADS) parts = MAX_THREADS;
+    if (forked) return pool_parallel(run, job, tasks, parts, dynamic);
+    if (parts < 2 || omp_in_parallel()) {
+        part_t all = {run, job, 0, tasks, NULL, 0};
+        run_part(&all);
+        return all.status;
+    }
+    int status = 0;
+    int64_t next = 0;
+#pragma omp parallel num_threads((int)parts) reduction(| : status)
+    {
+        int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+        part_t part = dynamic ? (part_t){run, job, 0, tasks, &next, 0}
+                              : (part_t){run, job, tasks * me / team, tasks * (me + 1) / team, NULL, 0};
+        run_part(&part);
+        status |= part.status;
+    }
+    return status;
+}
+#else
+#define parallel pool_parallel
+#endif
 
 /* The calling thread's scratch buffer, kept between calls and grown by doubling. */
 static __thread void *scratch_buffer = NULL;
