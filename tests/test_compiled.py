@@ -441,7 +441,6 @@ def test_a_model_changed_between_installs_gets_a_step_compiled_for_it(monkeypatc
     """dynamo's guards on the modules' attributes are checked once per install (sparsedecode.compile_guards): one
     layer's attention scale changed between two installs is decoded with the new value, as the uncompiled step
     decodes it. Without the install's check the guards left would replay the old step (shown last)."""
-    from sparsedecode import compiled
 
     model = tiny_model("llama")
     ids, cfg = _prompt(4), SparseConfig(**SMALL_CFG)
@@ -458,10 +457,78 @@ def test_a_model_changed_between_installs_gets_a_step_compiled_for_it(monkeypatc
     assert changed[0] == reference[0] and torch.equal(changed[1], reference[1])
     stale = decoder()
     _static_run(stale, ids, steps=8)  # compiled with the halved scale
-    monkeypatch.setattr(compiled, "model_fingerprint", lambda model: "unchanged")  # an install that checks nothing
+    monkeypatch.setattr(stale, "_fingerprinted", lambda: "unchanged")  # an install that checks nothing
     monkeypatch.setattr(stale, "_fingerprint", "unchanged")
     monkeypatch.setattr(attention, "scaling", attention.scaling * 2)  # back to the first run's
     assert not torch.equal(_static_run(stale, ids, steps=8)[1], before[1]), "the halved scale's step, replayed"
+
+
+def test_which_decoders_freeze_the_weights(monkeypatch):
+    """inductor on the CPU freezes the weights into the step (sparsedecode.compiled.FREEZE), except where the
+    half-precision one-row step computes its linears as row products; not with other backends, nor when turned off.
+    Constructing a decoder compiles nothing."""
+    from sparsedecode import compiled
+
+    model = tiny_model("llama")
+
+    def frozen(m, batch: int, backend: str = "inductor") -> bool:
+        return CompiledDecoder(m, None, batch=batch, max_len=64, backend=backend).frozen
+
+    assert frozen(model, 1) and frozen(model, 2) and not frozen(model, 2, "aot_eager")
+    half = tiny_model("llama").to(torch.bfloat16)
+    assert not frozen(half, 1) and frozen(half, 2)
+    monkeypatch.setattr(compiled, "FREEZE", False)
+    assert not frozen(model, 2)
+
+
+def test_weights_changed_in_place_compile_a_frozen_step_again():
+    """A step with the weights frozen into it holds their values: an in-place change between installs (a
+    fine-tuning step, ``load_state_dict``) must compile it again, at the next install; an install with nothing
+    changed keeps it (a captured step standing in for inductor's frozen one)."""
+    model = tiny_model("llama")
+    ids, cfg = _prompt(5, batch=2), SparseConfig(**SMALL_CFG)
+    decoder = CompiledDecoder(model, cfg, batch=2, max_len=PROMPT + 9, backend="aot_eager")
+    decoder.frozen = True
+    _static_run(decoder, ids, steps=4)
+    step = decoder._compiled
+    _static_run(decoder, ids, steps=4)
+    assert decoder._compiled is step
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(0.5)
+    changed = _static_run(decoder, ids, steps=4)
+    assert decoder._compiled is not step
+    reference = _static_run(CompiledDecoder(model, cfg, batch=2, max_len=PROMPT + 9), ids, steps=4, compiled=False)
+    assert changed[0] == reference[0] and torch.equal(changed[1], reference[1])
+
+
+@pytest.mark.slow
+def test_inductor_frozen_batch_step():
+    """inductor with the weights frozen (a batch of two, float32): the eager tokens and logits within 1e-5 (packed
+    linear layers sum in another order); a weight changed in place between installs is decoded with its new value,
+    as the uncompiled step decodes it, and with the install's check disabled the frozen step would replay the old
+    value (shown last)."""
+    model = tiny_model("llama")
+    ids, cfg = _prompt(6, batch=2), SparseConfig(**SMALL_CFG)
+
+    def run(compiled=True, decoder=None):
+        decoder = decoder or CompiledDecoder(model, cfg, batch=2, max_len=PROMPT + STEPS + 1)
+        return _static_run(decoder, ids, compiled=compiled)
+
+    kept = CompiledDecoder(model, cfg, batch=2, max_len=PROMPT + STEPS + 1)
+    assert kept.frozen
+    (tokens, logits), (eager_tokens, eager_logits) = run(decoder=kept), run(compiled=False)
+    assert tokens == eager_tokens and float((logits - eager_logits).abs().max()) <= 1e-5
+    weight = model.model.layers[1].mlp.down_proj.weight
+    with torch.no_grad():
+        weight.mul_(-1.0)
+    (tokens, logits), (eager_tokens, eager_logits) = run(decoder=kept), run(compiled=False)
+    assert tokens == eager_tokens and float((logits - eager_logits).abs().max()) <= 1e-5
+    kept._fingerprinted = lambda: "unchanged"  # an install that checks nothing
+    kept._fingerprint = "unchanged"
+    with torch.no_grad():
+        weight.mul_(-1.0)
+    stale = run(decoder=kept)[1]
+    assert float((stale - run(compiled=False)[1]).abs().max()) > 1e-3, "the frozen step replayed the old weight"
 
 
 def test_the_guard_filter_keeps_tensor_guards_and_drops_module_attributes():

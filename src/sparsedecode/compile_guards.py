@@ -8,6 +8,8 @@ the modules' Python attributes; :func:`model_fingerprint` records those attribut
 :class:`~sparsedecode.compiled.CompiledDecoder` compares at each install and recompiles on any difference. So a
 model changed between two installs (a module replaced, a hook added, ``train()``, a config value) still gets a step
 compiled for it; a change inside an install, between two steps, is not seen (the library's loops make none).
+Where the step was compiled with the weights frozen into it, :func:`weight_versions` is compared at each install as
+well.
 """
 
 from __future__ import annotations
@@ -53,3 +55,11 @@ def model_fingerprint(model: torch.nn.Module) -> tuple:
         children = (tuple(module._parameters), tuple(module._buffers), tuple(module._modules))
         parts.append((name, cls, id(cls.forward), module.training, hooks, children, _attributes(module)))
     return tuple(parts)
+
+
+def weight_versions(model: torch.nn.Module) -> tuple:
+    """What a step compiled with the weights frozen into it (constants, see
+    :data:`sparsedecode.compiled.FREEZE`) read from them: each parameter's and buffer's storage and version counter,
+    which every in-place change bumps (``copy_``, ``load_state_dict``; not a write through ``.data``)."""
+    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    return tuple((name, t.data_ptr(), t._version) for name, t in tensors)

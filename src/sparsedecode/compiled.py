@@ -21,7 +21,7 @@ import torch
 
 from .attention.static import STATE, STATIC_ATTENTION, allocate, static_attention_forward
 from .attention.static_device import fill_statistics
-from .compile_guards import drop_module_guards, model_fingerprint
+from .compile_guards import drop_module_guards, model_fingerprint, weight_versions
 from .config import SparseConfig
 from .errors import SparseDecodeError
 from .models import attention_shape
@@ -103,6 +103,18 @@ SmolLM2's (49,152 outputs) one piece per 8,192 made the projection 1.6x faster t
 than ``F.linear``, in the compiled step here (inductor fuses the whole projection with the norm before it)."""
 
 
+FREEZE = os.environ.get("SPARSEDECODE_FREEZE", "1") == "1"
+"""On the CPU, inductor compiles the step with the weights frozen into it (``torch._inductor.config.freezing``):
+constants it packs once for oneDNN or MKL, the linear layers that share an input (queries, keys and values; gate
+and up) concatenated into one (``cpp.enable_concat_linear``). SmolLM2 at 8K, sparse S = 193, two threads: bfloat16
+batch 8 42 -> 34 ms a step with the kernel on torch's threads, float32 batch 8 60 -> 46 ms and batch 1 30 -> 27 ms
+at 4K. Not where row products serve (a half-precision one-row step: :data:`ROW_PRODUCTS`), whose float32 products
+freezing would fold into float32 copies of the weights. Costs: compiling takes longer (about 25 s more on
+SmolLM2), and each frozen decoder holds a packed copy of the weights; a change to the weights after compiling is
+seen at the next install (:func:`~sparsedecode.compile_guards.weight_versions`) and compiles again.
+``SPARSEDECODE_FREEZE=0``: weights read as inputs, as before."""
+
+
 def _row_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``module(x)``; where ``x`` is one row (a decode step of one sequence) the sum of products in float32,
     rounded to the model's dtype once (what ``F.linear`` does for half precision, in another order)."""
@@ -171,8 +183,25 @@ class CompiledDecoder:
             # mode="reduce-overhead": replayed from CUDA graphs on CUDA (the state tensors have static addresses);
             # inductor's own size and stride checks of every input repeat dynamo's tensor guards, which stay
             self._options.update(list_mode_options(mode) if mode else {}, size_asserts=False)
+        self.frozen = backend == "inductor" and self.device.type == "cpu" and FREEZE
+        self.frozen = self.frozen and not (self._row_linears and batch == 1)
         self._compiled = self._compile()
         self._fingerprint = None
+
+    def _fingerprinted(self):
+        """What the compiled step assumes of the model and does not check at each step (None: nothing)."""
+        if not (self._options.get("guard_filter_fn") or self.frozen):
+            return None
+        modules = model_fingerprint(self.model) if self._options.get("guard_filter_fn") else None
+        return modules, weight_versions(self.model) if self.frozen else None
+
+    def _inductor_settings(self):
+        """inductor's settings for this step's compiling (applied around every call: a recompile gets them too)."""
+        if not self.frozen:
+            return contextlib.nullcontext()
+        from torch._inductor import config
+
+        return config.patch({"freezing": True, "cpp.enable_concat_linear": True})
 
     def _compile(self):
         """A new compiled step (nothing compiled yet: its first call compiles)."""
@@ -198,7 +227,7 @@ class CompiledDecoder:
         linears = [(m, f) for m, f in self._row_linears.items() if "forward" not in vars(m)]
         for linear, forward in linears:
             linear.forward = forward  # the same object at every install: the compiled step's guards hold
-        if self._warm and self._options.get("guard_filter_fn") and model_fingerprint(model) != self._fingerprint:
+        if self._warm and self._fingerprint is not None and self._fingerprinted() != self._fingerprint:
             self._compiled = self._compile()  # the model changed since the step was compiled: what guards saw
         try:
             yield self
@@ -244,11 +273,11 @@ class CompiledDecoder:
         position = torch.full((self.batch, 1), self.position, dtype=torch.long, device=self.device)
         _seek(self.cache, self.position)
         started = time.perf_counter()
-        logits = self._compiled(tokens.reshape(self.batch, 1).to(self.device), position)
+        with self._inductor_settings():
+            logits = self._compiled(tokens.reshape(self.batch, 1).to(self.device), position)
         if not self._warm:
             self._warm, self.compile_s = True, time.perf_counter() - started
-            if self._options.get("guard_filter_fn"):
-                self._fingerprint = model_fingerprint(self.model)
+            self._fingerprint = self._fingerprinted()
         self.position += 1
         return logits
 
@@ -349,34 +378,3 @@ def generate_compiled(model, ids, mask, cfg, max_new_tokens: int, mode: str, eos
         Generation(mode, [head, *tail], prefill_s, decode_s, compile_s=compile_s)
         for head, tail in zip(first.tolist(), rest)
     ]
-
-
-def timed_modes(model, prompt_ids: torch.Tensor, first: int, cfgs: dict, tokens: int, progress=None):
-    """``bench e2e --compile``: for each ``cfgs`` entry (a name and its config, ``None`` = dense) a function
-    ``timed(stage) -> (seconds, tokens)`` decoding ``tokens`` greedy tokens after ``first`` with the compiled step,
-    every mode from one prefill of ``prompt_ids (1, P)`` into one shared cache; and each mode's compile seconds
-    (measured here, before any timed run)."""
-    from .decode import decode_tokens
-
-    context = int(prompt_ids.shape[1])
-    for cfg in cfgs.values():
-        check_compilable(model, cfg, "bench e2e --compile")
-    decoders = {name: decoder_for(model, cfg, 1, context + tokens + 1) for name, cfg in cfgs.items()}
-    prefilled = next(iter(decoders.values()))
-    with prefilled.installed():
-        prefilled.prefill(prompt_ids, progress=progress)
-    compile_s = {}
-    for name, decoder in decoders.items():
-        with decoder.installed():
-            decoder.resume(context)
-            compile_s[name] = decoder.warm_up(torch.tensor([first]))
-
-    def timed(decoder, stage):
-        with decoder.installed():
-            decoder.resume(context)
-            begun = time.perf_counter()
-            step = decoder.step
-            (out,), _ = decode_tokens(model, None, [first], tokens, progress=progress, stage=stage, step_fn=step)
-            return time.perf_counter() - begun, out
-
-    return {name: functools.partial(timed, decoder) for name, decoder in decoders.items()}, compile_s

@@ -569,10 +569,8 @@ def bench_e2e(
     modes.update({("lossless", "growing", s, k): partial(speculative, s, k) for s in supports for k in lossless})
     compile_s = {}
     if compile:
-        from ..compiled import timed_modes
-
         cfgs = {None: None, **{s: SparseConfig(support=s, kernel=kernel, selector=selector) for s in supports}}
-        compiled, compile_s = timed_modes(model, prompt_ids, first, cfgs, tokens, progress)
+        compiled, compile_s = _compiled_modes(model, prompt_ids, first, cfgs, tokens, progress)
         modes.update({("dense" if s is None else "sparse", "static, compiled", s, None): compiled[s] for s in cfgs})
     prefills: dict = {}
     if baseline:
@@ -867,6 +865,41 @@ def bench_e2e_batch(
     return rows
 
 
+def _compiled_decode(model, decoder, context: int, heads: list[int], tokens: int, progress, stage: str):
+    """Seconds and tokens of ``tokens`` greedy steps of a compiled ``decoder`` after ``heads`` (a first token per
+    row), from the prompt of ``context`` positions in its cache (a warm-up's step left the state one step on)."""
+    with decoder.installed():
+        decoder.resume(context)
+        begun = time.perf_counter()
+        outs, _ = decode_tokens(model, None, heads, tokens, progress=progress, stage=stage, step_fn=decoder.step)
+        return time.perf_counter() - begun, outs
+
+
+def _compiled_modes(model, prompt_ids: torch.Tensor, first: int, cfgs: dict, tokens: int, progress=None):
+    """:func:`bench_e2e`'s compiled modes: for each ``cfgs`` entry (a name and its config, ``None`` = dense) a
+    function ``timed(stage) -> (seconds, tokens)`` decoding ``tokens`` greedy tokens after ``first``, every mode from
+    one prefill of ``prompt_ids (1, P)`` into one shared cache; and each mode's compile seconds (measured here,
+    before any timed run). The configs were checked compilable before the prefill."""
+    from ..compiled import decoder_for
+
+    context = int(prompt_ids.shape[1])
+    decoders = {name: decoder_for(model, cfg, 1, context + tokens + 1) for name, cfg in cfgs.items()}
+    prefilled = next(iter(decoders.values()))
+    with prefilled.installed():
+        prefilled.prefill(prompt_ids, progress=progress)
+    compile_s = {}
+    for name, decoder in decoders.items():
+        with decoder.installed():
+            decoder.resume(context)
+            compile_s[name] = decoder.warm_up(torch.tensor([first]))
+
+    def timed(decoder, stage):
+        seconds, (out,) = _compiled_decode(model, decoder, context, [first], tokens, progress, stage)
+        return seconds, out
+
+    return {name: partial(timed, decoder) for name, decoder in decoders.items()}, compile_s
+
+
 def _compiled_batches(model, caches, firsts, batches, modes, config_of, tokens, repeats, progress) -> dict:
     """:func:`bench_e2e_batch`'s compiled modes, measured like the others (each prompt alone at batch 1 first, then
     every batch size, each mode ``repeats`` times in order and reversed), from copies of the same prefilled caches."""
@@ -875,12 +908,7 @@ def _compiled_batches(model, caches, firsts, batches, modes, config_of, tokens, 
     context = int(caches[0].get_seq_length())
 
     def decoded(decoder, heads: list[int], stage: str) -> tuple[float, list[list[int]]]:
-        """Seconds and tokens of decoding after ``heads`` (a first token per row) from the loaded prompts."""
-        with decoder.installed():
-            decoder.resume(context)  # a warm-up's step left the state one step on
-            begun = time.perf_counter()
-            outs, _ = decode_tokens(model, None, heads, tokens, progress=progress, stage=stage, step_fn=decoder.step)
-            return time.perf_counter() - begun, outs
+        return _compiled_decode(model, decoder, context, heads, tokens, progress, stage)
 
     def loaded(mode, b: int, rows: list):
         decoder = decoder_for(model, config_of(mode), b, context + tokens + 1)
