@@ -465,8 +465,8 @@ def test_a_model_changed_between_installs_gets_a_step_compiled_for_it(monkeypatc
 
 def test_which_decoders_freeze_the_weights(monkeypatch):
     """inductor on the CPU freezes the weights into the step (sparsedecode.compiled.FREEZE), except where the
-    half-precision one-row step computes its linears as row products; not with other backends, nor when turned off.
-    Constructing a decoder compiles nothing."""
+    half-precision one-row step computes its linears as row products, and autotunes a frozen half-precision step of
+    several rows (AUTOTUNE); not with other backends, nor when turned off. Constructing a decoder compiles nothing."""
     from sparsedecode import compiled
 
     model = tiny_model("llama")
@@ -477,6 +477,8 @@ def test_which_decoders_freeze_the_weights(monkeypatch):
     assert frozen(model, 1) and frozen(model, 2) and not frozen(model, 2, "aot_eager")
     half = tiny_model("llama").to(torch.bfloat16)
     assert not frozen(half, 1) and frozen(half, 2)
+    tuned = lambda m, batch: CompiledDecoder(m, None, batch=batch, max_len=64, backend="inductor").autotuned  # noqa: E731
+    assert tuned(half, 2) and not tuned(half, 1) and not tuned(model, 2)  # half precision, several rows
     monkeypatch.setattr(compiled, "FREEZE", False)
     assert not frozen(model, 2)
 

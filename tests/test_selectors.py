@@ -137,6 +137,23 @@ def test_centroids_are_block_means():
     assert torch.allclose(cents[:, -1].double(), keys[:, 1 + 5 * 16 : 90].mean(1), atol=2e-6, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_statistics_of_a_batch_equal_each_row_alone(dtype):
+    """The compiled step completes an equal-length batch's blocks in one pass (centroids.block_span over rows and KV
+    heads): each row's statistics bit for bit those its own BlockCentroids computes, from any first block."""
+    from sparsedecode.centroids import BlockCentroids, block_span, reduce_blocks
+
+    keys = torch.randn(3, 2, 200, 8, generator=torch.Generator().manual_seed(1)).to(dtype)
+    for first, stop in ((0, 11), (4, 12), (7, 8)):
+        span = block_span(keys, first, stop, 16)
+        for kind in ("mean", "min", "max"):
+            batched = reduce_blocks(span, kind)
+            for row in range(3):
+                alone = BlockCentroids(16, (kind,))
+                alone.update(keys[row], first)
+                assert torch.equal(batched[row], alone.update(keys[row], stop)[:, first:])
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [

@@ -20,10 +20,18 @@ STATISTICS = ("mean", "min", "max")
 
 
 def reduce_blocks(blocks: torch.Tensor, kind: str) -> torch.Tensor:
-    """``(kv, blocks, B, d) -> (kv, blocks, d)`` float32 mean / min / max over each block."""
+    """``(..., blocks, B, d) -> (..., blocks, d)`` float32 mean / min / max over each block."""
     if kind == "mean":
-        return blocks.mean(dim=2)
-    return blocks.amin(dim=2) if kind == "min" else blocks.amax(dim=2)
+        return blocks.mean(dim=-2)
+    return blocks.amin(dim=-2) if kind == "min" else blocks.amax(dim=-2)
+
+
+def block_span(keys: torch.Tensor, first: int, stop: int, block: int) -> torch.Tensor:
+    """Blocks ``first .. stop - 1`` of ``keys (..., N, d)`` (block ``j`` holds positions ``1 + jB .. (j + 1)B``) as
+    float32 ``(..., stop - first, B, d)``, what :func:`reduce_blocks` reduces; any leading dimensions (KV heads, or
+    rows and KV heads) give each row the numbers it gets alone."""
+    lead, d = keys.shape[:-2], keys.shape[-1]
+    return keys[..., 1 + first * block : 1 + stop * block, :].float().reshape(*lead, stop - first, block, d)
 
 
 class BlockCentroids:
@@ -83,10 +91,7 @@ class BlockCentroids:
         """
         if self.count < n_full:
             self._reserve(keys, n_full)
-            kv_heads, _, d = keys.shape
-            block = self.block_size
-            start, stop = 1 + self.count * block, 1 + n_full * block
-            new = keys[:, start:stop].float().reshape(kv_heads, n_full - self.count, block, d)
+            new = block_span(keys, self.count, n_full, self.block_size)
             for kind, stored in self._stats.items():
                 stored[:, :, self.count : n_full] = reduce_blocks(new, kind).transpose(1, 2)
             self.computed += n_full - self.count

@@ -113,6 +113,11 @@ freezing would fold into float32 copies of the weights. Costs: compiling takes l
 SmolLM2), and each frozen decoder holds a packed copy of the weights; a change to the weights after compiling is
 seen at the next install (:func:`~sparsedecode.compile_guards.weight_versions`) and compiles again.
 ``SPARSEDECODE_FREEZE=0``: weights read as inputs, as before."""
+AUTOTUNE = os.environ.get("SPARSEDECODE_AUTOTUNE", "1") == "1"
+"""A frozen half-precision step of several rows also lets inductor time its own matrix-product code against
+torch's for each linear layer and keep the faster (``max_autotune``, backends ``CPP,ATEN``): SmolLM2 8K bfloat16
+batch 8, sparse S = 193, two threads of the AMX Intel Xeon: 30 -> 27 ms a step, compiling 31 -> 62 s. Not for
+float32 (no gain at batch 8, slower at batch 1 there). ``SPARSEDECODE_AUTOTUNE=0`` turns it off."""
 
 
 def _row_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -185,6 +190,8 @@ class CompiledDecoder:
             self._options.update(list_mode_options(mode) if mode else {}, size_asserts=False)
         self.frozen = backend == "inductor" and self.device.type == "cpu" and FREEZE
         self.frozen = self.frozen and not (self._row_linears and batch == 1)
+        half = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
+        self.autotuned = self.frozen and AUTOTUNE and half and batch > 1
         self._compiled = self._compile()
         self._fingerprint = None
 
@@ -201,7 +208,10 @@ class CompiledDecoder:
             return contextlib.nullcontext()
         from torch._inductor import config
 
-        return config.patch({"freezing": True, "cpp.enable_concat_linear": True})
+        settings = {"freezing": True, "cpp.enable_concat_linear": True}
+        if self.autotuned:
+            settings.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
+        return config.patch(settings)
 
     def _compile(self):
         """A new compiled step (nothing compiled yet: its first call compiles)."""

@@ -15,7 +15,7 @@ import math
 import numpy as np
 import torch
 
-from ..centroids import BlockCentroids
+from ..centroids import BlockCentroids, block_span, reduce_blocks
 from ..layout import BlockLayout
 
 SPLIT_WORK = 1 << 20
@@ -94,10 +94,18 @@ class Prepared:
         layout = BlockLayout(n=n, window=cfg.window, block_size=block)
         n_full = layout.n_full
         fresh = self.every_row if self.every_step else step % cfg.reuse == 0
-        for i in np.flatnonzero(fresh & (count < n_full)):  # the blocks completed since the last call
-            cache = centroids_of(stats[:, i], self.kinds, int(count[i]), block)
-            cache.update(key[i], n_full)
-            count[i] = cache.count
+        stale = np.flatnonzero(fresh & (count < n_full))  # rows with blocks completed since the last call
+        if len(stale) == batch > 1 and (count == count[0]).all():  # an equal-length batch: all rows in one pass
+            first = int(count[0])
+            span = block_span(key, first, n_full, block)  # each row's numbers as BlockCentroids.update makes them
+            for k, kind in enumerate(self.kinds):
+                stats[k, :, :, :, first:n_full] = reduce_blocks(span, kind).transpose(-1, -2)
+            count[:] = n_full
+        else:
+            for i in stale:
+                cache = centroids_of(stats[:, i], self.kinds, int(count[i]), block)
+                cache.update(key[i], n_full)
+                count[i] = cache.count
         self.rows[:, 4] = n
         self.rows[:, 10] = fresh
         threads = torch.get_num_threads() if batch * self.kv_heads * n_full * query.shape[-1] >= self.split else 1
