@@ -106,17 +106,18 @@ than ``F.linear``, in the compiled step here (inductor fuses the whole projectio
 FREEZE = os.environ.get("SPARSEDECODE_FREEZE", "1") == "1"
 """On the CPU, inductor compiles the step with the weights frozen into it (``torch._inductor.config.freezing``):
 constants it packs once for oneDNN or MKL, the linear layers that share an input (queries, keys and values; gate
-and up) concatenated into one (``cpp.enable_concat_linear``). SmolLM2 at 8K, sparse S = 193, two threads: bfloat16
-batch 8 42 -> 34 ms a step with the kernel on torch's threads, float32 batch 8 60 -> 46 ms and batch 1 30 -> 27 ms
-at 4K. Not where row products serve (a half-precision one-row step: :data:`ROW_PRODUCTS`), whose float32 products
-freezing would fold into float32 copies of the weights. Costs: compiling takes longer (about 25 s more on
-SmolLM2), and each frozen decoder holds a packed copy of the weights; a change to the weights after compiling is
-seen at the next install (:func:`~sparsedecode.compile_guards.weight_versions`) and compiles again.
+and up) concatenated into one (``cpp.enable_concat_linear``). SmolLM2, sparse S = 193, two threads: bfloat16 batch
+8 at 8K 46.5 -> 42.8 ms a step frozen, and 34.0 -> 31.9 concatenated (with the kernel on torch's threads); float32
+at 4K batch 8 60 -> 46 ms, batch 1 30 -> 27 ms. Not where row products serve (a half-precision one-row step:
+:data:`ROW_PRODUCTS`), whose float32 products freezing would fold into float32 copies of the weights. Costs:
+compiling takes longer (about 25 s more on SmolLM2), and each frozen decoder holds a packed copy of the weights; a
+change to the weights after compiling is seen at the next install
+(:func:`~sparsedecode.compile_guards.weight_versions`) and compiles again.
 ``SPARSEDECODE_FREEZE=0``: weights read as inputs, as before."""
 AUTOTUNE = os.environ.get("SPARSEDECODE_AUTOTUNE", "1") == "1"
 """A frozen half-precision step of several rows also lets inductor time its own matrix-product code against
 torch's for each linear layer and keep the faster (``max_autotune``, backends ``CPP,ATEN``): SmolLM2 8K bfloat16
-batch 8, sparse S = 193, two threads of the AMX Intel Xeon: 30 -> 27 ms a step, compiling 31 -> 62 s. Not for
+batch 8, sparse S = 193, two threads of the AMX Intel Xeon: 30 -> 27-28 ms a step, compiling 31 -> 53-62 s. Not for
 float32 (no gain at batch 8, slower at batch 1 there). ``SPARSEDECODE_AUTOTUNE=0`` turns it off."""
 
 
