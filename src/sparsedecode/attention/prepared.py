@@ -78,7 +78,7 @@ class Prepared:
         self.table = self.fields.buffer_info()[0]
         self.rows = np.frombuffer(self.fields, dtype=np.int64).reshape(batch, -1)  # a view: one row per sequence
         self.every_row = np.ones(batch, dtype=bool)
-        self.kinds = cfg.selector.statistics or ("mean",)
+        self.kinds = cfg.selector.cached_statistics()
         self.every_step = bool(cfg.selector.reselects_every_step)
         self.split = SPLIT_WORK_SHARED if cpu.OPENMP else SPLIT_WORK
 
@@ -136,7 +136,7 @@ def prepare(signature, cfg, plan, q, key, value, stats, count, blocks, step, las
             and plan.select == "c"
             and not selector.adaptive
             and not selector.token_level
-            and (selector.statistics or ("mean",))[0] == "mean"
+            and selector.cached_statistics()[0] == "mean"
             and q.is_contiguous()
             and all(t.is_contiguous() for t in (count, blocks, step, last, tally))
         )

@@ -83,7 +83,7 @@ class SparseSession:
         layer = int(getattr(module, "layer_idx", 0) or 0)
         state = self.layers.get(layer)
         if state is None:
-            kinds = self.config.selector.statistics or ("mean",)
+            kinds = self.config.selector.cached_statistics()
             state = self.layers[layer] = LayerState(layer, BlockCentroids(self.config.block_size, kinds))
         return state
 

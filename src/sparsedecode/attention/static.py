@@ -106,7 +106,7 @@ class StaticLayer:
 
 def allocate(cfg: SparseConfig, layer: int, batch: int, kv_heads: int, head_dim: int, max_len: int, device):
     """A :class:`StaticLayer` for a cache of ``max_len`` positions: every tensor at its final size."""
-    kinds = cfg.selector.statistics or ("mean",)
+    kinds = cfg.selector.cached_statistics()
     capacity = max(max_len // cfg.block_size + 1, 1)
     b = max(cfg.blocks, 1)
     distant = max(cfg.distant_positions, 1) if cfg.selector.token_level else 1
@@ -225,7 +225,7 @@ def sparse_step(
     plan = plan_step(cfg, q[0], key[0], value[0], layout, _PLANS[config])
     if FAST:  # the next calls on these tensors take the prepared call
         prepare(signature, cfg, plan, q, key, value, stats, count, blocks, step, last, tally, scale)
-    kinds = cfg.selector.statistics or ("mean",)
+    kinds = cfg.selector.cached_statistics()
     fresh = [bool(f) or cfg.selector.reselects_every_step for f in ((step % cfg.reuse) == 0).tolist()]
     caches = [centroids_of(stats[:, i], kinds, c, cfg.block_size) for i, c in enumerate(count.tolist())]
     if plan.one_call:

@@ -146,6 +146,11 @@ class Selector:
         that read no key; 1 by default for a selector handed the keys); ``bench op`` counts bytes with it."""
         return 0.0 if self.statistics or self.uses_history else 1.0
 
+    def cached_statistics(self) -> tuple[str, ...]:
+        """The block statistics a centroid cache keeps for this selector: its own, else the centroids (``mean``,
+        which the kernels score for the built-in mean-dot selection)."""
+        return self.statistics or ("mean",)
+
     def describe_reads(self) -> str:
         if self.reads:
             return self.reads

@@ -219,7 +219,7 @@ def select_support(
         distant = choose_positions(selector, cfg.distant_positions, queries, keys, layout, history=history)
         index = token_index(distant, layout)
         return [index[h] for h in range(kv_heads)]
-    cache = BlockCentroids(block_size, selector.statistics or ("mean",))
+    cache = BlockCentroids(block_size, selector.cached_statistics())
     index, valid = support_of(choose_blocks(selector, cfg.blocks, cache, queries, keys, layout), layout)
     return [index[h][valid[h]] for h in range(kv_heads)]
 
