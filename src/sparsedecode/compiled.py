@@ -211,7 +211,8 @@ class CompiledDecoder:
 
         settings = {"freezing": True, "cpp.enable_concat_linear": True}
         if self.autotuned:
-            settings.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
+            # autotune_num_choices_displayed=0: no timing table written to stderr for each linear layer
+            settings.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN", autotune_num_choices_displayed=0)
         return config.patch(settings)
 
     def _compile(self):
