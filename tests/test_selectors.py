@@ -143,15 +143,18 @@ def test_block_statistics_of_a_batch_equal_each_row_alone(dtype):
     heads): each row's statistics bit for bit those its own BlockCentroids computes, from any first block."""
     from sparsedecode.centroids import BlockCentroids, block_span, reduce_blocks
 
-    keys = torch.randn(3, 2, 200, 8, generator=torch.Generator().manual_seed(1)).to(dtype)
-    for first, stop in ((0, 11), (4, 12), (7, 8)):
-        span = block_span(keys, first, stop, 16)
-        for kind in ("mean", "min", "max"):
-            batched = reduce_blocks(span, kind)
-            for row in range(3):
-                alone = BlockCentroids(16, (kind,))
-                alone.update(keys[row], first)
-                assert torch.equal(batched[row], alone.update(keys[row], stop)[:, first:])
+    generator = torch.Generator().manual_seed(1)
+    for block, d, length, spans in ((16, 8, 200, ((0, 11), (4, 12), (7, 8))), (16, 64, 8200, ((0, 507),)),
+                                    (32, 128, 2100, ((0, 60), (59, 60)))):  # fmt: skip
+        keys = torch.randn(3, 2, length, d, generator=generator).to(dtype)
+        for first, stop in spans:
+            span = block_span(keys, first, stop, block)
+            for kind in ("mean", "min", "max"):
+                batched = reduce_blocks(span, kind)
+                for row in range(3):
+                    alone = BlockCentroids(block, (kind,))
+                    alone.update(keys[row], first)
+                    assert torch.equal(batched[row], alone.update(keys[row], stop)[:, first:])
 
 
 @pytest.mark.parametrize(
