@@ -147,16 +147,16 @@ def _build() -> ctypes.CDLL:
         raise OSError(f"{compiler} failed: {error}")
     OPENMP = OPENMP_FLAGS[0] in flags
     library.select_mean_pooled.argtypes = [_ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64] + [_i64] * 7 + [_ptr, _i64]
-    library.sparse_step_batch.argtypes = (
-        [_ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr] + [_i64] * 6 + [_f32, _i64, _i64]
-    )
     library.sparse_step.argtypes = (
         [_ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr] + [_i64] * 8 + [_f32, _i64, _ptr, _i64]
     )
+    batch = [_ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr] + [_i64] * 6 + [_f32, _i64, _i64]
+    library.sparse_step_batch.argtypes = batch
+    library.prepared_step.argtypes = batch + [_i64] * 4 + [_ptr] * 4 + [_i64]  # sparse_step_batch's, then the state
     library.to_float32.argtypes = [_ptr, _i64, _i64, _ptr]
     library.to_float32.restype = None
     library.select_mean_pooled.restype = ctypes.c_int
-    library.sparse_step.restype = library.sparse_step_batch.restype = ctypes.c_int
+    library.sparse_step.restype = library.sparse_step_batch.restype = library.prepared_step.restype = ctypes.c_int
     return library
 
 

@@ -870,3 +870,55 @@ int sparse_step(const void *q, const float *centroids, int64_t c_stride_h, int64
                              (const int64_t *)&row, 1, kv_heads, group, d, n - distant_end, block, scale, threads,
                              dtype);
 }
+
+/* The compiled step's prepared call (sparsedecode/attention/prepared.py) in one call: a layer state's integers at
+ * context length n, then sparse_step_batch over its row table (n and fresh set here), then the reuse counters and
+ * the tally, as the op's general path keeps them (sparsedecode/attention/static.py: _truncate, the rows selecting
+ * afresh every `reuse` steps, block_reads). count, step, last: one per row; tally: sparse row-steps, dense
+ * row-steps, positions read (summed over KV heads), KV-head row-steps. The call splits over `threads` when the
+ * centroids scored reach `split` floats, else runs on one. Returns NEEDS_STATISTICS, before any attention, when a
+ * row selecting afresh lacks the statistics of blocks completed since (count < n_full): the caller completes them
+ * and calls again with `resumed` = 1, which skips the bookkeeping already done. */
+enum { NEEDS_STATISTICS = 3 };
+
+int prepared_step(const void *q, const void *keys, int64_t k_stride_h, int64_t k_stride_n, const void *values,
+                  int64_t v_stride_h, int64_t v_stride_n, float *out, int64_t *rows, int64_t n_rows, int64_t kv_heads,
+                  int64_t group, int64_t d, int64_t window, int64_t block, float scale, int64_t threads,
+                  int64_t dtype, int64_t n, int64_t reuse, int64_t every_step, int64_t split, int64_t *count,
+                  int64_t *step, int64_t *last, int64_t *tally, int64_t resumed) {
+    row_t *row = (row_t *)rows;
+    int64_t distant_end = n - window > 1 ? n - window : 1, n_full = (distant_end - 1) / block;
+    if (!resumed) {
+        int64_t keep = n >= 2 ? (n - 2) / block : 0, continues = 1; /* positions [n - 1, n) are written */
+        for (int64_t r = 0; r < n_rows; r++) {
+            if (count[r] > keep) count[r] = keep;
+            continues &= last[r] == n - 1;
+        }
+        for (int64_t r = 0; r < n_rows; r++) {
+            if (!continues) step[r] = 0;
+            last[r] = n;
+        }
+        for (int64_t r = 0; r < n_rows; r++)
+            if ((every_step || step[r] % reuse == 0) && count[r] < n_full) return NEEDS_STATISTICS;
+    }
+    for (int64_t r = 0; r < n_rows; r++) {
+        row[r].n = n;
+        row[r].fresh = every_step || step[r] % reuse == 0;
+    }
+    if (n_rows * kv_heads * n_full * d < split) threads = 1;
+    int status = sparse_step_batch(q, keys, k_stride_h, k_stride_n, values, v_stride_h, v_stride_n, out, rows, n_rows,
+                                   kv_heads, group, d, window, block, scale, threads, dtype);
+    if (status) return status;
+    int64_t b = n_rows ? row[0].b : 0, heads = n_rows * kv_heads, n_blocks = (distant_end - 1 + block - 1) / block;
+    int64_t reads = heads * (1 + n - distant_end) + block * heads * b;
+    if (n_blocks > n_full) { /* the short last block, where chosen, reads only its distant positions */
+        int64_t short_len = distant_end - 1 - n_full * block;
+        for (int64_t r = 0; r < n_rows; r++) {
+            const int64_t *chosen = (const int64_t *)(intptr_t)row[r].chosen;
+            for (int64_t i = 0; i < kv_heads * b; i++) reads -= chosen[i] == n_full ? block - short_len : 0;
+        }
+    }
+    for (int64_t r = 0; r < n_rows; r++) step[r] += 1;
+    tally[0] += n_rows, tally[2] += reads, tally[3] += heads;
+    return 0;
+}
