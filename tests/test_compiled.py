@@ -471,14 +471,17 @@ def test_which_decoders_freeze_the_weights(monkeypatch):
 
     model = tiny_model("llama")
 
+    def decoder(m, batch: int, backend: str = "inductor") -> CompiledDecoder:
+        return CompiledDecoder(m, None, batch=batch, max_len=64, backend=backend)
+
     def frozen(m, batch: int, backend: str = "inductor") -> bool:
-        return CompiledDecoder(m, None, batch=batch, max_len=64, backend=backend).frozen
+        return decoder(m, batch, backend).frozen
 
     assert frozen(model, 1) and frozen(model, 2) and not frozen(model, 2, "aot_eager")
     half = tiny_model("llama").to(torch.bfloat16)
     assert not frozen(half, 1) and frozen(half, 2)
-    tuned = lambda m, batch: CompiledDecoder(m, None, batch=batch, max_len=64, backend="inductor").autotuned  # noqa: E731
-    assert tuned(half, 2) and not tuned(half, 1) and not tuned(model, 2)  # half precision, several rows
+    assert decoder(half, 2).autotuned  # half precision, several rows
+    assert not decoder(half, 1).autotuned and not decoder(model, 2).autotuned
     monkeypatch.setattr(compiled, "FREEZE", False)
     assert not frozen(model, 2)
 

@@ -79,11 +79,10 @@ class Prepared:
         ]  # fmt: skip
         self.tail = [batch, self.kv_heads, heads // self.kv_heads, d, cfg.window, cfg.block_size, scale]
         self.code = cpu.dtype_code(q, key, value)
-        # the state's integers, updated by the C call in place (NumPy views keep their tensors alive)
-        self.count, self.step = count.numpy(), step.numpy()
-        integers = (count, step, last, tally)
-        self.state = [t.data_ptr() for t in integers]
-        self._alive = [t.numpy() for t in (*integers, blocks)]
+        # the state's integers, which the C call updates in place; the NumPy views keep them and the blocks (named
+        # in the row table) alive
+        self.count, self.step, *self._alive = (t.numpy() for t in (count, step, last, tally, blocks))
+        self.state = [t.data_ptr() for t in (count, step, last, tally)]
         self.table = self.fields.buffer_info()[0]
         self.kinds = cfg.selector.cached_statistics()
         self.every_step = bool(cfg.selector.reselects_every_step)
