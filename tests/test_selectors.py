@@ -138,23 +138,31 @@ def test_centroids_are_block_means():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_block_statistics_of_a_batch_equal_each_row_alone(dtype):
-    """The compiled step completes an equal-length batch's blocks in one pass (centroids.block_span over rows and KV
-    heads): each row's statistics bit for bit those its own BlockCentroids computes, from any first block."""
-    from sparsedecode.centroids import BlockCentroids, block_span, reduce_blocks
+def test_block_statistics_of_a_batch_equal_each_row_alone(dtype, monkeypatch):
+    """The compiled step completes an equal-length batch's blocks in one pass (centroids.store_statistics over rows and
+    KV heads): each row's statistics bit for bit those its own BlockCentroids computes, from any first block, and
+    those of the whole span reduced at once however the half-precision span is cut (SPAN_FLOATS)."""
+    from sparsedecode import centroids
+    from sparsedecode.centroids import BlockCentroids, block_span, reduce_blocks, store_statistics
 
     generator = torch.Generator().manual_seed(1)
+    kinds = ("mean", "min", "max")
     for block, d, length, spans in ((16, 8, 200, ((0, 11), (4, 12), (7, 8))), (16, 64, 8200, ((0, 507),)),
-                                    (32, 128, 2100, ((0, 60), (59, 60)))):  # fmt: skip
+                                    (32, 128, 2100, ((0, 60), (59, 60))), (8, 7, 300, ((0, 37), (5, 36)))):  # fmt: skip
         keys = torch.randn(3, 2, length, d, generator=generator).to(dtype)
         for first, stop in spans:
-            span = block_span(keys, first, stop, block)
-            for kind in ("mean", "min", "max"):
-                batched = reduce_blocks(span, kind)
-                for row in range(3):
-                    alone = BlockCentroids(block, (kind,))
-                    alone.update(keys[row], first)
-                    assert torch.equal(batched[row], alone.update(keys[row], stop)[:, first:])
+            whole = block_span(keys, first, stop, block)
+            for floats in (centroids.SPAN_FLOATS, 6 * block * d * 5, 1):  # whole, 5 blocks, 1 block at a time
+                monkeypatch.setattr(centroids, "SPAN_FLOATS", floats)
+                targets = {kind: torch.full((3, 2, d, stop), float("nan")) for kind in kinds}
+                store_statistics(keys, first, stop, block, targets)
+                for kind in kinds:
+                    batched = targets[kind][..., first:].transpose(-1, -2)
+                    assert torch.equal(batched, reduce_blocks(whole, kind))
+                    for row in range(3):
+                        alone = BlockCentroids(block, (kind,))
+                        alone.update(keys[row], first)
+                        assert torch.equal(batched[row], alone.update(keys[row], stop)[:, first:])
 
 
 @pytest.mark.parametrize(

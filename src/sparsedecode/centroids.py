@@ -14,9 +14,15 @@ last looked and calls :meth:`BlockCentroids.truncate` before every update; see t
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 STATISTICS = ("mean", "min", "max")
+SPAN_FLOATS = 1 << 21
+"""Float32 values of half-precision keys that :func:`store_statistics` converts at a time (8 MB). One copy of a whole
+prompt's keys is freshly mapped memory whose page faults cost more than the reduction: SmolLM2's 8K prompt at batch
+8 in bfloat16, 507 blocks x 3 KV heads x 8 rows, 17.5 -> 2.6 ms a layer on the AMD EPYC, the same bits."""
 
 
 def reduce_blocks(blocks: torch.Tensor, kind: str) -> torch.Tensor:
@@ -32,6 +38,22 @@ def block_span(keys: torch.Tensor, first: int, stop: int, block: int) -> torch.T
     rows and KV heads) give each row the numbers it gets alone."""
     lead, d = keys.shape[:-2], keys.shape[-1]
     return keys[..., 1 + first * block : 1 + stop * block, :].float().reshape(*lead, stop - first, block, d)
+
+
+def store_statistics(keys: torch.Tensor, first: int, stop: int, block: int, targets: dict[str, torch.Tensor]) -> None:
+    """Write the statistics of blocks ``first .. stop - 1`` of ``keys (..., N, d)`` into ``targets[kind][..., :,
+    first:stop]`` (storage laid out ``(..., d, blocks)``): :func:`reduce_blocks` of :func:`block_span`, a few blocks
+    at a time where the keys need a float32 copy (:data:`SPAN_FLOATS`); each block is reduced alone, so the numbers
+    do not depend on how the span is cut."""
+    if stop <= first:
+        return
+    per_block = math.prod(keys.shape[:-2]) * block * keys.shape[-1]
+    step = stop - first if keys.dtype == torch.float32 else max(1, SPAN_FLOATS // per_block)
+    for start in range(first, stop, step):
+        end = min(stop, start + step)
+        span = block_span(keys, start, end, block)
+        for kind, target in targets.items():
+            target[..., start:end] = reduce_blocks(span, kind).transpose(-1, -2)
 
 
 class BlockCentroids:
@@ -91,9 +113,7 @@ class BlockCentroids:
         """
         if self.count < n_full:
             self._reserve(keys, n_full)
-            new = block_span(keys, self.count, n_full, self.block_size)
-            for kind, stored in self._stats.items():
-                stored[:, :, self.count : n_full] = reduce_blocks(new, kind).transpose(1, 2)
+            store_statistics(keys, self.count, n_full, self.block_size, self._stats)
             self.computed += n_full - self.count
             self.count = n_full
         if not self._stats:

@@ -19,7 +19,7 @@ import math
 import numpy as np
 import torch
 
-from ..centroids import BlockCentroids, block_span, reduce_blocks
+from ..centroids import BlockCentroids, store_statistics
 from ..layout import BlockLayout
 
 SPLIT_WORK = 1 << 20
@@ -111,9 +111,7 @@ class Prepared:
         stale = np.flatnonzero(fresh & (count < n_full))
         if len(stale) == batch > 1 and (count == count[0]).all():
             first = int(count[0])
-            span = block_span(key, first, n_full, block)
-            for k, kind in enumerate(self.kinds):
-                stats[k, :, :, :, first:n_full] = reduce_blocks(span, kind).transpose(-1, -2)
+            store_statistics(key, first, n_full, block, {kind: stats[k] for k, kind in enumerate(self.kinds)})
             count[:] = n_full
         else:
             for i in stale:
