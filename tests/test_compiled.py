@@ -536,6 +536,23 @@ def test_inductor_frozen_batch_step():
     assert float((stale - run(compiled=False)[1]).abs().max()) > 1e-3, "the frozen step replayed the old weight"
 
 
+@pytest.mark.slow
+def test_autotuned_step_compiles_quietly(capfd, monkeypatch):
+    """An autotuned step (frozen, bfloat16, two rows) compiles and decodes without writing autotuning's timings, its
+    choices' statistics or torch's own warnings to the user's stderr (a command's output stays the command's); no
+    cache of inductor's may skip the autotuning."""
+    from torch._inductor import config
+
+    monkeypatch.setattr(config, "force_disable_caches", True)
+    model = tiny_model("llama").to(torch.bfloat16)
+    decoder = CompiledDecoder(model, SparseConfig(**SMALL_CFG), batch=2, max_len=PROMPT + 5)
+    assert decoder.autotuned
+    tokens, _ = _static_run(decoder, _prompt(7, batch=2), steps=4)
+    assert len(tokens) == 2 and all(len(row) == 5 for row in tokens)
+    err = capfd.readouterr().err
+    assert "Autotune" not in err and "AUTOTUNE" not in err and "Warning" not in err, err[-2000:]
+
+
 def test_the_guard_filter_keeps_tensor_guards_and_drops_module_attributes():
     """What sparsedecode.compile_guards.drop_module_guards leaves to dynamo: a parameter of another shape is seen
     (tensor guards stay), a module's plain attribute is not (the install's fingerprint covers those)."""

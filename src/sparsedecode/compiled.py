@@ -16,6 +16,7 @@ import functools
 import os
 import time
 import types
+import warnings
 
 import torch
 
@@ -210,10 +211,17 @@ class CompiledDecoder:
         from torch._inductor import config
 
         settings = {"freezing": True, "cpp.enable_concat_linear": True}
+        stack = contextlib.ExitStack()
         if self.autotuned:
-            # autotune_num_choices_displayed=0: no timing table written to stderr for each linear layer
+            # nothing on stderr for each linear layer: no timings, no choices' statistics, not torch's own warning
             settings.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN", autotune_num_choices_displayed=0)
-        return config.patch(settings)
+            if hasattr(config, "max_autotune_report_choices_stats"):
+                settings["max_autotune_report_choices_stats"] = False
+            if not self._warm:
+                stack.enter_context(warnings.catch_warnings())
+                warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+        stack.enter_context(config.patch(settings))
+        return stack
 
     def _compile(self):
         """A new compiled step (nothing compiled yet: its first call compiles)."""
