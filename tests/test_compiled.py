@@ -397,29 +397,29 @@ def test_half_precision_linear_rows_sum_in_float32(monkeypatch, chunk):
     """A half-precision model's one-token linear layers in the compiled step: products and one sum in float32,
     rounded once, so within one rounding of the float32 result (as F.linear's own half-precision path), whether the
     outputs are summed at once or in pieces; more than one token goes through F.linear itself."""
-    from sparsedecode import compiled
-    from sparsedecode.compiled import _row_linear
+    from sparsedecode import compile_cpu
+    from sparsedecode.compile_cpu import row_linear
 
-    monkeypatch.setattr(compiled, "ROW_CHUNK", chunk)
+    monkeypatch.setattr(compile_cpu, "ROW_CHUNK", chunk)
 
     generator = torch.Generator().manual_seed(0)
     for dtype in (torch.bfloat16, torch.float16):
         linear = torch.nn.Linear(96, 40, bias=True).to(dtype)
         x = torch.randn(1, 1, 96, generator=generator).to(dtype)
         exact = torch.nn.functional.linear(x.double(), linear.weight.double(), linear.bias.double())
-        out = _row_linear(linear, x)
+        out = row_linear(linear, x)
         assert out.dtype == dtype and out.shape == (1, 1, 40)
         # one rounding to dtype (half an ulp of the result) plus float32 round-off of 97 terms, far below it
         ulp = torch.finfo(dtype).eps * exact.abs()
         assert bool(((out.double() - exact).abs() <= ulp / 2 + 1e-5).all())
         several = torch.randn(1, 3, 96, generator=generator).to(dtype)
-        assert torch.equal(_row_linear(linear, several), linear(several))
+        assert torch.equal(row_linear(linear, several), linear(several))
 
 
 def test_a_half_precision_compiled_step_uses_row_linears_and_gives_the_uncompiled_step(monkeypatch):
     """bfloat16 on the CPU: the compiled step computes its one-token linears as float32 row sums (the installed
     layers), the compiled graph and the same step uncompiled give the same logits, and the layers are restored."""
-    from sparsedecode import compiled
+    from sparsedecode import compile_cpu
 
     model = tiny_model("llama").to(torch.bfloat16)
     ids, cfg = _prompt(3), SparseConfig(**SMALL_CFG)
@@ -432,7 +432,7 @@ def test_a_half_precision_compiled_step_uses_row_linears_and_gives_the_uncompile
     decoder = CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + 9, backend="aot_eager")
     tokens, logits = _static_run(decoder, ids, steps=8)
     assert tokens == static_tokens and torch.equal(logits, static_logits)
-    monkeypatch.setattr(compiled, "ROW_PRODUCTS", False)
+    monkeypatch.setattr(compile_cpu, "ROW_PRODUCTS", False)
     with CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + 9, backend="aot_eager").installed():
         assert not any("forward" in vars(m) for m in model.modules() if isinstance(m, torch.nn.Linear))
 
@@ -464,10 +464,11 @@ def test_a_model_changed_between_installs_gets_a_step_compiled_for_it(monkeypatc
 
 
 def test_which_decoders_freeze_the_weights(monkeypatch):
-    """inductor on the CPU freezes the weights into the step (sparsedecode.compiled.FREEZE), except where the
-    half-precision one-row step computes its linears as row products, and autotunes a frozen half-precision step of
-    several rows (AUTOTUNE); not with other backends, nor when turned off. Constructing a decoder compiles nothing."""
-    from sparsedecode import compiled
+    """inductor on the CPU freezes the weights into the step (sparsedecode.compile_cpu.FREEZE), except where the
+    half-precision one-row step computes its linears as row products or the memory available does not hold twice the
+    weights (a packed copy), and autotunes a frozen half-precision step of several rows (AUTOTUNE); not with other
+    backends, nor when turned off. Constructing a decoder compiles nothing."""
+    from sparsedecode import compile_cpu
 
     model = tiny_model("llama")
 
@@ -482,7 +483,16 @@ def test_which_decoders_freeze_the_weights(monkeypatch):
     assert not frozen(half, 1) and frozen(half, 2)
     assert decoder(half, 2).autotuned  # half precision, several rows
     assert not decoder(half, 1).autotuned and not decoder(model, 2).autotuned
-    monkeypatch.setattr(compiled, "FREEZE", False)
+    weights = sum(p.nelement() * p.element_size() for p in model.parameters())
+    monkeypatch.setattr(compile_cpu, "available_memory_bytes", lambda: 2 * weights)
+    assert frozen(model, 2)
+    monkeypatch.setattr(compile_cpu, "available_memory_bytes", lambda: 2 * weights - 1)  # no room for a packed copy
+    assert not frozen(model, 2) and frozen(half, 2)  # half the bytes: room
+    monkeypatch.setattr(compile_cpu, "available_memory_bytes", lambda: weights - 1)
+    assert not frozen(half, 2) and not decoder(half, 2).autotuned
+    monkeypatch.setattr(compile_cpu, "available_memory_bytes", lambda: None)  # unknown: room
+    assert frozen(model, 2)
+    monkeypatch.setattr(compile_cpu, "FREEZE", False)
     assert not frozen(model, 2)
 
 

@@ -59,7 +59,7 @@ def model_fingerprint(model: torch.nn.Module) -> tuple:
 
 def weight_versions(model: torch.nn.Module) -> tuple:
     """What a step compiled with the weights frozen into it (constants, see
-    :data:`sparsedecode.compiled.FREEZE`) read from them: each parameter's and buffer's storage and version counter,
+    :data:`sparsedecode.compile_cpu.FREEZE`) read from them: each parameter's and buffer's storage and version counter,
     which every in-place change bumps (``copy_``, ``load_state_dict``; not a write through ``.data``)."""
     tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     return tuple((name, t.data_ptr(), t._version) for name, t in tensors)

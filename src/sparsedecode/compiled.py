@@ -16,10 +16,10 @@ import functools
 import os
 import time
 import types
-import warnings
 
 import torch
 
+from . import compile_cpu
 from .attention.static import STATE, STATIC_ATTENTION, allocate, static_attention_forward
 from .attention.static_device import fill_statistics
 from .compile_guards import drop_module_guards, model_fingerprint, weight_versions
@@ -27,6 +27,7 @@ from .config import SparseConfig
 from .errors import SparseDecodeError
 from .models import attention_shape
 
+_NOTHING = contextlib.nullcontext()
 CACHE_ROUND = 512
 """Cache sizes are rounded up to a multiple of this, so prompts of similar length share one compiled step."""
 DEFAULT_BACKEND = os.environ.get("SPARSEDECODE_COMPILE_BACKEND", "inductor")
@@ -90,56 +91,6 @@ def _own_method(owner, name: str):
     return types.MethodType(fresh, owner)
 
 
-ROW_PRODUCTS = os.environ.get("SPARSEDECODE_ROW_PRODUCTS", "1") == "1"
-"""On the CPU, a half-precision model's linear layers compute a one-token step as a product and a sum in float32
-(:func:`_row_linear`), which the compiler turns into one loop over the weight (``SPARSEDECODE_ROW_PRODUCTS=0``:
-``F.linear`` as in eager). torch's bfloat16 matrix-vector product reads the weights at under half the speed of its
-float32 one here; the loop reads them at the memory's speed, so half-precision weights halve the step's weight
-time."""
-
-
-ROW_CHUNK = int(os.environ.get("SPARSEDECODE_ROW_CHUNK", "8192"))
-"""A row-sum linear layer with more outputs (a vocabulary projection) sums them in pieces of this many outputs: on
-SmolLM2's (49,152 outputs) one piece per 8,192 made the projection 1.6x faster than one loop over all of them, and
-than ``F.linear``, in the compiled step here (inductor fuses the whole projection with the norm before it)."""
-
-
-FREEZE = os.environ.get("SPARSEDECODE_FREEZE", "1") == "1"
-"""On the CPU, inductor compiles the step with the weights frozen into it (``torch._inductor.config.freezing``):
-constants it packs once for oneDNN or MKL, the linear layers that share an input (queries, keys and values; gate
-and up) concatenated into one (``cpp.enable_concat_linear``). SmolLM2, sparse S = 193, two threads: bfloat16 batch
-8 at 8K 46.5 -> 42.8 ms a step frozen, and 34.0 -> 31.9 concatenated (with the kernel on torch's threads); float32
-at 4K batch 8 60 -> 46 ms, batch 1 30 -> 27 ms. Not where row products serve (a half-precision one-row step:
-:data:`ROW_PRODUCTS`), whose float32 products freezing would fold into float32 copies of the weights. Costs:
-compiling takes longer (about 25 s more on SmolLM2), and each frozen decoder holds a packed copy of the weights; a
-change to the weights after compiling is seen at the next install
-(:func:`~sparsedecode.compile_guards.weight_versions`) and compiles again.
-``SPARSEDECODE_FREEZE=0``: weights read as inputs, as before."""
-AUTOTUNE = os.environ.get("SPARSEDECODE_AUTOTUNE", "1") == "1"
-"""A frozen half-precision step of several rows also lets inductor time its own matrix-product code against
-torch's for each linear layer and keep the faster (``max_autotune``, backends ``CPP,ATEN``): SmolLM2 8K bfloat16
-batch 8, sparse S = 193, two threads of the AMX Intel Xeon: 30 -> 27-28 ms a step, compiling 31 -> 53-62 s. Not for
-float32 (no gain at batch 8, slower at batch 1 there). ``SPARSEDECODE_AUTOTUNE=0`` turns it off."""
-
-
-def _row_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)``; where ``x`` is one row (a decode step of one sequence) the sum of products in float32,
-    rounded to the model's dtype once (what ``F.linear`` does for half precision, in another order)."""
-    if x.shape[:-1].numel() != 1:
-        return torch.nn.functional.linear(x, module.weight, module.bias)
-    row = x.float().unsqueeze(-2)
-    parts = [(row * w.float()).sum(-1) for w in module.weight.split(ROW_CHUNK)]
-    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-    if module.bias is not None:
-        out = out + module.bias.float()
-    return out.to(x.dtype)
-
-
-def _uses_row_products(model: torch.nn.Module, device: torch.device) -> bool:
-    dtype = next(model.parameters()).dtype
-    return ROW_PRODUCTS and device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
-
-
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "config")]
 
@@ -178,9 +129,9 @@ class CompiledDecoder:
             for module in _attention_modules(model):
                 self.states[module] = allocate(cfg, module.layer_idx, batch, kv_heads, head_dim, max_len, self.device)
         self._row_linears = {}
-        if _uses_row_products(model, self.device):
+        if compile_cpu.uses_row_products(model, self.device):
             self._row_linears = {
-                m: functools.partial(_row_linear, m) for m in model.modules() if type(m) is torch.nn.Linear
+                m: functools.partial(compile_cpu.row_linear, m) for m in model.modules() if type(m) is torch.nn.Linear
             }
         # guards on the modules' attributes checked once per install (compile_guards), not at every step
         self._options = {"guard_filter_fn": drop_module_guards} if MODULE_GUARDS_PER_INSTALL else {}
@@ -190,10 +141,7 @@ class CompiledDecoder:
             # mode="reduce-overhead": replayed from CUDA graphs on CUDA (the state tensors have static addresses);
             # inductor's own size and stride checks of every input repeat dynamo's tensor guards, which stay
             self._options.update(list_mode_options(mode) if mode else {}, size_asserts=False)
-        self.frozen = backend == "inductor" and self.device.type == "cpu" and FREEZE
-        self.frozen = self.frozen and not (self._row_linears and batch == 1)
-        half = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
-        self.autotuned = self.frozen and AUTOTUNE and half and batch > 1
+        self.frozen, self.autotuned = compile_cpu.choices(model, self.device, backend, batch, bool(self._row_linears))
         self._compiled = self._compile()
         self._fingerprint = None
 
@@ -206,22 +154,7 @@ class CompiledDecoder:
 
     def _inductor_settings(self):
         """inductor's settings for this step's compiling (applied around every call: a recompile gets them too)."""
-        if not self.frozen:
-            return contextlib.nullcontext()
-        from torch._inductor import config
-
-        settings = {"freezing": True, "cpp.enable_concat_linear": True}
-        stack = contextlib.ExitStack()
-        if self.autotuned:
-            # nothing on stderr for each linear layer: no timings, no choices' statistics, not torch's own warning
-            settings.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN", autotune_num_choices_displayed=0)
-            if hasattr(config, "max_autotune_report_choices_stats"):
-                settings["max_autotune_report_choices_stats"] = False
-            if not self._warm:
-                stack.enter_context(warnings.catch_warnings())
-                warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
-        stack.enter_context(config.patch(settings))
-        return stack
+        return compile_cpu.inductor_settings(self.autotuned, quiet=not self._warm) if self.frozen else _NOTHING
 
     def _compile(self):
         """A new compiled step (nothing compiled yet: its first call compiles)."""

@@ -18,7 +18,6 @@ import gc
 import itertools
 import math
 import numbers
-import os
 import resource
 import statistics
 import time
@@ -39,6 +38,7 @@ from ..errors import SparseDecodeError
 from ..kernels import cpu as cpu_kernel
 from ..kernels import triton_attention
 from ..layout import BlockLayout
+from ..memory import available_memory_bytes
 from ..models import attention_shape
 from ..selectors import resolve_selector, select_blocks, select_positions
 from ..speculative import lossless_decode
@@ -90,23 +90,6 @@ def read_bandwidth_gbs(megabytes: int = 512, device: str = "cpu") -> float:
     timer = median_time if device == "cpu" else cuda_median_time
     seconds = timer(buffer.sum, min_calls=7, budget_s=1.0)
     return buffer.nelement() * 4 / seconds / 1e9
-
-
-def available_memory_bytes(device: str = "cpu") -> int | None:
-    """Memory that can still be allocated on ``device`` now: ``MemAvailable`` (Linux), else the free physical pages;
-    the free memory of a CUDA device. ``None`` where it cannot be told."""
-    if device != "cpu":
-        return torch.cuda.mem_get_info(torch.device(device))[0]
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, AttributeError):
-        return None
 
 
 def last_level_cache_bytes() -> int | None:
