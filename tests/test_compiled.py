@@ -466,7 +466,7 @@ def test_a_model_changed_between_installs_gets_a_step_compiled_for_it(monkeypatc
 def test_which_decoders_freeze_the_weights(monkeypatch):
     """inductor on the CPU freezes the weights into the step (sparsedecode.compile_cpu.FREEZE), except where the
     half-precision one-row step computes its linears as row products or the memory available does not hold twice the
-    weights (a packed copy), and autotunes a frozen half-precision step of several rows (AUTOTUNE); not with other
+    weights (a packed copy), and autotunes a frozen step of several rows (AUTOTUNE); not with other
     backends, nor when turned off. Constructing a decoder compiles nothing."""
     from sparsedecode import compile_cpu
 
@@ -481,8 +481,8 @@ def test_which_decoders_freeze_the_weights(monkeypatch):
     assert frozen(model, 1) and frozen(model, 2) and not frozen(model, 2, "aot_eager")
     half = tiny_model("llama").to(torch.bfloat16)
     assert not frozen(half, 1) and frozen(half, 2)
-    assert decoder(half, 2).autotuned  # half precision, several rows
-    assert not decoder(half, 1).autotuned and not decoder(model, 2).autotuned
+    assert decoder(half, 2).autotuned and decoder(model, 2).autotuned  # several rows
+    assert not decoder(half, 1).autotuned and not decoder(model, 1).autotuned
     weights = sum(p.nelement() * p.element_size() for p in model.parameters())
     monkeypatch.setattr(compile_cpu, "available_memory_bytes", lambda: 2 * weights)
     assert frozen(model, 2)

@@ -39,10 +39,11 @@ a decoder freezes only where the memory available holds twice the weights (:func
 weights after compiling is seen at the next install (:func:`~sparsedecode.compile_guards.weight_versions`) and
 compiles again. ``SPARSEDECODE_FREEZE=0``: weights read as inputs, as before."""
 AUTOTUNE = os.environ.get("SPARSEDECODE_AUTOTUNE", "1") == "1"
-"""A frozen half-precision step of several rows also lets inductor time its own matrix-product code against
-torch's for each linear layer and keep the faster (``max_autotune``, backends ``CPP,ATEN``): SmolLM2 8K bfloat16
-batch 8, sparse S = 193, two threads of the AMX Intel Xeon: 30 -> 27-28 ms a step, compiling 31 -> 53-62 s. Not for
-float32 (no gain at batch 8, slower at batch 1 there). ``SPARSEDECODE_AUTOTUNE=0`` turns it off."""
+"""A frozen step of several rows also lets inductor time its own matrix-product code against torch's for each
+linear layer and keep the faster (``max_autotune``, backends ``CPP,ATEN``). SmolLM2 8K batch 8, sparse S = 193, two
+threads: bfloat16 on the AMX Intel Xeon 30 -> 27-28 ms a step, compiling 31 -> 53-62 s; float32 there no gain, but
+on the AMD EPYC (where torch's float32 products run on MKL at 7 GB/s of weights) 98 -> 46 ms a step, compiling 48 ->
+91 s. Not for one row (slower in float32 on the Intel Xeon). ``SPARSEDECODE_AUTOTUNE=0`` turns it off."""
 
 
 def row_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -75,8 +76,7 @@ def choices(model: torch.nn.Module, device: torch.device, backend: str, batch: i
     :data:`AUTOTUNE`)."""
     frozen = backend == "inductor" and device.type == "cpu" and FREEZE
     frozen = frozen and not (row_products and batch == 1) and room_to_freeze(model)
-    half = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
-    return frozen, frozen and AUTOTUNE and half and batch > 1
+    return frozen, frozen and AUTOTUNE and batch > 1
 
 
 def inductor_settings(autotuned: bool, *, quiet: bool):
