@@ -341,6 +341,30 @@ def test_bench_e2e_batch_rows(tiny_model_dir, tmp_path):
     assert rows[3]["speedup_vs_best_dense"] == pytest.approx(rows[3]["aggregate_tokens_per_s"] / best)
 
 
+def test_bench_e2e_batch_dense_dtype_adds_dense_rows_and_takes_the_best_dense_over_both(tiny_model_dir, tmp_path):
+    """``--dense-dtype``: the same prompts decoded dense with the model in another dtype, after the ``--dtype`` runs;
+    "vs best dense" of every row over both dtypes' dense rows, each row naming its dtype."""
+    from sparsedecode.cli import main
+
+    out = tmp_path / "batch.json"
+    args = ["bench", "e2e", "--model", str(tiny_model_dir), "--context", "300", "--support", "97", "--tokens", "6"]
+    assert main([*args, "--batch", "1,2", "--repeats", "1", "--dense-dtype", "bfloat16", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["dtype"], r["batch"], r["mode"]) for r in rows] == [
+        ("float32", 1, "dense"),
+        ("float32", 1, "sparse"),
+        ("float32", 2, "dense"),
+        ("float32", 2, "sparse"),
+        ("bfloat16", 1, "dense"),
+        ("bfloat16", 2, "dense"),
+    ]
+    best = max(r["aggregate_tokens_per_s"] for r in rows if r["mode"] == "dense")
+    for r in rows:
+        assert r["speedup_vs_best_dense"] == pytest.approx(r["aggregate_tokens_per_s"] / best)
+        assert r["tokens_equal_to_batch1"] is True
+    assert max(r["speedup_vs_best_dense"] for r in rows) >= 1.0
+
+
 def test_bench_e2e_batch_compile_adds_compiled_rows_that_equal_batch_one(monkeypatch):
     """``bench e2e --batch --compile``: every batch size again with the compiled step, from copies of the same
     prefilled caches; each batch's tokens equal each prompt's compiled batch-1 run, ratios against the faster dense."""

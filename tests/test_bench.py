@@ -393,6 +393,8 @@ def test_bench_e2e_cli_refuses_repeats_below_one(tiny_model_dir, capsys):
         (["--baseline", "llama.cpp", "--batch", "1,2"], "--baseline runs batch 1 only"),
         (["--compile", "--batch", "1", "--selector", "h2o"], "bench e2e --batch --compile: h2o keeps the attention"),
         (["--compile", "--selector", "h2o"], "bench e2e --compile: h2o keeps the attention"),
+        (["--dense-dtype", "bfloat16"], "--dense-dtype compares batched dense decoding in another dtype"),
+        (["--dense-dtype", "float32", "--batch", "1"], "a dtype other than --dtype float32"),
     ],
 )
 def test_bench_e2e_cli_refuses_a_baseline_or_compile_it_cannot_run(tiny_model_dir, capsys, monkeypatch, extra, message):

@@ -174,6 +174,13 @@ def add_parsers(sub) -> None:
         "(needs the llamacpp extra)",
     )
     e2e.add_argument(
+        "--dense-dtype",
+        default=None,
+        choices=DTYPES,
+        help="with --batch: also time dense decoding with the model in this dtype (a second copy, after the --dtype "
+        "runs, the same prompts) and take 'vs best dense' over both dtypes' dense rows (default: --dtype only)",
+    )
+    e2e.add_argument(
         "--compile",
         action="store_true",
         help="add dense and sparse modes over a static cache with the decode step compiled (torch.compile, "
@@ -326,6 +333,11 @@ def cmd_bench_e2e(args) -> int:
         raise SparseDecodeError(f"--repeats must be >= 1 (got {args.repeats})")
     check_whole_blocks([SparseConfig(support=s, selector=args.selector) for s in args.support])
     check_prompt_source(args)
+    if args.dense_dtype is not None and (args.batch is None or args.dense_dtype == args.dtype):
+        raise SparseDecodeError(
+            "--dense-dtype compares batched dense decoding in another dtype: give --batch and a dtype other than "
+            f"--dtype {args.dtype}"
+        )
     if args.batch is not None:
         if min(args.batch) < 1:
             raise SparseDecodeError("--batch values must be >= 1")
@@ -424,7 +436,7 @@ def _bench_e2e_batch(args, clock: dict) -> int:
     from dataclasses import asdict
 
     model, tokenizer = load(args)
-    from ..experiments.bench import bench_e2e_batch, check_batches_fit
+    from ..experiments.bench import bench_e2e_batch, check_batches_fit, over_best_dense
     from ..experiments.corpus import check_context_fits, prompt_count, prompt_ids
 
     check_context_fits(model, args.context, args.tokens)
@@ -438,27 +450,36 @@ def _bench_e2e_batch(args, clock: dict) -> int:
                 f"{args.prompt_index} needs {args.prompt_index + largest}"
             )
     rows = []
-    for context in args.context:
-        prompts = [
-            prompt_ids(tokenizer, args.corpus, context, args.prompt_index + i, args.tokens) for i in range(largest)
-        ]
-        with progress_bars() as progress:
-            rows.extend(
-                bench_e2e_batch(
-                    model,
-                    recorded_model(args.model),
-                    prompts,
-                    tuple(args.batch),
-                    tuple(args.support),
-                    tokens=args.tokens,
-                    repeats=args.repeats,
-                    progress=progress,
-                    selector=args.selector,
-                    compile=args.compile,
+    runs = [(lambda: model, tuple(args.support))]
+    if args.dense_dtype:  # dense only, after every --dtype run; loaded when its turn comes
+        runs.append((lambda: load(argparse.Namespace(**{**vars(args), "dtype": args.dense_dtype}))[0], ()))
+    for loaded, supports in runs:
+        run_model = loaded()
+        for context in args.context:
+            prompts = [
+                prompt_ids(tokenizer, args.corpus, context, args.prompt_index + i, args.tokens) for i in range(largest)
+            ]
+            with progress_bars() as progress:
+                rows.extend(
+                    bench_e2e_batch(
+                        run_model,
+                        recorded_model(args.model),
+                        prompts,
+                        tuple(args.batch),
+                        supports,
+                        tokens=args.tokens,
+                        repeats=args.repeats,
+                        progress=progress,
+                        selector=args.selector,
+                        compile=args.compile,
+                    )
                 )
-            )
-    table = Table(title=f"batched decoding, {args.model} {args.dtype} on cpu: {args.tokens} greedy tokens per sequence")
+    if args.dense_dtype:
+        rows = over_best_dense(rows)
+    dtypes = args.dtype + (f" (dense also {args.dense_dtype})" if args.dense_dtype else "")
+    table = Table(title=f"batched decoding, {args.model} {dtypes} on cpu: {args.tokens} greedy tokens per sequence")
     for name in (
+        "dtype",
         "context",
         "batch",
         "mode",
@@ -476,6 +497,7 @@ def _bench_e2e_batch(args, clock: dict) -> int:
         table.add_column(name, justify="right")
     for r in rows:
         table.add_row(
+            r.dtype,
             str(r.context),
             str(r.batch),
             r.mode,
@@ -493,8 +515,8 @@ def _bench_e2e_batch(args, clock: dict) -> int:
     console.print(table)
     console.print(
         f"[dim]every mode runs {args.repeats} times per batch size (in order, then reversed), medians; 'vs best dense' "
-        "divides by the best dense aggregate over the batch sizes (and dense modes) measured; '= batch 1': every "
-        "sequence's tokens equal its own batch-1 run in the same mode; peak RSS per batch size.[/]"
+        "divides by the best dense aggregate over the batch sizes (and dense modes and dtypes) measured; '= batch 1': "
+        "every sequence's tokens equal its own batch-1 run in the same mode; peak RSS per batch size.[/]"
     )
     if args.json:
         _write_result(args.json, clock, selector=_selector_record(args.selector), rows=[asdict(r) for r in rows])

@@ -14,6 +14,7 @@ say nothing about matched-quality or end-to-end speed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import itertools
 import math
@@ -699,6 +700,18 @@ class BatchRow:
     cache: str = "growing"
     """``growing``: the session's step on an in-place cache; ``static, compiled``: the compiled step."""
     compile_s: float | None = None
+    dtype: str = "float32"
+    """The model's dtype in this row."""
+
+
+def over_best_dense(rows: list[BatchRow]) -> list[BatchRow]:
+    """``rows`` of several runs (another dtype's dense rows beside them) with "vs best dense" over all their dense
+    rows of the same context."""
+    best: dict[int, float] = {}
+    for r in rows:
+        if r.mode == "dense":
+            best[r.context] = max(best.get(r.context, 0.0), r.aggregate_tokens_per_s)
+    return [dataclasses.replace(r, speedup_vs_best_dense=r.aggregate_tokens_per_s / best[r.context]) for r in rows]
 
 
 def _stack_caches(model: torch.nn.Module, caches: list[GrowingCache]) -> GrowingCache:
@@ -843,6 +856,7 @@ def bench_e2e_batch(
                 repeats,
                 cache,
                 m.get("compile_s"),
+                str(next(model.parameters()).dtype).removeprefix("torch."),
             )
         )
     return rows
