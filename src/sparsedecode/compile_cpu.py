@@ -85,14 +85,16 @@ def inductor_settings(autotuned: bool, *, quiet: bool):
     from torch._inductor import config
 
     settings = {"freezing": True, "cpp.enable_concat_linear": True}
+    if not autotuned:
+        return config.patch(settings)
+    # nothing on stderr for each linear layer: no timings, no choices' statistics, not torch's own warning
+    settings.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN", autotune_num_choices_displayed=0)
+    if hasattr(config, "max_autotune_report_choices_stats"):
+        settings["max_autotune_report_choices_stats"] = False
+    if not quiet:  # every step after the first: the settings alone, no warnings filter entered and left
+        return config.patch(settings)
     stack = contextlib.ExitStack()
-    if autotuned:
-        # nothing on stderr for each linear layer: no timings, no choices' statistics, not torch's own warning
-        settings.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN", autotune_num_choices_displayed=0)
-        if hasattr(config, "max_autotune_report_choices_stats"):
-            settings["max_autotune_report_choices_stats"] = False
-        if quiet:
-            stack.enter_context(warnings.catch_warnings())
-            warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+    stack.enter_context(warnings.catch_warnings())
+    warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
     stack.enter_context(config.patch(settings))
     return stack

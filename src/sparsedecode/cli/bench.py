@@ -450,11 +450,9 @@ def _bench_e2e_batch(args, clock: dict) -> int:
                 f"{args.prompt_index} needs {args.prompt_index + largest}"
             )
     rows = []
-    runs = [(lambda: model, tuple(args.support))]
-    if args.dense_dtype:  # dense only, after every --dtype run; loaded when its turn comes
-        runs.append((lambda: load(argparse.Namespace(**{**vars(args), "dtype": args.dense_dtype}))[0], ()))
-    for loaded, supports in runs:
-        run_model = loaded()
+    runs = [(args.dtype, tuple(args.support))] + ([(args.dense_dtype, ())] if args.dense_dtype else [])
+    for dtype, supports in runs:  # --dense-dtype: dense only, after every --dtype run, loaded when its turn comes
+        run_model = model if dtype == args.dtype else load(argparse.Namespace(**{**vars(args), "dtype": dtype}))[0]
         for context in args.context:
             prompts = [
                 prompt_ids(tokenizer, args.corpus, context, args.prompt_index + i, args.tokens) for i in range(largest)
@@ -474,8 +472,7 @@ def _bench_e2e_batch(args, clock: dict) -> int:
                         compile=args.compile,
                     )
                 )
-    if args.dense_dtype:
-        rows = over_best_dense(rows)
+    rows = over_best_dense(rows)  # over both dtypes' dense rows where --dense-dtype added some
     dtypes = args.dtype + (f" (dense also {args.dense_dtype})" if args.dense_dtype else "")
     table = Table(title=f"batched decoding, {args.model} {dtypes} on cpu: {args.tokens} greedy tokens per sequence")
     for name in (
