@@ -831,7 +831,8 @@ def bench_e2e_batch(
     for (b, kind, _, _), m in measured.items():
         if kind == "dense":
             dense_s[b] = min(dense_s.get(b, m["decode_s"]), m["decode_s"])
-    element = next(model.parameters()).element_size()
+    weight = next(model.parameters())
+    element, dtype = weight.element_size(), str(weight.dtype).removeprefix("torch.")
     rows = []
     for (b, kind, support, cache), m in measured.items():
         aggregate = b * tokens / m["decode_s"]
@@ -855,7 +856,7 @@ def bench_e2e_batch(
                 repeats,
                 cache,
                 m.get("compile_s"),
-                str(next(model.parameters()).dtype).removeprefix("torch."),
+                dtype,
             )
         )
     return over_best_dense(rows)
