@@ -465,9 +465,9 @@ def test_a_model_changed_between_installs_gets_a_step_compiled_for_it(monkeypatc
 
 def test_which_decoders_freeze_the_weights(monkeypatch):
     """inductor on the CPU freezes the weights into the step (sparsedecode.compile_cpu.FREEZE), except where the
-    half-precision one-row step computes its linears as row products or the memory available does not hold twice the
-    weights (a packed copy), and autotunes a frozen step of several rows (AUTOTUNE); not with other
-    backends, nor when turned off. Constructing a decoder compiles nothing."""
+    half-precision one-row step computes its linears as row products or the memory available does not hold four times
+    the weights (what freezing keeps and needs while compiling), and autotunes a frozen step of several rows
+    (AUTOTUNE); not with other backends, nor when turned off. Constructing a decoder compiles nothing."""
     from sparsedecode import compile_cpu
 
     model = tiny_model("llama")
@@ -484,16 +484,38 @@ def test_which_decoders_freeze_the_weights(monkeypatch):
     assert decoder(half, 2).autotuned and decoder(model, 2).autotuned  # several rows
     assert not decoder(half, 1).autotuned and not decoder(model, 1).autotuned
     weights = sum(p.nelement() * p.element_size() for p in model.parameters())
-    monkeypatch.setattr(compile_cpu, "available_memory_bytes", lambda: 2 * weights)
+    monkeypatch.setattr(compile_cpu, "available_memory_bytes", lambda: 4 * weights)
     assert frozen(model, 2)
-    monkeypatch.setattr(compile_cpu, "available_memory_bytes", lambda: 2 * weights - 1)  # no room for a packed copy
+    monkeypatch.setattr(compile_cpu, "available_memory_bytes", lambda: 4 * weights - 1)  # no room for the copies
     assert not frozen(model, 2) and frozen(half, 2)  # half the bytes: room
-    monkeypatch.setattr(compile_cpu, "available_memory_bytes", lambda: weights - 1)
+    monkeypatch.setattr(compile_cpu, "available_memory_bytes", lambda: 2 * weights - 1)
     assert not frozen(half, 2) and not decoder(half, 2).autotuned
     monkeypatch.setattr(compile_cpu, "available_memory_bytes", lambda: None)  # unknown: room
     assert frozen(model, 2)
     monkeypatch.setattr(compile_cpu, "FREEZE", False)
     assert not frozen(model, 2)
+
+
+def test_memory_taken_before_compiling_unfreezes_the_step(monkeypatch):
+    """Room to freeze is asked again when the step compiles: decoders made together (a dense and a sparse one over one
+    cache) each saw the memory free before any compiled, and the later ones must not freeze into what the earlier
+    ones' copies took (a CPU run with llama3-8b's shapes was killed for memory so). A step compiled frozen stays so."""
+    from sparsedecode import compile_cpu
+
+    model = tiny_model("llama")
+    ids, cfg = _prompt(8, batch=2), SparseConfig(**SMALL_CFG)
+    weights = sum(p.nelement() * p.element_size() for p in model.parameters())
+    made = [CompiledDecoder(model, cfg, batch=2, max_len=PROMPT + 9, backend="aot_eager") for _ in range(2)]
+    for decoder in made:
+        decoder.frozen = decoder.autotuned = True  # what inductor with room would choose; aot_eager compiles fast
+    monkeypatch.setattr(compile_cpu, "available_memory_bytes", lambda: 4 * weights)
+    first = _static_run(made[0], ids, steps=3)
+    assert made[0].frozen and made[0].autotuned
+    monkeypatch.setattr(compile_cpu, "available_memory_bytes", lambda: 4 * weights - 1)  # the first one's copies
+    second = _static_run(made[1], ids, steps=3)
+    assert not made[1].frozen and not made[1].autotuned
+    assert _static_run(made[0], ids, steps=3)[0] == first[0] and made[0].frozen  # compiled: nothing asked again
+    assert second[0] == first[0]
 
 
 def test_weights_changed_in_place_compile_a_frozen_step_again():

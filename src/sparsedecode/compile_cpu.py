@@ -34,8 +34,9 @@ and up) concatenated into one (``cpp.enable_concat_linear``). SmolLM2, sparse S 
 8 at 8K 46.5 -> 42.8 ms a step frozen, and 34.0 -> 31.9 concatenated (with the kernel on torch's threads); float32
 at 4K batch 8 60 -> 46 ms, batch 1 30 -> 27 ms. Not where row products serve (a half-precision one-row step:
 :data:`ROW_PRODUCTS`), whose float32 products freezing would fold into float32 copies of the weights. Costs:
-compiling takes longer (about 25 s more on SmolLM2), and each frozen decoder holds a packed copy of the weights, so
-a decoder freezes only where the memory available holds twice the weights (:func:`room_to_freeze`); a change to the
+compiling takes longer (about 25 s more on SmolLM2), and a frozen decoder keeps about twice the weights' bytes
+(packed and concatenated copies; compiling peaks at about three times), so a step is compiled frozen only where the
+memory available when it compiles holds four times the weights (:func:`room_to_freeze`); a change to the
 weights after compiling is seen at the next install (:func:`~sparsedecode.compile_guards.weight_versions`) and
 compiles again. ``SPARSEDECODE_FREEZE=0``: weights read as inputs, as before."""
 AUTOTUNE = os.environ.get("SPARSEDECODE_AUTOTUNE", "1") == "1"
@@ -60,10 +61,13 @@ def row_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def room_to_freeze(model: torch.nn.Module) -> bool:
-    """Whether the memory available holds twice the model's weights: the frozen step's packed copy and room to spare
-    (up to ``KEPT`` decoders per model keep one each; one evicted frees its copy). Unknown memory counts as room."""
+    """Whether the memory available now holds four times the model's weights: what freezing them keeps and what it
+    needs while compiling. Measured on SmolLM2, two rows, against compiling the same step unfrozen: 513 MiB of
+    float32 weights, frozen kept 817-938 MiB more and peaked 1,571 MiB above; bfloat16 (257 MiB), 500 and 631 MiB.
+    Up to ``KEPT`` decoders per model keep theirs; one evicted frees its copies. Asked when a decoder is made and
+    again when its step compiles (decoders made together compile one after another). Unknown memory counts as room."""
     available = available_memory_bytes()
-    return available is None or available >= 2 * sum(p.nelement() * p.element_size() for p in model.parameters())
+    return available is None or available >= 4 * sum(p.nelement() * p.element_size() for p in model.parameters())
 
 
 def uses_row_products(model: torch.nn.Module, device: torch.device) -> bool:

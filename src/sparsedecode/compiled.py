@@ -225,6 +225,8 @@ class CompiledDecoder:
             raise SparseDecodeError(f"the compiled decoder's cache of {self.max_len} positions is full")
         position = torch.full((self.batch, 1), self.position, dtype=torch.long, device=self.device)
         _seek(self.cache, self.position)
+        if not self._warm and self.frozen and not compile_cpu.room_to_freeze(self.model):
+            self.frozen = self.autotuned = False  # memory taken since the decoder was made (another's compiling)
         started = time.perf_counter()
         with self._inductor_settings():
             logits = self._compiled(tokens.reshape(self.batch, 1).to(self.device), position)
