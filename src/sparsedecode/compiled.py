@@ -53,17 +53,32 @@ def check_compilable(model: torch.nn.Module, cfg: SparseConfig | None, what: str
             f"{what}: {cfg.selector.spec()} keeps the attention every position received, which the compiled step "
             "does not; decode it without compile"
         )
-    text = model.config.get_text_config(decoder=True)
-    if cfg is not None and any(kind != "full_attention" for kind in getattr(text, "layer_types", None) or ()):
+    other = sorted(set(layer_types(model.config)) - {"full_attention"})
+    if other:  # a sliding window's mask reads the cache's length as a number: every step would compile again
         raise SparseDecodeError(
-            f"{what}: compile serves models whose every layer attends fully ({type(model).__name__} has "
-            f"{sorted(set(text.layer_types) - {'full_attention'})} layers); decode without compile"
+            f"{what}: compile serves models whose every layer attends fully ({type(model).__name__} has {other} "
+            "layers); decode without compile"
         )
     if getattr(model.config, "_attn_implementation", None) not in ("sdpa", "eager", STATIC_ATTENTION):
         raise SparseDecodeError(
             f"{what}: compile needs the model's own SDPA or eager attention (it has "
             f"{model.config._attn_implementation!r}; inside a sparse_decoding session, decode without compile)"
         )
+
+
+def layer_types(config) -> list[str]:
+    """Each layer's kind as transformers' caches see it: a config's ``layer_types``, else inferred from its
+    ``sliding_window`` or ``attention_chunk_size`` (Mistral's sliding window has no ``layer_types``)."""
+    text = config.get_text_config(decoder=True)
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        return list(get_layer_types_and_kwargs(text)[0])
+    except (ImportError, AttributeError, TypeError):  # a transformers without it: what the config says
+        if getattr(text, "layer_types", None) is not None:
+            return list(text.layer_types)
+        window = getattr(text, "sliding_window", None) or getattr(text, "attention_chunk_size", None)
+        return ["sliding_attention" if window is not None else "full_attention"] * text.num_hidden_layers
 
 
 def _seek(cache, length: int) -> None:
