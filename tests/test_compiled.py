@@ -280,6 +280,18 @@ def test_compile_refuses_sliding_window_layers(mode, monkeypatch):
     assert compiled == eager
 
 
+def test_a_config_that_misstates_the_kv_heads_is_refused_in_one_line(monkeypatch):
+    """The step's state is sized from the config before any forward; an architecture that ignores its config's
+    ``num_key_value_heads`` (GPT-NeoX given one) would reach the kernel with other shapes: refused when traced."""
+    from sparsedecode import compiled
+
+    monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
+    model = tiny_model("llama")
+    model.config.num_key_value_heads = 4  # the modules were built with 2
+    with pytest.raises(SparseDecodeError, match="has 2 KV heads of 16 where the model's config gives 4 of 16"):
+        generate(model, _prompt(21), SparseConfig(**SMALL_CFG), 4, mode="sparse", compile=True)
+
+
 def test_compile_inside_a_session_is_refused():
     model = tiny_model("llama")
     with sparse_decoding(model, SparseConfig(**SMALL_CFG)):

@@ -285,6 +285,11 @@ def static_attention_forward(
             f"compiled sparse decoding needs the position ids in {type(module).__name__}'s attention call, which "
             "this model does not pass; decode without compile"
         )
+    if state is not None and tuple(key.shape[1:4:2]) != tuple(state.stats.shape[2:4]):  # a shape: checked when traced
+        raise SparseDecodeError(
+            f"compiled sparse decoding: {type(module).__name__} has {key.shape[1]} KV heads of {key.shape[3]} where "
+            f"the model's config gives {state.stats.shape[2]} of {state.stats.shape[3]}; decode without compile"
+        )
     if state is None and query.shape[2] == 1 and kwargs.get("sliding_window") is None and not dropout:
         # dense decoding over the static cache: grouped heads read their KV head in place (transformers' SDPA path
         # repeats every key and value per query head when a mask is given: a copy of the whole cache per layer)
