@@ -156,6 +156,24 @@ def test_a_users_selector_compiles_too():
     assert tokens == eager_tokens
 
 
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_prefill_reads_only_the_positions_written(sparse):
+    """A prefill chunk attends over the static cache's written positions only (SDPA over the whole cache spent time
+    on masked positions): with every position past the prompt poisoned (NaN), the prefill's logits still equal the
+    growing cache's prefill, bit for bit in float32, chunk by chunk."""
+    model = tiny_model("llama")
+    ids = _prompt(22, length=150)
+    _, expected = prefill(model, ids, cache=GrowingCache(config=model.config), chunk=64)
+    decoder = CompiledDecoder(model, SparseConfig(**SMALL_CFG) if sparse else None, batch=1, max_len=400)
+    with decoder.installed():
+        decoder.prefill(ids, chunk=64)  # the cache's tensors exist from here on
+        for layer in decoder.cache.layers:
+            layer.keys.fill_(float("nan"))
+            layer.values.fill_(float("nan"))
+        logits = decoder.prefill(ids, chunk=64)
+    assert torch.equal(logits, expected)
+
+
 def test_full_support_equals_dense_and_dense_compiles():
     """A support covering the context is dense attention over ``[0, n)``; the dense decoder (no op) compiles too."""
     model = tiny_model("llama")

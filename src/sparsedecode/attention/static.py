@@ -265,6 +265,16 @@ _LIBRARY.impl("sparse_step", sparse_step, "CompositeExplicitAutograd")
 torch.library.register_fake("sparsedecode::sparse_step", _fake, lib=_LIBRARY)
 
 
+def _written(key, value, mask, position):
+    """A multi-token forward (a prefill chunk, eager) over the static cache: its keys, values and mask cut to the
+    positions written so far, which are all the mask lets through (SDPA over the whole cache read every masked
+    position: SmolLM2 8K bfloat16 prefill 45 s against 35 s over a growing cache)."""
+    if position is None or mask is None or mask.shape[-1] != key.shape[2] or torch.compiler.is_compiling():
+        return key, value, mask
+    n = int(position.max()) + 1
+    return key[:, :, :n], value[:, :, :n], mask[..., :n]
+
+
 def static_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -290,6 +300,8 @@ def static_attention_forward(
             f"compiled sparse decoding: {type(module).__name__} has {key.shape[1]} KV heads of {key.shape[3]} where "
             f"the model's config gives {state.stats.shape[2]} of {state.stats.shape[3]}; decode without compile"
         )
+    if query.shape[2] > 1 and kwargs.get("sliding_window") is None:
+        key, value, attention_mask = _written(key, value, attention_mask, position)
     if state is None and query.shape[2] == 1 and kwargs.get("sliding_window") is None and not dropout:
         # dense decoding over the static cache: grouped heads read their KV head in place (transformers' SDPA path
         # repeats every key and value per query head when a mask is given: a copy of the whole cache per layer)
