@@ -207,6 +207,22 @@ def test_bench_e2e_compile_adds_compiled_modes_with_dense_tokens(monkeypatch):
     assert all(r.speedup_vs_best_dense == pytest.approx(fastest / r.decode_s) for r in rows)
 
 
+def test_bench_e2e_compile_with_lossless_adds_compiled_lossless_rows(monkeypatch):
+    """--mode lossless --compile: a lossless row per support and k drafting with the compiled step, dense tokens,
+    drafting and accepting as the session's lossless row does; its compile time is its sparse step's."""
+    from sparsedecode import compiled
+
+    monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
+    model = tiny_model("llama")
+    rows = bench_e2e(model, "tiny", prompt(200), (97,), tokens=8, repeats=1, lossless=(2, 4), compile=True)
+    by_mode = {(r.mode, r.cache, r.draft_tokens): r for r in rows}
+    for k in (2, 4):
+        session, static = by_mode[("lossless", "growing", k)], by_mode[("lossless", "static, compiled", k)]
+        assert static.tokens_equal_to_dense == session.tokens_equal_to_dense == 8
+        assert static.acceptance_rate == session.acceptance_rate and static.mean_accepted == session.mean_accepted
+        assert static.compile_s == by_mode[("sparse", "static, compiled", None)].compile_s
+
+
 class FakeLlama:
     """Stands in for llama_cpp.Llama (not installed in the test extra): a 'model' whose greedy next token is the
     last token + 1, with the methods the baseline calls (reset, eval, sample). Each engine runs in a forked process,

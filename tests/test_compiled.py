@@ -253,11 +253,32 @@ def test_generate_compile_gives_generate_tokens_and_reuses_the_compiled_step(mon
     assert dense.tokens == generate(model, ids, None, 12, mode="dense").tokens
 
 
+def test_lossless_compiled_equals_dense_and_the_sessions_lossless(path, monkeypatch):
+    """Lossless with compile=True: the compiled sparse step drafts, the decoder's dense multi-token forward verifies,
+    rejected drafts are dropped by moving the position back. Its tokens are dense greedy decoding's, and it drafts
+    and accepts exactly as the session's lossless loop does (the same sparse tokens), adaptive ``k`` included; an
+    end-of-sequence token stops both where dense decoding stops."""
+    from sparsedecode import compiled
+
+    monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
+    model = tiny_model("qwen2")
+    cfg, ids = SparseConfig(**SMALL_CFG, reuse=3), _prompt(24)  # reuse chains that a rollback must restart
+    dense = generate(model, ids, None, 40, mode="dense").tokens
+    kwargs = dict(mode="lossless", draft_tokens=2, adaptive=True)
+    session, compiled_run = (generate(model, ids, cfg, 40, **kwargs, compile=c) for c in (False, True))
+    assert compiled_run.tokens == dense == session.tokens
+    assert compiled_run.accepted == session.accepted and compiled_run.draft_lengths == session.draft_lengths
+    assert sum(compiled_run.accepted) < sum(compiled_run.draft_lengths), "nothing rolled back"
+    assert len(set(compiled_run.draft_lengths)) > 1, "k never adapted"
+    stop = dense[17]
+    stopped = generate(model, ids, cfg, 40, **kwargs, eos_token_id=stop, compile=True).tokens
+    assert stopped == dense[: dense.index(stop) + 1]
+
+
 @pytest.mark.parametrize(
     "call, message",
     [
         (dict(cfg=SparseConfig(**SMALL_CFG, selector="h2o")), "keeps the attention every position received"),
-        (dict(mode="lossless"), "not mode lossless"),
         (dict(compile="yes"), "compile must be True or False"),
         (dict(padded=True), "needs prompts of one length"),
     ],

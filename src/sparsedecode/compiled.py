@@ -251,6 +251,19 @@ class CompiledDecoder:
         self.position += 1
         return logits
 
+    @torch.no_grad()
+    def extend(self, ids: torch.Tensor) -> torch.Tensor:
+        """Feed ``ids (batch, T)`` at the next positions in one dense forward (eager, as a prefill chunk is: what
+        verifies lossless drafts); the logits after each ``(batch, T, vocab)`` float32. Setting :attr:`position`
+        back afterwards drops the last of them (their keys are written over later)."""
+        if ids.dim() != 2 or ids.shape[0] != self.batch or self.position + ids.shape[1] > self.max_len:
+            raise SparseDecodeError(f"extend: ({self.batch}, T) ids fitting a cache of {self.max_len} positions")
+        position = torch.arange(self.position, self.position + ids.shape[1], device=self.device).expand(self.batch, -1)
+        _seek(self.cache, self.position)
+        out = self.model(input_ids=ids.to(self.device), position_ids=position, cache=self.cache, use_cache=True)
+        self.position += ids.shape[1]
+        return out.logits.float()
+
     def warm_up(self, tokens: torch.Tensor) -> float:
         """Compile now if not yet (one step at the next position, which the next :meth:`step` writes again): the
         seconds it took, 0 when the step was compiled already."""
@@ -309,21 +322,20 @@ def decoder_for(model, cfg: SparseConfig | None, batch: int, length: int, backen
     return kept[key]
 
 
-def generate_compiled(model, ids, mask, cfg, max_new_tokens: int, mode: str, eos_token_id, progress, compile=True):
+def generate_compiled(model, ids, mask, cfg, max_new_tokens: int, mode: str, eos_token_id, progress, compile=True,
+                      drafting=None):  # fmt: skip
     """``generate(..., compile=True)`` after its checks: one :class:`~sparsedecode.speculative.Generation` per
-    sequence of ``ids (B, P)`` (``mask``, if any, all ones)."""
+    sequence of ``ids (B, P)`` (``mask``, if any, all ones). Lossless (one prompt): the compiled sparse step drafts,
+    the decoder's dense multi-token forward verifies (``drafting``: draft_tokens, adaptive, max_draft_tokens)."""
     from .decode import decode_tokens
+    from .lossless import StaticDrafter, lossless_loop
     from .speculative import Generation
 
     if compile is not True:
         raise SparseDecodeError(f"generate: compile must be True or False, got {compile!r}")
-    if mode not in ("dense", "sparse"):
-        raise SparseDecodeError(
-            f"generate: compile=True decodes one token per step (modes dense and sparse), not mode {mode}"
-        )
     if mask is not None and not bool(mask.bool().all()):
         raise SparseDecodeError("generate: compile=True needs prompts of one length (no padding); decode without it")
-    sparse_cfg = cfg if mode == "sparse" else None
+    sparse_cfg = cfg if mode != "dense" else None
     check_compilable(model, sparse_cfg, "generate")
     decoder = decoder_for(model, sparse_cfg, int(ids.shape[0]), int(ids.shape[1]) + max_new_tokens)
     with decoder.installed():
@@ -332,6 +344,13 @@ def generate_compiled(model, ids, mask, cfg, max_new_tokens: int, mode: str, eos
         prefill_s = time.perf_counter() - started
         first = logits.argmax(dim=-1)
         compile_s = decoder.warm_up(first) if max_new_tokens > 1 else 0.0
+        if mode == "lossless":
+            result = Generation(mode, first.tolist(), prefill_s, 0.0, compile_s=compile_s)
+            if first.item() != eos_token_id:
+                stage = "lossless decode (compiled)"
+                lossless_loop(StaticDrafter(decoder), result, max_new_tokens, **drafting, progress=progress,
+                              eos_token_id=eos_token_id, stage=stage)  # fmt: skip
+            return [result]
         started = time.perf_counter()
         rest, _ = decode_tokens(
             model,

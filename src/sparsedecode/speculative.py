@@ -21,10 +21,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .attention import dense_attention, prefill_history, sparse_decoding
-from .cache import GrowingCache, crop_cache, crop_rewinds, restore, snapshot
+from .cache import GrowingCache
 from .config import SparseConfig
 from .decode import Progress, check_left_padded, decode_one_token, decode_tokens, left_pad, prefill
 from .errors import SparseDecodeError
+from .lossless import MAX_DRAFT_TOKENS, SessionDrafter, lossless_loop
 from .validate import (
     check_config,
     check_count,
@@ -89,7 +90,7 @@ def generate(
     mode: str = "lossless",
     draft_tokens: int = 4,
     adaptive: bool = False,
-    max_draft_tokens: int = 16,
+    max_draft_tokens: int = MAX_DRAFT_TOKENS,
     progress: Progress | None = None,
     attention_mask: torch.Tensor | None = None,
     eos_token_id: int | None = None,
@@ -107,23 +108,20 @@ def generate(
     ``max_draft_tokens``) and halves it when fewer than half were accepted. ``"dense"`` and ``"sparse"`` decode one
     token per step (:func:`~sparsedecode.decode.decode_tokens`). All modes use an in-place
     :class:`~sparsedecode.cache.GrowingCache`. With ``eos_token_id``, generation ends once that token is output (the
-    tokens end with it), in every mode. ``compile=True`` (dense, sparse; prompts of one length): the same tokens from
-    a whole decode step compiled over a static cache (:mod:`sparsedecode.compiled`), its cost in ``compile_s``.
+    tokens end with it), in every mode. ``compile=True`` (prompts of one length): the same tokens from a whole decode
+    step compiled over a static cache (:mod:`sparsedecode.compiled`; lossless: its drafts), its cost in
+    ``compile_s``.
     """
+    drafting = dict(draft_tokens=draft_tokens, adaptive=adaptive, max_draft_tokens=max_draft_tokens)
     ids, mask, one = _generation_inputs(
-        model,
-        input_ids,
-        cfg,
-        max_new_tokens,
-        mode,
-        attention_mask,
-        eos_token_id,
-        (draft_tokens, adaptive, max_draft_tokens),
+        model, input_ids, cfg, max_new_tokens, mode, attention_mask, eos_token_id, tuple(drafting.values())
     )
     if compile is not False:
         from .compiled import generate_compiled
 
-        generations = generate_compiled(model, ids, mask, cfg, max_new_tokens, mode, eos_token_id, progress, compile)
+        generations = generate_compiled(
+            model, ids, mask, cfg, max_new_tokens, mode, eos_token_id, progress, compile, drafting
+        )
         return generations[0] if one else generations
     lengths = [ids.shape[1]] if one else mask.sum(dim=1).tolist()
     started = time.perf_counter()
@@ -135,9 +133,7 @@ def generate(
     prefill_s = time.perf_counter() - started
     first = logits.argmax(dim=-1).tolist()
     if mode == "lossless":
-        drafting = dict(
-            draft_tokens=draft_tokens, adaptive=adaptive, max_draft_tokens=max_draft_tokens, progress=progress
-        )
+        drafting["progress"] = progress
         return _lossless(model, cache, ids, first[0], cfg, max_new_tokens, histories, eos_token_id, prefill_s, drafting)
     started = time.perf_counter()
     # dense even inside a session the caller has open on this model
@@ -231,7 +227,7 @@ def lossless_decode(
     *,
     draft_tokens: int = 4,
     adaptive: bool = False,
-    max_draft_tokens: int = 16,
+    max_draft_tokens: int = MAX_DRAFT_TOKENS,
     progress: Progress | None = None,
     history: dict[int, torch.Tensor] | None = None,
     eos_token_id: int | None = None,
@@ -243,51 +239,14 @@ def lossless_decode(
     prefill (:func:`~sparsedecode.attention.prefill_history`), which an ``h2o`` draft needs.
     """
     result = Generation("lossless", [first], 0.0, 0.0)
-    k = draft_tokens
-    device = next(model.parameters()).device
-    rewinds = crop_rewinds(cache)
     with sparse_decoding(model, cfg) as session:  # one session: its centroid cache lives across rounds
         if history is not None:
             session.adopt_history(cache, history)
-        while len(result.tokens) < max_new_tokens:
-            k_now = min(k, max_new_tokens - len(result.tokens))
-            begun = time.perf_counter()
-            start = snapshot(cache)  # the round's start (copies only the layers crop cannot take back)
-            drafts, token = [], result.tokens[-1]
-            for _ in range(k_now):
-                token = int(decode_one_token(model, cache, torch.tensor([token], device=device))[0].argmax())
-                drafts.append(token)
-            restore(cache, start)
-            result.draft_s += time.perf_counter() - begun
-
-            begun = time.perf_counter()
-            ids = torch.tensor([[result.tokens[-1], *drafts]], device=device)
-            dense = model(input_ids=ids, cache=cache, use_cache=True).logits[0].argmax(dim=-1).tolist()
-            accepted = 0
-            while accepted < k_now and dense[accepted] == drafts[accepted]:
-                accepted += 1
-            new = [*drafts[:accepted], dense[accepted]][: max_new_tokens - len(result.tokens)]
-            if eos_token_id in new:  # dense greedy decoding would stop there: so does its lossless twin
-                new = new[: new.index(eos_token_id) + 1]
-            result.tokens.extend(new)
-            if rewinds or accepted == k_now:
-                crop_cache(cache, length + accepted + 1)
-            else:  # sliding-window or recurrent layers cannot drop the rejected drafts: back to the round's start,
-                restore(cache, start)  # then the accepted prefix again (dense, as the verification was)
-                model(input_ids=ids[:, : accepted + 1], cache=cache, use_cache=True, logits_to_keep=1)
-            length += accepted + 1
-            result.verify_s += time.perf_counter() - begun
-
-            result.verifications += 1
-            result.accepted.append(accepted)
-            result.draft_lengths.append(k_now)
-            if adaptive:
-                k = min(2 * k, max_draft_tokens) if accepted == k_now else max(1, k // 2) if 2 * accepted < k_now else k
-            if progress:
-                progress("lossless decode", len(result.tokens), max_new_tokens)
-            if result.tokens[-1] == eos_token_id:
-                break
-    result.decode_s = result.draft_s + result.verify_s
+        lossless_loop(
+            SessionDrafter(model, cache, length), result, max_new_tokens, draft_tokens=draft_tokens,
+            adaptive=adaptive, max_draft_tokens=max_draft_tokens, progress=progress, eos_token_id=eos_token_id,
+            stage="lossless decode",
+        )  # fmt: skip
     return result
 
 

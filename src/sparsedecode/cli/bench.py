@@ -184,7 +184,8 @@ def add_parsers(sub) -> None:
         "--compile",
         action="store_true",
         help="add dense and sparse modes over a static cache with the decode step compiled (torch.compile, "
-        "fullgraph; compile seconds reported; with --batch, for every batch size; default: off)",
+        "fullgraph; compile seconds reported; with --batch, for every batch size; with --mode lossless, lossless "
+        "rows drafting with the compiled step; default: off)",
     )
     op.set_defaults(handler=cmd_bench_op)
     e2e.set_defaults(handler=cmd_bench_e2e)

@@ -554,8 +554,9 @@ def bench_e2e(
     compile_s = {}
     if compile:
         cfgs = {None: None, **{s: SparseConfig(support=s, kernel=kernel, selector=selector) for s in supports}}
-        compiled, compile_s = _compiled_modes(model, prompt_ids, first, cfgs, tokens, progress)
+        compiled, compile_s = _compiled_modes(model, prompt_ids, first, cfgs, tokens, progress, lossless, adaptive)
         modes.update({("dense" if s is None else "sparse", "static, compiled", s, None): compiled[s] for s in cfgs})
+        modes.update({("lossless", "static, compiled", s, k): compiled[s, k] for s in supports for k in lossless})
     prefills: dict = {}
     if baseline:
         from .baseline import baseline_modes
@@ -567,7 +568,7 @@ def bench_e2e(
         for mode in order if repeat % 2 == 0 else order[::-1]:
             kind, cache, support, k = mode
             label = {"dense": f"dense, {cache}", "sparse": f"sparse S={support}, {cache}"}.get(
-                kind, f"lossless S={support} k={k}"
+                kind, f"lossless S={support} k={k}, {cache}"
             )
             runs[mode].append(modes[mode](f"{label} (run {repeat + 1}/{repeats})"))
     rss = peak_rss_mb()
@@ -872,12 +873,15 @@ def _compiled_decode(model, decoder, context: int, heads: list[int], tokens: int
         return time.perf_counter() - begun, outs
 
 
-def _compiled_modes(model, prompt_ids: torch.Tensor, first: int, cfgs: dict, tokens: int, progress=None):
+def _compiled_modes(model, prompt_ids, first: int, cfgs: dict, tokens: int, progress, lossless=(), adaptive=False):
     """:func:`bench_e2e`'s compiled modes: for each ``cfgs`` entry (a name and its config, ``None`` = dense) a
     function ``timed(stage) -> (seconds, tokens)`` decoding ``tokens`` greedy tokens after ``first``, every mode from
-    one prefill of ``prompt_ids (1, P)`` into one shared cache; and each mode's compile seconds (measured here,
-    before any timed run). The configs were checked compilable before the prefill."""
+    one prefill of ``prompt_ids (1, P)`` into one shared cache; under ``(name, k)`` for each sparse entry and draft
+    length in ``lossless``, the lossless loop drafting with it (a :class:`~sparsedecode.speculative.Generation`); and
+    each mode's compile seconds (measured here, before any timed run). The configs were checked compilable before."""
     from ..compiled import decoder_for
+    from ..lossless import MAX_DRAFT_TOKENS, StaticDrafter, lossless_loop
+    from ..speculative import Generation
 
     context = int(prompt_ids.shape[1])
     decoders = {name: decoder_for(model, cfg, 1, context + tokens + 1) for name, cfg in cfgs.items()}
@@ -894,7 +898,18 @@ def _compiled_modes(model, prompt_ids: torch.Tensor, first: int, cfgs: dict, tok
         seconds, (out,) = _compiled_decode(model, decoder, context, [first], tokens, progress, stage)
         return seconds, out
 
-    return {name: partial(timed, decoder) for name, decoder in decoders.items()}, compile_s
+    def speculative(decoder, k: int, stage: str):
+        with decoder.installed():
+            decoder.resume(context)
+            return lossless_loop(
+                StaticDrafter(decoder), Generation("lossless", [first], 0.0, 0.0), tokens + 1, draft_tokens=k,
+                adaptive=adaptive, max_draft_tokens=MAX_DRAFT_TOKENS, progress=progress, eos_token_id=None, stage=stage,
+            )  # fmt: skip
+
+    functions = {name: partial(timed, decoder) for name, decoder in decoders.items()}
+    for name, decoder in decoders.items():
+        functions.update({(name, k): partial(speculative, decoder, k) for k in lossless if name is not None})
+    return functions, compile_s
 
 
 def _compiled_batches(model, caches, firsts, batches, modes, config_of, tokens, repeats, progress) -> dict:
