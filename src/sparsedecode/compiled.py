@@ -217,19 +217,11 @@ class CompiledDecoder:
         length = ids.shape[1]
         if length >= self.max_len:
             raise SparseDecodeError(f"a prompt of {length} tokens leaves no room in a cache of {self.max_len}")
-        ids = ids.to(self.device)
-        _seek(self.cache, 0)
-        logits = None
+        self.position, logits = 0, None
         for start in range(0, length, chunk):
-            stop = min(start + chunk, length)
-            position = torch.arange(start, stop, device=self.device).expand(self.batch, -1)
-            out = self.model(
-                input_ids=ids[:, start:stop], position_ids=position, cache=self.cache, use_cache=True, logits_to_keep=1
-            )
-            logits = out.logits[:, -1].float()
+            logits = self.extend(ids[:, start : start + chunk], logits_to_keep=1)[:, -1]
             if progress:
-                progress("prefill", stop, length)
-        self.position = length
+                progress("prefill", self.position, length)
         return logits
 
     @torch.no_grad()
@@ -252,15 +244,19 @@ class CompiledDecoder:
         return logits
 
     @torch.no_grad()
-    def extend(self, ids: torch.Tensor) -> torch.Tensor:
-        """Feed ``ids (batch, T)`` at the next positions in one dense forward (eager, as a prefill chunk is: what
-        verifies lossless drafts); the logits after each ``(batch, T, vocab)`` float32. Setting :attr:`position`
-        back afterwards drops the last of them (their keys are written over later)."""
+    def extend(self, ids: torch.Tensor, *, logits_to_keep: int = 0) -> torch.Tensor:
+        """Feed ``ids (batch, T)`` at the next positions in one dense forward (eager: a prefill chunk, or what
+        verifies lossless drafts); the logits after each ``(batch, T, vocab)`` float32 (the last ``logits_to_keep``
+        only, when given). Setting :attr:`position` back afterwards drops the last of them (their keys are written
+        over later)."""
         if ids.dim() != 2 or ids.shape[0] != self.batch or self.position + ids.shape[1] > self.max_len:
             raise SparseDecodeError(f"extend: ({self.batch}, T) ids fitting a cache of {self.max_len} positions")
         position = torch.arange(self.position, self.position + ids.shape[1], device=self.device).expand(self.batch, -1)
         _seek(self.cache, self.position)
-        out = self.model(input_ids=ids.to(self.device), position_ids=position, cache=self.cache, use_cache=True)
+        out = self.model(
+            input_ids=ids.to(self.device), position_ids=position, cache=self.cache, use_cache=True,
+            logits_to_keep=logits_to_keep,
+        )  # fmt: skip
         self.position += ids.shape[1]
         return out.logits.float()
 

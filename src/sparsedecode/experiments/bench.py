@@ -907,8 +907,8 @@ def _compiled_modes(model, prompt_ids, first: int, cfgs: dict, tokens: int, prog
             )  # fmt: skip
 
     functions = {name: partial(timed, decoder) for name, decoder in decoders.items()}
-    for name, decoder in decoders.items():
-        functions.update({(name, k): partial(speculative, decoder, k) for k in lossless if name is not None})
+    sparse = [name for name in decoders if name is not None]
+    functions.update({(name, k): partial(speculative, decoders[name], k) for name in sparse for k in lossless})
     return functions, compile_s
 
 
