@@ -6,11 +6,15 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 DEMO_ARGS ?= --model smollm2-135m --context 2048 --support 97,193 --tokens 64 --prompt-index 2
 
+# The lowest transformers pyproject.toml allows (its floor); `make test-lowest` runs the suite with it in .venv-lowest.
+TRANSFORMERS_LOWEST ?= 5.20.0
+LOWEST := .venv-lowest
+
 # Parallel test workers (pytest-xdist): one per core by default; PYTEST_WORKERS=0 runs the suite in this process.
 PYTEST_WORKERS ?= auto
 PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadgroup
 
-.PHONY: demo test test-quick test-slow lint venv clean
+.PHONY: demo test test-quick test-slow test-lowest lint venv clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +39,18 @@ test-quick: venv
 	@$(PY) -m pytest -q -ra $(PYTEST_PARALLEL) -m "not slow and not realmodel and not ray"; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
+# The same suite as `make test` with the lowest transformers the range allows, in a separate environment.
+$(LOWEST)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(LOWEST)
+	$(LOWEST)/bin/python -m pip install --quiet --upgrade pip
+	$(LOWEST)/bin/python -m pip install --quiet "$(TORCH_PIN)"
+	$(LOWEST)/bin/python -m pip install --quiet -e ".[test]" "transformers==$(TRANSFORMERS_LOWEST)"
+	touch $@
+
+test-lowest: $(LOWEST)/.installed
+	@$(LOWEST)/bin/python -m pytest -q -ra $(PYTEST_PARALLEL) -m "not slow"; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
+
 test-slow: venv
 	$(PY) -m pytest -q -ra -m slow
 
@@ -43,4 +59,4 @@ lint: venv
 	$(VENV)/bin/ruff format --check src tests
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info
+	rm -rf $(VENV) $(LOWEST) build dist src/*.egg-info

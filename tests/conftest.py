@@ -61,6 +61,28 @@ def pytest_collection_modifyitems(config, items):
             item._id = coerce_node_id(item.nodeid + suffix)
 
 
+VERSIONED = ("torch", "transformers", "accelerate", "gguf", "numpy", "triton", "lm-eval", "ray", "hypothesis")
+"""The packages whose versions the run's header names: CI installs whatever the ranges in pyproject.toml resolve to
+on the day, so a red build says what it ran with."""
+
+
+def resolved_versions() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def named(package):
+        try:
+            return f"{package} {version(package)}"
+        except PackageNotFoundError:
+            return f"{package} (not installed)"
+
+    return "resolved: " + ", ".join(named(package) for package in VERSIONED)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The versions at the end of every run (``-q`` hides pytest's header)."""
+    terminalreporter.write_line(resolved_versions())
+
+
 # CI runs the same hypothesis examples every time, so a red build is reproducible.
 settings.register_profile("ci", derandomize=True, deadline=None)
 if os.environ.get("CI"):

@@ -109,3 +109,18 @@ def test_top_level_generate_reproduces_dense_greedy_decoding():
         greedy = model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1] :].tolist()
     assert lossless.tokens == dense.tokens == greedy
     assert lossless.verifications > 0 and max(lossless.draft_lengths) == 3
+
+
+def test_the_lowest_transformers_make_tests_is_the_range_floor():
+    """``make test-lowest`` installs ``TRANSFORMERS_LOWEST``: it must be the floor pyproject.toml declares, or the
+    documented check of the lowest version runs some other version."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    requirements = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    (spec,) = [r for r in requirements if r.startswith("transformers")]
+    floor = re.search(r">=\s*([0-9.]+)", spec).group(1)
+    lowest = re.search(r"^TRANSFORMERS_LOWEST \?= (\S+)$", (root / "Makefile").read_text(), re.M).group(1)
+    assert lowest == floor or lowest.startswith(floor + "."), (lowest, floor)

@@ -51,7 +51,7 @@ class GrowingLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
             self._keys_buffer = self._values_buffer = None
-        filled = self.get_seq_length()
+        filled = int(self.get_seq_length())
         needed = filled + key_states.shape[-2]
         if (filled and not self._owns_views()) or self._keys_buffer is None or needed > self._keys_buffer.shape[-2]:
             self._grow(filled, needed, key_states, value_states)
@@ -90,6 +90,14 @@ def growing_copy(cache: DynamicCache, config) -> GrowingCache:
     return growing
 
 
+def seq_length(cache_or_layer, layer: int | None = None) -> int:
+    """A cache's (or one layer's) length as a Python int. transformers 5.25's linear-attention layers return their
+    running count itself, a 0-d tensor that later tokens increment in place: a length kept from it would move."""
+    if layer is not None:
+        return int(cache_or_layer.get_seq_length(layer))
+    return int(cache_or_layer.get_seq_length())
+
+
 def _plain(layer) -> bool:
     """A layer that keeps every position it was given and nothing else: ``crop`` rewinds it exactly."""
     return type(layer) in (DynamicLayer, GrowingLayer, StaticLayer)
@@ -115,7 +123,7 @@ def snapshot(cache) -> Snapshot:
     not copied (cropping them is exact), so a cache with only plain layers yields an empty snapshot."""
     layers = getattr(cache, "layers", None) or []
     kept = {i: copy.deepcopy(layer) for i, layer in enumerate(layers) if not _plain(layer)}
-    return Snapshot(cache.get_seq_length(), kept)
+    return Snapshot(seq_length(cache), kept)
 
 
 def restore(cache, saved: Snapshot) -> None:
@@ -124,8 +132,8 @@ def restore(cache, saved: Snapshot) -> None:
     for i, layer in enumerate(cache.layers):
         if i in saved.layers:
             cache.layers[i] = copy.deepcopy(saved.layers[i])
-        elif layer.get_seq_length() > saved.length:
-            layer.crop(saved.length - layer.get_seq_length())
+        elif seq_length(layer) > saved.length:
+            layer.crop(saved.length - seq_length(layer))
 
 
 def checkpoint(cache) -> None:
@@ -138,10 +146,10 @@ def checkpoint(cache) -> None:
 def rewind(cache, length: int) -> None:
     """Drop cached positions past ``length``: by ``crop`` where every layer is plain, else from the checkpoint,
     which must be at ``length`` (:class:`~sparsedecode.errors.SparseDecodeError` otherwise)."""
-    if cache.get_seq_length() <= length:
+    if seq_length(cache) <= length:
         return
-    if crop_rewinds(cache):
-        cache.crop(length - cache.get_seq_length())
+    if crop_rewinds(cache):  # each layer to ``length``: a forward that failed part-way left layers of two lengths
+        restore(cache, Snapshot(length, {}))
         return
     saved = getattr(cache, "_sparsedecode_checkpoint", None)
     if saved is None or saved.length != length:

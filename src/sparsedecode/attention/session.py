@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import Cache
 
+from ..cache import seq_length
 from ..centroids import BlockCentroids
 from ..config import SparseConfig
 from ..errors import SparseDecodeError
@@ -130,7 +131,7 @@ class SparseSession:
         """
         for layer, received in history.items():
             state = self.layers.get(layer)
-            length = cache.get_seq_length(layer)
+            length = seq_length(cache, layer)
             if state is None:
                 continue
             if received.shape[1] != length:
@@ -153,7 +154,7 @@ class SparseSession:
             if not all(layer in h for h in histories):
                 continue
             keys = cache.layers[layer].keys
-            length = cache.get_seq_length(layer)
+            length = seq_length(cache, layer)
             state.forget()
             rows = state.batch_rows(pads)
             for i, (row, pad) in enumerate(zip(rows, pads)):
