@@ -309,7 +309,7 @@ def decoder_for(model, cfg: SparseConfig | None, batch: int, length: int, backen
     if limit:
         size = max(min(size, int(limit)), length)
     kept = model.__dict__.setdefault("_sparsedecode_decoders", {})
-    key = (None if cfg is None else repr(cfg), batch, size, backend)
+    key = (None if cfg is None else cfg.identity(), batch, size, backend)  # what the selector is, not its repr
     if key not in kept:
         shared = next((d.cache for d in kept.values() if (d.batch, d.max_len) == (batch, size)), None)
         while len(kept) >= KEPT:

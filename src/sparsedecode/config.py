@@ -101,6 +101,13 @@ class SparseConfig:
         """Positions actually read when the context is longer than the support (``1 + W + b*B`` for blocks)."""
         return self.support if self.token_level else 1 + self.window + self.blocks * self.block_size
 
+    def identity(self) -> tuple:
+        """What this configuration is, for keying caches: the fields, the selector as its
+        :meth:`~sparsedecode.selectors.base.Selector.identity` (two selectors that print alike differ here)."""
+        return tuple(
+            (f.name, self.selector.identity() if f.name == "selector" else getattr(self, f.name)) for f in fields(self)
+        )
+
     def to_dict(self) -> dict:
         """Plain JSON: the fields (the selector as its spec string), its parameters (and a file's sha256), ``b`` and
         the effective support."""

@@ -150,8 +150,13 @@ def finite_sum(tensor: torch.Tensor) -> bool:
     """Whether every entry of ``tensor`` is finite, by one float64 reduction and one read-back.
 
     Cheaper than ``isfinite(...).all()`` for the small tensors of a decode step: a NaN or an infinity makes the
-    sum NaN or infinite, and a float64 sum of float32 (or narrower) values cannot overflow.
+    sum NaN or infinite, and a float64 sum of float32 (or narrower) values cannot overflow. float64 values can (a
+    sum of finite values near the largest float64 overflows), so they are checked entry by entry; integers are.
     """
+    if not tensor.is_floating_point():
+        return True
+    if tensor.dtype == torch.float64:
+        return bool(torch.isfinite(tensor).all())
     return math.isfinite(float(tensor.sum(dtype=torch.float64)))
 
 

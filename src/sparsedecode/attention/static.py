@@ -67,11 +67,14 @@ the two)."""
 _CONFIGS: dict[str, SparseConfig] = {}
 _PLANS: dict[str, dict] = {}
 _SUPPORTS: dict[str, int] = {}  # each config's effective support, read at every call
+_KEYS: dict[tuple, str] = {}  # a configuration's identity -> its key
 
 
 def config_key(cfg: SparseConfig) -> str:
-    """The string the op is handed for ``cfg`` (custom ops take strings, not objects): stable per config."""
-    key = repr(cfg)
+    """The string the op is handed for ``cfg`` (custom ops take strings, not objects): one per configuration as
+    :meth:`~sparsedecode.config.SparseConfig.identity` tells them apart (two selectors whose reprs match, say two
+    classes ``Sel`` from two files, get two keys)."""
+    key = _KEYS.setdefault(cfg.identity(), f"{len(_KEYS)}|{cfg!r}")
     _CONFIGS.setdefault(key, cfg)
     _PLANS.setdefault(key, {})
     _SUPPORTS.setdefault(key, cfg.effective_support)

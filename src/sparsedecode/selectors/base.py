@@ -76,6 +76,7 @@ class Selector:
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
+        cls.source = None  # a subclass is not its parent's file (the file loader sets its own classes')
         overrides = "score_blocks" in cls.__dict__ or "score_positions" in cls.__dict__
         if overrides and "kernel_scoring" not in cls.__dict__:
             cls.kernel_scoring = None  # the kernels implement the parent's scores, not this class's
@@ -103,6 +104,12 @@ class Selector:
         return (
             {f.name: getattr(self, f.name) for f in dataclasses.fields(self)} if dataclasses.is_dataclass(self) else {}
         )
+
+    def identity(self) -> tuple:
+        """What this selector *is*, for keying caches (compiled decoders, a custom op's configurations): its class,
+        the object itself (two classes of one name in two files differ; a file edited and imported again is a new
+        class), and its parameters. Never its ``repr``, which reads the same for all of those."""
+        return (type(self), tuple((k, type(v).__name__, repr(v)) for k, v in self.params().items()))
 
     def changed_params(self) -> dict:
         """The parameters that differ from their defaults (what a spec string names)."""

@@ -33,12 +33,18 @@ def register_selector(cls: type[Selector] | None = None, *, name: str | None = N
 
     def add(klass):
         check_selector_class(klass)
+        _load_builtins()  # a built-in's name is taken even before anything looked one up
         key = name or klass.selector_name()
         if not key or ":" in key or "," in key or "=" in key or key.endswith(".py"):
             raise SparseDecodeError(f"selector name {key!r}: use letters, digits and dashes (no ':', ',', '=')")
         if name is not None and not klass.name:
             klass.name = name
         held = _REGISTRY.get(key)
+        if held is not None and held is not klass and key in _BUILTIN_NAMES:
+            raise SparseDecodeError(
+                f"selector name {key!r} is a built-in's: rows name it, so it cannot be replaced; register yours "
+                "under another name"
+            )
         if held is not None and held is not klass and not replace:
             raise SparseDecodeError(f"selector name {key!r} is taken by {held.__module__}.{held.__qualname__}")
         _REGISTRY[key] = klass
@@ -47,11 +53,17 @@ def register_selector(cls: type[Selector] | None = None, *, name: str | None = N
     return add if cls is None else add(cls)
 
 
+_BUILTIN_NAMES: frozenset[str] = frozenset()
+"""The names the built-in selectors registered (:func:`_load_builtins`): never replaced."""
+
+
 def _load_builtins() -> None:
-    global _BUILTINS_LOADED
+    global _BUILTINS_LOADED, _BUILTIN_NAMES
     if not _BUILTINS_LOADED:
         _BUILTINS_LOADED = True
         from . import builtin  # noqa: F401  (registers the built-in selectors)
+
+        _BUILTIN_NAMES = frozenset(_REGISTRY)
 
 
 def _load_entry_points() -> None:
@@ -139,11 +151,14 @@ def load_file_class(location: str, class_name: str) -> type[Selector]:
                 f"selector file {location!r} failed to import: {type(error).__name__}: {error}"
             ) from None
         held = _FILES[key] = (text, module)
-    cls = getattr(held[1], class_name, None)
+    module = held[1]
+    cls = getattr(module, class_name, None)
     if cls is None:
         raise SparseDecodeError(f"selector file {location!r} has no class {class_name!r}")
     check_selector_class(cls)
-    cls.source = (location, digest)
+    if cls.__module__ == module.__name__:  # defined in this file: it records the file
+        cls.source = (location, digest)
+    # else the file imports it (a built-in, or another file's class): it keeps its own origin
     return cls
 
 

@@ -17,7 +17,7 @@ from .. import kernels
 from ..centroids import BlockCentroids, reduce_blocks
 from ..errors import SparseDecodeError
 from ..layout import BlockLayout, support_positions
-from ..validate import check_finite
+from ..validate import check_finite, finite_sum
 from .base import BlockSelector, Selector, TokenSelector
 from .ops import token_index, top_blocks, top_positions
 from .registry import resolve_selector
@@ -32,16 +32,24 @@ class BlockChoice:
     keep: torch.Tensor | None = None
 
 
-def _checked(selector: Selector, scores, shape: tuple[int, int], what: str) -> torch.Tensor:
+def _checked(selector: Selector, scores, shape: tuple[int, int], what: str, device: torch.device) -> torch.Tensor:
+    """The selector's scores, checked: a tensor of ``shape`` on ``device``, numbers, finite. Half-precision scores
+    are widened to float32; float32, float64 and integer scores are ranked as they are (a cast to float32 would tie
+    float64 scores that differ below its precision and overflow large finite ones)."""
     name = selector.spec()
     if not isinstance(scores, torch.Tensor):
         raise SparseDecodeError(f"selector {name}: {what} returned {type(scores).__name__}, not a tensor")
     if tuple(scores.shape) != shape:
         raise SparseDecodeError(f"selector {name}: {what} returned shape {tuple(scores.shape)}, expected {shape}")
+    if scores.device != device:
+        raise SparseDecodeError(
+            f"selector {name}: {what} returned scores on device {scores.device}, expected {device} (the keys')"
+        )
     if not (scores.is_floating_point() or scores.dtype in (torch.int32, torch.int64)):
         raise SparseDecodeError(f"selector {name}: {what} returned {scores.dtype} scores, not numbers")
-    scores = scores.float()
-    if not bool(torch.isfinite(scores).all()):
+    if scores.dtype in (torch.float16, torch.bfloat16):
+        scores = scores.float()
+    if not finite_sum(scores):
         bad = int((~torch.isfinite(scores)).sum())
         raise SparseDecodeError(
             f"selector {name}: the {what} scores hold NaN or infinite values ({bad}; NaN ranks nowhere): a NaN or "
@@ -50,15 +58,62 @@ def _checked(selector: Selector, scores, shape: tuple[int, int], what: str) -> t
     return scores
 
 
-def _call(selector: Selector, method, *args):
+def trusted(selector: Selector, method) -> bool:
+    """Whether ``method`` of ``selector`` is the library's own code (a built-in's, or the protocol's default): it is
+    handed the library's tensors themselves. Anything else (a user's class, or a user's override of a built-in) is
+    handed copies (:func:`_call`)."""
+    function = getattr(method, "__func__", method)
+    return getattr(function, "__module__", "").startswith("sparsedecode.")
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [v for v in value.values() if isinstance(v, torch.Tensor)]
+    return []
+
+
+def _copy(value):
+    """A copy a selector may do anything to; made outside ``inference_mode`` so that it has a version counter."""
+    with torch.inference_mode(False):
+        if isinstance(value, torch.Tensor):
+            return value.clone()
+        if isinstance(value, dict):
+            return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in value.items()}
+    return value
+
+
+def _versions(values) -> list[int | None]:
+    return [None if t.is_inference() else t._version for value in values for t in _tensors(value)]
+
+
+def _call(selector: Selector, method, *inputs, layout=None):
+    """``method(*inputs, layout)``, run so that the selector cannot change what other rows see.
+
+    Code that is not the library's is handed copies of the tensors (queries, keys, block statistics, history, the
+    scores a budget reads): whatever it does to them stays its own. Every call's inputs are checked by their version
+    counters afterwards, and a selector that wrote into them in place is refused in one line naming it (its scores
+    came from inputs it changed). A failure inside the selector is one line naming it too. The copies cost one pass
+    over what the selector reads; built-ins, and the kernels' own scoring, are handed the tensors themselves.
+    """
+    if not trusted(selector, method):
+        inputs = tuple(_copy(value) for value in inputs)
+    before = _versions(inputs)
     try:
-        return method(*args)
+        result = method(*inputs, layout)
     except SparseDecodeError:
         raise
     except Exception as error:  # a user's selector failing is one line naming it
         raise SparseDecodeError(
             f"selector {selector.spec()} failed in {method.__name__}: {type(error).__name__}: {error}"
         ) from None
+    if _versions(inputs) != before:
+        raise SparseDecodeError(
+            f"selector {selector.spec()} wrote into the tensors it was handed in {method.__name__} (an in-place "
+            "operation such as mul_ or a slice assignment); a selector must only read its inputs: copy them first"
+        )
+    return result
 
 
 def block_statistics(cache: BlockCentroids, keys: torch.Tensor, layout: BlockLayout) -> dict[str, torch.Tensor]:
@@ -74,19 +129,39 @@ def block_statistics(cache: BlockCentroids, keys: torch.Tensor, layout: BlockLay
 def block_scores(selector: BlockSelector, cache: BlockCentroids, queries, keys, layout: BlockLayout) -> torch.Tensor:
     """The selector's checked float32 scores ``(kv, n_blocks)``."""
     reads = block_statistics(cache, keys, layout) if selector.statistics else keys[:, : layout.n]
-    scores = _call(selector, selector.score_blocks, queries, reads, layout)
-    return _checked(selector, scores, (keys.shape[0], layout.n_blocks), "score_blocks")
+    scores = _call(selector, selector.score_blocks, queries, reads, layout=layout)
+    return _checked(selector, scores, (keys.shape[0], layout.n_blocks), "score_blocks", keys.device)
+
+
+def _whole_counts(selector: BlockSelector, counts: torch.Tensor) -> torch.Tensor:
+    """A budget's counts as integers: whole, finite and not negative, or one line naming the selector (a cast would
+    turn -3 and NaN into 0 blocks and 1.9 into 1 without a word)."""
+    if counts.dtype == torch.bool or counts.is_complex():
+        raise SparseDecodeError(f"selector {selector.spec()}: budget returned {counts.dtype} counts, not integers")
+    whole = counts if not counts.is_floating_point() else counts.double()
+    if counts.is_floating_point() and not bool((torch.isfinite(whole) & (whole == whole.round())).all()):
+        raise SparseDecodeError(
+            f"selector {selector.spec()}: budget returned counts that are not whole numbers "
+            f"({counts.tolist()}): return how many blocks each KV head keeps"
+        )
+    if bool((whole < 0).any()):
+        raise SparseDecodeError(f"selector {selector.spec()}: budget returned negative counts ({counts.tolist()})")
+    return whole.to(torch.long)
 
 
 def _budget(selector: BlockSelector, scores: torch.Tensor, blocks: torch.Tensor, layout) -> torch.Tensor | None:
-    counts = _call(selector, selector.budget, scores, layout)
+    counts = _call(selector, selector.budget, scores, layout=layout)
     if counts is None:
         return None
     kv_heads, b = blocks.shape
     if not isinstance(counts, torch.Tensor) or tuple(counts.shape) != (kv_heads,):
         got = tuple(counts.shape) if isinstance(counts, torch.Tensor) else type(counts).__name__
         raise SparseDecodeError(f"selector {selector.spec()}: budget returned {got}, expected ({kv_heads},) counts")
-    counts = counts.to(torch.long).clamp(0, b)
+    if counts.device != scores.device:
+        raise SparseDecodeError(
+            f"selector {selector.spec()}: budget returned counts on device {counts.device}, expected {scores.device}"
+        )
+    counts = _whole_counts(selector, counts).clamp(max=b)
     picked = scores.gather(1, blocks)  # (kv, b): each chosen block's score
     # rank among the chosen: higher score first, ties to the lower index (blocks are ascending)
     ahead = (picked.unsqueeze(1) > picked.unsqueeze(2)) | (
@@ -141,8 +216,8 @@ def choose_positions(
         reads = history[:, : layout.n]
     else:
         reads = keys[:, : layout.n]
-    scores = _call(selector, selector.score_positions, queries, reads, layout)
-    scores = _checked(selector, scores, (kv_heads, layout.n), "score_positions")
+    scores = _call(selector, selector.score_positions, queries, reads, layout=layout)
+    scores = _checked(selector, scores, (kv_heads, layout.n), "score_positions", keys.device)
     return top_positions(scores, layout, count)
 
 

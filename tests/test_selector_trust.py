@@ -1,0 +1,320 @@
+"""A user's selector cannot change anyone else's results (issue #42's silent cases): tensors it is handed are its
+own copies and writing into them is refused; compiled decoders and the op's configurations are keyed by what a
+selector is, not by its repr; built-in names and origins stay the built-ins'; budgets and scores are taken as given
+or refused, never coerced."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+
+import pytest
+import torch
+from conftest import prompt, tiny_model
+
+import sparsedecode as sd
+from sparsedecode import SparseConfig, SparseDecodeError, select_support
+from sparsedecode.selectors import registry
+from sparsedecode.selectors.ops import group_mean_queries, mean_pooled_scores
+
+WRITERS = '''
+from dataclasses import dataclass
+
+import torch
+
+import sparsedecode
+from sparsedecode.selectors import group_mean_queries
+
+
+def blocks_of(queries, keys, layout):
+    q = group_mean_queries(queries, keys.shape[0])
+    logits = torch.einsum("hd,hnd->hn", q, keys.float())[:, 1 : layout.distant_end]
+    pad = layout.n_blocks * layout.block_size - logits.shape[1]
+    return torch.nn.functional.pad(logits, (0, pad)).view(keys.shape[0], layout.n_blocks, -1).sum(-1)
+
+
+@dataclass(frozen=True)
+class ScalesKeys(sparsedecode.BlockSelector):
+    """Scores honestly, then halves the keys it was handed."""
+
+    def score_blocks(self, queries, keys, layout):
+        scores = blocks_of(queries, keys, layout)
+        keys.mul_(0.5)
+        return scores
+
+
+@dataclass(frozen=True)
+class ZeroesQueries(sparsedecode.TokenSelector):
+    def score_positions(self, queries, keys, layout):
+        scores = torch.einsum("hd,hnd->hn", queries.view(keys.shape[0], -1, keys.shape[-1]).mean(1), keys.float())
+        queries[:] = 0
+        return scores
+
+
+@dataclass(frozen=True)
+class ShiftsStatistics(sparsedecode.BlockSelector):
+    statistics = ("mean",)
+
+    def score_blocks(self, queries, stats, layout):
+        mean = stats["mean"]
+        scores = torch.einsum("hd,hnd->hn", queries.view(mean.shape[0], -1, mean.shape[-1]).mean(1), mean)
+        mean.add_(3.0)
+        return scores
+
+
+@dataclass(frozen=True)
+class WritesThroughData(sparsedecode.BlockSelector):
+    """Writes where no version counter sees it: harmless only because it writes into a copy."""
+
+    def score_blocks(self, queries, keys, layout):
+        scores = blocks_of(queries, keys, layout)
+        keys.data.mul_(0.0)
+        keys.numpy()[:] = 7.0
+        return scores
+'''
+
+
+@pytest.fixture(scope="module")
+def writers(tmp_path_factory):
+    path = tmp_path_factory.mktemp("writers") / "writers.py"
+    path.write_text(WRITERS)
+    return path
+
+
+def _row(result) -> tuple:
+    return (result.first_divergence, result.teacher_forced_match, result.sparse_ppl, result.sparse_tokens)
+
+
+@pytest.mark.parametrize("writer", ["ScalesKeys", "ZeroesQueries", "ShiftsStatistics"])
+def test_a_selector_writing_into_its_inputs_is_refused_and_later_rows_are_unchanged(writers, writer):
+    model = tiny_model("llama")
+    ids = prompt(260)
+    reference = sd.dense_reference(model, ids, tokens=8)
+    alone = {name: _row(sd.compare(model, None, ids, SparseConfig(support=97, selector=name), 8, reference=reference))
+             for name in ("quest", "mean-pooled", "oracle-tokens")}  # fmt: skip
+    with pytest.raises(SparseDecodeError) as raised:
+        sd.compare(model, None, ids, SparseConfig(support=97, selector=f"{writers}:{writer}"), 8, reference=reference)
+    message = str(raised.value)
+    assert writer in message and "wrote into the tensors" in message and "\n" not in message
+    after = {name: _row(sd.compare(model, None, ids, SparseConfig(support=97, selector=name), 8, reference=reference))
+             for name in alone}  # fmt: skip
+    assert after == alone
+
+
+def test_writes_no_version_counter_sees_land_in_the_selectors_own_copy(writers):
+    model = tiny_model("qwen2")
+    ids = prompt(240)
+    reference = sd.dense_reference(model, ids, tokens=8)
+    before = _row(sd.compare(model, None, ids, SparseConfig(support=97, selector="quest"), 8, reference=reference))
+    keys_before = [layer.keys.clone() for layer in reference.cache.layers]
+    sd.compare(model, None, ids, SparseConfig(support=97, selector=f"{writers}:WritesThroughData"), 8,
+               reference=reference)  # fmt: skip
+    assert all(torch.equal(a, layer.keys) for a, layer in zip(keys_before, reference.cache.layers))
+    after = _row(sd.compare(model, None, ids, SparseConfig(support=97, selector="quest"), 8, reference=reference))
+    assert after == before
+
+
+def test_select_support_leaves_the_callers_tensors_alone(writers):
+    queries, keys = torch.randn(4, 16), torch.randn(2, 400, 16)
+    kept_q, kept_k = queries.clone(), keys.clone()
+    with pytest.raises(SparseDecodeError, match="ScalesKeys wrote into"):
+        select_support(queries, keys, support=97, method=f"{writers}:ScalesKeys")
+    select_support(queries, keys, support=97, method=f"{writers}:WritesThroughData")
+    assert torch.equal(queries, kept_q) and torch.equal(keys, kept_k)
+
+
+def test_builtins_are_handed_the_tensors_themselves_and_user_code_copies():
+    from sparsedecode.selectors import select
+    from sparsedecode.selectors.quest import Quest
+
+    @dataclass(frozen=True)
+    class Mine(Quest):
+        def score_blocks(self, queries, stats, layout):
+            return super().score_blocks(queries, stats, layout)
+
+    assert select.trusted(Quest(), Quest().score_blocks)
+    assert not select.trusted(Mine(), Mine().score_blocks)  # a user's override of a built-in
+    assert select.trusted(Mine(), Mine().budget)  # the protocol's default, not user code
+
+
+def _two_versions(tmp_path):
+    """Two files, each with a class ``Sel`` of the same repr; v1 prefers the first blocks, v2 the last."""
+    made = []
+    for version, sign in (("v1", -1), ("v2", 1)):
+        folder = tmp_path / version
+        folder.mkdir()
+        (folder / "sel.py").write_text(
+            textwrap.dedent(
+                f"""
+                from dataclasses import dataclass
+                import torch
+                import sparsedecode
+
+                @dataclass(frozen=True)
+                class Sel(sparsedecode.BlockSelector):
+                    def score_blocks(self, queries, keys, layout):
+                        return {sign} * torch.arange(layout.n_blocks, dtype=torch.float32).expand(keys.shape[0], -1)
+                """
+            )
+        )
+        made.append(f"{folder / 'sel.py'}:Sel")
+    return made
+
+
+def test_configurations_are_told_apart_by_what_their_selector_is(tmp_path):
+    from sparsedecode.attention.static import config_key
+
+    v1, v2 = (SparseConfig(support=97, selector=spec) for spec in _two_versions(tmp_path))
+    assert repr(v1) == repr(v2) and v1.identity() != v2.identity()
+    assert config_key(v1) != config_key(v2) and config_key(v1) == config_key(SparseConfig(support=97, selector=v1.selector))
+    assert SparseConfig(selector="quest").identity() == SparseConfig(selector="quest").identity()
+    assert SparseConfig(selector="top-p:p=0.8").identity() != SparseConfig(selector="top-p:p=0.9").identity()
+
+
+def test_compiled_generation_keeps_two_same_named_selectors_apart(tmp_path, monkeypatch):
+    from sparsedecode import compiled
+
+    monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
+    model = tiny_model("llama")
+    ids = prompt(300)
+    runs = {}
+    for spec in _two_versions(tmp_path):
+        cfg = SparseConfig(support=97, selector=spec)
+        compiled = sd.generate(model, ids, cfg, max_new_tokens=8, mode="sparse", compile=True)
+        eager = sd.generate(model, ids, cfg, max_new_tokens=8, mode="sparse")
+        assert compiled.tokens == eager.tokens
+        runs[spec] = compiled.tokens
+    assert len(model.__dict__["_sparsedecode_decoders"]) == 2
+
+
+def test_a_builtin_name_cannot_be_taken_even_before_any_lookup():
+    """In a fresh interpreter, where a decorator at import time runs before anything looked a selector up."""
+    script = textwrap.dedent(
+        """
+        from dataclasses import dataclass
+        import torch, sparsedecode as sd
+        from sparsedecode.selectors import registry
+
+        @dataclass(frozen=True)
+        class Impostor(sd.BlockSelector):
+            def score_blocks(self, queries, keys, layout):
+                return torch.zeros(keys.shape[0], layout.n_blocks)
+
+        refused = 0
+        for name in ("quest", "streaming"):
+            for replace in (False, True):
+                try:
+                    registry.register_selector(Impostor, name=name, replace=replace)
+                except sd.SparseDecodeError as error:
+                    refused += "built-in" in str(error)
+        names = ("quest", "streaming", "top-p", "sparq", "random-blocks", "sink-streaming")
+        print(refused, all(registry.selector_class(n).__module__.startswith("sparsedecode.selectors.") for n in names))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["4", "True"]
+
+
+def test_a_file_reexporting_a_builtin_leaves_the_builtins_origin(tmp_path):
+    path = tmp_path / "again.py"
+    path.write_text("from sparsedecode.selectors.quest import Quest\nfrom sparsedecode.selectors.oracle import *\n")
+    reexported = SparseConfig(selector=f"{path}:Quest").selector
+    assert reexported.source is None and reexported.spec() == "quest"
+    plain = SparseConfig(selector="quest").selector
+    assert plain.source is None and "selector_sha256" not in plain.record()
+
+
+def test_a_subclass_does_not_inherit_its_parents_file(tmp_path):
+    path = tmp_path / "parent.py"
+    path.write_text(
+        "from dataclasses import dataclass\nimport torch, sparsedecode\n\n@dataclass(frozen=True)\n"
+        "class Parent(sparsedecode.BlockSelector):\n    def score_blocks(self, q, k, layout):\n"
+        "        return torch.zeros(k.shape[0], layout.n_blocks)\n"
+    )
+    parent = type(SparseConfig(selector=f"{path}:Parent").selector)
+
+    @dataclass(frozen=True)
+    class Child(parent):
+        pass
+
+    assert parent.source is not None and Child.source is None and Child().spec() == "Child"
+
+
+BUDGETS = {
+    "negative": torch.tensor([-3, 1]),
+    "nan": torch.tensor([float("nan"), 1.0]),
+    "fractional": torch.tensor([1.9, 1.0]),
+    "infinite": torch.tensor([float("inf"), 1.0]),
+    "boolean": torch.tensor([True, False]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BUDGETS))
+def test_a_budget_is_whole_counts_or_refused(case):
+    counts = BUDGETS[case]
+
+    @dataclass(frozen=True)
+    class Budgeted(sd.BlockSelector):
+        def score_blocks(self, queries, keys, layout):
+            return mean_pooled_scores(group_mean_queries(queries, keys.shape[0]), keys[:, : layout.n_blocks].float())
+
+        def budget(self, scores, layout):
+            return counts.clone()
+
+    with pytest.raises(SparseDecodeError, match="Budgeted: budget returned") as raised:
+        select_support(torch.randn(4, 8), torch.randn(2, 400, 8), support=193, method=Budgeted())
+    assert "\n" not in str(raised.value)
+
+
+def test_whole_float_budgets_and_counts_past_b_are_taken():
+    @dataclass(frozen=True)
+    class Budgeted(sd.BlockSelector):
+        def score_blocks(self, queries, keys, layout):
+            return -torch.arange(layout.n_blocks, dtype=torch.float64).expand(keys.shape[0], -1)
+
+        def budget(self, scores, layout):
+            return torch.tensor([2.0, 100.0])
+
+    picked = select_support(torch.randn(4, 8), torch.randn(2, 400, 8), support=193, method=Budgeted())
+    assert len(picked[0]) == 1 + 2 * 16 + 64 and len(picked[1]) == 1 + 8 * 16 + 64
+
+
+def test_float64_scores_are_ranked_at_their_own_precision():
+    @dataclass(frozen=True)
+    class Fine(sd.BlockSelector):
+        scale: float = 1.0
+
+        def score_blocks(self, queries, keys, layout):
+            # the later a block, the higher, by steps float32 cannot resolve (1e-12 around 1.0 or 1e300)
+            ramp = torch.arange(layout.n_blocks, dtype=torch.float64) * 1e-12
+            return ((1.0 + ramp) * self.scale).expand(keys.shape[0], -1)
+
+    keys = torch.randn(2, 400, 8)
+    n_blocks = (400 - 64 - 1 + 15) // 16
+    for scale in (1.0, 1e300):
+        picked = select_support(torch.randn(4, 8), keys, support=97, method=Fine(scale=scale))
+        # the last two blocks (the last one short), then the window
+        assert picked[0].tolist() == [0, *range(1 + (n_blocks - 2) * 16, 400)], scale
+
+
+@pytest.mark.parametrize("where", ["meta", "scores"])
+def test_scores_on_another_device_are_one_error(where):
+    @dataclass(frozen=True)
+    class Meta(sd.BlockSelector):
+        def score_blocks(self, queries, keys, layout):
+            return torch.zeros(keys.shape[0], layout.n_blocks, device="meta")
+
+    @dataclass(frozen=True)
+    class MetaBudget(sd.BlockSelector):
+        def score_blocks(self, queries, keys, layout):
+            return torch.zeros(keys.shape[0], layout.n_blocks)
+
+        def budget(self, scores, layout):
+            return torch.ones(scores.shape[0], dtype=torch.long, device="meta")
+
+    selector = Meta() if where == "meta" else MetaBudget()
+    with pytest.raises(SparseDecodeError, match="on device meta") as raised:
+        select_support(torch.randn(4, 8), torch.randn(2, 400, 8), support=193, method=selector)
+    assert "\n" not in str(raised.value)
