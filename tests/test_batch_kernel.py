@@ -16,6 +16,7 @@ from sparsedecode import SparseConfig, SparseDecodeError, sparse_decoding
 from sparsedecode.centroids import BlockCentroids
 from sparsedecode.kernels import cpu, cpu_batch
 from sparsedecode.layout import BlockLayout
+from sparsedecode.step.plan import StepPlan
 
 LENGTHS = (300, 150, 60, 233)  # differing by more than a block; one below the support, growing past it
 
@@ -157,9 +158,9 @@ def test_batch_call_refuses_rows_it_cannot_read():
         call((0, 0, 250, cache.storage(), blocks, True), query=q.transpose(0, 1).contiguous().transpose(0, 1))
 
 
-def generate(model, ids, mask, cfg, steps, *, observers=(), track_reads=False):
+def generate(model, ids, mask, cfg, steps, *, observers=(), track_reads=False, plan=None):
     with sparse_decoding(model, cfg) as session:
-        session.track_reads = track_reads
+        session.track_reads, session.plan = track_reads, plan
         session.observers.extend(observers)
         result = model.generate(
             ids,
@@ -194,10 +195,9 @@ class Calls:
         monkeypatch.setattr(cpu, "run_attention", single)
 
 
-def per_row(monkeypatch):
-    """Force the per-row attention of ``sparse_rows`` (what runs for other kernels, adaptive budgets and token-level
-    selectors) where the one C call would serve."""
-    monkeypatch.setattr(attention.step, "ONE_CALL", False)
+PER_ROW = StepPlan("c", "c", one_call=False)
+"""The per-row C calls (selection, then attention) where the one C call would serve: what runs for other kernels,
+adaptive budgets and token-level selectors, passed to the session as its plan."""
 
 
 def row_states(session):
@@ -220,9 +220,8 @@ def test_one_call_per_layer_equals_the_per_sequence_loop(arch, reuse, selector, 
     for path in ("one call", "per row"):
         with monkeypatch.context() as patch:
             calls = Calls(patch)
-            if path == "per row":
-                per_row(patch)
-            tokens, logits, session = generate(model, ids, mask, cfg, 12, track_reads=True)
+            plan = PER_ROW if path == "per row" else None
+            tokens, logits, session = generate(model, ids, mask, cfg, 12, track_reads=True, plan=plan)
         reads = [session.unique_distant_positions(i) for i in range(len(LENGTHS))]
         counts = (session.sparse_steps, session.dense_steps)
         results[path] = (tokens, logits, calls, row_states(session), reads, counts)
@@ -267,12 +266,11 @@ def test_padding_is_never_read(arch, lengths, poison, path, monkeypatch):
     ids, mask = ragged_batch(lengths)
     cfg = SparseConfig(support=97)
     pads = [ids.shape[1] - length for length in lengths]
-    if path == "per row":
-        per_row(monkeypatch)
     outputs = []
     for poisoned in (False, True):
         cache = DynamicCache(config=model.config)
-        with torch.no_grad(), sparse_decoding(model, cfg):
+        with torch.no_grad(), sparse_decoding(model, cfg) as session:
+            session.plan = PER_ROW if path == "per row" else None
             logits = model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True).logits[:, -1]
             if poisoned:
                 for layer in cache.layers:
@@ -319,9 +317,7 @@ def test_half_precision_one_call_equals_the_per_sequence_loop(arch, dtype, monke
         cfg = SparseConfig(support=97, reuse=2, kernel="torch" if path == "torch" else "auto")
         with monkeypatch.context() as patch:
             calls = Calls(patch)
-            if path == "per row":
-                per_row(patch)
-            tokens, logits, session = generate(model, ids, mask, cfg, 12)
+            tokens, logits, session = generate(model, ids, mask, cfg, 12, plan=PER_ROW if path == "per row" else None)
         results[path] = (tokens, logits, calls.batched, calls.blocks, session.sparse_steps)
     (tokens, logits, batched, blocks, steps), (tokens1, logits1, batched1, blocks1, steps1) = (
         results["one call"],

@@ -74,14 +74,15 @@ def decoder_inputs(decoder: CompiledDecoder, tokens: torch.Tensor):
     return tokens.reshape(decoder.batch, 1), position
 
 
-@pytest.fixture(params=["fused", "op"])
-def path(request, monkeypatch):
-    """Both forms of the compiled step: the host-free step traced into the graph (``FUSE``, the default where it
-    serves the selector) and the custom op ``torch.ops.sparsedecode.sparse_step`` (every selector)."""
-    from sparsedecode.attention import static
+FORMS = {"fused": "traced", "op": "prepared"}
 
-    monkeypatch.setattr(static, "FUSE", request.param == "fused")
-    return request.param
+
+@pytest.fixture(params=["fused", "op"])
+def path(request):
+    """Both forms of the compiled step, as a decoder's ``form``: the host-free step traced into the graph
+    (``"traced"``, where it serves the selector) and the custom op ``torch.ops.sparsedecode.sparse_step`` (every
+    selector; ``"prepared"``, the CPU's default)."""
+    return FORMS[request.param]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -89,9 +90,9 @@ def test_whole_decode_step_compiles_fullgraph_and_gives_the_eager_tokens(arch, p
     model = tiny_model(arch)
     ids, cfg = _prompt(), SparseConfig(**SMALL_CFG)
     eager_tokens, eager_logits = _session_run(model, ids, cfg)
-    uncompiled = CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + STEPS + 1, backend="aot_eager")
+    uncompiled = CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + STEPS + 1, backend="aot_eager", form=path)
     static_tokens, static_logits = _static_run(uncompiled, ids, compiled=False)
-    decoder = CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + STEPS + 1, backend="aot_eager")
+    decoder = CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + STEPS + 1, backend="aot_eager", form=path)
     tokens, logits = _static_run(decoder, ids)
     assert decoder.compile_s > 0
     assert tokens == eager_tokens == static_tokens
@@ -126,7 +127,7 @@ def test_static_step_equals_the_session_step_for_every_selector(selector, reuse,
     model = tiny_model("llama")
     ids, cfg = _prompt(2), SparseConfig(**SMALL_CFG, selector=selector, reuse=reuse)
     eager_tokens, eager_logits = _session_run(model, ids, cfg)
-    decoder = CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + STEPS + 1, backend="aot_eager")
+    decoder = CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + STEPS + 1, backend="aot_eager", form=path)
     tokens, logits = _static_run(decoder, ids, compiled=False)
     assert tokens == eager_tokens
     assert torch.allclose(logits, eager_logits, rtol=0, atol=logits_tolerance(eager_logits, model, positions=PROMPT))
@@ -199,20 +200,20 @@ def test_a_long_lived_decoder_equals_fresh_ones_across_prompts_and_rollbacks(pat
     lived = CompiledDecoder(model, SparseConfig(**SMALL_CFG, reuse=3), batch=1, max_len=size, backend="aot_eager")
     for seed, length in ((5, PROMPT), (6, 220), (7, PROMPT)):
         ids = _prompt(seed, length=length)
-        fresh = CompiledDecoder(model, lived.cfg, batch=1, max_len=size, backend="aot_eager")
+        fresh = CompiledDecoder(model, lived.cfg, batch=1, max_len=size, backend="aot_eager", form=path)
         assert _static_run(lived, ids, compiled=False)[0] == _static_run(fresh, ids, compiled=False)[0]
     ids, cfg = _prompt(8), SparseConfig(**SMALL_CFG)
 
     def feed(decoder, tokens):
         return [decoder._forward(*decoder_inputs(decoder, torch.tensor([t]))) for t in tokens]
 
-    lived = CompiledDecoder(model, cfg, batch=1, max_len=size, backend="aot_eager")
+    lived = CompiledDecoder(model, cfg, batch=1, max_len=size, backend="aot_eager", form=path)
     with lived.installed():
         lived.prefill(ids)
         feed(lived, range(60))
         lived.position -= 50  # roll back 50 steps, then decode other tokens from there
         rolled = feed(lived, range(40, 52))
-    fresh = CompiledDecoder(model, cfg, batch=1, max_len=size, backend="aot_eager")
+    fresh = CompiledDecoder(model, cfg, batch=1, max_len=size, backend="aot_eager", form=path)
     with fresh.installed():
         fresh.prefill(ids)
         feed(fresh, range(10))
@@ -224,10 +225,10 @@ def test_a_batch_decodes_as_each_sequence_alone(path):
     model = tiny_model("qwen2")
     cfg = SparseConfig(**SMALL_CFG)
     ids = torch.cat([_prompt(9), _prompt(10)])
-    batch = CompiledDecoder(model, cfg, batch=2, max_len=PROMPT + STEPS + 1, backend="aot_eager")
+    batch = CompiledDecoder(model, cfg, batch=2, max_len=PROMPT + STEPS + 1, backend="aot_eager", form=path)
     tokens, logits = _static_run(batch, ids, compiled=False)
     for i in range(2):
-        alone = CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + STEPS + 1, backend="aot_eager")
+        alone = CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + STEPS + 1, backend="aot_eager", form=path)
         alone_tokens, alone_logits = _static_run(alone, ids[i : i + 1], compiled=False)
         assert tokens[i] == alone_tokens[0]
         # batched and batch-1 float32 layers sum in another order
@@ -352,50 +353,47 @@ def test_inductor_compiled_step():
 
 
 @pytest.fixture
-def device_step_on_cpu(monkeypatch):
-    from sparsedecode.attention import static
-
-    monkeypatch.setattr(static, "DEVICE_STEP_ON_CPU", True)
+def device_step_on_cpu():
+    """The form CUDA runs (the host-free step inside the op), on the CPU."""
+    return "device"
 
 
 @pytest.mark.parametrize("selector", ["mean-pooled", "quest"])
 @pytest.mark.parametrize("reuse", [1, 4])
-def test_host_free_step_equals_the_session_step(device_step_on_cpu, selector, reuse, monkeypatch):
+def test_host_free_step_equals_the_session_step(device_step_on_cpu, selector, reuse):
     """The step CUDA runs inside the op (tensor operations only), run on the CPU: the session's tokens, dense steps
     included (a prompt shorter than the support grows past it)."""
-    from sparsedecode.attention import static
-
-    monkeypatch.setattr(static, "FUSE", False)
     model = tiny_model("llama")
     for length in (PROMPT, 80):
         ids, cfg = _prompt(18, length=length), SparseConfig(**SMALL_CFG, selector=selector, reuse=reuse)
         eager_tokens, eager_logits = _session_run(model, ids, cfg, steps=40)
-        decoder = CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + 41, backend="aot_eager")
+        decoder = CompiledDecoder(
+            model, cfg, batch=1, max_len=PROMPT + 41, backend="aot_eager", form=device_step_on_cpu
+        )
         tokens, logits = _static_run(decoder, ids, steps=40, compiled=False)
         assert tokens == eager_tokens
         tolerance = logits_tolerance(eager_logits, model, positions=PROMPT + 40)
         assert torch.allclose(logits, eager_logits, rtol=0, atol=tolerance)
 
 
-def test_host_free_step_keeps_the_guarantees(device_step_on_cpu, monkeypatch):
+def test_host_free_step_keeps_the_guarantees(device_step_on_cpu):
     """Long-lived across prompts and a rollback past the window, and a batch as each sequence alone, on the step
     CUDA runs inside the op."""
-    from sparsedecode.attention import static
-
-    monkeypatch.setattr(static, "FUSE", False)
-    test_a_long_lived_decoder_equals_fresh_ones_across_prompts_and_rollbacks("op")
-    test_a_batch_decodes_as_each_sequence_alone("op")
+    test_a_long_lived_decoder_equals_fresh_ones_across_prompts_and_rollbacks(device_step_on_cpu)
+    test_a_batch_decodes_as_each_sequence_alone(device_step_on_cpu)
     # a prompt prefilled by another decoder sharing the cache (bench e2e --compile, gpu_check.py): resumed
     model, ids, cfg = tiny_model("llama"), _prompt(21), SparseConfig(**SMALL_CFG)
-    dense = CompiledDecoder(model, None, batch=1, max_len=PROMPT + 20, backend="aot_eager")
-    resumed = CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + 20, backend="aot_eager", cache=dense.cache)
+    dense = CompiledDecoder(model, None, batch=1, max_len=PROMPT + 20, backend="aot_eager", form=device_step_on_cpu)
+    resumed = CompiledDecoder(
+        model, cfg, batch=1, max_len=PROMPT + 20, backend="aot_eager", cache=dense.cache, form=device_step_on_cpu
+    )
     with dense.installed():
         first = dense.prefill(ids).argmax(dim=-1).tolist()
     with resumed.installed():
         resumed.resume(PROMPT)
         step = lambda t: resumed._forward(*decoder_inputs(resumed, t))  # noqa: E731
         out, _ = decode_tokens(model, None, first, 16, step_fn=step)
-    direct = CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + 20, backend="aot_eager")
+    direct = CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + 20, backend="aot_eager", form=device_step_on_cpu)
     assert [first + out[0]] == _static_run(direct, ids, steps=16, compiled=False)[0]
 
 
@@ -411,7 +409,7 @@ def test_host_free_step_traces_without_a_host_read():
     key, value = torch.randn(2, 2, 400, 16, generator=generator), torch.randn(2, 2, 400, 16, generator=generator)
 
     def run(step):
-        state = allocate(cfg, 0, 2, 2, 16, 400, "cpu")
+        state = allocate(cfg, 0, 2, 2, 16, 400, "cpu", "device")
         outs = []
         for n in (90, 97, 98, 300, 301, 302):
             position = torch.full((2, 1), n - 1)
@@ -433,16 +431,15 @@ def test_the_prepared_call_equals_the_general_op_path(batch, monkeypatch):
     logits bit for bit (the same C call) and the same state: over prompts of other lengths (stale blocks inside the
     second), reuse 3 (rows reusing and reselecting), a rollback, and positions read counted alike."""
     from sparsedecode.attention import prepared as prepared_module
-    from sparsedecode.attention import static
 
     model = tiny_model("qwen2")
     cfg = SparseConfig(**SMALL_CFG, reuse=3)
     size = PROMPT + 64
 
     def run(fast: bool):
-        monkeypatch.setattr(static, "FAST", fast)
         prepared_module.PREPARED.clear()
-        decoder = CompiledDecoder(model, cfg, batch=batch, max_len=size, backend="aot_eager")
+        form = "prepared" if fast else "general"
+        decoder = CompiledDecoder(model, cfg, batch=batch, max_len=size, backend="aot_eager", form=form)
         seen = []
         for seed, length in ((5, PROMPT), (6, 220)):
             seen += _static_run(decoder, _prompt(seed, length=length, batch=batch), steps=20, compiled=False)[1]

@@ -16,7 +16,6 @@ from conftest import prompt, tiny_model
 
 import sparsedecode as sd
 from sparsedecode import SparseConfig, SparseDecodeError, select_support
-from sparsedecode.selectors import registry
 from sparsedecode.selectors.ops import group_mean_queries, mean_pooled_scores
 
 WRITERS = '''
@@ -168,7 +167,9 @@ def test_configurations_are_told_apart_by_what_their_selector_is(tmp_path):
 
     v1, v2 = (SparseConfig(support=97, selector=spec) for spec in _two_versions(tmp_path))
     assert repr(v1) == repr(v2) and v1.identity() != v2.identity()
-    assert config_key(v1) != config_key(v2) and config_key(v1) == config_key(SparseConfig(support=97, selector=v1.selector))
+    assert config_key(v1) != config_key(v2) and config_key(v1) == config_key(
+        SparseConfig(support=97, selector=v1.selector)
+    )
     assert SparseConfig(selector="quest").identity() == SparseConfig(selector="quest").identity()
     assert SparseConfig(selector="top-p:p=0.8").identity() != SparseConfig(selector="top-p:p=0.9").identity()
 

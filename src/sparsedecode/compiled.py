@@ -20,7 +20,7 @@ import types
 import torch
 
 from . import compile_cpu
-from .attention.static import STATE, STATIC_ATTENTION, allocate, static_attention_forward
+from .attention.static import STATE, STATIC_ATTENTION, allocate, static_attention_forward, step_form
 from .attention.static_device import fill_statistics
 from .compile_guards import drop_module_guards, model_fingerprint, weight_versions
 from .config import SparseConfig
@@ -116,7 +116,9 @@ class CompiledDecoder:
     ``fullgraph=True``; ``mode="reduce-overhead"`` replays it from a CUDA graph on CUDA).
 
     Use it inside :meth:`installed`: :meth:`prefill` (dense, in chunks, eager) then :meth:`step` per token.
-    ``tally()`` sums the layers' counts: sparse and dense row-steps, positions read by sparse steps."""
+    ``tally()`` sums the layers' counts: sparse and dense row-steps, positions read by sparse steps. ``form`` says
+    how the sparse step runs (:data:`~sparsedecode.attention.static.FORMS`; by default the host's prepared C call on
+    the CPU, the host-free step on CUDA where it serves the selector)."""
 
     def __init__(
         self,
@@ -128,6 +130,7 @@ class CompiledDecoder:
         backend: str | None = None,
         cache=None,
         mode: str | None = None,
+        form: str | None = None,
     ):
         from transformers import StaticCache
 
@@ -141,8 +144,11 @@ class CompiledDecoder:
         self.states = {}
         if cfg is not None:
             _, kv_heads, head_dim, _ = attention_shape(model.config)
+            form = step_form(cfg, self.device, form)
             for module in _attention_modules(model):
-                self.states[module] = allocate(cfg, module.layer_idx, batch, kv_heads, head_dim, max_len, self.device)
+                self.states[module] = allocate(
+                    cfg, module.layer_idx, batch, kv_heads, head_dim, max_len, self.device, form
+                )
         self._row_linears = {}
         if compile_cpu.uses_row_products(model, self.device):
             self._row_linears = {

@@ -13,6 +13,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from ..errors import SparseDecodeError
 from ..layout import BlockLayout
 from ..selectors import causal_attention_received, group_attention
+from ..step import schedule
 from .attend import SHORT_FORWARD, dense_short_forward
 from .state import LayerState
 from .step import sparse_rows
@@ -137,6 +138,7 @@ def _decode(
             out[i : i + 1] = sdpa_attention_forward(
                 module, q_i, k_i[:, :, :m], v_i[:, :, :m], None, dropout=dropout, scaling=scaling, **kwargs
             )[0]
+        _, row.step = schedule.decode_step(row.step, False, cfg.reuse, cfg.selector.reselects_every_step)
         row.end_row(m)
     if sparse:
         sparse_rows(session, sparse, query, key, value, out, scale)

@@ -14,7 +14,6 @@ completed blocks are computed here, when the C call asks for them.
 from __future__ import annotations
 
 import array
-import math
 
 import numpy as np
 import torch
@@ -43,18 +42,6 @@ def centroids_of(state_stats: torch.Tensor, kinds: tuple[str, ...], count: int, 
     cache._stats = {kind: state_stats[k] for k, kind in enumerate(kinds)}
     cache.count = count
     return cache
-
-
-def block_reads(blocks, layout: BlockLayout) -> int:
-    """Positions a fixed-budget block support reads, summed over rows and KV heads: the anchor, the window and the
-    chosen blocks (the short last block, when chosen, only its distant positions). ``blocks (..., kv, b)``, a torch
-    tensor or a NumPy array."""
-    heads, b = math.prod(blocks.shape[:-1]), blocks.shape[-1]
-    reads = heads * (1 + layout.n - layout.distant_end) + layout.block_size * heads * b
-    if layout.n_blocks > layout.n_full:
-        short = layout.distant_end - 1 - layout.n_full * layout.block_size
-        reads -= int((blocks == layout.n_full).sum()) * (layout.block_size - short)
-    return reads
 
 
 class Prepared:

@@ -14,6 +14,7 @@ from ..cache import seq_length
 from ..centroids import BlockCentroids
 from ..config import SparseConfig
 from ..errors import SparseDecodeError
+from ..step.plan import StepPlan
 from .state import LayerState, StepView
 
 _ACTIVE: contextvars.ContextVar[dict[int, tuple[SparseSession, LayerState]] | None] = contextvars.ContextVar(
@@ -57,7 +58,10 @@ class SparseSession:
     """Per sequence of a batch: ``[sparse_steps, dense_steps]`` (the totals above count every sequence)."""
     extents: tuple | None = field(default=None, repr=False)
     plans: dict = field(default_factory=dict, repr=False)
-    """The sparse step's kernel plans by kind of tensors (:func:`~sparsedecode.attention.step.plan_step`)."""
+    """The sparse step's kernel plans by kind of tensors (:func:`~sparsedecode.step.plan.plan_step`)."""
+    plan: StepPlan | None = field(default=None, repr=False)
+    """A plan that serves every sparse step instead of the one planned per kind of tensors (tests compare the
+    routes of a step so; an insisted-on kernel is ``SparseConfig.kernel``)."""
 
     support_reads: dict[int, list] = field(default_factory=dict)
     """Per sequence: ``[total, count, min, max]`` of the positions each KV head read at a sparse step (recorded with

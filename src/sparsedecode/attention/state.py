@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from ..centroids import BlockCentroids
-from ..layout import BlockLayout, support_positions
+from ..layout import BlockLayout
+from ..step import schedule
 
 
 @dataclass
@@ -161,7 +162,6 @@ class LayerState:
     history_complete: bool = True
     reads: torch.Tensor | None = None
     seen: int = 0
-    chained: bool = False
     mark: KeyMark | None = None
     unchanged: int = 0
     rows: list[LayerState] | None = None
@@ -169,6 +169,11 @@ class LayerState:
     rebuilt: bool = False
     """The cache holds keys of another shape than the attention is handed (multi-head latent attention caches a
     latent and rebuilds the keys at every step): nothing derived from them survives a step."""
+
+    def blocks_out(self, kv_heads: int, b: int) -> torch.Tensor:
+        """A fresh ``(kv, b)`` int64 selection the C call writes into (see :mod:`sparsedecode.step.rows`)."""
+        self.blocks, self.keep = torch.empty(kv_heads, b, dtype=torch.int64), None
+        return self.blocks
 
     def look(self, cache: object) -> None:
         """Pre-hook half: how much of what this state describes ``cache`` still holds, before it appends."""
@@ -182,37 +187,40 @@ class LayerState:
             self.rebuilt = (*keys.shape[:-2], keys.shape[-1]) != self.mark.outer
 
     def begin(self, start: int, q_len: int) -> int:
-        """A forward of ``q_len`` tokens at positions ``start ..`` begins: drop what may be stale (see the class).
+        """A forward of ``q_len`` tokens at positions ``start ..`` begins: drop what may be stale (the schedule's
+        :func:`~sparsedecode.step.schedule.after_write`, with ``keep`` proved as the class says).
 
         Returns ``keep``, the number of leading positions whose derived state survives."""
         keep = min(self.unchanged, start, self.seen)
         self.unchanged = 0
-        continues = q_len == 1 and self.chained and keep == start == self.seen
+        count, self.step, _ = schedule.after_write(
+            self.centroids.count, self.step, self.seen, start, start + q_len, keep, self.centroids.block_size
+        )
         if keep < self.seen:
             self.forget_from(keep)
+        self.centroids.truncate(count)
         if start == 0:
             self.history_complete = True
         elif keep < start:  # positions [keep, start) were written by forwards this session did not see
             self.history_complete = False
-        if not continues:
-            self.step, self.blocks, self.keep, self.positions = 0, None, None, None
-        self.seen, self.chained = keep, False
+        if self.step == 0:  # no chain to continue: no selection to reuse
+            self.blocks, self.keep, self.positions = None, None, None
+        self.seen = keep
         return keep
 
     def end(self, keys: torch.Tensor, n: int) -> None:
-        """The call is over: the state now describes the first ``n`` positions of ``keys`` ``(batch, kv, >= n, d)``
-        (whether it continues a chain of sparse steps its row said, :meth:`end_row`)."""
+        """The call is over: the state now describes the first ``n`` positions of ``keys`` ``(batch, kv, >= n, d)``."""
         self.mark, self.seen = KeyMark.of(keys, n), n
 
-    def end_row(self, n: int, *, chained: bool = False) -> None:
-        """A row's call is over: it describes its sequence's first ``n`` positions, ``chained`` after a sparse decode
-        step. A row of a padded batch has no mark of its own (no pre-hook looks at it): the layer's state proves what
-        is unchanged and hands each row its share (``unchanged - pad``)."""
-        self.seen, self.chained = n, chained
+    def end_row(self, n: int) -> None:
+        """A row's call is over: it describes its sequence's first ``n`` positions. A row of a padded batch has no
+        mark of its own (no pre-hook looks at it): the layer's state proves what is unchanged and hands each row its
+        share (``unchanged - pad``)."""
+        self.seen = n
 
     def forget_from(self, keep: int) -> None:
         """Drop everything derived from positions ``>= keep``."""
-        self.centroids.truncate((keep - 1) // self.centroids.block_size)
+        self.centroids.truncate(schedule.kept_blocks(self.centroids.count, keep, self.centroids.block_size))
         if keep == 0:
             self.history, self.reads = None, None
         else:
@@ -226,7 +234,7 @@ class LayerState:
         """Drop all state (the next forward starts from nothing)."""
         self.forget_from(0)
         self.step, self.blocks, self.keep, self.positions = 0, None, None, None
-        self.mark, self.seen, self.chained, self.unchanged = None, 0, False, 0
+        self.mark, self.seen, self.unchanged = None, 0, 0
         self.history_complete = True
         self.rows, self.pads = None, None
 
@@ -276,11 +284,6 @@ class LayerState:
             distant &= valid
         self.reads.scatter_(1, index.masked_fill(~distant, 0), True)
         self.reads[:, 0] = False
-
-    def note_reads(self, blocks: torch.Tensor, layout: BlockLayout) -> None:
-        """Remember the distant positions of the chosen ``blocks`` ``(kv, b)`` as read."""
-        index, valid = support_positions(blocks, layout)
-        self.note_positions(index, layout, valid)
 
     def note_all_distant(self, kv_heads: int, layout: BlockLayout, device: torch.device | str) -> None:
         """A dense step read every distant position ``[1, N - W)``."""

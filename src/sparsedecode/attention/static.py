@@ -29,40 +29,51 @@ prompt (a forward from position 0), a crop or a rollback thus keep only what sti
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .. import kernels
 from ..config import SparseConfig
 from ..errors import SparseDecodeError
 from ..layout import BlockLayout
-from ..selectors import choose_positions, token_index
-from ..selectors.select import BlockChoice, choose_planned_blocks, support_of
-from .attend import attend_blocks_on, attend_positions
-from .prepared import PREPARED, block_reads, centroids_of, prepare, signature_of
+from ..step import schedule
+from ..step.plan import plan_step
+from ..step.rows import TensorRow, attend_row, one_call, select_row
+from .prepared import PREPARED, centroids_of, prepare, signature_of
 from .static_device import device_step, fill_statistics, serves
-from .step import plan_step
 
 STATIC_ATTENTION = "sparsedecode-static"
 """The attention implementation name the capturable step registers under."""
 STATE = "_sparsedecode_static"
 """The attribute of an attention module that holds its :class:`StaticLayer`."""
 
-FUSE = os.environ.get("SPARSEDECODE_FUSE_STEP", "0") == "1"
-"""Where the host-free step serves the selector, trace it into the compiled graph (the compiler fuses it with the
-layer) instead of calling the custom op: ``SPARSEDECODE_FUSE_STEP=1``. Off by default: on the 2-core development
-CPU it compiled several times slower (minutes for SmolLM2's 30 layers) and decoded no faster than the op."""
-DEVICE_STEP_ON_CPU = False
-"""Run the host-free step (:mod:`~sparsedecode.attention.static_device`, what CUDA runs) on the CPU too: tests turn
-it on to check it against the host step."""
+FORMS = ("prepared", "general", "device", "traced")
+"""How a layer's compiled step runs (a :class:`StaticLayer`'s ``form``, chosen by :func:`step_form`):
 
-FAST = True
-"""Serve the common step (every row's selection scored and attended in one C call) by a call prepared once per
-layer state (:mod:`~sparsedecode.attention.prepared`); ``False`` takes the general path for it too (tests compare
-the two)."""
+* ``"prepared"``: the custom op on the host; its first sparse call takes the general path and prepares the C call
+  that serves every later one where it can (:mod:`~sparsedecode.attention.prepared`): the CPU's default;
+* ``"general"``: the custom op on the host, never prepared (tests compare the two);
+* ``"device"``: the custom op running the host-free step (:mod:`~sparsedecode.attention.static_device`), what a
+  CUDA graph replays: CUDA's default where that step serves the selector;
+* ``"traced"``: the host-free step traced into the compiled graph, fused with the layer by the compiler (on the
+  2-core development CPU it compiled several times slower and decoded no faster than the op)."""
+
+
+def step_form(cfg: SparseConfig, device, form: str | None = None) -> str:
+    """The form of a compiled step for ``cfg`` on ``device`` (``form``, where given, insisted on)."""
+    host_free = serves(cfg)
+    if form is None:
+        return "device" if host_free and torch.device(device).type == "cuda" else "prepared"
+    if form not in FORMS:
+        raise SparseDecodeError(f"unknown compiled step form {form!r}; choose one of: {', '.join(FORMS)}")
+    if form in ("device", "traced") and not host_free:
+        raise SparseDecodeError(
+            f"the host-free compiled step serves block selectors with a fixed budget that read block statistics; "
+            f"{cfg.selector.spec()} does not"
+        )
+    return form
+
 
 _CONFIGS: dict[str, SparseConfig] = {}
 _PLANS: dict[str, dict] = {}
@@ -88,9 +99,8 @@ class StaticLayer:
     layer: int
     config: str
     cfg: SparseConfig
-    host_free: bool
-    """The step is the host-free one (:mod:`~sparsedecode.attention.static_device`): traced into the compiled graph
-    (:data:`FUSE`), or run inside the op on CUDA; its statistics are filled by every multi-token forward."""
+    form: str
+    """How the step runs (:data:`FORMS`); the host-free forms' statistics are filled by every multi-token forward."""
     kinds: tuple[str, ...]
     stats: torch.Tensor
     count: torch.Tensor
@@ -106,9 +116,16 @@ class StaticLayer:
         for tensor in (self.count, self.step, self.last, self.tally):
             tensor.zero_()
 
+    @property
+    def host_free(self) -> bool:
+        return self.form in ("device", "traced")
 
-def allocate(cfg: SparseConfig, layer: int, batch: int, kv_heads: int, head_dim: int, max_len: int, device):
-    """A :class:`StaticLayer` for a cache of ``max_len`` positions: every tensor at its final size."""
+
+def allocate(
+    cfg: SparseConfig, layer: int, batch: int, kv_heads: int, head_dim: int, max_len: int, device, form: str
+) -> StaticLayer:
+    """A :class:`StaticLayer` for a cache of ``max_len`` positions: every tensor at its final size; ``form`` from
+    :func:`step_form`."""
     kinds = cfg.selector.cached_statistics()
     capacity = max(max_len // cfg.block_size + 1, 1)
     b = max(cfg.blocks, 1)
@@ -118,7 +135,7 @@ def allocate(cfg: SparseConfig, layer: int, batch: int, kv_heads: int, head_dim:
         layer=layer,
         config=config_key(cfg),
         cfg=cfg,
-        host_free=serves(cfg) and (FUSE or torch.device(device).type == "cuda" or DEVICE_STEP_ON_CPU),
+        form=form,
         kinds=kinds,
         stats=torch.zeros(len(kinds), batch, kv_heads, head_dim, capacity, dtype=torch.float32, device=device),
         count=torch.zeros(batch, **long),
@@ -134,49 +151,21 @@ def allocate(cfg: SparseConfig, layer: int, batch: int, kv_heads: int, head_dim:
     return state
 
 
-def _truncate(count: torch.Tensor, step: torch.Tensor, last: torch.Tensor, start: int, n: int, block: int) -> None:
-    """A call writes positions ``[start, n)``: keep the statistics of the blocks wholly before ``start`` (block
-    ``j`` covers ``[1 + j B, 1 + (j + 1) B)``) and the reuse chain only for a decode step that continues it."""
-    count.clamp_(max=max((start - 1) // block, 0))
-    if not (n - start == 1 and bool((last == start).all())):
-        step.zero_()
+def _after_write(count: torch.Tensor, step: torch.Tensor, last: torch.Tensor, start: int, n: int, block: int):
+    """A call writes positions ``[start, n)`` of every row: the schedule's ``after_write``, in place (the op sees
+    every write to its static cache, so the positions before ``start`` are as its state saw them)."""
+    kept, chained, _ = schedule.after_write(count, step, last, start, n, start, block)
+    count.copy_(kept)
+    step.copy_(chained)
     last.fill_(n)
 
 
-def _row(cfg, plan, layout, q, keys, values, cache, blocks, keep, positions, fresh):
-    """One row's sparse step outside the one C call: select when ``fresh`` (into the row's state tensors), then
-    attend. Returns the output ``(H, dv)`` and the support positions read (summed over KV heads)."""
-    selector = cfg.selector
-    if selector.token_level:
-        if fresh:
-            positions.copy_(choose_positions(selector, cfg.distant_positions, q, keys, layout))
-        index = token_index(positions, layout)
-        return attend_positions(q, keys, values, index, layout.scale), index.numel()
-    if fresh:
-        choice = choose_planned_blocks(selector, cfg.blocks, cache, q, keys, layout, plan.select)
-        blocks.copy_(choice.blocks)
-        keep.copy_(choice.keep) if choice.keep is not None else keep.fill_(True)
-    if selector.adaptive:
-        index, valid = support_of(BlockChoice(blocks, keep), layout)
-        return attend_positions(q, keys, values, index, layout.scale, valid=valid), int(valid.sum())
-    return attend_blocks_on(plan.attend, q, keys, values, blocks, layout, layout.scale), block_reads(blocks, layout)
-
-
-def _one_call(cfg, plan, layout, q, key, value, out, caches, blocks, fresh) -> None:
-    """Every row's step in one C call, as the session's step makes it: mean-dot selection inside the call where a
-    row selects afresh and the C kernel scores the selector, other selectors choosing per row first; ``out (batch,
-    H, dv)`` float32."""
-    rows = []
-    for i, cache in enumerate(caches):
-        inside = fresh[i] and plan.select == "c"
-        if inside:
-            if cache.count < layout.n_full:  # the blocks completed since the last call
-                cache.update(key[i], layout.n_full)
-        elif fresh[i]:
-            choice = choose_planned_blocks(cfg.selector, cfg.blocks, cache, q[i], key[i], layout, plan.select)
-            blocks[i].copy_(choice.blocks)
-        rows.append((i, 0, layout.n, cache.storage() if inside else None, blocks[i], inside))
-    kernels.cpu_batch.run_step_batch(q, key, value, out, rows, cfg.window, cfg.block_size, layout.scale)
+def _row_reads(cfg, row, layout) -> int:
+    """Positions one row's sparse step read, summed over KV heads."""
+    if cfg.selector.token_level:
+        kv_heads, distant = row.positions.shape
+        return kv_heads * (1 + distant + layout.n - layout.distant_end)
+    return int(schedule.support_reads(row.blocks, layout, row.keep).sum())
 
 
 def sparse_step(
@@ -195,60 +184,64 @@ def sparse_step(
     config: str,
     layer: int,
     scale: float,
-    host_free: bool,
+    form: str,
 ) -> torch.Tensor:
     """One layer's decode step of every row of a batch without padding: ``query (batch, H, 1, d)``, ``key`` /
     ``value (batch, kv, L, d)`` (a static cache, the current token written), ``position (batch, 1)`` the current
     token's position; returns ``(batch, 1, H, dv)`` in the query dtype. Dense over ``[0, n)`` while the context
     fits the support; otherwise each row reuses or refreshes its selection (reuse ``R``) and attends over it."""
     cfg = _CONFIGS[config]
-    if host_free:  # the state's flag (StaticLayer.host_free): CUDA, or the CPU where tests ask
+    if form == "device":
         kinds = cfg.selector.statistics
         return device_step(cfg, kinds, layer, scale, query, key, value, position, stats, blocks, step, last, tally)
     n = int(position.reshape(-1)[-1]) + 1  # the host read the compiled graph leaves to the op
     if n > key.shape[2]:
         raise SparseDecodeError(f"sparse_step: position {n - 1} lies past the cache's {key.shape[2]} positions")
-    batch, heads = query.shape[0], query.shape[1]
-    support = _SUPPORTS[config]
-    if FAST and n > support:
+    batch, heads, kv_heads = query.shape[0], query.shape[1], key.shape[1]
+    sparse = n > _SUPPORTS[config]
+    if form == "prepared" and sparse:
         signature = signature_of(config, layer, scale, query, key, value, stats, count, blocks, step, last, tally)
         prepared = PREPARED.get(signature)
         if prepared is not None:
             out = query.new_empty(batch, 1, heads, value.shape[-1], dtype=torch.float32)
             prepared(query, key, stats, out, n)
             return out.to(query.dtype)
-    _truncate(count, step, last, n - 1, n, cfg.block_size)
-    if n <= support:
-        tally[1] += batch
+    _after_write(count, step, last, n - 1, n, cfg.block_size)
+    fresh, after = schedule.decode_step(step, sparse, cfg.reuse, cfg.selector.reselects_every_step)
+    if not sparse:
+        step.copy_(after)
+        schedule.count_step(tally, 0, batch, 0, kv_heads)
         keys, values = key[:, :, :n], value[:, :, :n]
         out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, scale=scale, enable_gqa=True)
         return out.transpose(1, 2).contiguous()
     layout = BlockLayout(n=n, window=cfg.window, block_size=cfg.block_size, layer=layer, scale=scale, seed=cfg.seed)
     q = query[:, :, 0, :]
     plan = plan_step(cfg, q[0], key[0], value[0], layout, _PLANS[config])
-    if FAST:  # the next calls on these tensors take the prepared call
+    if form == "prepared":  # the next calls on these tensors take the prepared call
         prepare(signature, cfg, plan, q, key, value, stats, count, blocks, step, last, tally, scale)
     kinds = cfg.selector.cached_statistics()
-    fresh = [bool(f) or cfg.selector.reselects_every_step for f in ((step % cfg.reuse) == 0).tolist()]
-    caches = [centroids_of(stats[:, i], kinds, c, cfg.block_size) for i, c in enumerate(count.tolist())]
+    adaptive = cfg.selector.adaptive
+    rows = [
+        TensorRow(centroids_of(stats[:, i], kinds, c, cfg.block_size), blocks[i], keep[i], positions[i], adaptive)
+        for i, c in enumerate(count.tolist())
+    ]
+    fresh = fresh.tolist()
     if plan.one_call:
         q = q.contiguous()
         direct = query.dtype == torch.float32
         out = torch.empty(q.shape, dtype=torch.float32) if not direct else query.new_empty(q.shape)
-        _one_call(cfg, plan, layout, q, key, value, out, caches, blocks, fresh)
-        read = block_reads(blocks, layout)
+        one_call(cfg, plan, [(i, 0, layout, row) for i, row in enumerate(rows)], fresh, q, key, value, out, scale)
         out = out.view(batch, 1, heads, -1).to(query.dtype)
     else:
         out = query.new_empty(batch, 1, heads, value.shape[-1])
-        read = 0
-        for i in range(batch):
-            out[i, 0], row_read = _row(
-                cfg, plan, layout, q[i], key[i], value[i], caches[i], blocks[i], keep[i], positions[i], fresh[i]
-            )
-            read += row_read
-    count.copy_(torch.tensor([cache.count for cache in caches]))
-    step += 1
-    tally.add_(torch.tensor([batch, 0, read, batch * key.shape[1]]))
+        for i, row in enumerate(rows):
+            if fresh[i]:
+                select_row(cfg, plan, row, q[i], key[i], layout)
+            out[i, 0] = attend_row(cfg, plan, row, q[i], key[i], value[i], layout)
+    read = sum(_row_reads(cfg, row, layout) for row in rows)
+    count.copy_(torch.tensor([row.centroids.count for row in rows]))
+    step.copy_(after)
+    schedule.count_step(tally, batch, 0, read, kv_heads)
     return out
 
 
@@ -260,7 +253,7 @@ _LIBRARY = torch.library.Library("sparsedecode", "DEF")
 _LIBRARY.define(
     "sparse_step(Tensor query, Tensor key, Tensor value, Tensor position, Tensor(a!) stats, Tensor(b!) count, "
     "Tensor(c!) blocks, Tensor(d!) keep, Tensor(e!) positions, Tensor(f!) step, Tensor(g!) last, Tensor(h!) tally, "
-    "str config, int layer, float scale, bool host_free) -> Tensor"
+    "str config, int layer, float scale, str form) -> Tensor"
 )
 # defined with torch.library's schema API rather than the custom_op decorator: its dispatch costs about 8 us a
 # call, the decorator's wrappers about 130 us (30 layers: 4 ms a token)
@@ -319,7 +312,7 @@ def static_attention_forward(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if query.shape[2] == 1:
         cfg = state.cfg
-        if FUSE and state.host_free:  # traced into the graph, fused with the layer by the compiler
+        if state.form == "traced":  # traced into the graph, fused with the layer by the compiler
             out = device_step(
                 cfg, state.kinds, state.layer, float(scale), query, key, value, position, state.stats,
                 state.blocks, state.step, state.last, state.tally,
@@ -327,12 +320,12 @@ def static_attention_forward(
             return out, None
         out = torch.ops.sparsedecode.sparse_step(
             query, key, value, position, state.stats, state.count, state.blocks, state.keep, state.positions,
-            state.step, state.last, state.tally, state.config, state.layer, float(scale), state.host_free,
+            state.step, state.last, state.tally, state.config, state.layer, float(scale), state.form,
         )  # fmt: skip
         return out, None
     n, cfg = int(position.reshape(-1)[-1]) + 1, _CONFIGS[state.config]
     start = n - query.shape[2]
-    _truncate(state.count, state.step, state.last, start, n, cfg.block_size)
+    _after_write(state.count, state.step, state.last, start, n, cfg.block_size)
     if state.host_free:
         fill_statistics(state.stats, state.kinds, key, start, n, cfg.block_size)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..layout import BlockLayout
+from ..step import schedule
 
 
 def serves(cfg) -> bool:
@@ -135,19 +136,14 @@ def _attend(cfg, query, key, value, blocks, n, scale) -> tuple[torch.Tensor, tor
 def device_step(cfg, kinds, layer, scale, query, key, value, position, stats, blocks, step, last, tally):
     """The step of :func:`~sparsedecode.attention.static.sparse_step` in tensor operations only (see the module)."""
     n = position.reshape(position.shape[0], -1)[:, -1] + 1  # (batch,)
-    continuing = last == n - 1
-    _newest_block(stats, kinds, key, n, cfg.block_size)
+    _newest_block(stats, kinds, key, n, cfg.block_size)  # the statistics are recomputed, not kept: no count
+    _, chained, _ = schedule.after_write(0, step, last, n - 1, n, n - 1, cfg.block_size)
     sparse = n > cfg.effective_support
-    fresh = ((step % cfg.reuse) == 0) | ~continuing
-    if cfg.selector.reselects_every_step:
-        fresh = torch.ones_like(fresh)
+    fresh, after = schedule.decode_step(chained, sparse, cfg.reuse, cfg.selector.reselects_every_step)
     chosen = _choose(cfg, query[:, :, 0].float(), stats, kinds, key, n, layer, scale)
-    blocks.copy_(torch.where((fresh | ~sparse)[:, None, None], chosen, blocks))
+    blocks.copy_(torch.where((fresh | ~sparse)[:, None, None], chosen, blocks))  # a dense step reads every block
     out, read = _attend(cfg, query, key, value, blocks, n, scale)
-    step.copy_(torch.where(sparse, torch.where(continuing, step, 0) + 1, 0))
+    step.copy_(after)
     last.copy_(n)
-    tally[0] += sparse.sum()
-    tally[1] += (~sparse).sum()
-    tally[2] += torch.where(sparse, read, 0).sum()
-    tally[3] += sparse.sum() * key.shape[1]
+    schedule.count_step(tally, sparse.sum(), (~sparse).sum(), torch.where(sparse, read, 0).sum(), key.shape[1])
     return out

@@ -871,11 +871,14 @@ int sparse_step(const void *q, const float *centroids, int64_t c_stride_h, int64
                              dtype);
 }
 
-/* The compiled step's prepared call (sparsedecode/attention/prepared.py) in one call: a layer state's integers at
- * context length n, then sparse_step_batch over its row table (n and fresh set here), then the reuse counters and
- * the tally, as the op's general path keeps them (sparsedecode/attention/static.py: _truncate, the rows selecting
- * afresh every `reuse` steps, block_reads). count, step, last: one per row; tally: sparse row-steps, dense
- * row-steps, positions read (summed over KV heads), KV-head row-steps. The call splits over `threads` when the
+/* The compiled step's prepared call (sparsedecode/attention/prepared.py) in one call: a sparse decode step at
+ * context length n of a layer state's rows. Its bookkeeping is the declared mirror of the step's schedule,
+ * sparsedecode/step/schedule.py (tests/test_schedule.py checks it against that over random schedules): after_write
+ * of a decode step (start = keep = n - 1: the statistics of the blocks wholly before it survive, the reuse chain
+ * only where the row's last call ended at n - 1), then decode_step (a row selects afresh every `reuse` steps of its
+ * chain, every step with `every_step`, and counts the step), then sparse_step_batch over the row table (n and fresh
+ * set here), then the tally (support_reads, count_step). count, step, last: one per row; tally: sparse row-steps,
+ * dense row-steps, positions read (summed over KV heads), KV-head row-steps. The call splits over `threads` when the
  * centroids scored reach `split` floats, else runs on one. Returns NEEDS_STATISTICS, before any attention, when a
  * row selecting afresh lacks the statistics of blocks completed since (count < n_full): the caller completes them
  * and calls again with `resumed` = 1, which skips the bookkeeping already done. */
@@ -889,13 +892,10 @@ int prepared_step(const void *q, const void *keys, int64_t k_stride_h, int64_t k
     row_t *row = (row_t *)rows;
     int64_t distant_end = n - window > 1 ? n - window : 1, n_full = (distant_end - 1) / block;
     if (!resumed) {
-        int64_t keep = n >= 2 ? (n - 2) / block : 0, continues = 1; /* positions [n - 1, n) are written */
+        int64_t kept = n >= 2 ? (n - 2) / block : 0; /* positions [n - 1, n) are written: kept_blocks */
         for (int64_t r = 0; r < n_rows; r++) {
-            if (count[r] > keep) count[r] = keep;
-            continues &= last[r] == n - 1;
-        }
-        for (int64_t r = 0; r < n_rows; r++) {
-            if (!continues) step[r] = 0;
+            if (count[r] > kept) count[r] = kept;
+            if (last[r] != n - 1) step[r] = 0; /* continues: one token where the row's last call ended */
             last[r] = n;
         }
         for (int64_t r = 0; r < n_rows; r++)

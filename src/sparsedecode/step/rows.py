@@ -1,0 +1,119 @@
+"""A sparse step's rows: each row selects when its schedule says so (:mod:`.schedule`), then attends over its
+support, one row at a time or every row in one C call (:func:`one_call`). The session's rows
+(:class:`~sparsedecode.attention.state.LayerState`) and the compiled op's (:class:`TensorRow`, views of its
+preallocated state) are handed here alike. A row has:
+
+* ``centroids``: its block statistics (a :class:`~sparsedecode.centroids.BlockCentroids`);
+* ``blocks`` ``(kv, b)`` and ``keep`` (an adaptive budget's ``(kv, b)`` mask, ``None`` for a fixed budget): its
+  block selection; ``positions`` ``(kv, distant)``: a token selector's;
+* ``blocks_out(kv_heads, b)``: the ``(kv, b)`` int64 contiguous tensor the C call writes a fresh selection into, which
+  is then the row's ``blocks``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import kernels
+from ..layout import BlockLayout
+from ..selectors import choose_positions, token_index
+from ..selectors.select import BlockChoice, choose_planned_blocks, support_of
+from .plan import StepPlan
+
+
+class TensorRow:
+    """One row of the compiled op's preallocated state ``blocks``/``keep (kv, b)``, ``positions (kv, distant)``: a
+    selection assigned to it is copied into those tensors (their addresses stay, as a captured graph needs)."""
+
+    def __init__(self, centroids, blocks: torch.Tensor, keep: torch.Tensor, positions: torch.Tensor, adaptive: bool):
+        self.centroids, self._blocks, self._keep, self._positions = centroids, blocks, keep, positions
+        self._adaptive = adaptive
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        return self._blocks
+
+    @blocks.setter
+    def blocks(self, value: torch.Tensor) -> None:
+        self._blocks.copy_(value)
+
+    @property
+    def keep(self) -> torch.Tensor | None:
+        return self._keep if self._adaptive else None
+
+    @keep.setter
+    def keep(self, value: torch.Tensor | None) -> None:
+        self._keep.fill_(True) if value is None else self._keep.copy_(value)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self._positions
+
+    @positions.setter
+    def positions(self, value: torch.Tensor) -> None:
+        self._positions.copy_(value)
+
+    def blocks_out(self, kv_heads: int, b: int) -> torch.Tensor:
+        self.keep = None
+        return self._blocks
+
+
+def select_row(cfg, plan: StepPlan, row, q, keys, layout: BlockLayout, history=None) -> None:
+    """A row's fresh selection at this step (``q (H, d)``, ``keys (kv, >= n, d)`` in the row's own coordinates),
+    into ``row``: a token selector's positions (``history``: H2O's, over the earlier queries), or a block selector's
+    blocks and, for an adaptive budget, what it keeps."""
+    if cfg.selector.token_level:
+        row.positions = choose_positions(cfg.selector, cfg.distant_positions, q, keys, layout, history=history)
+        return
+    choice = choose_planned_blocks(cfg.selector, cfg.blocks, row.centroids, q, keys, layout, plan.select)
+    row.blocks, row.keep = choice.blocks, choice.keep
+
+
+def support(cfg, row, layout: BlockLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(index, valid)`` ``(kv, S)``: the positions the row's selection reads (see
+    :func:`~sparsedecode.layout.support_positions`)."""
+    if cfg.selector.token_level:
+        index = token_index(row.positions, layout)  # reused distant positions, the window slides
+        return index, torch.ones_like(index, dtype=torch.bool)
+    return support_of(BlockChoice(row.blocks, row.keep), layout)
+
+
+def attend_row(cfg, plan: StepPlan, row, q, keys, values, layout: BlockLayout, *, weights: bool = False):
+    """Attention of one row over its selection (outside the one C call): ``(H, dv)`` float32; with ``weights`` (a
+    token selector's, for H2O's history) also the attention each read position received, ``(out, index,
+    received)``."""
+    from ..attention.attend import attend_blocks_on, attend_positions
+
+    if cfg.selector.token_level:
+        index = token_index(row.positions, layout)  # reused distant positions, the window slides
+        if weights:
+            out, received = attend_positions(q, keys, values, index, layout.scale, weights=True)
+            return out, index, received
+        return attend_positions(q, keys, values, index, layout.scale)
+    if row.keep is not None:  # an adaptive budget: its support by position, the dropped blocks masked
+        index, valid = support_of(BlockChoice(row.blocks, row.keep), layout)
+        return attend_positions(q, keys, values, index, layout.scale, valid=valid)
+    return attend_blocks_on(plan.attend, q, keys, values, row.blocks, layout, layout.scale)
+
+
+def one_call(cfg, plan: StepPlan, rows, fresh, q, key, value, out, scale: float) -> None:
+    """Every row's step in one C call, written into ``out (batch, H, d)`` float32 (whatever the dtype of ``q (batch,
+    H, d)``, ``key`` and ``value``, which the call reads as they are): mean-dot selection inside the call where a row
+    selects afresh and the C kernel scores the selector, other block selectors selecting per row first. ``rows``:
+    ``(sequence, pad, layout, row)``, sequence ``sequence`` at cache positions ``[pad, pad + layout.n)``. The call
+    scores and attends with the code of the C kernel's single-sequence calls: the same blocks and outputs."""
+    inside = plan.select == "c"
+    calls = []
+    for (i, pad, layout, row), f in zip(rows, fresh):
+        storage = None
+        if f and inside:
+            if row.centroids.count < layout.n_full:  # the blocks completed since the last step
+                row.centroids.update(key[i, :, pad:], layout.n_full)
+            storage = row.centroids.storage()
+            row.blocks_out(key.shape[1], cfg.blocks)
+        elif f:
+            select_row(cfg, plan, row, q[i], key[i, :, pad:], layout)
+        if row.blocks.dtype != torch.int64 or not row.blocks.is_contiguous():
+            row.blocks = row.blocks.to(torch.int64).contiguous()  # as the call takes them
+        calls.append((i, pad, layout.n, storage, row.blocks, f and inside))
+    kernels.cpu_batch.run_step_batch(q, key, value, out, calls, cfg.window, cfg.block_size, scale)
