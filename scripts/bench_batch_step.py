@@ -28,7 +28,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-import sparsedecode.attention as attention
+import sparsedecode.session as attention
 from sparsedecode import SparseConfig, sparse_decoding
 from sparsedecode.kernels import cpu
 

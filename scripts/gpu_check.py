@@ -21,7 +21,7 @@ through Triton's interpreter: set TRITON_INTERPRET=1).
    its batch-1 run), the session's eager step (it synchronises with the host per layer).
 7. Compiled end to end (``--compiled-only``: this stage alone): the whole decode step compiled with
    ``mode="reduce-overhead"`` (replayed from a CUDA graph; the sparse step host-free,
-   ``sparsedecode.attention.static_device``) over a static cache, dense vs sparse S = 193, at 32K: Qwen2.5-0.5B
+   ``sparsedecode.step.device``) over a static cache, dense vs sparse S = 193, at 32K: Qwen2.5-0.5B
    shapes at batch 1 and 8, llama3-8b shapes at batch 1, random weights; compile seconds, aggregate tokens/s, and
    whether sparse and dense agree with each sequence's eager tokens.
 
@@ -42,7 +42,7 @@ import torch
 from sparsedecode import SparseConfig, SparseDecodeError, kernels, sparse_decoding
 from sparsedecode.experiments.bench import bench_e2e, bench_e2e_batch, bench_op, op_rows_as_dicts
 from sparsedecode.experiments.environment import environment
-from sparsedecode.kernels.triton_attention import support_attention
+from sparsedecode.kernels.triton.attention import support_attention
 from sparsedecode.layout import BlockLayout, support_positions
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -133,8 +133,8 @@ def reference_by_position(q, keys, values, blocks, layout, scale):
 def check_limits() -> list[dict]:
     """The largest tiles the Triton kernels accept must compile and match float64; refused tensors must run on
     torch under ``auto`` (and match) and raise under ``kernel="triton"``."""
-    from sparsedecode.attention.attend import _attend_blocks
-    from sparsedecode.centroids import BlockCentroids
+    from sparsedecode.kernels.reference import _attend_blocks
+    from sparsedecode.selectors.statistics import BlockCentroids
     from sparsedecode.selectors import select_blocks
 
     generator = torch.Generator().manual_seed(99)
@@ -239,8 +239,8 @@ def graph_timings() -> list[dict]:
 
     import torch.nn.functional as F
 
-    from sparsedecode.attention import LayerState, SparseSession
-    from sparsedecode.centroids import BlockCentroids
+    from sparsedecode.session import LayerState, SparseSession
+    from sparsedecode.selectors.statistics import BlockCentroids
     from sparsedecode.experiments.bench import SHAPES, _fresh_step, cuda_median_time
 
     rows = []
@@ -349,8 +349,8 @@ def random_llama3_8b():
 
 def compiled_e2e(out_dir: Path) -> list[dict]:
     """Stage 7: dense and sparse decoding, each a whole decode step compiled and replayed from CUDA graphs."""
-    from sparsedecode.attention import static
-    from sparsedecode.compiled import CompiledDecoder
+    from sparsedecode.compiled import op as static
+    from sparsedecode.compiled.decoder import CompiledDecoder
 
     context, tokens = (512, 8) if QUICK else (32704, 64)
     cases = [("qwen2.5-coder-0.5b", random_qwen_coder, (1, 2) if QUICK else (1, 8))]
@@ -396,7 +396,7 @@ def compiled_e2e(out_dir: Path) -> list[dict]:
 
 def _compiled_run(model, decoder, mode, static, first, context, tokens):
     """One mode of stage 7: compile (timed), then ``tokens`` steps from the shared prefilled cache."""
-    from sparsedecode.decode import decode_tokens
+    from sparsedecode.decoding.loop import decode_tokens
 
     with decoder.installed():
         decoder.resume(context)

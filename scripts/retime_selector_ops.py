@@ -17,8 +17,8 @@ from pathlib import Path
 
 from sparsedecode.experiments.environment import environment
 from sparsedecode.experiments.selector_comparison import _op_times, rebuild
-from sparsedecode.models import attention_shape, load_model
-from sparsedecode.report import write_selector_comparison
+from sparsedecode.models.catalog import attention_shape, load_model
+from sparsedecode.reports.sweep import write_selector_comparison
 
 
 def retime(folder: Path) -> None:

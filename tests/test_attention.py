@@ -9,9 +9,9 @@ import torch
 from conftest import attention_tolerance, logits_tolerance, prompt, tiny_model
 from transformers import DynamicCache
 
-import sparsedecode.attention as attention
+import sparsedecode.session as attention
 from sparsedecode import SparseConfig, select_support, sparse_decoding
-from sparsedecode.cache import crop_cache
+from sparsedecode.session.kv_cache import crop_cache
 
 
 def greedy_loop(model, ids, steps, cache=None):

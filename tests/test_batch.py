@@ -16,9 +16,9 @@ from conftest import logits_tolerance, prompt, roundoff_tolerance, tiny_model
 
 import sparsedecode as sd
 from sparsedecode import SparseConfig, SparseDecodeError, sparse_decoding
-from sparsedecode import decode as batching
-from sparsedecode.attention import prefill_history
-from sparsedecode.cache import GrowingCache
+from sparsedecode.decoding import loop as batching
+from sparsedecode.session import prefill_history
+from sparsedecode.session.kv_cache import GrowingCache
 
 # lengths differ by more than a block; 60 and 90 start below S = 97 and grow past it while decoding
 LENGTHS = (300, 150, 60, 233, 90)
@@ -368,7 +368,7 @@ def test_bench_e2e_batch_dense_dtype_adds_dense_rows_and_takes_the_best_dense_ov
 def test_bench_e2e_batch_compile_adds_compiled_rows_that_equal_batch_one(monkeypatch):
     """``bench e2e --batch --compile``: every batch size again with the compiled step, from copies of the same
     prefilled caches; each batch's tokens equal each prompt's compiled batch-1 run, ratios against the faster dense."""
-    from sparsedecode import compiled
+    from sparsedecode.compiled import decoder as compiled
     from sparsedecode.experiments.bench import bench_e2e_batch
 
     monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")  # capture without inductor's C++ build

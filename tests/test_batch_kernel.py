@@ -11,10 +11,11 @@ import pytest
 import torch
 from conftest import logits_tolerance, prompt, tiny_model
 
-import sparsedecode.attention as attention
+import sparsedecode.session as attention
 from sparsedecode import SparseConfig, SparseDecodeError, sparse_decoding
-from sparsedecode.centroids import BlockCentroids
-from sparsedecode.kernels import cpu, cpu_batch
+from sparsedecode.selectors.statistics import BlockCentroids
+from sparsedecode.kernels import cpu
+from sparsedecode.kernels.cpu import batch as cpu_batch
 from sparsedecode.layout import BlockLayout
 from sparsedecode.step.plan import StepPlan
 

@@ -184,7 +184,7 @@ def test_bench_e2e_times_every_mode_as_often_as_dense(monkeypatch):
 
 
 def test_bench_e2e_compile_adds_compiled_modes_with_dense_tokens(monkeypatch):
-    from sparsedecode import compiled
+    from sparsedecode.compiled import decoder as compiled
 
     monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")  # capture without inductor's C++ build
     rows = bench_e2e(tiny_model("llama"), "tiny", prompt(200), (97, 2048), tokens=6, repeats=1, compile=True)
@@ -210,7 +210,7 @@ def test_bench_e2e_compile_adds_compiled_modes_with_dense_tokens(monkeypatch):
 def test_bench_e2e_compile_with_lossless_adds_compiled_lossless_rows(monkeypatch):
     """--mode lossless --compile: a lossless row per support and k drafting with the compiled step, dense tokens,
     drafting and accepting as the session's lossless row does; its compile time is its sparse step's."""
-    from sparsedecode import compiled
+    from sparsedecode.compiled import decoder as compiled
 
     monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
     model = tiny_model("llama")

@@ -8,7 +8,7 @@ from conftest import prompt, tiny_model
 from transformers import DynamicCache
 
 from sparsedecode import SparseConfig, sparse_decoding
-from sparsedecode.cache import GrowingCache, GrowingLayer, crop_cache
+from sparsedecode.session.kv_cache import GrowingCache, GrowingLayer, crop_cache
 
 
 def trace(model, cache, steps=120, crop_at=40, crop_to=330):

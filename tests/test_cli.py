@@ -115,7 +115,7 @@ def test_module_entry_point_reports_without_traceback():
 
 
 def test_run_audit_writes_npz_and_layer_tables(tiny_model_dir, tmp_path, capsys):
-    from sparsedecode.diagnostics import load_audit
+    from sparsedecode.protocol.diagnostics import load_audit
 
     out = tmp_path / "audit.json"
     code, stdout, _ = run_cli(

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from test_bad_input import one_line_exit_2
 
-from sparsedecode import models
+from sparsedecode.models import catalog as models
 from sparsedecode.cli import main
 from sparsedecode.cli.outputs import atomic_path, write_json
 
@@ -442,7 +442,7 @@ def test_corrupt_or_partial_model_folders_are_one_line(tiny_model_dir, tmp_path,
 def test_an_audit_that_cannot_be_written_leaves_no_temporary_file(tmp_path):
     import numpy as np
 
-    from sparsedecode.diagnostics import save_audit
+    from sparsedecode.protocol.diagnostics import save_audit
 
     (tmp_path / "taken.npz").mkdir()
     with pytest.raises(OSError):

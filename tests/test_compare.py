@@ -9,7 +9,7 @@ import torch
 from conftest import prompt, tiny_model
 
 from sparsedecode import SparseConfig, SparseDecodeError, compare, dense_reference
-from sparsedecode.results import FIRST_DIVERGENCE_CONVENTION, first_divergence, upgrade_row
+from sparsedecode.protocol.results import FIRST_DIVERGENCE_CONVENTION, first_divergence, upgrade_row
 
 
 def test_dense_reference_is_greedy_generate(arch):

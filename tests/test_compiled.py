@@ -1,4 +1,4 @@
-"""The capturable sparse step (sparsedecode.attention.static, sparsedecode.compiled): a whole decode step compiled
+"""The capturable sparse step (sparsedecode.compiled.op, sparsedecode.compiled.decoder): a whole decode step compiled
 with fullgraph=True on tiny Llama and Qwen2, and the session's guarantees on the new path.
 
 Compiling uses the ``aot_eager`` backend here: it runs dynamo's full-graph capture and AOT autograd's
@@ -17,13 +17,13 @@ import torch
 from conftest import logits_tolerance, tiny_model
 
 from sparsedecode import SparseConfig, sparse_decoding
-from sparsedecode.cache import GrowingCache
-from sparsedecode.compiled import CompiledDecoder
-from sparsedecode.decode import decode_tokens, prefill
+from sparsedecode.session.kv_cache import GrowingCache
+from sparsedecode.compiled.decoder import CompiledDecoder
+from sparsedecode.decoding.loop import decode_tokens, prefill
 from sparsedecode.errors import SparseDecodeError
 from sparsedecode.selectors import BlockSelector, selector_names
 from sparsedecode.selectors.ops import group_mean_queries
-from sparsedecode.speculative import generate
+from sparsedecode.decoding.generate import generate
 
 PROMPT, STEPS = 300, 24
 SMALL_CFG = dict(support=97, window=32, block_size=8)  # 97 = 1 + 32 + 8 * 8: sparse from the first step at 300
@@ -66,7 +66,7 @@ def _static_run(decoder: CompiledDecoder, ids, steps=STEPS, *, compiled=True):
 
 def decoder_inputs(decoder: CompiledDecoder, tokens: torch.Tensor):
     """What :meth:`CompiledDecoder.step` hands its compiled function, for calling the function uncompiled."""
-    from sparsedecode.compiled import _seek
+    from sparsedecode.compiled.decoder import _seek
 
     position = torch.full((decoder.batch, 1), decoder.position, dtype=torch.long)
     _seek(decoder.cache, decoder.position)
@@ -108,7 +108,7 @@ def test_whole_decode_step_compiles_fullgraph_and_gives_the_eager_tokens(arch, p
 def _selector_paths() -> list[tuple[str, str]]:
     """Every registered selector but H2O (refused, see below) through the op; those the host-free step serves
     fused too (for the others both settings take the op)."""
-    from sparsedecode.attention.static_device import serves
+    from sparsedecode.step.device import serves
 
     cases = []
     for name in selector_names():
@@ -237,7 +237,7 @@ def test_a_batch_decodes_as_each_sequence_alone(path):
 
 
 def test_generate_compile_gives_generate_tokens_and_reuses_the_compiled_step(monkeypatch):
-    from sparsedecode import compiled
+    from sparsedecode.compiled import decoder as compiled
 
     monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
     model = tiny_model("llama")
@@ -259,7 +259,7 @@ def test_lossless_compiled_equals_dense_and_the_sessions_lossless(path, monkeypa
     rejected drafts are dropped by moving the position back. Its tokens are dense greedy decoding's, and it drafts
     and accepts exactly as the session's lossless loop does (the same sparse tokens), adaptive ``k`` included; an
     end-of-sequence token stops both where dense decoding stops."""
-    from sparsedecode import compiled
+    from sparsedecode.compiled import decoder as compiled
 
     monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
     model = tiny_model("qwen2")
@@ -302,7 +302,7 @@ def test_compile_refuses_sliding_window_layers():
     from conftest import SMALL
     from transformers import MistralConfig, MistralForCausalLM
 
-    from sparsedecode.compiled import check_compilable, layer_types
+    from sparsedecode.compiled.decoder import check_compilable, layer_types
 
     qwen = tiny_model("qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=1)
     assert "sliding_attention" in qwen.config.layer_types
@@ -322,7 +322,7 @@ def test_compile_refuses_sliding_window_layers():
 def test_a_config_that_misstates_the_kv_heads_is_refused_in_one_line(monkeypatch):
     """The step's state is sized from the config before any forward; an architecture that ignores its config's
     ``num_key_value_heads`` (GPT-NeoX given one) would reach the kernel with other shapes: refused when traced."""
-    from sparsedecode import compiled
+    from sparsedecode.compiled import decoder as compiled
 
     monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
     model = tiny_model("llama")
@@ -400,8 +400,8 @@ def test_host_free_step_keeps_the_guarantees(device_step_on_cpu):
 def test_host_free_step_traces_without_a_host_read():
     """Dynamo refuses a full graph at any host read (``.item()``, ``bool()``, ``.tolist()``): the host-free step
     traced whole, as CUDA graphs need, and equal to its eager run."""
-    from sparsedecode.attention.static import allocate
-    from sparsedecode.attention.static_device import device_step
+    from sparsedecode.compiled.op import allocate
+    from sparsedecode.step.device import device_step
 
     cfg = SparseConfig(**SMALL_CFG, reuse=2)
     generator = torch.Generator().manual_seed(19)
@@ -430,7 +430,7 @@ def test_the_prepared_call_equals_the_general_op_path(batch, monkeypatch):
     """The op's prepared C call (made once per layer state, integers through NumPy views) gives the general path's
     logits bit for bit (the same C call) and the same state: over prompts of other lengths (stale blocks inside the
     second), reuse 3 (rows reusing and reselecting), a rollback, and positions read counted alike."""
-    from sparsedecode.attention import prepared as prepared_module
+    from sparsedecode.compiled import prepared as prepared_module
 
     model = tiny_model("qwen2")
     cfg = SparseConfig(**SMALL_CFG, reuse=3)
@@ -462,8 +462,8 @@ def test_half_precision_linear_rows_sum_in_float32(monkeypatch, chunk):
     """A half-precision model's one-token linear layers in the compiled step: products and one sum in float32,
     rounded once, so within one rounding of the float32 result (as F.linear's own half-precision path), whether the
     outputs are summed at once or in pieces; more than one token goes through F.linear itself."""
-    from sparsedecode import compile_cpu
-    from sparsedecode.compile_cpu import row_linear
+    from sparsedecode.compiled import cpu as compile_cpu
+    from sparsedecode.compiled.cpu import row_linear
 
     monkeypatch.setattr(compile_cpu, "ROW_CHUNK", chunk)
 
@@ -484,7 +484,7 @@ def test_half_precision_linear_rows_sum_in_float32(monkeypatch, chunk):
 def test_a_half_precision_compiled_step_uses_row_linears_and_gives_the_uncompiled_step(monkeypatch):
     """bfloat16 on the CPU: the compiled step computes its one-token linears as float32 row sums (the installed
     layers), the compiled graph and the same step uncompiled give the same logits, and the layers are restored."""
-    from sparsedecode import compile_cpu
+    from sparsedecode.compiled import cpu as compile_cpu
 
     model = tiny_model("llama").to(torch.bfloat16)
     ids, cfg = _prompt(3), SparseConfig(**SMALL_CFG)
@@ -503,7 +503,7 @@ def test_a_half_precision_compiled_step_uses_row_linears_and_gives_the_uncompile
 
 
 def test_a_model_changed_between_installs_gets_a_step_compiled_for_it(monkeypatch):
-    """dynamo's guards on the modules' attributes are checked once per install (sparsedecode.compile_guards): one
+    """dynamo's guards on the modules' attributes are checked once per install (sparsedecode.compiled.guards): one
     layer's attention scale changed between two installs is decoded with the new value, as the uncompiled step
     decodes it. Without the install's check the guards left would replay the old step (shown last)."""
 
@@ -529,11 +529,11 @@ def test_a_model_changed_between_installs_gets_a_step_compiled_for_it(monkeypatc
 
 
 def test_which_decoders_freeze_the_weights(monkeypatch):
-    """inductor on the CPU freezes the weights into the step (sparsedecode.compile_cpu.FREEZE), except where the
+    """inductor on the CPU freezes the weights into the step (sparsedecode.compiled.cpu.FREEZE), except where the
     half-precision one-row step computes its linears as row products or the memory available does not hold four times
     the weights (what freezing keeps and needs while compiling), and autotunes a frozen step of several rows
     (AUTOTUNE); not with other backends, nor when turned off. Constructing a decoder compiles nothing."""
-    from sparsedecode import compile_cpu
+    from sparsedecode.compiled import cpu as compile_cpu
 
     model = tiny_model("llama")
 
@@ -565,7 +565,7 @@ def test_memory_taken_before_compiling_unfreezes_the_step(monkeypatch):
     """Room to freeze is asked again when the step compiles: decoders made together (a dense and a sparse one over one
     cache) each saw the memory free before any compiled, and the later ones must not freeze into what the earlier
     ones' copies took (a CPU run with llama3-8b's shapes was killed for memory so). A step compiled frozen stays so."""
-    from sparsedecode import compile_cpu
+    from sparsedecode.compiled import cpu as compile_cpu
 
     model = tiny_model("llama")
     ids, cfg = _prompt(8, batch=2), SparseConfig(**SMALL_CFG)
@@ -651,9 +651,9 @@ def test_autotuned_step_compiles_quietly(capfd, monkeypatch):
 
 
 def test_the_guard_filter_keeps_tensor_guards_and_drops_module_attributes():
-    """What sparsedecode.compile_guards.drop_module_guards leaves to dynamo: a parameter of another shape is seen
+    """What sparsedecode.compiled.guards.drop_module_guards leaves to dynamo: a parameter of another shape is seen
     (tensor guards stay), a module's plain attribute is not (the install's fingerprint covers those)."""
-    from sparsedecode.compile_guards import drop_module_guards, model_fingerprint
+    from sparsedecode.compiled.guards import drop_module_guards, model_fingerprint
 
     class Scaled(torch.nn.Module):
         def __init__(self):

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparsedecode import SparseConfig, compare, dense_reference, sparse_decoding
-from sparsedecode.attention import StepView
-from sparsedecode.diagnostics import (
+from sparsedecode.session import StepView
+from sparsedecode.protocol.diagnostics import (
     MassAudit,
     audit_step,
     load_audit,

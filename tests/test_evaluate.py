@@ -236,7 +236,7 @@ def test_context_beyond_the_model_is_refused_before_writing(tmp_path):
 
 
 def test_report_renders_an_eval_folder(loaded, tmp_path):
-    from sparsedecode.eval_report import write_eval_report
+    from sparsedecode.reports.evaluation import write_eval_report
 
     spec = small_spec(tasks=TWO_TASKS, samples=1)
     run_eval(spec, tmp_path / "e", loaded=loaded)

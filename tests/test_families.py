@@ -18,7 +18,7 @@ from conftest import prompt, tiny_family
 
 from sparsedecode import SparseConfig, compare
 from sparsedecode.errors import SparseDecodeError
-from sparsedecode.speculative import compare_lossless
+from sparsedecode.decoding.generate import compare_lossless
 
 FAMILIES = {
     "mistral": {},

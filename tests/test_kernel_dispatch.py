@@ -14,9 +14,10 @@ import torch
 from conftest import assert_attention_close, prompt
 
 from sparsedecode import SparseConfig, SparseDecodeError, kernels, sparse_decoding
-from sparsedecode.attention.attend import _attend_blocks
-from sparsedecode.centroids import BlockCentroids
-from sparsedecode.kernels import cpu, dispatch, triton_attention
+from sparsedecode.kernels.reference import _attend_blocks
+from sparsedecode.selectors.statistics import BlockCentroids
+from sparsedecode.kernels import cpu, dispatch
+from sparsedecode.kernels.triton import attention as triton_attention
 from sparsedecode.kernels.common import largest_offset
 from sparsedecode.layout import BlockLayout
 from sparsedecode.selectors import select_blocks
@@ -297,7 +298,7 @@ def test_decoding_a_model_whose_values_are_narrower_or_wider_than_its_keys(shape
 
 
 def test_short_dense_forward_with_a_value_head_dim_other_than_the_key_head_dim():
-    from sparsedecode.attention import dense_short_forward
+    from sparsedecode.session import dense_short_forward
 
     generator = torch.Generator().manual_seed(11)
     query = torch.randn(1, 8, 3, 16, generator=generator)  # 3 new tokens, 8 query heads

@@ -118,7 +118,7 @@ def evaluate(model: str, model_args: str, tasks: list[str], include_path) -> dic
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from sparsedecode.lm_eval_model import register
+    from sparsedecode.integrations.lm_eval import register
 
     register()
     return lm_eval.simple_evaluate(
@@ -206,7 +206,7 @@ def test_exported_eval_tasks_run_the_same_samples_by_both_routes(model_dir, tmp_
 def test_registration_and_refusals(model_dir):
     from lm_eval.api.registry import get_model
 
-    from sparsedecode.lm_eval_model import SparseDecodeLM, register
+    from sparsedecode.integrations.lm_eval import SparseDecodeLM, register
 
     register()
     register()  # twice is harmless
@@ -241,7 +241,7 @@ def test_the_thin_command_line_entry(model_dir, tasks_dir, tmp_path):
 def test_the_device_falls_back_as_lm_evals_own_model_does(capsys):
     import torch
 
-    from sparsedecode.lm_eval_model import _device
+    from sparsedecode.integrations.lm_eval import _device
 
     assert _device("cpu") == torch.device("cpu") and capsys.readouterr().err == ""
     fallback = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -256,7 +256,7 @@ def test_real_model_alias_against_lm_evals_hf_model(smollm2, tasks_dir, tmp_path
     lm-eval's ``hf`` model gives from the same weights (the converted safetensors in our cache); at S = 97 a
     document of ~190 tokens is scored by sparse steps past position 97 (about 95 of them) and the perplexity
     departs."""
-    from sparsedecode.models import cache_dir
+    from sparsedecode.models.catalog import cache_dir
 
     # the smollm2 fixture has fetched and converted it once (cached)
     weights = cache_dir() / "models" / "smollm2-135m"
@@ -299,8 +299,8 @@ def test_real_model_alias_against_lm_evals_hf_model(smollm2, tasks_dir, tmp_path
     ],
 )
 def test_bad_model_arguments_are_refused_before_the_model_loads(model_dir, monkeypatch, arguments, message):
-    from sparsedecode import models
-    from sparsedecode.lm_eval_model import SparseDecodeLM, sparse_settings
+    from sparsedecode.models import catalog as models
+    from sparsedecode.integrations.lm_eval import SparseDecodeLM, sparse_settings
 
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("refused after loading the model"))
     with pytest.raises(SparseDecodeError) as raised:
@@ -311,7 +311,7 @@ def test_bad_model_arguments_are_refused_before_the_model_loads(model_dir, monke
 
 
 def test_whole_number_arguments_are_taken_as_the_integers_they_are(model_dir):
-    from sparsedecode.lm_eval_model import SparseDecodeLM
+    from sparsedecode.integrations.lm_eval import SparseDecodeLM
 
     lm = SparseDecodeLM(pretrained=str(model_dir), support=113.0, window=64.0, device="cpu", max_batch_size=64)
     assert lm.sparse_config.support == 113 and isinstance(lm.sparse_config.window, int)

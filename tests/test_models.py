@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparsedecode import model_cache, models
+from sparsedecode.models import store as model_cache, catalog as models
 from sparsedecode.errors import SparseDecodeError
-from sparsedecode.models import (
+from sparsedecode.models.catalog import (
     ALIASES,
     ModelSource,
     cache_dir,

@@ -69,9 +69,10 @@ def test_every_public_name_is_its_module_attribute():
         assert getattr(sparsedecode, name) is getattr(importlib.import_module(f"sparsedecode.{module}"), name), name
         assert name in dir(sparsedecode)
     assert callable(sparsedecode.compare), "the function, not the submodule of the same name"
-    from sparsedecode import compare, models  # a public function, a submodule
+    from sparsedecode import compare
+    from sparsedecode.models import catalog as models  # a public function, a submodule
 
-    assert callable(compare) and models.__name__ == "sparsedecode.models"
+    assert callable(compare) and models.__name__ == "sparsedecode.models.catalog"
 
 
 def test_unknown_names_raise_attribute_error():

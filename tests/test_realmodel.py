@@ -41,9 +41,9 @@ def test_audit_and_certificate_on_real_model_at_2k(smollm2):
 
 def _prefilled(model, ids):
     """``generate``'s dense prefill of ``ids`` (a GrowingCache) and the first token, for lossless runs to share."""
-    from sparsedecode.attention import dense_attention
-    from sparsedecode.cache import GrowingCache
-    from sparsedecode.decode import prefill
+    from sparsedecode.session import dense_attention
+    from sparsedecode.session.kv_cache import GrowingCache
+    from sparsedecode.decoding.loop import prefill
 
     with torch.no_grad(), dense_attention(model):
         cache, logits = prefill(model, ids, cache=GrowingCache(config=model.config))
@@ -53,7 +53,7 @@ def _prefilled(model, ids):
 def _lossless_from(model, prefilled, length: int, support: int, k: int, tokens: int) -> list[int]:
     """What ``generate(mode="lossless")`` outputs, from a copy of the shared prefill instead of a prefill of its own
     (the same dense forwards of the same ids: the same cache bit for bit, so the same run)."""
-    from sparsedecode.speculative import lossless_decode
+    from sparsedecode.decoding.generate import lossless_decode
 
     cache, first = prefilled
     run = lossless_decode(
@@ -68,8 +68,8 @@ class LosslessGrid:
     dense one-token step at a time through the library's decode loop)."""
 
     def __init__(self, model, ids, tokens: int = 128):
-        from sparsedecode.attention import dense_attention
-        from sparsedecode.decode import decode_tokens
+        from sparsedecode.session import dense_attention
+        from sparsedecode.decoding.loop import decode_tokens
 
         self.model, self.length, self.tokens = model, int(ids.shape[1]), tokens
         self.prefilled = _prefilled(model, ids)

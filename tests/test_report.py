@@ -11,7 +11,7 @@ from conftest import char_tokenizer, tiny_model
 from sparsedecode.cli import main
 from sparsedecode.experiments import summary
 from sparsedecode.experiments.sweep import RUNS_FILE, SweepSpec, run_sweep
-from sparsedecode.report import sweep_command, write_report
+from sparsedecode.reports.sweep import sweep_command, write_report
 
 pytestmark = pytest.mark.xdist_group("report")  # one parallel worker builds the module's fixtures
 
@@ -107,7 +107,7 @@ def test_conditions_dense_by_construction_are_left_out_of_every_count():
 
 
 def test_report_shows_dense_by_construction_conditions_apart(tmp_path, monkeypatch):
-    from sparsedecode import plots
+    from sparsedecode.reports import plots
 
     plotted = {}
     for name in ("match_vs_delta_ppl", "delta_ppl_by_support", "first_divergence_histogram"):
@@ -268,7 +268,7 @@ def test_report_cli_errors_are_one_line(tmp_path, capsys):
 
 
 def test_rows_audited_under_the_per_head_normaliser_are_kept_apart():
-    from sparsedecode.results import upgrade_audit_fields, upgrade_row
+    from sparsedecode.protocol.results import upgrade_audit_fields, upgrade_row
 
     old = {"selector_recall_mean": 0.5, "captured_mass_ratio_mean": 0.7, "first_divergence_convention": 2}
     new = upgrade_row(old)
@@ -299,7 +299,7 @@ def test_committed_comparisons_show_no_captured_figure_of_the_old_normaliser():
 
 
 def test_environment_lines_name_a_backend_sessions_workers_not_the_drivers_threads():
-    from sparsedecode.report import _environment_lines
+    from sparsedecode.reports.sweep import _environment_lines
 
     env = {"device": "cpu", "threads": 2, "cpu_count": 2, "processor": "x86_64", "torch": "t", "revision": "abc"}
     ray = {"backend": "ray", "nodes": 1, "cpus": 2, "workers": 2, "threads_per_worker": 1}

@@ -9,7 +9,7 @@ from conftest import char_tokenizer, tiny_model
 
 from sparsedecode import SparseConfig, SparseDecodeError
 from sparsedecode.cli import main
-from sparsedecode.decode import prefill
+from sparsedecode.decoding.loop import prefill
 from sparsedecode.experiments.retrieval import (
     NEEDLE,
     QUESTION,

@@ -9,15 +9,7 @@ import pytest
 from conftest import char_tokenizer
 
 from sparsedecode import SparseDecodeError
-from sparsedecode.experiments.ruler import (
-    CWE_RARE_FREQ,
-    FWE_DOTS,
-    NEEDLE,
-    TASK_NAMES,
-    TOLERANCE,
-    build_sample,
-    score,
-)
+from sparsedecode.experiments.ruler import CWE_RARE_FREQ, FWE_DOTS, NEEDLE, TASK_NAMES, TOLERANCE, build_sample, score
 
 CONTEXT = 2000
 """Characters of the char tokenizer; every task fits here (cwe needs about 1500)."""

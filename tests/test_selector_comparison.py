@@ -217,7 +217,7 @@ def test_captured_best_column_is_against_the_best_reachable_set(loaded):
 
 
 def test_dense_by_construction_rows_stand_apart_and_old_comparisons_are_rebuilt(tiny_model_dir, tmp_path, capsys):
-    from sparsedecode.report import write_report
+    from sparsedecode.reports.sweep import write_report
 
     args = ["compare-selectors", "--model", str(tiny_model_dir), "--context", "300", "--support", f"97,{FULL}"]
     args += ["--prompts", "2", "--tokens", "12", "--selectors", "streaming,quest", "--out", str(tmp_path)]

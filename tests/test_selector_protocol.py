@@ -257,7 +257,7 @@ def test_top_p_reads_at_most_the_support_and_p_one_is_mean_pooled():
 
 
 def test_top_p_budget_is_the_fewest_blocks_reaching_p():
-    from sparsedecode.selectors.top_p import blocks_for_mass
+    from sparsedecode.selectors.methods.top_p import blocks_for_mass
 
     estimated = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.1, 0.1, 0.7]])
     assert blocks_for_mass(estimated, 0.5).tolist() == [1, 1]
@@ -455,7 +455,7 @@ def test_the_lm_eval_model_takes_every_form_of_selector(user_file):
     pytest.importorskip("lm_eval")
     from lm_eval.utils import simple_parse_args_string
 
-    from sparsedecode.lm_eval_model import sparse_settings
+    from sparsedecode.integrations.lm_eval import sparse_settings
 
     for argument, spec in [
         ("selector=quest", "quest"),

@@ -142,8 +142,8 @@ def test_block_statistics_of_a_batch_equal_each_row_alone(dtype, monkeypatch):
     """The compiled step completes an equal-length batch's blocks in one pass (centroids.store_statistics over rows and
     KV heads): each row's statistics bit for bit those its own BlockCentroids computes, from any first block, and
     those of the whole span reduced at once however the half-precision span is cut (SPAN_FLOATS)."""
-    from sparsedecode import centroids
-    from sparsedecode.centroids import BlockCentroids, block_span, reduce_blocks, store_statistics
+    from sparsedecode.selectors import statistics as centroids
+    from sparsedecode.selectors.statistics import BlockCentroids, block_span, reduce_blocks, store_statistics
 
     generator = torch.Generator().manual_seed(1)
     kinds = ("mean", "min", "max")

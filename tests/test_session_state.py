@@ -16,8 +16,8 @@ from test_attention import Oracle
 from transformers import DynamicCache
 
 from sparsedecode import SparseConfig, SparseDecodeError, compare, sparse_decoding
-from sparsedecode.cache import GrowingCache, crop_cache
-from sparsedecode.paired import dense_reference
+from sparsedecode.session.kv_cache import GrowingCache, crop_cache
+from sparsedecode.protocol.paired import dense_reference
 
 VOCAB = 96
 
@@ -336,7 +336,7 @@ def test_long_lived_session_equals_fresh_sessions_on_real_model(smollm2, reuse):
 
 
 def test_generate_gives_h2o_the_prefill_history():
-    from sparsedecode.speculative import generate
+    from sparsedecode.decoding.generate import generate
 
     model = tiny_model("llama")
     ids = prompt(200)

@@ -6,8 +6,8 @@ import pytest
 from conftest import prompt, tiny_model
 
 from sparsedecode import SparseConfig, SparseDecodeError
-from sparsedecode.paired import dense_reference
-from sparsedecode.speculative import compare_lossless, generate
+from sparsedecode.protocol.paired import dense_reference
+from sparsedecode.decoding.generate import compare_lossless, generate
 
 
 @pytest.mark.parametrize("support", [97, 193])

@@ -29,7 +29,7 @@ from sparsedecode.experiments.sweep import (
     upgrade_rows_file,
     without_timings,
 )
-from sparsedecode.results import FIRST_DIVERGENCE_CONVENTION
+from sparsedecode.protocol.results import FIRST_DIVERGENCE_CONVENTION
 
 REQUIRED = (
     "context",

@@ -14,8 +14,8 @@ from conftest import assert_attention_close, logits_tolerance, prompt, tiny_mode
 from test_attention import greedy_loop
 
 from sparsedecode import SparseConfig, SparseDecodeError, sparse_decoding
-from sparsedecode.attention import attend_support
-from sparsedecode.centroids import BlockCentroids
+from sparsedecode.session import attend_support
+from sparsedecode.selectors.statistics import BlockCentroids
 from sparsedecode.layout import BlockLayout
 from sparsedecode.selectors import select_blocks
 
@@ -57,7 +57,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x) for x in c))
 def test_kernel_matches_gather_and_sdpa(case):
-    from sparsedecode.kernels.triton_attention import support_attention
+    from sparsedecode.kernels.triton.attention import support_attention
 
     *shape, splits = case
     q, keys, values, blocks, layout = random_case(*shape, dtype=torch.float32, seed=sum(shape))
@@ -71,7 +71,7 @@ def test_kernel_matches_gather_and_sdpa(case):
 
 @pytest.mark.parametrize("splits", [1, 4])
 def test_kernel_masks_a_chosen_short_last_block(splits):
-    from sparsedecode.kernels.triton_attention import support_attention
+    from sparsedecode.kernels.triton.attention import support_attention
 
     # n = 2048: distant region [1, 1984) holds 123 full blocks and a 15-position last one
     q, keys, values, blocks, layout = random_case(14, 2, 64, 2048, 8, dtype=torch.float32, seed=3, short_tail=True)
@@ -86,7 +86,7 @@ def test_kernel_masks_a_chosen_short_last_block(splits):
 
 
 def test_kernel_in_half_precision():
-    from sparsedecode.kernels.triton_attention import support_attention
+    from sparsedecode.kernels.triton.attention import support_attention
 
     q, keys, values, blocks, layout = random_case(14, 2, 64, 2048, 8, dtype=torch.float16, seed=5)
     out = support_attention(q, keys, values, blocks, layout, 0.125, splits=3)
@@ -128,7 +128,7 @@ def test_triton_kernel_refused_where_it_cannot_run(monkeypatch):
     [(14, 2, 64, 2048, 8), (14, 2, 64, 4100, 44), (32, 8, 128, 1500, 8), (4, 2, 16, 200, 2), (8, 1, 32, 90, 1)],
 )
 def test_triton_selection_picks_the_blocks_top_blocks_picks(query_heads, kv_heads, d, n, b):
-    from sparsedecode.kernels.triton_attention import mean_pooled_top_blocks
+    from sparsedecode.kernels.triton.attention import mean_pooled_top_blocks
 
     generator = torch.Generator().manual_seed(n + b)
     layout = BlockLayout(n=n, window=64, block_size=16)
@@ -147,7 +147,7 @@ def test_triton_selection_picks_the_blocks_top_blocks_picks(query_heads, kv_head
 
 
 def test_triton_selection_breaks_ties_towards_the_lowest_block():
-    from sparsedecode.kernels.triton_attention import mean_pooled_top_blocks
+    from sparsedecode.kernels.triton.attention import mean_pooled_top_blocks
 
     layout = BlockLayout(n=64 + 1 + 16 * 10, window=64, block_size=16)
     keys = torch.zeros(2, layout.n, 16)

@@ -13,8 +13,9 @@ from conftest import SMALL, char_tokenizer, prompt, tiny_model
 from test_bad_input import NoForward, one_line_exit_2
 from transformers import Gemma2Config, Gemma2ForCausalLM, GptOssConfig, GptOssForCausalLM
 
-import sparsedecode.attention as attention
-from sparsedecode import SparseConfig, compare, generate, models, sparse_decoding
+import sparsedecode.session as attention
+from sparsedecode import SparseConfig, compare, generate, sparse_decoding
+from sparsedecode.models import catalog as models
 from sparsedecode.errors import SparseDecodeError
 from sparsedecode.validate import unsupported_attention
 

@@ -10,14 +10,14 @@ import importlib as _importlib
 import typing as _typing
 
 if _typing.TYPE_CHECKING:
-    from .attention import SparseSession, sparse_decoding
+    from .session import SparseSession, sparse_decoding
     from .config import SparseConfig
     from .errors import SparseDecodeError
-    from .models import DEFAULT_MODEL, list_models, load_model, load_tokenizer
-    from .paired import compare, dense_reference
-    from .results import CompareResult, DenseReference
+    from .models.catalog import DEFAULT_MODEL, list_models, load_model, load_tokenizer
+    from .protocol.paired import compare, dense_reference
+    from .protocol.results import CompareResult, DenseReference
     from .selectors import BlockSelector, TokenSelector, register_selector, select_support
-    from .speculative import generate
+    from .decoding.generate import generate
 
 _EXPORTS = {
     "BlockSelector": "selectors",

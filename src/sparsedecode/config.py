@@ -10,7 +10,7 @@ from .selectors.base import Selector
 KERNELS = ("auto", "torch", "c", "triton")
 """How a block selector's step runs: ``torch`` (torch operations: scores, top-k, gather + SDPA; any device, dtype
 and head dims), ``c`` (the CPU kernel of :mod:`sparsedecode.kernels.cpu`: selection and attention in one call each,
-float32, bfloat16 or float16), ``triton`` (:mod:`sparsedecode.kernels.triton_attention`; CUDA, or Triton's
+float32, bfloat16 or float16), ``triton`` (:mod:`sparsedecode.kernels.triton.attention`; CUDA, or Triton's
 interpreter on CPU), ``auto`` (Triton on CUDA, the C kernel on the CPU, each only where every assumption of its code
 holds, torch otherwise). ``c`` and ``triton`` raise where they cannot serve (token-level and adaptive selectors: at
 once, in :class:`SparseConfig`);
@@ -28,7 +28,7 @@ class SparseConfig:
     ``selector`` is a registered name, a spec string (``"top-p:p=0.8"``, ``"path/to/file.py:Class"``) or a
     selector instance (:mod:`sparsedecode.selectors`); it is held as an instance. Token-level selectors read exactly
     ``support`` positions; an adaptive one reads at most the support. ``seed`` is the session's seed (random-blocks
-    draws with it). ``audit`` turns on the omitted-mass audit of :mod:`sparsedecode.diagnostics`, which
+    draws with it). ``audit`` turns on the omitted-mass audit of :mod:`sparsedecode.protocol.diagnostics`, which
     costs one dense attention pass per sparse step; off, nothing beyond the support is ever read. ``kernel``
     picks the attention implementation (:data:`KERNELS`); it changes speed, not what is read.
 

@@ -65,7 +65,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 DRAFT_TOKENS = 4
 """``--draft-tokens`` of run and bench e2e under ``--mode lossless`` when not given (``generate``'s default)."""
 DEFAULT_MODEL = "smollm2-135m"
-""":data:`sparsedecode.models.DEFAULT_MODEL`, spelled out so that building the parser imports no torch (a test
+""":data:`sparsedecode.models.catalog.DEFAULT_MODEL`, spelled out so that building the parser imports no torch (a test
 keeps the two equal)."""
 
 
@@ -343,7 +343,7 @@ def check_backend_args(args) -> None:
             "--backend ray needs Ray, which is not installed: pip install 'sparsedecode[ray]' (or pip install ray)"
         )
     if args.address is not None:
-        from .ray_backend import check_reachable  # imports no Ray
+        from .ray_backend import check_reachable
 
         check_reachable(args.address)
 
@@ -449,7 +449,7 @@ def check_whole_blocks(configs) -> None:
 
 def load(args):
     """``(model, tokenizer)`` of ``--model``, after checking that the model cache can take it if it must."""
-    from ..models import load_model
+    from ..models.catalog import load_model
 
     quiet_transformers()
     check_model_cache(args.model)
@@ -471,7 +471,7 @@ def quiet_transformers() -> None:
 
 def check_model_cache(spec: str) -> None:
     """A built-in alias that is not converted yet is fetched into the cache: refuse a cache that takes no files."""
-    from ..models import ALIASES, cache_dir, verify_converted
+    from ..models.catalog import ALIASES, cache_dir, verify_converted
 
     source = ALIASES.get(spec)
     converted = source is not None and verify_converted(

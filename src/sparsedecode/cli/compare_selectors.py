@@ -91,7 +91,7 @@ def cmd_compare_selectors(args) -> int:
     model, tokenizer = load(args)
     from ..experiments.corpus import check_context_fits
     from ..experiments.selector_comparison import ANSWER_TOKENS, compare_selectors
-    from ..models import attention_shape
+    from ..models.catalog import attention_shape
 
     check_context_fits(model, args.context, max(args.tokens, ANSWER_TOKENS if args.retrieval else 0))
     shape = attention_shape(model.config)
@@ -112,7 +112,7 @@ def cmd_compare_selectors(args) -> int:
             batch=args.batch,
             execute=execute,
         )
-    from ..report import SELECTOR_HEADERS, dense_retrieval_lines, selector_cells, write_selector_comparison
+    from ..reports.sweep import SELECTOR_HEADERS, dense_retrieval_lines, selector_cells, write_selector_comparison
 
     summary = [asdict(r) for r in rows]
     table = Table(

@@ -187,7 +187,7 @@ def cmd_eval(args, *, console, progress_bars) -> int:
     spec = _check_eval_args(args)
     if args.export is not None:
         from ..experiments.lm_eval_tasks import export_tasks
-        from ..models import load_tokenizer
+        from ..models.catalog import load_tokenizer
 
         quiet_transformers()
         with console.status(f"loading the tokenizer of {args.model}"):
@@ -252,7 +252,7 @@ def cmd_merge_eval(args, *, console) -> int:
 
 def cmd_report_eval(args, *, console) -> int:
     """``sparsedecode report`` of an evaluation folder (``args.directory``)."""
-    from ..eval_report import write_eval_report
+    from ..reports.evaluation import write_eval_report
 
     with console.status(f"writing the report for {args.directory}"):
         path = write_eval_report(args.directory)
@@ -268,7 +268,7 @@ def run_lm_eval(argv: list[str]) -> int:
     spelt (no abbreviations), and a usage error, a malformed ``--model_args`` or a task lm-eval does not know is one
     line and exit status 2 (a :class:`SparseDecodeError`), not argparse's usage text or a traceback.
     """
-    from ..lm_eval_model import MODEL_NAME, register, sparse_settings
+    from ..integrations.lm_eval import MODEL_NAME, register, sparse_settings
 
     register()
     from lm_eval._cli import HarnessCLI

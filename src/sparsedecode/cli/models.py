@@ -19,7 +19,7 @@ def add_parsers(sub) -> None:
 
 
 def cmd_models(args) -> int:
-    from ..models import list_models
+    from ..models.catalog import list_models
 
     table = Table(title="models")
     for name in ("alias", "description", "gguf cached", "converted", "path"):

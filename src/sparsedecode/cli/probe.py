@@ -86,10 +86,10 @@ def cmd_probe_mass(args) -> int:
     written = ("mass.json", *(f"{stem}{suffix}" for stem in stems for suffix in (".png", ".npz")))
     check_output_folder(args.out, inputs=inputs_of(args), files=written, results="mass.json")
     configs, model, _, prompts = prepare(args, audit=True)
-    from ..decode import prefill
-    from ..diagnostics import save_audit
+    from ..decoding.loop import prefill
+    from ..protocol.diagnostics import save_audit
     from ..experiments.probes import mass_probe
-    from ..plots import heatmap
+    from ..reports.plots import heatmap
 
     console.print(conditions(args))
     rows = []

@@ -326,7 +326,7 @@ class Worker:
         self.loaded = None
         self.failed = None
         try:
-            from ..models import load_model
+            from ..models.catalog import load_model
             from .common import quiet_transformers
 
             quiet_transformers()

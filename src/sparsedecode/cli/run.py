@@ -119,7 +119,7 @@ def _margin_line(result) -> str:
         f"steps; median margin {cert['median_margin']:.3f}, median max|Δlogit| {cert['median_delta']:.3f}; {where}"
     )
     if result.warning_regime:
-        from ..diagnostics import WARNING_NOTE
+        from ..protocol.diagnostics import WARNING_NOTE
 
         line += f"\n[red]warning regime:[/] {WARNING_NOTE}"
     return line
@@ -137,8 +137,8 @@ def cmd_run(args) -> int:
     )
     check_output_file(args.json, "--json", inputs=inputs_of(args), also=audits)
     configs, model, tokenizer, prompts = prepare(args, audit=args.audit)
-    from ..diagnostics import save_audit
-    from ..paired import compare, dense_reference
+    from ..protocol.diagnostics import save_audit
+    from ..protocol.paired import compare, dense_reference
 
     settings = {**run_settings(args, "run"), "audit": args.audit}
     console.print(conditions(args))
@@ -202,7 +202,7 @@ def cmd_run_lossless(args) -> int:
             f"--draft-tokens must be between 1 and --tokens - 1 = {args.tokens - 1} (got {args.draft_tokens})"
         )
     configs, model, tokenizer, prompts = prepare(args)
-    from ..speculative import compare_lossless, generate
+    from ..decoding.generate import compare_lossless, generate
 
     console.print(conditions(args) + f"; lossless, k = {args.draft_tokens}{' (adaptive)' if args.adaptive else ''}")
     table = Table(title="lossless self-speculative decoding against plain dense greedy decoding (same process)")

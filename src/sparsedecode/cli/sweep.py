@@ -220,7 +220,7 @@ def cmd_sweep(args) -> int:
 
 def _merge_comparisons(args) -> int:
     from ..experiments.comparison_merge import merge_comparisons
-    from ..report import write_selector_comparison
+    from ..reports.sweep import write_selector_comparison
 
     check_output_folder(args.out, files=("selectors.md", "selectors.csv", "selectors.json"), results="selectors.json")
     data = merge_comparisons(args.sources)  # everything checked and built before anything is written
@@ -263,7 +263,7 @@ def cmd_report(args) -> int:
 
     if is_eval_folder(args.directory):
         return cmd_report_eval(args, console=console)
-    from ..report import write_report
+    from ..reports.sweep import write_report
 
     with console.status(f"writing the report for {args.directory}"):
         path = write_report(args.directory, retrieval=args.retrieval)

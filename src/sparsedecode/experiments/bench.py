@@ -30,19 +30,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..attention import LayerState, SparseSession, attend_positions, attend_support, sparse_decode_step, sparse_decoding
-from ..cache import GrowingCache, crop_cache, crop_rewinds, growing_copy
-from ..centroids import BlockCentroids
+from ..session import LayerState, SparseSession, attend_positions, attend_support, sparse_decode_step, sparse_decoding
+from ..session.kv_cache import GrowingCache, crop_cache, crop_rewinds, growing_copy
+from ..selectors.statistics import BlockCentroids
 from ..config import SparseConfig
-from ..decode import Progress, decode_tokens, prefill
+from ..decoding.loop import Progress, decode_tokens, prefill
 from ..errors import SparseDecodeError
 from ..kernels import cpu as cpu_kernel
-from ..kernels import triton_attention
+from ..kernels.triton import attention as triton_attention
 from ..layout import BlockLayout
 from ..memory import available_memory_bytes
-from ..models import attention_shape
+from ..models.catalog import attention_shape
 from ..selectors import resolve_selector, select_blocks, select_positions
-from ..speculative import lossless_decode
+from ..decoding.generate import lossless_decode
 
 SHAPES = {
     "qwen2-0.5b": (14, 2, 64),  # query heads, KV heads, head dim (also Qwen2.5-Coder-0.5B)
@@ -501,14 +501,14 @@ def bench_e2e(
     mode's median alike instead of favouring one mode. ``speedup_vs_best_dense`` divides by the fastest dense mode.
     Peak RSS is the process peak so far. ``kernel`` is the sparse attention kernel (``SparseConfig.kernel``;
     ``auto`` = the C kernel on the CPU (float32, bfloat16, float16), Triton on CUDA, else torch). ``compile`` adds
-    dense and each sparse mode over a static cache with the decode step compiled (:mod:`sparsedecode.compiled`),
+    dense and each sparse mode over a static cache with the decode step compiled (:mod:`sparsedecode.compiled.decoder`),
     their compile time in ``compile_s``. ``baseline`` (``{label: LlamaCpp}``, :mod:`.baseline`) adds llama.cpp's dense
     decoding of the same token ids, timed in the same rotation, and every row's ratio to it and bytes per token.
     """
     if isinstance(repeats, bool) or not isinstance(repeats, numbers.Integral) or repeats < 1:
         raise SparseDecodeError(f"bench e2e: repeats must be an integer >= 1 (got {repeats!r})")
     if compile:  # before the prefill
-        from ..compiled import check_compilable
+        from ..compiled.decoder import check_compilable
 
         for cfg in (None, *(SparseConfig(support=s, kernel=kernel, selector=selector) for s in supports)):
             check_compilable(model, cfg, "bench e2e --compile")
@@ -749,7 +749,7 @@ def bench_e2e_batch(
     ``tokens_equal_to_batch1``: every sequence's tokens equal its own batch-1 run in the same mode (each prompt is
     run alone, in every mode, for that). Peak RSS is measured per batch size (the kernel's high-water mark is reset
     before it, where Linux allows). ``compile`` adds every mode with the decode step compiled
-    (:mod:`sparsedecode.compiled`, ``cache`` "static, compiled"), its rows and compile seconds beside the others';
+    (:mod:`sparsedecode.compiled.decoder`, ``cache`` "static, compiled"), its rows and compile seconds beside the others';
     "vs dense same batch" and "vs best dense" then divide by the faster dense mode.
     """
     if isinstance(repeats, bool) or not isinstance(repeats, numbers.Integral) or repeats < 1:
@@ -771,7 +771,7 @@ def bench_e2e_batch(
         return None if mode[0] == "dense" else SparseConfig(support=mode[1], kernel=kernel, selector=selector)
 
     if compile:  # before any prefill
-        from ..compiled import check_compilable
+        from ..compiled.decoder import check_compilable
 
         for mode in modes:
             check_compilable(model, config_of(mode), "bench e2e --batch --compile")
@@ -877,11 +877,11 @@ def _compiled_modes(model, prompt_ids, first: int, cfgs: dict, tokens: int, prog
     """:func:`bench_e2e`'s compiled modes: for each ``cfgs`` entry (a name and its config, ``None`` = dense) a
     function ``timed(stage) -> (seconds, tokens)`` decoding ``tokens`` greedy tokens after ``first``, every mode from
     one prefill of ``prompt_ids (1, P)`` into one shared cache; under ``(name, k)`` for each sparse entry and draft
-    length in ``lossless``, the lossless loop drafting with it (a :class:`~sparsedecode.speculative.Generation`); and
+    length in ``lossless``, the lossless loop drafting with it (a :class:`~sparsedecode.decoding.generate.Generation`); and
     each mode's compile seconds (measured here, before any timed run). The configs were checked compilable before."""
-    from ..compiled import decoder_for
-    from ..lossless import MAX_DRAFT_TOKENS, StaticDrafter, lossless_loop
-    from ..speculative import Generation
+    from ..compiled.decoder import decoder_for
+    from ..decoding.lossless import MAX_DRAFT_TOKENS, StaticDrafter, lossless_loop
+    from ..decoding.generate import Generation
 
     context = int(prompt_ids.shape[1])
     decoders = {name: decoder_for(model, cfg, 1, context + tokens + 1) for name, cfg in cfgs.items()}
@@ -915,7 +915,7 @@ def _compiled_modes(model, prompt_ids, first: int, cfgs: dict, tokens: int, prog
 def _compiled_batches(model, caches, firsts, batches, modes, config_of, tokens, repeats, progress) -> dict:
     """:func:`bench_e2e_batch`'s compiled modes, measured like the others (each prompt alone at batch 1 first, then
     every batch size, each mode ``repeats`` times in order and reversed), from copies of the same prefilled caches."""
-    from ..compiled import decoder_for
+    from ..compiled.decoder import decoder_for
 
     context = int(caches[0].get_seq_length())
 

@@ -49,7 +49,7 @@ def _wikitext2() -> str:
             "corpus wikitext2 needs the 'datasets' package (pip install 'sparsedecode[hub]') and a reachable "
             "hub; use --corpus python-docs or a local text file offline"
         ) from error
-    from ..models import hub_unreachable
+    from ..models.catalog import hub_unreachable
 
     unreachable = hub_unreachable()  # one quick connection check instead of the hub client's retries
     offline = datasets.config.HF_HUB_OFFLINE

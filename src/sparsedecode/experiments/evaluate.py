@@ -34,10 +34,10 @@ from pathlib import Path
 
 import torch
 
-from ..attention import prefill_history, sparse_decoding
-from ..cache import crop_cache
+from ..session import prefill_history, sparse_decoding
+from ..session.kv_cache import crop_cache
 from ..config import SparseConfig
-from ..decode import Progress, decode_tokens, prefill
+from ..decoding.loop import Progress, decode_tokens, prefill
 from ..errors import SparseDecodeError
 from ..files import write_json_atomic
 from .environment import environment
@@ -109,7 +109,7 @@ def answer(model, tokenizer, sample: Sample, cache, cfg: SparseConfig | None, *,
     """Feed the question tail token by token and decode the answer greedily, densely (``cfg=None``) or sparsely.
 
     ``cache`` holds exactly ``sample.ids[:question_start]`` and is cropped back to it afterwards; ``history`` is the
-    attention history of that prefill (:func:`~sparsedecode.attention.prefill_history`), which a selector with
+    attention history of that prefill (:func:`~sparsedecode.session.prefill_history`), which a selector with
     ``uses_history`` (H2O) needs.
     """
     question = list(sample.ids[sample.question_start :])
@@ -398,7 +398,7 @@ def run_eval(
     if meta is not None:
         check_meta(directory, meta, spec, corpus, shard)  # before the model loads; again under the lock
     if loaded is None:
-        from ..models import load_model
+        from ..models.catalog import load_model
 
         loaded = load_model(spec.model, dtype=spec.dtype)
     model, tokenizer = loaded

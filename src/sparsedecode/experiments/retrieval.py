@@ -7,12 +7,12 @@ A passkey (random digits from a fixed seed) is planted at a depth of a haystack,
 The haystack is repeated filler sentences (the classic passkey task) or corpus text. ``context`` counts every
 prompt token, question included. Everything before the question is prefilled densely; the question is then fed
 one token at a time, each a decode step under the attention mode being tested (dense, or sparse inside
-:func:`~sparsedecode.attention.sparse_decoding`), as in Quest's passkey protocol, so the selector decides what
+:func:`~sparsedecode.session.sparse_decoding`), as in Quest's passkey protocol, so the selector decides what
 the question reads; then a few answer tokens are decoded greedily. A trial succeeds when the passkey digits
 appear in the decoded answer (exact substring match).
 
 Each sparse trial also records what the selector did while answering: the omitted-mass audit of
-:class:`~sparsedecode.diagnostics.MassAudit` (captured-mass ratio and selector recall against the best set reachable
+:class:`~sparsedecode.protocol.diagnostics.MassAudit` (captured-mass ratio and selector recall against the best set reachable
 at the same budget, the same against each query head's own best as ``*_per_head_best``, omitted mass) and, from
 :class:`NeedleReads`, the share of needle positions inside the support and the true (dense) attention mass on
 the needle. Relating those to success shows whether captured mass alone predicts retrieval.
@@ -29,11 +29,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..attention import StepView, prefill_history, sparse_decoding
-from ..cache import crop_cache
+from ..session import StepView, prefill_history, sparse_decoding
+from ..session.kv_cache import crop_cache
 from ..config import SparseConfig
-from ..decode import Progress, decode_tokens, prefill
-from ..diagnostics import MassAudit, summarize_audit
+from ..decoding.loop import Progress, decode_tokens, prefill
+from ..protocol.diagnostics import MassAudit, summarize_audit
 from ..errors import SparseDecodeError
 from .corpus import FILLER, corpus_ids
 from .specs import RetrievalSpec
@@ -161,7 +161,7 @@ def answer(
     """Feed the question token by token and decode ``answer_tokens`` greedily, densely (``cfg=None``) or sparsely.
 
     ``cache`` holds exactly ``prompt.ids[:, :question_start]`` (it is cropped back afterwards); ``history`` is H2O's
-    history of that prefill (:func:`~sparsedecode.attention.prefill_history`), needed by ``h2o``.
+    history of that prefill (:func:`~sparsedecode.session.prefill_history`), needed by ``h2o``.
     """
     audit = MassAudit()
     needle = NeedleReads(prompt.needle_start, prompt.needle_end)
@@ -263,7 +263,7 @@ def run_retrieval(
     Returns one dict per (context, depth, trial, mode), in run order.
     """
     if loaded is None:
-        from ..models import load_model
+        from ..models.catalog import load_model
 
         loaded = load_model(spec.model, dtype=spec.dtype)
     model, tokenizer = loaded

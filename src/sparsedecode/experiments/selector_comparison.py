@@ -1,7 +1,7 @@
 """All selectors on the same model, prompts and budget, side by side.
 
 For each (context, prompt) one dense reference is computed; every selector then runs the paired protocol of
-:func:`sparsedecode.paired.compare` at every support (optionally with the omitted-mass audit, which gives the
+:func:`sparsedecode.protocol.paired.compare` at every support (optionally with the omitted-mass audit, which gives the
 captured-mass ratio against the best set reachable at the same budget). The operator time of one decode-attention
 call per selector is measured on synthetic data of the model's shape at each context, in the same process
 (:func:`sparsedecode.experiments.bench.bench_op`).
@@ -13,7 +13,7 @@ baseline) and then by every selector at every support.
 
 A comparison is stored as one JSON document (``settings``, ``summary``, ``runs``, ``retrieval``); the summary is a
 function of the stored runs and trials (:func:`summarize`), so :func:`rebuild` recomputes it with today's code:
-runs of an older ``first_divergence`` convention are upgraded first (:func:`sparsedecode.paired.upgrade_row`),
+runs of an older ``first_divergence`` convention are upgraded first (:func:`sparsedecode.protocol.paired.upgrade_row`),
 and the measured operator times are kept. Conditions that are dense by construction (effective support
 ``>= context + T - 1``, see :func:`sparsedecode.experiments.summary.dense_by_construction`) are marked, so a
 table can show them apart: they compare nothing.
@@ -27,10 +27,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..config import SparseConfig
-from ..decode import Progress
+from ..decoding.loop import Progress
 from ..errors import SparseDecodeError
-from ..paired import compare, dense_reference
-from ..results import upgrade_row
+from ..protocol.paired import compare, dense_reference
+from ..protocol.results import upgrade_row
 from ..selectors import resolve_selector, selector_names
 from .bench import bench_op
 from .corpus import prompt_ids
@@ -82,7 +82,7 @@ class SelectorRow:
 class PromptUnit:
     """Every selector at every support on prompts ``indices`` of one context, each paired with its own dense
     reference (a :class:`~.work.Unit`; ``ids`` are the prompts, cut by the caller). ``batched``: decoded together
-    (:func:`~sparsedecode.paired.compare` of several prompts), as ``compare_selectors(batch > 1)`` does."""
+    (:func:`~sparsedecode.protocol.paired.compare` of several prompts), as ``compare_selectors(batch > 1)`` does."""
 
     context: int
     indices: list[int]

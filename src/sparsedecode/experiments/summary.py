@@ -23,7 +23,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable
 
-from ..diagnostics import WARNING_MATCH_PERCENT
+from ..protocol.diagnostics import WARNING_MATCH_PERCENT
 
 CONDITION_KEY = ("context", "support", "reuse", "selector")
 

@@ -12,7 +12,7 @@ per (selector, support, reuse). A sweep directory holds
   of the whole line and an ``fsync``. A run killed mid-write leaves at most a torn last line, which is
   dropped on resume, so a rerun with the same arguments continues where it stopped and never repeats a row.
   Rows carry ``first_divergence_convention``; older rows are upgraded when read (see
-  :func:`sparsedecode.paired.upgrade_row`) and rewritten before a resumed sweep appends to them, so a file
+  :func:`sparsedecode.protocol.paired.upgrade_row`) and rewritten before a resumed sweep appends to them, so a file
   never mixes conventions.
 
 ``--shard i/n`` runs every n-th (context, prompt) group (round-robin, 1-based ``i``), so a shard never
@@ -37,11 +37,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..decode import Progress
+from ..decoding.loop import Progress
 from ..errors import SparseDecodeError, naming
 from ..files import write_json_atomic, write_text_atomic
-from ..paired import compare, dense_reference
-from ..results import FIRST_DIVERGENCE_CONVENTION, CompareResult, upgrade_row
+from ..protocol.paired import compare, dense_reference
+from ..protocol.results import FIRST_DIVERGENCE_CONVENTION, CompareResult, upgrade_row
 from .corpus import check_context_fits, load_text, prompt_count, prompt_ids
 from .environment import environment
 from .specs import KEY_FIELDS, Group, RunKey, Spec, SweepSpec, check_selector_files, selector_files
@@ -171,7 +171,7 @@ def make_row(key: RunKey, result: CompareResult, *, run_s: float, audit: bool = 
 
 def read_rows(path: Path, *, repair: bool = False) -> list[dict]:
     """The rows of a ``runs.jsonl`` in today's ``first_divergence`` convention (older rows upgraded, see
-    :func:`~sparsedecode.paired.upgrade_row`); a torn last line (no final newline: a killed write) is ignored.
+    :func:`~sparsedecode.protocol.paired.upgrade_row`); a torn last line (no final newline: a killed write) is ignored.
 
     With ``repair`` the torn tail is also cut from the file, so the next append starts on a fresh line.
     """
@@ -179,7 +179,7 @@ def read_rows(path: Path, *, repair: bool = False) -> list[dict]:
 
 
 def _upgraded(path: Path, rows: list[dict]) -> list[dict]:
-    """``rows`` of ``path`` upgraded by :func:`~sparsedecode.paired.upgrade_row`; a row that cannot be is named."""
+    """``rows`` of ``path`` upgraded by :func:`~sparsedecode.protocol.paired.upgrade_row`; a row that cannot be is named."""
     upgraded = []
     for number, row in enumerate(rows, start=1):
         try:
@@ -414,7 +414,7 @@ def run_sweep(
 
     ``loaded`` is an already loaded ``(model, tokenizer)`` for ``spec.model`` (otherwise it is loaded here).
     ``on_start(done, total)`` is called once the work is known, before the first run. ``batch > 1`` decodes up to
-    ``batch`` prompts of one context together (:func:`~sparsedecode.paired.compare` of a batch): the same rows apart
+    ``batch`` prompts of one context together (:func:`~sparsedecode.protocol.paired.compare` of a batch): the same rows apart
     from timing fields (each row's timings are its share, the batch's wall time over the batch size) and float32
     round-off in the perplexities and margins; the session record in ``sweep.json`` notes the batch size. With
     ``execute`` the pending groups run as units elsewhere (:class:`GroupUnit`, see :mod:`.work`) and only this process
@@ -433,7 +433,7 @@ def run_sweep(
     if meta is not None:
         check_meta(directory, meta, spec, corpus, shard)
     if loaded is None:
-        from ..models import load_model
+        from ..models.catalog import load_model
 
         loaded = load_model(spec.model, dtype=spec.dtype)
     model, tokenizer = loaded

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from ..decode import Progress
+    from ..decoding.loop import Progress
 
 RowCallback = Callable[[dict], None]
 

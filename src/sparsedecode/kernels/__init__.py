@@ -5,7 +5,9 @@ This package depends on :mod:`sparsedecode.layout` (where the support lies) and 
 only, never on the selectors or the attention step, which call into it.
 """
 
-from . import cpu, cpu_batch, triton_attention
+from . import cpu
+from .cpu import batch as cpu_batch
+from .triton import attention as triton_attention
 from .common import check_inputs
 from .dispatch import attend, attention_kernel, refusals, select_mean_pooled, selection_kernel
 

@@ -2,12 +2,12 @@
 
 ``torch`` always serves (torch operations, any device, dtype and head dims). ``auto`` takes the Triton kernels
 for a cache on a CUDA device and the C kernel for one on the CPU, each only where every assumption its code makes
-holds (:func:`sparsedecode.kernels.cpu.refusal`, :func:`sparsedecode.kernels.triton_attention.refusal`), and
+holds (:func:`sparsedecode.kernels.cpu.refusal`, :func:`sparsedecode.kernels.triton.attention.refusal`), and
 torch otherwise. ``c`` and ``triton`` insist: a kernel that cannot serve raises a one-line
 :class:`~sparsedecode.errors.SparseDecodeError` naming the reason. Malformed inputs (shapes that do not fit
 together, tensors on several devices) raise whatever the kernel (:func:`check_inputs`).
 
-Selection has one exception: past :data:`~sparsedecode.kernels.triton_attention.MAX_TRITON_BLOCKS` distant blocks
+Selection has one exception: past :data:`~sparsedecode.kernels.triton.attention.MAX_TRITON_BLOCKS` distant blocks
 it stays with torch's top-k even under ``kernel="triton"`` (the attention still runs Triton).
 """
 
@@ -17,7 +17,8 @@ import torch
 
 from ..errors import SparseDecodeError
 from ..layout import BlockLayout
-from . import cpu, triton_attention
+from . import cpu
+from .triton import attention as triton_attention
 from .common import check_inputs
 
 NAMES = ("triton", "c")

@@ -61,7 +61,7 @@ def _load_builtins() -> None:
     global _BUILTINS_LOADED, _BUILTIN_NAMES
     if not _BUILTINS_LOADED:
         _BUILTINS_LOADED = True
-        from . import builtin  # noqa: F401  (registers the built-in selectors)
+        from . import methods as builtin  # noqa: F401  (registers the built-in selectors)
 
         _BUILTIN_NAMES = frozenset(_REGISTRY)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
-from ..centroids import BlockCentroids, reduce_blocks
+from .statistics import BlockCentroids, reduce_blocks
 from ..errors import SparseDecodeError
 from ..layout import BlockLayout, support_positions
 from ..validate import check_finite, finite_sum

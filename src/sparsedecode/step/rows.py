@@ -1,9 +1,9 @@
 """A sparse step's rows: each row selects when its schedule says so (:mod:`.schedule`), then attends over its
 support, one row at a time or every row in one C call (:func:`one_call`). The session's rows
-(:class:`~sparsedecode.attention.state.LayerState`) and the compiled op's (:class:`TensorRow`, views of its
+(:class:`~sparsedecode.session.state.LayerState`) and the compiled op's (:class:`TensorRow`, views of its
 preallocated state) are handed here alike. A row has:
 
-* ``centroids``: its block statistics (a :class:`~sparsedecode.centroids.BlockCentroids`);
+* ``centroids``: its block statistics (a :class:`~sparsedecode.selectors.statistics.BlockCentroids`);
 * ``blocks`` ``(kv, b)`` and ``keep`` (an adaptive budget's ``(kv, b)`` mask, ``None`` for a fixed budget): its
   block selection; ``positions`` ``(kv, distant)``: a token selector's;
 * ``blocks_out(kv_heads, b)``: the ``(kv, b)`` int64 contiguous tensor the C call writes a fresh selection into, which
@@ -82,7 +82,7 @@ def attend_row(cfg, plan: StepPlan, row, q, keys, values, layout: BlockLayout, *
     """Attention of one row over its selection (outside the one C call): ``(H, dv)`` float32; with ``weights`` (a
     token selector's, for H2O's history) also the attention each read position received, ``(out, index,
     received)``."""
-    from ..attention.attend import attend_blocks_on, attend_positions
+    from ..kernels.reference import attend_blocks_on, attend_positions
 
     if cfg.selector.token_level:
         index = token_index(row.positions, layout)  # reused distant positions, the window slides

@@ -1,7 +1,7 @@
 """The schedule of a sparse decode step, written once: what of a row's state survives a call, when a row selects
 afresh, how its reuse counter moves, and what a step reads and tallies. Every route of a step follows these rules
-through these functions: the session's rows (:mod:`sparsedecode.attention.step`), the compiled op's general path
-(:mod:`sparsedecode.attention.static`) and the host-free device step (:mod:`sparsedecode.attention.static_device`).
+through these functions: the session's rows (:mod:`sparsedecode.session.rows`), the compiled op's general path
+(:mod:`sparsedecode.compiled.op`) and the host-free device step (:mod:`sparsedecode.step.device`).
 The C kernel's ``prepared_step`` (``kernels/csrc/sparse_step.c``) is their one declared mirror, checked against
 them by a property test (``tests/test_schedule.py``).
 
@@ -22,7 +22,7 @@ last)``. A call writes positions ``[start, n)`` (a prefill chunk, a verification
 start)`` alone (the contract of every cache's ``update``). Before the call, the route establishes ``keep``: how many
 leading positions are provably the ones its state was derived from. The compiled op sees every write to its static
 cache, so ``keep = start``; the session cannot, so it proves ``keep`` from the key tensor's memory, layout and
-version counter (:class:`~sparsedecode.attention.state.KeyMark`). :func:`after_write` then keeps the statistics of
+version counter (:class:`~sparsedecode.session.state.KeyMark`). :func:`after_write` then keeps the statistics of
 the blocks wholly inside ``[0, keep)`` only, and the reuse chain only when the call continues it: one token, right
 where the row's last call ended, nothing before it changed. By induction over calls, every kept statistic and every
 reused selection describes the keys now cached. Hence a new prompt (a forward from position 0) keeps nothing, a crop

@@ -1,0 +1,371 @@
+"""Compiled decoding: the decode step over a static (preallocated) KV cache taken whole by ``torch.compile(...,
+fullgraph=True)``, the sparse attention of every layer one custom op (:mod:`sparsedecode.compiled.op`).
+
+:class:`CompiledDecoder` owns the cache and the per-layer state; its :meth:`~CompiledDecoder.step` is what the one
+decode loop (:func:`~sparsedecode.decoding.loop.decode_tokens`) calls instead of a plain forward. ``generate(...,
+compile=True)`` and ``--compile`` use it. What it serves: one prompt, or a batch of equal-length prompts (no padding),
+greedy, dense or sparse with any selector but those that keep an attention history (H2O). The first step compiles
+(seconds to a minute on a CPU); a decoder is kept on the model per configuration, batch and cache size (rounded up
+to :data:`CACHE_ROUND` positions), so later calls of the same shape reuse the compiled step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import time
+import types
+
+import torch
+
+from . import cpu as compile_cpu
+from .op import STATE, STATIC_ATTENTION, allocate, static_attention_forward, step_form
+from ..step.device import fill_statistics
+from .guards import drop_module_guards, model_fingerprint, weight_versions
+from ..config import SparseConfig
+from ..errors import SparseDecodeError
+from ..models.catalog import attention_shape
+
+_NOTHING = contextlib.nullcontext()
+CACHE_ROUND = 512
+"""Cache sizes are rounded up to a multiple of this, so prompts of similar length share one compiled step."""
+DEFAULT_BACKEND = os.environ.get("SPARSEDECODE_COMPILE_BACKEND", "inductor")
+"""``torch.compile``'s backend (``SPARSEDECODE_COMPILE_BACKEND``; ``aot_eager`` captures without code generation)."""
+KEPT = 4
+"""Decoders kept per model (each holds its compiled step; those of one batch and cache size share one cache)."""
+MODULE_GUARDS_PER_INSTALL = os.environ.get("SPARSEDECODE_MODULE_GUARDS", "install") == "install"
+"""dynamo's guards on the model's modules are checked once per install (:mod:`sparsedecode.compiled.guards`);
+``SPARSEDECODE_MODULE_GUARDS=step`` keeps them all, checked before every step."""
+
+
+def register() -> None:
+    """Register the capturable step's attention function and mask builder with transformers (idempotent)."""
+    from ..session.hf import register_attention
+
+    register_attention(STATIC_ATTENTION, static_attention_forward)
+
+
+def check_compilable(model: torch.nn.Module, cfg: SparseConfig | None, what: str) -> None:
+    """One line saying why ``cfg`` cannot decode compiled on ``model`` (nothing when it can)."""
+    if cfg is not None and cfg.selector.uses_history:
+        raise SparseDecodeError(
+            f"{what}: {cfg.selector.spec()} keeps the attention every position received, which the compiled step "
+            "does not; decode it without compile"
+        )
+    other = sorted(set(layer_types(model.config)) - {"full_attention"})
+    if other:  # a sliding window's mask reads the cache's length as a number: every step would compile again
+        raise SparseDecodeError(
+            f"{what}: compile serves models whose every layer attends fully ({type(model).__name__} has {other} "
+            "layers); decode without compile"
+        )
+    if getattr(model.config, "_attn_implementation", None) not in ("sdpa", "eager", STATIC_ATTENTION):
+        raise SparseDecodeError(
+            f"{what}: compile needs the model's own SDPA or eager attention (it has "
+            f"{model.config._attn_implementation!r}; inside a sparse_decoding session, decode without compile)"
+        )
+
+
+def layer_types(config) -> list[str]:
+    """Each layer's kind as transformers' caches see it: a config's ``layer_types``, else inferred from its
+    ``sliding_window`` or ``attention_chunk_size`` (Mistral's sliding window has no ``layer_types``)."""
+    text = config.get_text_config(decoder=True)
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        return list(get_layer_types_and_kwargs(text)[0])
+    except (ImportError, AttributeError, TypeError):  # a transformers without it: what the config says
+        if getattr(text, "layer_types", None) is not None:
+            return list(text.layer_types)
+        window = getattr(text, "sliding_window", None) or getattr(text, "attention_chunk_size", None)
+        return ["sliding_attention" if window is not None else "full_attention"] * text.num_hidden_layers
+
+
+def _seek(cache, length: int) -> None:
+    """Make a ``StaticCache`` write its next tokens at ``length`` (its layers append at their own counter)."""
+    for layer in cache.layers:
+        counter = getattr(layer, "cumulative_length", None)
+        if isinstance(counter, torch.Tensor):
+            counter.fill_(length)
+        elif counter is not None:
+            layer.cumulative_length = length
+
+
+def _own_method(owner, name: str):
+    """``owner.name`` bound to a copy of the function with a code object of its own: dynamo keeps compiled graphs per
+    code object, at most ``recompile_limit`` of them, so decoders sharing one code object would run out (and each
+    call would check every other decoder's guards)."""
+    function = getattr(type(owner), name)
+    fresh = types.FunctionType(
+        function.__code__.replace(),
+        function.__globals__,
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
+    return types.MethodType(fresh, owner)
+
+
+def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "config")]
+
+
+class CompiledDecoder:
+    """Greedy decoding of ``batch`` unpadded sequences over a ``StaticCache`` of ``max_len`` positions, dense
+    (``cfg=None``) or sparse, the decode step compiled with ``backend`` and ``mode`` (``torch.compile``,
+    ``fullgraph=True``; ``mode="reduce-overhead"`` replays it from a CUDA graph on CUDA).
+
+    Use it inside :meth:`installed`: :meth:`prefill` (dense, in chunks, eager) then :meth:`step` per token.
+    ``tally()`` sums the layers' counts: sparse and dense row-steps, positions read by sparse steps. ``form`` says
+    how the sparse step runs (:data:`~sparsedecode.compiled.op.FORMS`; by default the host's prepared C call on
+    the CPU, the host-free step on CUDA where it serves the selector)."""
+
+    def __init__(
+        self,
+        model,
+        cfg: SparseConfig | None,
+        *,
+        batch: int,
+        max_len: int,
+        backend: str | None = None,
+        cache=None,
+        mode: str | None = None,
+        form: str | None = None,
+    ):
+        from transformers import StaticCache
+
+        register()
+        backend = backend or DEFAULT_BACKEND
+        self.model, self.cfg, self.batch, self.max_len, self.backend = model, cfg, batch, max_len, backend
+        self.device = next(model.parameters()).device
+        self.cache = cache if cache is not None else StaticCache(config=model.config, max_cache_len=max_len)
+        self.position = 0
+        self.compile_s = 0.0
+        self.states = {}
+        if cfg is not None:
+            _, kv_heads, head_dim, _ = attention_shape(model.config)
+            form = step_form(cfg, self.device, form)
+            for module in _attention_modules(model):
+                self.states[module] = allocate(
+                    cfg, module.layer_idx, batch, kv_heads, head_dim, max_len, self.device, form
+                )
+        self._row_linears = {}
+        if compile_cpu.uses_row_products(model, self.device):
+            self._row_linears = {
+                m: functools.partial(compile_cpu.row_linear, m) for m in model.modules() if type(m) is torch.nn.Linear
+            }
+        # guards on the modules' attributes checked once per install (compile_guards), not at every step
+        self._options = {"guard_filter_fn": drop_module_guards} if MODULE_GUARDS_PER_INSTALL else {}
+        if backend == "inductor":
+            from torch._inductor import list_mode_options
+
+            # mode="reduce-overhead": replayed from CUDA graphs on CUDA (the state tensors have static addresses);
+            # inductor's own size and stride checks of every input repeat dynamo's tensor guards, which stay
+            self._options.update(list_mode_options(mode) if mode else {}, size_asserts=False)
+        self.frozen, self.autotuned = compile_cpu.choices(model, self.device, backend, batch, bool(self._row_linears))
+        self._compiled = self._compile()
+        self._fingerprint = None
+
+    def _fingerprinted(self):
+        """What the compiled step assumes of the model and does not check at each step (None: nothing)."""
+        if not (self._options.get("guard_filter_fn") or self.frozen):
+            return None
+        modules = model_fingerprint(self.model) if self._options.get("guard_filter_fn") else None
+        return modules, weight_versions(self.model) if self.frozen else None
+
+    def _inductor_settings(self):
+        """inductor's settings for this step's compiling (applied around every call: a recompile gets them too)."""
+        return compile_cpu.inductor_settings(self.autotuned, quiet=not self._warm) if self.frozen else _NOTHING
+
+    def _compile(self):
+        """A new compiled step (nothing compiled yet: its first call compiles)."""
+        self._warm = False
+        options = dict(self._options)  # torch.compile takes the guard filter out of the dict it is given
+        return torch.compile(
+            _own_method(self, "_forward"), fullgraph=True, backend=self.backend, dynamic=False, options=options
+        )
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=input_ids, position_ids=position_ids, cache=self.cache, use_cache=True)
+        return out.logits[:, -1].float()
+
+    @contextlib.contextmanager
+    def installed(self):
+        """The model routes attention through the capturable step inside the block; restored afterwards."""
+        model = self.model
+        previous = model.config._attn_implementation
+        if previous != STATIC_ATTENTION:
+            model.set_attn_implementation(STATIC_ATTENTION)
+        for module, state in self.states.items():
+            setattr(module, STATE, state)
+        linears = [(m, f) for m, f in self._row_linears.items() if "forward" not in vars(m)]
+        for linear, forward in linears:
+            linear.forward = forward  # the same object at every install: the compiled step's guards hold
+        if self._warm and self._fingerprint is not None and self._fingerprinted() != self._fingerprint:
+            self._compiled = self._compile()  # the model changed since the step was compiled: what guards saw
+        try:
+            yield self
+        finally:
+            for linear, _ in linears:
+                del linear.forward
+            for module in self.states:
+                if hasattr(module, STATE):
+                    delattr(module, STATE)
+            if previous != STATIC_ATTENTION:
+                model.set_attn_implementation(previous)
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor, *, chunk: int = 1024, progress=None) -> torch.Tensor:
+        """Dense prefill of ``ids (batch, P)`` from position 0 (a new prompt: nothing earlier survives); returns the
+        last position's logits ``(batch, vocab)`` float32."""
+        if ids.dim() != 2 or ids.shape[0] != self.batch:
+            raise SparseDecodeError(f"expected prompt ids of shape ({self.batch}, length), got {tuple(ids.shape)}")
+        length = ids.shape[1]
+        if length >= self.max_len:
+            raise SparseDecodeError(f"a prompt of {length} tokens leaves no room in a cache of {self.max_len}")
+        self.position, logits = 0, None
+        for start in range(0, length, chunk):
+            logits = self.extend(ids[:, start : start + chunk], logits_to_keep=1)[:, -1]
+            if progress:
+                progress("prefill", self.position, length)
+        return logits
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed ``tokens (batch,)`` at the next position; the next logits ``(batch, vocab)`` float32. The first call
+        compiles (its time, the step included, is ``compile_s``)."""
+        if self.position >= self.max_len:
+            raise SparseDecodeError(f"the compiled decoder's cache of {self.max_len} positions is full")
+        position = torch.full((self.batch, 1), self.position, dtype=torch.long, device=self.device)
+        _seek(self.cache, self.position)
+        if not self._warm and self.frozen and not compile_cpu.room_to_freeze(self.model):
+            self.frozen = self.autotuned = False  # memory taken since the decoder was made (another's compiling)
+        started = time.perf_counter()
+        with self._inductor_settings():
+            logits = self._compiled(tokens.reshape(self.batch, 1).to(self.device), position)
+        if not self._warm:
+            self._warm, self.compile_s = True, time.perf_counter() - started
+            self._fingerprint = self._fingerprinted()
+        self.position += 1
+        return logits
+
+    @torch.no_grad()
+    def extend(self, ids: torch.Tensor, *, logits_to_keep: int = 0) -> torch.Tensor:
+        """Feed ``ids (batch, T)`` at the next positions in one dense forward (eager: a prefill chunk, or what
+        verifies lossless drafts); the logits after each ``(batch, T, vocab)`` float32 (the last ``logits_to_keep``
+        only, when given). Setting :attr:`position` back afterwards drops the last of them (their keys are written
+        over later)."""
+        if ids.dim() != 2 or ids.shape[0] != self.batch or self.position + ids.shape[1] > self.max_len:
+            raise SparseDecodeError(f"extend: ({self.batch}, T) ids fitting a cache of {self.max_len} positions")
+        position = torch.arange(self.position, self.position + ids.shape[1], device=self.device).expand(self.batch, -1)
+        _seek(self.cache, self.position)
+        out = self.model(
+            input_ids=ids.to(self.device), position_ids=position, cache=self.cache, use_cache=True,
+            logits_to_keep=logits_to_keep,
+        )  # fmt: skip
+        self.position += ids.shape[1]
+        return out.logits.float()
+
+    def warm_up(self, tokens: torch.Tensor) -> float:
+        """Compile now if not yet (one step at the next position, which the next :meth:`step` writes again): the
+        seconds it took, 0 when the step was compiled already."""
+        if self._warm:
+            return 0.0
+        self.step(tokens)
+        self.position -= 1
+        return self.compile_s
+
+    def resume(self, length: int) -> None:
+        """The cache holds a prompt of ``length`` positions prefilled elsewhere (another decoder sharing it): decode
+        from there, deriving nothing from earlier steps (the state is reset; the first step reads the prompt's
+        blocks afresh)."""
+        for state in self.states.values():
+            state.reset()
+            if state.host_free:  # its statistics are filled by the forwards that write keys: fill the prompt's
+                keys = self.cache.layers[state.layer].keys
+                fill_statistics(state.stats, state.kinds, keys, 0, length, state.cfg.block_size)
+        self.position = length
+
+    def load(self, caches, length: int) -> None:
+        """The cache's rows take ``caches`` (one batch-1 cache per row holding ``length`` prefilled positions, such as
+        a :class:`~sparsedecode.session.kv_cache.GrowingCache`), copied in; then :meth:`resume` from ``length``."""
+        if len(caches) != self.batch or length >= self.max_len:
+            raise SparseDecodeError(f"load: {self.batch} caches of fewer than {self.max_len} positions expected")
+        _seek(self.cache, 0)
+        for index, layer in enumerate(self.cache.layers):
+            keys = torch.cat([c.layers[index].keys[:, :, :length] for c in caches]).to(self.device)
+            values = torch.cat([c.layers[index].values[:, :, :length] for c in caches]).to(self.device)
+            layer.update(keys, values)  # positions [0, length), allocating the layer if this is its first write
+        self.resume(length)
+
+    def tally(self) -> dict[str, int]:
+        totals = torch.zeros(4, dtype=torch.long)
+        for state in self.states.values():
+            totals += state.tally.cpu()
+        sparse, dense, read, heads = totals.tolist()
+        return {"sparse_steps": sparse, "dense_steps": dense, "positions_read": read, "kv_head_steps": heads}
+
+
+def decoder_for(model, cfg: SparseConfig | None, batch: int, length: int, backend: str | None = None):
+    """The model's :class:`CompiledDecoder` for ``cfg``, ``batch`` and a cache of at least ``length`` positions
+    (made once per configuration, batch and rounded size, then reused: its step stays compiled)."""
+    backend = backend or DEFAULT_BACKEND
+    size = -(-length // CACHE_ROUND) * CACHE_ROUND
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if limit:
+        size = max(min(size, int(limit)), length)
+    kept = model.__dict__.setdefault("_sparsedecode_decoders", {})
+    key = (None if cfg is None else cfg.identity(), batch, size, backend)  # what the selector is, not its repr
+    if key not in kept:
+        shared = next((d.cache for d in kept.values() if (d.batch, d.max_len) == (batch, size)), None)
+        while len(kept) >= KEPT:
+            kept.pop(next(iter(kept)))
+        kept[key] = CompiledDecoder(model, cfg, batch=batch, max_len=size, backend=backend, cache=shared)
+    return kept[key]
+
+
+def generate_compiled(model, ids, mask, cfg, max_new_tokens: int, mode: str, eos_token_id, progress, compile=True,
+                      drafting=None):  # fmt: skip
+    """``generate(..., compile=True)`` after its checks: one :class:`~sparsedecode.decoding.generate.Generation` per
+    sequence of ``ids (B, P)`` (``mask``, if any, all ones). Lossless (one prompt): the compiled sparse step drafts,
+    the decoder's dense multi-token forward verifies (``drafting``: draft_tokens, adaptive, max_draft_tokens)."""
+    from ..decoding.loop import decode_tokens
+    from ..decoding.lossless import StaticDrafter, lossless_loop
+    from ..decoding.generate import Generation
+
+    if compile is not True:
+        raise SparseDecodeError(f"generate: compile must be True or False, got {compile!r}")
+    if mask is not None and not bool(mask.bool().all()):
+        raise SparseDecodeError("generate: compile=True needs prompts of one length (no padding); decode without it")
+    sparse_cfg = cfg if mode != "dense" else None
+    check_compilable(model, sparse_cfg, "generate")
+    decoder = decoder_for(model, sparse_cfg, int(ids.shape[0]), int(ids.shape[1]) + max_new_tokens)
+    with decoder.installed():
+        started = time.perf_counter()
+        logits = decoder.prefill(ids, progress=progress)
+        prefill_s = time.perf_counter() - started
+        first = logits.argmax(dim=-1)
+        compile_s = decoder.warm_up(first) if max_new_tokens > 1 else 0.0
+        if mode == "lossless":
+            result = Generation(mode, first.tolist(), prefill_s, 0.0, compile_s=compile_s)
+            if first.item() != eos_token_id:
+                stage = "lossless decode (compiled)"
+                lossless_loop(StaticDrafter(decoder), result, max_new_tokens, **drafting, progress=progress,
+                              eos_token_id=eos_token_id, stage=stage)  # fmt: skip
+            return [result]
+        started = time.perf_counter()
+        rest, _ = decode_tokens(
+            model,
+            None,
+            first.tolist(),
+            max_new_tokens - 1,
+            stop=eos_token_id,
+            progress=progress,
+            stage=f"{mode} decode (compiled)",
+            step_fn=decoder.step,
+        )
+        decode_s = time.perf_counter() - started
+    return [
+        Generation(mode, [head, *tail], prefill_s, decode_s, compile_s=compile_s)
+        for head, tail in zip(first.tolist(), rest)
+    ]

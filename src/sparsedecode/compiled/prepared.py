@@ -1,0 +1,139 @@
+"""The capturable step's common case made ready once per layer state: every row's selection scored and attended in
+one call of the C kernel (:func:`~sparsedecode.compiled.op.sparse_step` looks it up by :func:`signature_of`).
+
+What the op's general path checks and builds at every call (the plan, the row table with its bounds checks, the
+argument list) depends only on tensors that a static cache and a :class:`~sparsedecode.compiled.op.StaticLayer`
+keep from call to call, so :func:`prepare` does it at the first call on them; a later call is one C call
+(``prepared_step`` in ``sparse_step.c``) that also keeps the state's integers (the truncation, which rows select
+afresh, the reuse counters, the tally) in place, as the general path keeps them: Python work between the compiled
+graph's kernels runs cache-cold, about 90 us a layer call at batch 8 when it was done here (SmolLM2 8K bfloat16,
+batch 8 28.2 -> 26.2 ms a step, batch 1 about 22.2 -> 21.2 ms, side by side). Only the statistics of newly
+completed blocks are computed here, when the C call asks for them.
+"""
+
+from __future__ import annotations
+
+import array
+
+import numpy as np
+import torch
+
+from ..selectors.statistics import BlockCentroids, store_statistics
+from ..layout import BlockLayout
+
+SPLIT_WORK = 1 << 20
+"""Centroid floats a prepared call scores (rows x KV heads x blocks x d) from which it splits over torch's threads;
+:data:`SPLIT_WORK_SHARED` where the kernel shares torch's OpenMP threads (:data:`sparsedecode.kernels.cpu.OPENMP`).
+With workers of its own, a worker woken for a small call waits for a core that the compiled graph's OpenMP workers
+spin on after each kernel (SmolLM2 at 8K: 120 us a call on two threads, 74 us on one); torch's own threads are
+awake when the call comes (SmolLM2 at 8K, bfloat16, compiled: batch 1 21.9 -> 20.4 ms a step, batch 8 42 -> 34 ms
+on two threads)."""
+SPLIT_WORK_SHARED = 1 << 16
+NEEDS_STATISTICS = 3
+"""``prepared_step``'s status when rows selecting afresh lack the statistics of blocks completed since."""
+
+PREPARED: dict[tuple, Prepared | None] = {}
+"""Prepared calls by :func:`signature_of` (``None``: the general path serves those tensors)."""
+
+
+def centroids_of(state_stats: torch.Tensor, kinds: tuple[str, ...], count: int, block: int) -> BlockCentroids:
+    """A :class:`BlockCentroids` over one row's preallocated storage ``(kinds, kv, d, capacity)``."""
+    cache = BlockCentroids(block, kinds)
+    cache._stats = {kind: state_stats[k] for k, kind in enumerate(kinds)}
+    cache.count = count
+    return cache
+
+
+class Prepared:
+    """One layer state's C call, checked and built once (see the module); calling it runs one decode step of every
+    row at context length ``n``: the same output and state changes as the op's general path. Serves selectors
+    scored inside the C call (mean-dot, a fixed budget)."""
+
+    def __init__(self, cfg, plan, q, key, value, stats, count, blocks, step, last, tally, scale):
+        from ..kernels import cpu
+        from ..kernels.cpu import batch as cpu_batch
+
+        self.cfg = cfg
+        batch, heads, d = q.shape
+        self.batch, self.kv_heads = batch, key.shape[1]
+        # checked once at the longest context the cache holds: every call's n is at most that. Only addresses are
+        # kept: the NumPy views below keep the state's integer tensors alive, so no later state can have their
+        # addresses, and a signature naming them names this state
+        rows = [(i, 0, key.shape[2], stats[0, i], blocks[i], True) for i in range(batch)]
+        self.fields = array.array("q", cpu_batch._row_table(q, key, value, rows, cfg.window, cfg.block_size))
+        self.function, self.check = cpu.library().prepared_step, cpu.check_status
+        self.arguments = [
+            key.data_ptr(), key.stride(1), key.stride(2), value.data_ptr(), value.stride(1), value.stride(2),
+        ]  # fmt: skip
+        self.tail = [batch, self.kv_heads, heads // self.kv_heads, d, cfg.window, cfg.block_size, scale]
+        self.code = cpu.dtype_code(q, key, value)
+        # the state's integers, which the C call updates in place; the NumPy views keep them and the blocks (named
+        # in the row table) alive
+        self.count, self.step, *self._alive = (t.numpy() for t in (count, step, last, tally, blocks))
+        self.state = [t.data_ptr() for t in (count, step, last, tally)]
+        self.table = self.fields.buffer_info()[0]
+        self.kinds = cfg.selector.cached_statistics()
+        self.every_step = bool(cfg.selector.reselects_every_step)
+        split = SPLIT_WORK_SHARED if cpu.OPENMP else SPLIT_WORK
+        self.settings = [cfg.reuse, 1 if self.every_step else 0, split]
+
+    def __call__(self, query, key, stats, out, n: int) -> None:
+        """One step at context length ``n``: ``query (batch, H, 1, d)``, ``out (batch, 1, H, dv)`` float32. The C
+        call keeps the state's integers (``prepared_step`` in ``sparse_step.c``); where rows selecting afresh lack
+        the statistics of blocks completed since, it returns before attending, they are completed here, and it is
+        called again."""
+        arguments = [query.data_ptr(), *self.arguments, out.data_ptr(), self.table, *self.tail]
+        arguments += [torch.get_num_threads(), self.code, n, *self.settings, *self.state]
+        status = self.function(*arguments, 0)
+        if status == NEEDS_STATISTICS:
+            self._complete(key, stats, n)
+            status = self.function(*arguments, 1)
+        self.check(status)
+
+    def _complete(self, key, stats, n: int) -> None:
+        """The statistics of the blocks completed since the last call, of the rows selecting afresh now: an
+        equal-length batch's in one pass, each row's numbers as its own BlockCentroids.update makes them."""
+        cfg, block, batch, count = self.cfg, self.cfg.block_size, self.batch, self.count
+        n_full = BlockLayout(n=n, window=cfg.window, block_size=block).n_full
+        fresh = np.ones(batch, dtype=bool) if self.every_step else self.step % cfg.reuse == 0
+        stale = np.flatnonzero(fresh & (count < n_full))
+        if len(stale) == batch > 1 and (count == count[0]).all():
+            first = int(count[0])
+            store_statistics(key, first, n_full, block, {kind: stats[k] for k, kind in enumerate(self.kinds)})
+            count[:] = n_full
+        else:
+            for i in stale:
+                cache = centroids_of(stats[:, i], self.kinds, int(count[i]), block)
+                cache.update(key[i], n_full)
+                count[i] = cache.count
+
+
+def signature_of(config, layer, scale, query, key, value, stats, count, blocks, step, last, tally) -> tuple:
+    """What a :class:`Prepared` call depends on: the configuration, the layer, and every tensor's address and
+    layout (a static cache and a :class:`StaticLayer` keep them from call to call)."""
+    return (
+        config, layer, scale, query.shape, query.stride(), query.dtype,
+        key.data_ptr(), key.shape, key.stride(), key.dtype, value.data_ptr(), value.shape, value.stride(), value.dtype,
+        stats.data_ptr(), stats.shape, count.data_ptr(), blocks.data_ptr(), blocks.shape, step.data_ptr(),
+        last.data_ptr(), tally.data_ptr(),
+    )  # fmt: skip
+
+
+def prepare(signature, cfg, plan, q, key, value, stats, count, blocks, step, last, tally, scale) -> None:
+    """Make the :class:`Prepared` call for ``signature`` (or note that it does not serve these tensors)."""
+    if signature not in PREPARED:
+        selector = cfg.selector
+        serves_it = (
+            plan.one_call
+            and plan.select == "c"
+            and not selector.adaptive
+            and not selector.token_level
+            and selector.cached_statistics()[0] == "mean"
+            and q.is_contiguous()
+            and all(t.is_contiguous() for t in (count, blocks, step, last, tally))
+        )
+        if len(PREPARED) >= 1024:  # states of decoders long gone
+            PREPARED.clear()
+        PREPARED[signature] = (
+            Prepared(cfg, plan, q, key, value, stats, count, blocks, step, last, tally, scale) if serves_it else None
+        )

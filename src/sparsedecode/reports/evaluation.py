@@ -1,0 +1,293 @@
+"""``sparsedecode report DIR`` for an evaluation folder (``eval.json``): Markdown, CSV and a heat map.
+
+Writes next to ``runs.jsonl``: ``report.md``; ``accuracy.csv`` (per task, context, selector, support),
+``paired.csv`` (per sparse setting, against dense on the same samples), ``regressions.csv`` (samples dense answers
+fully and the sparse run does not, with both outputs); ``accuracy.png`` (mean score per task x context and mode).
+Every number comes from :mod:`sparsedecode.experiments.eval_summary`. This module sits on top of the library.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..experiments import eval_summary as summary
+from ..experiments.evaluate import RUNS_FILE, EvalSpec, load_eval
+from ..experiments.ruler import TASKS
+from ..files import write_text_atomic
+from .sweep import REPORT_FILE, _environment_lines, _markdown_table, write_csv
+
+EXAMPLES = 20
+"""Regressions shown in the Markdown (all of them are in ``regressions.csv``)."""
+
+
+def eval_command(spec: EvalSpec, directory: Path) -> str:
+    """The ``sparsedecode eval`` command line that reproduces ``spec`` into ``directory``."""
+    default = EvalSpec(model=spec.model)
+    parts = ["sparsedecode eval", f"--model {spec.model}"]
+    if spec.dtype != default.dtype:
+        parts.append(f"--dtype {spec.dtype}")
+    if spec.tasks != default.tasks:
+        parts.append(f"--tasks {','.join(spec.tasks)}")
+    parts += [
+        f"--context {','.join(map(str, spec.contexts))}",
+        f"--samples {spec.samples}",
+        f"--selectors {','.join(spec.selectors)}",
+        f"--support {','.join(map(str, spec.supports))}",
+    ]
+    for name in ("window", "block_size", "reuse", "corpus", "template", "seed", "answer_tokens"):
+        if getattr(spec, name) != getattr(default, name):
+            parts.append(f"--{name.replace('_', '-')} {getattr(spec, name)}")
+    parts.append(f"--out {directory}")
+    return " ".join(parts)
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}"
+
+
+def _short(text: str, width: int = 60) -> str:
+    text = " ".join(text.split()).replace("|", "\\|")
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def write_eval_report(directory: Path) -> Path:
+    """Render the evaluation folder ``directory``; returns the path of ``report.md``."""
+    directory = Path(directory)
+    meta, rows = load_eval(directory)
+    spec = EvalSpec.from_dict(meta["spec"])
+    from . import plots
+
+    accuracy = summary.accuracy(rows)
+    paired = summary.paired(rows)
+    regressions = summary.regressions(rows)
+    failing = summary.dense_fails(rows)
+    modes = summary.modes(rows)
+    cells = summary.cells(rows)
+    formats = sorted({r["prompt_format"] for r in rows})
+    write_csv(directory / "accuracy.csv", accuracy)
+    write_csv(directory / "paired.csv", paired)
+    write_csv(directory / "regressions.csv", regressions)
+
+    out = [f"# Task accuracy under sparse decoding: {spec.model}", ""]
+    grid = len(spec.keys())
+    dense_rows = [r for r in rows if r["selector"] == summary.DENSE]
+    dense_cells = set(summary.cells(dense_rows))
+    without_dense = [cell for cell in cells if cell not in dense_cells]
+    samples = {(r["task"], r["context"], r["sample"]) for r in rows}
+    dense_samples = {(r["task"], r["context"], r["sample"]) for r in dense_rows}
+    missing_note = (
+        [
+            f"No dense run yet in {len(without_dense)} of {len(cells)} cells ("
+            + ", ".join(f"{task} at {context}" for task, context in without_dense)
+            + "): their sparse scores are paired with nothing, and nothing here is said of dense there.",
+            "",
+        ]
+        if without_dense
+        else []
+    )
+    shown_modes = f"; {', '.join(summary.mode_label(*m) for m in modes)}" if modes else ""
+    out += [
+        f"{len(rows)} of {grid} runs in `{RUNS_FILE}` ({len(cells)} task x context cells, up to {spec.samples} samples "
+        f"each{shown_modes})." + ("" if rows else " No run is stored yet: there is nothing to report."),
+        "",
+        "## Conditions",
+        "",
+        f"- model {spec.model}, {spec.dtype}; tasks {', '.join(spec.tasks)}; contexts {list(spec.contexts)} tokens "
+        f"(the model's own, prompt format {', '.join(formats) or '-'}); seed {spec.seed}; prose and cwe words from "
+        f"{spec.corpus}",
+        f"- sparse: W = {spec.window}, B = {spec.block_size}, R = {spec.reuse}; supports "
+        + ", ".join(
+            f"{cfg.support} (effective {cfg.effective_support})" for cfg in spec.configs()[: len(spec.supports)]
+        )
+        + f"; selectors {', '.join(spec.selectors)}",
+        "- per sample: one dense prefill of everything before the question; the question, the rest of the prompt "
+        "and the answer prefix are fed one token at a time under each mode, then a greedy answer up to "
+        + (
+            f"{spec.answer_tokens} tokens"
+            if spec.answer_tokens
+            else "each task's budget (" + ", ".join(f"{t} {TASKS[t].max_new_tokens}" for t in spec.tasks) + ")"
+        )
+        + " or end of sequence; score = share of expected answers found in the output (RULER's string_match_all)",
+        *_environment_lines(meta),
+        f"- reproduce: `{eval_command(spec, directory)}`, then `sparsedecode report {directory}`",
+        "",
+        "## Accuracy (mean score, %)",
+        "",
+        "Rows: task and context; columns: dense and each sparse setting, on the same samples. "
+        f"A cell where dense scores below {summary.DENSE_FAILS:.0%}, or answers no sample fully, is marked: dense "
+        "cannot do it, so it says nothing about sparsity.",
+        "",
+    ]
+    index = {(a["task"], a["context"], a["selector"], a["support"]): a for a in accuracy}
+    fails = {(f["task"], f["context"]) for f in failing}
+    table, matrix = [], []
+    for task, context in cells:
+        values = [index.get((task, context, *m)) for m in modes]
+        n = max((v["samples"] for v in values if v), default=0)
+        mark = " (dense fails)" if (task, context) in fails else ""
+        table.append([task + mark, str(context), str(n), *[_percent(v["score"] if v else None) for v in values]])
+        matrix.append([v["score"] if v else np.nan for v in values])
+    out += [_markdown_table(["task", "context", "n", *[summary.mode_label(*m) for m in modes]], table), ""]
+
+    out += ["## Paired against dense", ""]
+    if paired:
+        out += [
+            "Per sparse setting over every sample: mean scores, the mean paired difference (sparse - dense, points), "
+            "samples scoring lower / higher than dense, samples answered token for token as dense, and the mean "
+            "difference over the cells where dense does not fail.",
+            "",
+            _markdown_table(
+                [
+                    "setting",
+                    "samples",
+                    "dense %",
+                    "sparse %",
+                    "Δ points",
+                    "lower",
+                    "higher",
+                    "same output",
+                    "Δ (dense ok)",
+                ],
+                [
+                    [
+                        summary.mode_label(p["selector"], p["support"]),
+                        str(p["samples"]),
+                        _percent(p["dense_score"]),
+                        _percent(p["sparse_score"]),
+                        f"{100 * p['difference']:+.1f}",
+                        str(p["lower"]),
+                        str(p["higher"]),
+                        str(p["same_output"]),
+                        "-" if p["difference_dense_ok"] is None else f"{100 * p['difference_dense_ok']:+.1f}",
+                    ]
+                    for p in paired
+                ],
+            ),
+            "",
+        ]
+    else:
+        out += ["No sparse run is paired with a dense run yet.", ""]
+
+    out += ["## Where dense fails", ""]
+    if not dense_rows:
+        out += ["No dense run is stored yet, so nothing can be said of where dense fails.", ""]
+    elif failing:
+        out += [
+            f"Dense decoding scores below {summary.DENSE_FAILS:.0%}, or answers no sample fully, here, so these "
+            "cells measure the model, not sparse decoding (they are left out of Δ (dense ok)): "
+            + "; ".join(
+                f"{f['task']} at {f['context']} ({_percent(f['score'])}%, {round(f['correct'] * f['samples'])} of "
+                f"{f['samples']} fully)"
+                for f in failing
+            )
+            + ".",
+            "",
+        ]
+    elif not without_dense:
+        out += [
+            f"Dense decoding scores at least {summary.DENSE_FAILS:.0%} and answers some sample fully in every cell.",
+            "",
+        ]
+    else:
+        out += [
+            f"Dense decoding scores at least {summary.DENSE_FAILS:.0%} and answers some sample fully in every cell "
+            f"where it has run ({len(dense_cells)} of {len(cells)}).",
+            "",
+        ]
+    out += missing_note
+    imperfect = summary.dense_imperfect(rows)
+    if imperfect:
+        out += [
+            "Cells where dense does not answer every sample fully. A sparse setting there is measured against a "
+            "partial answer: it can lose part of it, or find by chance an answer dense missed. Where dense answers "
+            "no sample fully, the cell says little about sparsity.",
+            "",
+            _markdown_table(
+                ["task", "context", "samples", "dense %", "answered fully", "scored 0"],
+                [
+                    [
+                        c["task"],
+                        str(c["context"]),
+                        str(c["samples"]),
+                        _percent(c["score"]),
+                        str(c["fully_right"]),
+                        str(c["zero"]),
+                    ]
+                    for c in imperfect
+                ],
+            ),
+            "",
+        ]
+    elif not dense_rows:
+        pass  # said above: no dense run yet
+    elif dense_samples == samples:
+        out += ["Dense answers every sample fully.", ""]
+    else:
+        out += [
+            f"Dense answers fully every sample it has run ({len(dense_samples)}); {len(samples - dense_samples)} "
+            "sample(s) with sparse runs have no dense run yet.",
+            "",
+        ]
+
+    out += ["## Samples dense answers and sparse decoding does not", ""]
+    if regressions:
+        shown = regressions[:EXAMPLES]
+        out += [
+            f"{len(regressions)} (all in `regressions.csv`)"
+            + (f"; the first {len(shown)}:" if len(shown) < len(regressions) else ":"),
+            "",
+            _markdown_table(
+                ["task", "context", "sample", "setting", "expected", "dense output", "sparse output"],
+                [
+                    [
+                        r["task"],
+                        str(r["context"]),
+                        str(r["sample"]),
+                        summary.mode_label(r["selector"], r["support"]),
+                        _short(", ".join(r["answers"]), 40),
+                        _short(r["dense_output"]),
+                        _short(r["sparse_output"]),
+                    ]
+                    for r in shown
+                ],
+            ),
+            "",
+        ]
+    elif not paired:
+        out += ["None to show: no sparse run is paired with a dense run yet.", ""]
+    else:
+        out += ["None: wherever dense answered fully, every sparse setting did too.", ""]
+
+    if matrix and modes:
+        plots.heatmap(
+            np.array(matrix, dtype=float),
+            directory / "accuracy.png",
+            title=f"{spec.model}: mean RULER score per task and context",
+            xlabel="mode",
+            ylabel="task @ context",
+            colorbar="mean score",
+            xticks=[summary.mode_label(*m) for m in modes],
+            yticks=[f"{t} @ {c}" for t, c in cells],
+            vmin=0.0,
+            vmax=1.0,
+            annotate=True,
+        )
+        out += ["![mean score per task, context and mode](accuracy.png)", ""]
+
+    out += [
+        "## What this does not establish",
+        "",
+        f"- Each cell holds at most {spec.samples} samples: one sample moves a cell by {100 / spec.samples:.0f} "
+        "points. Differences of a sample or two are noise.",
+        "- The tasks are RULER-style, generated here: filler and corpus prose instead of RULER's essays, words from "
+        "the corpus's vocabulary, no few-shot examples for cwe and fwe. They are not RULER's published numbers.",
+        "- Greedy answers within a token budget, scored by substring match: a model that answers in another form "
+        "scores 0 in both modes alike.",
+        "- Accuracy says nothing about speed; the decode steps here are not timed for comparison.",
+        "",
+    ]
+    path = directory / REPORT_FILE
+    write_text_atomic(path, "\n".join(out))
+    return path

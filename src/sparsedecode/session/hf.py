@@ -1,0 +1,187 @@
+"""The transformers glue (DESIGN.md section 7): the attention function registered with ``AttentionInterface`` (and
+transformers' SDPA mask builder under the same name with ``AttentionMaskInterface``), the ``sparse_decoding`` and
+``dense_attention`` context managers, and H2O's prefill history."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+from transformers import AttentionInterface, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from ..config import SparseConfig
+from ..errors import SparseDecodeError
+from ..selectors.methods.h2o import H2O
+from ..validate import check_config, check_model, check_sparse_attention, config_from_overrides
+from .forward import session_forward
+from .session import _ACTIVE, SparseSession
+
+ATTENTION_NAME = "sparsedecode"
+
+_SWITCH_LOCK = threading.Lock()
+_MODEL_USERS: dict[int, tuple[int, str]] = {}
+
+
+UNSUPPORTED_ARGUMENTS = {
+    "softcap": "attention logit soft-capping",
+    "s_aux": "attention sinks",
+    "sinks": "attention sinks",
+    "position_bias": "an additive position bias",
+    "indices": "the model's own sparse-attention indices",
+    "block_indices": "the model's own block-sparse indices",
+}
+"""Arguments some models pass to their attention function that change its result and that SDPA (the session's
+dense forwards) and the sparse step would leave out: refused at the first attention call of a session."""
+
+
+def sparse_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: dense SDPA, or sparse decode inside an active session."""
+    active = _ACTIVE.get()
+    entry = active.get(id(module)) if active else None
+    if entry is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    session, state = entry
+    for argument, meaning in UNSUPPORTED_ARGUMENTS.items():
+        if kwargs.get(argument) is not None:
+            raise SparseDecodeError(
+                f"sparse decoding does not support {meaning} ({argument} in the attention call) yet"
+            )
+    return session_forward(session, state, module, query, key, value, attention_mask, dropout, scaling, kwargs)
+
+
+_NAMES: set[str] = set()
+
+
+def register_attention(name: str, function) -> None:
+    """Register ``function`` as transformers attention implementation ``name``, with SDPA's mask builder (once per
+    name)."""
+    if name not in _NAMES:
+        AttentionInterface.register(name, function)
+        AttentionMaskInterface.register(name, sdpa_mask)
+        _NAMES.add(name)
+
+
+def register() -> None:
+    """Register the sparse attention function and its mask builder with transformers (idempotent)."""
+    register_attention(ATTENTION_NAME, sparse_attention_forward)
+
+
+def _switch_on(model: torch.nn.Module) -> None:
+    with _SWITCH_LOCK:
+        users, previous = _MODEL_USERS.get(id(model), (0, model.config._attn_implementation))
+        if users == 0 and previous != ATTENTION_NAME:
+            model.set_attn_implementation(ATTENTION_NAME)
+            if model.config._attn_implementation != ATTENTION_NAME:
+                raise SparseDecodeError(
+                    f"{type(model).__name__} does not use transformers' attention interface; "
+                    "sparse decoding cannot hook into it"
+                )
+        _MODEL_USERS[id(model)] = (users + 1, previous)
+
+
+def _switch_off(model: torch.nn.Module) -> None:
+    with _SWITCH_LOCK:
+        users, previous = _MODEL_USERS[id(model)]
+        if users == 1:
+            del _MODEL_USERS[id(model)]
+            if previous != ATTENTION_NAME:
+                model.set_attn_implementation(previous)
+        else:
+            _MODEL_USERS[id(model)] = (users - 1, previous)
+
+
+@contextlib.contextmanager
+def sparse_decoding(model: torch.nn.Module, config: SparseConfig | None = None, **overrides) -> Iterator[SparseSession]:
+    """Decode with sparse attention inside the ``with`` block; restore the model afterwards.
+
+    ``config`` (or keyword overrides of :class:`SparseConfig` fields) sets the support. Prefill stays dense.
+    Works with ``model.generate`` and with manual loops over a ``DynamicCache`` (or any cache), across prompts,
+    crops and rollbacks: a forward pre-hook on each attention module (removed on exit) lets the session check the
+    cache before every append, so its state never outlives the keys it describes (see :class:`LayerState`).
+    Sessions are per context (thread / asyncio task); nested sessions on different models are independent.
+
+    Example::
+
+        cfg = SparseConfig(support=193)
+        with sparse_decoding(model, cfg) as session:
+            out = model.generate(input_ids, max_new_tokens=64, do_sample=False)
+    """
+    check_model(model, "sparse_decoding", generates=False)  # a session only hooks the attention layers
+    if config is None:
+        config = config_from_overrides(overrides)
+    elif overrides:
+        raise SparseDecodeError("pass either a SparseConfig or keyword overrides, not both")
+    check_config(config, "sparse_decoding")
+    check_sparse_attention(model, "sparse_decoding")
+    register()
+    session = SparseSession(config=config, model=model)
+    modules = [module for module in model.modules() if hasattr(module, "layer_idx") and hasattr(module, "config")]
+    if not modules:
+        raise SparseDecodeError(f"{type(model).__name__} has no attention layers with a layer_idx to hook into")
+    owned = {id(module): (session, session.layer_state(module)) for module in modules}
+    _switch_on(model)
+    hooks = [module.register_forward_pre_hook(session.look, with_kwargs=True) for module in modules]
+    active = _ACTIVE.get() or {}
+    token = _ACTIVE.set({**active, **owned})
+    try:
+        yield session
+    finally:
+        _ACTIVE.reset(token)
+        for hook in hooks:
+            hook.remove()
+        _switch_off(model)
+
+
+@contextlib.contextmanager
+def dense_attention(model: torch.nn.Module) -> Iterator[None]:
+    """Dense attention for ``model`` inside the block, even within a :func:`sparse_decoding` session on it.
+
+    The library's dense passes (dense references, ``generate(mode="dense")``) run under it, so a session the caller
+    has open does not make them sparse. Sessions on other models, and sessions opened inside the block, are
+    unaffected."""
+    active = _ACTIVE.get()
+    if not active:
+        yield
+        return
+    own = {id(module) for module in model.modules()}
+    token = _ACTIVE.set({key: entry for key, entry in active.items() if key not in own} or None)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+PREFILL_CHUNK = 1024
+"""Tokens per forward of :func:`prefill_history` (the chunk :func:`~sparsedecode.protocol.paired.prefill` uses)."""
+
+
+@torch.no_grad()
+def prefill_history(model: torch.nn.Module, prompt_ids: torch.Tensor) -> dict[int, torch.Tensor]:
+    """H2O's history of a prompt: per layer ``(kv_heads, P)``, the attention each position received from the
+    prompt's queries during a dense prefill, summed over each GQA group.
+
+    Runs one more dense prefill (into a scratch cache), for a cache that was prefilled outside any session: give
+    the result to :meth:`SparseSession.adopt_history`. Attention probabilities are taken in bounded chunks.
+    """
+    cache = DynamicCache(config=model.config)
+    device = next(model.parameters()).device
+    with sparse_decoding(model, SparseConfig(selector=H2O())) as recorder:
+        for start in range(0, prompt_ids.shape[1], PREFILL_CHUNK):
+            chunk = prompt_ids[:, start : start + PREFILL_CHUNK].to(device)
+            model(input_ids=chunk, cache=cache, use_cache=True, logits_to_keep=1)
+    return recorder.attention_history()
