@@ -134,8 +134,8 @@ def check_limits() -> list[dict]:
     """The largest tiles the Triton kernels accept must compile and match float64; refused tensors must run on
     torch under ``auto`` (and match) and raise under ``kernel="triton"``."""
     from sparsedecode.kernels.reference import _attend_blocks
-    from sparsedecode.selectors.statistics import BlockCentroids
     from sparsedecode.selectors import select_blocks
+    from sparsedecode.selectors.statistics import BlockCentroids
 
     generator = torch.Generator().manual_seed(99)
     accepted = [(256, 16, torch.float32), (256, 32, torch.bfloat16), (128, 64, torch.bfloat16), (64, 64, torch.float32)]
@@ -239,9 +239,9 @@ def graph_timings() -> list[dict]:
 
     import torch.nn.functional as F
 
-    from sparsedecode.session import LayerState, SparseSession
-    from sparsedecode.selectors.statistics import BlockCentroids
     from sparsedecode.experiments.bench import SHAPES, _fresh_step, cuda_median_time
+    from sparsedecode.selectors.statistics import BlockCentroids
+    from sparsedecode.session import LayerState, SparseSession
 
     rows = []
     generator = torch.Generator().manual_seed(0)

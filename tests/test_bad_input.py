@@ -13,17 +13,17 @@ import pytest
 import torch
 from conftest import prompt, tiny_model
 
-from sparsedecode.models import catalog as models
-from sparsedecode.session import sparse_decoding
 from sparsedecode.cli import main
 from sparsedecode.config import SparseConfig
+from sparsedecode.decoding.generate import generate
 from sparsedecode.errors import SparseDecodeError
 from sparsedecode.experiments.corpus import check_corpus, load_text
 from sparsedecode.experiments.sweep import LOCK_FILE, RUNS_FILE, SPEC_FILE, SweepSpec, locked, merge_sweeps
+from sparsedecode.models import catalog as models
 from sparsedecode.protocol.paired import compare, dense_reference
 from sparsedecode.reports.sweep import write_report
 from sparsedecode.selectors import select_blocks, select_support, top_blocks
-from sparsedecode.decoding.generate import generate
+from sparsedecode.session import sparse_decoding
 
 
 @pytest.fixture(scope="module")
@@ -382,9 +382,9 @@ def test_top_blocks_refuses_non_finite_scores_when_it_chooses(bad):
 
 @pytest.mark.parametrize("kernel", ["torch", "c"])
 def test_the_decode_step_refuses_a_nan_query_on_every_selection_path(kernel):
-    from sparsedecode.selectors.statistics import BlockCentroids
     from sparsedecode.kernels.cpu import library
     from sparsedecode.layout import BlockLayout
+    from sparsedecode.selectors.statistics import BlockCentroids
 
     if kernel == "c" and library() is None:
         pytest.skip("no C compiler here: the C kernel path does not exist")
@@ -403,9 +403,9 @@ def test_the_decode_step_refuses_a_nan_query_on_every_selection_path(kernel):
 def test_a_non_finite_key_in_a_scored_block_refuses_on_every_selection_path(kernel, where, bad):
     """A finite query and one non-finite key in the distant region: the torch path's score check and the C kernel's
     check inside its scoring both refuse, whether the key lies in a cached full block or in the short tail block."""
-    from sparsedecode.selectors.statistics import BlockCentroids
     from sparsedecode.kernels.cpu import library
     from sparsedecode.layout import BlockLayout
+    from sparsedecode.selectors.statistics import BlockCentroids
 
     if kernel == "c" and library() is None:
         pytest.skip("no C compiler here: the C kernel path does not exist")

@@ -13,10 +13,10 @@ from conftest import logits_tolerance, prompt, tiny_model
 
 import sparsedecode.session as attention
 from sparsedecode import SparseConfig, SparseDecodeError, sparse_decoding
-from sparsedecode.selectors.statistics import BlockCentroids
 from sparsedecode.kernels import cpu
 from sparsedecode.kernels.cpu import batch as cpu_batch
 from sparsedecode.layout import BlockLayout
+from sparsedecode.selectors.statistics import BlockCentroids
 from sparsedecode.step.plan import StepPlan
 
 LENGTHS = (300, 150, 60, 233)  # differing by more than a block; one below the support, growing past it

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from test_bad_input import one_line_exit_2
 
-from sparsedecode.models import catalog as models
 from sparsedecode.cli import main
 from sparsedecode.cli.outputs import atomic_path, write_json
+from sparsedecode.models import catalog as models
 
 ROOT = os.geteuid() == 0 if hasattr(os, "geteuid") else False
 
@@ -109,7 +109,7 @@ def test_read_only_output_folder_is_refused(folder, no_model_load, capsys, monke
 @pytest.mark.parametrize("cache", ["/proc/sparsedecode-cache", "/proc"])
 def test_model_cache_that_takes_no_files_is_refused_before_fetching(cache, monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("SPARSEDECODE_CACHE", cache)
-    monkeypatch.setattr(models, "_ensure_gguf", lambda *a, **k: pytest.fail("tried to fetch the model"))
+    monkeypatch.setattr(models, "ensure_gguf", lambda *a, **k: pytest.fail("tried to fetch the model"))
     out = tmp_path / "out.json"
     assert_refused(["run", "--model", "smollm2-135m", "--json", str(out)], "SPARSEDECODE_CACHE", capsys)
     assert not out.exists()
@@ -120,7 +120,7 @@ def test_read_only_model_cache_is_refused(monkeypatch, tmp_path, capsys):
     cache.mkdir()
     read_only(cache, monkeypatch)
     monkeypatch.setenv("SPARSEDECODE_CACHE", str(cache))
-    monkeypatch.setattr(models, "_ensure_gguf", lambda *a, **k: pytest.fail("tried to fetch the model"))
+    monkeypatch.setattr(models, "ensure_gguf", lambda *a, **k: pytest.fail("tried to fetch the model"))
     try:
         assert_refused(["run", "--model", "smollm2-135m"], "Permission denied", capsys)
     finally:

@@ -17,13 +17,13 @@ import torch
 from conftest import logits_tolerance, tiny_model
 
 from sparsedecode import SparseConfig, sparse_decoding
-from sparsedecode.session.kv_cache import GrowingCache
 from sparsedecode.compiled.decoder import CompiledDecoder
+from sparsedecode.decoding.generate import generate
 from sparsedecode.decoding.loop import decode_tokens, prefill
 from sparsedecode.errors import SparseDecodeError
 from sparsedecode.selectors import BlockSelector, selector_names
 from sparsedecode.selectors.ops import group_mean_queries
-from sparsedecode.decoding.generate import generate
+from sparsedecode.session.kv_cache import GrowingCache
 
 PROMPT, STEPS = 300, 24
 SMALL_CFG = dict(support=97, window=32, block_size=8)  # 97 = 1 + 32 + 8 * 8: sparse from the first step at 300

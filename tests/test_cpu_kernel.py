@@ -17,12 +17,12 @@ from hypothesis import strategies as st
 from test_attention import greedy_loop
 
 from sparsedecode import SparseConfig, SparseDecodeError, sparse_decoding
-from sparsedecode.session import attend_support
-from sparsedecode.selectors.statistics import BlockCentroids
 from sparsedecode.kernels import cpu
 from sparsedecode.kernels.cpu import batch as cpu_batch
 from sparsedecode.layout import BlockLayout
 from sparsedecode.selectors import select_blocks
+from sparsedecode.selectors.statistics import BlockCentroids
+from sparsedecode.session import attend_support
 
 HALF = (torch.bfloat16, torch.float16)
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparsedecode import SparseConfig, compare, dense_reference, sparse_decoding
-from sparsedecode.session import StepView
+from sparsedecode.layout import BlockLayout, support_positions
 from sparsedecode.protocol.diagnostics import (
     MassAudit,
     audit_step,
@@ -23,8 +23,8 @@ from sparsedecode.protocol.diagnostics import (
     summarize_audit,
     summarize_certificate,
 )
-from sparsedecode.layout import BlockLayout, support_positions
 from sparsedecode.selectors import token_index
+from sparsedecode.session import StepView
 
 
 def audited_run(arch, support=97, context=300, tokens=30):

@@ -17,8 +17,8 @@ import torch
 from conftest import prompt, tiny_family
 
 from sparsedecode import SparseConfig, compare
-from sparsedecode.errors import SparseDecodeError
 from sparsedecode.decoding.generate import compare_lossless
+from sparsedecode.errors import SparseDecodeError
 
 FAMILIES = {
     "mistral": {},

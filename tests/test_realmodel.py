@@ -41,9 +41,9 @@ def test_audit_and_certificate_on_real_model_at_2k(smollm2):
 
 def _prefilled(model, ids):
     """``generate``'s dense prefill of ``ids`` (a GrowingCache) and the first token, for lossless runs to share."""
+    from sparsedecode.decoding.loop import prefill
     from sparsedecode.session import dense_attention
     from sparsedecode.session.kv_cache import GrowingCache
-    from sparsedecode.decoding.loop import prefill
 
     with torch.no_grad(), dense_attention(model):
         cache, logits = prefill(model, ids, cache=GrowingCache(config=model.config))
@@ -68,8 +68,8 @@ class LosslessGrid:
     dense one-token step at a time through the library's decode loop)."""
 
     def __init__(self, model, ids, tokens: int = 128):
-        from sparsedecode.session import dense_attention
         from sparsedecode.decoding.loop import decode_tokens
+        from sparsedecode.session import dense_attention
 
         self.model, self.length, self.tokens = model, int(ids.shape[1]), tokens
         self.prefilled = _prefilled(model, ids)

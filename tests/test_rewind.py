@@ -17,12 +17,12 @@ from conftest import char_tokenizer, prompt, tiny_family
 from transformers import DynamicCache
 
 from sparsedecode import SparseConfig, compare, generate
-from sparsedecode.session.kv_cache import checkpoint, crop_rewinds, rewind
 from sparsedecode.cli import main
+from sparsedecode.decoding.generate import compare_lossless
 from sparsedecode.decoding.loop import prefill
 from sparsedecode.errors import SparseDecodeError
 from sparsedecode.experiments.bench import bench_e2e, bench_e2e_batch
-from sparsedecode.decoding.generate import compare_lossless
+from sparsedecode.session.kv_cache import checkpoint, crop_rewinds, rewind
 
 HYBRIDS = {
     # a sliding-window layer (window 64, passed by the prompt) beside a full-attention layer

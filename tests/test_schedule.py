@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparsedecode import SparseConfig
-from sparsedecode.compiled.prepared import Prepared, centroids_of
 from sparsedecode.compiled.op import allocate
+from sparsedecode.compiled.prepared import Prepared, centroids_of
 from sparsedecode.layout import BlockLayout
 from sparsedecode.step import schedule
 from sparsedecode.step.plan import StepPlan

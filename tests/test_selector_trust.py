@@ -220,7 +220,9 @@ def test_a_builtin_name_cannot_be_taken_even_before_any_lookup():
 
 def test_a_file_reexporting_a_builtin_leaves_the_builtins_origin(tmp_path):
     path = tmp_path / "again.py"
-    path.write_text("from sparsedecode.selectors.methods.quest import Quest\nfrom sparsedecode.selectors.methods.oracle import *\n")
+    path.write_text(
+        "from sparsedecode.selectors.methods.quest import Quest\nfrom sparsedecode.selectors.methods.oracle import *\n"
+    )
     reexported = SparseConfig(selector=f"{path}:Quest").selector
     assert reexported.source is None and reexported.spec() == "quest"
     plain = SparseConfig(selector="quest").selector

@@ -16,8 +16,8 @@ from test_attention import Oracle
 from transformers import DynamicCache
 
 from sparsedecode import SparseConfig, SparseDecodeError, compare, sparse_decoding
-from sparsedecode.session.kv_cache import GrowingCache, crop_cache
 from sparsedecode.protocol.paired import dense_reference
+from sparsedecode.session.kv_cache import GrowingCache, crop_cache
 
 VOCAB = 96
 

@@ -6,8 +6,8 @@ import pytest
 from conftest import prompt, tiny_model
 
 from sparsedecode import SparseConfig, SparseDecodeError
-from sparsedecode.protocol.paired import dense_reference
 from sparsedecode.decoding.generate import compare_lossless, generate
+from sparsedecode.protocol.paired import dense_reference
 
 
 @pytest.mark.parametrize("support", [97, 193])

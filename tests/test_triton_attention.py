@@ -14,10 +14,10 @@ from conftest import assert_attention_close, logits_tolerance, prompt, tiny_mode
 from test_attention import greedy_loop
 
 from sparsedecode import SparseConfig, SparseDecodeError, sparse_decoding
-from sparsedecode.session import attend_support
-from sparsedecode.selectors.statistics import BlockCentroids
 from sparsedecode.layout import BlockLayout
 from sparsedecode.selectors import select_blocks
+from sparsedecode.selectors.statistics import BlockCentroids
+from sparsedecode.session import attend_support
 
 pytest.importorskip("triton", reason="the Triton kernel tests need the test extra (pip install -e '.[test]')")
 pytestmark = pytest.mark.triton

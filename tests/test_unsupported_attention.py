@@ -15,8 +15,8 @@ from transformers import Gemma2Config, Gemma2ForCausalLM, GptOssConfig, GptOssFo
 
 import sparsedecode.session as attention
 from sparsedecode import SparseConfig, compare, generate, sparse_decoding
-from sparsedecode.models import catalog as models
 from sparsedecode.errors import SparseDecodeError
+from sparsedecode.models import catalog as models
 from sparsedecode.validate import unsupported_attention
 
 

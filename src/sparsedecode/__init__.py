@@ -10,32 +10,32 @@ import importlib as _importlib
 import typing as _typing
 
 if _typing.TYPE_CHECKING:
-    from .session import SparseSession, sparse_decoding
     from .config import SparseConfig
+    from .decoding.generate import generate
     from .errors import SparseDecodeError
     from .models.catalog import DEFAULT_MODEL, list_models, load_model, load_tokenizer
     from .protocol.paired import compare, dense_reference
     from .protocol.results import CompareResult, DenseReference
     from .selectors import BlockSelector, TokenSelector, register_selector, select_support
-    from .decoding.generate import generate
+    from .session import SparseSession, sparse_decoding
 
 _EXPORTS = {
     "BlockSelector": "selectors",
-    "DEFAULT_MODEL": "models",
-    "CompareResult": "results",
-    "DenseReference": "results",
+    "DEFAULT_MODEL": "models.catalog",
+    "CompareResult": "protocol.results",
+    "DenseReference": "protocol.results",
     "SparseConfig": "config",
     "SparseDecodeError": "errors",
-    "SparseSession": "attention",
-    "compare": "paired",
-    "dense_reference": "paired",
-    "generate": "speculative",
-    "list_models": "models",
-    "load_model": "models",
-    "load_tokenizer": "models",
+    "SparseSession": "session",
+    "compare": "protocol.paired",
+    "dense_reference": "protocol.paired",
+    "generate": "decoding.generate",
+    "list_models": "models.catalog",
+    "load_model": "models.catalog",
+    "load_tokenizer": "models.catalog",
     "register_selector": "selectors",
     "select_support": "selectors",
-    "sparse_decoding": "attention",
+    "sparse_decoding": "session",
     "TokenSelector": "selectors",
 }
 
@@ -60,6 +60,9 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+from . import moved as _moved  # noqa: E402, F401  (old module paths, e.g. sparsedecode.speculative, keep importing)
 
 
 def __getattr__(name: str) -> object:

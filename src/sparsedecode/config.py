@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from .errors import SparseDecodeError
+from .layout import budget_blocks, check_budget, check_seed
 from .selectors.base import Selector
+from .selectors.registry import resolve_selector
 
 KERNELS = ("auto", "torch", "c", "triton")
 """How a block selector's step runs: ``torch`` (torch operations: scores, top-k, gather + SDPA; any device, dtype
@@ -45,30 +47,15 @@ class SparseConfig:
     kernel: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("support", "window", "block_size", "reuse"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise SparseDecodeError(f"{name} must be an integer, got {value!r}")
-        if self.window < 1:
-            raise SparseDecodeError(
-                f"window must be >= 1, got {self.window}: the window holds the current token, which every step reads"
-            )
-        if self.block_size < 1:
-            raise SparseDecodeError(f"block_size must be >= 1, got {self.block_size}")
+        check_budget(self.support, self.window, self.block_size)
+        if not isinstance(self.reuse, int) or isinstance(self.reuse, bool):
+            raise SparseDecodeError(f"reuse must be an integer, got {self.reuse!r}")
         if self.reuse < 1:
             raise SparseDecodeError(f"reuse must be >= 1, got {self.reuse}")
-        if self.support < 1 + self.window:
-            raise SparseDecodeError(
-                f"support {self.support} is smaller than anchor + window = {1 + self.window}; "
-                f"use support >= {1 + self.window} or a smaller window"
-            )
-        from .selectors.registry import resolve_selector
-
         object.__setattr__(self, "selector", resolve_selector(self.selector))
         if not isinstance(self.audit, bool):
             raise SparseDecodeError(f"audit must be True or False, got {self.audit!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63:
-            raise SparseDecodeError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        check_seed(self.seed)
         if self.kernel not in KERNELS:
             raise SparseDecodeError(f"unknown kernel {self.kernel!r}; choose one of: {', '.join(KERNELS)}")
         if self.kernel in ("c", "triton") and (self.token_level or self.selector.adaptive):
@@ -89,7 +76,7 @@ class SparseConfig:
     @property
     def blocks(self) -> int:
         """Number of distant blocks kept, b (0 for token-level selectors)."""
-        return 0 if self.token_level else (self.support - 1 - self.window) // self.block_size
+        return 0 if self.token_level else budget_blocks(self.support, self.window, self.block_size)
 
     @property
     def distant_positions(self) -> int:
@@ -118,3 +105,22 @@ class SparseConfig:
             "blocks": self.blocks,
             "effective_support": self.effective_support,
         }
+
+
+def check_config(config: object, where: str) -> None:
+    """``config`` is a :class:`SparseConfig` (not a dict of its fields, not ``None``)."""
+    if not isinstance(config, SparseConfig):
+        hint = "; build one with SparseConfig(**settings)" if isinstance(config, dict) else ""
+        name = "None" if config is None else type(config).__name__
+        raise SparseDecodeError(f"{where}: config must be a SparseConfig, got {name}{hint}")
+
+
+def config_from_overrides(overrides: dict) -> SparseConfig:
+    """``SparseConfig(**overrides)``, with an unknown field named in one line instead of a ``TypeError``."""
+    fields_ = SparseConfig.__dataclass_fields__
+    unknown = sorted(set(overrides) - set(fields_))
+    if unknown:
+        raise SparseDecodeError(
+            f"unknown SparseConfig field(s) {', '.join(unknown)}; choose among: {', '.join(fields_)}"
+        )
+    return SparseConfig(**overrides)

@@ -10,8 +10,43 @@ which depend on this module and never on the selectors.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+from .errors import SparseDecodeError
+
+if TYPE_CHECKING:  # the checks below import no torch: naming a configuration stays cheap
+    import torch
+
+
+def check_budget(support: object, window: object, block_size: object) -> None:
+    """A support of ``support`` positions with a window of ``window`` and blocks of ``block_size``: integers, a window
+    holding at least the current token, blocks of at least one position, room for the anchor and the window
+    (:class:`~sparsedecode.errors.SparseDecodeError` naming what is wrong otherwise)."""
+    for name, value in (("support", support), ("window", window), ("block_size", block_size)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise SparseDecodeError(f"{name} must be an integer, got {value!r}")
+    if window < 1:
+        raise SparseDecodeError(
+            f"window must be >= 1, got {window}: the window holds the current token, which every step reads"
+        )
+    if block_size < 1:
+        raise SparseDecodeError(f"block_size must be >= 1, got {block_size}")
+    if support < 1 + window:
+        raise SparseDecodeError(
+            f"support {support} is smaller than anchor + window = {1 + window}; "
+            f"use support >= {1 + window} or a smaller window"
+        )
+
+
+def check_seed(seed: object) -> None:
+    """A session's seed (what :attr:`BlockLayout.seed` carries to the selectors): an integer in ``[0, 2**63)``."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+        raise SparseDecodeError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+
+
+def budget_blocks(support: int, window: int, block_size: int) -> int:
+    """The distant blocks a block selector keeps, ``b = (S - 1 - W) // B`` (a support is floored to whole blocks)."""
+    return (support - 1 - window) // block_size
 
 
 @dataclass(frozen=True)
@@ -57,6 +92,8 @@ def support_positions(blocks: torch.Tensor, layout: BlockLayout) -> tuple[torch.
     that fall past the distant region are marked invalid (and point at the anchor so a gather stays in
     bounds); callers mask them out.
     """
+    import torch
+
     kv_heads, b = blocks.shape
     block, device = layout.block_size, blocks.device
     offsets = torch.arange(block, device=device)

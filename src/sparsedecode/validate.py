@@ -11,7 +11,6 @@ import math
 
 import torch
 
-from .config import SparseConfig
 from .errors import SparseDecodeError
 
 
@@ -33,13 +32,6 @@ def check_model(model: object, where: str, *, generates: bool = True) -> None:
             f"{where}: {type(model).__name__} cannot generate text (no causal language-model head); load the model "
             "as a causal LM (sparsedecode.load_model, or AutoModelForCausalLM)"
         )
-
-
-def check_config(config: object, where: str) -> None:
-    """``config`` is a :class:`SparseConfig` (not a dict of its fields, not ``None``)."""
-    if not isinstance(config, SparseConfig):
-        hint = "; build one with SparseConfig(**settings)" if isinstance(config, dict) else ""
-        raise SparseDecodeError(f"{where}: config must be a SparseConfig, got {_name(config)}{hint}")
 
 
 def check_count(value: object, name: str, minimum: int) -> None:
@@ -167,14 +159,3 @@ def check_scores(scores: torch.Tensor) -> None:
             "block selection scores hold NaN or infinite values (non-finite queries or keys in the KV cache); "
             "the model's hidden states are not finite (check its weights and dtype)"
         )
-
-
-def config_from_overrides(overrides: dict) -> SparseConfig:
-    """``SparseConfig(**overrides)``, with an unknown field named in one line instead of a ``TypeError``."""
-    fields = SparseConfig.__dataclass_fields__
-    unknown = sorted(set(overrides) - set(fields))
-    if unknown:
-        raise SparseDecodeError(
-            f"unknown SparseConfig field(s) {', '.join(unknown)}; choose among: {', '.join(fields)}"
-        )
-    return SparseConfig(**overrides)

@@ -471,7 +471,8 @@ def quiet_transformers() -> None:
 
 def check_model_cache(spec: str) -> None:
     """A built-in alias that is not converted yet is fetched into the cache: refuse a cache that takes no files."""
-    from ..models.catalog import ALIASES, cache_dir, verify_converted
+    from ..models.aliases import ALIASES
+    from ..models.store import cache_dir, verify_converted
 
     source = ALIASES.get(spec)
     converted = source is not None and verify_converted(

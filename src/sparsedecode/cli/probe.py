@@ -87,8 +87,8 @@ def cmd_probe_mass(args) -> int:
     check_output_folder(args.out, inputs=inputs_of(args), files=written, results="mass.json")
     configs, model, _, prompts = prepare(args, audit=True)
     from ..decoding.loop import prefill
-    from ..protocol.diagnostics import save_audit
     from ..experiments.probes import mass_probe
+    from ..protocol.diagnostics import save_audit
     from ..reports.plots import heatmap
 
     console.print(conditions(args))

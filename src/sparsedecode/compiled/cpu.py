@@ -1,6 +1,6 @@
-"""How the compiled step is built on the CPU (:mod:`sparsedecode.compiled.decoder`): a half-precision one-row step's linear
-layers as row products, the weights frozen into the step, its matrix products autotuned; each choice measured here
-and with an environment variable to turn it off.
+"""How the compiled step is built on the CPU (:mod:`sparsedecode.compiled.decoder`): a half-precision one-row step's
+linear layers as row products, the weights frozen into the step, its matrix products autotuned; each choice measured
+here and with an environment variable to turn it off.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ of the model carries a :class:`StaticLayer` (attribute :data:`STATE`), whose ten
 :class:`~sparsedecode.session.LayerState` holds for one sequence of a batch without padding:
 
 * ``stats (kinds, batch, kv, d, capacity)`` float32: the block statistics the selector reads, the storage of a
-  :class:`~sparsedecode.selectors.statistics.BlockCentroids` (the C kernel reads it in place); ``count (batch,)`` how many
-  blocks hold values;
+  :class:`~sparsedecode.selectors.statistics.BlockCentroids` (the C kernel reads it in place); ``count (batch,)`` how
+  many blocks hold values;
 * ``blocks`` / ``keep (batch, kv, b)``: the block selection being reused (``keep``: what an adaptive budget kept),
   ``positions (batch, kv, distant)`` a token selector's; ``step (batch,)``: sparse steps of the current chain (the
   reuse counter); ``last (batch,)``: the context length of the layer's last call;
@@ -38,10 +38,10 @@ from ..config import SparseConfig
 from ..errors import SparseDecodeError
 from ..layout import BlockLayout
 from ..step import schedule
+from ..step.device import device_step, fill_statistics, serves
 from ..step.plan import plan_step
 from ..step.rows import TensorRow, attend_row, one_call, select_row
 from .prepared import PREPARED, centroids_of, prepare, signature_of
-from ..step.device import device_step, fill_statistics, serves
 
 STATIC_ATTENTION = "sparsedecode-static"
 """The attention implementation name the capturable step registers under."""

@@ -18,8 +18,8 @@ import array
 import numpy as np
 import torch
 
-from ..selectors.statistics import BlockCentroids, store_statistics
 from ..layout import BlockLayout
+from ..selectors.statistics import BlockCentroids, store_statistics
 
 SPLIT_WORK = 1 << 20
 """Centroid floats a prepared call scores (rows x KV heads x blocks x d) from which it splits over torch's threads;

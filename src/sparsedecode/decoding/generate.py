@@ -16,18 +16,15 @@ the two differ with the dense top-1/top-2 margin there.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from ..config import SparseConfig, check_config
+from ..errors import SparseDecodeError
 from ..session import dense_attention, prefill_history, sparse_decoding
 from ..session.kv_cache import GrowingCache
-from ..config import SparseConfig
-from .loop import Progress, check_left_padded, decode_one_token, decode_tokens, left_pad, prefill
-from ..errors import SparseDecodeError
-from .lossless import MAX_DRAFT_TOKENS, SessionDrafter, lossless_loop
 from ..validate import (
-    check_config,
     check_count,
     check_model,
     check_positions,
@@ -35,49 +32,11 @@ from ..validate import (
     check_sparse_attention,
     check_token_id,
 )
+from .loop import Progress, check_left_padded, decode_one_token, decode_tokens, left_pad, prefill
+from .lossless import MAX_DRAFT_TOKENS, SessionDrafter, lossless_loop
+from .result import Generation
 
 MODES = ("dense", "sparse", "lossless")
-
-
-@dataclass
-class Generation:
-    """Tokens generated after the prompt, and how the time was spent."""
-
-    mode: str
-    tokens: list[int]
-    prefill_s: float
-    decode_s: float
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    verifications: int = 0
-    accepted: list[int] = field(default_factory=list)
-    draft_lengths: list[int] = field(default_factory=list)
-    compile_s: float = 0.0
-    """``compile=True``: the first compiled step's time, compiling included (0 when an earlier call compiled)."""
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return (len(self.tokens) - 1) / self.decode_s if self.decode_s else float("nan")
-
-    @property
-    def mean_accepted(self) -> float:
-        """Mean drafts accepted per verification (the dense model's own next token not counted)."""
-        return sum(self.accepted) / len(self.accepted) if self.accepted else float("nan")
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted drafts over drafted tokens."""
-        drafted = sum(self.draft_lengths)
-        return sum(self.accepted) / drafted if drafted else float("nan")
-
-    def to_dict(self) -> dict:
-        data = asdict(self)
-        data.update(
-            decode_tokens_per_s=self.decode_tokens_per_s,
-            mean_accepted=self.mean_accepted,
-            acceptance_rate=self.acceptance_rate,
-        )
-        return data
 
 
 @torch.no_grad()
@@ -107,17 +66,17 @@ def generate(
     with one dense forward; ``adaptive=True`` doubles ``k`` after a fully accepted draft (up to
     ``max_draft_tokens``) and halves it when fewer than half were accepted. ``"dense"`` and ``"sparse"`` decode one
     token per step (:func:`~sparsedecode.decoding.loop.decode_tokens`). All modes use an in-place
-    :class:`~sparsedecode.session.kv_cache.GrowingCache`. With ``eos_token_id``, generation ends once that token is output (the
-    tokens end with it), in every mode. ``compile=True`` (prompts of one length): the same tokens from a whole decode
-    step compiled over a static cache (:mod:`sparsedecode.compiled.decoder`; lossless: its drafts), its cost in
-    ``compile_s``.
+    :class:`~sparsedecode.session.kv_cache.GrowingCache`. With ``eos_token_id``, generation ends once that token is
+    output (the tokens end with it), in every mode. ``compile=True`` (prompts of one length): the same tokens from a
+    whole decode step compiled over a static cache (:mod:`sparsedecode.compiled.decoder`; lossless: its drafts), its
+    cost in ``compile_s``.
     """
     drafting = dict(draft_tokens=draft_tokens, adaptive=adaptive, max_draft_tokens=max_draft_tokens)
     ids, mask, one = _generation_inputs(
         model, input_ids, cfg, max_new_tokens, mode, attention_mask, eos_token_id, tuple(drafting.values())
     )
     if compile is not False:
-        from ..compiled.decoder import generate_compiled
+        from .compiled import generate_compiled
 
         generations = generate_compiled(
             model, ids, mask, cfg, max_new_tokens, mode, eos_token_id, progress, compile, drafting

@@ -21,8 +21,8 @@ from collections.abc import Callable, Container, Sequence
 
 import torch
 
-from ..session.kv_cache import checkpoint
 from ..errors import SparseDecodeError
+from ..session.kv_cache import checkpoint
 
 Progress = Callable[..., None]
 """``progress(stage, done, total)``: called as work advances (a progress bar)."""

@@ -24,7 +24,7 @@ INSTALL = (
 
 def check_baseline(model_name: str) -> None:
     """Before any work: ``model_name`` is an alias with a GGUF source, and llama-cpp-python is installed."""
-    from ..models.catalog import ALIASES
+    from ..models.aliases import ALIASES
 
     if model_name not in ALIASES:
         raise SparseDecodeError(
@@ -36,10 +36,10 @@ def check_baseline(model_name: str) -> None:
 
 def gguf_of(model_name: str) -> Path:
     """The GGUF file the alias ``model_name`` was converted from (fetched and checked like the alias itself)."""
-    from ..models.store import _ensure_gguf
-    from ..models.catalog import ALIASES
+    from ..models.aliases import ALIASES
+    from ..models.store import ensure_gguf
 
-    return _ensure_gguf(ALIASES[model_name])
+    return ensure_gguf(ALIASES[model_name])
 
 
 def _llama_class():

@@ -30,10 +30,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..session import LayerState, SparseSession, attend_positions, attend_support, sparse_decode_step, sparse_decoding
-from ..session.kv_cache import GrowingCache, crop_cache, crop_rewinds, growing_copy
-from ..selectors.statistics import BlockCentroids
 from ..config import SparseConfig
+from ..decoding.generate import lossless_decode
 from ..decoding.loop import Progress, decode_tokens, prefill
 from ..errors import SparseDecodeError
 from ..kernels import cpu as cpu_kernel
@@ -42,7 +40,9 @@ from ..layout import BlockLayout
 from ..memory import available_memory_bytes
 from ..models.catalog import attention_shape
 from ..selectors import resolve_selector, select_blocks, select_positions
-from ..decoding.generate import lossless_decode
+from ..selectors.statistics import BlockCentroids
+from ..session import LayerState, SparseSession, attend_positions, attend_support, sparse_decode_step, sparse_decoding
+from ..session.kv_cache import GrowingCache, crop_cache, crop_rewinds, growing_copy
 
 SHAPES = {
     "qwen2-0.5b": (14, 2, 64),  # query heads, KV heads, head dim (also Qwen2.5-Coder-0.5B)
@@ -749,8 +749,8 @@ def bench_e2e_batch(
     ``tokens_equal_to_batch1``: every sequence's tokens equal its own batch-1 run in the same mode (each prompt is
     run alone, in every mode, for that). Peak RSS is measured per batch size (the kernel's high-water mark is reset
     before it, where Linux allows). ``compile`` adds every mode with the decode step compiled
-    (:mod:`sparsedecode.compiled.decoder`, ``cache`` "static, compiled"), its rows and compile seconds beside the others';
-    "vs dense same batch" and "vs best dense" then divide by the faster dense mode.
+    (:mod:`sparsedecode.compiled.decoder`, ``cache`` "static, compiled"), its rows and compile seconds beside the
+    others'; "vs dense same batch" and "vs best dense" then divide by the faster dense mode.
     """
     if isinstance(repeats, bool) or not isinstance(repeats, numbers.Integral) or repeats < 1:
         raise SparseDecodeError(f"bench e2e: repeats must be an integer >= 1 (got {repeats!r})")
@@ -877,11 +877,12 @@ def _compiled_modes(model, prompt_ids, first: int, cfgs: dict, tokens: int, prog
     """:func:`bench_e2e`'s compiled modes: for each ``cfgs`` entry (a name and its config, ``None`` = dense) a
     function ``timed(stage) -> (seconds, tokens)`` decoding ``tokens`` greedy tokens after ``first``, every mode from
     one prefill of ``prompt_ids (1, P)`` into one shared cache; under ``(name, k)`` for each sparse entry and draft
-    length in ``lossless``, the lossless loop drafting with it (a :class:`~sparsedecode.decoding.generate.Generation`); and
-    each mode's compile seconds (measured here, before any timed run). The configs were checked compilable before."""
+    length in ``lossless``, the lossless loop drafting with it (a :class:`~sparsedecode.decoding.generate.Generation`);
+    and each mode's compile seconds (measured here, before any timed run). The configs were checked compilable
+    before."""
     from ..compiled.decoder import decoder_for
-    from ..decoding.lossless import MAX_DRAFT_TOKENS, StaticDrafter, lossless_loop
     from ..decoding.generate import Generation
+    from ..decoding.lossless import MAX_DRAFT_TOKENS, StaticDrafter, lossless_loop
 
     context = int(prompt_ids.shape[1])
     decoders = {name: decoder_for(model, cfg, 1, context + tokens + 1) for name, cfg in cfgs.items()}

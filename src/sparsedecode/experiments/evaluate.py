@@ -34,12 +34,12 @@ from pathlib import Path
 
 import torch
 
-from ..session import prefill_history, sparse_decoding
-from ..session.kv_cache import crop_cache
 from ..config import SparseConfig
 from ..decoding.loop import Progress, decode_tokens, prefill
 from ..errors import SparseDecodeError
 from ..files import write_json_atomic
+from ..session import prefill_history, sparse_decoding
+from ..session.kv_cache import crop_cache
 from .environment import environment
 from .eval_spec import DENSE, KEY_FIELDS, EvalSpec, Group, RunKey
 from .ruler import GENERATOR_VERSION, Sample, build_sample, score

@@ -14,8 +14,8 @@ The samples are sized in one model's tokens and already hold its chat template: 
 without ``--apply_chat_template``. Dense answers are the same by both routes (lm-eval's ``hf`` model and
 ``sparsedecode eval`` run the same token ids, greedily, to the same budget). Sparse answers differ by protocol:
 ``sparsedecode eval`` feeds the whole question tail under sparse attention, the lm-eval ``sparsedecode`` model its
-last ``sparse_tail`` context tokens (1 by default; see :mod:`sparsedecode.integrations.lm_eval`). The YAML files name the
-data files by absolute path; export again after moving the folder. This module does not import lm-eval.
+last ``sparse_tail`` context tokens (1 by default; see :mod:`sparsedecode.integrations.lm_eval`). The YAML files name
+the data files by absolute path; export again after moving the folder. This module does not import lm-eval.
 """
 
 from __future__ import annotations

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..session import prefill_history, sparse_decoding
-from ..session.kv_cache import crop_cache
 from ..config import SparseConfig
 from ..decoding.loop import Progress, decode_tokens, prefill
 from ..protocol.diagnostics import MassAudit, summarize_audit
+from ..session import prefill_history, sparse_decoding
+from ..session.kv_cache import crop_cache
 
 
 @dataclass

@@ -12,8 +12,9 @@ the question reads; then a few answer tokens are decoded greedily. A trial succe
 appear in the decoded answer (exact substring match).
 
 Each sparse trial also records what the selector did while answering: the omitted-mass audit of
-:class:`~sparsedecode.protocol.diagnostics.MassAudit` (captured-mass ratio and selector recall against the best set reachable
-at the same budget, the same against each query head's own best as ``*_per_head_best``, omitted mass) and, from
+:class:`~sparsedecode.protocol.diagnostics.MassAudit` (captured-mass ratio and selector recall against the best set
+reachable at the same budget, the same against each query head's own best as ``*_per_head_best``, omitted mass) and,
+from
 :class:`NeedleReads`, the share of needle positions inside the support and the true (dense) attention mass on
 the needle. Relating those to success shows whether captured mass alone predicts retrieval.
 """
@@ -29,12 +30,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..session import StepView, prefill_history, sparse_decoding
-from ..session.kv_cache import crop_cache
 from ..config import SparseConfig
 from ..decoding.loop import Progress, decode_tokens, prefill
-from ..protocol.diagnostics import MassAudit, summarize_audit
 from ..errors import SparseDecodeError
+from ..protocol.diagnostics import MassAudit, summarize_audit
+from ..session import StepView, prefill_history, sparse_decoding
+from ..session.kv_cache import crop_cache
 from .corpus import FILLER, corpus_ids
 from .specs import RetrievalSpec
 

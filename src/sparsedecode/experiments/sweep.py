@@ -179,7 +179,8 @@ def read_rows(path: Path, *, repair: bool = False) -> list[dict]:
 
 
 def _upgraded(path: Path, rows: list[dict]) -> list[dict]:
-    """``rows`` of ``path`` upgraded by :func:`~sparsedecode.protocol.paired.upgrade_row`; a row that cannot be is named."""
+    """``rows`` of ``path`` upgraded by :func:`~sparsedecode.protocol.paired.upgrade_row`; a row that cannot be is
+    named."""
     upgraded = []
     for number, row in enumerate(rows, start=1):
         try:
@@ -414,8 +415,8 @@ def run_sweep(
 
     ``loaded`` is an already loaded ``(model, tokenizer)`` for ``spec.model`` (otherwise it is loaded here).
     ``on_start(done, total)`` is called once the work is known, before the first run. ``batch > 1`` decodes up to
-    ``batch`` prompts of one context together (:func:`~sparsedecode.protocol.paired.compare` of a batch): the same rows apart
-    from timing fields (each row's timings are its share, the batch's wall time over the batch size) and float32
+    ``batch`` prompts of one context together (:func:`~sparsedecode.protocol.paired.compare` of a batch): the same rows
+    apart from timing fields (each row's timings are its share, the batch's wall time over the batch size) and float32
     round-off in the perplexities and margins; the session record in ``sweep.json`` notes the batch size. With
     ``execute`` the pending groups run as units elsewhere (:class:`GroupUnit`, see :mod:`.work`) and only this process
     writes their rows (one group per unit: not with ``batch > 1``).

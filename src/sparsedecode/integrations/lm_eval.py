@@ -45,11 +45,11 @@ import sys
 
 import torch
 
-from ..session import sparse_decoding
-from ..session.kv_cache import crop_cache
 from ..config import SparseConfig
 from ..decoding.loop import decode_tokens, prefill
 from ..errors import SparseDecodeError
+from ..session import sparse_decoding
+from ..session.kv_cache import crop_cache
 
 try:
     from lm_eval.models.huggingface import HFLM

@@ -6,10 +6,10 @@ only, never on the selectors or the attention step, which call into it.
 """
 
 from . import cpu
-from .cpu import batch as cpu_batch
-from .triton import attention as triton_attention
 from .common import check_inputs
+from .cpu import batch as cpu_batch
 from .dispatch import attend, attention_kernel, refusals, select_mean_pooled, selection_kernel
+from .triton import attention as triton_attention
 
 __all__ = [
     "attend",

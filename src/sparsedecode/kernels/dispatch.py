@@ -18,8 +18,8 @@ import torch
 from ..errors import SparseDecodeError
 from ..layout import BlockLayout
 from . import cpu
-from .triton import attention as triton_attention
 from .common import check_inputs
+from .triton import attention as triton_attention
 
 NAMES = ("triton", "c")
 """The kernels besides torch, in the order ``auto`` tries them."""

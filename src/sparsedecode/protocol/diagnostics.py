@@ -36,10 +36,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..session import StepView
 from ..files import atomic_path
 from ..layout import BlockLayout
 from ..selectors.ops import top_blocks
+from ..session import StepView
 
 WARNING_MATCH_PERCENT = 70.0
 WARNING_NOTE = (

@@ -20,14 +20,14 @@ from collections.abc import Callable
 
 import torch
 
+from ..config import SparseConfig, check_config
+from ..decoding.loop import Progress, decode_tokens, left_pad, prefill
+from ..errors import SparseDecodeError
 from ..session import SparseSession, dense_attention, prefill_history, sparse_decoding
 from ..session.kv_cache import crop_cache
-from ..config import SparseConfig
-from ..decoding.loop import Progress, decode_tokens, left_pad, prefill
+from ..validate import check_model, check_positions, check_prompt_ids, check_sparse_attention
 from .diagnostics import MassAudit
-from ..errors import SparseDecodeError
-from .results import BatchReference, CompareResult, DenseReference, _assemble
-from ..validate import check_config, check_model, check_positions, check_prompt_ids, check_sparse_attention
+from .results import BatchReference, CompareResult, DenseReference, assemble
 
 
 def _prompts(model: torch.nn.Module, prompts: object, where: str) -> tuple[list[torch.Tensor], bool]:
@@ -184,7 +184,7 @@ def compare(
     finally:
         crop_cache(cache, length)
     results = [
-        _assemble(
+        assemble(
             ref,
             cfg,
             tokens,

@@ -12,8 +12,8 @@ import torch
 from transformers import DynamicCache
 
 from ..config import SparseConfig
-from .diagnostics import WARNING_MATCH_PERCENT, MassAudit, margin_certificate, summarize_audit, summarize_certificate
 from ..errors import SparseDecodeError
+from .diagnostics import WARNING_MATCH_PERCENT, MassAudit, margin_certificate, summarize_audit, summarize_certificate
 
 FIRST_DIVERGENCE_CONVENTION = 2
 """Marks results and stored rows whose ``first_divergence`` follows DESIGN.md section 3 (see
@@ -177,7 +177,7 @@ def _ppl(nll: list[float]) -> float:
     return math.exp(sum(nll) / len(nll)) if nll else float("nan")
 
 
-def _assemble(
+def assemble(
     reference: DenseReference,
     cfg: SparseConfig,
     tokens: int,

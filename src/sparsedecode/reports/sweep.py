@@ -352,8 +352,8 @@ def _sweep_section(directory: Path, meta: dict, rows: list[dict], out: list[str]
 
 
 def _retrieval_section(directory: Path, data: dict, out: list[str]) -> None:
-    from . import plots
     from ..experiments.retrieval import accuracy, mass_vs_success
+    from . import plots
 
     spec, trials = data["spec"], data["trials"]
     env = data.get("environment", {})

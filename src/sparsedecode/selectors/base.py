@@ -84,17 +84,6 @@ class Selector:
             if kind not in STATISTICS:
                 raise SparseDecodeError(f"{cls.__name__}: unknown block statistic {kind!r}; known: {STATISTICS}")
 
-    def __reduce_ex__(self, protocol):
-        """A selector from a file pickles with the file's content, so a worker elsewhere (Ray) rebuilds the same
-        class even where the path does not exist; other selectors pickle as usual (by their module)."""
-        if self.source is None:
-            return super().__reduce_ex__(protocol)
-        from .registry import _FILES, rebuild_file_selector
-
-        location, digest = self.source
-        text = _FILES[(location, digest)][0]
-        return rebuild_file_selector, (location, digest, text, type(self).__name__, self.params())
-
     @classmethod
     def selector_name(cls) -> str:
         return cls.name or cls.__name__

@@ -2,8 +2,8 @@
 
 A selector's scores are turned into a support by the library with :func:`top_blocks` (the project's tie rule:
 highest score first, ties to the lowest index). The rest are the pieces the built-in selectors score with: group-mean
-queries, block means (the reference the incremental statistics of :mod:`sparsedecode.selectors.statistics` reproduce), true
-attention (the oracles, H2O's history). Scores are float32 whatever the cache dtype.
+queries, block means (the reference the incremental statistics of :mod:`sparsedecode.selectors.statistics` reproduce),
+true attention (the oracles, H2O's history). Scores are float32 whatever the cache dtype.
 """
 
 from __future__ import annotations

@@ -61,7 +61,10 @@ def _load_builtins() -> None:
     global _BUILTINS_LOADED, _BUILTIN_NAMES
     if not _BUILTINS_LOADED:
         _BUILTINS_LOADED = True
-        from . import methods as builtin  # noqa: F401  (registers the built-in selectors)
+        from .methods import BUILTINS
+
+        for cls in BUILTINS:
+            register_selector(cls)
 
         _BUILTIN_NAMES = frozenset(_REGISTRY)
 
@@ -156,10 +159,21 @@ def load_file_class(location: str, class_name: str) -> type[Selector]:
     if cls is None:
         raise SparseDecodeError(f"selector file {location!r} has no class {class_name!r}")
     check_selector_class(cls)
-    if cls.__module__ == module.__name__:  # defined in this file: it records the file
+    if cls.__module__ == module.__name__:  # defined in this file: it records the file, and pickles with it
         cls.source = (location, digest)
+        cls.__reduce_ex__ = _reduce_file_selector
     # else the file imports it (a built-in, or another file's class): it keeps its own origin
     return cls
+
+
+def _reduce_file_selector(self: Selector, protocol):
+    """A selector from a file pickles with the file's content, so a worker elsewhere (Ray) rebuilds the same class even
+    where the path does not exist. A subclass defined elsewhere (no file of its own) pickles as usual."""
+    if type(self).source is None:
+        return object.__reduce_ex__(self, protocol)
+    location, digest = self.source
+    text = _FILES[(location, digest)][0]
+    return rebuild_file_selector, (location, digest, text, type(self).__name__, self.params())
 
 
 def rebuild_file_selector(location: str, digest: str, text: str, class_name: str, params: dict) -> Selector:

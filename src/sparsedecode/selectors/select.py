@@ -14,13 +14,13 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
-from .statistics import BlockCentroids, reduce_blocks
 from ..errors import SparseDecodeError
-from ..layout import BlockLayout, support_positions
+from ..layout import BlockLayout, budget_blocks, check_budget, check_seed, support_positions
 from ..validate import check_finite, finite_sum
 from .base import BlockSelector, Selector, TokenSelector
 from .ops import token_index, top_blocks, top_positions
 from .registry import resolve_selector
+from .statistics import BlockCentroids, reduce_blocks
 
 
 @dataclass
@@ -263,13 +263,12 @@ def select_support(
 
     Raises:
         SparseDecodeError: tensors of the wrong kind or shape, NaN or infinite queries or keys, settings
-            :class:`SparseConfig` refuses, or a selector that fails or returns scores of the wrong shape.
+            :class:`~sparsedecode.config.SparseConfig` refuses, or a selector that fails or returns scores of the wrong
+            shape.
     """
-    from ..config import SparseConfig
-
-    cfg = SparseConfig(
-        support=support, window=window, block_size=block_size, selector=resolve_selector(method), seed=seed
-    )
+    check_budget(support, window, block_size)
+    check_seed(seed)
+    selector = resolve_selector(method)
     check_finite(queries, "queries")
     check_finite(keys, "keys")
     shapes_ok = queries.dim() == 2 and keys.dim() == 3 and queries.shape[-1] == keys.shape[-1]
@@ -286,16 +285,16 @@ def select_support(
                 f"history must be (kv_heads, N) = {(kv_heads, n)}, the attention each cached position received; "
                 f"got {tuple(history.shape)}"
             )
-    if n <= cfg.effective_support:
+    blocks = budget_blocks(support, window, block_size)
+    if n <= (support if selector.token_level else 1 + window + blocks * block_size):
         return [torch.arange(n, device=keys.device) for _ in range(kv_heads)]
     layout = BlockLayout(n=n, window=window, block_size=block_size, scale=d**-0.5, seed=seed)
-    selector = cfg.selector
     if selector.token_level:
-        distant = choose_positions(selector, cfg.distant_positions, queries, keys, layout, history=history)
+        distant = choose_positions(selector, support - 1 - window, queries, keys, layout, history=history)
         index = token_index(distant, layout)
         return [index[h] for h in range(kv_heads)]
     cache = BlockCentroids(block_size, selector.cached_statistics())
-    index, valid = support_of(choose_blocks(selector, cfg.blocks, cache, queries, keys, layout), layout)
+    index, valid = support_of(choose_blocks(selector, blocks, cache, queries, keys, layout), layout)
     return [index[h][valid[h]] for h in range(kv_heads)]
 
 

@@ -33,9 +33,9 @@ from .hf import (
     sparse_attention_forward,
     sparse_decoding,
 )
+from .rows import sparse_decode_step, sparse_rows
 from .session import SparseSession
 from .state import KeyMark, LayerState, StepView
-from .rows import sparse_decode_step, sparse_rows
 
 __all__ = [
     "ATTENTION_NAME",

@@ -11,12 +11,12 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..errors import SparseDecodeError
+from ..kernels.reference import SHORT_FORWARD, dense_short_forward
 from ..layout import BlockLayout
 from ..selectors import causal_attention_received, group_attention
 from ..step import schedule
-from ..kernels.reference import SHORT_FORWARD, dense_short_forward
-from .state import LayerState
 from .rows import sparse_rows
+from .state import LayerState
 
 
 def _context_length(key: torch.Tensor, kwargs: dict) -> int:

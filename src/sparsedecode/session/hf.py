@@ -13,12 +13,12 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..config import SparseConfig
+from ..config import SparseConfig, check_config, config_from_overrides
 from ..errors import SparseDecodeError
 from ..selectors.methods.h2o import H2O
-from ..validate import check_config, check_model, check_sparse_attention, config_from_overrides
+from ..validate import check_model, check_sparse_attention
 from .forward import session_forward
-from .session import _ACTIVE, SparseSession
+from .session import ACTIVE_SESSIONS, SparseSession
 
 ATTENTION_NAME = "sparsedecode"
 
@@ -49,7 +49,7 @@ def sparse_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: dense SDPA, or sparse decode inside an active session."""
-    active = _ACTIVE.get()
+    active = ACTIVE_SESSIONS.get()
     entry = active.get(id(module)) if active else None
     if entry is None:
         return sdpa_attention_forward(
@@ -136,12 +136,12 @@ def sparse_decoding(model: torch.nn.Module, config: SparseConfig | None = None, 
     owned = {id(module): (session, session.layer_state(module)) for module in modules}
     _switch_on(model)
     hooks = [module.register_forward_pre_hook(session.look, with_kwargs=True) for module in modules]
-    active = _ACTIVE.get() or {}
-    token = _ACTIVE.set({**active, **owned})
+    active = ACTIVE_SESSIONS.get() or {}
+    token = ACTIVE_SESSIONS.set({**active, **owned})
     try:
         yield session
     finally:
-        _ACTIVE.reset(token)
+        ACTIVE_SESSIONS.reset(token)
         for hook in hooks:
             hook.remove()
         _switch_off(model)
@@ -154,16 +154,16 @@ def dense_attention(model: torch.nn.Module) -> Iterator[None]:
     The library's dense passes (dense references, ``generate(mode="dense")``) run under it, so a session the caller
     has open does not make them sparse. Sessions on other models, and sessions opened inside the block, are
     unaffected."""
-    active = _ACTIVE.get()
+    active = ACTIVE_SESSIONS.get()
     if not active:
         yield
         return
     own = {id(module) for module in model.modules()}
-    token = _ACTIVE.set({key: entry for key, entry in active.items() if key not in own} or None)
+    token = ACTIVE_SESSIONS.set({key: entry for key, entry in active.items() if key not in own} or None)
     try:
         yield
     finally:
-        _ACTIVE.reset(token)
+        ACTIVE_SESSIONS.reset(token)
 
 
 PREFILL_CHUNK = 1024

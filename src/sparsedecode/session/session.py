@@ -10,14 +10,14 @@ from dataclasses import dataclass, field
 import torch
 from transformers import Cache
 
-from .kv_cache import seq_length
-from ..selectors.statistics import BlockCentroids
 from ..config import SparseConfig
 from ..errors import SparseDecodeError
+from ..selectors.statistics import BlockCentroids
 from ..step.plan import StepPlan
+from .kv_cache import seq_length
 from .state import LayerState, StepView
 
-_ACTIVE: contextvars.ContextVar[dict[int, tuple[SparseSession, LayerState]] | None] = contextvars.ContextVar(
+ACTIVE_SESSIONS: contextvars.ContextVar[dict[int, tuple[SparseSession, LayerState]] | None] = contextvars.ContextVar(
     "sparsedecode_active", default=None
 )
 """Per thread / asyncio task: attention module id -> (the session owning it, that layer's state)."""
@@ -94,7 +94,7 @@ class SparseSession:
 
     def look(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """Forward pre-hook of every attention module the session owns (see :meth:`LayerState.look`)."""
-        active = _ACTIVE.get()
+        active = ACTIVE_SESSIONS.get()
         entry = active.get(id(module)) if active else None
         if entry is not None and entry[0] is self:
             entry[1].look(_cache_argument(args, kwargs))

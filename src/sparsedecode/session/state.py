@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..selectors.statistics import BlockCentroids
 from ..layout import BlockLayout
+from ..selectors.statistics import BlockCentroids
 from ..step import schedule
 
 

@@ -40,8 +40,9 @@ over KV heads), KV heads of the sparse row-steps."""
 
 
 def _where(condition, yes, no):
-    if isinstance(condition, torch.Tensor):
-        return torch.where(condition, yes, no)
+    """``yes`` where ``condition`` else ``no``, elementwise: a tensor if any of the three is one."""
+    if any(isinstance(value, torch.Tensor) for value in (condition, yes, no)):
+        return torch.where(torch.as_tensor(condition), yes, no)
     return yes if condition else no
 
 

@@ -30,10 +30,10 @@ def sparse_step_batch(
     written). Each entry of ``rows`` is ``(sequence, pad, n, centroids, chosen, fresh)``: sequence ``sequence`` of
     the batch occupies cache positions ``[pad, pad + n)``, its own positions ``0 .. n - 1`` (its layout has ``n``
     positions); ``centroids`` its cache's ``(kv, d, capacity)`` float32 storage
-    (:meth:`~sparsedecode.selectors.statistics.BlockCentroids.storage`, holding at least its ``n_full`` blocks; read only when
-    ``fresh``); ``chosen`` its ``(kv, b)`` int64 blocks, contiguous: written when ``fresh`` (the ``b <= n_blocks``
-    best, ascending, as :func:`select_mean_pooled`), read as they are otherwise. No two rows may share ``chosen``
-    storage, nor two fresh rows the same output row.
+    (:meth:`~sparsedecode.selectors.statistics.BlockCentroids.storage`, holding at least its ``n_full`` blocks; read
+    only when ``fresh``); ``chosen`` its ``(kv, b)`` int64 blocks, contiguous: written when ``fresh`` (the ``b <=
+    n_blocks`` best, ascending, as :func:`select_mean_pooled`), read as they are otherwise. No two rows may share
+    ``chosen`` storage, nor two fresh rows the same output row.
 
     Bytes read per sequence: the support's keys and values, ``S x kv x d x 2 x e`` (``S = 1 + b*B + W``, ``e`` the
     element size: 4 or 2), plus at a fresh step its ``n_full x kv x d x 4`` float32 centroid bytes and the tail

@@ -1,3 +1,17 @@
-"""Imports every built-in selector module, each of which registers its selectors."""
+"""The built-in selectors, one module per method: the project's own (:mod:`.mean_pooled`), the references
+(:mod:`.oracle`, :mod:`.random_blocks`, :mod:`.streaming`) and methods from the literature written on the public
+protocol (:mod:`.quest`, :mod:`.sparq`, :mod:`.top_p`, :mod:`.h2o`, :mod:`.sink_streaming`). The registry registers
+:data:`BUILTINS` under their names the first time a selector is looked up."""
 
-from . import h2o, mean_pooled, oracle, quest, random_blocks, sink_streaming, sparq, streaming, top_p  # noqa: F401  # noqa: F401  (published methods, written on the public protocol)
+from .h2o import H2O
+from .mean_pooled import MeanPooled
+from .oracle import OracleBlocks, OracleTokens
+from .quest import Quest
+from .random_blocks import RandomBlocks
+from .sink_streaming import SinkStreaming
+from .sparq import SparQ
+from .streaming import Streaming
+from .top_p import TopP
+
+BUILTINS = (H2O, MeanPooled, OracleBlocks, OracleTokens, Quest, RandomBlocks, SinkStreaming, SparQ, Streaming, TopP)
+"""Every built-in selector class, in the order ``selector_names()`` lists them."""

@@ -11,10 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..base import TokenSelector
-from ..registry import register_selector
 
 
-@register_selector
 @dataclass(frozen=True)
 class H2O(TokenSelector):
     """Positions by the attention they have received so far (arXiv 2306.14048)."""

@@ -11,10 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..base import BlockSelector
-from ..registry import register_selector
 
 
-@register_selector
 @dataclass(frozen=True)
 class MeanPooled(BlockSelector):
     """Blocks by the group-mean query against the block mean key (arXiv 2602.06317)."""

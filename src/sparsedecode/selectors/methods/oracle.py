@@ -9,10 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..base import BlockSelector, TokenSelector
-from ..registry import register_selector
 
 
-@register_selector
 @dataclass(frozen=True)
 class OracleBlocks(BlockSelector):
     """The blocks of largest true attention mass under the step's own queries (a reference)."""
@@ -27,7 +25,6 @@ class OracleBlocks(BlockSelector):
         return block_masses(group_attention(queries, keys, layout.scale or keys.shape[-1] ** -0.5), layout)
 
 
-@register_selector
 @dataclass(frozen=True)
 class OracleTokens(TokenSelector):
     """The distant positions of largest true attention under the step's own queries (a reference)."""

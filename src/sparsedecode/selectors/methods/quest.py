@@ -10,10 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..base import BlockSelector
-from ..registry import register_selector
 
 
-@register_selector
 @dataclass(frozen=True)
 class Quest(BlockSelector):
     """Blocks by the largest logit any of their keys could reach (arXiv 2406.10774)."""

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..base import BlockSelector
-from ..registry import register_selector
 
 if TYPE_CHECKING:
     import torch
@@ -28,7 +27,6 @@ def random_ranks(kv_heads: int, n_blocks: int, seed: int) -> torch.Tensor:
     return scores
 
 
-@register_selector
 @dataclass(frozen=True)
 class RandomBlocks(BlockSelector):
     """Uniformly random distant blocks (a floor, not a method)."""

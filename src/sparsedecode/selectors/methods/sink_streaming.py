@@ -12,10 +12,8 @@ from dataclasses import dataclass
 
 from ...errors import SparseDecodeError
 from ..base import TokenSelector
-from ..registry import register_selector
 
 
-@register_selector
 @dataclass(frozen=True)
 class SinkStreaming(TokenSelector):
     """The first ``sinks`` positions and the last ``S - sinks`` (arXiv 2309.17453)."""

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 from ...errors import SparseDecodeError
 from ..base import TokenSelector
-from ..registry import register_selector
 
 if TYPE_CHECKING:
     import torch
@@ -34,7 +33,6 @@ def top_channel_scores(query_means: torch.Tensor, keys: torch.Tensor, rank: int)
     return torch.bmm(k, q.unsqueeze(-1)).squeeze(-1)
 
 
-@register_selector
 @dataclass(frozen=True)
 class SparQ(TokenSelector):
     """Positions by their logit over the query's ``rank`` largest channels (arXiv 2312.04985)."""

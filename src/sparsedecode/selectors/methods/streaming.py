@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..base import TokenSelector
-from ..registry import register_selector
 
 if TYPE_CHECKING:
     import torch
@@ -24,7 +23,6 @@ def recency(kv_heads: int, n: int, device) -> torch.Tensor:
     return torch.arange(n, dtype=torch.float32, device=device).expand(kv_heads, -1)
 
 
-@register_selector
 @dataclass(frozen=True)
 class Streaming(TokenSelector):
     """The anchor and the last ``S - 1`` positions (arXiv 2309.17453, one sink token)."""

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 
 from ...errors import SparseDecodeError
 from ..base import BlockSelector
-from ..registry import register_selector
 
 if TYPE_CHECKING:
     import torch
@@ -31,7 +30,6 @@ def blocks_for_mass(estimated: torch.Tensor, p: float) -> torch.Tensor:
     return (before < p).sum(dim=-1).clamp(min=1)
 
 
-@register_selector
 @dataclass(frozen=True)
 class TopP(BlockSelector):
     """Mean-pooled scores, keeping the fewest blocks whose estimated attention share reaches ``p`` (arXiv 2502.02770).
