@@ -115,8 +115,9 @@ def test_the_lowest_transformers_make_tests_is_the_range_floor():
     """``make test-lowest`` installs ``TRANSFORMERS_LOWEST``: it must be the floor pyproject.toml declares, or the
     documented check of the lowest version runs some other version."""
     import re
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     root = Path(__file__).resolve().parents[1]
     requirements = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]

@@ -29,13 +29,12 @@ prompt (a forward from position 0), a crop or a rollback thus keep only what sti
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .. import kernels
+from .. import env, kernels
 from ..config import SparseConfig
 from ..errors import SparseDecodeError
 from ..layout import BlockLayout
@@ -51,7 +50,7 @@ STATIC_ATTENTION = "sparsedecode-static"
 STATE = "_sparsedecode_static"
 """The attribute of an attention module that holds its :class:`StaticLayer`."""
 
-FUSE = os.environ.get("SPARSEDECODE_FUSE_STEP", "0") == "1"
+FUSE = env.flag("SPARSEDECODE_FUSE_STEP", False)
 """Where the host-free step serves the selector, trace it into the compiled graph (the compiler fuses it with the
 layer) instead of calling the custom op: ``SPARSEDECODE_FUSE_STEP=1``. Off by default: on the 2-core development
 CPU it compiled several times slower (minutes for SmolLM2's 30 layers) and decoded no faster than the op."""
