@@ -12,6 +12,7 @@ holding ``=`` but no ``:`` continues the parameters of the selector before it, s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import sys
@@ -113,6 +114,22 @@ def provide_sources(sources: dict[str, tuple[str, str]] | None) -> None:
         if hashlib.sha256(text.encode("utf-8")).hexdigest() != digest:
             raise SparseDecodeError(f"selector file {location!r}: the content handed over does not match its sha256")
         _PROVIDED[location] = (digest, text)
+
+
+@contextlib.contextmanager
+def provided(sources: dict[str, tuple[str, str]]):
+    """:func:`provide_sources` for the block only: afterwards each location reads what it read before (a file's own
+    content, or what was provided before)."""
+    saved = {location: _PROVIDED.get(location) for location in sources}
+    provide_sources(sources)
+    try:
+        yield
+    finally:
+        for location, held in saved.items():
+            if held is None:
+                _PROVIDED.pop(location, None)
+            else:
+                _PROVIDED[location] = held
 
 
 def loaded_sources() -> dict[str, tuple[str, str]]:
