@@ -194,3 +194,14 @@ def test_a_sweep_row_without_a_field_is_one_line_in_merge_and_resume(tiny_model_
         err = one_line_exit_2(args, capsys)
         assert f"runs.jsonl run 1 lacks field '{field}'" in err, err
     assert not (tmp_path / "m").exists() and (tmp_path / "s" / SPEC_FILE).exists()
+
+
+def test_a_description_the_code_cannot_read_is_never_advised_away(tmp_path, capsys):
+    """A description written by a newer version holds its runs' settings: fix it or use that version, never remove."""
+    folder = tmp_path / "s"
+    folder.mkdir()
+    (folder / SPEC_FILE).write_text(json.dumps({"spec": {"model": "m", "newer_field": 1}}))
+    (folder / RUNS_FILE).write_text("")
+    with pytest.raises(SparseDecodeError, match="not a valid sweep description") as raised:
+        read_meta(folder)
+    assert "remove" not in str(raised.value) and "use the sparsedecode that wrote it" in str(raised.value)

@@ -240,7 +240,10 @@ def read_meta(directory: Path) -> dict | None:
         raise SparseDecodeError(f"{path} is not valid JSON ({reason}); fix or remove it") from error
     problem = _meta_problem(meta)
     if problem:
-        raise SparseDecodeError(f"{path} is not a valid evaluation description ({problem}); fix or remove it")
+        raise SparseDecodeError(
+            f"{path} is not a valid evaluation description ({problem}); fix it, or use the sparsedecode that wrote "
+            "it (it holds the settings of the folder's runs)"
+        )
     return meta
 
 

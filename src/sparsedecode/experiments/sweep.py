@@ -291,7 +291,8 @@ def read_meta(directory: Path) -> dict | None:
             f"missing {error.args[0]!r}" if isinstance(error, KeyError) else (str(error).splitlines() or [""])[0][:160]
         )
         raise SparseDecodeError(
-            f"{path} is not a valid sweep description ({reason or type(error).__name__}); fix or remove it"
+            f"{path} is not a valid sweep description ({reason or type(error).__name__}); fix it, or use the "
+            "sparsedecode that wrote it (it holds the settings of the folder's runs)"
         ) from error
     return meta
 
