@@ -6,6 +6,7 @@ resume from another directory continues it and a report needs no selector file."
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 
 import pytest
@@ -15,7 +16,9 @@ from sparsedecode.errors import SparseDecodeError
 from sparsedecode.experiments import bench
 from sparsedecode.experiments.eval_spec import EvalSpec
 from sparsedecode.experiments.evaluate import merge_evals
+from sparsedecode.experiments.specs import adopt_stored
 from sparsedecode.experiments.sweep import RUNS_FILE, SPEC_FILE, SweepSpec, merge_sweeps, read_meta
+from sparsedecode.selectors import parse_selector
 
 SELECTOR = '''
 from dataclasses import dataclass
@@ -115,6 +118,16 @@ def test_a_sweep_resumed_from_another_directory_continues_its_rows(tiny_model_di
     capsys.readouterr()
     err = one_line_exit_2([*common, "2", "--selectors", "quest,sel/ramp.py:Ramp", "--out", "../home/out"], capsys)
     assert "sha256" in err  # the other file under the stored name: its content differs, refused
+    # the adopted spec carries the file under its stored name, pickled too (--backend ray's units): its configs read
+    # that file, not the other one this directory holds at the stored relative path
+    meta = read_meta(home / "out")
+    requested = SweepSpec(model="m", contexts=(150,), supports=(97,), selectors=("../home/sel/ramp.py:Ramp",))
+    adopted = pickle.loads(pickle.dumps(adopt_stored(requested, meta, home / "out")))
+    (cfg,) = adopted.configs()
+    assert (
+        cfg.selector_name == "sel/ramp.py:Ramp" and cfg.selector.source[1] == meta["selector_files"][cfg.selector_name]
+    )
+    assert parse_selector("sel/ramp.py:Ramp").source[1] != cfg.selector.source[1]  # nothing else reads it so
 
 
 def test_a_report_needs_no_selector_file(tiny_model_dir, tmp_path, monkeypatch, capsys):
