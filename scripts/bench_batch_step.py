@@ -31,6 +31,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 import sparsedecode.session as attention
 from sparsedecode import SparseConfig, sparse_decoding
 from sparsedecode.kernels import cpu
+from sparsedecode.step.plan import StepPlan
+
+PER_ROW = StepPlan("c", "c", one_call=False)
+"""Each row's selection, then its attention, in C calls of their own."""
 
 SHAPES = {"smollm2-135m": (9, 3, 64, 30, 576)}  # query heads, KV heads, head dim, layers, hidden size
 WARMUP_STEPS = 2
@@ -106,7 +110,7 @@ def main(argv=None) -> None:
                 position_ids = torch.full((batch, 1), n - 1)
                 for layer, (module, k, v) in enumerate(zip(modules, keys, values)):
                     path = ("per row", "one call")[(layer + step) % 2]
-                    attention.step.ONE_CALL = path == "one call"  # else each row attends on its own
+                    session.plan = None if path == "one call" else PER_ROW  # else each row attends on its own
                     session.look(module, (), {"cache": cache})
                     start = time.perf_counter_ns()
                     attention.sparse_attention_forward(
@@ -123,11 +127,8 @@ def main(argv=None) -> None:
             expected = batch * layers * (WARMUP_STEPS + args.steps)
             assert session.sparse_steps == expected, (session.sparse_steps, expected)
 
-    try:
-        for _ in range(args.turns):
-            turn()
-    finally:
-        attention.step.ONE_CALL = True
+    for _ in range(args.turns):
+        turn()
     medians = {path: statistics.median(times) for path, times in results.items() if times}
     blocks = cfg.blocks
     support = 1 + cfg.window + blocks * cfg.block_size

@@ -349,7 +349,6 @@ def random_llama3_8b():
 
 def compiled_e2e(out_dir: Path) -> list[dict]:
     """Stage 7: dense and sparse decoding, each a whole decode step compiled and replayed from CUDA graphs."""
-    from sparsedecode.compiled import op as static
     from sparsedecode.compiled.decoder import CompiledDecoder
 
     context, tokens = (512, 8) if QUICK else (32704, 64)
@@ -366,16 +365,15 @@ def compiled_e2e(out_dir: Path) -> list[dict]:
             for label in ("sparse S=193", "sparse S=193 fused"):  # the host-free step in the op, or traced inline
                 decoders[label] = CompiledDecoder(
                     model, SparseConfig(support=193), batch=batch, max_len=context + tokens + 2, cache=dense.cache,
-                    mode="reduce-overhead",
+                    mode="reduce-overhead", form="traced" if label.endswith("fused") else None,
                 )  # fmt: skip
             with dense.installed():
                 first = dense.prefill(ids).argmax(dim=-1)
             outputs = {}
             for mode, decoder in decoders.items():
                 try:
-                    outputs[mode], row = _compiled_run(model, decoder, mode, static, first, context, tokens)
+                    outputs[mode], row = _compiled_run(model, decoder, mode, first, context, tokens)
                 except Exception as error:  # a mode that fails to compile or capture is reported; the others run
-                    static.FUSE = False
                     outputs[mode] = []
                     row = {"mode": mode, "error": f"{type(error).__name__}: {str(error)[:300]}", "decode_s": None}
                 row.update(model=f"{name} shapes, random weights", context=context, batch=batch)
@@ -394,13 +392,12 @@ def compiled_e2e(out_dir: Path) -> list[dict]:
     return rows
 
 
-def _compiled_run(model, decoder, mode, static, first, context, tokens):
+def _compiled_run(model, decoder, mode, first, context, tokens):
     """One mode of stage 7: compile (timed), then ``tokens`` steps from the shared prefilled cache."""
     from sparsedecode.decoding.loop import decode_tokens
 
     with decoder.installed():
         decoder.resume(context)
-        static.FUSE = mode.endswith("fused")  # read (and guarded on) when the step is traced
         compile_s = decoder.warm_up(first)
         decoder.resume(context)
         torch.cuda.synchronize() if DEVICE == "cuda" else None
@@ -408,7 +405,6 @@ def _compiled_run(model, decoder, mode, static, first, context, tokens):
         out, _ = decode_tokens(model, None, first.tolist(), tokens, step_fn=decoder.step)
         torch.cuda.synchronize() if DEVICE == "cuda" else None
         seconds = time.perf_counter() - started
-        static.FUSE = False
     row = {"mode": mode, "compile_s": compile_s, "decode_s": seconds}
     row.update(aggregate_tokens_per_s=decoder.batch * tokens / seconds, **decoder.tally())
     return out, row

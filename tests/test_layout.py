@@ -15,7 +15,7 @@ import sparsedecode
 PACKAGE = Path(sparsedecode.__file__).parent
 
 LAYERS = (
-    ("errors", "layout", "files", "memory", "moved", "validate"),
+    ("errors", "env", "layout", "files", "memory", "moved", "validate"),
     ("kernels",),
     ("selectors",),
     ("config",),

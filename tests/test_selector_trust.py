@@ -163,19 +163,18 @@ def _two_versions(tmp_path):
 
 
 def test_configurations_are_told_apart_by_what_their_selector_is(tmp_path):
-    from sparsedecode.compiled.op import config_key
+    from sparsedecode.compiled.decoder.op import config_key
 
     v1, v2 = (SparseConfig(support=97, selector=spec) for spec in _two_versions(tmp_path))
     assert repr(v1) == repr(v2) and v1.identity() != v2.identity()
-    assert config_key(v1) != config_key(v2) and config_key(v1) == config_key(
-        SparseConfig(support=97, selector=v1.selector)
-    )
+    assert config_key(v1) != config_key(v2)
+    assert config_key(v1) == config_key(SparseConfig(support=97, selector=v1.selector))
     assert SparseConfig(selector="quest").identity() == SparseConfig(selector="quest").identity()
     assert SparseConfig(selector="top-p:p=0.8").identity() != SparseConfig(selector="top-p:p=0.9").identity()
 
 
 def test_compiled_generation_keeps_two_same_named_selectors_apart(tmp_path, monkeypatch):
-    from sparsedecode.compiled import decoder as compiled
+    from sparsedecode.compiled.decoder import decoder as compiled
 
     monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
     model = tiny_model("llama")
@@ -321,3 +320,66 @@ def test_scores_on_another_device_are_one_error(where):
     with pytest.raises(SparseDecodeError, match="on device meta") as raised:
         select_support(torch.randn(4, 8), torch.randn(2, 400, 8), support=193, method=selector)
     assert "\n" not in str(raised.value)
+
+
+META = """
+from dataclasses import dataclass
+import torch
+import sparsedecode
+
+
+@dataclass(frozen=True)
+class MetaStats(sparsedecode.BlockSelector):
+    statistics = ("mean",)
+
+    def score_blocks(self, queries, stats, layout):
+        return torch.zeros(stats["mean"].shape[0], layout.n_blocks, device="meta")
+
+
+@dataclass(frozen=True)
+class MetaTokens(sparsedecode.TokenSelector):
+    def score_positions(self, queries, keys, layout):
+        return torch.zeros(keys.shape[0], layout.n, device="meta")
+"""
+
+
+@pytest.fixture(scope="module")
+def meta_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("meta") / "meta.py"
+    path.write_text(META)
+    return path
+
+
+def test_compiled_decoding_refuses_scores_on_the_meta_device_in_one_line(meta_file, monkeypatch):
+    """A user's statistics selector never runs inside a traced graph, where a wrong device ended in the compiler's
+    traceback: the traced form refuses it in one line, and the op's step checks its scores."""
+    from sparsedecode.compiled import decoder as compiled
+    from sparsedecode.step.device import serves
+
+    monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
+    cfg = SparseConfig(support=97, selector=f"{meta_file}:MetaStats")
+    assert not serves(cfg) and serves(SparseConfig(support=97, selector="quest"))
+    model = tiny_model("llama")
+    with pytest.raises(SparseDecodeError, match="host-free compiled step serves") as raised:
+        compiled.CompiledDecoder(model, cfg, batch=1, max_len=320, backend="aot_eager", form="traced")
+    assert "\n" not in str(raised.value)
+    with pytest.raises(SparseDecodeError, match="MetaStats: score_blocks returned scores on device meta") as raised:
+        sd.generate(model, prompt(300), cfg, max_new_tokens=4, mode="sparse", compile=True)
+    assert "\n" not in str(raised.value)
+
+
+def test_run_and_bench_op_refuse_scores_on_the_meta_device_in_one_line(meta_file, tiny_model_dir, capsys, monkeypatch):
+    from sparsedecode.cli import main
+    from sparsedecode.experiments import bench
+
+    monkeypatch.setattr(bench, "read_bandwidth_gbs", lambda *a, **k: 12.5)
+    commands = [
+        ["run", "--model", str(tiny_model_dir), "--context", "200", "--support", "97", "--tokens", "4"],
+        ["bench", "op", "--shape", "smollm2-135m", "--context", "512", "--support", "97", "--budget", "0.001",
+         "--layers", "1"],
+    ]  # fmt: skip
+    for command in commands:
+        for name in ("MetaStats", "MetaTokens"):
+            assert main([*command, "--selector", f"{meta_file}:{name}"]) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and f"{name}: score_" in err and "device meta" in err, err

@@ -62,7 +62,7 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-from . import moved as _moved  # noqa: E402, F401  (old module paths, e.g. sparsedecode.speculative, keep importing)
+from . import moved as _moved  # noqa: E402, F401  (old module paths, e.g. sparsedecode.decoding.generate, keep importing)
 
 
 def __getattr__(name: str) -> object:

@@ -241,22 +241,8 @@ def cmd_bench_op(args) -> int:
         title=f"one decode-attention call, {args.shape}, calls cycling through per-layer caches; "
         f"read bandwidth measured now: {bandwidth:.1f} GB/s"
     )
-    for name in (
-        "N",
-        "S",
-        "layers",
-        "sparse WS MB",
-        "kernel",
-        "dense ms",
-        "sparse ms",
-        "select ms",
-        "attend ms",
-        "speedup",
-        "dense MB",
-        "sparse MB",
-        "sparse / bound",
-        "dense / bound",
-    ):
+    columns = ("N", "S", "layers", "sparse WS MB", "kernel", "dense ms", "sparse ms", "select ms", "attend ms")
+    for name in (*columns, "speedup", "dense MB", "sparse MB", "sparse / bound", "dense / bound"):
         table.add_column(name, justify="right")
 
     def fits(mb: float, llc: float | None) -> str:
@@ -334,6 +320,10 @@ def cmd_bench_e2e(args) -> int:
         raise SparseDecodeError(f"--repeats must be >= 1 (got {args.repeats})")
     check_whole_blocks([SparseConfig(support=s, selector=args.selector) for s in args.support])
     check_prompt_source(args)
+    if args.compile:  # the backend (SPARSEDECODE_COMPILE_BACKEND) and switches, before the model loads
+        from ..compiled import check_backend
+
+        check_backend()
     if args.dense_dtype is not None and (args.batch is None or args.dense_dtype == args.dtype):
         raise SparseDecodeError(
             "--dense-dtype compares batched dense decoding in another dtype: give --batch and a dtype other than "

@@ -6,14 +6,14 @@ here and with an environment variable to turn it off.
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 
 import torch
 
+from .. import env
 from ..memory import available_memory_bytes
 
-ROW_PRODUCTS = os.environ.get("SPARSEDECODE_ROW_PRODUCTS", "1") == "1"
+ROW_PRODUCTS = env.flag("SPARSEDECODE_ROW_PRODUCTS", True)
 """On the CPU, a half-precision model's linear layers compute a one-token step as a product and a sum in float32
 (:func:`row_linear`), which the compiler turns into one loop over the weight (``SPARSEDECODE_ROW_PRODUCTS=0``:
 ``F.linear`` as in eager). torch's bfloat16 matrix-vector product reads the weights at under half the speed of its
@@ -21,13 +21,13 @@ float32 one here; the loop reads them at the memory's speed, so half-precision w
 time."""
 
 
-ROW_CHUNK = int(os.environ.get("SPARSEDECODE_ROW_CHUNK", "8192"))
+ROW_CHUNK = env.count("SPARSEDECODE_ROW_CHUNK", 8192)
 """A row-sum linear layer with more outputs (a vocabulary projection) sums them in pieces of this many outputs: on
 SmolLM2's (49,152 outputs) one piece per 8,192 made the projection 1.6x faster than one loop over all of them, and
 than ``F.linear``, in the compiled step here (inductor fuses the whole projection with the norm before it)."""
 
 
-FREEZE = os.environ.get("SPARSEDECODE_FREEZE", "1") == "1"
+FREEZE = env.flag("SPARSEDECODE_FREEZE", True)
 """On the CPU, inductor compiles the step with the weights frozen into it (``torch._inductor.config.freezing``):
 constants it packs once for oneDNN or MKL, the linear layers that share an input (queries, keys and values; gate
 and up) concatenated into one (``cpp.enable_concat_linear``). SmolLM2, sparse S = 193, two threads: bfloat16 batch
@@ -39,7 +39,7 @@ compiling takes longer (about 25 s more on SmolLM2), and a frozen decoder keeps 
 memory available when it compiles holds four times the weights (:func:`room_to_freeze`); a change to the
 weights after compiling is seen at the next install (:func:`~sparsedecode.compiled.guards.weight_versions`) and
 compiles again. ``SPARSEDECODE_FREEZE=0``: weights read as inputs, as before."""
-AUTOTUNE = os.environ.get("SPARSEDECODE_AUTOTUNE", "1") == "1"
+AUTOTUNE = env.flag("SPARSEDECODE_AUTOTUNE", True)
 """A frozen step of several rows also lets inductor time its own matrix-product code against torch's for each
 linear layer and keep the faster (``max_autotune``, backends ``CPP,ATEN``). SmolLM2 8K batch 8, sparse S = 193, two
 threads: bfloat16 on the AMX Intel Xeon 30 -> 27-28 ms a step, compiling 31 -> 53-62 s; float32 there no gain, but

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import time
 import types
 
 import torch
 
+from .. import env
 from ..config import SparseConfig
 from ..errors import SparseDecodeError
 from ..models.catalog import attention_shape
@@ -30,11 +30,12 @@ from .op import STATE, STATIC_ATTENTION, allocate, static_attention_forward, ste
 _NOTHING = contextlib.nullcontext()
 CACHE_ROUND = 512
 """Cache sizes are rounded up to a multiple of this, so prompts of similar length share one compiled step."""
-DEFAULT_BACKEND = os.environ.get("SPARSEDECODE_COMPILE_BACKEND", "inductor")
-"""``torch.compile``'s backend (``SPARSEDECODE_COMPILE_BACKEND``; ``aot_eager`` captures without code generation)."""
+DEFAULT_BACKEND = env.text("SPARSEDECODE_COMPILE_BACKEND", "inductor")
+"""``torch.compile``'s backend (``SPARSEDECODE_COMPILE_BACKEND``; ``aot_eager`` captures without code generation);
+checked by :func:`check_backend` before any work that compiles."""
 KEPT = 4
 """Decoders kept per model (each holds its compiled step; those of one batch and cache size share one cache)."""
-MODULE_GUARDS_PER_INSTALL = os.environ.get("SPARSEDECODE_MODULE_GUARDS", "install") == "install"
+MODULE_GUARDS_PER_INSTALL = env.choice("SPARSEDECODE_MODULE_GUARDS", "install", ("install", "step")) == "install"
 """dynamo's guards on the model's modules are checked once per install (:mod:`sparsedecode.compiled.guards`);
 ``SPARSEDECODE_MODULE_GUARDS=step`` keeps them all, checked before every step."""
 
@@ -46,8 +47,31 @@ def register() -> None:
     register_attention(STATIC_ATTENTION, static_attention_forward)
 
 
+def check_backend(backend: str | None = None) -> str:
+    """``backend`` (default :data:`DEFAULT_BACKEND`) if ``torch.compile`` knows it, else one line naming the known
+    ones: asked before any work, not at the first compiled step after minutes of other rows."""
+    name = backend or DEFAULT_BACKEND
+    if callable(name):
+        return name
+    from torch._dynamo import list_backends
+    from torch._dynamo.backends.registry import lookup_backend
+    from torch._dynamo.exc import InvalidBackend
+
+    try:
+        lookup_backend(name)
+    except InvalidBackend:
+        where = "" if backend else " (SPARSEDECODE_COMPILE_BACKEND)"
+        known = ", ".join(list_backends())
+        raise SparseDecodeError(
+            f"compile backend {name!r}{where} is not one torch.compile knows; choose one of: {known}"
+        ) from None
+    return name
+
+
 def check_compilable(model: torch.nn.Module, cfg: SparseConfig | None, what: str) -> None:
-    """One line saying why ``cfg`` cannot decode compiled on ``model`` (nothing when it can)."""
+    """One line saying why ``cfg`` cannot decode compiled on ``model`` (nothing when it can), the compile backend
+    included (:func:`check_backend`)."""
+    check_backend()
     if cfg is not None and cfg.selector.uses_history:
         raise SparseDecodeError(
             f"{what}: {cfg.selector.spec()} keeps the attention every position received, which the compiled step "
@@ -135,7 +159,7 @@ class CompiledDecoder:
         from transformers import StaticCache
 
         register()
-        backend = backend or DEFAULT_BACKEND
+        backend = check_backend(backend)
         self.model, self.cfg, self.batch, self.max_len, self.backend = model, cfg, batch, max_len, backend
         self.device = next(model.parameters()).device
         self.cache = cache if cache is not None else StaticCache(config=model.config, max_cache_len=max_len)

@@ -39,10 +39,11 @@ from ..kernels.triton import attention as triton_attention
 from ..layout import BlockLayout
 from ..memory import available_memory_bytes
 from ..models.catalog import attention_shape
-from ..selectors import resolve_selector, select_blocks, select_positions
+from ..selectors import resolve_selector
 from ..selectors.statistics import BlockCentroids
-from ..session import LayerState, SparseSession, attend_positions, attend_support, sparse_decode_step, sparse_decoding
+from ..session import LayerState, SparseSession, sparse_decode_step, sparse_decoding
 from ..session.kv_cache import GrowingCache, crop_cache, crop_rewinds, growing_copy
+from .op_calls import op_calls
 
 SHAPES = {
     "qwen2-0.5b": (14, 2, 64),  # query heads, KV heads, head dim (also Qwen2.5-Coder-0.5B)
@@ -308,7 +309,8 @@ def bench_op(
     and bounds are per call (one layer's reads, the same for every layer).
 
     ``kernels`` (``SparseConfig.kernel`` values) default to torch's operations and the fused kernel of the device:
-    the C kernel on the CPU (float32, bfloat16 or float16), the Triton kernels on CUDA. ``device="cuda"`` times with
+    the C kernel on the CPU (float32, bfloat16 or float16), the Triton kernels on CUDA; torch's alone for token-level
+    selectors and adaptive budgets (:mod:`.op_calls`: what each times). ``device="cuda"`` times with
     device events (L2 flushed before every call). Raises :class:`SparseDecodeError` before any work for a support at
     or above a context (nothing sparse to time there), a context or layer count below 1 or a budget that is not
     positive.
@@ -325,8 +327,9 @@ def bench_op(
     )
     query_heads, kv_heads, d = dims
     element = torch.finfo(dtype).bits // 8
-    token_level = SparseConfig(selector=selector).token_level
-    if kernels is None and token_level:  # the fused kernels serve block selectors only
+    defaults = SparseConfig(selector=selector)  # window and block size: every support's, as in decoding
+    uses_history = defaults.selector.uses_history
+    if kernels is None and (defaults.token_level or defaults.selector.adaptive):  # torch's operations serve them
         kernels = ("torch",)
     elif kernels is None:  # torch's operations beside the fused kernel the device has (the C one on the CPU)
         if device == "cpu":
@@ -342,7 +345,6 @@ def bench_op(
     total = len(contexts) * len(supports) * len(kernels)
     generator = torch.Generator().manual_seed(0)
     scale = d**-0.5
-    defaults = SparseConfig(selector=selector)  # window and block size: every support's, as in decoding
     for n in contexts:
         layout = BlockLayout(n=n, window=defaults.window, block_size=defaults.block_size)
         count, note = plan_layers(
@@ -384,21 +386,12 @@ def bench_op(
             session = SparseSession(config=cfg, model=None)
             wholes, selects, attends = [], [], []
             for index, layer in enumerate(stack):
-                q, k, v = layer.query[0, :, 0], layer.keys[0], layer.values[0]
                 state = LayerState(index, layer.centroids)
                 wholes.append(partial(_fresh_step, session, state, layer.query, layer.keys, layer.values, n, scale))
-                if cfg.token_level:
-                    uses_history = cfg.selector.uses_history
-                    history = state.history_until(n, k.shape[0], k.device).uniform_() if uses_history else None
-                    select = partial(select_positions, cfg, q, k, layout, scale=scale, accumulated=history)
-                    attends.append(partial(attend_positions, q, k, v, select(), scale))
-                else:
-                    select = partial(select_blocks, cfg, layer.centroids, q, k, layout, scale=scale)
-                    attention = {"triton": triton_attention.support_attention, "c": cpu_kernel.attend_support}.get(
-                        kernel, attend_support
-                    )
-                    attends.append(partial(attention, q, k, v, select(), layout, scale))
+                history = state.history_until(n, kv_heads, layer.keys.device).uniform_() if uses_history else None
+                select, attend = op_calls(cfg, layer, layout, scale, kernel, history)
                 selects.append(select)
+                attends.append(attend)
             sparse_s = timer(_cycle(wholes), budget_s=budget_s)
             select_s = timer(_cycle(selects), budget_s=budget_s / 2)
             attend_s = timer(_cycle(attends), budget_s=budget_s / 2)

@@ -10,32 +10,18 @@ folder's own (measured in its process) until ``scripts/retime_selector_ops.py`` 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ..errors import SparseDecodeError
+from .comparison_file import COMPARISON_FILE, read_comparison
 from .selector_comparison import rebuild
 
 SAME_SETTINGS = ("model", "dtype", "corpus", "context", "support", "prompts", "tokens", "audit", "retrieval")
 """The settings two comparisons must share to merge."""
 
-COMPARISON_FILE = "selectors.json"
-
 
 def is_comparison_folder(folder: Path) -> bool:
     return (Path(folder) / COMPARISON_FILE).is_file()
-
-
-def _read(folder: Path) -> dict:
-    path = Path(folder) / COMPARISON_FILE
-    if not path.is_file():
-        raise SparseDecodeError(f"{folder} is not a selector comparison folder (no {COMPARISON_FILE})")
-    try:
-        data = json.loads(path.read_text())
-        data["settings"]["selectors"], data["runs"], data["summary"]  # noqa: B018 - the fields a merge needs
-    except (json.JSONDecodeError, KeyError, TypeError) as error:
-        raise SparseDecodeError(f"{path} is not a selector comparison ({type(error).__name__})") from None
-    return data
 
 
 def _agree(seen: dict, key: tuple, value, folder: Path, first: Path, what: str) -> None:
@@ -50,7 +36,7 @@ def merge_comparisons(folders: list[Path]) -> dict:
     """One comparison document (``selectors.json``'s content, summary rebuilt) of ``folders``' runs and trials."""
     if len(folders) < 2:
         raise SparseDecodeError("give at least two selector comparison folders to merge")
-    docs = [(Path(folder), _read(folder)) for folder in folders]
+    docs = [(Path(folder), read_comparison(folder)) for folder in folders]  # each checked whole first
     first, settings = docs[0][0], docs[0][1]["settings"]
     selectors: list[str] = []
     runs, trials, summary, parts = [], [], [], []

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from ..config import SparseConfig
 from ..errors import SparseDecodeError
+from ..selectors.registry import provided
 from .corpus import DEFAULT_CORPUS
 from .ruler import TASK_NAMES, TASKS, TEMPLATES, check_tasks
 from .specs import Spec
@@ -89,15 +90,16 @@ class EvalSpec(Spec):
             raise SparseDecodeError(f"unknown template {self.template!r}; choose one of: {', '.join(TEMPLATES)}")
         if self.answer_tokens is not None and (not isinstance(self.answer_tokens, int) or self.answer_tokens < 1):
             raise SparseDecodeError(f"answer_tokens must be an integer >= 1, got {self.answer_tokens!r}")
-        self.configs()
+        self.check_settings()  # the selectors imported unless stored (Spec.from_dict)
 
     def configs(self) -> list[SparseConfig]:
         """One :class:`SparseConfig` per (selector, support): selectors outer."""
-        return [
-            SparseConfig(support=s, window=self.window, block_size=self.block_size, reuse=self.reuse, selector=sel)
-            for sel in self.selectors
-            for s in self.supports
-        ]
+        with provided(self.sources()):  # a stored name's file, where a resume adopted one (.specs.adopt_stored)
+            return [
+                SparseConfig(support=s, window=self.window, block_size=self.block_size, reuse=self.reuse, selector=sel)
+                for sel in self.selectors
+                for s in self.supports
+            ]
 
     def answer_budget(self, task: str) -> int:
         return self.answer_tokens if self.answer_tokens is not None else TASKS[task].max_new_tokens
@@ -107,7 +109,7 @@ class EvalSpec(Spec):
         return [(t, c, s) for s in range(self.samples) for c in self.contexts for t in self.tasks]
 
     def group_keys(self, group: Group) -> list[RunKey]:
-        return [(*group, DENSE, None), *((*group, cfg.selector_name, cfg.support) for cfg in self.configs())]
+        return [(*group, DENSE, None), *((*group, sel, s) for sel in self.selectors for s in self.supports)]
 
     def keys(self) -> list[RunKey]:
         return [key for group in self.groups() for key in self.group_keys(group)]

@@ -42,11 +42,12 @@ from ..session import prefill_history, sparse_decoding
 from ..session.kv_cache import crop_cache
 from .environment import environment
 from .eval_spec import DENSE, KEY_FIELDS, EvalSpec, Group, RunKey
+from .fields import FLAG, INTEGER, INTEGERS, NUMBER, STRING, Fields, check_rows, integer, json_kind, or_null, strings
+from .merging import MergeOutcome, SelectorVersions, merge_run, merged_provenance, read_once, source_metas
 from .ruler import GENERATOR_VERSION, Sample, build_sample, score
-from .specs import check_selector_files, selector_files
+from .specs import adopt_stored, record_selector_files
 from .sweep import (
     RUNS_FILE,
-    MergeOutcome,
     Shard,
     SweepOutcome,
     _session,
@@ -54,11 +55,7 @@ from .sweep import (
     check_growth,
     corpus_sha256,
     locked,
-    merge_run,
-    merged_provenance,
     parse_rows,
-    read_once,
-    source_metas,
     union_spec,
     write_rows,
 )
@@ -243,23 +240,26 @@ def read_meta(directory: Path) -> dict | None:
         raise SparseDecodeError(f"{path} is not valid JSON ({reason}); fix or remove it") from error
     problem = _meta_problem(meta)
     if problem:
-        raise SparseDecodeError(f"{path} is not a valid evaluation description ({problem}); fix or remove it")
+        raise SparseDecodeError(
+            f"{path} is not a valid evaluation description ({problem}); fix it, or use the sparsedecode that wrote "
+            "it (it holds the settings of the folder's runs)"
+        )
     return meta
 
 
 def _meta_problem(meta) -> str | None:
     """What keeps ``meta`` (parsed ``eval.json``) from describing an evaluation, in a few words; ``None`` if nothing."""
     if not isinstance(meta, dict):
-        return f"expected a JSON object with fields {', '.join(META_FIELDS)}, got {_json_kind(meta)}"
+        return f"expected a JSON object with fields {', '.join(META_FIELDS)}, got {json_kind(meta)}"
     if "spec" not in meta:
         return "lacks field 'spec'"
     spec = meta["spec"]
     if not isinstance(spec, dict):
-        return f"field 'spec' should be a JSON object of the evaluation's settings, got {_json_kind(spec)}"
+        return f"field 'spec' should be a JSON object of the evaluation's settings, got {json_kind(spec)}"
     if "model" not in spec:
         return "its spec lacks field 'model'"
     if not isinstance(meta.get("sessions", []), list):
-        return f"field 'sessions' should be a list, got {_json_kind(meta['sessions'])}"
+        return f"field 'sessions' should be a list, got {json_kind(meta['sessions'])}"
     try:
         EvalSpec.from_dict(spec)
     except SparseDecodeError as error:
@@ -269,63 +269,28 @@ def _meta_problem(meta) -> str | None:
     return None
 
 
-def _json_kind(value) -> str:
-    """What a parsed JSON value is, in words: ``null``, ``a list``, ``a string``..."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true or false"
-    kinds = {dict: "a JSON object", list: "a list", str: "a string", int: "a number", float: "a number"}
-    return kinds.get(type(value), type(value).__name__)
-
-
-def _integer(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-ROW_FIELDS: dict[str, tuple[str, Callable[[object], bool]]] = {
-    "task": ("a string", lambda v: isinstance(v, str)),
-    "context": ("an integer", _integer),
-    "sample": ("an integer", _integer),
-    "selector": ("a string", lambda v: isinstance(v, str)),
-    "support": ("an integer or null", lambda v: v is None or _integer(v)),
-    "prompt_format": ("a string", lambda v: isinstance(v, str)),
-    "prompt_sha256": ("a string", lambda v: isinstance(v, str)),
-    "answers": ("a list of strings", lambda v: isinstance(v, list) and all(isinstance(a, str) for a in v)),
-    "output": ("a string", lambda v: isinstance(v, str)),
-    "output_ids": ("a list of integers", lambda v: isinstance(v, list) and all(_integer(i) for i in v)),
-    "score": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
-    "correct": ("true or false", lambda v: isinstance(v, bool)),
+ROW_FIELDS: Fields = {
+    "task": STRING,
+    "context": INTEGER,
+    "sample": INTEGER,
+    "selector": STRING,
+    "support": ("an integer or null", or_null(integer)),
+    "prompt_format": STRING,
+    "prompt_sha256": STRING,
+    "answers": ("a list of strings", strings),
+    "output": STRING,
+    "output_ids": INTEGERS,
+    "score": NUMBER,
+    "correct": FLAG,
 }
 """The fields of a ``runs.jsonl`` row that resuming, merging and reporting read, each with what it must hold."""
-
-
-def row_problem(row: dict) -> str | None:
-    """What keeps ``row`` from being a run of an evaluation, in a few words; ``None`` if nothing."""
-    missing = [name for name in ROW_FIELDS if name not in row]
-    if missing:
-        shown = ", ".join(repr(name) for name in missing[:4]) + (
-            f" and {len(missing) - 4} more" if len(missing) > 4 else ""
-        )
-        return f"lacks field{'s' if len(missing) > 1 else ''} {shown}"
-    for name, (kind, holds) in ROW_FIELDS.items():
-        if not holds(row[name]):
-            return f"field {name!r} should be {kind}, not {json.dumps(row[name])[:40]}"
-    return None
 
 
 def read_rows(path: Path, *, repair: bool = False) -> list[dict]:
     """The rows of an evaluation's ``runs.jsonl`` (see :func:`.sweep.parse_rows`: a torn last line is ignored, with
     ``repair`` cut from the file); a row that lacks a field of :data:`ROW_FIELDS` or holds the wrong kind of value
     is refused in one line naming the file and the run."""
-    rows = parse_rows(path, repair=repair)
-    for number, row in enumerate(rows, start=1):
-        problem = row_problem(row)
-        if problem:
-            raise SparseDecodeError(
-                f"{path} run {number} {problem}; fix or remove that line (a removed run is redone on resume)"
-            )
-    return rows
+    return check_rows(path, parse_rows(path, repair=repair), ROW_FIELDS)
 
 
 def check_folder(directory: Path, spec: EvalSpec, shard: Shard | None) -> list[str]:
@@ -343,6 +308,7 @@ def check_meta(directory: Path, meta: dict, spec: EvalSpec, corpus: str | None, 
     """Refuse to add runs of ``spec`` to a folder holding another evaluation, another corpus text or shard; a spec
     that only adds to the stored grid is taken in an unsharded folder (:func:`.sweep.check_growth`): returns one
     line per grown grid field."""
+    spec = adopt_stored(spec, meta, directory)  # a file selector the folder names otherwise
     stored = EvalSpec.from_dict(meta["spec"])
     grown = check_growth(directory, stored, spec, meta.get("shard"), shard, "an evaluation")
     if meta.get("generator_version", GENERATOR_VERSION) != GENERATOR_VERSION:
@@ -396,6 +362,7 @@ def run_eval(
     corpus = corpus_sha256(spec.corpus)
     meta = read_meta(directory)
     if meta is not None:
+        spec = adopt_stored(spec, meta, directory)  # its file selectors as the folder names them
         check_meta(directory, meta, spec, corpus, shard)  # before the model loads; again under the lock
     if loaded is None:
         from ..models.catalog import load_model
@@ -422,10 +389,7 @@ def run_eval(
             extended = check_meta(directory, meta, spec, corpus, shard)
             if extended:
                 meta["spec"] = spec.to_dict()
-        files = selector_files(spec.selectors)  # a selector file's sha256: a changed file is refused
-        check_selector_files(directory, meta.get("selector_files"), files)
-        if files:
-            meta["selector_files"] = {**meta.get("selector_files", {}), **files}
+        record_selector_files(directory, meta, spec)  # a changed file is refused
         session = _session(shard, environment(model))
         if extended:
             session["extended"] = extended
@@ -575,10 +539,13 @@ def merge_evals(sources: list[Path], directory: Path) -> MergeOutcome:
         order = {key: i for i, key in enumerate(spec.keys())}
         merged: dict[RunKey, tuple[dict, Path, EvalSpec]] = {}
         dense: dict[Group, tuple[list[int], Path]] = {}
-        duplicates = 0
+        duplicates, versions = 0, SelectorVersions()
+        for source, meta in metas:
+            versions.add_meta(source, meta)
         for (source, _), own_spec in read_once(list(zip(metas, specs)), directory, own is not None):
             own_keys = set(own_spec.keys())
             for row in read_rows(source / RUNS_FILE):
+                versions.add_row(source, row)
                 key = key_of(row)
                 if key not in own_keys:
                     raise SparseDecodeError(f"{source} holds a run {key} that is not part of its evaluation")
@@ -595,6 +562,7 @@ def merge_evals(sources: list[Path], directory: Path) -> MergeOutcome:
             "corpus_sha256": corpus,
             "generator_version": first.get("generator_version"),
             **merged_provenance(metas, directory),
+            **versions.record(),  # every selector file's one version and path, as the folders had them
         }
         rows = sorted((row for row, _, _ in merged.values()), key=lambda row: order[key_of(row)])
         write_json_atomic(directory / SPEC_FILE, meta)

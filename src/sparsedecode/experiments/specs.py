@@ -8,10 +8,13 @@ bad arguments before importing it (an answer in well under a second).
 
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 from ..config import SparseConfig
 from ..errors import SparseDecodeError
+from ..selectors.registry import provided
 from .corpus import DEFAULT_CORPUS, GAP
 
 KEY_FIELDS = ("context", "prompt_index", "support", "reuse", "selector")
@@ -19,6 +22,9 @@ KEY_FIELDS = ("context", "prompt_index", "support", "reuse", "selector")
 
 GRID_FIELDS = ("contexts", "prompts", "supports", "reuse", "selectors")
 """The :class:`SweepSpec` fields that span the grid of runs: a resume or a merge may add to these, nothing else."""
+
+_STORED = contextvars.ContextVar("sparsedecode_stored_spec", default=False)
+"""Set while :meth:`Spec.from_dict` builds a spec a results folder stored: its selectors are taken as stored."""
 
 RunKey = tuple[int, int, int, int, str]
 Group = tuple[int, int]
@@ -41,11 +47,33 @@ class Spec:
 
     @classmethod
     def from_dict(cls, data: dict):
-        """Inverse of :meth:`to_dict`; fields missing from older files take their defaults, unknown ones are refused."""
+        """Inverse of :meth:`to_dict`; fields missing from older files take their defaults, unknown ones are refused.
+
+        A spec read back is what a folder stored: its selectors are taken as their stored spec strings and never
+        imported (a selector file may have moved or be gone, and a relative path would name another file from
+        another directory: the rows hold everything a report prints); every other setting is checked."""
         unknown = sorted(set(data) - {f.name for f in fields(cls)})
         if unknown:
             raise SparseDecodeError(f"{cls.WHAT} has unknown fields {', '.join(unknown)}: written by a newer version?")
-        return cls(**data)
+        token = _STORED.set(True)
+        try:
+            return cls(**data)
+        finally:
+            _STORED.reset(token)
+
+    def sources(self) -> dict:
+        """Selector files' contents this spec reads under the names a folder stored (:func:`adopt_stored`)."""
+        return getattr(self, "_sources", {})
+
+    def check_settings(self) -> None:
+        """Every setting checked as decoding would (:meth:`configs`); a stored spec's without importing its
+        selectors (see :meth:`from_dict`): supports, window, block size and reuse with the default selector."""
+        if not _STORED.get():
+            self.configs()
+            return
+        for support in self.supports:
+            for reuse in self.reuse if isinstance(self.reuse, tuple) else (self.reuse,):
+                SparseConfig(support=support, window=self.window, block_size=self.block_size, reuse=reuse)
 
     def differences(self, other) -> list[str]:
         """``"name: mine vs other"`` for every field that differs."""
@@ -97,9 +125,12 @@ class Spec:
 
 def canonical_selectors(specs) -> tuple[str, ...]:
     """Each selector spec string as :meth:`~sparsedecode.selectors.Selector.spec` writes it (``top-p:p=0.90`` and
-    ``top-p:p=0.9`` are one selector), so folders, resumes and merges compare like with like."""
+    ``top-p:p=0.9`` are one selector), so folders, resumes and merges compare like with like; a stored spec's as
+    stored (:meth:`Spec.from_dict`)."""
     from ..selectors import resolve_selector
 
+    if _STORED.get():
+        return tuple(specs)
     return tuple(resolve_selector(spec).spec() for spec in specs)
 
 
@@ -113,6 +144,51 @@ def selector_files(specs) -> dict[str, str]:
         if selector.source is not None:
             found[spec] = selector.source[1]
     return found
+
+
+def adopt_stored(spec: Spec, meta: dict | None, directory) -> Spec:
+    """``spec`` with each file selector that a folder (its description ``meta``) holds under another spelling named
+    as the folder names it: the same class and parameters from the file at the same absolute path (a resume from
+    another directory, ``../x/sel.py`` for ``sel.py``), or from a file of the same content. Its runs then continue
+    the stored ones (the same keys); the spec carries the file's content for the stored name (:meth:`Spec.sources`),
+    so nothing else in the process reads that name otherwise. A file at the stored path whose content changed is
+    refused (:func:`check_selector_files`)."""
+    from ..selectors import resolve_selector
+    from ..selectors.registry import _file_cut, _read_source
+
+    stored_files, stored_paths = (meta or {}).get("selector_files") or {}, (meta or {}).get("selector_paths") or {}
+    if not isinstance(stored_files, dict) or not isinstance(stored_paths, dict):
+        return spec
+    renamed, sources = {}, {}
+    for wanted in spec.selectors:
+        source = resolve_selector(wanted).source if wanted not in stored_files else None
+        for held, digest in stored_files.items() if source is not None else ():
+            cut, mine = _file_cut(held), _file_cut(wanted)
+            if cut is None or held[cut:] != wanted[mine:]:
+                continue  # another class or other parameters
+            if stored_paths.get(held) == str(Path(source[0]).expanduser().resolve()) or digest == source[1]:
+                check_selector_files(directory, {held: digest}, {held: source[1]})
+                renamed[wanted], sources[held[:cut]] = held, _read_source(source[0])  # the stored name, this file
+                break
+    if not renamed:
+        return spec
+    adopted = type(spec).from_dict({**spec.to_dict(), "selectors": [renamed.get(n, n) for n in spec.selectors]})
+    object.__setattr__(adopted, "_sources", {**spec.sources(), **sources})
+    return adopted
+
+
+def record_selector_files(directory, meta: dict, spec: Spec) -> None:
+    """The rule of every folder that takes runs (sweep, evaluation): refuse runs of a selector file that changed since
+    the folder's runs of it (:func:`check_selector_files`), and record in ``meta`` each file's sha256
+    (``selector_files``) and where it is (``selector_paths``, kept as first recorded)."""
+    found = {cfg.selector_name: cfg.selector.source for cfg in spec.configs() if cfg.selector.source is not None}
+    files = {name: source[1] for name, source in found.items()}
+    check_selector_files(directory, meta.get("selector_files"), files)
+    if files:
+        paths = {name: Path(source[0]).expanduser() for name, source in found.items()}
+        meta["selector_files"] = {**meta.get("selector_files", {}), **files}
+        here = {name: str(path.resolve()) for name, path in paths.items() if path.is_file()}
+        meta["selector_paths"] = {**here, **meta.get("selector_paths", {})}
 
 
 def check_selector_files(directory, stored: dict | None, now: dict) -> None:
@@ -178,10 +254,14 @@ class SweepSpec(Spec):
             raise SparseDecodeError(f"tokens must be an integer >= 2 (got {self.tokens!r}): step 1 is shared")
         if not isinstance(self.gap, int) or self.gap < 0:
             raise SparseDecodeError(f"gap must be an integer >= 0, got {self.gap!r}")
-        self.configs()  # validates supports, window, block size, reuse and selectors
+        self.check_settings()  # supports, window, block size, reuse and (unless stored) selectors
 
     def configs(self) -> list[SparseConfig]:
         """One :class:`SparseConfig` per (selector, support, reuse): selectors outer, then supports."""
+        with provided(self.sources()):
+            return self._configs()
+
+    def _configs(self) -> list[SparseConfig]:
         return [
             SparseConfig(
                 support=s,
@@ -201,8 +281,10 @@ class SweepSpec(Spec):
         return [(c, p) for p in range(self.prompts) for c in self.contexts]
 
     def group_keys(self, group: Group) -> list[RunKey]:
+        """The group's runs in :meth:`configs` order (selectors outer, then supports, then reuse), each keyed by its
+        selector's canonical spec string (no selector imported: a stored spec's keys need none)."""
         context, prompt = group
-        return [(context, prompt, cfg.support, cfg.reuse, cfg.selector_name) for cfg in self.configs()]
+        return [(context, prompt, s, r, sel) for sel in self.selectors for s in self.supports for r in self.reuse]
 
     def keys(self) -> list[RunKey]:
         """Every run of the sweep, in the order an unsharded sweep runs them."""
@@ -254,7 +336,7 @@ class RetrievalSpec(Spec):
         for name in ("trials", "digits", "answer_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise SparseDecodeError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        self.configs()
+        self.check_settings()
 
     def configs(self) -> list[SparseConfig]:
         return [

@@ -44,7 +44,18 @@ from ..protocol.paired import compare, dense_reference
 from ..protocol.results import FIRST_DIVERGENCE_CONVENTION, CompareResult, upgrade_row
 from .corpus import check_context_fits, load_text, prompt_count, prompt_ids
 from .environment import environment
-from .specs import KEY_FIELDS, Group, RunKey, Spec, SweepSpec, check_selector_files, selector_files
+from .fields import INTEGER, INTEGERS, STRING, Fields, check_rows
+from .merging import (  # noqa: F401 - timing_fields and without_timings are this module's too
+    MergeOutcome,
+    SelectorVersions,
+    merge_run,
+    merged_provenance,
+    read_once,
+    source_metas,
+    timing_fields,
+    without_timings,
+)
+from .specs import KEY_FIELDS, Group, RunKey, Spec, SweepSpec, adopt_stored, record_selector_files
 from .work import Executor
 
 SPEC_FILE = "sweep.json"
@@ -89,15 +100,6 @@ class Shard:
 
 def key_of(row: dict) -> RunKey:
     return tuple(row[name] for name in KEY_FIELDS)  # type: ignore[return-value]
-
-
-def timing_fields(row: dict) -> list[str]:
-    """Names of a row's timing fields (they end in ``_s``; everything else is deterministic)."""
-    return [name for name in row if name.endswith("_s")]
-
-
-def without_timings(row: dict) -> dict:
-    return {name: value for name, value in row.items() if not name.endswith("_s")}
 
 
 # --- rows -------------------------------------------------------------------------------------------------
@@ -169,13 +171,19 @@ def make_row(key: RunKey, result: CompareResult, *, run_s: float, audit: bool = 
     return row
 
 
-def read_rows(path: Path, *, repair: bool = False) -> list[dict]:
+ROW_FIELDS: Fields = {name: INTEGER for name in KEY_FIELDS[:-1]} | {"selector": STRING, "dense_tokens": INTEGERS}
+"""The fields of a row that resuming and merging read (a report reads more, and names what a row lacks)."""
+
+
+def read_rows(path: Path, *, repair: bool = False, check: bool = True) -> list[dict]:
     """The rows of a ``runs.jsonl`` in today's ``first_divergence`` convention (older rows upgraded, see
-    :func:`~sparsedecode.protocol.paired.upgrade_row`); a torn last line (no final newline: a killed write) is ignored.
+    :func:`~sparsedecode.protocol.results.upgrade_row`); a torn last line (no final newline: a killed write) is ignored.
+    With ``check``, a row lacking a field of :data:`ROW_FIELDS` is one line naming the file and the run.
 
     With ``repair`` the torn tail is also cut from the file, so the next append starts on a fresh line.
     """
-    return _upgraded(path, parse_rows(path, repair=repair))
+    rows = _upgraded(path, parse_rows(path, repair=repair))
+    return check_rows(path, rows, ROW_FIELDS) if check else rows
 
 
 def _upgraded(path: Path, rows: list[dict]) -> list[dict]:
@@ -284,7 +292,8 @@ def read_meta(directory: Path) -> dict | None:
             f"missing {error.args[0]!r}" if isinstance(error, KeyError) else (str(error).splitlines() or [""])[0][:160]
         )
         raise SparseDecodeError(
-            f"{path} is not a valid sweep description ({reason or type(error).__name__}); fix or remove it"
+            f"{path} is not a valid sweep description ({reason or type(error).__name__}); fix it, or use the "
+            "sparsedecode that wrote it (it holds the settings of the folder's runs)"
         ) from error
     return meta
 
@@ -295,6 +304,7 @@ def check_meta(directory: Path, meta: dict, spec: SweepSpec, corpus: str | None,
     A ``spec`` that only adds to the stored grid (see :func:`check_growth`) is accepted in an unsharded directory;
     returns one line per grown grid field (empty when the specs are equal).
     """
+    spec = adopt_stored(spec, meta, directory)  # a file selector the folder names otherwise
     stored_shard = meta.get("shard")
     grown = check_growth(directory, SweepSpec.from_dict(meta["spec"]), spec, stored_shard, shard, "a sweep")
     if corpus is not None and meta.get("corpus_sha256") not in (None, corpus):
@@ -432,6 +442,7 @@ def run_sweep(
     meta = read_meta(directory)
     corpus = corpus_sha256(spec.corpus)
     if meta is not None:
+        spec = adopt_stored(spec, meta, directory)  # its file selectors as the folder names them
         check_meta(directory, meta, spec, corpus, shard)
     if loaded is None:
         from ..models.catalog import load_model
@@ -457,10 +468,7 @@ def run_sweep(
             extended = check_meta(directory, meta, spec, corpus, shard)
             if extended:
                 meta["spec"] = spec.to_dict()
-        files = selector_files(spec.selectors)  # a selector file's sha256: a changed file is refused
-        check_selector_files(directory, meta.get("selector_files"), files)
-        if files:
-            meta["selector_files"] = {**meta.get("selector_files", {}), **files}
+        record_selector_files(directory, meta, spec)  # a changed file is refused
         session = _session(shard, environment(model))
         if batch > 1:
             session["batch"] = batch
@@ -633,81 +641,7 @@ def load_sweep(directory: Path) -> tuple[dict, list[dict]]:
     meta = read_meta(directory)
     if meta is None:
         raise SparseDecodeError(f"{directory} is not a sweep directory (no {SPEC_FILE})")
-    return meta, read_rows(directory / RUNS_FILE)
-
-
-@dataclass
-class MergeOutcome:
-    directory: Path
-    rows: int
-    duplicates: int
-    missing: int
-
-
-def source_metas(
-    sources: list[Path],
-    what: str,
-    read: Callable[[Path], dict | None] = read_meta,
-    spec_file: str = SPEC_FILE,
-) -> list[tuple[Path, dict]]:
-    """``(folder, meta)`` of each folder to merge, in order (``read`` reads a folder's ``spec_file``); refuses an
-    empty list and a folder that is not a ``what``."""
-    if not sources:
-        raise SparseDecodeError(f"merge needs at least one {what}")
-    metas = [(Path(s), read(Path(s))) for s in sources]
-    for source, meta in metas:
-        if meta is None:
-            article = "an" if what[0] in "aeiou" else "a"
-            raise SparseDecodeError(f"{source} is not {article} {what} (no {spec_file})")
-    return metas
-
-
-def read_once(entries: list[tuple], directory: Path, own: bool) -> list[tuple]:
-    """The entries of a merge whose rows are read, in order: ``entries`` (each a ``((folder, meta), ...)`` or a
-    ``(folder, meta)``), less the first listing of ``directory`` among the sources when its own rows, ``own``, come
-    first (``merge A B --out A`` reads A once). Any other folder listed twice is read twice, so its rows count as
-    duplicates, as those of two copies would."""
-    if not own:
-        return entries
-    target, kept, skipped = Path(directory).resolve(), entries[:1], False
-    for entry in entries[1:]:
-        folder = entry[0][0] if isinstance(entry[0], tuple) else entry[0]
-        if not skipped and Path(folder).resolve() == target:
-            skipped = True
-            continue
-        kept.append(entry)
-    return kept
-
-
-def merged_provenance(metas: list[tuple[Path, dict]], directory: Path) -> dict:
-    """The meta fields a merge writes besides its spec: no shard, the folders' sessions once each, in order, and the
-    folders merged into ``directory`` (itself left out), as paths relative to ``directory``, so a committed result
-    names no absolute path of the machine it was merged on."""
-    sessions = [s for _, meta in metas for s in meta.get("sessions", [])]
-    target = directory.resolve()
-    return {
-        "shard": None,
-        "sessions": [s for i, s in enumerate(sessions) if s not in sessions[:i]],
-        "merged_from": sorted(
-            {os.path.relpath(source.resolve(), target) for source, _ in metas if source.resolve() != target}
-        ),
-    }
-
-
-def merge_run(merged: dict, key, row: dict, source: Path, own_spec) -> int:
-    """Add one source's ``row`` of run ``key`` to ``merged`` (key -> (row, source, spec)); 1 if the run was there
-    already (a duplicate, dropped), 0 otherwise. A run held twice must have the same results unless both folders
-    share one spec (then the first copy is kept, as a rerun's would be)."""
-    if key not in merged:
-        merged[key] = (row, source, own_spec)
-        return 0
-    kept, kept_source, kept_spec = merged[key]
-    if kept_spec != own_spec and without_timings(kept) != without_timings(row):
-        raise SparseDecodeError(
-            f"cannot merge {source} with {kept_source}: both hold run {key} with other results; "
-            "folders of different grids may only overlap in identical runs"
-        )
-    return 1
+    return meta, read_rows(directory / RUNS_FILE, check=False)  # a report names what a row lacks
 
 
 def merge_sweeps(sources: list[Path], directory: Path) -> MergeOutcome:
@@ -722,7 +656,7 @@ def merge_sweeps(sources: list[Path], directory: Path) -> MergeOutcome:
     paired with different dense references.
     """
     directory = Path(directory)
-    metas = source_metas(sources, "sweep directory")
+    metas = source_metas(sources, "sweep directory", read_meta, SPEC_FILE)
     with locked(directory):
         own = read_meta(directory)
         if own is not None:
@@ -743,10 +677,13 @@ def merge_sweeps(sources: list[Path], directory: Path) -> MergeOutcome:
         order = {key: i for i, key in enumerate(spec.keys())}
         merged: dict[RunKey, tuple[dict, Path, SweepSpec]] = {}
         dense: dict[Group, tuple[list[int], Path]] = {}
-        duplicates = 0
+        duplicates, versions = 0, SelectorVersions()
+        for source, meta in metas:
+            versions.add_meta(source, meta)
         for (source, _), own_spec in read_once(list(zip(metas, specs)), directory, own is not None):
             own_keys = set(own_spec.keys())
             for row in read_rows(source / RUNS_FILE):
+                versions.add_row(source, row)
                 key = key_of(row)
                 if key not in own_keys:
                     raise SparseDecodeError(f"{source} holds a run {key} that is not part of its sweep spec")
@@ -759,6 +696,7 @@ def merge_sweeps(sources: list[Path], directory: Path) -> MergeOutcome:
                     )
                 duplicates += merge_run(merged, key, row, source, own_spec)
         meta = {"spec": spec.to_dict(), "corpus_sha256": corpus, **merged_provenance(metas, directory)}
+        meta.update(versions.record())  # every selector file's one version and path, as the folders had them
         rows = sorted((row for row, _, _ in merged.values()), key=lambda row: order[key_of(row)])
         write_json_atomic(directory / SPEC_FILE, meta)
         write_rows(directory / RUNS_FILE, rows)

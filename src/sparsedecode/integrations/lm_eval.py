@@ -81,10 +81,13 @@ HFLM_ARGS = (
 OWN_ARGS = ("pretrained", "dtype", "device", "batch_size", *SPARSE_ARGS, "sparse_tail")
 
 
-def check_model_args(kwargs: dict) -> None:
-    """Refuse a model argument that neither this model nor ``HFLM`` given a loaded model would use."""
+def check_model_args(kwargs: dict, selector=None) -> None:
+    """Refuse a model argument that neither this model nor ``HFLM`` given a loaded model would use; one that is a
+    parameter of ``selector`` (lm-eval cut ``selector=NAME:a=1,b=2`` at the comma) says to separate them by ``;``."""
     import difflib
     import inspect
+
+    from .selectors.registry import parameter_names
 
     loading = set(inspect.signature(HFLM.__init__).parameters) - {"self", "kwargs", *HFLM_ARGS}
     for name in kwargs:
@@ -94,6 +97,13 @@ def check_model_args(kwargs: dict) -> None:
             raise SparseDecodeError(
                 f"model argument {name!r} is for lm-eval's hf model loading a model by name; the sparsedecode model "
                 "loads `pretrained` itself (a built-in alias, a local directory or .gguf file, or a hub id): drop it"
+            )
+        if isinstance(selector, str) and name in (parameter_names(selector) or ()):
+            spec = f"{selector}{';' if ':' in selector.split('.py:')[-1] else ':'}{name}={kwargs[name]}"
+            raise SparseDecodeError(
+                f"model argument {name!r} is a parameter of selector {selector!r}, not of the sparsedecode model: "
+                f"lm-eval splits --model_args at every comma, so separate a selector's parameters with ';' "
+                f"(selector={spec})"
             )
         close = difflib.get_close_matches(name, (*OWN_ARGS, *HFLM_ARGS), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -119,7 +129,9 @@ def sparse_settings(
     """``(SparseConfig, sparse_tail)`` from the model arguments, every one checked (``others``: the rest, which
     :func:`check_model_args` checks by name); loads nothing, so the command line checks ``--model_args`` with it
     before lm-eval starts."""
-    check_model_args({name: value for name, value in others.items() if name not in ("pretrained", "dtype", "device")})
+    check_model_args(
+        {name: value for name, value in others.items() if name not in ("pretrained", "dtype", "device")}, selector
+    )
     if str(batch_size) != "1":
         raise SparseDecodeError(f"sparsedecode runs one sequence at a time: use batch_size 1 (got {batch_size})")
     support, window, block_size, reuse, seed, sparse_tail = (

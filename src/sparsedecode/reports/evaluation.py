@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import SparseDecodeError
 from ..experiments import eval_summary as summary
 from ..experiments.evaluate import RUNS_FILE, EvalSpec, load_eval
 from ..experiments.ruler import TASKS
@@ -20,6 +21,15 @@ from .sweep import REPORT_FILE, _environment_lines, _markdown_table, write_csv
 
 EXAMPLES = 20
 """Regressions shown in the Markdown (all of them are in ``regressions.csv``)."""
+
+
+def _supports(spec) -> str:
+    """The supports with what the first selector reads of each; the supports alone where that selector cannot be
+    imported here (a selector file moved or gone: the rows hold what the report prints)."""
+    try:
+        return ", ".join(f"{c.support} (effective {c.effective_support})" for c in spec.configs()[: len(spec.supports)])
+    except SparseDecodeError:
+        return ", ".join(map(str, spec.supports))
 
 
 def eval_command(spec: EvalSpec, directory: Path) -> str:
@@ -98,9 +108,7 @@ def write_eval_report(directory: Path) -> Path:
         f"(the model's own, prompt format {', '.join(formats) or '-'}); seed {spec.seed}; prose and cwe words from "
         f"{spec.corpus}",
         f"- sparse: W = {spec.window}, B = {spec.block_size}, R = {spec.reuse}; supports "
-        + ", ".join(
-            f"{cfg.support} (effective {cfg.effective_support})" for cfg in spec.configs()[: len(spec.supports)]
-        )
+        + _supports(spec)
         + f"; selectors {', '.join(spec.selectors)}",
         "- per sample: one dense prefill of everything before the question; the question, the rest of the prompt "
         "and the answer prefix are fed one token at a time under each mode, then a greedy answer up to "

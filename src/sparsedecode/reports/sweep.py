@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..errors import SparseDecodeError
 from ..experiments import summary
-from ..experiments.comparison_merge import COMPARISON_FILE
+from ..experiments.comparison_file import COMPARISON_FILE
 from ..experiments.sweep import RUNS_FILE, SPEC_FILE, SweepSpec, load_sweep
 from ..files import write_json_atomic, write_text_atomic
 
@@ -657,15 +657,12 @@ def write_selector_comparison(directory: Path, data: dict | None = None) -> Path
     path. Without ``data`` the stored ``selectors.json`` is read and rebuilt with today's code (runs upgraded to
     today's ``first_divergence`` convention, summary recomputed; see
     :func:`~sparsedecode.experiments.selector_comparison.rebuild`)."""
+    from ..experiments.comparison_file import read_comparison
     from ..experiments.selector_comparison import rebuild
 
     directory = Path(directory)
     if data is None:
-        path = directory / SELECTORS_FILE
-        try:
-            data = rebuild(json.loads(path.read_text()))
-        except (json.JSONDecodeError, KeyError, TypeError) as error:
-            raise SparseDecodeError(f"{path} is not a selector comparison ({type(error).__name__})") from error
+        data = rebuild(read_comparison(directory))  # checked whole (one line naming what is wrong) first
     rows = data["summary"]
     if not rows:
         raise SparseDecodeError(f"the selector comparison in {directory} has no summary rows")

@@ -1,18 +1,23 @@
 """Finding selectors: by name (built-ins, :func:`register_selector`, the ``sparsedecode.selectors`` entry-point
 group) or by file (``path/to/file.py:ClassName``), with parameters (``NAME:key=value,...``).
 
-A spec string is ``NAME`` or ``FILE.py:CLASS``, optionally followed by ``:key=value,key=value``. Values are read by
-the type of the field's default (int, float, bool as true/false, str). In a comma-separated list of selectors
-(``sweep --selectors``) an item holding ``=`` but no ``:`` continues the parameters of the selector before it, so
+A spec string is ``NAME`` or ``FILE.py:CLASS``, optionally followed by ``:key=value,key=value`` (``;`` separates
+them too, where commas separate something else: lm-eval's ``--model_args``). A file's path may hold colons: it ends
+at the last ``.py:`` followed by a class name. Values are read by the field's annotation (int, float, bool as
+true/false, str; ``X | None`` or ``Optional[X]`` also takes ``none``), or by its default's type where the annotation
+says nothing the command line can give. In a comma-separated list of selectors (``sweep --selectors``) an item
+holding ``=`` but no ``:`` continues the parameters of the selector before it, so
 ``mean-pooled,top-p:p=0.8,cap=2,quest`` is three selectors.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import sys
 import types
+import typing
 from importlib import metadata
 from pathlib import Path
 
@@ -114,6 +119,22 @@ def provide_sources(sources: dict[str, tuple[str, str]] | None) -> None:
         _PROVIDED[location] = (digest, text)
 
 
+@contextlib.contextmanager
+def provided(sources: dict[str, tuple[str, str]]):
+    """:func:`provide_sources` for the block only: afterwards each location reads what it read before (a file's own
+    content, or what was provided before)."""
+    saved = {location: _PROVIDED.get(location) for location in sources}
+    provide_sources(sources)
+    try:
+        yield
+    finally:
+        for location, held in saved.items():
+            if held is None:
+                _PROVIDED.pop(location, None)
+            else:
+                _PROVIDED[location] = held
+
+
 def loaded_sources() -> dict[str, tuple[str, str]]:
     """``{location: (sha256, text)}`` of every selector file this process imported: what a worker needs to import the
     same classes."""
@@ -182,20 +203,61 @@ def rebuild_file_selector(location: str, digest: str, text: str, class_name: str
     return build(load_file_class(location, class_name), params)
 
 
+def _file_cut(text: str) -> int | None:
+    """Where the path of a file spec ends (the index of the ``:`` after ``.py``): the last ``.py:`` followed by a
+    class name, in a path without ``=`` (a parameter's value); ``None`` when ``text`` names no file."""
+    cuts = [i + 3 for i in range(len(text)) if text.startswith(".py:", i)]
+    for cut in reversed(cuts):
+        class_name = text[cut + 1 :].partition(":")[0]
+        if class_name.isidentifier() and "=" not in text[:cut]:
+            return cut
+    return cuts[0] if cuts else None
+
+
 def _split(text: str) -> tuple[str, str]:
-    """``(what, parameters)`` of a spec string."""
-    head, sep, rest = text.partition(":")
-    if head.endswith(".py"):  # FILE.py:CLASS[:params]
-        class_name, _, params = rest.partition(":")
+    """``(what, parameters)`` of a spec string: ``NAME`` or ``path.py:Class``, and what follows."""
+    cut = _file_cut(text)
+    if cut is None and text.partition(":")[0].endswith(".py"):
+        cut = len(text.partition(":")[0])
+    if cut is not None:  # FILE.py:CLASS[:params]
+        class_name, _, params = text[cut + 1 :].partition(":")
         if not class_name or "=" in class_name:
             raise SparseDecodeError(f"selector {text!r}: a file selector is path/to/file.py:ClassName")
-        return f"{head}:{class_name}", params
+        return f"{text[:cut]}:{class_name}", params
+    head, _, rest = text.partition(":")
     return head, rest
 
 
+_KINDS = {"bool": bool, "int": int, "float": float, "str": str}
+
+
+def _annotation(selector: type, field: dataclasses.Field):
+    """``(kind, optional)`` of a field from its annotation (``typing.get_type_hints``, which reads string annotations
+    under ``from __future__ import annotations``; the annotation's text where that fails): ``kind`` is bool, int,
+    float or str, else ``None`` (read by the default's type)."""
+    try:
+        hint = typing.get_type_hints(selector).get(field.name, field.type)
+    except Exception:  # a name the annotations use that the module does not define
+        hint = field.type
+    if isinstance(hint, str):  # the text: "int | None", "Optional[int]", "float"
+        words = hint.replace("Optional[", "").replace("typing.", "").rstrip("]").split("|")
+        kinds = [_KINDS.get(word.strip(), type(None) if word.strip() == "None" else object) for word in words]
+        optional = "Optional[" in hint or type(None) in kinds
+    else:
+        kinds = list(typing.get_args(hint)) if typing.get_origin(hint) in (typing.Union, types.UnionType) else [hint]
+        optional = type(None) in kinds
+    kinds = [kind for kind in kinds if kind is not type(None)]
+    kind = kinds[0] if len(kinds) == 1 and kinds[0] in _KINDS.values() else None
+    return kind, optional
+
+
 def _value(selector: type, field: dataclasses.Field, text: str):
+    kind, optional = _annotation(selector, field)
+    if optional and text.lower() == "none":
+        return None
     default = field.default
-    kind = type(default) if default is not dataclasses.MISSING else None
+    if kind is None and default is not dataclasses.MISSING and default is not None:
+        kind = type(default)
     try:
         if kind is bool:
             if text.lower() in ("true", "false"):
@@ -208,8 +270,11 @@ def _value(selector: type, field: dataclasses.Field, text: str):
             return text
     except ValueError:
         pass
-    wanted = kind.__name__ if kind is not None else "a value"
-    raise SparseDecodeError(f"selector {selector.selector_name()}: parameter {field.name}={text!r} is not {wanted}")
+    wanted = kind.__name__ + (" (true or false)" if kind is bool else "")
+    raise SparseDecodeError(
+        f"selector {selector.selector_name()}: parameter {field.name}={text!r} is not {wanted}"
+        + (" (or none)" if optional else "")
+    )
 
 
 def parse_params(cls: type[Selector], text: str) -> dict:
@@ -251,6 +316,16 @@ def parse_selector(text: str) -> Selector:
     else:
         cls = selector_class(what)
     return build(cls, parse_params(cls, params))
+
+
+def parameter_names(text: str) -> tuple[str, ...] | None:
+    """The parameters of the selector a spec string names (its class's fields), or ``None`` when it names none."""
+    try:
+        what = _split(text.strip())[0]
+        cls = load_file_class(*what.rsplit(":", 1)) if ":" in what else selector_class(what)
+    except SparseDecodeError:
+        return None
+    return tuple(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else ()
 
 
 def resolve_selector(selector) -> Selector:

@@ -1,8 +1,10 @@
 """The capturable step without host work: every decision a tensor operation of fixed shape, so a CUDA graph can
 replay it (:mod:`sparsedecode.compiled.op` runs it inside its custom op on CUDA; tests run it on the CPU).
 
-What it serves: block selectors with a fixed budget that read block statistics (mean-pooled, Quest, a user's
-selector of that kind whose scores are a tensor function of the statistics). Shapes never depend on the context
+What it serves: the library's block selectors with a fixed budget that read block statistics (mean-pooled, Quest).
+A user's selector of that kind takes the op's general step instead, where the library hands it copies and checks
+the scores it returns (shape, device, kind, finite): traced into a graph, a wrong device or shape would end in the
+compiler's traceback rather than one line naming the selector. Shapes never depend on the context
 length ``n``, which stays a tensor: the selector scores every slot of the statistics storage (``capacity`` blocks)
 against a layout of the whole cache, and the scores of slots past the context's distant blocks are masked to
 ``-inf``; the top ``b`` come from a stable sort (ties to the lowest index, the project's rule); the support is
@@ -20,13 +22,15 @@ from __future__ import annotations
 import torch
 
 from ..layout import BlockLayout
+from ..selectors.select import trusted
 from . import schedule
 
 
 def serves(cfg) -> bool:
-    """Whether the device step serves ``cfg``'s selector (see the module)."""
+    """Whether the device step serves ``cfg``'s selector (see the module): the library's scoring only."""
     selector = cfg.selector
-    return not selector.token_level and bool(selector.statistics) and not selector.adaptive
+    fixed = not selector.token_level and bool(selector.statistics) and not selector.adaptive
+    return fixed and trusted(selector, selector.score_blocks)
 
 
 def _reduce(keys: torch.Tensor, valid: torch.Tensor, kind: str) -> torch.Tensor:

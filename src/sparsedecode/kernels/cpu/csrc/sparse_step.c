@@ -5,7 +5,7 @@
  * ctypes.
  * It replaces ~20 small torch operations whose fixed per-call cost dominated below ~32K positions. Semantics are
  * those of sparsedecode.selectors (top_blocks: the b best, ties to the lowest block, ascending) and of
- * sparsedecode.attention.attend_support (softmax over the support, all query heads of a GQA group sharing it).
+ * sparsedecode.session.attend_support (softmax over the support, all query heads of a GQA group sharing it).
  * Queries, keys and values are float32, bfloat16 or float16, one dtype for the three (every entry point's last
  * argument, DTYPE_*), converted to float32 as they are loaded; everything is computed and accumulated in float32, as
  * the torch path does after its upcast. Centroids and outputs are float32.

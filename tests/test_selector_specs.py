@@ -1,0 +1,114 @@
+"""Spec strings of a user's selector (issue #42, cases 14-16): a path may hold colons, optional parameters can be
+set (annotations read as written, ``from __future__ import annotations`` included), and lm-eval's model arguments
+say where a selector's parameters go."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparsedecode.errors import SparseDecodeError
+from sparsedecode.selectors import parse_selector, split_selector_list
+
+PARAMETERS = """
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+import sparsedecode
+
+
+@dataclass(frozen=True)
+class Tempered(sparsedecode.BlockSelector):
+    temperature: float = 1.0
+    flag: bool = False
+    cap: int | None = None
+    floor: Optional[float] = None
+    label: str = "x"
+    unknown: Undefined = 3  # noqa: F821 - an annotation the module cannot resolve: read by its default's type
+
+    def score_blocks(self, queries, keys, layout):
+        return torch.zeros(keys.shape[0], layout.n_blocks)
+"""
+
+PLAIN = PARAMETERS.replace("from __future__ import annotations\n", "").replace(
+    "    unknown: Undefined = 3  # noqa: F821 - an annotation the module cannot resolve: read by its default's type\n",
+    "",
+)
+
+
+@pytest.fixture(params=["future", "plain"])
+def selector_file(tmp_path, request):
+    path = tmp_path / "co:lon" / "sel.py"
+    path.parent.mkdir()
+    path.write_text(PARAMETERS if request.param == "future" else PLAIN)
+    return path
+
+
+def test_optional_parameters_are_read_by_their_annotation(selector_file):
+    spec = f"{selector_file}:Tempered:cap=3,floor=0.5,flag=true,temperature=2,label=none"
+    selector = parse_selector(spec)
+    assert selector.params()["cap"] == 3 and selector.params()["floor"] == 0.5
+    assert selector.params()["flag"] is True and selector.params()["temperature"] == 2.0
+    assert selector.params()["label"] == "none"  # a str field that is not optional takes the word
+    assert parse_selector(selector.spec()) == selector  # the spec a row stores reads back as the same selector
+    assert parse_selector(f"{selector_file}:Tempered:cap=None,floor=none").params()["cap"] is None
+    if "unknown" in selector.params():
+        assert parse_selector(f"{selector_file}:Tempered:unknown=4").params()["unknown"] == 4
+    for bad, says in [("cap=x", "cap='x' is not int (or none)"), ("flag=1", "flag='1' is not bool")]:
+        with pytest.raises(SparseDecodeError, match="Tempered") as raised:
+            parse_selector(f"{selector_file}:Tempered:{bad}")
+        assert says in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_a_path_with_colons_names_its_file(selector_file):
+    """The path ends at the last ``.py:`` that a class name follows; ``co`` is not a selector's name."""
+    assert parse_selector(f"{selector_file}:Tempered").source[0] == str(selector_file)
+    assert parse_selector(f"{selector_file}:Tempered:label=a.py:b").params()["label"] == "a.py:b"
+    assert split_selector_list(f"quest,{selector_file}:Tempered:cap=2,floor=1,mean-pooled") == [
+        "quest",
+        f"{selector_file}:Tempered:cap=2,floor=1",
+        "mean-pooled",
+    ]
+    with pytest.raises(SparseDecodeError, match="a file selector is path/to/file.py:ClassName"):
+        parse_selector(f"{selector_file}:")
+    with pytest.raises(SparseDecodeError, match="does not exist"):
+        parse_selector(f"{selector_file.parent}/other:dir/sel.py:Tempered")
+
+
+def test_the_command_line_takes_a_path_with_colons(selector_file, tiny_model_dir, monkeypatch, tmp_path, capsys):
+    from sparsedecode.cli import main
+
+    monkeypatch.chdir(selector_file.parent.parent)  # a relative path: co:lon/sel.py
+    out = tmp_path / "run.json"
+    args = ["run", "--model", str(tiny_model_dir), "--context", "150", "--support", "97", "--tokens", "3"]
+    assert main([*args, "--selector", "co:lon/sel.py:Tempered:cap=2", "--json", str(out)]) == 0, capsys.readouterr()
+    assert '"selector": "co:lon/sel.py:Tempered:cap=2"' in out.read_text()
+
+
+def test_lm_eval_says_a_selectors_parameters_are_separated_by_semicolons(selector_file):
+    pytest.importorskip("lm_eval")
+    from sparsedecode.integrations.lm_eval import sparse_settings
+
+    spec = f"{selector_file}:Tempered:temperature=2"
+    with pytest.raises(SparseDecodeError, match="'flag' is a parameter of selector") as raised:
+        sparse_settings(pretrained="m", selector=spec, flag=True)
+    assert f"(selector={spec};flag=True)" in str(raised.value) and "\n" not in str(raised.value)
+    with pytest.raises(SparseDecodeError, match=f"selector={selector_file}:Tempered:cap=2\\)"):
+        sparse_settings(pretrained="m", selector=f"{selector_file}:Tempered", cap=2)
+    cfg, _ = sparse_settings(pretrained="m", selector=f"{spec};flag=true;cap=none")
+    assert cfg.selector.params()["flag"] is True and cfg.selector.params()["cap"] is None
+    with pytest.raises(SparseDecodeError, match="unknown model argument 'nope'"):
+        sparse_settings(pretrained="m", selector=spec, nope=1)
+
+
+def test_lm_eval_command_line_refuses_a_cut_selector_in_one_line(selector_file, capsys):
+    pytest.importorskip("lm_eval")
+    from sparsedecode.cli import main
+
+    model_args = f"pretrained=smollm2-135m,selector={selector_file}:Tempered:temperature=2,flag=true"
+    code = main(["lm-eval", "--model", "sparsedecode", "--model_args", model_args, "--tasks", "arc_easy"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "separate a selector's parameters with ';'" in err, err
