@@ -163,7 +163,7 @@ def _two_versions(tmp_path):
 
 
 def test_configurations_are_told_apart_by_what_their_selector_is(tmp_path):
-    from sparsedecode.compiled.decoder.op import config_key
+    from sparsedecode.compiled.op import config_key
 
     v1, v2 = (SparseConfig(support=97, selector=spec) for spec in _two_versions(tmp_path))
     assert repr(v1) == repr(v2) and v1.identity() != v2.identity()
@@ -174,7 +174,7 @@ def test_configurations_are_told_apart_by_what_their_selector_is(tmp_path):
 
 
 def test_compiled_generation_keeps_two_same_named_selectors_apart(tmp_path, monkeypatch):
-    from sparsedecode.compiled.decoder import decoder as compiled
+    from sparsedecode.compiled import decoder as compiled
 
     monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
     model = tiny_model("llama")

@@ -110,7 +110,7 @@ def test_every_switch_refuses_a_bad_value_when_its_module_is_imported():
 
 def test_an_unknown_compile_backend_is_refused_before_the_prefill(monkeypatch):
     import sparsedecode as sd
-    from sparsedecode import compiled
+    from sparsedecode.compiled import decoder as compiled
 
     monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "nonsense")
     model = tiny_model("llama")

@@ -321,7 +321,7 @@ def cmd_bench_e2e(args) -> int:
     check_whole_blocks([SparseConfig(support=s, selector=args.selector) for s in args.support])
     check_prompt_source(args)
     if args.compile:  # the backend (SPARSEDECODE_COMPILE_BACKEND) and switches, before the model loads
-        from ..compiled import check_backend
+        from ..compiled.decoder import check_backend
 
         check_backend()
     if args.dense_dtype is not None and (args.batch is None or args.dense_dtype == args.dtype):

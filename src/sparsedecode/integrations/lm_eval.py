@@ -87,7 +87,7 @@ def check_model_args(kwargs: dict, selector=None) -> None:
     import difflib
     import inspect
 
-    from .selectors.registry import parameter_names
+    from ..selectors.registry import parameter_names
 
     loading = set(inspect.signature(HFLM.__init__).parameters) - {"self", "kwargs", *HFLM_ARGS}
     for name in kwargs:
