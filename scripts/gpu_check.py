@@ -135,7 +135,7 @@ def check_limits() -> list[dict]:
     torch under ``auto`` (and match) and raise under ``kernel="triton"``."""
     from sparsedecode.kernels.reference import _attend_blocks
     from sparsedecode.selectors import select_blocks
-    from sparsedecode.selectors.statistics import BlockCentroids
+    from sparsedecode.selectors.statistics import BlockStatistics
 
     generator = torch.Generator().manual_seed(99)
     accepted = [(256, 16, torch.float32), (256, 32, torch.bfloat16), (128, 64, torch.bfloat16), (64, 64, torch.float32)]
@@ -168,7 +168,7 @@ def check_limits() -> list[dict]:
             row["auto_picks"] = kernels.attention_kernel("auto", q, keys, values, layout)
             row["refusal"] = kernels.refusals(q, keys, values, layout)["triton"]
             cfg = SparseConfig(support=1 + 64 + 4 * block, block_size=block)
-            blocks = select_blocks(cfg, BlockCentroids(block), q, keys, layout, scale=d**-0.5)
+            blocks = select_blocks(cfg, BlockStatistics(block), q, keys, layout, scale=d**-0.5)
             out = _attend_blocks(cfg, q, keys, values, blocks, layout, d**-0.5)
             expected = reference_by_position(q, keys, values, blocks, layout, d**-0.5)
             row["rel_error"] = float((out.double() - expected).norm() / expected.norm())
@@ -240,7 +240,7 @@ def graph_timings() -> list[dict]:
     import torch.nn.functional as F
 
     from sparsedecode.experiments.bench import SHAPES, _fresh_step, cuda_median_time
-    from sparsedecode.selectors.statistics import BlockCentroids
+    from sparsedecode.selectors.statistics import BlockStatistics
     from sparsedecode.session import LayerState, SparseSession
 
     rows = []
@@ -264,7 +264,7 @@ def graph_timings() -> list[dict]:
                 for kernel in ("triton", "torch"):
                     cfg = SparseConfig(support=support, kernel=kernel)
                     session = SparseSession(config=cfg, model=None)
-                    state = LayerState(0, BlockCentroids(16))
+                    state = LayerState(0, BlockStatistics(16))
                     state.centroids.update(keys[0], layout.n_full)
                     step = partial(_fresh_step, session, state, query, keys, values, n, d**-0.5)
                     calls[f"sparse_{kernel}_S{support}"] = step

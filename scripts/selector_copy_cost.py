@@ -22,7 +22,7 @@ from sparsedecode.config import SparseConfig
 from sparsedecode.experiments.bench import median_time
 from sparsedecode.layout import BlockLayout
 from sparsedecode.selectors import select
-from sparsedecode.selectors.statistics import BlockCentroids
+from sparsedecode.selectors.statistics import BlockStatistics
 
 SELECTOR = """
 from dataclasses import dataclass
@@ -60,7 +60,7 @@ def main(turns: int = 8) -> None:
 
     def one_call():
         queries, keys = layers[next(turn) % len(layers)]
-        return select.choose_blocks(cfg.selector, cfg.blocks, BlockCentroids(16, ("mean",)), queries, keys, layout)
+        return select.choose_blocks(cfg.selector, cfg.blocks, BlockStatistics(16, ("mean",)), queries, keys, layout)
 
     shipped, times = select.trusted, {"handed copies": [], "handed the tensors": []}
     try:

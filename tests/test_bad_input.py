@@ -384,7 +384,7 @@ def test_top_blocks_refuses_non_finite_scores_when_it_chooses(bad):
 def test_the_decode_step_refuses_a_nan_query_on_every_selection_path(kernel):
     from sparsedecode.kernels.cpu import library
     from sparsedecode.layout import BlockLayout
-    from sparsedecode.selectors.statistics import BlockCentroids
+    from sparsedecode.selectors.statistics import BlockStatistics
 
     if kernel == "c" and library() is None:
         pytest.skip("no C compiler here: the C kernel path does not exist")
@@ -394,7 +394,7 @@ def test_the_decode_step_refuses_a_nan_query_on_every_selection_path(kernel):
     queries[2, 0] = float("nan")
     layout = BlockLayout(n=400, window=cfg.window, block_size=cfg.block_size)
     with pytest.raises(SparseDecodeError, match="NaN or infinite"):
-        select_blocks(cfg, BlockCentroids(cfg.block_size, ("mean",)), queries, keys, layout, scale=0.25)
+        select_blocks(cfg, BlockStatistics(cfg.block_size, ("mean",)), queries, keys, layout, scale=0.25)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
@@ -405,7 +405,7 @@ def test_a_non_finite_key_in_a_scored_block_refuses_on_every_selection_path(kern
     check inside its scoring both refuse, whether the key lies in a cached full block or in the short tail block."""
     from sparsedecode.kernels.cpu import library
     from sparsedecode.layout import BlockLayout
-    from sparsedecode.selectors.statistics import BlockCentroids
+    from sparsedecode.selectors.statistics import BlockStatistics
 
     if kernel == "c" and library() is None:
         pytest.skip("no C compiler here: the C kernel path does not exist")
@@ -419,9 +419,9 @@ def test_a_non_finite_key_in_a_scored_block_refuses_on_every_selection_path(kern
     queries = torch.randn(4, 16)
     fine = keys.clone()
     fine[1, position, 7] = 0.0
-    select_blocks(cfg, BlockCentroids(cfg.block_size, ("mean",)), queries, fine, layout, scale=0.25)  # finite: runs
+    select_blocks(cfg, BlockStatistics(cfg.block_size, ("mean",)), queries, fine, layout, scale=0.25)  # finite: runs
     with pytest.raises(SparseDecodeError, match="scores hold NaN or infinite"):
-        select_blocks(cfg, BlockCentroids(cfg.block_size, ("mean",)), queries, keys, layout, scale=0.25)
+        select_blocks(cfg, BlockStatistics(cfg.block_size, ("mean",)), queries, keys, layout, scale=0.25)
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ from sparsedecode import SparseConfig, SparseDecodeError, sparse_decoding
 from sparsedecode.kernels import cpu
 from sparsedecode.kernels.cpu import batch as cpu_batch
 from sparsedecode.layout import BlockLayout
-from sparsedecode.selectors.statistics import BlockCentroids
+from sparsedecode.selectors.statistics import BlockStatistics
 from sparsedecode.step.plan import StepPlan
 
 LENGTHS = (300, 150, 60, 233)  # differing by more than a block; one below the support, growing past it
@@ -71,7 +71,7 @@ def test_batch_call_equals_single_calls_sequence_by_sequence(case, threads, dtyp
     for i, (pad, n) in enumerate(zip(pads, lengths)):
         layout = BlockLayout(n=n, window=64, block_size=16)
         k_i, v_i = keys[i + 1, :, pad:], values[i + 1, :, pad:]
-        cache = BlockCentroids(16)
+        cache = BlockStatistics(16)
         fresh = i % 2 == 0
         blocks = cpu.select_mean_pooled(q[i + 1], k_i, cache.update(k_i, layout.n_full), layout, b)
         if fresh:
@@ -110,7 +110,7 @@ def test_batch_call_refuses_a_non_finite_score_of_a_row_that_selects(where, bad)
         out = []
         for i, (pad, n) in enumerate(zip(pads, lengths)):
             lay = BlockLayout(n=n, window=64, block_size=16)
-            cache = BlockCentroids(16)
+            cache = BlockStatistics(16)
             cache.update(keys[i, :, pad:], lay.n_full)
             chosen = torch.zeros(kv_heads, 2, dtype=torch.int64)
             out.append((i, pad, n, cache.storage(), chosen, fresh or i == 1))
@@ -124,7 +124,7 @@ def test_batch_call_refuses_a_non_finite_score_of_a_row_that_selects(where, bad)
 def test_batch_call_refuses_rows_it_cannot_read():
     keys = torch.randn(2, 2, 300, 16)
     q, out = torch.randn(2, 4, 16), torch.empty(2, 4, 16)
-    cache = BlockCentroids(16)
+    cache = BlockStatistics(16)
     layout = BlockLayout(n=250, window=64, block_size=16)
     cache.update(keys[0], layout.n_full)
     blocks = torch.zeros(2, 2, dtype=torch.int64)

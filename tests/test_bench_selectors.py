@@ -75,7 +75,7 @@ def test_the_timed_attention_reads_what_the_step_reads(selector, budgeted):
     q, k, v = layer.query[0, :, 0], layer.keys[0], layer.values[0]
     assert_attention_close(attend(), step[0, 0], q, k, v, scale)
     if selector == budgeted:  # the budget's two blocks of b per KV head
-        assert select().keep.sum(dim=1).tolist() == [2, 2] and cfg.blocks == 8
+        assert select().budget_mask.sum(dim=1).tolist() == [2, 2] and cfg.blocks == 8
 
 
 def test_the_command_line_times_top_p(capsys):

@@ -21,7 +21,7 @@ from sparsedecode.kernels import cpu
 from sparsedecode.kernels.cpu import batch as cpu_batch
 from sparsedecode.layout import BlockLayout
 from sparsedecode.selectors import select_blocks
-from sparsedecode.selectors.statistics import BlockCentroids
+from sparsedecode.selectors.statistics import BlockStatistics
 from sparsedecode.session import attend_support
 
 HALF = (torch.bfloat16, torch.float16)
@@ -34,7 +34,7 @@ def built():
 
 def torch_selection(q, keys, layout, b):
     cfg = SparseConfig(support=1 + 64 + 16 * b, kernel="torch")
-    return select_blocks(cfg, BlockCentroids(16), q, keys, layout, scale=keys.shape[-1] ** -0.5)
+    return select_blocks(cfg, BlockStatistics(16), q, keys, layout, scale=keys.shape[-1] ** -0.5)
 
 
 CASES = [
@@ -60,7 +60,7 @@ def test_c_selection_and_attention_match_torch(case):
     values = torch.randn(kv_heads, n + 5, d, generator=generator)
     q = 3 * torch.randn(query_heads, d, generator=generator)
     expected = torch_selection(q, keys, layout, b)
-    centroids = BlockCentroids(16).update(keys, layout.n_full)
+    centroids = BlockStatistics(16).update(keys, layout.n_full)
     chosen = cpu.select_mean_pooled(q, keys, centroids, layout, b)
     assert torch.equal(chosen, expected)
     out = cpu.attend_support(q, keys, values, chosen, layout, d**-0.5)
@@ -79,7 +79,7 @@ def test_one_call_step_equals_selection_then_attention(case, threads):
     keys = torch.randn(kv_heads, n + 5, d, generator=generator)
     values = torch.randn(kv_heads, n + 5, d, generator=generator)
     q = 3 * torch.randn(query_heads, d, generator=generator)
-    cache = BlockCentroids(16)
+    cache = BlockStatistics(16)
     centroids = cache.update(keys, layout.n_full)
     previous = torch.get_num_threads()
     try:
@@ -133,7 +133,7 @@ def test_c_selection_breaks_ties_as_top_blocks(n, b, seed, dtype):
         :, : layout.distant_end - 1
     ]  # constant within a block, so the tail block's mean ties full blocks' exactly
     q = torch.ones(4, 8, dtype=dtype)
-    centroids = BlockCentroids(16).update(keys, layout.n_full)
+    centroids = BlockStatistics(16).update(keys, layout.n_full)
     chosen = cpu.select_mean_pooled(q, keys, centroids, layout, b)
     assert torch.equal(chosen, torch_selection(q, keys, layout, b))
 
@@ -192,7 +192,7 @@ def test_c_half_precision_selection_and_attention_match_torch(case, dtype):
     values = torch.randn(kv_heads, n + 5, d, generator=generator).to(dtype)
     q = (3 * torch.randn(query_heads, d, generator=generator)).to(dtype)
     expected = torch_selection(q, keys, layout, b)
-    cache = BlockCentroids(16)
+    cache = BlockStatistics(16)
     chosen = cpu.select_mean_pooled(q, keys, cache.update(keys, layout.n_full), layout, b)
     assert torch.equal(chosen, expected)
     out = cpu.attend_support(q, keys, values, chosen, layout, d**-0.5)
@@ -224,7 +224,7 @@ def test_c_half_precision_selection_equals_torch_on_exact_scores(n, b, seed, dty
     values = torch.randn(2, n, 16, generator=generator).to(dtype)
     q = torch.randint(-2, 3, (4, 16), generator=generator).to(dtype)
     expected = torch_selection(q, keys, layout, b)
-    centroids = BlockCentroids(16).update(keys, layout.n_full)
+    centroids = BlockStatistics(16).update(keys, layout.n_full)
     chosen = cpu.select_mean_pooled(q, keys, centroids, layout, b)
     assert torch.equal(chosen, expected)
     out = cpu.attend_support(q, keys, values, chosen, layout, 0.25)
@@ -318,7 +318,7 @@ def test_c_kernel_split_over_threads_matches_torch(case):
     layout = BlockLayout(n=n, window=64, block_size=16)
     keys, values = torch.randn(kv_heads, n, d, generator=generator), torch.randn(kv_heads, n, d, generator=generator)
     q = torch.randn(query_heads, d, generator=generator)
-    centroids = BlockCentroids(16).update(keys, layout.n_full)
+    centroids = BlockStatistics(16).update(keys, layout.n_full)
     previous = torch.get_num_threads()
     outputs = []
     try:
@@ -341,7 +341,7 @@ def test_c_kernel_from_concurrent_python_threads_matches_serial():
     generator = torch.Generator().manual_seed(5)
     layout = BlockLayout(n=70000, window=64, block_size=16)
     keys, values = torch.randn(2, 70000, 64, generator=generator), torch.randn(2, 70000, 64, generator=generator)
-    centroids = BlockCentroids(16).update(keys, layout.n_full)
+    centroids = BlockStatistics(16).update(keys, layout.n_full)
     queries = [torch.randn(14, 64, generator=generator) for _ in range(8)]
 
     def step(q):
@@ -384,7 +384,7 @@ def test_c_kernel_after_fork_starts_its_own_workers():
     generator = torch.Generator().manual_seed(6)
     layout = BlockLayout(n=70000, window=64, block_size=16)
     keys, q = torch.randn(2, 70000, 64, generator=generator), torch.randn(14, 64, generator=generator)
-    centroids = BlockCentroids(16).update(keys, layout.n_full)
+    centroids = BlockStatistics(16).update(keys, layout.n_full)
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(2)

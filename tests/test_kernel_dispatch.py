@@ -20,7 +20,7 @@ from sparsedecode.kernels.reference import _attend_blocks
 from sparsedecode.kernels.triton import attention as triton_attention
 from sparsedecode.layout import BlockLayout
 from sparsedecode.selectors import select_blocks
-from sparsedecode.selectors.statistics import BlockCentroids
+from sparsedecode.selectors.statistics import BlockStatistics
 
 
 def reference(q, keys, values, blocks, layout, scale):
@@ -58,7 +58,7 @@ def step(kernel, q, keys, values, layout, b=3):
     """One block-selector step as sparse_decode_step runs it: mean-pooled selection, then attention."""
     cfg = SparseConfig(support=1 + 64 + layout.block_size * b, block_size=layout.block_size, kernel=kernel)
     scale = q.shape[-1] ** -0.5
-    blocks = select_blocks(cfg, BlockCentroids(layout.block_size), q, keys, layout, scale=scale)
+    blocks = select_blocks(cfg, BlockStatistics(layout.block_size), q, keys, layout, scale=scale)
     return blocks, _attend_blocks(cfg, q, keys, values, blocks, layout, scale), scale
 
 

@@ -140,10 +140,10 @@ def test_centroids_are_block_means():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_block_statistics_of_a_batch_equal_each_row_alone(dtype, monkeypatch):
     """The compiled step completes an equal-length batch's blocks in one pass (centroids.store_statistics over rows and
-    KV heads): each row's statistics bit for bit those its own BlockCentroids computes, from any first block, and
+    KV heads): each row's statistics bit for bit those its own BlockStatistics computes, from any first block, and
     those of the whole span reduced at once however the half-precision span is cut (SPAN_FLOATS)."""
     from sparsedecode.selectors import statistics as centroids
-    from sparsedecode.selectors.statistics import BlockCentroids, block_span, reduce_blocks, store_statistics
+    from sparsedecode.selectors.statistics import BlockStatistics, block_span, reduce_blocks, store_statistics
 
     generator = torch.Generator().manual_seed(1)
     kinds = ("mean", "min", "max")
@@ -160,7 +160,7 @@ def test_block_statistics_of_a_batch_equal_each_row_alone(dtype, monkeypatch):
                     batched = targets[kind][..., first:].transpose(-1, -2)
                     assert torch.equal(batched, reduce_blocks(whole, kind))
                     for row in range(3):
-                        alone = BlockCentroids(block, (kind,))
+                        alone = BlockStatistics(block, (kind,))
                         alone.update(keys[row], first)
                         assert torch.equal(batched[row], alone.update(keys[row], stop)[:, first:])
 

@@ -16,7 +16,7 @@ from test_attention import greedy_loop
 from sparsedecode import SparseConfig, SparseDecodeError, sparse_decoding
 from sparsedecode.layout import BlockLayout
 from sparsedecode.selectors import select_blocks
-from sparsedecode.selectors.statistics import BlockCentroids
+from sparsedecode.selectors.statistics import BlockStatistics
 from sparsedecode.session import attend_support
 
 pytest.importorskip("triton", reason="the Triton kernel tests need the test extra (pip install -e '.[test]')")
@@ -135,7 +135,7 @@ def test_triton_selection_picks_the_blocks_top_blocks_picks(query_heads, kv_head
     keys = torch.randn(kv_heads, n + 3, d, generator=generator)
     q = torch.randn(query_heads, d, generator=generator)
     cfg = SparseConfig(support=1 + 64 + 16 * b, kernel="torch")
-    cache = BlockCentroids(16)
+    cache = BlockStatistics(16)
     expected = select_blocks(cfg, cache, q, keys, layout, scale=d**-0.5)  # torch scores + top_blocks
     centroids = cache.update(keys, layout.n_full)
     chosen = mean_pooled_top_blocks(q, keys, centroids, layout, min(b, layout.n_blocks))
@@ -152,6 +152,6 @@ def test_triton_selection_breaks_ties_towards_the_lowest_block():
     layout = BlockLayout(n=64 + 1 + 16 * 10, window=64, block_size=16)
     keys = torch.zeros(2, layout.n, 16)
     keys[:, 1 + 16 * 7 : 1 + 16 * 8] = 1.0  # block 7 is best; the other nine tie at 0
-    centroids = BlockCentroids(16).update(keys, layout.n_full)
+    centroids = BlockStatistics(16).update(keys, layout.n_full)
     chosen = mean_pooled_top_blocks(torch.ones(4, 16), keys, centroids, layout, 3)
     assert chosen.tolist() == [[7, 0, 1], [7, 0, 1]]

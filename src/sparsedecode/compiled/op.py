@@ -3,13 +3,14 @@ static (preallocated) KV cache, so that ``torch.compile(..., fullgraph=True)`` c
 
 The session's step (:mod:`~sparsedecode.session.forward`) decides in Python, per layer and step, from state kept
 in Python objects and found through a context variable: nothing a compiler can trace. Here every attention module
-of the model carries a :class:`StaticLayer` (attribute :data:`STATE`), whose tensors hold what the session's
+of the model carries a :class:`StepBuffers` (attribute :data:`STATE`), whose tensors hold what the session's
 :class:`~sparsedecode.session.LayerState` holds for one sequence of a batch without padding:
 
 * ``stats (kinds, batch, kv, d, capacity)`` float32: the block statistics the selector reads, the storage of a
-  :class:`~sparsedecode.selectors.statistics.BlockCentroids` (the C kernel reads it in place); ``count (batch,)`` how
+  :class:`~sparsedecode.selectors.statistics.BlockStatistics` (the C kernel reads it in place); ``count (batch,)`` how
   many blocks hold values;
-* ``blocks`` / ``keep (batch, kv, b)``: the block selection being reused (``keep``: what an adaptive budget kept),
+* ``blocks`` / ``budget_mask (batch, kv, b)``: the block selection being reused (``budget_mask``: what an adaptive
+budget kept),
   ``positions (batch, kv, distant)`` a token selector's; ``step (batch,)``: sparse steps of the current chain (the
   reuse counter); ``last (batch,)``: the context length of the layer's last call;
 * ``tally (4,)`` int64: sparse row-steps, dense row-steps, positions read by sparse steps (summed over KV heads),
@@ -46,10 +47,10 @@ from .prepared import PREPARED, centroids_of, prepare, signature_of
 STATIC_ATTENTION = "sparsedecode-static"
 """The attention implementation name the capturable step registers under."""
 STATE = "_sparsedecode_static"
-"""The attribute of an attention module that holds its :class:`StaticLayer`."""
+"""The attribute of an attention module that holds its :class:`StepBuffers`."""
 
 FORMS = ("prepared", "general", "device", "traced")
-"""How a layer's compiled step runs (a :class:`StaticLayer`'s ``form``, chosen by :func:`step_form`):
+"""How a layer's compiled step runs (a :class:`StepBuffers`'s ``form``, chosen by :func:`step_form`):
 
 * ``"prepared"``: the custom op on the host; its first sparse call takes the general path and prepares the C call
   that serves every later one where it can (:mod:`~sparsedecode.compiled.prepared`): the CPU's default;
@@ -93,7 +94,7 @@ def config_key(cfg: SparseConfig) -> str:
 
 
 @dataclass
-class StaticLayer:
+class StepBuffers:
     """One attention layer's state for the capturable step (see the module); built by :func:`allocate`."""
 
     layer: int
@@ -105,7 +106,7 @@ class StaticLayer:
     stats: torch.Tensor
     count: torch.Tensor
     blocks: torch.Tensor
-    keep: torch.Tensor
+    budget_mask: torch.Tensor
     positions: torch.Tensor
     step: torch.Tensor
     last: torch.Tensor
@@ -123,15 +124,15 @@ class StaticLayer:
 
 def allocate(
     cfg: SparseConfig, layer: int, batch: int, kv_heads: int, head_dim: int, max_len: int, device, form: str
-) -> StaticLayer:
-    """A :class:`StaticLayer` for a cache of ``max_len`` positions: every tensor at its final size; ``form`` from
+) -> StepBuffers:
+    """A :class:`StepBuffers` for a cache of ``max_len`` positions: every tensor at its final size; ``form`` from
     :func:`step_form`."""
     kinds = cfg.selector.cached_statistics()
     capacity = max(max_len // cfg.block_size + 1, 1)
     b = max(cfg.blocks, 1)
     distant = max(cfg.distant_positions, 1) if cfg.selector.token_level else 1
     long = dict(dtype=torch.int64, device=device)
-    state = StaticLayer(
+    state = StepBuffers(
         layer=layer,
         config=config_key(cfg),
         cfg=cfg,
@@ -140,13 +141,13 @@ def allocate(
         stats=torch.zeros(len(kinds), batch, kv_heads, head_dim, capacity, dtype=torch.float32, device=device),
         count=torch.zeros(batch, **long),
         blocks=torch.zeros(batch, kv_heads, b, **long),
-        keep=torch.ones(batch, kv_heads, b, dtype=torch.bool, device=device),
+        budget_mask=torch.ones(batch, kv_heads, b, dtype=torch.bool, device=device),
         positions=torch.zeros(batch, kv_heads, distant, **long),
         step=torch.zeros(batch, **long),
         last=torch.zeros(batch, **long),
         tally=torch.zeros(4, **long),
     )
-    for name in ("stats", "count", "blocks", "keep", "positions", "step", "last", "tally"):
+    for name in ("stats", "count", "blocks", "budget_mask", "positions", "step", "last", "tally"):
         torch._dynamo.mark_static_address(getattr(state, name))  # mutated in place: CUDA graphs keep their memory
     return state
 
@@ -165,7 +166,7 @@ def _row_reads(cfg, row, layout) -> int:
     if cfg.selector.token_level:
         kv_heads, distant = row.positions.shape
         return kv_heads * (1 + distant + layout.n - layout.distant_end)
-    return int(schedule.support_reads(row.blocks, layout, row.keep).sum())
+    return int(schedule.support_reads(row.blocks, layout, row.budget_mask).sum())
 
 
 def sparse_step(
@@ -176,7 +177,7 @@ def sparse_step(
     stats: torch.Tensor,
     count: torch.Tensor,
     blocks: torch.Tensor,
-    keep: torch.Tensor,
+    budget_mask: torch.Tensor,
     positions: torch.Tensor,
     step: torch.Tensor,
     last: torch.Tensor,
@@ -222,7 +223,9 @@ def sparse_step(
     kinds = cfg.selector.cached_statistics()
     adaptive = cfg.selector.adaptive
     rows = [
-        TensorRow(centroids_of(stats[:, i], kinds, c, cfg.block_size), blocks[i], keep[i], positions[i], adaptive)
+        TensorRow(
+            centroids_of(stats[:, i], kinds, c, cfg.block_size), blocks[i], budget_mask[i], positions[i], adaptive
+        )
         for i, c in enumerate(count.tolist())
     ]
     fresh = fresh.tolist()
@@ -252,8 +255,8 @@ def _fake(query, key, value, *state_and_settings):
 _LIBRARY = torch.library.Library("sparsedecode", "DEF")
 _LIBRARY.define(
     "sparse_step(Tensor query, Tensor key, Tensor value, Tensor position, Tensor(a!) stats, Tensor(b!) count, "
-    "Tensor(c!) blocks, Tensor(d!) keep, Tensor(e!) positions, Tensor(f!) step, Tensor(g!) last, Tensor(h!) tally, "
-    "str config, int layer, float scale, str form) -> Tensor"
+    "Tensor(c!) blocks, Tensor(d!) budget_mask, Tensor(e!) positions, Tensor(f!) step, Tensor(g!) last, "
+    "Tensor(h!) tally, str config, int layer, float scale, str form) -> Tensor"
 )
 # defined with torch.library's schema API rather than the custom_op decorator: its dispatch costs about 8 us a
 # call, the decorator's wrappers about 130 us (30 layers: 4 ms a token)
@@ -282,7 +285,7 @@ def static_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function of the capturable step: multi-token forwards dense (SDPA with the mask),
-    decode steps :func:`sparse_step` on the module's :class:`StaticLayer`; a module without one, or a
+    decode steps :func:`sparse_step` on the module's :class:`StepBuffers`; a module without one, or a
     sliding-window layer, dense."""
     state = getattr(module, STATE, None)
     position = kwargs.get("position_ids")
@@ -319,7 +322,7 @@ def static_attention_forward(
             )  # fmt: skip
             return out, None
         out = torch.ops.sparsedecode.sparse_step(
-            query, key, value, position, state.stats, state.count, state.blocks, state.keep, state.positions,
+            query, key, value, position, state.stats, state.count, state.blocks, state.budget_mask, state.positions,
             state.step, state.last, state.tally, state.config, state.layer, float(scale), state.form,
         )  # fmt: skip
         return out, None

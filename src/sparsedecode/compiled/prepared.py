@@ -2,7 +2,7 @@
 one call of the C kernel (:func:`~sparsedecode.compiled.op.sparse_step` looks it up by :func:`signature_of`).
 
 What the op's general path checks and builds at every call (the plan, the row table with its bounds checks, the
-argument list) depends only on tensors that a static cache and a :class:`~sparsedecode.compiled.op.StaticLayer`
+argument list) depends only on tensors that a static cache and a :class:`~sparsedecode.compiled.op.StepBuffers`
 keep from call to call, so :func:`prepare` does it at the first call on them; a later call is one C call
 (``prepared_step`` in ``sparse_step.c``) that also keeps the state's integers (the truncation, which rows select
 afresh, the reuse counters, the tally) in place, as the general path keeps them: Python work between the compiled
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..layout import BlockLayout
-from ..selectors.statistics import BlockCentroids, store_statistics
+from ..selectors.statistics import BlockStatistics, store_statistics
 
 SPLIT_WORK = 1 << 20
 """Centroid floats a prepared call scores (rows x KV heads x blocks x d) from which it splits over torch's threads;
@@ -36,9 +36,9 @@ PREPARED: dict[tuple, Prepared | None] = {}
 """Prepared calls by :func:`signature_of` (``None``: the general path serves those tensors)."""
 
 
-def centroids_of(state_stats: torch.Tensor, kinds: tuple[str, ...], count: int, block: int) -> BlockCentroids:
-    """A :class:`BlockCentroids` over one row's preallocated storage ``(kinds, kv, d, capacity)``."""
-    cache = BlockCentroids(block, kinds)
+def centroids_of(state_stats: torch.Tensor, kinds: tuple[str, ...], count: int, block: int) -> BlockStatistics:
+    """A :class:`BlockStatistics` over one row's preallocated storage ``(kinds, kv, d, capacity)``."""
+    cache = BlockStatistics(block, kinds)
     cache._stats = {kind: state_stats[k] for k, kind in enumerate(kinds)}
     cache.count = count
     return cache
@@ -92,7 +92,7 @@ class Prepared:
 
     def _complete(self, key, stats, n: int) -> None:
         """The statistics of the blocks completed since the last call, of the rows selecting afresh now: an
-        equal-length batch's in one pass, each row's numbers as its own BlockCentroids.update makes them."""
+        equal-length batch's in one pass, each row's numbers as its own BlockStatistics.update makes them."""
         cfg, block, batch, count = self.cfg, self.cfg.block_size, self.batch, self.count
         n_full = BlockLayout(n=n, window=cfg.window, block_size=block).n_full
         fresh = np.ones(batch, dtype=bool) if self.every_step else self.step % cfg.reuse == 0
@@ -110,7 +110,7 @@ class Prepared:
 
 def signature_of(config, layer, scale, query, key, value, stats, count, blocks, step, last, tally) -> tuple:
     """What a :class:`Prepared` call depends on: the configuration, the layer, and every tensor's address and
-    layout (a static cache and a :class:`StaticLayer` keep them from call to call)."""
+    layout (a static cache and a :class:`StepBuffers` keep them from call to call)."""
     return (
         config, layer, scale, query.shape, query.stride(), query.dtype,
         key.data_ptr(), key.shape, key.stride(), key.dtype, value.data_ptr(), value.shape, value.stride(), value.dtype,

@@ -24,7 +24,7 @@ class Drafter(Protocol):
     def verify(self, ids: list[int]) -> list[int]:
         """One dense forward over ``ids`` at the next positions, written to the cache: the argmax after each."""
 
-    def keep(self, fed: int, kept: int) -> None:
+    def retain(self, fed: int, kept: int) -> None:
         """Of the ``fed`` positions the last :meth:`verify` wrote, keep the first ``kept``."""
 
 
@@ -49,7 +49,7 @@ def lossless_loop(drafter: Drafter, result, max_new_tokens: int, *, draft_tokens
         if eos_token_id in new:  # dense greedy decoding would stop there: so does its lossless twin
             new = new[: new.index(eos_token_id) + 1]
         result.tokens.extend(new)
-        drafter.keep(k_now + 1, accepted + 1)
+        drafter.retain(k_now + 1, accepted + 1)
         result.verify_s += time.perf_counter() - begun
 
         result.verifications += 1
@@ -90,7 +90,7 @@ class SessionDrafter:
         self.ids = torch.tensor([ids], device=self.device)
         return self.model(input_ids=self.ids, cache=self.cache, use_cache=True).logits[0].argmax(dim=-1).tolist()
 
-    def keep(self, fed: int, kept: int) -> None:
+    def retain(self, fed: int, kept: int) -> None:
         if self.rewinds or kept == fed:
             crop_cache(self.cache, self.length + kept)
         else:  # sliding-window or recurrent layers cannot drop the rejected drafts: back to the round's start,
@@ -119,5 +119,5 @@ class StaticDrafter:
     def verify(self, ids: list[int]) -> list[int]:
         return self.decoder.extend(torch.tensor([ids], device=self.device))[0].argmax(dim=-1).tolist()
 
-    def keep(self, fed: int, kept: int) -> None:
+    def retain(self, fed: int, kept: int) -> None:
         self.decoder.position -= fed - kept

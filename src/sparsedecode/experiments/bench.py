@@ -40,7 +40,7 @@ from ..layout import BlockLayout
 from ..memory import available_memory_bytes
 from ..models.catalog import attention_shape
 from ..selectors import resolve_selector
-from ..selectors.statistics import BlockCentroids
+from ..selectors.statistics import BlockStatistics
 from ..session import LayerState, SparseSession, sparse_decode_step, sparse_decoding
 from ..session.kv_cache import GrowingCache, crop_cache, crop_rewinds, growing_copy
 from .op_calls import op_calls
@@ -137,7 +137,7 @@ class OpLayer:
     query: torch.Tensor
     keys: torch.Tensor
     values: torch.Tensor
-    centroids: BlockCentroids
+    centroids: BlockStatistics
 
 
 def _op_layer(
@@ -148,7 +148,7 @@ def _op_layer(
     values = torch.randn(1, kv_heads, n, d, generator=generator).to(device, dtype)
     query = torch.randn(1, query_heads, 1, d, generator=generator).to(device, dtype)
     statistics = resolve_selector(selector).statistics
-    centroids = BlockCentroids(layout.block_size, statistics or ("mean",))
+    centroids = BlockStatistics(layout.block_size, statistics or ("mean",))
     if statistics:
         centroids.update(keys[0], layout.n_full)
     return OpLayer(query, keys, values, centroids)

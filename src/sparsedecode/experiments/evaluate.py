@@ -415,7 +415,7 @@ def run_eval(
             on_start(done_before, total)
         configs = {(cfg.selector_name, cfg.support): cfg for cfg in spec.configs()}
 
-        def keep(row: dict) -> None:
+        def store_row(row: dict) -> None:
             record()
             append_row(runs, row)
             stored[key_of(row)] = row
@@ -425,14 +425,14 @@ def run_eval(
                 on_row(row, outcome.done_before + outcome.ran, total)
 
         if execute is not None:
-            _run_elsewhere(execute, spec, tokenizer, groups, samples, stored, configs, keep)
+            _run_elsewhere(execute, spec, tokenizer, groups, samples, stored, configs, store_row)
         else:
             for number, group in enumerate(groups, start=1):
                 pending = [key for key in spec.group_keys(group) if key not in stored]
                 if pending:
                     sample = samples.pop(group, None) or sample_of(spec, tokenizer, group)
                     dense_row = stored.get((*group, DENSE, None))
-                    run_sample(model, tokenizer, sample, pending, configs, stored_dense=dense_row, on_row=keep)
+                    run_sample(model, tokenizer, sample, pending, configs, stored_dense=dense_row, on_row=store_row)
                 if progress:
                     progress("samples", number, len(groups))
         record()
@@ -461,7 +461,7 @@ class SampleUnit:
         )
 
 
-def _run_elsewhere(execute, spec, tokenizer, groups, samples, stored, configs, keep) -> None:
+def _run_elsewhere(execute, spec, tokenizer, groups, samples, stored, configs, store_row) -> None:
     """The pending samples as units on ``execute``, built as workers free up; rows already stored are dropped."""
     todo = [(group, [key for key in spec.group_keys(group) if key not in stored]) for group in groups]
     todo = [(group, keys) for group, keys in todo if keys]
@@ -478,7 +478,7 @@ def _run_elsewhere(execute, spec, tokenizer, groups, samples, stored, configs, k
     for _, made in execute.run(units, len(todo)):
         for row in made:
             if key_of(row) not in stored:
-                keep(row)
+                store_row(row)
 
 
 def _first_samples(spec: EvalSpec, tokenizer, groups: list[Group], done: set) -> dict[Group, Sample]:

@@ -496,7 +496,7 @@ def run_sweep(
             )
             return outcome
 
-        def keep(row: dict) -> None:
+        def store_row(row: dict) -> None:
             append_row(runs, row)
             done.add(key_of(row))
             rows.append(row)
@@ -505,7 +505,7 @@ def run_sweep(
                 on_row(row, outcome.done_before + outcome.ran, total)
 
         if execute is not None:
-            _run_elsewhere(execute, spec, directory, tokenizer, groups, done, rows, keep)
+            _run_elsewhere(execute, spec, directory, tokenizer, groups, done, rows, store_row)
             return outcome
         for group in groups:
             pending = [key for key in spec.group_keys(group) if key not in done]
@@ -513,7 +513,9 @@ def run_sweep(
                 continue  # no dense reference for a finished group
             stored = [r for r in rows if (r["context"], r["prompt_index"]) == group]
             check = functools.partial(_check_reference, directory, group, stored=stored)
-            run_group(model, tokenizer, spec, group, pending, progress=progress, check_reference=check, on_row=keep)
+            run_group(
+                model, tokenizer, spec, group, pending, progress=progress, check_reference=check, on_row=store_row
+            )
     return outcome
 
 
@@ -605,7 +607,7 @@ class GroupUnit:
         )
 
 
-def _run_elsewhere(execute, spec, directory, tokenizer, groups, done, rows, keep) -> None:
+def _run_elsewhere(execute, spec, directory, tokenizer, groups, done, rows, store_row) -> None:
     """The pending groups as units on ``execute``; each unit's rows are checked against the dense reference the
     group's stored rows were paired with and kept (a row already stored is dropped, never written twice)."""
     todo = [(group, [key for key in spec.group_keys(group) if key not in done]) for group in groups]
@@ -620,7 +622,7 @@ def _run_elsewhere(execute, spec, directory, tokenizer, groups, done, rows, keep
             _check_reference(directory, unit.group, row["dense_tokens"], stored)
         for row in made:
             if key_of(row) not in done:
-                keep(row)
+                store_row(row)
 
 
 def _check_reference(directory: Path, group: Group, tokens: list[int], stored: list[dict]) -> None:

@@ -20,16 +20,16 @@ from ..validate import check_finite, finite_sum
 from .base import BlockSelector, Selector, TokenSelector
 from .ops import token_index, top_blocks, top_positions
 from .registry import resolve_selector
-from .statistics import BlockCentroids, reduce_blocks
+from .statistics import BlockStatistics, reduce_blocks
 
 
 @dataclass
 class BlockChoice:
-    """The blocks a step reads per KV head, ascending ``(kv, b)``; ``keep`` ``(kv, b)`` marks those an adaptive
+    """The blocks a step reads per KV head, ascending ``(kv, b)``; ``budget_mask`` ``(kv, b)`` marks those an adaptive
     budget kept (``None``: all of them)."""
 
     blocks: torch.Tensor
-    keep: torch.Tensor | None = None
+    budget_mask: torch.Tensor | None = None
 
 
 def _checked(selector: Selector, scores, shape: tuple[int, int], what: str, device: torch.device) -> torch.Tensor:
@@ -116,7 +116,7 @@ def _call(selector: Selector, method, *inputs, layout=None):
     return result
 
 
-def block_statistics(cache: BlockCentroids, keys: torch.Tensor, layout: BlockLayout) -> dict[str, torch.Tensor]:
+def block_statistics(cache: BlockStatistics, keys: torch.Tensor, layout: BlockLayout) -> dict[str, torch.Tensor]:
     """Every distant block's statistics ``(kv, n_blocks, d)``: the cached full blocks (extended by any completed since
     the last call) and the short last block reduced on the fly."""
     stats = cache.update_all(keys, layout.n_full)
@@ -126,7 +126,7 @@ def block_statistics(cache: BlockCentroids, keys: torch.Tensor, layout: BlockLay
     return {kind: torch.cat([stats[kind], reduce_blocks(tail, kind)], dim=1) for kind in cache.kinds}
 
 
-def block_scores(selector: BlockSelector, cache: BlockCentroids, queries, keys, layout: BlockLayout) -> torch.Tensor:
+def block_scores(selector: BlockSelector, cache: BlockStatistics, queries, keys, layout: BlockLayout) -> torch.Tensor:
     """The selector's checked float32 scores ``(kv, n_blocks)``."""
     reads = block_statistics(cache, keys, layout) if selector.statistics else keys[:, : layout.n]
     scores = _call(selector, selector.score_blocks, queries, reads, layout=layout)
@@ -171,7 +171,7 @@ def _budget(selector: BlockSelector, scores: torch.Tensor, blocks: torch.Tensor,
 
 
 def choose_blocks(
-    selector: BlockSelector, budget: int, cache: BlockCentroids, queries, keys, layout: BlockLayout, kernel="auto"
+    selector: BlockSelector, budget: int, cache: BlockStatistics, queries, keys, layout: BlockLayout, kernel="auto"
 ) -> BlockChoice:
     """The ``budget`` blocks ``selector`` keeps, per KV head, ascending (see the module).
 
@@ -187,7 +187,7 @@ def choose_blocks(
 
 
 def choose_planned_blocks(
-    selector: BlockSelector, budget: int, cache: BlockCentroids, queries, keys, layout: BlockLayout, chosen: str
+    selector: BlockSelector, budget: int, cache: BlockStatistics, queries, keys, layout: BlockLayout, chosen: str
 ) -> BlockChoice:
     """:func:`choose_blocks` with the selection kernel already chosen (``"c"``, ``"triton"``; ``"torch"``, the only
     one for a selector the kernels do not score): what a planned step calls."""
@@ -225,10 +225,10 @@ def support_of(choice: BlockChoice, layout: BlockLayout) -> tuple[torch.Tensor, 
     """``(index, valid)`` ``(kv, S)`` of a block choice: :func:`~sparsedecode.layout.support_positions`, with the
     blocks an adaptive budget dropped marked invalid."""
     index, valid = support_positions(choice.blocks, layout)
-    if choice.keep is not None:
+    if choice.budget_mask is not None:
         b, block = choice.blocks.shape[1], layout.block_size
         valid = valid.clone()
-        valid[:, 1 : 1 + b * block] &= choice.keep.repeat_interleave(block, dim=1)
+        valid[:, 1 : 1 + b * block] &= choice.budget_mask.repeat_interleave(block, dim=1)
     return index, valid
 
 
@@ -293,7 +293,7 @@ def select_support(
         distant = choose_positions(selector, support - 1 - window, queries, keys, layout, history=history)
         index = token_index(distant, layout)
         return [index[h] for h in range(kv_heads)]
-    cache = BlockCentroids(block_size, selector.cached_statistics())
+    cache = BlockStatistics(block_size, selector.cached_statistics())
     index, valid = support_of(choose_blocks(selector, blocks, cache, queries, keys, layout), layout)
     return [index[h][valid[h]] for h in range(kv_heads)]
 
@@ -309,7 +309,7 @@ def _layout_for(cfg, layout: BlockLayout, scale, salt) -> BlockLayout:
     )
 
 
-def select_blocks(cfg, cache: BlockCentroids, queries, keys, layout: BlockLayout, *, scale=None, salt=None):
+def select_blocks(cfg, cache: BlockStatistics, queries, keys, layout: BlockLayout, *, scale=None, salt=None):
     """The blocks ``cfg``'s block selector keeps at one step, ascending ``(kv, b)`` (``cfg.kernel`` picks the kernel
     of a selector the kernels score; ``salt`` is the layer). An adaptive budget's dropped blocks are not removed:
     use :func:`choose_blocks` for them."""

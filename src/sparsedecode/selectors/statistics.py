@@ -2,14 +2,14 @@
 
 Keys never change once cached, so a statistic of a completed distant block (its mean key, the centroid; or its
 per-channel minimum and maximum, for Quest) can be computed once and kept. Selection then reads ``N / B`` block
-statistics instead of ``N`` keys. One :class:`BlockCentroids` serves one layer of one generation: it is built
+statistics instead of ``N`` keys. One :class:`BlockStatistics` serves one layer of one generation: it is built
 lazily at the first sparse decode step after prefill (reading the prefix keys once) and extended by one block
 every ``B`` tokens afterwards.
 
 The cache itself cannot tell whether the keys it summarised are still the keys in the KV cache: a new prompt, a
 crop or a rollback changes them behind its back. Validity is decided by its owner, the session's layer state
 (:class:`~sparsedecode.session.LayerState`), which proves how many leading cache positions are unchanged since it
-last looked and calls :meth:`BlockCentroids.truncate` before every update; see that class for the argument.
+last looked and calls :meth:`BlockStatistics.truncate` before every update; see that class for the argument.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def store_statistics(keys: torch.Tensor, first: int, stop: int, block: int, targ
             target[..., start:end] = reduce_blocks(span, kind).transpose(-1, -2)
 
 
-class BlockCentroids:
+class BlockStatistics:
     """Float32 statistics of the completed distant blocks of one layer's keys, per KV head.
 
     ``kinds`` names the statistics kept (``("mean",)`` by default: the centroids). Memory per statistic:
@@ -140,3 +140,7 @@ class BlockCentroids:
     def update(self, keys: torch.Tensor, n_full: int) -> torch.Tensor:
         """The first statistic (the centroids, by default) of blocks ``0 .. n_full - 1``; see :meth:`update_all`."""
         return self.update_all(keys, n_full)[self.kinds[0]]
+
+
+BlockCentroids = BlockStatistics
+"""The old name (it holds the blocks' minimum and maximum too, not only their centroids)."""

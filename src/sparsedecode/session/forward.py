@@ -75,15 +75,15 @@ def _remember_attention(state: LayerState, key: torch.Tensor, n: int, received: 
         state.history_complete = False
 
 
-def _enter(state: LayerState, row: LayerState, keep: int, pad: int, start: int, q_len: int) -> None:
-    """A row's part of a forward of ``q_len`` tokens at ``start ..`` begins: the batch's state proved ``[0, keep)``
+def _enter(state: LayerState, row: LayerState, intact: int, pad: int, start: int, q_len: int) -> None:
+    """A row's part of a forward of ``q_len`` tokens at ``start ..`` begins: the batch's state proved ``[0, intact)``
     unchanged and the row keeps its share of it. A sequence alone is its layer's own state, already begun."""
     if row is not state:
-        row.unchanged = max(keep - pad, 0)
+        row.unchanged = max(intact - pad, 0)
         row.begin(start, q_len)
 
 
-def _dense_forward(state, rows, pads, query, key, n, keep, scale, h2o) -> None:
+def _dense_forward(state, rows, pads, query, key, n, intact, scale, h2o) -> None:
     """Each row's bookkeeping after a multi-token dense forward: what survives, H2O's history."""
     q_len = query.shape[2]
     start = n - q_len
@@ -93,7 +93,7 @@ def _dense_forward(state, rows, pads, query, key, n, keep, scale, h2o) -> None:
         if row_q <= 0:  # a left pad of this forward only: the row holds nothing yet
             row.forget()
             continue
-        _enter(state, row, keep, pad, row_start, row_q)
+        _enter(state, row, intact, pad, row_start, row_q)
         keys_i = key[i : i + 1, :, pad:]
         if h2o:
             q_i = query[i, :, q_len - row_q :]
@@ -103,7 +103,7 @@ def _dense_forward(state, rows, pads, query, key, n, keep, scale, h2o) -> None:
 
 
 def _decode(
-    session, state, rows, pads, n, keep, scale, module, query, key, value, attention_mask, dropout, scaling, kwargs
+    session, state, rows, pads, n, intact, scale, module, query, key, value, attention_mask, dropout, scaling, kwargs
 ):
     """A decode step of every row: one batched SDPA call where every row is dense (dense batched decoding,
     exactly), otherwise each dense row its own SDPA over its own slice and the sparse rows one sparse step."""
@@ -121,7 +121,7 @@ def _decode(
         out = query.new_empty(query.shape[0], 1, query.shape[1], value.shape[-1])
     sparse = []
     for i, (row, pad, m) in enumerate(zip(rows, pads, lengths)):
-        _enter(state, row, keep, pad, m - 1, 1)
+        _enter(state, row, intact, pad, m - 1, 1)
         if not dense_rows[i]:
             sparse.append((i, row, pad, m))
             continue
@@ -159,7 +159,7 @@ def session_forward(session, state, module, query, key, value, attention_mask, d
     q_len = query.shape[2]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     n, pads = _extents(session, attention_mask, key, q_len, kwargs)
-    keep = state.begin(n - q_len, q_len)
+    intact = state.begin(n - q_len, q_len)
     rows = state.rows_for(pads)
     if q_len == 1:
         out = _decode(
@@ -168,7 +168,7 @@ def session_forward(session, state, module, query, key, value, attention_mask, d
             rows,
             pads,
             n,
-            keep,
+            intact,
             scale,
             module,
             query,
@@ -187,6 +187,6 @@ def session_forward(session, state, module, query, key, value, attention_mask, d
             out = sdpa_attention_forward(
                 module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
             )[0]
-        _dense_forward(state, rows, pads, query, key, n, keep, scale, session.config.selector.uses_history)
+        _dense_forward(state, rows, pads, query, key, n, intact, scale, session.config.selector.uses_history)
     state.end(key, n)
     return out, None

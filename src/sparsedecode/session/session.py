@@ -12,7 +12,7 @@ from transformers import Cache
 
 from ..config import SparseConfig
 from ..errors import SparseDecodeError
-from ..selectors.statistics import BlockCentroids
+from ..selectors.statistics import BlockStatistics
 from ..step.plan import StepPlan
 from .kv_cache import seq_length
 from .state import LayerState, StepView
@@ -89,7 +89,7 @@ class SparseSession:
         state = self.layers.get(layer)
         if state is None:
             kinds = self.config.selector.cached_statistics()
-            state = self.layers[layer] = LayerState(layer, BlockCentroids(self.config.block_size, kinds))
+            state = self.layers[layer] = LayerState(layer, BlockStatistics(self.config.block_size, kinds))
         return state
 
     def look(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:

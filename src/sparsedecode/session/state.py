@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..layout import BlockLayout
-from ..selectors.statistics import BlockCentroids
+from ..selectors.statistics import BlockStatistics
 from ..step import schedule
 
 
@@ -122,12 +122,12 @@ class LayerState:
     (:meth:`look`) that finds the same layer's key tensor in the cache *before* the cache appends the new tokens,
     and asks how many of its leading positions are provably the marked ones, unwritten since:
     ``unchanged``. The cache then appends the forward's tokens at ``start = N - q`` and leaves ``[0, start)``
-    alone (the contract of every cache ``update``). So at the call, the keys at ``[0, keep)``, ``keep = min(
+    alone (the contract of every cache ``update``). So at the call, the keys at ``[0, intact)``, ``intact = min(
     unchanged, start, seen)``, are exactly those the state was derived from, and by induction over calls every
-    statistic of a block inside ``[0, keep)``, every history or read entry below ``keep`` is right; everything at
-    or past ``keep`` is dropped (:meth:`begin`). The reused selection is kept only by a decode step that continues
+    statistic of a block inside ``[0, intact)``, every history or read entry below ``intact`` is right; everything at
+    or past ``intact`` is dropped (:meth:`begin`). The reused selection is kept only by a decode step that continues
     the chain exactly: the previous call on this layer was a sparse decode step of this cache, ending at
-    ``start`` (``keep == start == seen``). Hence:
+    ``start`` (``intact == start == seen``). Hence:
 
     * a new prompt (a new cache, a reset cache, or a prefill from position 0) keeps nothing;
     * a crop or rollback (``DynamicCache.crop``, speculative decoding) keeps ``[0, start)`` and restarts the
@@ -149,14 +149,14 @@ class LayerState:
 
     Cost per layer and decode step: the pre-hook and this bookkeeping are O(1) (a weak-reference lookup and a
     comparison of the tensor's offset, strides, shape and version counter; no key is read). After a change only
-    what lies past ``keep`` is recomputed: the statistics of the blocks past it, at the next sparse step.
+    what lies past ``intact`` is recomputed: the statistics of the blocks past it, at the next sparse step.
     """
 
     layer: int
-    centroids: BlockCentroids
+    centroids: BlockStatistics
     step: int = 0
     blocks: torch.Tensor | None = None
-    keep: torch.Tensor | None = None
+    budget_mask: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     history: torch.Tensor | None = None
     history_complete: bool = True
@@ -172,7 +172,7 @@ class LayerState:
 
     def blocks_out(self, kv_heads: int, b: int) -> torch.Tensor:
         """A fresh ``(kv, b)`` int64 selection the C call writes into (see :mod:`sparsedecode.step.rows`)."""
-        self.blocks, self.keep = torch.empty(kv_heads, b, dtype=torch.int64), None
+        self.blocks, self.budget_mask = torch.empty(kv_heads, b, dtype=torch.int64), None
         return self.blocks
 
     def look(self, cache: object) -> None:
@@ -188,25 +188,25 @@ class LayerState:
 
     def begin(self, start: int, q_len: int) -> int:
         """A forward of ``q_len`` tokens at positions ``start ..`` begins: drop what may be stale (the schedule's
-        :func:`~sparsedecode.step.schedule.after_write`, with ``keep`` proved as the class says).
+        :func:`~sparsedecode.step.schedule.after_write`, with ``intact`` proved as the class says).
 
-        Returns ``keep``, the number of leading positions whose derived state survives."""
-        keep = min(self.unchanged, start, self.seen)
+        Returns ``intact``, the number of leading positions whose derived state survives."""
+        intact = min(self.unchanged, start, self.seen)
         self.unchanged = 0
         count, self.step, _ = schedule.after_write(
-            self.centroids.count, self.step, self.seen, start, start + q_len, keep, self.centroids.block_size
+            self.centroids.count, self.step, self.seen, start, start + q_len, intact, self.centroids.block_size
         )
-        if keep < self.seen:
-            self.forget_from(keep)
+        if intact < self.seen:
+            self.forget_from(intact)
         self.centroids.truncate(count)
         if start == 0:
             self.history_complete = True
-        elif keep < start:  # positions [keep, start) were written by forwards this session did not see
+        elif intact < start:  # positions [intact, start) were written by forwards this session did not see
             self.history_complete = False
         if self.step == 0:  # no chain to continue: no selection to reuse
-            self.blocks, self.keep, self.positions = None, None, None
-        self.seen = keep
-        return keep
+            self.blocks, self.budget_mask, self.positions = None, None, None
+        self.seen = intact
+        return intact
 
     def end(self, keys: torch.Tensor, n: int) -> None:
         """The call is over: the state now describes the first ``n`` positions of ``keys`` ``(batch, kv, >= n, d)``."""
@@ -218,22 +218,22 @@ class LayerState:
         share (``unchanged - pad``)."""
         self.seen = n
 
-    def forget_from(self, keep: int) -> None:
-        """Drop everything derived from positions ``>= keep``."""
-        self.centroids.truncate(schedule.kept_blocks(self.centroids.count, keep, self.centroids.block_size))
-        if keep == 0:
+    def forget_from(self, intact: int) -> None:
+        """Drop everything derived from positions ``>= intact``."""
+        self.centroids.truncate(schedule.kept_blocks(self.centroids.count, intact, self.centroids.block_size))
+        if intact == 0:
             self.history, self.reads = None, None
         else:
             if self.history is not None:
-                self.history[:, keep:] = 0
+                self.history[:, intact:] = 0
             if self.reads is not None:
-                self.reads[:, keep:] = False
-        self.seen = min(self.seen, keep)
+                self.reads[:, intact:] = False
+        self.seen = min(self.seen, intact)
 
     def forget(self) -> None:
         """Drop all state (the next forward starts from nothing)."""
         self.forget_from(0)
-        self.step, self.blocks, self.keep, self.positions = 0, None, None, None
+        self.step, self.blocks, self.budget_mask, self.positions = 0, None, None, None
         self.mark, self.seen, self.unchanged = None, 0, 0
         self.history_complete = True
         self.rows, self.pads = None, None
@@ -255,7 +255,7 @@ class LayerState:
         """
         if self.rows is None or self.pads != pads:
             kinds = self.centroids.kinds
-            self.rows = [LayerState(self.layer, BlockCentroids(self.centroids.block_size, kinds)) for _ in pads]
+            self.rows = [LayerState(self.layer, BlockStatistics(self.centroids.block_size, kinds)) for _ in pads]
             self.pads = pads
         return self.rows
 

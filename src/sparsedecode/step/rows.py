@@ -3,8 +3,8 @@ support, one row at a time or every row in one C call (:func:`one_call`). The se
 (:class:`~sparsedecode.session.state.LayerState`) and the compiled op's (:class:`TensorRow`, views of its
 preallocated state) are handed here alike. A row has:
 
-* ``centroids``: its block statistics (a :class:`~sparsedecode.selectors.statistics.BlockCentroids`);
-* ``blocks`` ``(kv, b)`` and ``keep`` (an adaptive budget's ``(kv, b)`` mask, ``None`` for a fixed budget): its
+* ``centroids``: its block statistics (a :class:`~sparsedecode.selectors.statistics.BlockStatistics`);
+* ``blocks`` ``(kv, b)`` and ``budget_mask`` (an adaptive budget's ``(kv, b)`` mask, ``None`` for a fixed budget): its
   block selection; ``positions`` ``(kv, distant)``: a token selector's;
 * ``blocks_out(kv_heads, b)``: the ``(kv, b)`` int64 contiguous tensor the C call writes a fresh selection into, which
   is then the row's ``blocks``.
@@ -22,11 +22,13 @@ from .plan import StepPlan
 
 
 class TensorRow:
-    """One row of the compiled op's preallocated state ``blocks``/``keep (kv, b)``, ``positions (kv, distant)``: a
-    selection assigned to it is copied into those tensors (their addresses stay, as a captured graph needs)."""
+    """One row of the compiled op's preallocated state ``blocks``/``budget_mask (kv, b)``, ``positions (kv, distant)``:
+    a selection assigned to it is copied into those tensors (their addresses stay, as a captured graph needs)."""
 
-    def __init__(self, centroids, blocks: torch.Tensor, keep: torch.Tensor, positions: torch.Tensor, adaptive: bool):
-        self.centroids, self._blocks, self._keep, self._positions = centroids, blocks, keep, positions
+    def __init__(
+        self, centroids, blocks: torch.Tensor, budget_mask: torch.Tensor, positions: torch.Tensor, adaptive: bool
+    ):
+        self.centroids, self._blocks, self._budget_mask, self._positions = centroids, blocks, budget_mask, positions
         self._adaptive = adaptive
 
     @property
@@ -38,12 +40,12 @@ class TensorRow:
         self._blocks.copy_(value)
 
     @property
-    def keep(self) -> torch.Tensor | None:
-        return self._keep if self._adaptive else None
+    def budget_mask(self) -> torch.Tensor | None:
+        return self._budget_mask if self._adaptive else None
 
-    @keep.setter
-    def keep(self, value: torch.Tensor | None) -> None:
-        self._keep.fill_(True) if value is None else self._keep.copy_(value)
+    @budget_mask.setter
+    def budget_mask(self, value: torch.Tensor | None) -> None:
+        self._budget_mask.fill_(True) if value is None else self._budget_mask.copy_(value)
 
     @property
     def positions(self) -> torch.Tensor:
@@ -54,7 +56,7 @@ class TensorRow:
         self._positions.copy_(value)
 
     def blocks_out(self, kv_heads: int, b: int) -> torch.Tensor:
-        self.keep = None
+        self.budget_mask = None
         return self._blocks
 
 
@@ -66,7 +68,7 @@ def select_row(cfg, plan: StepPlan, row, q, keys, layout: BlockLayout, history=N
         row.positions = choose_positions(cfg.selector, cfg.distant_positions, q, keys, layout, history=history)
         return
     choice = choose_planned_blocks(cfg.selector, cfg.blocks, row.centroids, q, keys, layout, plan.select)
-    row.blocks, row.keep = choice.blocks, choice.keep
+    row.blocks, row.budget_mask = choice.blocks, choice.budget_mask
 
 
 def support(cfg, row, layout: BlockLayout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +77,7 @@ def support(cfg, row, layout: BlockLayout) -> tuple[torch.Tensor, torch.Tensor]:
     if cfg.selector.token_level:
         index = token_index(row.positions, layout)  # reused distant positions, the window slides
         return index, torch.ones_like(index, dtype=torch.bool)
-    return support_of(BlockChoice(row.blocks, row.keep), layout)
+    return support_of(BlockChoice(row.blocks, row.budget_mask), layout)
 
 
 def attend_row(cfg, plan: StepPlan, row, q, keys, values, layout: BlockLayout, *, weights: bool = False):
@@ -90,8 +92,8 @@ def attend_row(cfg, plan: StepPlan, row, q, keys, values, layout: BlockLayout, *
             out, received = attend_positions(q, keys, values, index, layout.scale, weights=True)
             return out, index, received
         return attend_positions(q, keys, values, index, layout.scale)
-    if row.keep is not None:  # an adaptive budget: its support by position, the dropped blocks masked
-        index, valid = support_of(BlockChoice(row.blocks, row.keep), layout)
+    if row.budget_mask is not None:  # an adaptive budget: its support by position, the dropped blocks masked
+        index, valid = support_of(BlockChoice(row.blocks, row.budget_mask), layout)
         return attend_positions(q, keys, values, index, layout.scale, valid=valid)
     return attend_blocks_on(plan.attend, q, keys, values, row.blocks, layout, layout.scale)
 

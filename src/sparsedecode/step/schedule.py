@@ -19,11 +19,11 @@ A row's schedule state, whatever holds it:
 
 **Why the state is never stale.** Everything a row keeps is derived from its cached keys at positions ``[0,
 last)``. A call writes positions ``[start, n)`` (a prefill chunk, a verification, a decode step) and leaves ``[0,
-start)`` alone (the contract of every cache's ``update``). Before the call, the route establishes ``keep``: how many
+start)`` alone (the contract of every cache's ``update``). Before the call, the route establishes ``intact``: how many
 leading positions are provably the ones its state was derived from. The compiled op sees every write to its static
-cache, so ``keep = start``; the session cannot, so it proves ``keep`` from the key tensor's memory, layout and
+cache, so ``intact = start``; the session cannot, so it proves ``intact`` from the key tensor's memory, layout and
 version counter (:class:`~sparsedecode.session.state.KeyMark`). :func:`after_write` then keeps the statistics of
-the blocks wholly inside ``[0, keep)`` only, and the reuse chain only when the call continues it: one token, right
+the blocks wholly inside ``[0, intact)`` only, and the reuse chain only when the call continues it: one token, right
 where the row's last call ended, nothing before it changed. By induction over calls, every kept statistic and every
 reused selection describes the keys now cached. Hence a new prompt (a forward from position 0) keeps nothing, a crop
 or a rollback keeps ``[0, start)`` and restarts the chain, and a dense decode step (``N <= S``) ends the chain
@@ -56,23 +56,23 @@ def _at_least_zero(value):
     return value.clamp(min=0) if isinstance(value, torch.Tensor) else max(value, 0)
 
 
-def kept_blocks(count, keep, block: int):
-    """The statistics that survive when positions ``[0, keep)`` are all a row still holds as it was: those of the
+def kept_blocks(count, intact, block: int):
+    """The statistics that survive when positions ``[0, intact)`` are all a row still holds as it was: those of the
     blocks wholly inside (block ``j`` ends at ``1 + (j + 1) B``), at most ``count``."""
-    return _minimum(count, _at_least_zero((keep - 1) // block))
+    return _minimum(count, _at_least_zero((intact - 1) // block))
 
 
-def continues(q_len, last, start, keep):
+def continues(q_len, last, start, intact):
     """Whether a call of ``q_len`` tokens at ``start`` continues its row's chain of sparse steps: one token, where the
     row's last call ended, and nothing before it changed."""
-    return (q_len == 1) & (last == start) & (keep >= start)
+    return (q_len == 1) & (last == start) & (intact >= start)
 
 
-def after_write(count, step, last, start, n, keep, block: int):
-    """A call writes positions ``[start, n)`` of a row whose first ``keep`` positions are as its state saw them:
+def after_write(count, step, last, start, n, intact, block: int):
+    """A call writes positions ``[start, n)`` of a row whose first ``intact`` positions are as its state saw them:
     ``(count, step, last)`` after it (see the module). The step itself (:func:`decode_step`) moves ``step`` on."""
-    chained = continues(n - start, last, start, keep)
-    return kept_blocks(count, keep, block), _where(chained, step, 0), n
+    chained = continues(n - start, last, start, intact)
+    return kept_blocks(count, intact, block), _where(chained, step, 0), n
 
 
 def decode_step(step, sparse, reuse: int, every_step: bool):
@@ -83,14 +83,14 @@ def decode_step(step, sparse, reuse: int, every_step: bool):
     return fresh & sparse, _where(sparse, step + 1, 0)
 
 
-def support_reads(blocks, layout, keep=None):
+def support_reads(blocks, layout, budget_mask=None):
     """Positions a block support reads per KV head: ``blocks (..., kv, b)`` (a tensor or a NumPy array), the anchor,
-    the window and the chosen blocks, a chosen short last block only over its distant positions; ``keep (..., kv,
+    the window and the chosen blocks, a chosen short last block only over its distant positions; ``budget_mask (..., kv,
     b)``, an adaptive budget's, leaves out the blocks it dropped. Returns ``(..., kv)``."""
     block, n_full = layout.block_size, layout.n_full
     sizes = block - (blocks == n_full) * (block - (layout.distant_end - 1 - n_full * block))
-    if keep is not None:
-        sizes = sizes * keep
+    if budget_mask is not None:
+        sizes = sizes * budget_mask
     return 1 + layout.n - layout.distant_end + sizes.sum(-1)
 
 

@@ -347,7 +347,7 @@ def run_step(
     the dtype (:data:`DTYPES`) of the query, keys and values.
 
     With ``blocks=None`` it selects afresh (what :func:`run_selection` returns for ``b``, from ``centroids``: the
-    cache's ``(kv, d, capacity)`` float32 storage, :meth:`~sparsedecode.selectors.statistics.BlockCentroids.storage`,
+    cache's ``(kv, d, capacity)`` float32 storage, :meth:`~sparsedecode.selectors.statistics.BlockStatistics.storage`,
     holding at least the layout's ``n_full`` blocks), else it takes ``blocks`` as they are (``b`` unused); then
     attention over anchor + blocks + window, as :func:`attend_support`. One call instead of two saves the Python and
     ctypes work of the second (a few tens of microseconds per layer and step, most of a step's time below ~32K

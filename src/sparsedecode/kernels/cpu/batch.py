@@ -30,7 +30,7 @@ def sparse_step_batch(
     written). Each entry of ``rows`` is ``(sequence, pad, n, centroids, chosen, fresh)``: sequence ``sequence`` of
     the batch occupies cache positions ``[pad, pad + n)``, its own positions ``0 .. n - 1`` (its layout has ``n``
     positions); ``centroids`` its cache's ``(kv, d, capacity)`` float32 storage
-    (:meth:`~sparsedecode.selectors.statistics.BlockCentroids.storage`, holding at least its ``n_full`` blocks; read
+    (:meth:`~sparsedecode.selectors.statistics.BlockStatistics.storage`, holding at least its ``n_full`` blocks; read
     only when ``fresh``); ``chosen`` its ``(kv, b)`` int64 blocks, contiguous: written when ``fresh`` (the ``b <=
     n_blocks`` best, ascending, as :func:`select_mean_pooled`), read as they are otherwise. No two rows may share
     ``chosen`` storage, nor two fresh rows the same output row.
