@@ -126,3 +126,51 @@ def test_the_lowest_transformers_make_tests_is_the_range_floor():
     floor = re.search(r">=\s*([0-9.]+)", spec).group(1)
     lowest = re.search(r"^TRANSFORMERS_LOWEST \?= (\S+)$", (root / "Makefile").read_text(), re.M).group(1)
     assert lowest == floor or lowest.startswith(floor + "."), (lowest, floor)
+
+
+def test_old_module_paths_keep_importing_and_say_where_they_moved():
+    """Code holding a path from before the package was folded into layers (``sparsedecode.speculative.generate``,
+    ``sparsedecode.paired.compare``) still runs, warned where the module lives now; nothing here imports one."""
+    script = (
+        "import warnings, json, sparsedecode\n"
+        "warnings.simplefilter('always')\n"
+        "with warnings.catch_warnings(record=True) as seen:\n"
+        "    from sparsedecode.speculative import generate\n"
+        "    from sparsedecode.paired import compare\n"
+        "    from sparsedecode.attention import static\n"
+        "    import sparsedecode.centroids as centroids\n"
+        "print(json.dumps([generate is sparsedecode.generate, compare is sparsedecode.compare, static.__name__,\n"
+        "    centroids.BlockCentroids is centroids.BlockStatistics, sorted(str(w.message) for w in seen)]))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    same_generate, same_compare, static, alias, messages = json.loads(done.stdout)
+    assert same_generate and same_compare and alias and static == "sparsedecode.compiled.op"
+    assert "sparsedecode.speculative moved to sparsedecode.decoding.generate" in messages
+    assert "sparsedecode.attention.static moved to sparsedecode.compiled.op" in messages
+
+
+def test_nothing_in_the_repository_imports_an_old_module_path():
+    import ast
+    from pathlib import Path
+
+    from sparsedecode.moved import MOVED
+
+    root = Path(__file__).resolve().parents[1]
+    package = root / "src"
+    old = []
+    for path in [*package.rglob("*.py"), *(root / "tests").rglob("*.py"), *(root / "scripts").glob("*.py")]:
+        if path.name == "moved.py" or path.name == Path(__file__).name:
+            continue
+        parts = list(path.relative_to(package).with_suffix("").parts) if path.is_relative_to(package) else []
+        base = ".".join(parts if parts[-1:] == ["__init__"] and parts.pop() else parts[:-1]) if parts else ""
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                anchor = base.split(".")[: len(base.split(".")) - (node.level - 1)] if node.level else []
+                module = ".".join([*anchor, *([node.module] if node.module else [])])
+                names = [module, *(f"{module}.{alias.name}" for alias in node.names)]
+            else:
+                continue
+            old += [f"{path.relative_to(root)}:{node.lineno}: {name}" for name in names if name in MOVED]
+    assert not old, "\n".join(old)

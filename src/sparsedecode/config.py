@@ -1,4 +1,4 @@
-"""Sparse decoding settings (DESIGN.md section 1)."""
+"""Sparse decoding settings (docs/definitions.md, section 1)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Where a decode step's support lies (DESIGN.md section 1): the block layout and the positions it reads.
+"""Where a decode step's support lies (docs/definitions.md, section 1): the block layout and the positions it reads.
 
 With ``N`` cached positions (the current token included) the support is the anchor (position 0), the local window
 ``[N - W, N)`` and the chosen distant blocks: the distant region ``[1, N - W)`` cut into blocks of ``B``

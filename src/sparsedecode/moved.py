@@ -9,6 +9,7 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
+import types
 import warnings
 
 MOVED = {
@@ -60,11 +61,27 @@ still give their public names (``CompiledDecoder``, ``load_model``, ...)."""
 
 
 class _Alias(importlib.abc.Loader):
-    def __init__(self, new: str) -> None:
-        self.new = new
+    """Hands back the module at the new path; for an old package whose children moved elsewhere
+    (``sparsedecode.attention``), a module of the old name that finds its old children here and everything else on
+    the new package, so ``from sparsedecode.attention import static`` still works."""
+
+    def __init__(self, old: str, new: str) -> None:
+        self.old, self.new = old, new
 
     def create_module(self, spec):
-        return importlib.import_module(self.new)
+        target = importlib.import_module(self.new)
+        if not any(name.startswith(self.old + ".") for name in MOVED):
+            return target
+        proxy = types.ModuleType(self.old, target.__doc__)
+        proxy.__path__ = []  # a package: its old children are found by _MovedFinder
+
+        def attribute(name: str):
+            if f"{self.old}.{name}" in MOVED:
+                return importlib.import_module(f"{self.old}.{name}")
+            return getattr(target, name)
+
+        proxy.__getattr__ = attribute
+        return proxy
 
     def exec_module(self, module) -> None:
         pass
@@ -78,7 +95,7 @@ class _MovedFinder(importlib.abc.MetaPathFinder):
         if new is None:
             return None
         warnings.warn(f"{fullname} moved to {new}", DeprecationWarning, stacklevel=3)
-        return importlib.util.spec_from_loader(fullname, _Alias(new))
+        return importlib.util.spec_from_loader(fullname, _Alias(fullname, new))
 
 
 if not any(isinstance(finder, _MovedFinder) for finder in sys.meta_path):

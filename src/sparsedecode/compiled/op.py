@@ -22,10 +22,9 @@ selection and kernels (:func:`~sparsedecode.selectors.select.choose_planned_bloc
 :func:`~sparsedecode.kernels.reference.attend_blocks_on`): the same blocks and outputs as the session's step. Its
 fake implementation only says the output's shape, so the compiled graph holds one call per layer and no Python.
 
-Why the state is never stale: every write into the cache goes through the attention function, and each call
-writes positions ``[start, n)`` and drops what was derived from them (:func:`_truncate`): block statistics of blocks
-reaching ``start``, and the reuse chain unless the call continues it (a decode step at ``start == last``). A new
-prompt (a forward from position 0), a crop or a rollback thus keep only what still describes the cache.
+Why the state is never stale is the schedule's argument (:mod:`sparsedecode.step.schedule`); every write into the
+static cache goes through this attention function, so a call writing ``[start, n)`` vouches for ``[0, start)``
+(:func:`_after_write`).
 """
 
 from __future__ import annotations

@@ -2,11 +2,13 @@
 ``decode_n_tokens``), for one prompt or a left-padded batch.
 
 Every caller uses it: the paired protocol (free-running and teacher-forced), ``generate`` in its dense and sparse
-modes and lossless drafting, the task evaluation, the retrieval probe, the mass probe, the benchmarks and the lm-eval
-model. Whether a step is dense or sparse is not the loop's business: it is decided by the session (or its absence)
-the loop runs in. One convention for one prompt and several: token ids are per sequence (lists of lists), logits are
-``(B, vocab)`` float32. Without a mask (one prompt, or equal-length prompts) the model is called with token ids
-alone; with one, each sequence is left-padded and gets its own RoPE positions.
+modes, the task evaluation, the retrieval probe, the mass probe, the benchmarks and the lm-eval model. Lossless
+drafting steps its drafter one token at a time itself (:mod:`sparsedecode.decoding.lossless`: the loop's log-sum-exp
+over the vocabulary would be spent on NLLs nobody reads): a session through :func:`decode_one_token`, a compiled
+decoder through its own step. Whether a step is dense or sparse is not the loop's business: it is decided by the
+session (or its absence) the loop runs in. One convention for one prompt and several: token ids are per sequence (lists
+of lists), logits are ``(B, vocab)`` float32. Without a mask (one prompt, or equal-length prompts) the model is called
+with token ids alone; with one, each sequence is left-padded and gets its own RoPE positions.
 
 A batch holds sequences of different lengths left-padded to the longest (:func:`left_pad`): sequence ``i`` of
 length ``P_i`` sits at cache positions ``[P - P_i, P)`` and its RoPE positions are ``0 .. P_i - 1``, as if it were

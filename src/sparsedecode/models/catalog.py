@@ -1,4 +1,4 @@
-"""Models that load without a hub, and a checked cache of their converted weights (DESIGN.md section 5).
+"""Models that load without a hub, and a checked cache of their converted weights (docs/definitions.md, section 5).
 
 ``load_model(spec)`` takes a built-in alias, a local ``.gguf`` file, a local model directory or a hub id;
 ``load_tokenizer(spec)`` gives the same tokenizer without reading the weights.

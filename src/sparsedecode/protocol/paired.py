@@ -1,4 +1,4 @@
-"""Paired dense/sparse evaluation of one prompt (DESIGN.md section 3).
+"""Paired dense/sparse evaluation of one prompt (docs/definitions.md, section 3).
 
 1. :func:`dense_reference`: dense prefill, then ``T`` greedy tokens with their NLL under the dense model. The
    prefilled cache is kept and reused (cropped back to the prompt) by every sparse run of that prompt.
@@ -139,7 +139,7 @@ def compare(
     progress: Progress | None = None,
     session_hook: Callable[[str, SparseSession], None] | None = None,
 ) -> CompareResult | list[CompareResult]:
-    """Paired dense/sparse comparison (DESIGN.md section 3) of one prompt or several under ``cfg``.
+    """Paired dense/sparse comparison (docs/definitions.md, section 3) of one prompt or several under ``cfg``.
 
     One prompt (``(1, P)``) gives a :class:`CompareResult`; several (a list of ``(1, P_i)`` prompts, or ``(B, P)``
     ids with ``B > 1``) a list, one per prompt, decoded together left-padded: each equals its batch-1 result apart

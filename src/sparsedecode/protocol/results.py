@@ -1,6 +1,7 @@
-"""What a paired comparison gives (DESIGN.md section 3): the dense reference of a prompt (:class:`DenseReference`,
-several in a :class:`BatchReference`), the paired result (:class:`CompareResult`) and how it is assembled from the two
-sparse passes, the first-divergence convention, and the upgrade of rows stored under an older convention."""
+"""What a paired comparison gives (docs/definitions.md, section 3): the dense reference of a prompt
+(:class:`DenseReference`, several in a :class:`BatchReference`), the paired result (:class:`CompareResult`) and how it
+is assembled from the two sparse passes, the first-divergence convention, and the upgrade of rows stored under an older
+convention."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from ..errors import SparseDecodeError
 from .diagnostics import WARNING_MATCH_PERCENT, MassAudit, margin_certificate, summarize_audit, summarize_certificate
 
 FIRST_DIVERGENCE_CONVENTION = 2
-"""Marks results and stored rows whose ``first_divergence`` follows DESIGN.md section 3 (see
+"""Marks results and stored rows whose ``first_divergence`` follows docs/definitions.md, section 3 (see
 :func:`first_divergence`). Rows without the mark were written under convention 1, the 1-based position of the
 first differing token counting the shared first token (one more than today's value when the run diverged; ``T``
 for a divergence at the last step as well as for survival): :func:`upgrade_row` recomputes them."""
@@ -116,7 +117,7 @@ class CompareResult:
 
 
 def first_divergence(dense_tokens: list[int], sparse_tokens: list[int]) -> int:
-    """``min{t >= 1 : s_t != d_t}`` over the paired tokens (``s_0 = d_0`` is shared), ``T`` if none (DESIGN.md
+    """``min{t >= 1 : s_t != d_t}`` over the paired tokens (``s_0 = d_0`` is shared), ``T`` if none (docs/definitions.md
     section 3): the decode step whose sparse token first differs; ``T`` is the number of dense tokens."""
     if len(dense_tokens) != len(sparse_tokens):
         raise SparseDecodeError(f"{len(dense_tokens)} dense tokens but {len(sparse_tokens)} sparse tokens")

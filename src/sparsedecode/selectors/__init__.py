@@ -1,4 +1,4 @@
-"""Selectors: which distant positions a decode step reads (DESIGN.md sections 1 and 8).
+"""Selectors: which distant positions a decode step reads (docs/definitions.md, sections 1 and 8).
 
 One module per method (:mod:`.mean_pooled`, :mod:`.quest`, :mod:`.oracle`, :mod:`.random_blocks`,
 :mod:`.streaming`, :mod:`.h2o`, and methods from the literature written on the public protocol: :mod:`.top_p`,

@@ -1,4 +1,4 @@
-"""The selector protocol (DESIGN.md section 8): what a user implements to have a method judged.
+"""The selector protocol (docs/definitions.md, section 8): what a user implements to have a method judged.
 
 A selector decides which distant positions a decode step reads. Everything else is the library's and the same for
 every selector: the anchor and the window, top-``b`` blocks (or top positions) with the tie rule (higher score first,

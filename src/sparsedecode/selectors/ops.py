@@ -1,4 +1,4 @@
-"""Tensor operations selectors are built from (DESIGN.md section 1); pure functions, usable on their own.
+"""Tensor operations selectors are built from (docs/definitions.md, section 1); pure functions, usable on their own.
 
 A selector's scores are turned into a support by the library with :func:`top_blocks` (the project's tie rule:
 highest score first, ties to the lowest index). The rest are the pieces the built-in selectors score with: group-mean

@@ -1,4 +1,4 @@
-"""Incremental per-block key statistics (DESIGN.md section 1, "Centroid cache").
+"""Incremental per-block key statistics (docs/definitions.md, section 1, "Centroid cache").
 
 Keys never change once cached, so a statistic of a completed distant block (its mean key, the centroid; or its
 per-channel minimum and maximum, for Quest) can be computed once and kept. Selection then reads ``N / B`` block
@@ -18,7 +18,8 @@ import math
 
 import torch
 
-STATISTICS = ("mean", "min", "max")
+from .base import STATISTICS
+
 SPAN_FLOATS = 1 << 21
 """Float32 values of half-precision keys that :func:`store_statistics` converts at a time (8 MB), into one buffer.
 One copy of a whole prompt's keys is freshly mapped memory whose page faults cost more than the reduction: SmolLM2's
@@ -26,11 +27,20 @@ One copy of a whole prompt's keys is freshly mapped memory whose page faults cos
 with a fresh copy per piece), the same bits."""
 
 
-def reduce_blocks(blocks: torch.Tensor, kind: str) -> torch.Tensor:
-    """``(..., blocks, B, d) -> (..., blocks, d)`` float32 mean / min / max over each block."""
+def reduce_blocks(blocks: torch.Tensor, kind: str, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """``(..., blocks, B, d) -> (..., blocks, d)`` float32 mean / min / max over each block: the one definition of a
+    block statistic, for the session's statistics and the host-free step alike. ``valid (..., blocks, B)`` marks the
+    positions a block holds where some are missing (the host-free step's newest block, over the positions written so
+    far; at least one valid where the result is used); without it every position counts."""
+    if valid is None:
+        if kind == "mean":
+            return blocks.mean(dim=-2)
+        return blocks.amin(dim=-2) if kind == "min" else blocks.amax(dim=-2)
+    mask = valid.unsqueeze(-1)
     if kind == "mean":
-        return blocks.mean(dim=-2)
-    return blocks.amin(dim=-2) if kind == "min" else blocks.amax(dim=-2)
+        return (blocks * mask).sum(dim=-2) / valid.sum(dim=-1, keepdim=True).clamp(min=1)
+    filled = blocks.masked_fill(~mask, float("inf") if kind == "min" else float("-inf"))
+    return filled.amin(dim=-2) if kind == "min" else filled.amax(dim=-2)
 
 
 def block_span(keys: torch.Tensor, first: int, stop: int, block: int) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Sparse decode attention, hooked into transformers through its front door.
 
-This is the one module that knows about transformers' attention plumbing (DESIGN.md section 7). We register
+This is the one module that knows about transformers' attention plumbing (docs/definitions.md, section 7). We register
 one attention function under the name ``"sparsedecode"`` with ``AttentionInterface`` (and transformers'
 SDPA mask builder under the same name with ``AttentionMaskInterface``, without which prefill that continues
 a cache and padding masks silently break). The function is dense SDPA unless a :class:`SparseSession` that

@@ -1,6 +1,6 @@
-"""The transformers glue (DESIGN.md section 7): the attention function registered with ``AttentionInterface`` (and
-transformers' SDPA mask builder under the same name with ``AttentionMaskInterface``), the ``sparse_decoding`` and
-``dense_attention`` context managers, and H2O's prefill history."""
+"""The transformers glue (docs/definitions.md, section 7): the attention function registered with
+``AttentionInterface`` (and transformers' SDPA mask builder under the same name with ``AttentionMaskInterface``), the
+``sparse_decoding`` and ``dense_attention`` context managers, and H2O's prefill history."""
 
 from __future__ import annotations
 
@@ -167,7 +167,7 @@ def dense_attention(model: torch.nn.Module) -> Iterator[None]:
 
 
 PREFILL_CHUNK = 1024
-"""Tokens per forward of :func:`prefill_history` (the chunk :func:`~sparsedecode.protocol.paired.prefill` uses)."""
+"""Tokens per forward of :func:`prefill_history` (the chunk :func:`~sparsedecode.decoding.loop.prefill` uses)."""
 
 
 @torch.no_grad()

@@ -138,7 +138,7 @@ def restore(cache, saved: Snapshot) -> None:
 
 def checkpoint(cache) -> None:
     """Make the cache's current length the one :func:`rewind` can come back to when ``crop`` cannot (see
-    :func:`snapshot`); a new checkpoint replaces the previous one. :func:`~sparsedecode.protocol.paired.prefill` takes
+    :func:`snapshot`); a new checkpoint replaces the previous one. :func:`~sparsedecode.decoding.loop.prefill` takes
     one at the prompt."""
     cache._sparsedecode_checkpoint = None if crop_rewinds(cache) else snapshot(cache)
 

@@ -116,24 +116,14 @@ class LayerState:
     session computed, summed over the group's query heads (H2O's accumulated attention; ``h2o`` sessions only).
     ``reads`` marks the distant positions each KV head has read (``track_reads``).
 
-    **Why this state is never stale.** All of it is derived from the layer's cached keys at positions
-    ``[0, seen)``. After every call the state marks the key tensor it was given (:class:`KeyMark`: its memory,
-    layout and version counter). Every forward pass through the attention module first runs a pre-hook
-    (:meth:`look`) that finds the same layer's key tensor in the cache *before* the cache appends the new tokens,
-    and asks how many of its leading positions are provably the marked ones, unwritten since:
-    ``unchanged``. The cache then appends the forward's tokens at ``start = N - q`` and leaves ``[0, start)``
-    alone (the contract of every cache ``update``). So at the call, the keys at ``[0, intact)``, ``intact = min(
-    unchanged, start, seen)``, are exactly those the state was derived from, and by induction over calls every
-    statistic of a block inside ``[0, intact)``, every history or read entry below ``intact`` is right; everything at
-    or past ``intact`` is dropped (:meth:`begin`). The reused selection is kept only by a decode step that continues
-    the chain exactly: the previous call on this layer was a sparse decode step of this cache, ending at
-    ``start`` (``intact == start == seen``). Hence:
-
-    * a new prompt (a new cache, a reset cache, or a prefill from position 0) keeps nothing;
-    * a crop or rollback (``DynamicCache.crop``, speculative decoding) keeps ``[0, start)`` and restarts the
-      reuse chain;
-    * dense steps (``N <= S``) end the chain: the first sparse step after them selects afresh;
-    * the same cache continued without a crop keeps everything, with no key re-read.
+    **Why this state is never stale** is the schedule's argument (:mod:`sparsedecode.step.schedule`): a call keeps
+    what was derived from positions ``[0, intact)`` and the reuse chain only where it continues it. What the session
+    adds is the proof of ``intact``, since it does not see every write to the cache: after every call the state
+    marks the key tensor it was given (:class:`KeyMark`: its memory, layout and version counter), and every forward
+    through the attention module first runs a pre-hook (:meth:`look`) that finds the layer's key tensor in the cache
+    *before* the cache appends, and asks how many leading positions are provably the marked ones, unwritten since:
+    ``unchanged``. The cache appends at ``start = N - q`` and leaves ``[0, start)`` alone, so ``intact = min(
+    unchanged, start, seen)`` positions are those the state was derived from (:meth:`begin`).
 
     DynamicCache replaces its tensors on every append (``torch.cat``) and crops by slicing (a view of the same
     memory); :class:`~sparsedecode.session.kv_cache.GrowingCache` writes in place (the version counter moves with each

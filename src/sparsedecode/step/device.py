@@ -23,6 +23,7 @@ import torch
 
 from ..layout import BlockLayout
 from ..selectors.select import trusted
+from ..selectors.statistics import reduce_blocks
 from . import schedule
 
 
@@ -31,17 +32,6 @@ def serves(cfg) -> bool:
     selector = cfg.selector
     fixed = not selector.token_level and bool(selector.statistics) and not selector.adaptive
     return fixed and trusted(selector, selector.score_blocks)
-
-
-def _reduce(keys: torch.Tensor, valid: torch.Tensor, kind: str) -> torch.Tensor:
-    """``keys (..., B, d)`` float32 reduced over the valid rows ``valid (..., B)`` (at least one is valid where the
-    result is used)."""
-    mask = valid.unsqueeze(-1)
-    if kind == "mean":
-        return (keys * mask).sum(dim=-2) / valid.sum(dim=-1, keepdim=True).clamp(min=1)
-    fill = float("inf") if kind == "min" else float("-inf")
-    filled = keys.masked_fill(~mask, fill)
-    return filled.amin(dim=-2) if kind == "min" else filled.amax(dim=-2)
 
 
 def fill_statistics(stats: torch.Tensor, kinds, key: torch.Tensor, start: int, n: int, block: int) -> None:
@@ -56,7 +46,7 @@ def fill_statistics(stats: torch.Tensor, kinds, key: torch.Tensor, start: int, n
     blocks = padded.reshape(*keys.shape[:2], stop - first, block, keys.shape[-1])
     valid = torch.arange((stop - first) * block, device=key.device).reshape(stop - first, block) < hi - lo
     for k, kind in enumerate(kinds):
-        stats[k, :, :, :, first:stop] = _reduce(blocks, valid, kind).transpose(-1, -2)
+        stats[k, :, :, :, first:stop] = reduce_blocks(blocks, kind, valid).transpose(-1, -2)
 
 
 def _newest_block(stats, kinds, key, n, block) -> None:
@@ -70,7 +60,7 @@ def _newest_block(stats, kinds, key, n, block) -> None:
     keys = key.gather(2, index[:, None, :, None].expand(batch, kv, block, d)).float()
     slot = j[:, None, None, None].expand(batch, kv, d, 1)
     for k, kind in enumerate(kinds):
-        value = _reduce(keys, valid[:, None, :], kind).unsqueeze(-1)  # (batch, kv, d, 1)
+        value = reduce_blocks(keys, kind, valid[:, None, :]).unsqueeze(-1)  # (batch, kv, d, 1)
         stats[k].scatter_(3, slot, value)
 
 
@@ -80,7 +70,7 @@ def _tail(key, kinds, n_full, distant_end, block) -> dict[str, torch.Tensor]:
     index = 1 + n_full[:, None] * block + torch.arange(block, device=key.device)
     valid = index < distant_end[:, None]
     keys = key.gather(2, index.clamp(max=key.shape[2] - 1)[:, None, :, None].expand(batch, kv, block, d)).float()
-    return {kind: _reduce(keys, valid[:, None, :], kind) for kind in kinds}
+    return {kind: reduce_blocks(keys, kind, valid[:, None, :]) for kind in kinds}
 
 
 def _choose(cfg, q, stats, kinds, key, n, layer, scale) -> torch.Tensor:

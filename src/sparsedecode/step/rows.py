@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
+from ..kernels.reference import attend_blocks_on, attend_positions
 from ..layout import BlockLayout
 from ..selectors import choose_positions, token_index
 from ..selectors.select import BlockChoice, choose_planned_blocks, support_of
@@ -84,8 +85,6 @@ def attend_row(cfg, plan: StepPlan, row, q, keys, values, layout: BlockLayout, *
     """Attention of one row over its selection (outside the one C call): ``(H, dv)`` float32; with ``weights`` (a
     token selector's, for H2O's history) also the attention each read position received, ``(out, index,
     received)``."""
-    from ..kernels.reference import attend_blocks_on, attend_positions
-
     if cfg.selector.token_level:
         index = token_index(row.positions, layout)  # reused distant positions, the window slides
         if weights:

@@ -1,4 +1,4 @@
-"""The mean-pooled block selector (DESIGN.md section 1): the project's reference method.
+"""The mean-pooled block selector (docs/definitions.md, section 1): the project's reference method.
 
 Block ``j`` of KV head ``h`` scores ``<q_h, c_j> / sqrt(d)``, with ``q_h`` the mean of the post-RoPE queries of the
 heads sharing KV head ``h`` and ``c_j`` the block's mean key (kept incrementally by the session). The C and Triton
