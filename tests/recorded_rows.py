@@ -24,6 +24,16 @@ sys.path.insert(0, str(HERE))
 FIXTURE = HERE / "data" / "recorded_rows.json"
 
 SELECTORS = ("mean-pooled", "quest", "oracle-blocks", "random-blocks", "oracle-tokens", "h2o", "streaming")
+NOW = {"quest": "quest:grouping=mean-query"}
+"""What each recorded selector is called today (issue #39: ``quest`` now selects per query head, as its official code;
+the variant recorded here is ``quest:grouping=mean-query``). Stored rows are renamed so when read
+(:func:`sparsedecode.protocol.results.upgrade_selector`)."""
+
+
+def now(selector: str) -> str:
+    return NOW.get(selector, selector)
+
+
 TIMING_SUFFIXES = ("_s", "_tokens_per_s")
 DROPPED = {"centroid_bytes", "run", "machine", "started", "kernel"}
 
@@ -61,7 +71,7 @@ def tiny_cases():
     for arch in ("llama", "qwen2"):
         for selector in SELECTORS:
             for support, reuse in ((97, 1), (113, 4)):
-                cfg = SparseConfig(support=support, reuse=reuse, selector=selector)
+                cfg = SparseConfig(support=support, reuse=reuse, selector=now(selector))
 
                 def paired(arch=arch, cfg=cfg):
                     model = tiny_model(arch)
@@ -71,13 +81,13 @@ def tiny_cases():
 
             def batch(arch=arch, selector=selector):
                 model = tiny_model(arch)
-                cfg = SparseConfig(support=97, reuse=2, selector=selector)
+                cfg = SparseConfig(support=97, reuse=2, selector=now(selector))
                 prompts = [prompt(260, seed=5), prompt(180, seed=6)]
                 return [_result(r) for r in sd.compare(model, None, prompts, cfg, tokens=16)]
 
             def generated(arch=arch, selector=selector):
                 model = tiny_model(arch)
-                cfg = SparseConfig(support=97, reuse=1, selector=selector)
+                cfg = SparseConfig(support=97, reuse=1, selector=now(selector))
                 ids = prompt(280, seed=7)
                 out = {}
                 for mode in ("sparse", "lossless"):
@@ -93,7 +103,9 @@ def tiny_cases():
 
         from sparsedecode.experiments.sweep import RUNS_FILE, SweepSpec, read_rows, run_sweep
 
-        spec = SweepSpec(model="tiny", contexts=(220,), supports=(97,), prompts=1, tokens=10, selectors=SELECTORS)
+        spec = SweepSpec(
+            model="tiny", contexts=(220,), supports=(97,), prompts=1, tokens=10, selectors=tuple(map(now, SELECTORS))
+        )
         with tempfile.TemporaryDirectory() as folder:
             run_sweep(spec, Path(folder) / "s", loaded=(tiny_model("llama"), char_tokenizer()))
             return [_clean(r) for r in read_rows(Path(folder) / "s" / RUNS_FILE)]
@@ -108,7 +120,7 @@ def tiny_cases():
             tasks=("niah_single_noise",),
             contexts=(600,),
             samples=1,
-            selectors=tuple(s for s in SELECTORS if s != "h2o"),  # eval with h2o failed before the protocol
+            selectors=tuple(now(s) for s in SELECTORS if s != "h2o"),  # eval with h2o failed before the protocol
             supports=(97,),
             answer_tokens=4,
         )
@@ -127,7 +139,7 @@ def tiny_cases():
             supports=(97,),
             prompts=1,
             tokens=6,
-            selectors=SELECTORS,
+            selectors=tuple(map(now, SELECTORS)),
             retrieval=1,
         )
         return {"rows": [_result(r) for r in rows], "runs": _clean(runs), "trials": _clean(trials)}
@@ -148,7 +160,7 @@ def real_cases():
         def paired(selector=selector):
             model, tokenizer = sd.load_model("smollm2-135m")
             ids = prompt_ids(tokenizer, "python-docs", 1024, 0, 24)
-            cfg = SparseConfig(support=97, reuse=2, selector=selector)
+            cfg = SparseConfig(support=97, reuse=2, selector=now(selector))
             return _result(sd.compare(model, None, ids, cfg, tokens=24))
 
         cases.append((f"real/compare/{selector}", paired))

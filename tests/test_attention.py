@@ -61,14 +61,17 @@ class Oracle:
             self.last[view.layer], self.refreshes = chosen.clone(), self.refreshes + 1
         else:
             assert torch.equal(chosen, self.last[view.layer]), "between refreshes the last refresh's selection"
-        for h in range(kv_heads):
+        rows = view.index.shape[0]  # a support per KV head, or per query head (each then reads KV head h // G)
+        share = view.query.shape[0] // rows
+        for h in range(rows):
             got = view.index[h][view.valid[h]]
             if refresh:
                 assert torch.equal(got, kept[h]), "a refresh differs from a fresh selection"
-            q = view.query[h * group : (h + 1) * group].double()
-            k, v = keys[h, got].double(), values[h, got].double()
+            kv = h * share // group
+            q = view.query[h * share : (h + 1) * share].double()
+            k, v = keys[kv, got].double(), values[kv, got].double()
             expected = torch.softmax(q @ k.T * view.scaling, dim=-1) @ v
-            error = (expected - view.output[h * group : (h + 1) * group].double()).abs().max()
+            error = (expected - view.output[h * share : (h + 1) * share].double()).abs().max()
             self.max_error = max(self.max_error, float(error))
             tolerance = attention_tolerance(q, k, v, view.scaling)
             self.max_error_ratio = max(self.max_error_ratio, float(error) / tolerance)

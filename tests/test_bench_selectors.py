@@ -1,4 +1,4 @@
-"""``bench op`` times every selector (issue #42, case 12): adaptive budgets (``top-p``, a user's ``budget()``) on
+"""``bench op`` times every selector (issue #42, case 12): adaptive budgets (``block-top-p``, a user's ``budget()``) on
 torch's operations, as decoding runs them, where the default kernels used to refuse them with an option ``bench op``
 does not have."""
 
@@ -50,7 +50,7 @@ def budgeted(tmp_path_factory):
     return f"{path}:Halves"
 
 
-@pytest.mark.parametrize("selector", [*SELECTORS, "top-p:p=0.5", "budgeted"])
+@pytest.mark.parametrize("selector", [*SELECTORS, "block-top-p:p=0.5", "budgeted"])
 def test_bench_op_times_every_selector(selector, budgeted):
     selector = budgeted if selector == "budgeted" else selector
     rows, _ = bench_op("smollm2-135m", (512,), (129,), selector=selector, budget_s=0.001, layers=1)
@@ -60,7 +60,7 @@ def test_bench_op_times_every_selector(selector, budgeted):
     assert all(r.sparse_ms > 0 and r.select_ms > 0 and r.attend_ms > 0 for r in rows)
 
 
-@pytest.mark.parametrize("selector", ["top-p:p=0.3", "budgeted", "quest"])
+@pytest.mark.parametrize("selector", ["block-top-p:p=0.3", "budgeted", "quest"])
 def test_the_timed_attention_reads_what_the_step_reads(selector, budgeted):
     """The attention ``bench op`` times apart attends over the support the whole step chose, an adaptive budget's
     dropped blocks left out: the same output as the step, to float32 round-off."""
@@ -82,5 +82,5 @@ def test_the_command_line_times_top_p(capsys):
     from sparsedecode.cli import main
 
     args = ["bench", "op", "--shape", "smollm2-135m", "--context", "512", "--support", "97", "--budget", "0.001"]
-    assert main([*args, "--layers", "1", "--selector", "top-p"]) == 0, capsys.readouterr().err
+    assert main([*args, "--layers", "1", "--selector", "block-top-p"]) == 0, capsys.readouterr().err
     assert "torch" in capsys.readouterr().out

@@ -270,19 +270,19 @@ def test_merged_comparisons_equal_one_comparison_of_every_selector(tiny_model_di
     base = ["compare-selectors", "--model", str(tiny_model_dir), "--context", "300", "--support", "97"]
     base += ["--prompts", "2", "--tokens", "4", "--retrieval", "2", "--batch", "2"]
     folders = {}
-    for name, selectors in (("all", "streaming,top-p,quest"), ("a", "streaming"), ("b", "top-p,quest")):
+    for name, selectors in (("all", "streaming,block-top-p,quest"), ("a", "streaming"), ("b", "block-top-p,quest")):
         folders[name] = tmp_path / name
         assert main([*base, "--selectors", selectors, "--out", str(folders[name])]) == 0
     assert main(["merge", str(folders["a"]), str(folders["b"]), "--out", str(tmp_path / "merged")]) == 0
     assert "merged 2 comparison(s)" in capsys.readouterr().out
     merged = json.loads((tmp_path / "merged" / "selectors.json").read_text())
     whole = json.loads((folders["all"] / "selectors.json").read_text())
-    assert merged["settings"]["selectors"] == ["streaming", "top-p", "quest"]
-    assert [p["selectors"] for p in merged["settings"]["parts"]] == [["streaming"], ["top-p", "quest"]]
+    assert merged["settings"]["selectors"] == ["streaming", "block-top-p", "quest"]
+    assert [p["selectors"] for p in merged["settings"]["parts"]] == [["streaming"], ["block-top-p", "quest"]]
     assert _comparable(merged) == _comparable(whole)
     markdown = (tmp_path / "merged" / "selectors.md").read_text()
     assert "Merged by `sparsedecode merge` from 2 comparisons" in markdown
-    top_p = [r for r in merged["summary"] if r["selector"] == "top-p"]
+    top_p = [r for r in merged["summary"] if r["selector"] == "block-top-p"]
     assert top_p and all(r["support_read_min"] <= r["support_read_mean"] <= r["support_read_max"] <= 97 for r in top_p)
     fewer = [r for r in merged["summary"] if r["support_read_mean"] is not None and r["support_read_mean"] < 97]
     assert ("Positions read per KV head and sparse step" in markdown) == bool(fewer)

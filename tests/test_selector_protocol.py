@@ -125,25 +125,25 @@ def test_a_file_selector_selects_what_an_independent_implementation_selects(user
 
 def test_spec_strings_parameters_and_lists(user_file):
     assert parse_selector("mean-pooled").spec() == "mean-pooled"
-    assert parse_selector("top-p:p=0.80").spec() == "top-p:p=0.8"
-    assert parse_selector("top-p:p=0.8").params() == {"p": 0.8}
+    assert parse_selector("block-top-p:p=0.80").spec() == "block-top-p:p=0.8"
+    assert parse_selector("block-top-p:p=0.8").params() == {"p": 0.8}
     assert (
         parse_selector(f"{user_file}:MaxKeyBlocks:temperature=2").spec() == f"{user_file}:MaxKeyBlocks:temperature=2.0"
     )
     assert parse_selector(f"{user_file}:MaxKeyBlocks").source[1] == registry._read_source(str(user_file))[0]
-    assert split_selector_list("mean-pooled,sparq:rank=4,top-p:p=0.5,quest") == [
+    assert split_selector_list("mean-pooled,sparq:rank=4,block-top-p:p=0.5,quest") == [
         "mean-pooled",
         "sparq:rank=4",
-        "top-p:p=0.5",
+        "block-top-p:p=0.5",
         "quest",
     ]
     for bad, says in [
         ("nope", "unknown selector 'nope'"),
-        ("top-p:q=1", "has no parameter 'q'"),
-        ("top-p:p=abc", "is not float"),
-        ("top-p:p=2", "p must be a number in (0, 1]"),
+        ("block-top-p:q=1", "has no parameter 'q'"),
+        ("block-top-p:p=abc", "is not float"),
+        ("block-top-p:p=2", "p must be a number in (0, 1]"),
         ("sparq:rank=1.5", "is not int"),
-        ("top-p:p", "parameters are key=value"),
+        ("block-top-p:p", "parameters are key=value"),
         (f"{user_file}:Nothing", "has no class 'Nothing'"),
         (f"{user_file}:MaxKeyBlocks:temperature=-1", "temperature must be > 0"),
         ("/no/such/file.py:Cls", "does not exist"),
@@ -242,14 +242,14 @@ def test_a_selector_instance_and_a_file_selector_pickle_with_their_source(user_f
 def test_top_p_reads_at_most_the_support_and_p_one_is_mean_pooled():
     model = tiny_model("llama")
     ids = prompt(300, seed=4)
-    whole = sd.compare(model, None, ids, SparseConfig(support=129, selector="top-p:p=1.0"), tokens=12)
+    whole = sd.compare(model, None, ids, SparseConfig(support=129, selector="block-top-p:p=1.0"), tokens=12)
     reference = sd.compare(model, None, ids, SparseConfig(support=129, selector="mean-pooled"), tokens=12)
     assert (
         whole.sparse_tokens == reference.sparse_tokens
         and whole.teacher_forced_tokens == reference.teacher_forced_tokens
     )
     assert whole.support_read_max <= 129
-    low = sd.compare(model, None, ids, SparseConfig(support=129, selector="top-p:p=0.02"), tokens=12)
+    low = sd.compare(model, None, ids, SparseConfig(support=129, selector="block-top-p:p=0.02"), tokens=12)
     assert 1 + 64 + 1 <= low.support_read_min <= low.support_read_mean <= low.support_read_max <= 129
     assert (
         low.support_read_mean < whole.support_read_mean
@@ -267,10 +267,11 @@ def test_top_p_budget_is_the_fewest_blocks_reaching_p():
 
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(100, 300), rank=st.integers(1, 16), seed=st.integers(0, 2**16))
-def test_sparq_scores_are_the_logits_over_the_largest_query_channels(n, rank, seed):
+def test_sparq_mean_query_scores_are_the_logits_over_the_largest_query_channels(n, rank, seed):
+    """The variant this project ran before the official group rule (``grouping=mean-query``)."""
     generator = torch.Generator().manual_seed(seed)
     queries, keys = torch.randn(4, 16, generator=generator), torch.randn(2, n, 16, generator=generator)
-    got = select_support(queries, keys, support=97, method=f"sparq:rank={rank}")
+    got = select_support(queries, keys, support=97, method=f"sparq:rank={rank},grouping=mean-query")
     q = queries.double().numpy().reshape(2, 2, 16).mean(axis=1)
     for h in range(2):
         channels = sorted(range(16), key=lambda c: (-abs(q[h, c]), c))[:rank]
@@ -303,9 +304,9 @@ def test_capabilities_not_names_decide_what_the_library_does():
         assert selector.practical == (not selector.reads_every_key)
     assert resolve_selector("oracle-blocks").reads_every_key and not resolve_selector("quest").reads_every_key
     assert resolve_selector("mean-pooled").kernel_scoring == "mean-dot"
-    assert resolve_selector("top-p").kernel_scoring is None and resolve_selector("top-p").adaptive
+    assert resolve_selector("block-top-p").kernel_scoring is None and resolve_selector("block-top-p").adaptive
     with pytest.raises(SparseDecodeError, match="adaptive budget"):
-        SparseConfig(selector="top-p", kernel="c")
+        SparseConfig(selector="block-top-p", kernel="c")
     source = " ".join(
         path.read_text()
         for path in __import__("pathlib").Path(sd.__file__).parent.rglob("*.py")
@@ -459,10 +460,10 @@ def test_the_lm_eval_model_takes_every_form_of_selector(user_file):
 
     for argument, spec in [
         ("selector=quest", "quest"),
-        ("selector=top-p:p=0.8", "top-p:p=0.8"),
+        ("selector=block-top-p:p=0.8", "block-top-p:p=0.8"),
         (f"selector={user_file}:MaxKeyBlocks:temperature=2", f"{user_file}:MaxKeyBlocks:temperature=2.0"),
     ]:
         cfg, _ = sparse_settings(**simple_parse_args_string(f"pretrained=x,support=97,{argument}"))
         assert cfg.selector_name == spec
     with pytest.raises(SparseDecodeError, match="has no parameter 'q'"):
-        sparse_settings(**simple_parse_args_string("pretrained=x,support=97,selector=top-p:q=1"))
+        sparse_settings(**simple_parse_args_string("pretrained=x,support=97,selector=block-top-p:q=1"))

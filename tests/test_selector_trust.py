@@ -170,7 +170,8 @@ def test_configurations_are_told_apart_by_what_their_selector_is(tmp_path):
     assert config_key(v1) != config_key(v2)
     assert config_key(v1) == config_key(SparseConfig(support=97, selector=v1.selector))
     assert SparseConfig(selector="quest").identity() == SparseConfig(selector="quest").identity()
-    assert SparseConfig(selector="top-p:p=0.8").identity() != SparseConfig(selector="top-p:p=0.9").identity()
+    low, high = SparseConfig(selector="block-top-p:p=0.8"), SparseConfig(selector="block-top-p:p=0.9")
+    assert low.identity() != high.identity()
 
 
 def test_compiled_generation_keeps_two_same_named_selectors_apart(tmp_path, monkeypatch):
@@ -209,7 +210,7 @@ def test_a_builtin_name_cannot_be_taken_even_before_any_lookup():
                     registry.register_selector(Impostor, name=name, replace=replace)
                 except sd.SparseDecodeError as error:
                     refused += "built-in" in str(error)
-        names = ("quest", "streaming", "top-p", "sparq", "random-blocks", "sink-streaming")
+        names = ("quest", "streaming", "block-top-p", "sparq", "random-blocks", "sink-streaming")
         print(refused, all(registry.selector_class(n).__module__.startswith("sparsedecode.selectors.") for n in names))
         """
     )

@@ -27,7 +27,7 @@ class SparseConfig:
     ``block_size`` keys, with ``b = (support - 1 - window) // block_size``. A ``support`` that is not of the
     form ``1 + window + b * block_size`` is floored to whole blocks: :attr:`effective_support` says what is
     actually read. ``reuse`` is the selection interval R (1 = fresh selection at every step).
-    ``selector`` is a registered name, a spec string (``"top-p:p=0.8"``, ``"path/to/file.py:Class"``) or a
+    ``selector`` is a registered name, a spec string (``"block-top-p:p=0.8"``, ``"path/to/file.py:Class"``) or a
     selector instance (:mod:`sparsedecode.selectors`); it is held as an instance. Token-level selectors read exactly
     ``support`` positions; an adaptive one reads at most the support. ``seed`` is the session's seed (random-blocks
     draws with it). ``audit`` turns on the omitted-mass audit of :mod:`sparsedecode.protocol.diagnostics`, which
@@ -58,10 +58,12 @@ class SparseConfig:
         check_seed(self.seed)
         if self.kernel not in KERNELS:
             raise SparseDecodeError(f"unknown kernel {self.kernel!r}; choose one of: {', '.join(KERNELS)}")
-        if self.kernel in ("c", "triton") and (self.token_level or self.selector.adaptive):
+        if self.kernel in ("c", "triton") and (
+            self.token_level or self.selector.adaptive or self.selector.per_query_head
+        ):
             raise SparseDecodeError(
                 f"kernel {self.kernel!r} serves block selectors only; {self.selector_name} steps run as torch "
-                "operations (token-level or adaptive budget): use kernel='auto' or 'torch'"
+                "operations (token-level, adaptive budget or a support per query head): use kernel='auto' or 'torch'"
             )
 
     @property

@@ -66,6 +66,9 @@ class BlockLayout:
     """The attention's scale (``1/sqrt(d)`` unless the model says otherwise), for selectors that reproduce attention."""
     seed: int = 0
     """The session's seed (:attr:`~sparsedecode.config.SparseConfig.seed`)."""
+    distant: int = 0
+    """The distant positions the support may read, ``S - 1 - W`` (``b * B`` for block selectors); 0 where the
+    caller did not say. For selectors whose candidates come from a budget of their own (Twilight's base selector)."""
 
     @property
     def distant_end(self) -> int:

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sparsedecode import select_support
 
+from .common import positions_to_mask
 from .h2o_official import h2o_decode, h2o_step_supports
 from .quest_official import quest_eval_supports, quest_kernel_supports, quest_on_our_layout
 from .sparq_official import sparq_head_scores, sparq_official_supports
@@ -231,20 +234,97 @@ def test_select_support_agrees_with_the_ports_at_one_query_head_per_kv_head(meth
     assert mismatches == 0, f"{method}: {mismatches} of {heads} heads select otherwise than the official rule"
 
 
-@pytest.mark.parametrize("method", ["quest", "sparq"])
-def test_today_group_mean_variant_differs_from_official_under_gqa(method):
-    """Documents today's difference (issue #39): one support per KV head from the group-mean query, where Quest
-    picks pages per query head and SparQ scales and sums per head. Flip to ``== 0`` once faithful selectors land."""
+def _supports_under_gqa(method: str, queries, keys, support: int, window: int, block: int, rank: int = 8):
+    """Ours and the port's, paired per query head (Quest) or per KV head (SparQ's group rule)."""
+    group = queries.shape[0] // keys.shape[0]
+    spec = f"sparq:rank={rank}" if method == "sparq" else method
+    ours = select_support(queries, keys, support=support, window=window, block_size=block, method=spec)
+    if method.startswith("quest"):  # the official Quest picks pages per query head
+        ported = quest_on_our_layout(queries, keys, support=support, window=window, block_size=block)
+        if method == "quest":
+            assert len(ours) == len(ported) == queries.shape[0]  # a support per query head
+            return list(zip(ours, ported))
+        return [(ours[h // group], ported[h]) for h in range(queries.shape[0])]
+    ported = sparq_official_supports(queries, keys, k=support - 1, local_k=window - 1, rank=rank, keep_first=True)
+    return [(ours[kv], ported[kv * group]) for kv in range(keys.shape[0])]
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    method=st.sampled_from(["quest", "sparq"]),
+    group=st.sampled_from([1, 2, 3, 4, 7]),
+    kv_heads=st.integers(1, 3),
+    d=st.sampled_from([32, 64, 128]),
+    n=st.integers(100, 4000),
+    shape=st.sampled_from([(97, 64, 16), (193, 64, 16), (385, 64, 32), (129, 32, 8), (769, 128, 16)]),
+    rank=st.integers(1, 32),
+    seed=st.integers(0, 2**16),
+)
+def test_quest_and_sparq_select_what_the_official_code_selects_under_gqa(
+    method, group, kv_heads, d, n, shape, rank, seed
+):
+    """The defaults are the official rules (issue #39): Quest per query head, SparQ's group rule, at every GQA
+    ratio our models have and others, head sizes 32-128, N 100-4000."""
+    support, window, block = shape
+    queries, keys = _case(seed, kv_heads * group, kv_heads, n, d)
+    pairs = _supports_under_gqa(method, queries, keys, support, window, block, rank=min(rank, d))
+    assert all(_same(a, b) for a, b in pairs), f"{method}: {sum(not _same(a, b) for a, b in pairs)} differ"
+
+
+@pytest.mark.parametrize("method", ["quest:grouping=mean-query", "sparq:grouping=mean-query"])
+def test_the_group_mean_variants_differ_from_the_official_rules_under_gqa(method):
+    """The variants this project ran before (one support per KV head from the group-mean query), kept under their
+    own names so that earlier rows reproduce, are not the official methods once a KV head has several query heads."""
     compared = mismatches = 0
     for (seed, n, d, support, window, block), group in zip(CASES, [2, 3, 4, 7, 2, 3, 4, 7]):
         queries, keys = _case(seed, 2 * group, 2, n, d)
-        ours = select_support(queries, keys, support=support, window=window, block_size=block, method=method)
-        if method == "quest":  # per query head
-            ported = quest_on_our_layout(queries, keys, support=support, window=window, block_size=block)
-            pairs = [(ours[h // group], ported[h]) for h in range(2 * group)]
-        else:  # per KV head: the official group rule
+        group_rule = method.replace(":grouping=mean-query", "") if method.startswith("sparq") else method
+        if group_rule == "sparq":
+            ours = select_support(queries, keys, support=support, window=window, block_size=block, method=method)
             ported = sparq_official_supports(queries, keys, k=support - 1, local_k=window - 1, rank=8, keep_first=True)
             pairs = [(ours[kv], ported[kv * group]) for kv in range(2)]
+        else:
+            pairs = _supports_under_gqa(method, queries, keys, support, window, block)
         compared += len(pairs)
         mismatches += sum(not _same(a, b) for a, b in pairs)
     assert mismatches > 0, f"{method}: {mismatches} of {compared} supports differ"
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    group=st.sampled_from([1, 2, 3, 4, 7]),
+    kv_heads=st.integers(1, 3),
+    d=st.sampled_from([32, 64, 128]),
+    extra=st.integers(1, 3500),
+    shape=st.sampled_from([(97, 64, 16), (193, 64, 16), (385, 64, 32), (129, 32, 8), (769, 128, 16)]),
+    temperature=st.sampled_from([1.0, 3.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_twilight_keeps_what_the_official_pruning_keeps_of_quests_candidates(
+    group, kv_heads, d, extra, shape, temperature, seed
+):
+    """Twilight over Quest's per-query-head candidates on our layout, pruned by the official top-p (the kernel's
+    bisection): the same positions per query head, the anchor and the window read besides (our layout's; Twilight
+    may prune them). A context the support covers is dense for every selector, so the comparison starts past it."""
+    support, window, block = shape
+    queries, keys = _case(seed, kv_heads * group, kv_heads, support + extra, d)
+    queries = queries * temperature
+    n = keys.shape[1]
+    ours = select_support(queries, keys, support=support, window=window, block_size=block, method="twilight")
+    candidates = quest_on_our_layout(queries, keys, support=support, window=window, block_size=block)
+    ported = twilight_supports(queries, keys, candidates=candidates, p=0.85)
+    assert len(ours) == queries.shape[0]
+    probs = twilight_estimated_probs(queries, keys, positions_to_mask(candidates, n))
+    for head, (mine, theirs) in enumerate(zip(ours, ported)):
+        expected = {*theirs.tolist(), 0, *range(n - window, n)}
+        assert sorted(set(mine.tolist())) == mine.tolist()
+        # the kernel stops its bisection once the values around the cut are within 1e-5 (absolute): a position that
+        # close to the cut is kept or not by float32 rounding of the sums (the official code's own behaviour too)
+        for position in set(mine.tolist()) ^ expected:
+            assert abs(float(probs[head, position]) - _cut(probs[head])) <= 2e-5, (head, position)
+
+
+def _cut(row: torch.Tensor) -> float:
+    """The port's threshold: the largest probability it drops (0 if none)."""
+    dropped = row[(row > 0) & ~top_p_kernel_mask(row, 0.85)]
+    return float(dropped.max()) if dropped.numel() else 0.0

@@ -167,11 +167,11 @@ class CompiledDecoder:
         self.compile_s = 0.0
         self.states = {}
         if cfg is not None:
-            _, kv_heads, head_dim, _ = attention_shape(model.config)
+            heads, kv_heads, head_dim, _ = attention_shape(model.config)
             form = step_form(cfg, self.device, form)
             for module in _attention_modules(model):
                 self.states[module] = allocate(
-                    cfg, module.layer_idx, batch, kv_heads, head_dim, max_len, self.device, form
+                    cfg, module.layer_idx, batch, kv_heads, head_dim, max_len, self.device, form, heads
                 )
         self._row_linears = {}
         if compile_cpu.uses_row_products(model, self.device):

@@ -40,7 +40,7 @@ from ..layout import BlockLayout
 from ..step import schedule
 from ..step.device import device_step, fill_statistics, serves
 from ..step.plan import plan_step
-from ..step.rows import TensorRow, attend_row, one_call, select_row
+from ..step.rows import TensorRow, attend_row, one_call, reads_per_kv_head, select_row
 from .prepared import PREPARED, centroids_of, prepare, signature_of
 
 STATIC_ATTENTION = "sparsedecode-static"
@@ -122,14 +122,24 @@ class StepBuffers:
 
 
 def allocate(
-    cfg: SparseConfig, layer: int, batch: int, kv_heads: int, head_dim: int, max_len: int, device, form: str
+    cfg: SparseConfig,
+    layer: int,
+    batch: int,
+    kv_heads: int,
+    head_dim: int,
+    max_len: int,
+    device,
+    form: str,
+    query_heads: int | None = None,
 ) -> StepBuffers:
     """A :class:`StepBuffers` for a cache of ``max_len`` positions: every tensor at its final size; ``form`` from
-    :func:`step_form`."""
+    :func:`step_form`. A selection has a row per KV head, or per query head (``query_heads``) for a selector with a
+    support per query head."""
     kinds = cfg.selector.cached_statistics()
     capacity = max(max_len // cfg.block_size + 1, 1)
     b = max(cfg.blocks, 1)
     distant = max(cfg.distant_positions, 1) if cfg.selector.token_level else 1
+    rows = cfg.selector.rows(query_heads or kv_heads, kv_heads)
     long = dict(dtype=torch.int64, device=device)
     state = StepBuffers(
         layer=layer,
@@ -139,9 +149,11 @@ def allocate(
         kinds=kinds,
         stats=torch.zeros(len(kinds), batch, kv_heads, head_dim, capacity, dtype=torch.float32, device=device),
         count=torch.zeros(batch, **long),
-        blocks=torch.zeros(batch, kv_heads, b, **long),
-        budget_mask=torch.ones(batch, kv_heads, b, dtype=torch.bool, device=device),
-        positions=torch.zeros(batch, kv_heads, distant, **long),
+        blocks=torch.zeros(batch, rows, b, **long),
+        budget_mask=torch.ones(
+            batch, rows, distant if cfg.selector.token_level else b, dtype=torch.bool, device=device
+        ),
+        positions=torch.zeros(batch, rows, distant, **long),
         step=torch.zeros(batch, **long),
         last=torch.zeros(batch, **long),
         tally=torch.zeros(4, **long),
@@ -158,14 +170,6 @@ def _after_write(count: torch.Tensor, step: torch.Tensor, last: torch.Tensor, st
     count.copy_(kept)
     step.copy_(chained)
     last.fill_(n)
-
-
-def _row_reads(cfg, row, layout) -> int:
-    """Positions one row's sparse step read, summed over KV heads."""
-    if cfg.selector.token_level:
-        kv_heads, distant = row.positions.shape
-        return kv_heads * (1 + distant + layout.n - layout.distant_end)
-    return int(schedule.support_reads(row.blocks, layout, row.budget_mask).sum())
 
 
 def sparse_step(
@@ -214,7 +218,10 @@ def sparse_step(
         keys, values = key[:, :, :n], value[:, :, :n]
         out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, scale=scale, enable_gqa=True)
         return out.transpose(1, 2).contiguous()
-    layout = BlockLayout(n=n, window=cfg.window, block_size=cfg.block_size, layer=layer, scale=scale, seed=cfg.seed)
+    layout = BlockLayout(
+        n=n, window=cfg.window, block_size=cfg.block_size, layer=layer, scale=scale, seed=cfg.seed,
+        distant=cfg.distant_positions,
+    )  # fmt: skip
     q = query[:, :, 0, :]
     plan = plan_step(cfg, q[0], key[0], value[0], layout, _PLANS[config])
     if form == "prepared":  # the next calls on these tensors take the prepared call
@@ -240,7 +247,7 @@ def sparse_step(
             if fresh[i]:
                 select_row(cfg, plan, row, q[i], key[i], layout)
             out[i, 0] = attend_row(cfg, plan, row, q[i], key[i], value[i], layout)
-    read = sum(_row_reads(cfg, row, layout) for row in rows)
+    read = sum(int(reads_per_kv_head(cfg, row, layout, kv_heads).sum()) for row in rows)
     count.copy_(torch.tensor([row.centroids.count for row in rows]))
     step.copy_(after)
     schedule.count_step(tally, batch, 0, read, kv_heads)

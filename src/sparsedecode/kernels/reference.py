@@ -52,6 +52,16 @@ def _gather_support(cache: torch.Tensor, blocks: torch.Tensor, layout: BlockLayo
     return torch.cat([cache[:, :1], picked, cache[:, layout.distant_end : layout.n]], dim=1)
 
 
+def _rows(q: torch.Tensor, keys: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The queries grouped as the support's rows read them: ``(rows, G, d)`` float32, and for a support per query
+    head (``index`` with a row per query head, ``G > 1``) the KV head each row reads, else ``None``."""
+    query_heads, d = q.shape
+    kv_heads = keys.shape[0]
+    if index.shape[0] == query_heads and query_heads != kv_heads:
+        return q.float().unsqueeze(1), torch.arange(query_heads, device=keys.device) // (query_heads // kv_heads)
+    return q.float().view(kv_heads, query_heads // kv_heads, d), None
+
+
 def attend_positions(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -62,17 +72,17 @@ def attend_positions(
     weights: bool = False,
     valid: torch.Tensor | None = None,
 ):
-    """Attention over arbitrary positions ``index`` ``(kv, S)`` of each KV head (token-level selectors, adaptive
-    budgets); ``valid`` ``(kv, S)`` masks positions out.
+    """Attention over arbitrary positions ``index`` ``(rows, S)`` (token-level selectors, adaptive budgets, supports
+    per query head); ``valid`` ``(rows, S)`` masks positions out. A row is a KV head (its group's query heads share
+    it) or, with one row per query head, a query head reading its KV head.
 
     Returns the output ``(query_heads, dv)`` in float32, ``dv`` the value head dim (which may differ from the key
-    head dim); with ``weights=True`` also the attention probabilities summed over each group's query heads,
-    ``(kv, S)`` (what H2O accumulates).
+    head dim); with ``weights=True`` also the attention probabilities summed over each row's query heads, ``(rows,
+    S)`` (what H2O accumulates).
     """
-    query_heads, d = q.shape
-    kv_heads = keys.shape[0]
-    kept_keys, kept_values = _gather_positions(keys, index), _gather_positions(values, index)
-    qg = q.float().view(kv_heads, query_heads // kv_heads, d)
+    query_heads = q.shape[0]
+    qg, heads = _rows(q, keys, index)
+    kept_keys, kept_values = _gather_positions(keys, index, heads), _gather_positions(values, index, heads)
     if not weights:
         mask = None if valid is None else valid.unsqueeze(1)
         out = torch.nn.functional.scaled_dot_product_attention(qg, kept_keys, kept_values, attn_mask=mask, scale=scale)
@@ -81,8 +91,11 @@ def attend_positions(
     return torch.bmm(probs, kept_values).reshape(query_heads, -1), probs.sum(dim=1)
 
 
-def _gather_positions(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Rows ``index (kv, S)`` of each KV head of ``cache (kv, N, d)``: ``(kv, S, d)`` in float32."""
+def _gather_positions(cache: torch.Tensor, index: torch.Tensor, heads: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``index (rows, S)`` of ``cache (kv, N, d)``, row ``r`` from KV head ``r`` (or ``heads[r]``): ``(rows, S,
+    d)`` in float32, only the positions read copied."""
+    if heads is not None:
+        return cache[heads.unsqueeze(1), index].float()
     return cache.gather(1, index.unsqueeze(-1).expand(-1, -1, cache.shape[-1])).float()
 
 
@@ -97,22 +110,21 @@ def attend_support(
     """Attention half of a sparse step: gather anchor + blocks + window and attend over them alone (float32).
 
     Returns the output ``(query_heads, dv)`` in float32, ``dv`` the value head dim (which may differ from the key
-    head dim). All query heads of a GQA group share the positions of their KV head. Positions are those of
+    head dim). ``blocks`` has a row per KV head (all query heads of a GQA group share the positions of their KV head)
+    or a row per query head (each reads its own). Positions are those of
     :func:`~sparsedecode.layout.support_positions`; ``blocks`` may come in any order (Triton's selection gives
     them best first).
     """
-    query_heads, d = q.shape
+    query_heads = q.shape[0]
     kv_heads = keys.shape[0]
-    qg = q.float().view(kv_heads, query_heads // kv_heads, d)
+    per_head = blocks.shape[0] == query_heads != kv_heads
     short_tail = blocks.shape[1] > 0 and layout.n_blocks > layout.n_full and bool((blocks == layout.n_blocks - 1).any())
-    if short_tail:  # a chosen block is the short last one: gather by position and mask the padding
+    if short_tail or per_head:  # gather by position (a short last block's padding masked)
         index, valid = support_positions(blocks, layout)
-        kept_keys, kept_values = _gather_positions(keys, index), _gather_positions(values, index)
-        mask = valid.unsqueeze(1)
-    else:
-        kept_keys, kept_values = _gather_support(keys, blocks, layout), _gather_support(values, blocks, layout)
-        kept_keys, kept_values, mask = kept_keys.float(), kept_values.float(), None
-    out = torch.nn.functional.scaled_dot_product_attention(qg, kept_keys, kept_values, attn_mask=mask, scale=scale)
+        return attend_positions(q, keys, values, index, scale, valid=valid if short_tail else None)
+    qg = q.float().view(kv_heads, query_heads // kv_heads, q.shape[1])
+    kept_keys, kept_values = _gather_support(keys, blocks, layout), _gather_support(values, blocks, layout)
+    out = torch.nn.functional.scaled_dot_product_attention(qg, kept_keys.float(), kept_values.float(), scale=scale)
     return out.reshape(query_heads, -1)
 
 

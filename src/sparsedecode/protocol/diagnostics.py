@@ -74,7 +74,8 @@ def selection_quality(mass: torch.Tensor, chosen: torch.Tensor, budget: int) -> 
 
     ``mass`` is the true attention of each query head on each distant unit ``(kv, G, U)`` (a unit is a distant
     block for block selectors, a distant position for token-level ones), ``chosen`` the units the selector
-    chose per KV head ``(kv, U)`` (bool), ``budget`` how many it may choose (``b``, or ``S - 1 - W``).
+    chose, per KV head ``(kv, U)`` or per query head ``(kv, G, U)`` (bool), ``budget`` how many it may choose (``b``,
+    or ``S - 1 - W``).
 
     The reachable best is the top ``budget`` units by the group's summed mass, ties towards the lowest index
     (what ``oracle-blocks`` / ``oracle-tokens`` pick). ``selector_recall`` is the share of it that was chosen,
@@ -84,15 +85,18 @@ def selection_quality(mass: torch.Tensor, chosen: torch.Tensor, budget: int) -> 
     """
     kv_heads, group, _ = mass.shape
     mass = mass.double()
-    chosen_mass = (mass * chosen.unsqueeze(1)).sum(-1)  # (kv, G)
+    per_head = chosen.dim() == 3
+    chosen = chosen if per_head else chosen.unsqueeze(1).expand(-1, group, -1)  # (kv, G, U)
+    chosen_mass = (mass * chosen).sum(-1)  # (kv, G)
 
     best = top_blocks(mass.sum(1), budget)  # (kv, b'), b' = min(budget, U)
     size = best.shape[-1]
-    hits = chosen.gather(1, best).sum(-1).double()
+    hits = chosen.gather(-1, best.unsqueeze(1).expand(-1, group, -1)).sum(-1).double()  # (kv, G)
+    hits = hits.mean(1) if per_head else hits[:, 0]  # a group's heads share one choice unless chosen per head
     best_mass = mass.gather(-1, best.unsqueeze(1).expand(-1, group, -1)).sum(-1)  # (kv, G)
 
     head_best = top_blocks(mass.reshape(kv_heads * group, -1), budget).view(kv_heads, group, size)
-    head_hits = chosen.unsqueeze(1).expand(-1, group, -1).gather(-1, head_best).sum(-1).double()
+    head_hits = chosen.gather(-1, head_best).sum(-1).double()
     head_best_mass = mass.gather(-1, head_best).sum(-1)
     return {
         "selector_recall": (hits / size if size else torch.ones_like(hits)).unsqueeze(1).expand(-1, group),
@@ -103,20 +107,24 @@ def selection_quality(mass: torch.Tensor, chosen: torch.Tensor, budget: int) -> 
 
 
 def _units(view: StepView, distant: torch.Tensor, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The step's distant units: their true mass ``(kv, G, U)``, which were chosen ``(kv, U)``, and the budget."""
+    """The step's distant units: their true mass ``(kv, G, U)``, which were chosen (``(kv, G, U)``), and the
+    budget."""
     layout: BlockLayout = view.layout
     kv_heads, group, length = distant.shape
     if view.blocks is None:  # token-level: single distant positions, S - 1 - W of them
         return (
             distant,
-            kept[:, 1 : layout.distant_end],
+            kept[:, :, 1 : layout.distant_end],
             max(view.index.shape[1] - 1 - (layout.n - layout.distant_end), 0),
         )
     pad = layout.n_blocks * layout.block_size - length
     mass = torch.nn.functional.pad(distant, (0, pad)).view(kv_heads, group, layout.n_blocks, -1).sum(-1)
-    chosen = torch.zeros(kv_heads, layout.n_blocks, dtype=torch.bool, device=distant.device)
-    chosen.scatter_(1, view.blocks.to(distant.device), True)
-    return mass, chosen, view.blocks.shape[1]
+    blocks = view.blocks.to(distant.device)
+    chosen = torch.zeros(blocks.shape[0], layout.n_blocks, dtype=torch.bool, device=distant.device)
+    chosen.scatter_(1, blocks, True)
+    if blocks.shape[0] == kv_heads * group and group > 1:  # a choice per query head
+        return mass, chosen.view(kv_heads, group, -1), blocks.shape[1]
+    return mass, chosen.unsqueeze(1).expand(-1, group, -1), blocks.shape[1]
 
 
 def audit_step(view: StepView) -> dict[str, torch.Tensor]:
@@ -131,9 +139,11 @@ def audit_step(view: StepView) -> dict[str, torch.Tensor]:
     q = view.query.double().view(kv_heads, group, d)
 
     probs = torch.softmax(torch.bmm(q, keys.transpose(1, 2)) * view.scaling, dim=-1)  # (kv, G, N)
-    kept = torch.zeros(kv_heads, n, dtype=torch.bool, device=keys.device)
-    kept.scatter_(1, view.index, True)  # invalid slots point at the anchor, which is always kept
-    kept_probs = probs * kept.unsqueeze(1)
+    kept = torch.zeros(view.index.shape[0], n, dtype=torch.bool, device=keys.device)
+    kept.scatter_(1, view.index.masked_fill(~view.valid, 0), True)  # dropped slots at the anchor, always kept
+    # (kv, G, N): a support per KV head is its group's, one per query head that head's own
+    kept = kept.view(kv_heads, group, n) if kept.shape[0] == query_heads else kept.unsqueeze(1).expand(-1, group, -1)
+    kept_probs = probs * kept
     omitted_probs = probs - kept_probs
     eps = omitted_probs.sum(-1)
     o_dense = torch.bmm(probs, values)

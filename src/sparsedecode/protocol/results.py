@@ -143,8 +143,37 @@ def upgrade_audit_fields(row: dict) -> dict:
     }
 
 
+GROUP_MEAN_BEFORE = ("quest", "sparq")
+"""Built-in selectors that chose one support per KV head from the group's mean query until they followed their
+official code (issue #39): a stored row naming one without a ``grouping`` parameter ran that variant, now named
+``NAME:...,grouping=mean-query``."""
+RENAMED = {"top-p": "block-top-p"}
+"""Built-in selectors stored under a name they no longer have (``top-p`` kept whole blocks: not Twilight's top-p)."""
+
+
+def upgrade_selector(record: dict) -> dict:
+    """``record`` (a row, or anything with ``selector`` and ``selector_params``) naming its selector as today: a
+    renamed built-in under its new name, a group-mean variant under ``grouping=mean-query`` (see
+    :data:`GROUP_MEAN_BEFORE`); anything else as it is."""
+    spec = record.get("selector")
+    if not isinstance(spec, str) or spec.partition(":")[0].endswith(".py"):
+        return record
+    name, sep, params = spec.partition(":")
+    name = RENAMED.get(name, name)
+    stored = record.get("selector_params")
+    stored = stored if isinstance(stored, dict) else {}
+    upgraded = dict(record)
+    if name in GROUP_MEAN_BEFORE and "grouping" not in stored:
+        params = f"{params},grouping=mean-query" if params else "grouping=mean-query"
+        if "selector_params" in record:
+            upgraded["selector_params"] = {**stored, "grouping": "mean-query"}
+    upgraded["selector"] = f"{name}:{params}" if params else name
+    return upgraded
+
+
 def upgrade_row(row: dict) -> dict:
-    """A stored result row (sweep or selector comparison) in today's ``first_divergence`` convention.
+    """A stored result row (sweep or selector comparison) in today's ``first_divergence`` convention, its selector
+    named as today (:func:`upgrade_selector`).
 
     Rows carrying ``first_divergence_convention`` are returned as they are; older rows get ``first_divergence``
     recomputed from their ``dense_tokens`` and ``sparse_tokens`` (checked against the value they hold) and the
@@ -152,7 +181,7 @@ def upgrade_row(row: dict) -> dict:
     ``margin_at_divergence`` needs no change: it always referred to the decode step that produced the differing
     token, which is today's ``first_divergence``.
     """
-    row = upgrade_audit_fields(row)
+    row = upgrade_selector(upgrade_audit_fields(row))
     convention = row.get("first_divergence_convention", 1)
     if convention == FIRST_DIVERGENCE_CONVENTION:
         return row

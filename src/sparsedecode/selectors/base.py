@@ -133,6 +133,18 @@ class Selector:
         return self.level == "token"
 
     @property
+    def per_query_head(self) -> bool:
+        """Whether the selector chooses a support for every query head (scores ``(query_heads, ...)``, each query head
+        attending over its own positions) rather than one per KV head that its group's query heads share (scores
+        ``(kv_heads, ...)``, the default). A selector whose grouping is a parameter (``quest:grouping=...``) answers
+        by its parameter; rows store it with the parameters."""
+        return False
+
+    def rows(self, query_heads: int, kv_heads: int) -> int:
+        """How many supports a step of this selector has: one per query head or one per KV head."""
+        return query_heads if self.per_query_head else kv_heads
+
+    @property
     def practical(self) -> bool:
         """Whether one could deploy it: every selector but those that read every key (the references)."""
         return not self.reads_every_key
@@ -193,7 +205,8 @@ class BlockSelector(Selector):
 
 @dataclass(frozen=True)
 class TokenSelector(Selector):
-    """Keeps exactly ``S`` positions: the anchor, the window and the ``S - 1 - W`` best distant positions."""
+    """Keeps ``S`` positions: the anchor, the window and the ``S - 1 - W`` best distant positions (fewer with an
+    adaptive :meth:`budget`)."""
 
     level: ClassVar[str] = "token"
 
@@ -203,9 +216,14 @@ class TokenSelector(Selector):
         ``uses_history`` the accumulated attention ``(kv_heads, N)``."""
         raise NotImplementedError(f"{type(self).__name__} must implement score_positions(queries, keys, layout)")
 
+    def budget(self, scores: torch.Tensor, layout: BlockLayout) -> torch.Tensor | None:
+        """How many of the top-scored distant positions each row keeps, ``(rows,)`` integers (the library caps them at
+        ``S - 1 - W``), or ``None`` for exactly ``S - 1 - W``. Adaptive selectors (Twilight) override this."""
+        return None
+
     @property
     def adaptive(self) -> bool:
-        return False
+        return type(self).budget is not TokenSelector.budget
 
 
 def check_selector_class(cls: object) -> type[Selector]:

@@ -95,10 +95,19 @@ def selector_names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
+RETIRED = {
+    "top-p": "top-p is now block-top-p (an adaptive budget over blocks, this project's); Twilight's token-level "
+    "top-p is twilight",
+}
+"""Names built-ins no longer have, with where they went (stored rows are renamed when read: protocol.results)."""
+
+
 def selector_class(name: str) -> type[Selector]:
     _load_builtins()
     if name not in _REGISTRY:
         _load_entry_points()
+    if name not in _REGISTRY and name in RETIRED:
+        raise SparseDecodeError(f"unknown selector {name!r}: {RETIRED[name]}")
     if name not in _REGISTRY:
         raise SparseDecodeError(
             f"unknown selector {name!r}; choose one of: {', '.join(selector_names())}; or path/to/file.py:ClassName"

@@ -130,7 +130,8 @@ def block_scores(selector: BlockSelector, cache: BlockStatistics, queries, keys,
     """The selector's checked float32 scores ``(kv, n_blocks)``."""
     reads = block_statistics(cache, keys, layout) if selector.statistics else keys[:, : layout.n]
     scores = _call(selector, selector.score_blocks, queries, reads, layout=layout)
-    return _checked(selector, scores, (keys.shape[0], layout.n_blocks), "score_blocks", keys.device)
+    rows = selector.rows(queries.shape[0], keys.shape[0])
+    return _checked(selector, scores, (rows, layout.n_blocks), "score_blocks", keys.device)
 
 
 def _whole_counts(selector: BlockSelector, counts: torch.Tensor) -> torch.Tensor:
@@ -149,14 +150,16 @@ def _whole_counts(selector: BlockSelector, counts: torch.Tensor) -> torch.Tensor
     return whole.to(torch.long)
 
 
-def _budget(selector: BlockSelector, scores: torch.Tensor, blocks: torch.Tensor, layout) -> torch.Tensor | None:
+def _budget(selector: Selector, scores: torch.Tensor, blocks: torch.Tensor, layout) -> torch.Tensor | None:
+    """Which of the chosen ``blocks (rows, b)`` (block indices, or positions for a token selector: indices into
+    ``scores``) an adaptive budget keeps: its first ``k_r`` in score order, ``(rows, b)`` bool."""
     counts = _call(selector, selector.budget, scores, layout=layout)
     if counts is None:
         return None
-    kv_heads, b = blocks.shape
-    if not isinstance(counts, torch.Tensor) or tuple(counts.shape) != (kv_heads,):
+    rows, b = blocks.shape
+    if not isinstance(counts, torch.Tensor) or tuple(counts.shape) != (rows,):
         got = tuple(counts.shape) if isinstance(counts, torch.Tensor) else type(counts).__name__
-        raise SparseDecodeError(f"selector {selector.spec()}: budget returned {got}, expected ({kv_heads},) counts")
+        raise SparseDecodeError(f"selector {selector.spec()}: budget returned {got}, expected ({rows},) counts")
     if counts.device != scores.device:
         raise SparseDecodeError(
             f"selector {selector.spec()}: budget returned counts on device {counts.device}, expected {scores.device}"
@@ -202,11 +205,21 @@ def choose_planned_blocks(
 def choose_positions(
     selector: TokenSelector, count: int, queries, keys, layout: BlockLayout, *, history=None
 ) -> torch.Tensor:
-    """The ``count`` distant positions ``selector`` keeps per KV head, ascending ``(kv, count)``.
+    """The ``count`` distant positions ``selector`` keeps per row (KV head, or query head for a selector with a
+    support per query head), ascending ``(rows, count)``; an adaptive budget's dropped positions included (see
+    :func:`choose_position_set`)."""
+    return choose_position_set(selector, count, queries, keys, layout, history=history).blocks
+
+
+def choose_position_set(
+    selector: TokenSelector, count: int, queries, keys, layout: BlockLayout, *, history=None
+) -> BlockChoice:
+    """:func:`choose_positions` with an adaptive budget's mask: ``BlockChoice(positions (rows, count), budget_mask
+    (rows, count) or None)``.
 
     A selector with ``uses_history`` is handed ``history`` ``(kv, >= N)``: the attention each position received from
     the queries *before* this one (the session keeps it)."""
-    kv_heads = keys.shape[0]
+    rows = selector.rows(queries.shape[0], keys.shape[0])
     if selector.uses_history:
         if history is None:
             raise SparseDecodeError(
@@ -217,8 +230,9 @@ def choose_positions(
     else:
         reads = keys[:, : layout.n]
     scores = _call(selector, selector.score_positions, queries, reads, layout=layout)
-    scores = _checked(selector, scores, (kv_heads, layout.n), "score_positions", keys.device)
-    return top_positions(scores, layout, count)
+    scores = _checked(selector, scores, (rows, layout.n), "score_positions", keys.device)
+    positions = top_positions(scores, layout, count)
+    return BlockChoice(positions, _budget(selector, scores, positions, layout) if selector.adaptive else None)
 
 
 def support_of(choice: BlockChoice, layout: BlockLayout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,6 +243,16 @@ def support_of(choice: BlockChoice, layout: BlockLayout) -> tuple[torch.Tensor, 
         b, block = choice.blocks.shape[1], layout.block_size
         valid = valid.clone()
         valid[:, 1 : 1 + b * block] &= choice.budget_mask.repeat_interleave(block, dim=1)
+    return index, valid
+
+
+def token_support(choice: BlockChoice, layout: BlockLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(index, valid)`` ``(rows, 1 + count + W)`` of a token choice: the anchor, its positions, the window; the
+    positions an adaptive budget dropped marked invalid."""
+    index = token_index(choice.blocks, layout)
+    valid = torch.ones_like(index, dtype=torch.bool)
+    if choice.budget_mask is not None:
+        valid[:, 1 : 1 + choice.blocks.shape[1]] = choice.budget_mask
     return index, valid
 
 
@@ -243,7 +267,8 @@ def select_support(
     seed: int = 0,
     history: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
-    """Positions each KV head reads at one decode step.
+    """Positions each KV head (each query head, for a selector with a support per query head) reads at one decode
+    step.
 
     Args:
         queries: ``(query_heads, d)`` post-RoPE queries of the current token.
@@ -251,15 +276,16 @@ def select_support(
         support: nominal support size; floored to ``1 + window + b * block_size`` for block selectors (see
             :attr:`SparseConfig.effective_support`).
         window, block_size: ``W`` and ``B``.
-        method: a registered selector name, a spec string (``"top-p:p=0.8"``, ``"path.py:Class"``) or a selector
+        method: a registered selector name, a spec string (``"block-top-p:p=0.8"``, ``"path.py:Class"``) or a selector
             instance (``"mean-pooled"`` by default). The scale of attention-reading selectors is ``1/sqrt(d)``.
         seed: the session's seed (random-blocks draws with it).
         history: ``(kv_heads, N)`` attention each position received at earlier steps; ``h2o`` needs it.
 
     Returns:
-        One sorted 1-D ``LongTensor`` per KV head: the anchor, the chosen blocks and the window, or all ``N``
-        positions when ``N <= effective support``. A chosen short last block, or an adaptive budget, makes a list
-        shorter. Token-level selectors return exactly ``support`` positions.
+        One sorted 1-D ``LongTensor`` per KV head (per query head for a selector with a support per query head):
+        the anchor, the chosen blocks and the window, or all ``N`` positions when ``N <= effective support``. A
+        chosen short last block, or an adaptive budget, makes a list shorter. Token-level selectors return exactly
+        ``support`` positions, fewer with an adaptive budget.
 
     Raises:
         SparseDecodeError: tensors of the wrong kind or shape, NaN or infinite queries or keys, settings
@@ -286,16 +312,18 @@ def select_support(
                 f"got {tuple(history.shape)}"
             )
     blocks = budget_blocks(support, window, block_size)
+    rows = selector.rows(queries.shape[0], kv_heads)
     if n <= (support if selector.token_level else 1 + window + blocks * block_size):
-        return [torch.arange(n, device=keys.device) for _ in range(kv_heads)]
-    layout = BlockLayout(n=n, window=window, block_size=block_size, scale=d**-0.5, seed=seed)
+        return [torch.arange(n, device=keys.device) for _ in range(rows)]
+    distant = support - 1 - window if selector.token_level else blocks * block_size
+    layout = BlockLayout(n=n, window=window, block_size=block_size, scale=d**-0.5, seed=seed, distant=distant)
     if selector.token_level:
-        distant = choose_positions(selector, support - 1 - window, queries, keys, layout, history=history)
-        index = token_index(distant, layout)
-        return [index[h] for h in range(kv_heads)]
-    cache = BlockStatistics(block_size, selector.cached_statistics())
-    index, valid = support_of(choose_blocks(selector, blocks, cache, queries, keys, layout), layout)
-    return [index[h][valid[h]] for h in range(kv_heads)]
+        choice = choose_position_set(selector, support - 1 - window, queries, keys, layout, history=history)
+        index, valid = token_support(choice, layout)
+    else:
+        cache = BlockStatistics(block_size, selector.cached_statistics())
+        index, valid = support_of(choose_blocks(selector, blocks, cache, queries, keys, layout), layout)
+    return [index[h][valid[h]] for h in range(rows)]
 
 
 def _layout_for(cfg, layout: BlockLayout, scale, salt) -> BlockLayout:
@@ -306,6 +334,7 @@ def _layout_for(cfg, layout: BlockLayout, scale, salt) -> BlockLayout:
         layer=salt if salt is not None else layout.layer,
         scale=scale if scale is not None else layout.scale,
         seed=cfg.seed,
+        distant=cfg.distant_positions,
     )
 
 

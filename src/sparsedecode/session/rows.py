@@ -20,7 +20,7 @@ from ..errors import SparseDecodeError
 from ..layout import BlockLayout
 from ..step import schedule
 from ..step.plan import StepPlan, plan_step
-from ..step.rows import attend_row, one_call, select_row, support
+from ..step.rows import attend_row, one_call, select_row, support, union_sizes
 from .session import SparseSession
 from .state import LayerState, StepView
 
@@ -84,7 +84,10 @@ def sparse_rows(
     cfg, selector = session.config, session.config.selector
     q = query[:, :, 0, :]  # (batch, H, d)
     layouts = {
-        i: BlockLayout(n=m, window=cfg.window, block_size=cfg.block_size, layer=state.layer, scale=scale, seed=cfg.seed)
+        i: BlockLayout(
+            n=m, window=cfg.window, block_size=cfg.block_size, layer=state.layer, scale=scale, seed=cfg.seed,
+            distant=cfg.distant_positions,
+        )  # fmt: skip
         for i, state, _, m in rows
     }
     i, _, pad, _ = max(rows, key=lambda r: r[3]) if len(rows) > 1 else rows[0]
@@ -110,8 +113,10 @@ def sparse_rows(
         if index is None and (session.track_reads or session.observers):
             index, valid = support(cfg, state, layout)
         if session.track_reads:
-            state.note_positions(index, layout, valid)
-            session.note_support(i, valid.sum(dim=1))
+            kv_heads = key.shape[1]
+            state.note_positions(index, layout, valid, kv_heads)
+            per_kv = valid.sum(dim=1) if index.shape[0] == kv_heads else union_sizes(index, valid, kv_heads, layout.n)
+            session.note_support(i, per_kv)
         if session.observers:
             blocks = None if selector.token_level else state.blocks
             view = StepView(state.layer, state.step, q[i], keys, values, index, valid, row_out, scale, layout, blocks)

@@ -266,13 +266,21 @@ class LayerState:
         self.history = _with_columns(self.history, kv_heads, n, torch.float32, device)
         return self.history[:, :n]
 
-    def note_positions(self, index: torch.Tensor, layout: BlockLayout, valid: torch.Tensor | None = None) -> None:
-        """Remember which distant positions each KV head read: ``index`` ``(kv, S)`` (``valid`` masks it)."""
-        self.reads = _with_columns(self.reads, index.shape[0], layout.n, torch.bool, index.device)
+    def note_positions(
+        self, index: torch.Tensor, layout: BlockLayout, valid: torch.Tensor | None = None, kv_heads: int | None = None
+    ) -> None:
+        """Remember which distant positions each KV head read: ``index`` ``(rows, S)`` (``valid`` masks it), a row per
+        KV head, or per query head (``kv_heads`` given: row ``h`` reads KV head ``h // G``)."""
+        kv_heads = kv_heads or index.shape[0]
+        self.reads = _with_columns(self.reads, kv_heads, layout.n, torch.bool, index.device)
         distant = (index >= 1) & (index < layout.distant_end)
         if valid is not None:
             distant &= valid
-        self.reads.scatter_(1, index.masked_fill(~distant, 0), True)
+        if index.shape[0] == kv_heads:
+            self.reads.scatter_(1, index.masked_fill(~distant, 0), True)
+        else:
+            owner = (torch.arange(index.shape[0], device=index.device) // (index.shape[0] // kv_heads)).unsqueeze(1)
+            self.reads[owner.expand_as(index)[distant], index[distant]] = True
         self.reads[:, 0] = False
 
     def note_all_distant(self, kv_heads: int, layout: BlockLayout, device: torch.device | str) -> None:

@@ -31,7 +31,7 @@ def serves(cfg) -> bool:
     """Whether the device step serves ``cfg``'s selector (see the module): the library's scoring only."""
     selector = cfg.selector
     fixed = not selector.token_level and bool(selector.statistics) and not selector.adaptive
-    return fixed and trusted(selector, selector.score_blocks)
+    return fixed and not selector.per_query_head and trusted(selector, selector.score_blocks)
 
 
 def fill_statistics(stats: torch.Tensor, kinds, key: torch.Tensor, start: int, n: int, block: int) -> None:

@@ -64,7 +64,7 @@ def plan_step(
 
 def _plan(cfg: SparseConfig, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout) -> StepPlan:
     selector = cfg.selector
-    if selector.token_level:
+    if selector.token_level or selector.per_query_head:  # gathered by position (no kernel reads a support per head)
         return StepPlan("torch", "torch", False)
     attend = kernels.attention_kernel(cfg.kernel, q, keys, values, layout)
     select = "torch"

@@ -17,8 +17,9 @@ import torch
 from .. import kernels
 from ..kernels.reference import attend_blocks_on, attend_positions
 from ..layout import BlockLayout
-from ..selectors import choose_positions, token_index
-from ..selectors.select import BlockChoice, choose_planned_blocks, support_of
+from ..selectors import token_index
+from ..selectors.select import BlockChoice, choose_planned_blocks, choose_position_set, support_of, token_support
+from . import schedule
 from .plan import StepPlan
 
 
@@ -66,7 +67,8 @@ def select_row(cfg, plan: StepPlan, row, q, keys, layout: BlockLayout, history=N
     into ``row``: a token selector's positions (``history``: H2O's, over the earlier queries), or a block selector's
     blocks and, for an adaptive budget, what it keeps."""
     if cfg.selector.token_level:
-        row.positions = choose_positions(cfg.selector, cfg.distant_positions, q, keys, layout, history=history)
+        choice = choose_position_set(cfg.selector, cfg.distant_positions, q, keys, layout, history=history)
+        row.positions, row.budget_mask = choice.blocks, choice.budget_mask
         return
     choice = choose_planned_blocks(cfg.selector, cfg.blocks, row.centroids, q, keys, layout, plan.select)
     row.blocks, row.budget_mask = choice.blocks, choice.budget_mask
@@ -75,9 +77,8 @@ def select_row(cfg, plan: StepPlan, row, q, keys, layout: BlockLayout, history=N
 def support(cfg, row, layout: BlockLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """``(index, valid)`` ``(kv, S)``: the positions the row's selection reads (see
     :func:`~sparsedecode.layout.support_positions`)."""
-    if cfg.selector.token_level:
-        index = token_index(row.positions, layout)  # reused distant positions, the window slides
-        return index, torch.ones_like(index, dtype=torch.bool)
+    if cfg.selector.token_level:  # reused distant positions, the window slides
+        return token_support(BlockChoice(row.positions, row.budget_mask), layout)
     return support_of(BlockChoice(row.blocks, row.budget_mask), layout)
 
 
@@ -90,6 +91,9 @@ def attend_row(cfg, plan: StepPlan, row, q, keys, values, layout: BlockLayout, *
         if weights:
             out, received = attend_positions(q, keys, values, index, layout.scale, weights=True)
             return out, index, received
+        if row.budget_mask is not None:  # an adaptive budget's dropped positions masked
+            _, valid = token_support(BlockChoice(row.positions, row.budget_mask), layout)
+            return attend_positions(q, keys, values, index, layout.scale, valid=valid)
         return attend_positions(q, keys, values, index, layout.scale)
     if row.budget_mask is not None:  # an adaptive budget: its support by position, the dropped blocks masked
         index, valid = support_of(BlockChoice(row.blocks, row.budget_mask), layout)
@@ -118,3 +122,22 @@ def one_call(cfg, plan: StepPlan, rows, fresh, q, key, value, out, scale: float)
             row.blocks = row.blocks.to(torch.int64).contiguous()  # as the call takes them
         calls.append((i, pad, layout.n, storage, row.blocks, f and inside))
     kernels.cpu_batch.run_step_batch(q, key, value, out, calls, cfg.window, cfg.block_size, scale)
+
+
+def union_sizes(index: torch.Tensor, valid: torch.Tensor, kv_heads: int, n: int) -> torch.Tensor:
+    """Distinct positions each KV head's memory serves at a step, ``(kv,)``: the union of its rows' supports
+    (``index``/``valid (rows, S)``, a row per KV head or per query head, head ``h`` reading KV head ``h // G``)."""
+    rows = index.shape[0]
+    read = torch.zeros(kv_heads, n, dtype=torch.bool, device=index.device)
+    owner = (torch.arange(rows, device=index.device) // (rows // kv_heads)).unsqueeze(1).expand_as(index)
+    read[owner[valid], index[valid]] = True
+    return read.sum(dim=1)
+
+
+def reads_per_kv_head(cfg, row, layout: BlockLayout, kv_heads: int) -> torch.Tensor:
+    """Positions a row's step read per KV head, ``(kv,)``: a KV group's query heads reading the same position count
+    it once (what the step costs in bytes)."""
+    if not cfg.selector.token_level and row.blocks.shape[0] == kv_heads:
+        return schedule.support_reads(row.blocks, layout, row.budget_mask)
+    index, valid = support(cfg, row, layout)
+    return union_sizes(index, valid, kv_heads, layout.n)

@@ -1,11 +1,13 @@
-"""An adaptive budget: Twilight-style top-p over blocks (Lin et al., "Twilight: Adaptive Attention Sparsity with
-Hierarchical Top-p Pruning", arXiv 2502.02770).
+"""An adaptive budget over blocks (``block-top-p``): the fewest mean-pooled blocks whose estimated attention share
+reaches ``p``.
 
-Written on the public protocol only, as a user would. Blocks are scored as the mean-pooled selector scores them,
-``s_j = <q_h, c_j> / sqrt(d)``. Each block's share of the distant attention mass is estimated as if all its keys sat
-at the block mean, ``len_j * exp(s_j)`` normalised over the blocks; each KV head keeps the fewest top-scored blocks
-whose estimated shares reach ``p``, and never more than the support's ``b``. So a step may read less than the
-support: rows report the support read per step (mean, min, max). Fixed budgets being suboptimal is the
+This project's own adaptive budget, named ``top-p`` until issue #39. It is *not* Twilight's top-p (Lin et al.,
+arXiv 2502.02770; that is :mod:`.twilight`): it keeps whole blocks, estimates a block's share from its mean key
+alone (``len_j * exp(s_j)``, ``s_j`` the mean-pooled score, normalised over the distant blocks), has no base selector
+and groups per KV head. On random keys it rarely prunes (it read what mean-pooled reads in the ports' comparison,
+tests/ports/README.md), so "top-p decodes as mean-pooled" was a property of this estimate, not of Twilight's method.
+Each KV head keeps the fewest top-scored blocks whose estimated shares reach ``p``, and never more than the
+support's ``b``; rows report the support read per step (mean, min, max). Fixed budgets being suboptimal is the
 sparse-frontier study's main decode finding (Nawrot et al., arXiv 2504.17768).
 """
 
@@ -32,19 +34,20 @@ def blocks_for_mass(estimated: torch.Tensor, p: float) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class TopP(BlockSelector):
-    """Mean-pooled scores, keeping the fewest blocks whose estimated attention share reaches ``p`` (arXiv 2502.02770).
+    """Mean-pooled scores, keeping the fewest blocks whose estimated attention share reaches ``p``: an adaptive budget
+    over blocks (this project's; not Twilight's token-level top-p).
 
     ``p`` in (0, 1]: 1 keeps the whole budget ``b`` at every step.
     """
 
-    name = "top-p"
+    name = "block-top-p"
     statistics = ("mean",)
     p: float = 0.9
     reads = "N/B float32 centroids (cached) + the tail block's keys; at most b blocks, fewer when p is reached"
 
     def __post_init__(self) -> None:
         if isinstance(self.p, bool) or not isinstance(self.p, (int, float)) or not 0 < self.p <= 1:
-            raise SparseDecodeError(f"top-p: p must be a number in (0, 1], got {self.p!r}")
+            raise SparseDecodeError(f"block-top-p: p must be a number in (0, 1], got {self.p!r}")
 
     def score_blocks(self, queries, keys, layout):
         from ..ops import group_mean_queries, mean_pooled_scores

@@ -1,0 +1,147 @@
+"""Twilight's hierarchical top-p pruning (Lin et al., "Twilight: Adaptive Attention Sparsity with Hierarchical Top-p
+Pruning", arXiv 2502.02770), as its official code selects (``tsinghua-ideal/Twilight``, ``twilight/pyimpl/
+attention.py``), per query head:
+
+1. **candidates**: a base block selector's support on this project's layout (Quest per query head by default, any
+   block selector by ``base=``): the anchor, its blocks (the support's ``b``) and the window;
+2. **estimate**: each candidate's logit under the query head from its key quantised per token to ``bits`` bits
+   (min-max over the head dimension, 15 levels at 4 bits), scaled as the attention is; a softmax over the candidates;
+3. **prune**: top-p with ``p = 0.85`` by default, as Twilight's kernel finds it: a float32 bisection for a threshold
+   between 0 and position 0's own probability, stopped when the values around it are within ``1e-5``; every
+   candidate above the threshold is kept (the fewest most likely candidates reaching ``p``, never fewer than those at
+   least as likely as position 0).
+
+What differs from the official code, by this project's layout: the anchor and the window are always read (Twilight
+forces only position 0, through its threshold, and may prune window positions, the current token included); its
+probabilities still count them, as the official softmax does. The base selector's blocks start at position 1 and
+number the support's ``b`` (Twilight's own Quest: pages from position 0, a budget of its own). The count read varies
+per head and step: rows report the support read (mean, min, max). This implementation reduces the base selector's
+block statistics from the keys at every step (the library caches statistics for block selectors only), so its
+timings are not Twilight's. Twilight's evaluations keep the first two layers dense (``SparseConfig.dense_layers``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+from ...errors import SparseDecodeError
+from ..base import TokenSelector
+
+if TYPE_CHECKING:
+    import torch
+
+EPS = 1e-5
+"""The bisection's stopping width, absolute, as in Twilight's kernel."""
+
+
+def quantised(keys: torch.Tensor, bits: int) -> torch.Tensor:
+    """Per-token asymmetric min-max quantisation over the last dimension, dequantised: ``2**bits - 1`` steps between
+    each token's smallest and largest channel (a step of at least ``1e-9``), codes rounded half to even."""
+    import torch
+
+    top, bottom = keys.amax(dim=-1, keepdim=True), keys.amin(dim=-1, keepdim=True)
+    levels = 2**bits - 1
+    step = (top - bottom).clamp(min=1e-9) / levels
+    return torch.round((keys - bottom) / step).clamp(0, levels) * step + bottom
+
+
+def top_p_threshold(probs: torch.Tensor, p: float) -> torch.Tensor:
+    """Per row of ``probs (rows, N)`` float32 (0 off the candidates, position 0 in column 0): the threshold
+    ``low (rows, 1)`` of Twilight's bisection, keeping ``probs > low`` (see the module)."""
+    import torch
+
+    target, eps = torch.tensor(p, dtype=torch.float32), torch.tensor(EPS, dtype=torch.float32)
+    low = torch.zeros(probs.shape[0], 1, dtype=torch.float32, device=probs.device)
+    high = probs[:, :1].clone()
+    done = torch.zeros_like(low, dtype=torch.bool)
+    inf = torch.tensor(float("inf"), device=probs.device)
+    while not bool(done.all()):
+        mid = (low + high) / 2
+        mass = torch.where(probs > mid, probs, 0.0).sum(dim=-1, keepdim=True)
+        min_above_low = torch.minimum(high, torch.where(probs > low, probs, inf).amin(dim=-1, keepdim=True))
+        max_below_high = torch.maximum(low, torch.where(probs <= high, probs, -inf).amax(dim=-1, keepdim=True))
+        low = torch.where(done | (mass < target), low, mid)
+        high = torch.where(done | (mass >= target), high, torch.minimum(mid, max_below_high))
+        done |= ~(max_below_high - min_above_low > eps)
+    return low
+
+
+@dataclass(frozen=True)
+class Twilight(TokenSelector):
+    """A base block selector's candidates pruned per query head by top-p over 4-bit estimated attention
+    (arXiv 2502.02770)."""
+
+    name = "twilight"
+    p: float = 0.85
+    base: str = "quest"
+    bits: int = 4
+    reads = "every key (the base's block statistics, reduced here), then its candidates' keys at 4 bits"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.p, bool) or not isinstance(self.p, (int, float)) or not 0 < self.p <= 1:
+            raise SparseDecodeError(f"twilight: p must be a number in (0, 1], got {self.p!r}")
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 1 <= self.bits <= 16:
+            raise SparseDecodeError(f"twilight: bits must be an integer in [1, 16], got {self.bits!r}")
+        if self.base_selector.token_level:
+            raise SparseDecodeError(f"twilight: base must be a block selector, got {self.base!r}")
+
+    @cached_property
+    def base_selector(self):
+        from ..registry import resolve_selector
+
+        return resolve_selector(self.base)
+
+    @property
+    def per_query_head(self) -> bool:
+        return True
+
+    def candidates(self, queries: torch.Tensor, keys: torch.Tensor, layout) -> torch.Tensor:
+        """``(H, N)`` bool: the anchor, the base selector's blocks for each query head, and the window."""
+        import torch
+
+        from ..ops import top_blocks
+        from ..statistics import block_span, reduce_blocks
+
+        heads, n = queries.shape[0], keys.shape[1]
+        if layout.distant <= 0:
+            raise SparseDecodeError("twilight needs the support's budget (the step's layout names none)")
+        base, block = self.base_selector, layout.block_size
+        if base.statistics:
+            padded = torch.nn.functional.pad(keys[:, : layout.distant_end], (0, 0, 0, layout.n_blocks * block + 1))
+            spans = block_span(padded, 0, layout.n_blocks, block)  # (kv, n_blocks, B, d), the short block padded
+            valid = torch.arange(layout.n_blocks * block, device=keys.device).view(-1, block) < layout.distant_end - 1
+            reads = {kind: reduce_blocks(spans, kind, valid) for kind in base.statistics}
+        else:
+            reads = keys
+        scores = base.score_blocks(queries, reads, layout).float()
+        chosen = top_blocks(scores, layout.distant // block)
+        chosen = chosen if chosen.shape[0] == heads else chosen.repeat_interleave(heads // chosen.shape[0], dim=0)
+        mask = torch.zeros(heads, n, dtype=torch.bool, device=keys.device)
+        positions = 1 + chosen.unsqueeze(-1) * block + torch.arange(block, device=keys.device)
+        positions = positions.flatten(1)
+        inside = positions < layout.distant_end  # a chosen short last block's padding is no candidate
+        rows = torch.arange(heads, device=keys.device).unsqueeze(1).expand_as(positions)
+        mask[rows[inside], positions[inside]] = True
+        mask[:, 0] = True
+        mask[:, layout.distant_end :] = True
+        return mask
+
+    def score_positions(self, queries, keys, layout):
+        """Each candidate's estimated probability (the softmax over the query head's candidates), -1 elsewhere: the
+        library ranks the distant candidates by it and :meth:`budget` keeps those above the top-p threshold."""
+        import torch
+
+        heads = queries.shape[0]
+        group = heads // keys.shape[0]
+        mask = self.candidates(queries, keys, layout)
+        estimate = quantised(keys.float(), self.bits).repeat_interleave(group, dim=0)  # (H, N, d)
+        logits = torch.bmm(estimate, queries.float().unsqueeze(-1)).squeeze(-1) * layout.scale
+        probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
+        return torch.where(mask, probs, -1.0)
+
+    def budget(self, scores, layout):
+        probs = scores.clamp(min=0)
+        low = top_p_threshold(probs, float(self.p))
+        return ((probs > low)[:, 1 : layout.distant_end]).sum(dim=-1)
