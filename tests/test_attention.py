@@ -52,7 +52,7 @@ class Oracle:
             block_size=self.cfg.block_size,
             method=self.cfg.selector,
         )
-        kv_heads, group = keys.shape[0], view.query.shape[0] // keys.shape[0]
+        group = view.query.shape[0] // keys.shape[0]
         refresh = (view.step - 1) % self.cfg.reuse == 0
         chosen = view.blocks if view.blocks is not None else view.index[:, 1 : 1 + self.cfg.distant_positions]
         if refresh:

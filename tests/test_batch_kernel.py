@@ -211,7 +211,7 @@ def row_states(session):
     ]
 
 
-@pytest.mark.parametrize("selector", ["mean-pooled", "quest", "oracle-blocks"])
+@pytest.mark.parametrize("selector", ["mean-pooled", "quest:grouping=mean-query", "oracle-blocks"])
 @pytest.mark.parametrize("reuse", [1, 4])
 def test_one_call_per_layer_equals_the_per_sequence_loop(arch, reuse, selector, monkeypatch):
     model = tiny_model(arch)

@@ -358,7 +358,7 @@ def device_step_on_cpu():
     return "device"
 
 
-@pytest.mark.parametrize("selector", ["mean-pooled", "quest"])
+@pytest.mark.parametrize("selector", ["mean-pooled", "quest:grouping=mean-query"])
 @pytest.mark.parametrize("reuse", [1, 4])
 def test_host_free_step_equals_the_session_step(device_step_on_cpu, selector, reuse):
     """The step CUDA runs inside the op (tensor operations only), run on the CPU: the session's tokens, dense steps

@@ -359,7 +359,7 @@ def test_compiled_decoding_refuses_scores_on_the_meta_device_in_one_line(meta_fi
 
     monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
     cfg = SparseConfig(support=97, selector=f"{meta_file}:MetaStats")
-    assert not serves(cfg) and serves(SparseConfig(support=97, selector="quest"))
+    assert not serves(cfg) and serves(SparseConfig(support=97, selector="quest:grouping=mean-query"))
     model = tiny_model("llama")
     with pytest.raises(SparseDecodeError, match="host-free compiled step serves") as raised:
         compiled.CompiledDecoder(model, cfg, batch=1, max_len=320, backend="aot_eager", form="traced")

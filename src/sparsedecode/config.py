@@ -58,9 +58,7 @@ class SparseConfig:
         check_seed(self.seed)
         if self.kernel not in KERNELS:
             raise SparseDecodeError(f"unknown kernel {self.kernel!r}; choose one of: {', '.join(KERNELS)}")
-        if self.kernel in ("c", "triton") and (
-            self.token_level or self.selector.adaptive or self.selector.per_query_head
-        ):
+        if self.kernel in ("c", "triton") and not self.kernels_serve:
             raise SparseDecodeError(
                 f"kernel {self.kernel!r} serves block selectors only; {self.selector_name} steps run as torch "
                 "operations (token-level, adaptive budget or a support per query head): use kernel='auto' or 'torch'"
@@ -69,6 +67,13 @@ class SparseConfig:
     @property
     def token_level(self) -> bool:
         return self.selector.token_level
+
+    @property
+    def kernels_serve(self) -> bool:
+        """Whether the C and Triton kernels can run this selector's step: a block selector with a fixed budget and
+        one support per KV head (token-level selectors, adaptive budgets and supports per query head gather by
+        position in torch)."""
+        return not (self.token_level or self.selector.adaptive or self.selector.per_query_head)
 
     @property
     def selector_name(self) -> str:

@@ -69,8 +69,8 @@ def step_form(cfg: SparseConfig, device, form: str | None = None) -> str:
         raise SparseDecodeError(f"unknown compiled step form {form!r}; choose one of: {', '.join(FORMS)}")
     if form in ("device", "traced") and not host_free:
         raise SparseDecodeError(
-            f"the host-free compiled step serves block selectors with a fixed budget that read block statistics; "
-            f"{cfg.selector.spec()} does not"
+            "the host-free compiled step serves block selectors with a fixed budget and one support per KV head "
+            f"that read block statistics; {cfg.selector.spec()} does not"
         )
     return form
 

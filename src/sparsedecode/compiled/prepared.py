@@ -60,7 +60,7 @@ class Prepared:
         # kept: the NumPy views below keep the state's integer tensors alive, so no later state can have their
         # addresses, and a signature naming them names this state
         rows = [(i, 0, key.shape[2], stats[0, i], blocks[i], True) for i in range(batch)]
-        self.fields = array.array("q", cpu_batch._row_table(q, key, value, rows, cfg.window, cfg.block_size))
+        self.fields = array.array("q", cpu_batch.row_table(q, key, value, rows, cfg.window, cfg.block_size))
         self.function, self.check = cpu.library().prepared_step, cpu.check_status
         self.arguments = [
             key.data_ptr(), key.stride(1), key.stride(2), value.data_ptr(), value.stride(1), value.stride(2),

@@ -284,10 +284,14 @@ def summarize(
 def rebuild(data: dict) -> dict:
     """A stored comparison (the JSON document) with its runs in today's ``first_divergence`` convention and its
     summary recomputed from them by :func:`summarize`; the operator times of the stored summary are kept."""
-    settings = data["settings"]
     runs = [upgrade_row(run) for run in data["runs"]]
-    trials = data.get("retrieval", [])
-    op_ms = {(r["context"], r["selector"], r["support"]): r.get("op_ms") for r in data["summary"]}
+    # the runs say what each stored name ran (their parameters); the settings, trials and summary follow them
+    renamed = {old["selector"]: new["selector"] for old, new in zip(data["runs"], runs)}
+    settings = {**data["settings"], "selectors": [renamed.get(s, s) for s in data["settings"]["selectors"]]}
+    trials = [{**t, "selector": renamed.get(t["selector"], t["selector"])} if "selector" in t else t
+              for t in data.get("retrieval", [])]  # fmt: skip
+    op_ms = {(r["context"], renamed.get(r["selector"], r["selector"]), r["support"]): r.get("op_ms")
+             for r in data["summary"]}  # fmt: skip
     rows = summarize(
         runs,
         trials,
@@ -296,7 +300,7 @@ def rebuild(data: dict) -> dict:
         selectors=tuple(settings["selectors"]),
         op_ms={key: ms for key, ms in op_ms.items() if ms is not None},
     )
-    return {**data, "summary": [asdict(r) for r in rows], "runs": runs, "retrieval": trials}
+    return {**data, "settings": settings, "summary": [asdict(r) for r in rows], "runs": runs, "retrieval": trials}
 
 
 def retrieval_depths(trials: int) -> tuple[float, ...]:

@@ -160,14 +160,18 @@ def upgrade_selector(record: dict) -> dict:
         return record
     name, sep, params = spec.partition(":")
     name = RENAMED.get(name, name)
-    stored = record.get("selector_params")
-    stored = stored if isinstance(stored, dict) else {}
+    settings = record.get("settings") if isinstance(record.get("settings"), dict) else None
+    stored = record.get("selector_params", (settings or {}).get("selector_params"))
+    stored = stored if isinstance(stored, dict) else {}  # rows written since #39 store grouping with the rest
     upgraded = dict(record)
-    if name in GROUP_MEAN_BEFORE and "grouping" not in stored:
+    named = {item.partition("=")[0].strip() for item in params.split(",")} if params else set()
+    if name in GROUP_MEAN_BEFORE and "grouping" not in stored and "grouping" not in named:
         params = f"{params},grouping=mean-query" if params else "grouping=mean-query"
         if "selector_params" in record:
             upgraded["selector_params"] = {**stored, "grouping": "mean-query"}
     upgraded["selector"] = f"{name}:{params}" if params else name
+    if settings is not None and settings.get("selector") == spec:  # a comparison run's own settings
+        upgraded["settings"] = upgrade_selector(settings)
     return upgraded
 
 

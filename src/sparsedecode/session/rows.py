@@ -85,7 +85,12 @@ def sparse_rows(
     q = query[:, :, 0, :]  # (batch, H, d)
     layouts = {
         i: BlockLayout(
-            n=m, window=cfg.window, block_size=cfg.block_size, layer=state.layer, scale=scale, seed=cfg.seed,
+            n=m,
+            window=cfg.window,
+            block_size=cfg.block_size,
+            layer=state.layer,
+            scale=scale,
+            seed=cfg.seed,
             distant=cfg.distant_positions,
         )  # fmt: skip
         for i, state, _, m in rows

@@ -307,7 +307,7 @@ def run_attention(
     return run_step(q, keys, values, None, blocks, layout, 0, scale)[0]
 
 
-def _centroid_storage(
+def centroid_storage(
     centroids: torch.Tensor | None, kv_heads: int, d: int, n_full: int, where: str
 ) -> tuple[int, int, int]:
     """``(pointer, head stride, dim stride)`` of a centroid cache's ``(kv, d, capacity)`` float32 storage holding
@@ -359,7 +359,7 @@ def run_step(
         b = max(min(b, layout.n_blocks), 0)
         blocks = torch.empty(kv_heads, b, dtype=torch.int64)
         n_full = layout.n_full if b else 0
-        pointer, c_head, c_dim = _centroid_storage(centroids, kv_heads, d, n_full, "")
+        pointer, c_head, c_dim = centroid_storage(centroids, kv_heads, d, n_full, "")
     else:
         if blocks.dim() != 2 or blocks.shape[0] != kv_heads:
             raise SparseDecodeError(f"blocks must be ({kv_heads}, b), one row per KV head; got {tuple(blocks.shape)}")

@@ -8,7 +8,7 @@ import array
 import torch
 
 from ...errors import SparseDecodeError
-from . import _centroid_storage, check_status, dtype_code, library, refusal
+from . import centroid_storage, check_status, dtype_code, library, refusal
 
 
 def sparse_step_batch(
@@ -82,7 +82,7 @@ def run_step_batch(
             "do not fit together (q and out contiguous (batch, heads, d), out float32, heads a multiple of KV heads)"
         )
     code = dtype_code(q, keys, values)
-    fields = _row_table(q, keys, values, rows, window, block_size)
+    fields = row_table(q, keys, values, rows, window, block_size)
     if not fields:
         return
     table = array.array("q", fields)
@@ -109,7 +109,7 @@ def run_step_batch(
     check_status(status)
 
 
-def _row_table(q, keys, values, rows, window: int, block_size: int) -> list[int]:
+def row_table(q, keys, values, rows, window: int, block_size: int) -> list[int]:
     """The C call's table of rows (11 integers each), every row checked to stay inside its tensors."""
     batch, heads, d = q.shape
     kv_heads = keys.shape[1]
@@ -141,7 +141,7 @@ def _row_table(q, keys, values, rows, window: int, block_size: int) -> list[int]
             n_full = distant // block_size
             if b > -(-distant // block_size):
                 raise SparseDecodeError(f"row {sequence}: {b} blocks asked of {-(-distant // block_size)}")
-            c_pointer, c_head, c_dim = _centroid_storage(centroids, kv_heads, d, n_full, f"row {sequence}: ")
+            c_pointer, c_head, c_dim = centroid_storage(centroids, kv_heads, d, n_full, f"row {sequence}: ")
         fields += (
             sequence * per_row,
             sequence * k_batch + pad * k_position,

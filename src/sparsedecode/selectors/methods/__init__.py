@@ -16,6 +16,16 @@ from .top_p import TopP
 from .twilight import Twilight
 
 BUILTINS = (
-    TopP, H2O, MeanPooled, OracleBlocks, OracleTokens, Quest, RandomBlocks, SinkStreaming, SparQ, Streaming, Twilight
+    TopP,
+    H2O,
+    MeanPooled,
+    OracleBlocks,
+    OracleTokens,
+    Quest,
+    RandomBlocks,
+    SinkStreaming,
+    SparQ,
+    Streaming,
+    Twilight,
 )
 """Every built-in selector class, in the order ``selector_names()`` lists them."""

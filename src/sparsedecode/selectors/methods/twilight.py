@@ -2,8 +2,8 @@
 Pruning", arXiv 2502.02770), as its official code selects (``tsinghua-ideal/Twilight``, ``twilight/pyimpl/
 attention.py``), per query head:
 
-1. **candidates**: a base block selector's support on this project's layout (Quest per query head by default, any
-   block selector by ``base=``): the anchor, its blocks (the support's ``b``) and the window;
+1. **candidates**: a base block selector's support on this project's layout (Quest per query head by default, another
+   built-in block selector by ``base=``): the anchor, its blocks (the support's ``b``) and the window;
 2. **estimate**: each candidate's logit under the query head from its key quantised per token to ``bits`` bits
    (min-max over the head dimension, 15 levels at 4 bits), scaled as the attention is; a softmax over the candidates;
 3. **prune**: top-p with ``p = 0.85`` by default, as Twilight's kernel finds it: a float32 bisection for a threshold
@@ -28,9 +28,17 @@ from typing import TYPE_CHECKING
 
 from ...errors import SparseDecodeError
 from ..base import TokenSelector
+from .mean_pooled import MeanPooled
+from .oracle import OracleBlocks
+from .quest import Quest
+from .random_blocks import RandomBlocks
 
 if TYPE_CHECKING:
     import torch
+
+BASES = {cls.name: cls for cls in (Quest, MeanPooled, OracleBlocks, RandomBlocks)}
+"""The block selectors a Twilight step can take its candidates from, by name, each with its default parameters
+(Quest's are per query head, as Twilight's configurations use it)."""
 
 EPS = 1e-5
 """The bisection's stopping width, absolute, as in Twilight's kernel."""
@@ -84,14 +92,12 @@ class Twilight(TokenSelector):
             raise SparseDecodeError(f"twilight: p must be a number in (0, 1], got {self.p!r}")
         if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 1 <= self.bits <= 16:
             raise SparseDecodeError(f"twilight: bits must be an integer in [1, 16], got {self.bits!r}")
-        if self.base_selector.token_level:
-            raise SparseDecodeError(f"twilight: base must be a block selector, got {self.base!r}")
+        if self.base not in BASES:
+            raise SparseDecodeError(f"twilight: base must be one of {', '.join(BASES)}, got {self.base!r}")
 
     @cached_property
     def base_selector(self):
-        from ..registry import resolve_selector
-
-        return resolve_selector(self.base)
+        return BASES[self.base]()
 
     @property
     def per_query_head(self) -> bool:
@@ -105,9 +111,12 @@ class Twilight(TokenSelector):
         from ..statistics import block_span, reduce_blocks
 
         heads, n = queries.shape[0], keys.shape[1]
-        if layout.distant <= 0:
-            raise SparseDecodeError("twilight needs the support's budget (the step's layout names none)")
+        mask = torch.zeros(heads, n, dtype=torch.bool, device=keys.device)
+        mask[:, 0] = True
+        mask[:, layout.distant_end :] = True
         base, block = self.base_selector, layout.block_size
+        if layout.distant < block:  # a support of no distant block: the anchor and the window
+            return mask
         if base.statistics:
             padded = torch.nn.functional.pad(keys[:, : layout.distant_end], (0, 0, 0, layout.n_blocks * block + 1))
             spans = block_span(padded, 0, layout.n_blocks, block)  # (kv, n_blocks, B, d), the short block padded
@@ -118,14 +127,11 @@ class Twilight(TokenSelector):
         scores = base.score_blocks(queries, reads, layout).float()
         chosen = top_blocks(scores, layout.distant // block)
         chosen = chosen if chosen.shape[0] == heads else chosen.repeat_interleave(heads // chosen.shape[0], dim=0)
-        mask = torch.zeros(heads, n, dtype=torch.bool, device=keys.device)
         positions = 1 + chosen.unsqueeze(-1) * block + torch.arange(block, device=keys.device)
         positions = positions.flatten(1)
         inside = positions < layout.distant_end  # a chosen short last block's padding is no candidate
         rows = torch.arange(heads, device=keys.device).unsqueeze(1).expand_as(positions)
         mask[rows[inside], positions[inside]] = True
-        mask[:, 0] = True
-        mask[:, layout.distant_end :] = True
         return mask
 
     def score_positions(self, queries, keys, layout):
