@@ -17,7 +17,9 @@ from ..experiments import eval_summary as summary
 from ..experiments.evaluate import RUNS_FILE, EvalSpec, load_eval
 from ..experiments.ruler import TASKS
 from ..files import write_text_atomic
-from .sweep import REPORT_FILE, _environment_lines, _markdown_table, write_csv
+from .environment import environment_lines
+from .sweep import REPORT_FILE
+from .tables import markdown_table, write_csv
 
 EXAMPLES = 20
 """Regressions shown in the Markdown (all of them are in ``regressions.csv``)."""
@@ -118,7 +120,7 @@ def write_eval_report(directory: Path) -> Path:
             else "each task's budget (" + ", ".join(f"{t} {TASKS[t].max_new_tokens}" for t in spec.tasks) + ")"
         )
         + " or end of sequence; score = share of expected answers found in the output (RULER's string_match_all)",
-        *_environment_lines(meta),
+        *environment_lines(meta),
         f"- reproduce: `{eval_command(spec, directory)}`, then `sparsedecode report {directory}`",
         "",
         "## Accuracy (mean score, %)",
@@ -137,7 +139,7 @@ def write_eval_report(directory: Path) -> Path:
         mark = " (dense fails)" if (task, context) in fails else ""
         table.append([task + mark, str(context), str(n), *[_percent(v["score"] if v else None) for v in values]])
         matrix.append([v["score"] if v else np.nan for v in values])
-    out += [_markdown_table(["task", "context", "n", *[summary.mode_label(*m) for m in modes]], table), ""]
+    out += [markdown_table(["task", "context", "n", *[summary.mode_label(*m) for m in modes]], table), ""]
 
     out += ["## Paired against dense", ""]
     if paired:
@@ -146,7 +148,7 @@ def write_eval_report(directory: Path) -> Path:
             "samples scoring lower / higher than dense, samples answered token for token as dense, and the mean "
             "difference over the cells where dense does not fail.",
             "",
-            _markdown_table(
+            markdown_table(
                 [
                     "setting",
                     "samples",
@@ -212,7 +214,7 @@ def write_eval_report(directory: Path) -> Path:
             "partial answer: it can lose part of it, or find by chance an answer dense missed. Where dense answers "
             "no sample fully, the cell says little about sparsity.",
             "",
-            _markdown_table(
+            markdown_table(
                 ["task", "context", "samples", "dense %", "answered fully", "scored 0"],
                 [
                     [
@@ -246,7 +248,7 @@ def write_eval_report(directory: Path) -> Path:
             f"{len(regressions)} (all in `regressions.csv`)"
             + (f"; the first {len(shown)}:" if len(shown) < len(regressions) else ":"),
             "",
-            _markdown_table(
+            markdown_table(
                 ["task", "context", "sample", "setting", "expected", "dense output", "sparse output"],
                 [
                     [
