@@ -1,4 +1,4 @@
-"""The findings of a survival sweep set against the reference study's three (DESIGN.md section 3):
+"""The findings of a survival sweep set against the reference study's three (docs/definitions.md, section 3):
 whether any run survives, how many conditions keep ΔPPL within 5%, and whether the runs with teacher-forced match
 below 70% are the ones with ΔPPL above 100%. Kept apart from the tables so the claim the report checks is read in
 one place."""
@@ -33,7 +33,7 @@ def findings_lines(spec: SweepSpec, rows: list[dict], dense: list[dict]) -> list
     return [
         "## Findings, in the reference study's terms",
         "",
-        f"The reference study (DESIGN.md section 3): {REFERENCE}.",
+        f"The reference study (docs/definitions.md, section 3): {REFERENCE}.",
         "",
         *apart,
         f"- **Survival**: {overview['survived']} of {overview['runs']} runs stayed identical to dense greedy "
