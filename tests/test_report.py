@@ -299,7 +299,7 @@ def test_committed_comparisons_show_no_captured_figure_of_the_old_normaliser():
 
 
 def test_environment_lines_name_a_backend_sessions_workers_not_the_drivers_threads():
-    from sparsedecode.reports.sweep import _environment_lines
+    from sparsedecode.reports.environment import environment_lines
 
     env = {"device": "cpu", "threads": 2, "cpu_count": 2, "processor": "x86_64", "torch": "t", "revision": "abc"}
     ray = {"backend": "ray", "nodes": 1, "cpus": 2, "workers": 2, "threads_per_worker": 1}
@@ -310,7 +310,7 @@ def test_environment_lines_name_a_backend_sessions_workers_not_the_drivers_threa
             {"started": "c", "environment": env, "backend": ray},  # same environment and backend: one line
         ]
     }
-    lines = _environment_lines(meta)
+    lines = environment_lines(meta)
     assert len(lines) == 3 and lines[-1] == "- 3 session(s) wrote this folder, the first started a"
     assert lines[0].startswith("- device cpu, 1 threads (2 CPUs, x86_64); Python")
     assert lines[1].startswith("- device cpu, ray: 2 worker(s) x 1 thread(s) on 1 node(s), 2 CPUs; Python")

@@ -17,7 +17,9 @@ from ..experiments import eval_summary as summary
 from ..experiments.evaluate import RUNS_FILE, EvalSpec, load_eval
 from ..experiments.ruler import TASKS
 from ..files import write_text_atomic
-from .sweep import REPORT_FILE, _environment_lines, _markdown_table, write_csv
+from .environment import environment_lines
+from .sweep import REPORT_FILE
+from .tables import markdown_table, write_csv
 
 EXAMPLES = 20
 """Regressions shown in the Markdown (all of them are in ``regressions.csv``)."""
@@ -67,40 +69,42 @@ def write_eval_report(directory: Path) -> Path:
     directory = Path(directory)
     meta, rows = load_eval(directory)
     spec = EvalSpec.from_dict(meta["spec"])
-    from . import plots
-
     accuracy = summary.accuracy(rows)
     paired = summary.paired(rows)
     regressions = summary.regressions(rows)
-    failing = summary.dense_fails(rows)
-    modes = summary.modes(rows)
-    cells = summary.cells(rows)
-    formats = sorted({r["prompt_format"] for r in rows})
     write_csv(directory / "accuracy.csv", accuracy)
     write_csv(directory / "paired.csv", paired)
     write_csv(directory / "regressions.csv", regressions)
 
-    out = [f"# Task accuracy under sparse decoding: {spec.model}", ""]
-    grid = len(spec.keys())
-    dense_rows = [r for r in rows if r["selector"] == summary.DENSE]
-    dense_cells = set(summary.cells(dense_rows))
-    without_dense = [cell for cell in cells if cell not in dense_cells]
-    samples = {(r["task"], r["context"], r["sample"]) for r in rows}
-    dense_samples = {(r["task"], r["context"], r["sample"]) for r in dense_rows}
-    missing_note = (
-        [
-            f"No dense run yet in {len(without_dense)} of {len(cells)} cells ("
-            + ", ".join(f"{task} at {context}" for task, context in without_dense)
-            + "): their sparse scores are paired with nothing, and nothing here is said of dense there.",
-            "",
-        ]
-        if without_dense
-        else []
-    )
+    table, matrix = _accuracy_table(rows, accuracy)
+    out = [
+        *_conditions_lines(directory, meta, spec, rows),
+        *table,
+        *_paired_lines(paired),
+        *_dense_fails_lines(rows),
+        *_dense_imperfect_lines(rows),
+        *_regression_lines(regressions, paired),
+        *_heatmap_lines(directory, spec, rows, matrix),
+        *_caveat_lines(spec),
+    ]
+    path = directory / REPORT_FILE
+    write_text_atomic(path, "\n".join(out))
+    return path
+
+
+def _conditions_lines(directory: Path, meta: dict, spec: EvalSpec, rows: list[dict]) -> list[str]:
+    """The title, how much of the grid ran, the conditions it ran under (with the command that reproduces it) and
+    the head of the accuracy section."""
+    cells = summary.cells(rows)
+    modes = summary.modes(rows)
+    formats = sorted({r["prompt_format"] for r in rows})
     shown_modes = f"; {', '.join(summary.mode_label(*m) for m in modes)}" if modes else ""
-    out += [
-        f"{len(rows)} of {grid} runs in `{RUNS_FILE}` ({len(cells)} task x context cells, up to {spec.samples} samples "
-        f"each{shown_modes})." + ("" if rows else " No run is stored yet: there is nothing to report."),
+    return [
+        f"# Task accuracy under sparse decoding: {spec.model}",
+        "",
+        f"{len(rows)} of {len(spec.keys())} runs in `{RUNS_FILE}` ({len(cells)} task x context cells, up to "
+        f"{spec.samples} samples each{shown_modes})."
+        + ("" if rows else " No run is stored yet: there is nothing to report."),
         "",
         "## Conditions",
         "",
@@ -118,7 +122,7 @@ def write_eval_report(directory: Path) -> Path:
             else "each task's budget (" + ", ".join(f"{t} {TASKS[t].max_new_tokens}" for t in spec.tasks) + ")"
         )
         + " or end of sequence; score = share of expected answers found in the output (RULER's string_match_all)",
-        *_environment_lines(meta),
+        *environment_lines(meta),
         f"- reproduce: `{eval_command(spec, directory)}`, then `sparsedecode report {directory}`",
         "",
         "## Accuracy (mean score, %)",
@@ -128,61 +132,68 @@ def write_eval_report(directory: Path) -> Path:
         "cannot do it, so it says nothing about sparsity.",
         "",
     ]
+
+
+def _accuracy_table(rows: list[dict], accuracy: list[dict]) -> tuple[list[str], list[list[float]]]:
+    """The accuracy table (task and context by mode, cells where dense fails marked) as Markdown lines, and the
+    same scores as the heat map's matrix (NaN where a mode has no run)."""
+    modes = summary.modes(rows)
     index = {(a["task"], a["context"], a["selector"], a["support"]): a for a in accuracy}
-    fails = {(f["task"], f["context"]) for f in failing}
+    fails = {(f["task"], f["context"]) for f in summary.dense_fails(rows)}
     table, matrix = [], []
-    for task, context in cells:
+    for task, context in summary.cells(rows):
         values = [index.get((task, context, *m)) for m in modes]
         n = max((v["samples"] for v in values if v), default=0)
         mark = " (dense fails)" if (task, context) in fails else ""
         table.append([task + mark, str(context), str(n), *[_percent(v["score"] if v else None) for v in values]])
         matrix.append([v["score"] if v else np.nan for v in values])
-    out += [_markdown_table(["task", "context", "n", *[summary.mode_label(*m) for m in modes]], table), ""]
+    return [markdown_table(["task", "context", "n", *[summary.mode_label(*m) for m in modes]], table), ""], matrix
 
-    out += ["## Paired against dense", ""]
-    if paired:
-        out += [
-            "Per sparse setting over every sample: mean scores, the mean paired difference (sparse - dense, points), "
-            "samples scoring lower / higher than dense, samples answered token for token as dense, and the mean "
-            "difference over the cells where dense does not fail.",
-            "",
-            _markdown_table(
-                [
-                    "setting",
-                    "samples",
-                    "dense %",
-                    "sparse %",
-                    "Δ points",
-                    "lower",
-                    "higher",
-                    "same output",
-                    "Δ (dense ok)",
-                ],
-                [
-                    [
-                        summary.mode_label(p["selector"], p["support"]),
-                        str(p["samples"]),
-                        _percent(p["dense_score"]),
-                        _percent(p["sparse_score"]),
-                        f"{100 * p['difference']:+.1f}",
-                        str(p["lower"]),
-                        str(p["higher"]),
-                        str(p["same_output"]),
-                        "-" if p["difference_dense_ok"] is None else f"{100 * p['difference_dense_ok']:+.1f}",
-                    ]
-                    for p in paired
-                ],
-            ),
-            "",
+
+PAIRED_HEADER = ["setting", "samples", "dense %", "sparse %", "Δ points", "lower", "higher", "same output"]
+"""The columns of the paired table but its last (the difference where dense does not fail)."""
+
+
+def _paired_lines(paired: list[dict]) -> list[str]:
+    """Each sparse setting against dense on the same samples: mean scores, the paired difference and its sign."""
+    lines = ["## Paired against dense", ""]
+    if not paired:
+        return lines + ["No sparse run is paired with a dense run yet.", ""]
+    table = [
+        [
+            summary.mode_label(p["selector"], p["support"]),
+            str(p["samples"]),
+            _percent(p["dense_score"]),
+            _percent(p["sparse_score"]),
+            f"{100 * p['difference']:+.1f}",
+            str(p["lower"]),
+            str(p["higher"]),
+            str(p["same_output"]),
+            "-" if p["difference_dense_ok"] is None else f"{100 * p['difference_dense_ok']:+.1f}",
         ]
-    else:
-        out += ["No sparse run is paired with a dense run yet.", ""]
+        for p in paired
+    ]
+    return lines + [
+        "Per sparse setting over every sample: mean scores, the mean paired difference (sparse - dense, points), "
+        "samples scoring lower / higher than dense, samples answered token for token as dense, and the mean "
+        "difference over the cells where dense does not fail.",
+        "",
+        markdown_table([*PAIRED_HEADER, "Δ (dense ok)"], table),
+        "",
+    ]
 
-    out += ["## Where dense fails", ""]
-    if not dense_rows:
-        out += ["No dense run is stored yet, so nothing can be said of where dense fails.", ""]
+
+def _dense_fails_lines(rows: list[dict]) -> list[str]:
+    """The cells where dense decoding fails (they measure the model, not sparsity), and those with no dense run."""
+    cells = summary.cells(rows)
+    failing = summary.dense_fails(rows)
+    dense_cells = set(summary.cells([r for r in rows if r["selector"] == summary.DENSE]))
+    without_dense = [cell for cell in cells if cell not in dense_cells]
+    lines = ["## Where dense fails", ""]
+    if not dense_cells:
+        lines += ["No dense run is stored yet, so nothing can be said of where dense fails.", ""]
     elif failing:
-        out += [
+        lines += [
             f"Dense decoding scores below {summary.DENSE_FAILS:.0%}, or answers no sample fully, here, so these "
             "cells measure the model, not sparse decoding (they are left out of Δ (dense ok)): "
             + "; ".join(
@@ -194,97 +205,119 @@ def write_eval_report(directory: Path) -> Path:
             "",
         ]
     elif not without_dense:
-        out += [
+        lines += [
             f"Dense decoding scores at least {summary.DENSE_FAILS:.0%} and answers some sample fully in every cell.",
             "",
         ]
     else:
-        out += [
+        lines += [
             f"Dense decoding scores at least {summary.DENSE_FAILS:.0%} and answers some sample fully in every cell "
             f"where it has run ({len(dense_cells)} of {len(cells)}).",
             "",
         ]
-    out += missing_note
+    if without_dense:
+        lines += [
+            f"No dense run yet in {len(without_dense)} of {len(cells)} cells ("
+            + ", ".join(f"{task} at {context}" for task, context in without_dense)
+            + "): their sparse scores are paired with nothing, and nothing here is said of dense there.",
+            "",
+        ]
+    return lines
+
+
+def _dense_imperfect_lines(rows: list[dict]) -> list[str]:
+    """The cells where dense does not answer every sample fully, against which a sparse setting can lose part of an
+    answer or find one by chance; or that dense answers every sample it has run."""
+    dense_rows = [r for r in rows if r["selector"] == summary.DENSE]
+    samples = {(r["task"], r["context"], r["sample"]) for r in rows}
+    dense_samples = {(r["task"], r["context"], r["sample"]) for r in dense_rows}
     imperfect = summary.dense_imperfect(rows)
     if imperfect:
-        out += [
+        table = [
+            [
+                c["task"],
+                str(c["context"]),
+                str(c["samples"]),
+                _percent(c["score"]),
+                str(c["fully_right"]),
+                str(c["zero"]),
+            ]
+            for c in imperfect
+        ]
+        return [
             "Cells where dense does not answer every sample fully. A sparse setting there is measured against a "
             "partial answer: it can lose part of it, or find by chance an answer dense missed. Where dense answers "
             "no sample fully, the cell says little about sparsity.",
             "",
-            _markdown_table(
-                ["task", "context", "samples", "dense %", "answered fully", "scored 0"],
-                [
-                    [
-                        c["task"],
-                        str(c["context"]),
-                        str(c["samples"]),
-                        _percent(c["score"]),
-                        str(c["fully_right"]),
-                        str(c["zero"]),
-                    ]
-                    for c in imperfect
-                ],
-            ),
+            markdown_table(["task", "context", "samples", "dense %", "answered fully", "scored 0"], table),
             "",
         ]
-    elif not dense_rows:
-        pass  # said above: no dense run yet
-    elif dense_samples == samples:
-        out += ["Dense answers every sample fully.", ""]
-    else:
-        out += [
-            f"Dense answers fully every sample it has run ({len(dense_samples)}); {len(samples - dense_samples)} "
-            "sample(s) with sparse runs have no dense run yet.",
-            "",
+    if not dense_rows:
+        return []  # said with where dense fails: no dense run yet
+    if dense_samples == samples:
+        return ["Dense answers every sample fully.", ""]
+    return [
+        f"Dense answers fully every sample it has run ({len(dense_samples)}); {len(samples - dense_samples)} "
+        "sample(s) with sparse runs have no dense run yet.",
+        "",
+    ]
+
+
+def _regression_lines(regressions: list[dict], paired: list[dict]) -> list[str]:
+    """The first :data:`EXAMPLES` samples dense answers fully and a sparse setting does not, with both outputs."""
+    lines = ["## Samples dense answers and sparse decoding does not", ""]
+    if not regressions:
+        if not paired:
+            return lines + ["None to show: no sparse run is paired with a dense run yet.", ""]
+        return lines + ["None: wherever dense answered fully, every sparse setting did too.", ""]
+    shown = regressions[:EXAMPLES]
+    table = [
+        [
+            r["task"],
+            str(r["context"]),
+            str(r["sample"]),
+            summary.mode_label(r["selector"], r["support"]),
+            _short(", ".join(r["answers"]), 40),
+            _short(r["dense_output"]),
+            _short(r["sparse_output"]),
         ]
+        for r in shown
+    ]
+    return lines + [
+        f"{len(regressions)} (all in `regressions.csv`)"
+        + (f"; the first {len(shown)}:" if len(shown) < len(regressions) else ":"),
+        "",
+        markdown_table(["task", "context", "sample", "setting", "expected", "dense output", "sparse output"], table),
+        "",
+    ]
 
-    out += ["## Samples dense answers and sparse decoding does not", ""]
-    if regressions:
-        shown = regressions[:EXAMPLES]
-        out += [
-            f"{len(regressions)} (all in `regressions.csv`)"
-            + (f"; the first {len(shown)}:" if len(shown) < len(regressions) else ":"),
-            "",
-            _markdown_table(
-                ["task", "context", "sample", "setting", "expected", "dense output", "sparse output"],
-                [
-                    [
-                        r["task"],
-                        str(r["context"]),
-                        str(r["sample"]),
-                        summary.mode_label(r["selector"], r["support"]),
-                        _short(", ".join(r["answers"]), 40),
-                        _short(r["dense_output"]),
-                        _short(r["sparse_output"]),
-                    ]
-                    for r in shown
-                ],
-            ),
-            "",
-        ]
-    elif not paired:
-        out += ["None to show: no sparse run is paired with a dense run yet.", ""]
-    else:
-        out += ["None: wherever dense answered fully, every sparse setting did too.", ""]
 
-    if matrix and modes:
-        plots.heatmap(
-            np.array(matrix, dtype=float),
-            directory / "accuracy.png",
-            title=f"{spec.model}: mean RULER score per task and context",
-            xlabel="mode",
-            ylabel="task @ context",
-            colorbar="mean score",
-            xticks=[summary.mode_label(*m) for m in modes],
-            yticks=[f"{t} @ {c}" for t, c in cells],
-            vmin=0.0,
-            vmax=1.0,
-            annotate=True,
-        )
-        out += ["![mean score per task, context and mode](accuracy.png)", ""]
+def _heatmap_lines(directory: Path, spec: EvalSpec, rows: list[dict], matrix: list[list[float]]) -> list[str]:
+    """``accuracy.png``, the mean score per task x context and mode, and its line (nothing without a mode)."""
+    from . import plots
 
-    out += [
+    modes = summary.modes(rows)
+    if not (matrix and modes):
+        return []
+    plots.heatmap(
+        np.array(matrix, dtype=float),
+        directory / "accuracy.png",
+        title=f"{spec.model}: mean RULER score per task and context",
+        xlabel="mode",
+        ylabel="task @ context",
+        colorbar="mean score",
+        xticks=[summary.mode_label(*m) for m in modes],
+        yticks=[f"{t} @ {c}" for t, c in summary.cells(rows)],
+        vmin=0.0,
+        vmax=1.0,
+        annotate=True,
+    )
+    return ["![mean score per task, context and mode](accuracy.png)", ""]
+
+
+def _caveat_lines(spec: EvalSpec) -> list[str]:
+    """What the evaluation does not establish: few samples, generated tasks, substring scoring, no timing."""
+    return [
         "## What this does not establish",
         "",
         f"- Each cell holds at most {spec.samples} samples: one sample moves a cell by {100 / spec.samples:.0f} "
@@ -296,6 +329,3 @@ def write_eval_report(directory: Path) -> Path:
         "- Accuracy says nothing about speed; the decode steps here are not timed for comparison.",
         "",
     ]
-    path = directory / REPORT_FILE
-    write_text_atomic(path, "\n".join(out))
-    return path

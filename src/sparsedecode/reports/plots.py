@@ -159,8 +159,8 @@ def delta_ppl_by_support(rows: list[dict], path: Path, *, title: str) -> Path:
 def first_divergence_histogram(rows: list[dict], path: Path, *, title: str) -> Path:
     """Histogram of first-divergence steps, stacked by support (by selector when the rows hold several).
 
-    ``first_divergence`` is DESIGN.md section 3's (1..T-1 for a divergence); runs that never diverge (``T``) sit
-    in a last bin of their own.
+    ``first_divergence`` as docs/definitions.md, section 3 defines it (1..T-1 for a divergence); runs that never
+    diverge (``T``) sit in a last bin of their own.
     """
     tokens = max(r["tokens"] for r in rows)
     selectors = _selectors(rows)

@@ -1,0 +1,55 @@
+"""The cells, Markdown tables and CSV files every report is built of.
+
+One way to print a value (``-`` for a missing one, ``yes``/``no`` for a flag), a median with its range, a Markdown
+table and a CSV of result rows, shared by the sweep, retrieval and evaluation reports so their tables read alike.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from pathlib import Path
+
+from ..files import write_text_atomic
+
+
+def format_value(value, digits: int = 1) -> str:
+    """A table cell: ``-`` for a missing or NaN value, ``yes``/``no`` for a flag, floats to ``digits`` decimals."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "-"
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def format_range(entry: dict, name: str, digits: int = 1, sign: str = "") -> str:
+    """``median [min, max]`` of the summary fields ``{name}_median``, ``{name}_min`` and ``{name}_max``."""
+    median, low, high = (entry[f"{name}_{part}"] for part in ("median", "min", "max"))
+    return f"{median:{sign}.{digits}f} [{low:{sign}.{digits}f}, {high:{sign}.{digits}f}]"
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table of ready-made cells, every column right-aligned (the columns are mostly numbers)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" ---: " for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_csv(path: Path, rows: list[dict]) -> Path:
+    """Rows of dicts as CSV (columns in first-seen order; lists written as JSON)."""
+    columns: list[str] = []
+    for row in rows:
+        columns += [name for name in row if name not in columns]
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=columns)
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: json.dumps(v) if isinstance(v, (list, tuple, dict)) else v for k, v in row.items()})
+    write_text_atomic(path, text.getvalue())
+    return path
