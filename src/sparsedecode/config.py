@@ -32,7 +32,9 @@ class SparseConfig:
     ``support`` positions; an adaptive one reads at most the support. ``seed`` is the session's seed (random-blocks
     draws with it). ``audit`` turns on the omitted-mass audit of :mod:`sparsedecode.protocol.diagnostics`, which
     costs one dense attention pass per sparse step; off, nothing beyond the support is ever read. ``kernel``
-    picks the attention implementation (:data:`KERNELS`); it changes speed, not what is read.
+    picks the attention implementation (:data:`KERNELS`); it changes speed, not what is read. ``dense_layers``
+    names layers (by index, from 0) that decode dense at every step, as Quest's and Twilight's evaluations keep the
+    first two (``(0, 1)`` or ``"0,1"``); their steps count as dense steps.
 
     Reference: "Attention-Mass Condensation for Sparse Decoding", arXiv 2602.06317.
     """
@@ -45,8 +47,10 @@ class SparseConfig:
     audit: bool = False
     seed: int = 0
     kernel: str = "auto"
+    dense_layers: tuple[int, ...] | str = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "dense_layers", parse_layers(self.dense_layers))
         check_budget(self.support, self.window, self.block_size)
         if not isinstance(self.reuse, int) or isinstance(self.reuse, bool):
             raise SparseDecodeError(f"reuse must be an integer, got {self.reuse!r}")
@@ -120,6 +124,35 @@ def check_config(config: object, where: str) -> None:
         hint = "; build one with SparseConfig(**settings)" if isinstance(config, dict) else ""
         name = "None" if config is None else type(config).__name__
         raise SparseDecodeError(f"{where}: config must be a SparseConfig, got {name}{hint}")
+
+
+def parse_layers(layers) -> tuple[int, ...]:
+    """Layer indices as a sorted tuple of distinct non-negative integers, from a sequence of integers or a text
+    ``"0,1"`` (an empty text or sequence: none)."""
+    if isinstance(layers, str):
+        items = [item.strip() for item in layers.split(",") if item.strip()]
+        if not all(item.isdigit() for item in items):
+            raise SparseDecodeError(f"dense_layers is a comma-separated list of layer indices, got {layers!r}")
+        layers = [int(item) for item in items]
+    try:
+        values = list(layers)
+    except TypeError:
+        raise SparseDecodeError(f"dense_layers is a list of layer indices, got {layers!r}") from None
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise SparseDecodeError(f"dense_layers holds layer indices (integers >= 0), got {layers!r}")
+    if len(set(values)) != len(values):
+        raise SparseDecodeError(f"dense_layers names a layer twice: {layers!r}")
+    return tuple(sorted(values))
+
+
+def check_dense_layers(config: SparseConfig, layers: int) -> None:
+    """Every layer ``config.dense_layers`` names is one of the model's ``layers``."""
+    outside = [layer for layer in config.dense_layers if layer >= layers]
+    if outside:
+        raise SparseDecodeError(
+            f"dense_layers names layer{'s' if len(outside) > 1 else ''} {', '.join(map(str, outside))}; the model has "
+            f"{layers} attention layers (0 to {layers - 1})"
+        )
 
 
 def config_from_overrides(overrides: dict) -> SparseConfig:

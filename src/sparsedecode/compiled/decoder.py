@@ -19,7 +19,7 @@ import types
 import torch
 
 from .. import env
-from ..config import SparseConfig
+from ..config import SparseConfig, check_dense_layers
 from ..errors import SparseDecodeError
 from ..models.catalog import attention_shape
 from ..step.device import fill_statistics
@@ -169,7 +169,11 @@ class CompiledDecoder:
         if cfg is not None:
             heads, kv_heads, head_dim, _ = attention_shape(model.config)
             form = step_form(cfg, self.device, form)
-            for module in _attention_modules(model):
+            modules = _attention_modules(model)
+            check_dense_layers(cfg, 1 + max((int(module.layer_idx) for module in modules), default=-1))
+            for module in modules:
+                if module.layer_idx in cfg.dense_layers:
+                    continue  # a module without step buffers decodes dense
                 self.states[module] = allocate(
                     cfg, module.layer_idx, batch, kv_heads, head_dim, max_len, self.device, form, heads
                 )

@@ -111,7 +111,8 @@ def _decode(
     sliding = kwargs.get("sliding_window")
     h2o = cfg.selector.uses_history
     lengths = [n - pad for pad in pads]
-    dense_rows = [m <= cfg.effective_support or (sliding is not None and m > sliding) for m in lengths]
+    dense_layer = state.layer in cfg.dense_layers
+    dense_rows = [dense_layer or m <= cfg.effective_support or (sliding is not None and m > sliding) for m in lengths]
     all_dense = all(dense_rows)
     if all_dense:
         out = sdpa_attention_forward(

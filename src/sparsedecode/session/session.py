@@ -40,7 +40,7 @@ class SparseSession:
     Attributes:
         config: the settings in force.
         sparse_steps / dense_steps: decode-step layer calls that ran sparse, or dense because
-            ``N <= effective support`` (or the layer is a sliding-window layer).
+            ``N <= effective support`` (or the layer is a sliding-window layer, or one of ``dense_layers``).
         track_reads: record which distant positions each layer and KV head read (for
             :meth:`unique_distant_positions`); off by default to keep the decode step lean.
         observers: callables receiving a :class:`StepView` after every sparse step (the audit uses this;

@@ -1,0 +1,93 @@
+"""``SparseConfig.dense_layers``: the layers it names decode dense at every step on every path (the session, a
+padded batch, the compiled step), the others sparse as before; rows store it; bad values are refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import prompt, tiny_model
+from test_attention import greedy_loop
+from test_compiled import PROMPT, SMALL_CFG, _prompt, _session_run, _static_run
+
+from sparsedecode import SparseConfig, SparseDecodeError, compare, sparse_decoding
+from sparsedecode.compiled.decoder import CompiledDecoder
+
+
+def _layers_seen(model, ids, cfg, steps=12):
+    seen = []
+    with sparse_decoding(model, cfg) as session:
+        session.observers.append(lambda view: seen.append(view.layer))
+        tokens, logits = greedy_loop(model, ids, steps)
+    return tokens, logits, session, sorted(set(seen))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_every_layer_dense_is_dense_decoding_exactly(arch):
+    model = tiny_model(arch)
+    layers = model.config.num_hidden_layers
+    ids = prompt(300)
+    dense_tokens, dense_logits = greedy_loop(model, ids, 12)
+    cfg = SparseConfig(support=97, dense_layers=tuple(range(layers)))
+    tokens, logits, session, seen = _layers_seen(model, ids, cfg)
+    assert seen == [] and session.sparse_steps == 0 and session.dense_steps == 12 * layers
+    assert tokens == dense_tokens and torch.equal(logits, dense_logits)
+
+
+def test_named_layers_never_step_sparse_and_the_rest_do():
+    model = tiny_model("llama")
+    layers = model.config.num_hidden_layers
+    assert layers >= 2, "a model of one layer would test little"
+    ids = prompt(300)
+    _, plain_logits, plain, everywhere = _layers_seen(model, ids, SparseConfig(support=97))
+    tokens, logits, session, seen = _layers_seen(model, ids, SparseConfig(support=97, dense_layers="0"))
+    assert everywhere == list(range(layers)) and seen == list(range(1, layers))
+    assert session.sparse_steps == plain.sparse_steps - 12 and session.dense_steps == plain.dense_steps + 12
+    assert not torch.equal(logits, plain_logits), "a dense first layer changes what the later layers see"
+
+
+def test_the_compiled_step_keeps_the_named_layers_dense():
+    model = tiny_model("llama")
+    ids = _prompt(5)
+    cfg = SparseConfig(**SMALL_CFG, dense_layers=(0,))
+    eager_tokens, eager_logits = _session_run(model, ids, cfg, steps=16)
+    decoder = CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + 17, backend="aot_eager")
+    assert sorted(module.layer_idx for module in decoder.states) == list(range(1, model.config.num_hidden_layers))
+    tokens, logits = _static_run(decoder, ids, steps=16, compiled=False)
+    assert tokens == eager_tokens
+    assert torch.allclose(logits, eager_logits, rtol=0, atol=1e-4)
+    plain_tokens, plain_logits = _session_run(model, ids, SparseConfig(**SMALL_CFG), steps=16)
+    assert not torch.equal(plain_logits, eager_logits)
+
+
+def test_rows_store_the_dense_layers():
+    model = tiny_model("llama")
+    result = compare(model, None, prompt(300), SparseConfig(support=97, dense_layers="1,0"), 6)
+    assert result.settings["dense_layers"] == (0, 1) or result.settings["dense_layers"] == [0, 1]
+    assert SparseConfig(support=97, dense_layers=[1, 0]) == SparseConfig(support=97, dense_layers="0, 1")
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("0,x", "comma-separated list of layer indices"),
+        ((-1,), "integers >= 0"),
+        ((True,), "integers >= 0"),
+        ("1,1", "names a layer twice"),
+        (3.0, "list of layer indices"),
+    ],
+)
+def test_bad_dense_layers_are_refused_in_one_line(value, message):
+    with pytest.raises(SparseDecodeError, match=message) as raised:
+        SparseConfig(support=97, dense_layers=value)
+    assert "\n" not in str(raised.value)
+
+
+def test_a_layer_the_model_lacks_is_refused_when_decoding_starts():
+    model = tiny_model("llama")
+    layers = model.config.num_hidden_layers
+    cfg = SparseConfig(support=97, dense_layers=(0, layers))
+    with pytest.raises(SparseDecodeError, match=f"the model has {layers} attention layers"):
+        with sparse_decoding(model, cfg):
+            pass
+    with pytest.raises(SparseDecodeError, match=f"the model has {layers} attention layers"):
+        CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + 4, backend="aot_eager")
