@@ -122,6 +122,7 @@ def test_bench_op_cycles_through_the_shapes_layers_by_default(monkeypatch):
 def test_bench_op_caps_layers_to_the_memory_available(monkeypatch):
     layout = BlockLayout(n=512, window=64, block_size=16)
     per_layer = op_layer_bytes(512, SHAPES["smollm2-135m"], 4, "mean-pooled", layout)
+
     def half(device="cpu"):  # half of it: 2 layers
         return 5 * per_layer
 
