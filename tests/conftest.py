@@ -225,13 +225,13 @@ def quick_operator_times(monkeypatch):
     tiny model. The tests check where times appear (``op_ms`` positive where the support is sparse, none where it is
     not), not their size: here the same ``bench_op`` runs with a fixed bandwidth and 1 ms budgets (each timing still
     the median of at least ten real calls). ``test_bench.py`` measures the bandwidth itself once."""
-    from sparsedecode.experiments import bench, selector_comparison
+    from sparsedecode.experiments import bench_operator, selector_comparison
 
     real = selector_comparison.bench_op
 
     def quick(*args, **kwargs):
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(bench, "read_bandwidth_gbs", lambda *a, **k: 12.5)
+            patch.setattr(bench_operator, "read_bandwidth_gbs", lambda *a, **k: 12.5)
             return real(*args, **{**kwargs, "budget_s": 0.001})
 
     monkeypatch.setattr(selector_comparison, "bench_op", quick)

@@ -390,10 +390,10 @@ def test_bench_e2e_batch_compile_adds_compiled_rows_that_equal_batch_one(monkeyp
 
 def test_bench_e2e_batch_that_does_not_fit_is_refused_before_prefill(tiny_model_dir, tmp_path, monkeypatch, capsys):
     from sparsedecode.cli import main
-    from sparsedecode.experiments import bench
+    from sparsedecode.experiments import bench_batch
 
-    monkeypatch.setattr(bench, "available_memory_bytes", lambda device="cpu": 10_000)
-    monkeypatch.setattr(bench, "prefill", lambda *a, **k: pytest.fail("prefill ran"))
+    monkeypatch.setattr(bench_batch, "available_memory_bytes", lambda device="cpu": 10_000)
+    monkeypatch.setattr(bench_batch, "prefill", lambda *a, **k: pytest.fail("prefill ran"))
     out = tmp_path / "batch.json"
     args = ["bench", "e2e", "--model", str(tiny_model_dir), "--context", "300", "--batch", "1,8", "--json", str(out)]
     assert main(args) == 2

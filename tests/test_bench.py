@@ -16,16 +16,15 @@ from conftest import prompt, tiny_model
 from sparsedecode import SparseDecodeError
 from sparsedecode.cli import main
 from sparsedecode.config import SparseConfig
-from sparsedecode.experiments import bench
+from sparsedecode.experiments import bench, bench_batch, bench_end_to_end, bench_operator, bench_operator_inputs
 from sparsedecode.experiments.bench import (
     SHAPE_LAYERS,
     SHAPES,
-    _layer_bytes,
-    _op_bytes,
     bench_e2e,
     bench_op,
     plan_layers,
 )
+from sparsedecode.experiments.bench_operator_inputs import op_bytes, op_layer_bytes
 from sparsedecode.layout import BlockLayout
 
 STUB_BANDWIDTH_GBS = 12.5
@@ -36,7 +35,8 @@ def stub_bandwidth(request, monkeypatch):
     """These tests check the rows' structure, not speed: the read-bandwidth measurement (a 512 MB buffer summed for a
     second, in every bench_op) is replaced by a fixed figure, except in the test of the measurement itself."""
     if request.function is not test_read_bandwidth_is_measured_and_reported:
-        monkeypatch.setattr(bench, "read_bandwidth_gbs", lambda *a, **k: STUB_BANDWIDTH_GBS)
+        monkeypatch.setattr(bench_operator, "read_bandwidth_gbs", lambda *a, **k: STUB_BANDWIDTH_GBS)
+        monkeypatch.setattr(bench_end_to_end, "read_bandwidth_gbs", lambda *a, **k: STUB_BANDWIDTH_GBS)
 
 
 def test_read_bandwidth_is_measured_and_reported():
@@ -66,7 +66,7 @@ E2E_FIELDS = ("model", "mode", "context", "support", "prefill_s", "decode_tokens
 
 def test_bytes_accounting():
     cfg = SparseConfig(support=193)
-    dense, sparse = _op_bytes(cfg, 131072, 2, 14, 64, 4)
+    dense, sparse = op_bytes(cfg, 131072, 2, 14, 64, 4)
     assert dense == 2 * 2 * 131072 * 64 * 4 + 14 * 64 * 4
     blocks = (131072 - 64 - 1) // 16
     expected = 2 * blocks * 64 * 4 + 15 * 2 * 64 * 4 + 2 * 2 * 193 * 64 * 4 + 14 * 64 * 4  # centroids, tail, support, q
@@ -105,10 +105,13 @@ def test_bench_op_times_token_level_selectors_with_torch(selector):
 def test_bench_op_cycles_through_the_shapes_layers_by_default(monkeypatch):
     """Cold by default: one distinct per-layer cache per decoder layer, each call on the next one (0, 1, ..., 0)."""
     seen = []
-    step = bench._fresh_step
-    monkeypatch.setattr(
-        bench, "_fresh_step", lambda session, state, *rest: seen.append(state.layer) or step(session, state, *rest)
-    )
+    step = bench_operator.fresh_step
+
+    def counted(session, state, *rest):
+        seen.append(state.layer)
+        return step(session, state, *rest)
+
+    monkeypatch.setattr(bench_operator, "fresh_step", counted)
     rows, _ = bench_op("smollm2-135m", (300,), (97,), budget_s=0.001, kernels=("c",))
     assert SHAPE_LAYERS["smollm2-135m"] == 30 and rows[0].layers == rows[0].layers_requested == 30
     assert len(seen) >= 11 and seen == [i % 30 for i in range(len(seen))], "calls take the layers in turn"
@@ -118,8 +121,13 @@ def test_bench_op_cycles_through_the_shapes_layers_by_default(monkeypatch):
 
 def test_bench_op_caps_layers_to_the_memory_available(monkeypatch):
     layout = BlockLayout(n=512, window=64, block_size=16)
-    per_layer = _layer_bytes(512, SHAPES["smollm2-135m"], 4, "mean-pooled", layout)
-    monkeypatch.setattr(bench, "available_memory_bytes", lambda device="cpu": 5 * per_layer)  # half of it: 2 layers
+    per_layer = op_layer_bytes(512, SHAPES["smollm2-135m"], 4, "mean-pooled", layout)
+
+    def half(device="cpu"):  # half of it: 2 layers
+        return 5 * per_layer
+
+    monkeypatch.setattr(bench_operator_inputs, "available_memory_bytes", half)
+    monkeypatch.setattr(bench_operator, "available_memory_bytes", half)
     row = bench_op("smollm2-135m", (512,), (97,), budget_s=0.001, kernels=("c",))[0][0]
     assert (row.layers, row.layers_requested) == (2, 30)
     assert row.layers_note.startswith("2 of 30 layers") and "available" in row.layers_note
@@ -152,14 +160,14 @@ def test_bench_op_refuses_before_any_work(monkeypatch, contexts, supports, optio
     def measured(*args, **kwargs):
         raise AssertionError("work started before the arguments were checked")
 
-    monkeypatch.setattr(bench, "read_bandwidth_gbs", measured)
+    monkeypatch.setattr(bench_operator, "read_bandwidth_gbs", measured)
     with pytest.raises(SparseDecodeError, match=message):
         bench_op("smollm2-135m", contexts, supports, **{"budget_s": 0.001, **options})
 
 
 def test_bench_e2e_times_every_mode_as_often_as_dense(monkeypatch):
     calls = {"dense/sparse": 0, "lossless": 0}
-    greedy, lossless = bench.decode_tokens, bench.lossless_decode
+    greedy, lossless = bench_end_to_end.decode_tokens, bench_end_to_end.lossless_decode
 
     def counted(name, function):
         def wrapper(*args, **kwargs):
@@ -168,8 +176,8 @@ def test_bench_e2e_times_every_mode_as_often_as_dense(monkeypatch):
 
         return wrapper
 
-    monkeypatch.setattr(bench, "decode_tokens", counted("dense/sparse", greedy))
-    monkeypatch.setattr(bench, "lossless_decode", counted("lossless", lossless))
+    monkeypatch.setattr(bench_end_to_end, "decode_tokens", counted("dense/sparse", greedy))
+    monkeypatch.setattr(bench_end_to_end, "lossless_decode", counted("lossless", lossless))
     rows = bench_e2e(tiny_model("qwen2"), "tiny", prompt(200), (97,), tokens=4, lossless=(2,), repeats=3)
     assert [(r.mode, r.cache, r.runs) for r in rows] == [
         ("dense", "dynamic", 3),
@@ -262,7 +270,7 @@ def test_bench_e2e_baseline_runs_llama_cpp_in_the_rotation(monkeypatch, tmp_path
 
     monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=FakeLlama))
     monkeypatch.setattr(FakeLlama, "log", tmp_path / "llama.jsonl")
-    monkeypatch.setattr(bench, "read_bandwidth_gbs", lambda *a, **k: 10.0)  # structure, not speed
+    monkeypatch.setattr(bench_end_to_end, "read_bandwidth_gbs", lambda *a, **k: 10.0)  # structure, not speed
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"\0" * 1000)
     engines = {LLAMA_CPP: LlamaCpp(gguf, 220, 2), LLAMA_CPP_FLASH: LlamaCpp(gguf, 220, 2, flash_attn=True)}
@@ -389,7 +397,9 @@ def test_bench_op_cli_layers_one_is_the_warm_figure(tmp_path, capsys):
     ],
 )
 def test_bench_op_cli_refuses_bad_input(tmp_path, capsys, monkeypatch, options, message):
-    monkeypatch.setattr(bench, "read_bandwidth_gbs", lambda *a, **k: pytest.fail("work started before the checks"))
+    monkeypatch.setattr(
+        bench_operator, "read_bandwidth_gbs", lambda *a, **k: pytest.fail("work started before the checks")
+    )
     out = tmp_path / "op.json"
     assert main(["bench", "op", "--shape", "smollm2-135m", *options, "--json", str(out)]) == 2
     captured = capsys.readouterr()
@@ -414,7 +424,8 @@ def test_bench_e2e_cli_refuses_repeats_below_one(tiny_model_dir, capsys):
     ],
 )
 def test_bench_e2e_cli_refuses_a_baseline_or_compile_it_cannot_run(tiny_model_dir, capsys, monkeypatch, extra, message):
-    monkeypatch.setattr(bench, "prefill", lambda *a, **k: pytest.fail("refused after the prefill"))
+    for module in (bench_end_to_end, bench_batch):
+        monkeypatch.setattr(module, "prefill", lambda *a, **k: pytest.fail("refused after the prefill"))
     assert main(["bench", "e2e", "--model", str(tiny_model_dir), "--context", "300", *extra]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
@@ -434,7 +445,7 @@ def test_bytes_accounting_of_two_byte_elements():
     """bfloat16 or float16 caches: keys, values, the tail block's keys and the query at 2 bytes an element, the
     float32 centroids at 4 (the cache keeps them in float32 whatever the keys' dtype)."""
     cfg = SparseConfig(support=193)
-    dense, sparse = _op_bytes(cfg, 131072, 2, 14, 64, 2)
+    dense, sparse = op_bytes(cfg, 131072, 2, 14, 64, 2)
     assert dense == 2 * 2 * 131072 * 64 * 2 + 14 * 64 * 2
     blocks = (131072 - 64 - 1) // 16
     assert sparse == 2 * blocks * 64 * 4 + 15 * 2 * 64 * 2 + 2 * 2 * 193 * 64 * 2 + 14 * 64 * 2
@@ -446,7 +457,7 @@ def test_bench_op_times_the_c_kernel_in_half_precision(dtype):
     rows, _ = bench_op("smollm2-135m", (512,), (97,), dtype=dtype, budget_s=0.001, layers=1)
     name = str(dtype).removeprefix("torch.")
     assert [(r.kernel, r.dtype) for r in rows] == [("torch", name), ("c", name)]
-    assert rows[1].bytes_sparse == _op_bytes(SparseConfig(support=97), 512, 3, 9, 64, 2)[1]
+    assert rows[1].bytes_sparse == op_bytes(SparseConfig(support=97), 512, 3, 9, 64, 2)[1]
 
 
 def test_a_llama_cpp_engine_that_cannot_load_is_refused_in_one_line(monkeypatch, tmp_path):

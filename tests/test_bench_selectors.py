@@ -9,8 +9,10 @@ import torch
 from conftest import SELECTORS, assert_attention_close
 
 from sparsedecode.config import SparseConfig
-from sparsedecode.experiments import bench
-from sparsedecode.experiments.bench import _fresh_step, _op_layer, bench_op
+from sparsedecode.experiments import bench_operator
+from sparsedecode.experiments.bench import bench_op
+from sparsedecode.experiments.bench_operator import fresh_step
+from sparsedecode.experiments.bench_operator_inputs import op_layer
 from sparsedecode.experiments.op_calls import op_calls
 from sparsedecode.layout import BlockLayout
 from sparsedecode.session import LayerState, SparseSession
@@ -40,7 +42,7 @@ class Halves(sparsedecode.BlockSelector):
 
 @pytest.fixture(autouse=True)
 def stub_bandwidth(monkeypatch):
-    monkeypatch.setattr(bench, "read_bandwidth_gbs", lambda *a, **k: 12.5)  # rows' structure, not speed
+    monkeypatch.setattr(bench_operator, "read_bandwidth_gbs", lambda *a, **k: 12.5)  # rows' structure, not speed
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +70,9 @@ def test_the_timed_attention_reads_what_the_step_reads(selector, budgeted):
     cfg = SparseConfig(support=193, selector=selector)
     n, dims, scale = 700, (4, 2, 16), 0.25
     layout = BlockLayout(n=n, window=cfg.window, block_size=cfg.block_size)
-    layer = _op_layer(n, dims, torch.float32, "cpu", cfg.selector_name, layout, torch.Generator().manual_seed(3))
+    layer = op_layer(n, dims, torch.float32, "cpu", cfg.selector_name, layout, torch.Generator().manual_seed(3))
     select, attend = op_calls(cfg, layer, layout, scale, "torch")
-    step = _fresh_step(SparseSession(config=cfg, model=None), LayerState(0, layer.centroids), layer.query,
+    step = fresh_step(SparseSession(config=cfg, model=None), LayerState(0, layer.centroids), layer.query,
                        layer.keys, layer.values, n, scale)  # fmt: skip
     q, k, v = layer.query[0, :, 0], layer.keys[0], layer.values[0]
     assert_attention_close(attend(), step[0, 0], q, k, v, scale)

@@ -13,7 +13,7 @@ import pytest
 
 from sparsedecode.cli import main
 from sparsedecode.errors import SparseDecodeError
-from sparsedecode.experiments import bench
+from sparsedecode.experiments import bench_operator
 from sparsedecode.experiments.eval_spec import EvalSpec
 from sparsedecode.experiments.evaluate import merge_evals
 from sparsedecode.experiments.specs import adopt_stored
@@ -154,7 +154,7 @@ def comparisons(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("comparisons")
     base = ["compare-selectors", "--model", str(tiny_model_dir), "--context", "150", "--support", "97"]
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(bench, "read_bandwidth_gbs", lambda *a, **k: 12.5)
+        patch.setattr(bench_operator, "read_bandwidth_gbs", lambda *a, **k: 12.5)
         for name, selectors in (("a", "quest"), ("b", "streaming")):
             args = [*base, "--prompts", "1", "--tokens", "4", "--selectors", selectors, "--out", str(root / name)]
             assert main(args) == 0

@@ -130,7 +130,7 @@ def test_spec_strings_parameters_and_lists(user_file):
     assert (
         parse_selector(f"{user_file}:MaxKeyBlocks:temperature=2").spec() == f"{user_file}:MaxKeyBlocks:temperature=2.0"
     )
-    assert parse_selector(f"{user_file}:MaxKeyBlocks").source[1] == registry._read_source(str(user_file))[0]
+    assert parse_selector(f"{user_file}:MaxKeyBlocks").source[1] == registry.read_source(str(user_file))[0]
     assert split_selector_list("mean-pooled,sparq:rank=4,block-top-p:p=0.5,quest") == [
         "mean-pooled",
         "sparq:rank=4",

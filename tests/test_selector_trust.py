@@ -371,9 +371,9 @@ def test_compiled_decoding_refuses_scores_on_the_meta_device_in_one_line(meta_fi
 
 def test_run_and_bench_op_refuse_scores_on_the_meta_device_in_one_line(meta_file, tiny_model_dir, capsys, monkeypatch):
     from sparsedecode.cli import main
-    from sparsedecode.experiments import bench
+    from sparsedecode.experiments import bench_operator
 
-    monkeypatch.setattr(bench, "read_bandwidth_gbs", lambda *a, **k: 12.5)
+    monkeypatch.setattr(bench_operator, "read_bandwidth_gbs", lambda *a, **k: 12.5)
     commands = [
         ["run", "--model", str(tiny_model_dir), "--context", "200", "--support", "97", "--tokens", "4"],
         ["bench", "op", "--shape", "smollm2-135m", "--context", "512", "--support", "97", "--budget", "0.001",

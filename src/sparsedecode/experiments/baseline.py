@@ -147,7 +147,7 @@ def parameter_bytes(model: torch.nn.Module) -> int:
 def attention_bytes(config, n: int, support: int | None, element: int, block_size: int = 16) -> int:
     """Bytes attention reads per token at ``n`` positions: every key and value (``support=None``: dense), or the
     support's keys and values plus the float32 block centroids selection scores (one per ``block_size`` keys)."""
-    from .bench import kv_cache_bytes
+    from .bench_measures import kv_cache_bytes
 
     if support is None or n <= support:
         return kv_cache_bytes(config, 1, n, element)

@@ -9,7 +9,8 @@ from ..config import SparseConfig
 from ..errors import SparseDecodeError
 from ..selectors.registry import provided
 from .corpus import DEFAULT_CORPUS
-from .ruler import TASK_NAMES, TASKS, TEMPLATES, check_tasks
+from .ruler import TEMPLATES
+from .ruler_tasks import TASK_NAMES, TASKS, check_tasks
 from .specs import Spec
 
 DENSE = "dense"

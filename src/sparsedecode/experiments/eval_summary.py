@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .evaluate import DENSE
+from .eval_spec import DENSE
 
 DENSE_FAILS = 0.5
 """A (task, context) whose dense mean score is below this says nothing about sparsity: dense cannot do it. Nor does

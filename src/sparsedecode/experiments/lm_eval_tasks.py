@@ -27,7 +27,8 @@ from pathlib import Path
 
 from ..errors import SparseDecodeError
 from ..files import write_json_atomic, write_text_atomic
-from .evaluate import EvalSpec, sample_of
+from .eval_sample import sample_of
+from .eval_spec import EvalSpec
 from .ruler import GENERATOR_VERSION
 
 TAG = "sparsedecode_ruler"

@@ -4,7 +4,7 @@ For each (context, prompt) one dense reference is computed; every selector then 
 :func:`sparsedecode.protocol.paired.compare` at every support (optionally with the omitted-mass audit, which gives the
 captured-mass ratio against the best set reachable at the same budget). The operator time of one decode-attention
 call per selector is measured on synthetic data of the model's shape at each context, in the same process
-(:func:`sparsedecode.experiments.bench.bench_op`).
+(:func:`sparsedecode.experiments.bench_operator.bench_op`).
 
 Optionally (``retrieval`` trials per context) the passkey probe of :mod:`sparsedecode.experiments.retrieval`
 runs on the same model and contexts: each trial plants its own passkey at its own depth (spread evenly from the
@@ -32,7 +32,7 @@ from ..errors import SparseDecodeError
 from ..protocol.paired import compare, dense_reference
 from ..protocol.results import upgrade_row
 from ..selectors import resolve_selector, selector_names
-from .bench import bench_op
+from .bench_operator import bench_op
 from .corpus import prompt_ids
 from .retrieval import run_trial, trial_prompt
 from .summary import dense_by_construction

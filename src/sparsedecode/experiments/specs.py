@@ -154,7 +154,7 @@ def adopt_stored(spec: Spec, meta: dict | None, directory) -> Spec:
     so nothing else in the process reads that name otherwise. A file at the stored path whose content changed is
     refused (:func:`check_selector_files`)."""
     from ..selectors import resolve_selector
-    from ..selectors.registry import _file_cut, _read_source
+    from ..selectors.registry import file_cut, read_source
 
     stored_files, stored_paths = (meta or {}).get("selector_files") or {}, (meta or {}).get("selector_paths") or {}
     if not isinstance(stored_files, dict) or not isinstance(stored_paths, dict):
@@ -163,12 +163,12 @@ def adopt_stored(spec: Spec, meta: dict | None, directory) -> Spec:
     for wanted in spec.selectors:
         source = resolve_selector(wanted).source if wanted not in stored_files else None
         for held, digest in stored_files.items() if source is not None else ():
-            cut, mine = _file_cut(held), _file_cut(wanted)
+            cut, mine = file_cut(held), file_cut(wanted)
             if cut is None or held[cut:] != wanted[mine:]:
                 continue  # another class or other parameters
             if stored_paths.get(held) == str(Path(source[0]).expanduser().resolve()) or digest == source[1]:
                 check_selector_files(directory, {held: digest}, {held: source[1]})
-                renamed[wanted], sources[held[:cut]] = held, _read_source(source[0])  # the stored name, this file
+                renamed[wanted], sources[held[:cut]] = held, read_source(source[0])  # the stored name, this file
                 break
     if not renamed:
         return spec

@@ -150,7 +150,8 @@ def loaded_sources() -> dict[str, tuple[str, str]]:
     return {location: (digest, text) for (location, digest), (text, _) in _FILES.items()}
 
 
-def _read_source(location: str) -> tuple[str, str]:
+def read_source(location: str) -> tuple[str, str]:
+    """``(sha256, text)`` of the selector file ``location`` (the content a worker was handed, if any)."""
     if location in _PROVIDED:
         return _PROVIDED[location]
     path = Path(location).expanduser()
@@ -168,7 +169,7 @@ def _read_source(location: str) -> tuple[str, str]:
 
 def load_file_class(location: str, class_name: str) -> type[Selector]:
     """Class ``class_name`` of the Python file ``location``, imported by path (each content once per process)."""
-    digest, text = _read_source(location)
+    digest, text = read_source(location)
     key = (location, digest)
     held = _FILES.get(key)
     if held is None:
@@ -212,7 +213,7 @@ def rebuild_file_selector(location: str, digest: str, text: str, class_name: str
     return build(load_file_class(location, class_name), params)
 
 
-def _file_cut(text: str) -> int | None:
+def file_cut(text: str) -> int | None:
     """Where the path of a file spec ends (the index of the ``:`` after ``.py``): the last ``.py:`` followed by a
     class name, in a path without ``=`` (a parameter's value); ``None`` when ``text`` names no file."""
     cuts = [i + 3 for i in range(len(text)) if text.startswith(".py:", i)]
@@ -225,7 +226,7 @@ def _file_cut(text: str) -> int | None:
 
 def _split(text: str) -> tuple[str, str]:
     """``(what, parameters)`` of a spec string: ``NAME`` or ``path.py:Class``, and what follows."""
-    cut = _file_cut(text)
+    cut = file_cut(text)
     if cut is None and text.partition(":")[0].endswith(".py"):
         cut = len(text.partition(":")[0])
     if cut is not None:  # FILE.py:CLASS[:params]
