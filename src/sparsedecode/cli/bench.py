@@ -11,25 +11,12 @@ from pathlib import Path
 from rich.table import Table
 
 from ..errors import SparseDecodeError
-from .common import (
-    DRAFT_TOKENS,
-    DTYPES,
-    Parser,
-    add_model_args,
-    at_least_one,
-    check_prompt_source,
-    check_whole_blocks,
-    console,
-    environment,
-    file_arg,
-    int_list,
-    load,
-    positive_seconds,
-    progress_bars,
-    quiet_transformers,
-    selector_arg,
-)
+from .arguments import at_least_one, file_arg, int_list, positive_seconds, selector_arg
+from .conditions import environment
+from .display import console, progress_bars
+from .loading import check_prompt_source, check_whole_blocks, load, quiet_transformers
 from .outputs import check_output_file, inputs_of, write_json
+from .parser import DRAFT_TOKENS, DTYPES, Parser, add_model_args
 
 
 def recorded_model(spec: str) -> str:

@@ -5,23 +5,12 @@ from __future__ import annotations
 import time
 
 from ..errors import SparseDecodeError
-from .common import (
-    add_backend_args,
-    add_model_args,
-    check_backend_args,
-    check_whole_blocks,
-    console,
-    executor,
-    int_list,
-    load,
-    path_arg,
-    progress_bars,
-    run_hooks,
-    selector_arg,
-    selector_list,
-    shard_arg,
-)
+from .arguments import int_list, path_arg, selector_arg, selector_list, shard_arg
+from .backend import add_backend_args, check_backend_args, executor
+from .display import console, progress_bars, run_hooks
+from .loading import check_whole_blocks, load
 from .outputs import check_output_folder, check_writable_folder, inputs_of
+from .parser import add_model_args
 
 
 def add_parsers(sub) -> None:
