@@ -2,14 +2,15 @@
 compare-selectors | bench op | bench e2e | models | eval | lm-eval``.
 
 One module per command group (:mod:`.run`, :mod:`.probe`, :mod:`.models`, :mod:`.compare_selectors`,
-:mod:`.sweep` with ``merge`` and ``report``, :mod:`.bench`, :mod:`.eval` with ``lm-eval``), each adding its parsers
-and the functions that run them. What they share has a module per idea: :mod:`.arguments` (option value types),
-:mod:`.parser` (the parser, its help, the options every command spells the same), :mod:`.display` (console, progress
-bars), :mod:`.loading` (the model and the prompts), :mod:`.conditions` (what numbers were measured under),
-:mod:`.backend` (``--backend local | ray``) and :mod:`.failures` (an error as one line); :mod:`.common` gathers them
-under their old import path, and :mod:`.outputs` checks and writes output files. Bad input gets one line on stderr
-and exit status 2, never a traceback, and nothing half-written. Building the parser imports neither torch nor
-transformers: each command imports the library when it runs.
+:mod:`.sweep` with ``merge`` and ``report``, :mod:`.bench` with :mod:`.bench_op`, :mod:`.bench_e2e` and
+:mod:`.bench_batch`, :mod:`.eval` with ``lm-eval``), each adding its parsers and the functions that run them. What
+they share has a module per idea: :mod:`.arguments` (option value types), :mod:`.parser` (the parser, its help, the
+options every command spells the same), :mod:`.display` (console, progress bars), :mod:`.loading` (the model and
+the prompts), :mod:`.conditions` (what numbers were measured under), :mod:`.backend` (``--backend local | ray``)
+and :mod:`.failures` (an error as one line); :mod:`.common` gathers them under their old import path, and
+:mod:`.outputs` checks and writes output files. Bad input gets one line on stderr and exit status 2, never a
+traceback, and nothing half-written. Building the parser imports neither torch nor transformers: each command
+imports the library when it runs.
 """
 
 from __future__ import annotations
