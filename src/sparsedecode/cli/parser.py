@@ -75,7 +75,7 @@ SHARED_HELP = {
     "--window": "local window W, in positions",
     "--block-size": "block size B, in positions",
     "--reuse": "selection reuse interval R, in decode steps (1 = select afresh every step)",
-    "--selector": "a registered name (mean-pooled, quest, top-p, ...; see docs/selectors.md), NAME:key=value,... "
+    "--selector": "a registered name (mean-pooled, quest, block-top-p, ...; see docs/selectors.md), NAME:key=value,... "
     "to set its parameters, or path/to/file.py:ClassName[:key=value,...] for a class of your own",
     "--tokens": "greedy tokens T per run",
     "--prompt-index": "which prompt: the i-th non-overlapping prefix of the tokenised corpus",
