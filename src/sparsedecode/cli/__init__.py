@@ -2,11 +2,15 @@
 compare-selectors | bench op | bench e2e | models | eval | lm-eval``.
 
 One module per command group (:mod:`.run`, :mod:`.probe`, :mod:`.models`, :mod:`.compare_selectors`,
-:mod:`.sweep` with ``merge`` and ``report``, :mod:`.bench`, :mod:`.eval` with ``lm-eval``), each adding its
-parsers and the functions that run them; :mod:`.common` holds what they share and :mod:`.outputs` checks and
-writes output files. Bad input gets one line on stderr and exit status 2, never a traceback, and nothing
-half-written. Building the parser imports neither torch nor transformers: each command imports the library when
-it runs.
+:mod:`.sweep` with ``merge`` and ``report``, :mod:`.bench` with :mod:`.bench_op`, :mod:`.bench_e2e` and
+:mod:`.bench_batch`, :mod:`.eval` with ``lm-eval``), each adding its parsers and the functions that run them. What
+they share has a module per idea: :mod:`.arguments` (option value types), :mod:`.parser` (the parser, its help, the
+options every command spells the same), :mod:`.display` (console, progress bars), :mod:`.loading` (the model and
+the prompts), :mod:`.conditions` (what numbers were measured under), :mod:`.backend` (``--backend local | ray``)
+and :mod:`.failures` (an error as one line); :mod:`.common` gathers them under their old import path, and
+:mod:`.outputs` checks and writes output files. Bad input gets one line on stderr and exit status 2, never a
+traceback, and nothing half-written. Building the parser imports neither torch nor transformers: each command
+imports the library when it runs.
 """
 
 from __future__ import annotations
@@ -17,8 +21,11 @@ import sys
 from ..errors import SparseDecodeError
 from . import bench, compare_selectors, models, probe, run, sweep
 from . import eval as evaluation
-from .common import Parser, add_model_args, console, int_list, progress_bars
+from .arguments import int_list
+from .display import console, progress_bars
+from .failures import one_line
 from .outputs import MADE_FOLDERS, remove_empty_made_folders
+from .parser import Parser, add_model_args
 
 __all__ = ["build_parser", "main"]
 
@@ -62,22 +69,12 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args)
     except (SparseDecodeError, OSError) as error:
         remove_empty_made_folders()
-        print(f"sparsedecode: error: {_one_line(error)}", file=sys.stderr)
+        print(f"sparsedecode: error: {one_line(error)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         remove_empty_made_folders()
         print("sparsedecode: interrupted", file=sys.stderr)
         return 130
-
-
-def _one_line(error: Exception) -> str:
-    """The error's message on one line: an ``OSError`` as its reason and the path(s) it concerns."""
-    if isinstance(error, OSError) and error.strerror:
-        paths = [str(name) for name in (error.filename, error.filename2) if name is not None]
-        text = error.strerror + (f": {' -> '.join(paths)}" if paths else "")
-    else:
-        text = str(error) or type(error).__name__
-    return " ".join(text.split())
 
 
 if __name__ == "__main__":

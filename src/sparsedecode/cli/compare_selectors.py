@@ -7,21 +7,13 @@ from pathlib import Path
 from rich.table import Table
 
 from ..errors import SparseDecodeError
-from .common import (
-    add_backend_args,
-    add_model_args,
-    check_backend_args,
-    check_whole_blocks,
-    console,
-    environment,
-    executor,
-    int_list,
-    load,
-    path_arg,
-    progress_bars,
-    selector_list,
-)
+from .arguments import int_list, path_arg, selector_list
+from .backend import add_backend_args, check_backend_args, executor
+from .conditions import environment
+from .display import console, progress_bars
+from .loading import check_whole_blocks, load
 from .outputs import check_output_folder, inputs_of
+from .parser import add_model_args
 
 
 def add_parsers(sub) -> None:

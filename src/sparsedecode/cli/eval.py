@@ -18,19 +18,10 @@ import sys
 from pathlib import Path
 
 from ..errors import SparseDecodeError
-from .common import (
-    add_backend_args,
-    check_backend_args,
-    check_whole_blocks,
-    comma_list,
-    executor,
-    load,
-    path_arg,
-    quiet_transformers,
-    run_hooks,
-    selector_list,
-    shard_arg,
-)
+from .arguments import comma_list, path_arg, selector_list, shard_arg
+from .backend import add_backend_args, check_backend_args, executor
+from .display import run_hooks
+from .loading import check_whole_blocks, load, quiet_transformers
 from .outputs import check_output_folder, inputs_of
 
 LM_EVAL_COMMAND = "lm-eval"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from .common import console
+from .display import console
 
 
 def add_parsers(sub) -> None:

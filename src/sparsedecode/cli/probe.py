@@ -6,24 +6,12 @@ from pathlib import Path
 
 from rich.table import Table
 
-from .common import (
-    Parser,
-    add_model_args,
-    add_prompt_args,
-    check_whole_blocks,
-    conditions,
-    console,
-    float_list,
-    int_list,
-    layer_table,
-    load,
-    path_arg,
-    prepare,
-    progress_bars,
-    run_settings,
-    selector_arg,
-)
+from .arguments import float_list, int_list, path_arg, selector_arg
+from .conditions import conditions, run_settings
+from .display import console, layer_table, progress_bars
+from .loading import check_whole_blocks, load, prepare
 from .outputs import atomic_path, check_output_folder, inputs_of, write_json
+from .parser import Parser, add_model_args, add_prompt_args
 
 
 def add_parsers(sub) -> None:

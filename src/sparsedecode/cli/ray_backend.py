@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 
 from ..errors import SparseDecodeError
+from .failures import one_line
 
 RETRIES = 2
 """Times one unit is run again after its worker died, before the command gives up on it."""
@@ -327,12 +328,12 @@ class Worker:
         self.failed = None
         try:
             from ..models.catalog import load_model
-            from .common import quiet_transformers
+            from .loading import quiet_transformers
 
             quiet_transformers()
             self.loaded = load_model(model, dtype=dtype)
         except (SparseDecodeError, OSError) as error:
-            self.failed = f"a worker cannot load {model}: {_one_line(error)}"
+            self.failed = f"a worker cannot load {model}: {one_line(error)}"
 
     def run(self, unit) -> tuple[str, object]:
         if self.failed:
@@ -341,13 +342,7 @@ class Worker:
         try:
             return "rows", unit.run(*self.loaded, on_row=_exit_hook(self.units))
         except (SparseDecodeError, OSError) as error:
-            return "error", _one_line(error)
-
-
-def _one_line(error: BaseException) -> str:
-    from . import _one_line as one_line
-
-    return one_line(error)
+            return "error", one_line(error)
 
 
 def _exit_hook(number: int):

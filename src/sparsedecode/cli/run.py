@@ -6,19 +6,12 @@ from rich.table import Table
 from rich.text import Text
 
 from ..errors import SparseDecodeError
-from .common import (
-    DRAFT_TOKENS,
-    add_model_args,
-    add_prompt_args,
-    conditions,
-    console,
-    file_arg,
-    layer_table,
-    prepare,
-    progress_bars,
-    run_settings,
-)
+from .arguments import file_arg
+from .conditions import conditions, run_settings
+from .display import console, layer_table, progress_bars
+from .loading import prepare
 from .outputs import check_output_file, inputs_of, write_json
+from .parser import DRAFT_TOKENS, add_model_args, add_prompt_args
 
 
 def add_parsers(sub) -> None:

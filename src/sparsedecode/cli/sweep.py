@@ -5,26 +5,23 @@ from __future__ import annotations
 import time
 
 from ..errors import SparseDecodeError
-from .common import (
-    add_backend_args,
-    add_model_args,
-    check_backend_args,
-    check_whole_blocks,
-    console,
-    executor,
-    int_list,
-    load,
-    path_arg,
-    progress_bars,
-    run_hooks,
-    selector_arg,
-    selector_list,
-    shard_arg,
-)
+from .arguments import int_list, path_arg, selector_arg, selector_list, shard_arg
+from .backend import add_backend_args, check_backend_args, executor
+from .display import console, progress_bars, run_hooks
+from .loading import check_whole_blocks, load
 from .outputs import check_output_folder, check_writable_folder, inputs_of
+from .parser import add_model_args
 
 
 def add_parsers(sub) -> None:
+    """``sweep``, ``merge`` and ``report``, under the top-level subparsers ``sub``."""
+    _add_sweep_parser(sub)
+    _add_merge_parser(sub)
+    _add_report_parser(sub)
+
+
+def _add_sweep_parser(sub) -> None:
+    """``sweep``: the grid, the run settings, sharding, batching, the output folder and the backend."""
     sweep = sub.add_parser(
         "sweep",
         help="survival sweep: paired dense/sparse runs over contexts x prompts x supports",
@@ -69,7 +66,11 @@ def add_parsers(sub) -> None:
     )
     sweep.add_argument("--out", type=path_arg, required=True, help="sweep folder (sweep.json, runs.jsonl); resumable")
     add_backend_args(sweep, unit="(context, prompt) group")
+    sweep.set_defaults(handler=cmd_sweep)
 
+
+def _add_merge_parser(sub) -> None:
+    """``merge``: the folders to combine and the folder to combine them into."""
     merge = sub.add_parser(
         "merge",
         help="combine shard folders of one sweep (or one evaluation, or selector comparisons) into one folder",
@@ -94,7 +95,11 @@ def add_parsers(sub) -> None:
         help="folder for the merged settings file (sweep.json or eval.json) and runs.jsonl, or for selectors.json, "
         ".csv and .md",
     )
+    merge.set_defaults(handler=cmd_merge)
 
+
+def _add_report_parser(sub) -> None:
+    """``report``: the results folder to render, and a retrieval file to include."""
     report = sub.add_parser(
         "report",
         help="report.md (or selectors.md) with tables, CSVs and plots for a results folder",
@@ -114,8 +119,6 @@ def add_parsers(sub) -> None:
         metavar="PATH",
         help="retrieval.json (or its folder) to include (default: retrieval.json beside sweep.json, if any)",
     )
-    sweep.set_defaults(handler=cmd_sweep)
-    merge.set_defaults(handler=cmd_merge)
     report.set_defaults(handler=cmd_report)
 
 

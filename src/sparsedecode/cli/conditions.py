@@ -1,0 +1,63 @@
+"""The conditions numbers were measured under (model, dtype, threads, corpus, the run's settings, how sparse steps run
+here), as printed above a command's tables and written into its result files."""
+
+from __future__ import annotations
+
+__all__ = ["conditions", "environment", "run_settings"]
+
+
+def environment() -> dict:
+    """Where numbers were measured: library versions, device, threads."""
+    from ..experiments.environment import environment as measured_environment
+
+    return measured_environment()
+
+
+def run_settings(args, command: str) -> dict:
+    """The settings a result file of ``command`` records beside its rows, the machine's environment included."""
+    keys = ("model", "dtype", "corpus", "window", "block_size", "reuse", "selector", "tokens", "prompt_index")
+    return {
+        "command": command,
+        **{key: getattr(args, key) for key in keys},
+        "contexts": args.context,
+        "supports": args.support,
+        "environment": environment(),
+    }
+
+
+def _kernel_in_use(dtype: str, selector: str, shape: tuple[int, int, int, int] | None = None) -> str:
+    """How sparse steps run here under ``SparseConfig.kernel="auto"`` on the CPU, as the kernel dispatch decides it
+    (:func:`sparsedecode.kernels.refusals` on tensors of the run's dtype and the model's head shape
+    ``(query_heads, kv_heads, d, dv)``)."""
+    import torch
+
+    from .. import kernels
+    from ..layout import BlockLayout
+    from ..selectors import resolve_selector
+
+    method = resolve_selector(selector)
+    if method.token_level:
+        return "sparse steps: torch operations (token-level selector)"
+    if method.adaptive:
+        return "sparse steps: torch operations (adaptive budget)"
+    query_heads, kv_heads, d, dv = shape or (2, 1, 16, 16)
+    kind = getattr(torch, dtype)
+    q = torch.zeros(query_heads, d, dtype=kind)
+    keys, values = torch.zeros(kv_heads, 128, d, dtype=kind), torch.zeros(kv_heads, 128, dv, dtype=kind)
+    reason = kernels.refusals(q, keys, values, BlockLayout(n=128, window=64, block_size=16))["c"]
+    if reason is not None:
+        return f"sparse steps: torch operations (the C kernel cannot serve: {reason})"
+    if method.kernel_scoring != "mean-dot":
+        return "sparse steps: torch selection, C kernel attention"
+    return "sparse steps: C kernel"
+
+
+def conditions(args) -> str:
+    """One line (rich markup) of the conditions a command's numbers are measured under, printed above its tables."""
+    import torch
+
+    return (
+        f"[bold]{args.model}[/] {args.dtype} on cpu, {torch.get_num_threads()} threads; corpus {args.corpus}, "
+        f"prompt {args.prompt_index}; T = {args.tokens}; W = {args.window}, B = {args.block_size}, "
+        f"R = {args.reuse}, selector {args.selector}; {_kernel_in_use(args.dtype, args.selector)}"
+    )

@@ -1,0 +1,99 @@
+"""What a command shows while it runs: the console, progress bars, one line per finished row and the per-layer table."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+__all__ = ["console", "layer_table", "progress_bars", "run_hooks"]
+
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 132)
+
+
+def run_hooks(progress, out, row_line):
+    """``(on_start, on_row)`` for a resumable run into ``out`` (sweep, eval): say what a resume finds, print one line
+    per finished row with ``row_line(row)``, and move the ``runs`` bar of ``progress``."""
+
+    def started(done: int, total: int) -> None:
+        if done:
+            console.print(f"resuming {out}: {done} of {total} runs already done")
+        progress("runs", done, total)
+
+    def finished(row: dict, done: int, total: int) -> None:
+        console.print(row_line(row))
+        progress("runs", done, total)
+
+    return started, finished
+
+
+@contextlib.contextmanager
+def progress_bars(speed_estimate_period: float = 30.0) -> Iterator:
+    """A ``progress(stage, done, total, note="")`` callback drawing one rich bar per stage (``note`` after it).
+
+    The ETA of a bar comes from its progress over the last ``speed_estimate_period`` seconds.
+    """
+    bars = Progress(
+        TextColumn("{task.description:>16}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[note]}"),
+        console=console,
+        transient=True,
+        speed_estimate_period=speed_estimate_period,
+    )
+    tasks: dict[str, int] = {}
+
+    def update(stage: str, done: int, total: int, note: str = "") -> None:
+        if stage not in tasks:
+            tasks[stage] = bars.add_task(stage, total=total, completed=done, note=note)  # work done before: no speed
+        bars.update(tasks[stage], completed=done, total=total, note=note)
+        if done >= total:
+            bars.remove_task(tasks.pop(stage))
+
+    with bars:
+        yield update
+
+
+def layer_table(title: str, summary: dict) -> Table:
+    """The per-layer audit table of ``run`` and ``probe mass``: omitted mass, where the mass lies, recall, bounds."""
+    table = Table(title=title, title_justify="left")
+    columns = (
+        "layer",
+        "omitted ε",
+        "anchor",
+        "window",
+        "blocks",
+        "recall",
+        "captured/best",
+        "max |residual|",
+        "bound viol.",
+    )
+    for name in columns:
+        table.add_column(name, justify="right")
+    for row in summary["layers"]:
+        table.add_row(
+            str(row["layer"]),
+            f"{row['omitted_mass_mean']:.4f}",
+            f"{row['mass_anchor_mean']:.3f}",
+            f"{row['mass_window_mean']:.3f}",
+            f"{row['mass_blocks_mean']:.3f}",
+            f"{row['selector_recall_mean']:.3f}",
+            f"{row['captured_mass_ratio_mean']:.3f}",
+            f"{row['identity_residual_max']:.1e}",
+            str(row["bound_violations"]),
+        )
+    return table

@@ -1,0 +1,116 @@
+"""Loading the model a command runs on and cutting its prompts, after the checks that need neither (the whole-blocks
+rule, the corpus, the model cache), so bad input is refused before any time goes into loading."""
+
+from __future__ import annotations
+
+from ..errors import SparseDecodeError
+from .display import console
+from .outputs import check_writable_folder
+
+__all__ = [
+    "check_model_cache",
+    "check_prompt_source",
+    "check_whole_blocks",
+    "load",
+    "prepare",
+    "quiet_transformers",
+]
+
+
+def _configs(args, audit: bool = False) -> list:
+    """One :class:`SparseConfig` per ``--support``, each checked to be whole blocks."""
+    from ..config import SparseConfig
+
+    configs = [
+        SparseConfig(
+            support=s,
+            window=args.window,
+            block_size=args.block_size,
+            reuse=args.reuse,
+            selector=args.selector,
+            audit=audit,
+        )
+        for s in args.support
+    ]
+    check_whole_blocks(configs)
+    return configs
+
+
+def check_whole_blocks(configs) -> None:
+    """Refuse a support that a block selector would floor to whole blocks, naming the two nearest that are not.
+
+    The library floors ``support`` to ``1 + W + b*B`` (:attr:`SparseConfig.effective_support`); the command line
+    refuses instead, so the support asked for is the support in every table and JSON file.
+    """
+    for cfg in configs:
+        if not cfg.token_level and cfg.effective_support != cfg.support:
+            raise SparseDecodeError(
+                f"--support {cfg.support} is not 1 + W + b*B with W = {cfg.window}, B = {cfg.block_size} "
+                f"(block selectors read whole blocks): use {cfg.effective_support} or "
+                f"{cfg.effective_support + cfg.block_size}"
+            )
+
+
+def load(args):
+    """``(model, tokenizer)`` of ``--model``, after checking that the model cache can take it if it must."""
+    from ..models.catalog import load_model
+
+    quiet_transformers()
+    check_model_cache(args.model)
+    from ..validate import check_sparse_attention
+
+    with console.status(f"loading {args.model} ({args.dtype})"):
+        model, tokenizer = load_model(args.model, dtype=args.dtype)
+    check_sparse_attention(model, args.model)
+    return model, tokenizer
+
+
+def quiet_transformers() -> None:
+    """Our own progress bars replace transformers' tqdm bars and info logging."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def check_model_cache(spec: str) -> None:
+    """A built-in alias that is not converted yet is fetched into the cache: refuse a cache that takes no files."""
+    from ..models.aliases import ALIASES
+    from ..models.store import cache_dir, verify_converted
+
+    source = ALIASES.get(spec)
+    converted = source is not None and verify_converted(
+        cache_dir() / "models" / source.alias, source.sha256, check_hashes=False
+    )
+    if source is not None and not converted:
+        check_writable_folder(
+            cache_dir(),
+            f"{spec} into the model cache {cache_dir()}",
+            hint="; set SPARSEDECODE_CACHE to a writable folder, or to one that already holds the model",
+        )
+
+
+def prepare(args, audit: bool = False):
+    """Validate prompt arguments, load the model, cut the prompts: ``(configs, model, tokenizer, prompts)``."""
+    if args.tokens < 2:
+        raise SparseDecodeError(f"--tokens must be >= 2 (got {args.tokens}): step 1 is shared with dense")
+    if any(c < 1 for c in args.context):
+        raise SparseDecodeError("--context values must be >= 1")
+    configs = _configs(args, audit=audit)
+    check_prompt_source(args)
+    model, tokenizer = load(args)
+    from ..experiments.corpus import check_context_fits, prompt_ids
+
+    check_context_fits(model, args.context, args.tokens)
+    prompts = {c: prompt_ids(tokenizer, args.corpus, c, args.prompt_index, args.tokens) for c in args.context}
+    return configs, model, tokenizer, prompts
+
+
+def check_prompt_source(args) -> None:
+    """``--prompt-index`` and ``--corpus``, before the model loads: the corpus is read once (cached), so a missing,
+    empty or binary one is refused here."""
+    if args.prompt_index < 0:
+        raise SparseDecodeError(f"--prompt-index must be >= 0 (got {args.prompt_index})")
+    from ..experiments.corpus import check_corpus
+
+    check_corpus(args.corpus)

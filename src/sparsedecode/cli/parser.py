@@ -1,0 +1,158 @@
+"""The parser every command is built of: one-line usage errors, no abbreviated options, help that shows each option's
+form and default, and the options that mean the same in every command (the model, the prompt, shared help texts)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..errors import SparseDecodeError
+from .arguments import (
+    at_least_one,
+    file_arg,
+    float_list,
+    int_list,
+    path_arg,
+    positive_seconds,
+    selector_arg,
+    selector_list,
+    shard_arg,
+)
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "DRAFT_TOKENS",
+    "DTYPES",
+    "SHARED_HELP",
+    "HelpFormatter",
+    "Parser",
+    "add_model_args",
+    "add_prompt_args",
+]
+
+DTYPES = ("float32", "bfloat16", "float16")
+DRAFT_TOKENS = 4
+"""``--draft-tokens`` of run and bench e2e under ``--mode lossless`` when not given (``generate``'s default)."""
+DEFAULT_MODEL = "smollm2-135m"
+""":data:`sparsedecode.models.catalog.DEFAULT_MODEL`, spelled out so that building the parser imports no torch (a test
+keeps the two equal)."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line and exit status 2, and an option is matched only as spelt: argparse's
+    default would take ``--mode`` for ``--model`` (the only option it begins), so a misspelt or missing option ran
+    as another one. Subparsers are made of this class too, so every command refuses abbreviations. Help shows every
+    option's default and form (:class:`HelpFormatter`), and options that mean the same in every command take their
+    help from :data:`SHARED_HELP` where they are added without one."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, **kwargs):
+        action = super().add_argument(*args, **kwargs)
+        if action.help is None and action.option_strings:
+            action.help = SHARED_HELP.get(action.option_strings[-1])
+        return action
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise SparseDecodeError(f"{self.prog}: {message}")
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        """A command's parser names itself for arguments it does not know (argparse leaves them to the top-level
+        parser, whose message would name only ``sparsedecode``)."""
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras and " " in self.prog:  # "sparsedecode run", "sparsedecode bench op", ...
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
+SHARED_HELP = {
+    "--dtype": "weights and activations dtype",
+    "--corpus": "prompt text: python-docs (offline), wikitext2 (needs the hub), or a local text file or folder",
+    "--context": "prompt length(s) in tokens, comma-separated",
+    "--support": "support size(s) S in positions, comma-separated; block selectors take S = 1 + W + b*B",
+    "--window": "local window W, in positions",
+    "--block-size": "block size B, in positions",
+    "--reuse": "selection reuse interval R, in decode steps (1 = select afresh every step)",
+    "--selector": "a registered name (mean-pooled, quest, block-top-p, ...; see docs/selectors.md), NAME:key=value,... "
+    "to set its parameters, or path/to/file.py:ClassName[:key=value,...] for a class of your own",
+    "--tokens": "greedy tokens T per run",
+    "--prompt-index": "which prompt: the i-th non-overlapping prefix of the tokenised corpus",
+    "--prompts": "prompts per context (corpus prefixes 0..n-1)",
+    "--seed": "seed of the generated passkeys or samples",
+    "--answer-tokens": "greedy answer tokens decoded per trial",
+}
+"""Help of options added without one: what they mean is the same in every command."""
+
+_METAVARS = {
+    int_list: "N[,N...]",
+    float_list: "X[,X...]",
+    int: "N",
+    at_least_one: "N",
+    positive_seconds: "SECONDS",
+    shard_arg: "I/N",
+    selector_list: "NAME[,NAME...]|all",
+    path_arg: "DIR",
+    file_arg: "FILE",
+}
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Help that teaches: each option's value is named by its form (``N[,N...]``, ``SECONDS``, ``I/N``, ``FILE``,
+    ``DIR``), each option's help ends with its default unless it states one itself, and the examples (an epilog
+    that starts with ``examples``) keep their lines, so each can be copied as it is."""
+
+    def _fill_text(self, text, width, indent):
+        if text.startswith("examples"):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+    def _get_default_metavar_for_optional(self, action):
+        return _METAVARS.get(action.type, "NAME")
+
+    def _get_default_metavar_for_positional(self, action):
+        return action.dest.upper()
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if not action.option_strings or action.default is argparse.SUPPRESS or "default" in text.lower():
+            return text
+        if action.required:
+            return f"{text} (required)"
+        return f"{text} (default: {_shown(action)})"
+
+
+def _shown(action) -> str:
+    """An option's default as one would type it: a list comma-separated, a flag as off, nothing as none."""
+    default = action.default
+    if isinstance(action, argparse._StoreTrueAction):
+        return "off"
+    if default is None:
+        return "none"
+    if isinstance(default, (list, tuple)):
+        return ",".join(str(item) for item in default)
+    return str(default).replace("%", "%%")
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """``--model`` and ``--dtype``, spelt and explained the same in every command that loads a model."""
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="model alias (see `sparsedecode models`), local folder or .gguf file, or hub id",
+    )
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations dtype")
+
+
+def add_prompt_args(parser: argparse.ArgumentParser, *, tokens: int) -> None:
+    """The prompt and sparse settings of ``run`` and ``probe mass``; ``tokens`` is the default ``--tokens``."""
+    parser.add_argument("--corpus", default="python-docs")
+    parser.add_argument("--context", type=int_list, default=[2048])
+    parser.add_argument("--support", type=int_list, default=[97, 193])
+    parser.add_argument("--window", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--reuse", type=int, default=1)
+    parser.add_argument("--selector", type=selector_arg, default="mean-pooled")
+    parser.add_argument("--tokens", type=int, default=tokens)
+    parser.add_argument("--prompt-index", type=int, default=0)
