@@ -169,7 +169,7 @@ def bench_op(
 def _kernels(kernels, defaults: SparseConfig, selector: str, dtype: torch.dtype, device: str) -> tuple[str, ...]:
     """The kernels :func:`bench_op` times: ``kernels`` as given, else torch's operations beside the fused kernel the
     device has; each checked as :class:`SparseConfig` checks it."""
-    if kernels is None and (defaults.token_level or defaults.selector.adaptive):  # torch's operations serve them
+    if kernels is None and not defaults.kernels_serve:  # torch's operations serve them
         kernels = ("torch",)
     elif kernels is None:  # torch's operations beside the fused kernel the device has (the C one on the CPU)
         if device == "cpu":

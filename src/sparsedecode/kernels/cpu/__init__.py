@@ -8,10 +8,8 @@ microseconds each) made the sparse step slower than dense SDPA below ~32K positi
 for it is split (KV heads, and ranges of blocks for selection) over up to ``torch.get_num_threads()`` threads:
 torch's own OpenMP threads where torch runs on GNU libgomp (:data:`OPENMP`), else workers of its own.
 
-For a batch, :mod:`.cpu_batch` serves every sparse sequence of a layer in one call: each sequence with its own
-length (its own layout), centroid cache, blocks and reuse schedule; it selects for the sequences that select
-afresh at this step and attends for all, the threads taking (sequence, KV head) tasks, longest first. Per sequence
-it reads what the two single calls read.
+For a batch, :mod:`.batch` serves every sparse sequence of a layer in one call, each with its own length, centroid
+cache, blocks and reuse schedule, reading per sequence what the two single calls read.
 
 What the C code assumes, all checked before it runs (:func:`refusal`, :func:`sparsedecode.kernels.check_inputs`
 and the entry points below); where one does not hold, ``kernel="auto"`` uses torch and ``kernel="c"`` refuses:
@@ -36,7 +34,7 @@ call, while each tile of scores is in L1, and raises :class:`~sparsedecode.error
 path's score check does (:func:`check_status`); nothing is chosen from it.
 
 The shared library is built with the system C compiler (``$CC``, else ``cc``) into
-``$SPARSEDECODE_CACHE/kernels`` (default ``~/.cache/sparsedecode/kernels``), keyed by the source, the flags and
+``$SPARSEDECODE_CACHE/kernels`` (default ``~/.cache/sparsedecode/kernels``), keyed by the sources, the flags and
 the processor. Without a compiler, or if every build fails, :func:`library` returns ``None`` once (the reason in
 :data:`BUILD_ERROR`) and the torch path is used.
 """
@@ -62,9 +60,9 @@ from ..common import check_inputs
 if TYPE_CHECKING:
     from ...layout import BlockLayout
 
-SOURCE = Path(__file__).with_name("csrc") / "sparse_step.c"
+SOURCE = Path(__file__).with_name("csrc") / "sparse_step.c"  # the translation unit; it includes the headers beside it
 # read once, at import: the library built at first use must match this module's argtypes whatever changes on disk
-_SOURCE_TEXT = SOURCE.read_bytes()
+_SOURCES = {path.name: path.read_bytes() for path in sorted(SOURCE.parent.glob("*.[ch]"))}
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-pthread", "-shared", "-fPIC", "-std=gnu99")
 OPENMP_FLAGS = ("-fopenmp", "-DSPARSE_STEP_OPENMP")
 """Added where torch runs on GNU libgomp in this process (:func:`_shares_libgomp`): the kernel's parallel parts then
@@ -98,7 +96,8 @@ def _processor() -> str:
 
 
 def _key(flags: tuple[str, ...]) -> str:
-    text = _SOURCE_TEXT + " ".join(flags).encode() + platform.machine().encode() + _processor().encode()
+    sources = b"".join(name.encode() + text for name, text in _SOURCES.items())
+    text = sources + " ".join(flags).encode() + platform.machine().encode() + _processor().encode()
     return hashlib.sha256(text).hexdigest()[:16]
 
 
@@ -107,7 +106,8 @@ def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built, source = Path(scratch) / target.name, Path(scratch) / SOURCE.name
-        source.write_bytes(_SOURCE_TEXT)
+        for name, text in _SOURCES.items():
+            (Path(scratch) / name).write_bytes(text)
         command = [compiler, *flags, str(source), "-o", str(built), "-lm"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
