@@ -239,7 +239,7 @@ def graph_timings() -> list[dict]:
 
     import torch.nn.functional as F
 
-    from sparsedecode.experiments.bench import SHAPES, _fresh_step, cuda_median_time
+    from sparsedecode.experiments.bench import SHAPES, cuda_median_time, fresh_step
     from sparsedecode.selectors.statistics import BlockStatistics
     from sparsedecode.session import LayerState, SparseSession
 
@@ -266,7 +266,7 @@ def graph_timings() -> list[dict]:
                     session = SparseSession(config=cfg, model=None)
                     state = LayerState(0, BlockStatistics(16))
                     state.centroids.update(keys[0], layout.n_full)
-                    step = partial(_fresh_step, session, state, query, keys, values, n, d**-0.5)
+                    step = partial(fresh_step, session, state, query, keys, values, n, d**-0.5)
                     calls[f"sparse_{kernel}_S{support}"] = step
             row = {"shape": shape, "context": n}
             for name, call in calls.items():

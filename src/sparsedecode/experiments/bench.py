@@ -1,4 +1,4 @@
-"""Benchmarks (DESIGN.md section 4, "Operator timings"): timings live here, never in tests.
+"""Benchmarks (docs/definitions.md, section 4, "Operator timings"): timings live here, never in tests.
 
 * :func:`bench_op` (:mod:`.bench_operator`): one decode-attention call on synthetic post-RoPE queries/keys/values:
   torch SDPA dense against the sparse step (selection over cached block centroids, then attention over the gathered
@@ -68,5 +68,3 @@ __all__ = [
     "read_bandwidth_gbs",
     "reset_peak_rss",
 ]
-
-_fresh_step = fresh_step  # the name scripts/gpu_check.py imports; drop once it imports fresh_step

@@ -1,4 +1,4 @@
-"""Text corpora and prompt extraction (DESIGN.md section 6).
+"""Text corpora and prompt extraction (prompts from a corpus, docs/experiments.md).
 
 * ``python-docs``: the interpreter's own ``pydoc_data.topics`` (~65K words of English prose); always present,
   nothing to download; the offline default.

@@ -10,13 +10,12 @@ selecting the support and attending over it, for every kind of selector, each as
 
 from __future__ import annotations
 
-import dataclasses
 from functools import partial
 
 from ..kernels import cpu as cpu_kernel
 from ..kernels.triton import attention as triton_attention
 from ..selectors import choose_blocks, select_blocks, select_positions
-from ..selectors.select import support_of
+from ..selectors.select import step_layout, support_of
 from ..session import attend_positions, attend_support
 
 
@@ -28,7 +27,7 @@ def op_calls(cfg, layer, layout, scale: float, kernel: str, history=None) -> tup
         select = partial(select_positions, cfg, q, k, layout, scale=scale, accumulated=history)
         return select, partial(attend_positions, q, k, v, select(), scale)
     if cfg.selector.adaptive:
-        step = _step_layout(cfg, layout, scale)
+        step = step_layout(cfg, layout, scale)
         select = partial(choose_blocks, cfg.selector, cfg.blocks, layer.centroids, q, k, step, "torch")
         index, valid = support_of(select(), step)
         return select, partial(attend_positions, q, k, v, index, scale, valid=valid)
@@ -37,9 +36,3 @@ def op_calls(cfg, layer, layout, scale: float, kernel: str, history=None) -> tup
         kernel, attend_support
     )
     return select, partial(attention, q, k, v, select(), layout, scale)
-
-
-def _step_layout(cfg, layout, scale: float):
-    """``layout`` as a step of ``cfg`` sees it, as :func:`~sparsedecode.selectors.select_blocks` builds it for the
-    session's step: the attention's scale, the session's seed and the distant positions the support may read."""
-    return dataclasses.replace(layout, scale=scale, seed=cfg.seed, distant=cfg.distant_positions)

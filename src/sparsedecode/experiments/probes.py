@@ -1,4 +1,4 @@
-"""Probes built on the library (DESIGN.md section 4).
+"""Probes built on the library (docs/definitions.md, section 4).
 
 * :func:`mass_probe`: dense prefill of one prompt, then sparse greedy decoding with the omitted-mass audit on;
   returns, per layer and query head, the share of true attention mass on anchor / window / selected blocks /

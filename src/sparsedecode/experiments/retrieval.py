@@ -1,4 +1,4 @@
-"""Passkey retrieval probe (DESIGN.md section 4), with the selector's captured mass per trial.
+"""Passkey retrieval probe (docs/definitions.md, section 4), with the selector's captured mass per trial.
 
 A passkey (random digits from a fixed seed) is planted at a depth of a haystack, followed by the question:
 

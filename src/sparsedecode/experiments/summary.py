@@ -1,4 +1,5 @@
-"""The reference study's summary of a survival sweep, computed from ``runs.jsonl`` rows (DESIGN.md section 3).
+"""The reference study's summary of a survival sweep, computed from ``runs.jsonl`` rows (docs/definitions.md,
+section 3).
 
 Pure functions from rows (plain dicts) to plain dicts and lists, so the report, the CLI and the tests share them:
 
@@ -13,8 +14,8 @@ Runs whose support covers every position they attend to are dense by constructio
 :func:`dense_by_construction`): they test nothing, so every total, median and count here leaves them out;
 :func:`conditions` keeps their conditions, marked, for a report to show apart.
 
-``first_divergence`` is DESIGN.md section 3's: the decode step ``t >= 1`` whose sparse token first differs from
-dense, ``T`` when none (rows of an older convention are upgraded when read, see
+``first_divergence`` as docs/definitions.md, section 3 defines it: the decode step ``t >= 1`` whose sparse token
+first differs from dense, ``T`` when none (rows of an older convention are upgraded when read, see
 :func:`sparsedecode.experiments.sweep.read_rows`).
 """
 

@@ -1,4 +1,5 @@
-"""The survival sweep: the paired protocol of DESIGN.md section 3 over contexts, prompts, selectors, supports, reuse.
+"""The survival sweep: the paired protocol (docs/definitions.md, section 3) over contexts, prompts, selectors,
+supports, reuse.
 
 One dense reference per (context, prompt) group, then one paired sparse run (free-running and teacher-forced)
 per (selector, support, reuse). A sweep directory holds

@@ -326,7 +326,9 @@ def select_support(
     return [index[h][valid[h]] for h in range(rows)]
 
 
-def _layout_for(cfg, layout: BlockLayout, scale, salt) -> BlockLayout:
+def step_layout(cfg, layout: BlockLayout, scale=None, salt=None) -> BlockLayout:
+    """``layout`` as a step of ``cfg`` sees it: the attention's ``scale`` and the layer ``salt`` where given, the
+    configuration's seed and the distant positions its support may read."""
     return BlockLayout(
         n=layout.n,
         window=layout.window,
@@ -344,7 +346,7 @@ def select_blocks(cfg, cache: BlockStatistics, queries, keys, layout: BlockLayou
     use :func:`choose_blocks` for them."""
     if cfg.selector.token_level:
         raise SparseDecodeError(f"{cfg.selector.spec()!r} is not a block selector")
-    step = _layout_for(cfg, layout, scale, salt)
+    step = step_layout(cfg, layout, scale, salt)
     return choose_blocks(cfg.selector, cfg.blocks, cache, queries, keys, step, cfg.kernel).blocks
 
 
@@ -352,6 +354,6 @@ def select_positions(cfg, queries, keys, layout: BlockLayout, *, scale=None, acc
     """The positions ``cfg``'s token selector reads at one step, ascending ``(kv, S)``: anchor, distant, window."""
     if not cfg.selector.token_level:
         raise SparseDecodeError(f"{cfg.selector.spec()!r} is not a token-level selector")
-    step = _layout_for(cfg, layout, scale, salt)
+    step = step_layout(cfg, layout, scale, salt)
     distant = choose_positions(cfg.selector, cfg.distant_positions, queries, keys, step, history=accumulated)
     return token_index(distant, step)
