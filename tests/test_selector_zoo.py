@@ -203,3 +203,18 @@ def test_h2o_needs_a_history_outside_a_session():
     heavy[:, 10:42] = 1.0
     for positions in select_support(q, k, support=97, method="h2o", history=heavy):
         assert positions.tolist() == [0, *range(10, 42), *range(300 - 64, 300)]
+
+
+def test_sparq_scores_a_zero_query_head_zero_not_nan():
+    """SparQ's scale 1 / sqrt(d * coverage) is 0 / 0 for a query head whose chosen channels are all zero (a zero
+    query): that head's approximate logits are 0, as its true ones are, and the selection goes on."""
+    keys = torch.randn(2, 200, 8, generator=torch.Generator().manual_seed(0))
+    queries = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    queries[1] = 0
+    kept = select_support(queries, keys, support=97, window=32, block_size=8, method="sparq")
+    assert len(kept) == 2 and all(len(k) == 97 for k in kept)
+    from sparsedecode.selectors.methods.sparq import group_sum_scores
+
+    assert torch.isfinite(group_sum_scores(queries, keys, 4)).all()
+    queries[0] = 0  # a whole group of zero queries: every position scores 0
+    assert torch.equal(group_sum_scores(queries, keys, 4)[0], torch.zeros(200))

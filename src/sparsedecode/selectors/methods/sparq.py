@@ -54,7 +54,9 @@ def group_sum_scores(queries: torch.Tensor, keys: torch.Tensor, rank: int) -> to
     per_head = channels.repeat_interleave(group, dim=0)  # (H, r)
     q_part = q.gather(1, per_head)  # (H, r)
     coverage = q_part.abs().sum(dim=-1) / q.abs().sum(dim=-1)
-    q_part = q_part / (coverage * d).sqrt().unsqueeze(-1)
+    # a head whose chosen channels are all zero (a zero query among them) scores every position 0, as its logits are
+    scaled = q_part / (coverage * d).sqrt().unsqueeze(-1)
+    q_part = torch.where((coverage > 0).unsqueeze(-1), scaled, torch.zeros_like(q_part))
     k_part = keys.float().gather(2, channels.unsqueeze(1).expand(-1, n, -1))  # (kv, N, r): the group's channels
     logits = torch.bmm(q_part.view(kv_heads, group, rank), k_part.transpose(1, 2))  # (kv, G, N)
     return logits.sum(dim=1)
