@@ -91,3 +91,34 @@ def test_a_layer_the_model_lacks_is_refused_when_decoding_starts():
             pass
     with pytest.raises(SparseDecodeError, match=f"the model has {layers} attention layers"):
         CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + 4, backend="aot_eager")
+
+
+def test_run_and_compare_selectors_take_dense_layers(tiny_model_dir, tmp_path, capsys):
+    import json
+
+    from sparsedecode.cli import main
+
+    out = tmp_path / "run.json"
+    base = ["--model", str(tiny_model_dir), "--context", "200", "--support", "97", "--tokens", "6"]
+    assert main(["run", *base, "--dense-layers", "0", "--json", str(out)]) == 0, capsys.readouterr().err
+    data = json.loads(out.read_text())
+    assert data["settings"]["dense_layers"] == [0]
+    assert all(r["settings"]["dense_layers"] == [0] for r in data["results"])
+    folder = tmp_path / "selectors"
+    args = ["compare-selectors", *base[:-2], "--tokens", "4", "--prompts", "1", "--selectors", "quest"]
+    assert main([*args, "--dense-layers", "0", "--out", str(folder)]) == 0, capsys.readouterr().err
+    comparison = json.loads((folder / "selectors.json").read_text())
+    assert comparison["settings"]["dense_layers"] == [0]
+    assert all(r["settings"]["dense_layers"] == [0] for r in comparison["runs"])
+    assert "--dense-layers 0" in (folder / "selectors.md").read_text()
+
+
+@pytest.mark.parametrize(("value", "message"), [("0,a", "comma-separated"), ("9", "the model has 2 attention layers")])
+def test_the_command_line_refuses_bad_dense_layers_in_one_line(value, message, tiny_model_dir, tmp_path, capsys):
+    from sparsedecode.cli import main
+
+    out = tmp_path / "run.json"
+    args = ["run", "--model", str(tiny_model_dir), "--context", "200", "--support", "97", "--tokens", "4"]
+    assert main([*args, "--dense-layers", value, "--json", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and not out.exists()

@@ -18,6 +18,7 @@ __all__ = [
     "file_arg",
     "float_list",
     "int_list",
+    "layer_list",
     "path_arg",
     "positive_seconds",
     "selector_arg",
@@ -87,6 +88,17 @@ def _number(text: str, kind, holds, expected: str):
     if value is None or not holds(value):
         raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value
+
+
+def layer_list(text: str) -> tuple[int, ...]:
+    """``--dense-layers 0,1``: layer indices, each once (:func:`sparsedecode.config.parse_layers`)."""
+    from ..config import parse_layers
+    from ..errors import SparseDecodeError
+
+    try:
+        return parse_layers(text)
+    except SparseDecodeError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def selector_arg(text: str) -> str:

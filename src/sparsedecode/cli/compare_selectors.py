@@ -13,7 +13,7 @@ from .conditions import environment
 from .display import console, progress_bars
 from .loading import check_whole_blocks, load
 from .outputs import check_output_folder, inputs_of
-from .parser import add_model_args
+from .parser import add_dense_layers_arg, add_model_args
 
 
 def add_parsers(sub) -> None:
@@ -36,6 +36,7 @@ def add_parsers(sub) -> None:
     selectors.add_argument(
         "--selectors", type=selector_list, default="all", help="comma-separated selector names, or all"
     )
+    add_dense_layers_arg(selectors)
     selectors.add_argument(
         "--audit",
         action="store_true",
@@ -99,6 +100,7 @@ def cmd_compare_selectors(args) -> int:
             selectors=chosen,
             audit=args.audit,
             retrieval=args.retrieval,
+            dense_layers=args.dense_layers,
             op_shape=shape,
             progress=progress,
             batch=args.batch,
@@ -137,6 +139,8 @@ def cmd_compare_selectors(args) -> int:
         )
     }
     settings["selectors"] = list(chosen)
+    if args.dense_layers:
+        settings["dense_layers"] = list(args.dense_layers)
     settings["environment"] = environment()
     if execute is not None:
         settings["backend"] = execute.description

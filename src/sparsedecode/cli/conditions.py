@@ -21,6 +21,7 @@ def run_settings(args, command: str) -> dict:
         **{key: getattr(args, key) for key in keys},
         "contexts": args.context,
         "supports": args.support,
+        **({"dense_layers": list(args.dense_layers)} if getattr(args, "dense_layers", ()) else {}),
         "environment": environment(),
     }
 

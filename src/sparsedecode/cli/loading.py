@@ -29,6 +29,7 @@ def _configs(args, audit: bool = False) -> list:
             reuse=args.reuse,
             selector=args.selector,
             audit=audit,
+            dense_layers=getattr(args, "dense_layers", ()),
         )
         for s in args.support
     ]

@@ -11,6 +11,7 @@ from .arguments import (
     file_arg,
     float_list,
     int_list,
+    layer_list,
     path_arg,
     positive_seconds,
     selector_arg,
@@ -25,6 +26,7 @@ __all__ = [
     "SHARED_HELP",
     "HelpFormatter",
     "Parser",
+    "add_dense_layers_arg",
     "add_model_args",
     "add_prompt_args",
 ]
@@ -77,6 +79,8 @@ SHARED_HELP = {
     "--reuse": "selection reuse interval R, in decode steps (1 = select afresh every step)",
     "--selector": "a registered name (mean-pooled, quest, block-top-p, ...; see docs/selectors.md), NAME:key=value,... "
     "to set its parameters, or path/to/file.py:ClassName[:key=value,...] for a class of your own",
+    "--dense-layers": "layers (indices from 0, comma-separated) that decode dense at every step, as Quest's and "
+    "Twilight's evaluations keep 0,1 (default: none)",
     "--tokens": "greedy tokens T per run",
     "--prompt-index": "which prompt: the i-th non-overlapping prefix of the tokenised corpus",
     "--prompts": "prompts per context (corpus prefixes 0..n-1)",
@@ -145,6 +149,11 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations dtype")
 
 
+def add_dense_layers_arg(parser: argparse.ArgumentParser) -> None:
+    """``--dense-layers``: layers that decode dense at every step (``SparseConfig.dense_layers``)."""
+    parser.add_argument("--dense-layers", type=layer_list, default=(), metavar="0,1")
+
+
 def add_prompt_args(parser: argparse.ArgumentParser, *, tokens: int) -> None:
     """The prompt and sparse settings of ``run`` and ``probe mass``; ``tokens`` is the default ``--tokens``."""
     parser.add_argument("--corpus", default="python-docs")
@@ -154,5 +163,6 @@ def add_prompt_args(parser: argparse.ArgumentParser, *, tokens: int) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--reuse", type=int, default=1)
     parser.add_argument("--selector", type=selector_arg, default="mean-pooled")
+    add_dense_layers_arg(parser)
     parser.add_argument("--tokens", type=int, default=tokens)
     parser.add_argument("--prompt-index", type=int, default=0)

@@ -1,6 +1,7 @@
 """Merging selector comparisons: ``compare-selectors`` folders of the same settings (model, dtype, corpus, contexts,
-supports, prompts, tokens, audit, retrieval) and different selectors become one comparison, as if every selector had
-run in one command. This is how a selector added later joins a committed comparison without rerunning the others.
+supports, prompts, tokens, audit, retrieval, dense layers) and different selectors become one comparison, as if
+every selector had run in one command. This is how a selector added later joins a committed comparison without
+rerunning the others.
 
 The folders must have decoded the same prompts to the same dense continuations and answered the same passkey
 trials densely alike (checked run by run): a selector's row is only comparable against the dense reference the
@@ -16,7 +17,18 @@ from ..errors import SparseDecodeError
 from .comparison_file import COMPARISON_FILE, read_comparison
 from .selector_comparison import rebuild
 
-SAME_SETTINGS = ("model", "dtype", "corpus", "context", "support", "prompts", "tokens", "audit", "retrieval")
+SAME_SETTINGS = (
+    "model",
+    "dtype",
+    "corpus",
+    "context",
+    "support",
+    "prompts",
+    "tokens",
+    "audit",
+    "retrieval",
+    "dense_layers",
+)
 """The settings two comparisons must share to merge."""
 
 

@@ -92,6 +92,7 @@ class PromptUnit:
     supports: tuple[int, ...]
     audit: bool = False
     batched: bool = False
+    dense_layers: tuple[int, ...] = ()
 
     def __str__(self) -> str:
         return (
@@ -106,7 +107,7 @@ class PromptUnit:
         runs = []
         for selector in self.selectors:
             for support in self.supports:
-                cfg = SparseConfig(support=support, selector=selector, audit=self.audit)
+                cfg = SparseConfig(support=support, selector=selector, audit=self.audit, dense_layers=self.dense_layers)
                 if self.batched:
                     results = compare(model, None, self.ids, cfg, self.tokens, reference=reference, progress=progress)
                 else:
@@ -158,6 +159,7 @@ def compare_selectors(
     progress: Progress | None = None,
     batch: int = 1,
     execute: Executor | None = None,
+    dense_layers: tuple[int, ...] = (),
 ) -> tuple[list[SelectorRow], list[dict], list[dict]]:
     """Run every selector on the same prompts; returns summary rows, the per-run results and the retrieval trials.
 
@@ -166,6 +168,7 @@ def compare_selectors(
     that many prompts of one context together: the same runs apart from timings (each its share of the batch's)
     and float32 round-off. With ``execute`` the prompts (or batches of them) and trials run as units elsewhere
     (:class:`PromptUnit`, :class:`TrialUnit`, see :mod:`.work`); the operator times are measured here either way.
+    ``dense_layers``: layers every selector leaves dense (``SparseConfig.dense_layers``).
     """
     if not isinstance(retrieval, int) or retrieval < 0:
         raise SparseDecodeError(f"retrieval must be an integer >= 0 (trials per context), got {retrieval!r}")
@@ -191,11 +194,16 @@ def compare_selectors(
             supports,
             audit,
             batched=batch > 1,
+            dense_layers=dense_layers,
         )
         for context in contexts
         for indices in chunks
     ]
-    configs = [SparseConfig(support=support, selector=selector) for selector in selectors for support in supports]
+    configs = [
+        SparseConfig(support=support, selector=selector, dense_layers=dense_layers)
+        for selector in selectors
+        for support in supports
+    ]
     trial_units = [TrialUnit(context, trial, prompt, configs) for (context, trial), prompt in passkey_prompts.items()]
     if execute is not None:
         made = dict(execute.run([*prompt_units, *trial_units], len(prompt_units) + len(trial_units)))

@@ -76,6 +76,7 @@ def _selectors_command(settings: dict) -> str:
         f"{','.join(map(str, settings['context']))} --support {','.join(map(str, settings['support']))} --prompts "
         f"{settings['prompts']} --tokens {settings['tokens']}"
         + ("" if list(selectors) == list(selector_names()) else f" --selectors {','.join(selectors)}")
+        + (f" --dense-layers {','.join(map(str, settings['dense_layers']))}" if settings.get("dense_layers") else "")
         + (" --audit" if settings.get("audit") else "")
         + (f" --retrieval {settings['retrieval']}" if settings.get("retrieval") else "")
         + (f" --batch {settings['batch']}" if settings.get("batch", 1) > 1 else "")
