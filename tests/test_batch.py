@@ -59,6 +59,8 @@ SETTINGS = [
     ("oracle-tokens", 1, "auto"),
     ("streaming", 1, "auto"),
     ("h2o", 4, "auto"),
+    ("twilight", 1, "auto"),
+    ("sparq", 2, "auto"),
 ]
 
 

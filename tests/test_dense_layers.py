@@ -122,3 +122,42 @@ def test_the_command_line_refuses_bad_dense_layers_in_one_line(value, message, t
     assert main([*args, "--dense-layers", value, "--json", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err and not out.exists()
+
+
+def test_sweep_eval_and_bench_e2e_take_dense_layers(tiny_model_dir, tmp_path, capsys):
+    import json
+
+    from sparsedecode.cli import main
+
+    model = ["--model", str(tiny_model_dir)]
+    sweep = ["sweep", *model, "--context", "200", "--support", "97", "--prompts", "1", "--tokens", "4"]
+    sweep += ["--selectors", "quest,mean-pooled", "--out", str(tmp_path / "s")]
+    assert main([*sweep, "--dense-layers", "0"]) == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "s" / "sweep.json").read_text())["spec"]["dense_layers"] == [0]
+    rows = [json.loads(line) for line in (tmp_path / "s" / "runs.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(row["dense_layers"] == [0] for row in rows)
+    capsys.readouterr()
+    assert main([*sweep, "--dense-layers", "1"]) == 2  # another setting: not the same sweep
+    assert "dense_layers" in capsys.readouterr().err
+    evaluation = ["eval", *model, "--tasks", "vt", "--context", "600", "--samples", "1", "--support", "97"]
+    evaluation += ["--answer-tokens", "3", "--selectors", "twilight", "--dense-layers", "1"]
+    assert main([*evaluation, "--out", str(tmp_path / "e")]) == 0, capsys.readouterr().err
+    rows = [json.loads(line) for line in (tmp_path / "e" / "runs.jsonl").read_text().splitlines()]
+    assert [row.get("dense_layers") for row in rows] == [None, [1]]  # the dense row, then twilight's
+    e2e = ["bench", "e2e", *model, "--context", "300", "--support", "97", "--tokens", "4", "--repeats", "1"]
+    assert main([*e2e, "--dense-layers", "0", "--json", str(tmp_path / "b.json")]) == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "b.json").read_text())["dense_layers"] == [0]
+
+
+def test_folders_written_before_the_published_methods_keep_their_variants():
+    """A spec stored before issue #39 (no dense_layers field) names the group-mean variants its rows ran."""
+    from sparsedecode.experiments.eval_spec import EvalSpec
+    from sparsedecode.experiments.specs import RetrievalSpec, SweepSpec
+
+    old = SweepSpec.from_dict({"model": "m", "selectors": ["quest", "sparq:rank=4", "top-p", "mean-pooled"]})
+    assert old.selectors == ("quest:grouping=mean-query", "sparq:rank=4,grouping=mean-query", "block-top-p",
+                             "mean-pooled")  # fmt: skip
+    new = SweepSpec.from_dict({**SweepSpec(model="m", selectors=("quest",)).to_dict()})
+    assert new.selectors == ("quest",) and new.dense_layers == ()
+    assert EvalSpec.from_dict({"model": "m", "selectors": ["quest"]}).selectors == ("quest:grouping=mean-query",)
+    assert RetrievalSpec.from_dict({"model": "m", "selector": "sparq"}).selector == "sparq:grouping=mean-query"

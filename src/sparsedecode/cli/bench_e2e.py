@@ -12,7 +12,7 @@ from .bench_results import recorded_model, selector_record, start_clock, write_r
 from .display import console, progress_bars
 from .loading import check_prompt_source, check_whole_blocks, load
 from .outputs import check_output_file, inputs_of
-from .parser import DRAFT_TOKENS, DTYPES, add_model_args
+from .parser import DRAFT_TOKENS, DTYPES, add_dense_layers_arg, add_model_args
 
 __all__ = ["add_e2e_parser", "cmd_bench_e2e"]
 
@@ -36,6 +36,7 @@ def add_e2e_parser(benches) -> None:
     )
     e2e.add_argument("--support", type=int_list, default=[193])
     e2e.add_argument("--selector", type=selector_arg, default="mean-pooled")
+    add_dense_layers_arg(e2e)
     e2e.add_argument("--tokens", type=int, default=64)
     e2e.add_argument("--prompt-index", type=int, default=0)
     e2e.add_argument(
@@ -130,13 +131,15 @@ def cmd_bench_e2e(args) -> int:
                     selector=args.selector,
                     compile=args.compile,
                     baseline=engines,
+                    dense_layers=args.dense_layers,
                 )
             )
         for engine in (engines or {}).values():
             engine.close()  # llama.cpp's processes (models and caches) end before the next context
     _print_e2e(args, rows)
     if args.json:
-        write_result(args.json, clock, selector=selector_record(args.selector), rows=[asdict(r) for r in rows])
+        dense = {"dense_layers": list(args.dense_layers)} if args.dense_layers else {}
+        write_result(args.json, clock, selector=selector_record(args.selector), **dense, rows=[asdict(r) for r in rows])
     return 0
 
 
@@ -173,6 +176,8 @@ def _check_e2e_args(args) -> None:
             raise SparseDecodeError("--batch values must be >= 1")
         if args.baseline != "none":
             raise SparseDecodeError("--baseline runs batch 1 only: drop --batch")
+        if args.dense_layers:
+            raise SparseDecodeError("--dense-layers runs batch 1 only here: drop --batch")
         if args.mode == "lossless":
             raise SparseDecodeError(
                 "--mode lossless runs batch 1 only (per-sequence acceptance and rollback are not implemented): "

@@ -23,6 +23,7 @@ from .backend import add_backend_args, check_backend_args, executor
 from .display import run_hooks
 from .loading import check_whole_blocks, load, quiet_transformers
 from .outputs import check_output_folder, inputs_of
+from .parser import add_dense_layers_arg
 
 LM_EVAL_COMMAND = "lm-eval"
 
@@ -72,6 +73,7 @@ def add_eval_parser(sub, *, int_list, add_model_args) -> argparse.ArgumentParser
         help="comma-separated selectors (see `run --help` for the forms), or all",
     )
     parser.add_argument("--support", type=int_list, default=[193])
+    add_dense_layers_arg(parser)
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--reuse", type=int, default=1, help="selection reuse interval R, in decode steps")
@@ -131,6 +133,7 @@ def eval_spec(args):
         template=args.template,
         seed=args.seed,
         answer_tokens=args.answer_tokens,
+        dense_layers=args.dense_layers,
     )
 
 

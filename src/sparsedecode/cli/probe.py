@@ -11,7 +11,7 @@ from .conditions import conditions, run_settings
 from .display import console, layer_table, progress_bars
 from .loading import check_whole_blocks, load, prepare
 from .outputs import atomic_path, check_output_folder, inputs_of, write_json
-from .parser import Parser, add_model_args, add_prompt_args
+from .parser import Parser, add_dense_layers_arg, add_model_args, add_prompt_args
 
 
 def add_parsers(sub) -> None:
@@ -59,6 +59,7 @@ def add_parsers(sub) -> None:
     retrieval.add_argument("--block-size", type=int, default=16)
     retrieval.add_argument("--reuse", type=int, default=1)
     retrieval.add_argument("--selector", type=selector_arg, default="mean-pooled")
+    add_dense_layers_arg(retrieval)
     retrieval.add_argument("--haystack", default="filler", help="filler (repeated sentences), or a corpus name/path")
     retrieval.add_argument("--digits", type=int, default=5, help="passkey length, in digits")
     retrieval.add_argument("--answer-tokens", type=int, default=8)
@@ -153,6 +154,7 @@ def _check_retrieval_args(args):
         digits=args.digits,
         answer_tokens=args.answer_tokens,
         seed=args.seed,
+        dense_layers=args.dense_layers,
     )
     check_whole_blocks(spec.configs())
     return spec

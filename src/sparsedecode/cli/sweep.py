@@ -10,7 +10,7 @@ from .backend import add_backend_args, check_backend_args, executor
 from .display import console, progress_bars, run_hooks
 from .loading import check_whole_blocks, load
 from .outputs import check_output_folder, check_writable_folder, inputs_of
-from .parser import add_model_args
+from .parser import add_dense_layers_arg, add_model_args
 
 
 def add_parsers(sub) -> None:
@@ -39,6 +39,7 @@ def _add_sweep_parser(sub) -> None:
         "--reuse", type=int_list, default=[1], help="selection reuse intervals R in decode steps, comma-separated"
     )
     sweep.add_argument("--selector", type=selector_arg, default=None, help="one selector (default: mean-pooled)")
+    add_dense_layers_arg(sweep)
     sweep.add_argument(
         "--selectors",
         type=selector_list,
@@ -138,6 +139,7 @@ def _sweep_spec(args):
         window=args.window,
         block_size=args.block_size,
         audit=args.audit,
+        dense_layers=args.dense_layers,
     )
 
 

@@ -63,6 +63,7 @@ def bench_e2e(
     selector: str = "mean-pooled",
     compile: bool = False,
     baseline: dict | None = None,
+    dense_layers: tuple[int, ...] = (),
 ) -> list[E2ERow]:
     """Dense prefill once, then ``tokens`` greedy tokens per mode from the same prefilled KV cache.
 
@@ -76,13 +77,15 @@ def bench_e2e(
     dense and each sparse mode over a static cache with the decode step compiled (:mod:`sparsedecode.compiled.decoder`),
     their compile time in ``compile_s``. ``baseline`` (``{label: LlamaCpp}``, :mod:`.baseline`) adds llama.cpp's dense
     decoding of the same token ids, timed in the same rotation, and every row's ratio to it and bytes per token.
+    ``dense_layers``: layers every sparse mode leaves dense (``SparseConfig.dense_layers``).
     """
     if isinstance(repeats, bool) or not isinstance(repeats, numbers.Integral) or repeats < 1:
         raise SparseDecodeError(f"bench e2e: repeats must be an integer >= 1 (got {repeats!r})")
+    config = partial(SparseConfig, kernel=kernel, selector=selector, dense_layers=dense_layers)
     if compile:  # before the prefill
         from ..compiled.decoder import check_compilable
 
-        for cfg in (None, *(SparseConfig(support=s, kernel=kernel, selector=selector) for s in supports)):
+        for cfg in (None, *(config(support=s) for s in supports)):
             check_compilable(model, cfg, "bench e2e --compile")
     started = time.perf_counter()
     dynamic, logits = prefill(model, prompt_ids, progress=progress)
@@ -91,11 +94,11 @@ def bench_e2e(
     first = int(logits.argmax())
     context = int(prompt_ids.shape[1])
     modes = _eager_modes(
-        model, dynamic, growing, context, first, tokens, supports, lossless, adaptive, kernel, selector, progress
+        model, dynamic, growing, context, first, tokens, supports, lossless, adaptive, config, progress
     )
     compile_s = {}
     if compile:
-        cfgs = {None: None, **{s: SparseConfig(support=s, kernel=kernel, selector=selector) for s in supports}}
+        cfgs = {None: None, **{s: config(support=s) for s in supports}}
         compiled, compile_s = _compiled_modes(model, prompt_ids, first, cfgs, tokens, progress, lossless, adaptive)
         modes.update({("dense" if s is None else "sparse", "static, compiled", s, None): compiled[s] for s in cfgs})
         modes.update({("lossless", "static, compiled", s, k): compiled[s, k] for s in supports for k in lossless})
@@ -115,7 +118,7 @@ def bench_e2e(
 
 
 def _eager_modes(
-    model, dynamic, growing, context, first, tokens, supports, lossless, adaptive, kernel, selector, progress
+    model, dynamic, growing, context, first, tokens, supports, lossless, adaptive, config, progress
 ) -> dict:
     """:func:`bench_e2e`'s modes on transformers' caches, each a function ``(stage) -> (seconds, tokens)`` (the
     lossless ones return a :class:`~sparsedecode.decoding.generate.Generation`) under its key ``(kind, cache,
@@ -130,7 +133,7 @@ def _eager_modes(
         return elapsed, out
 
     def sparse(support: int, stage: str) -> tuple[float, list[int]]:
-        with sparse_decoding(model, SparseConfig(support=support, kernel=kernel, selector=selector)):
+        with sparse_decoding(model, config(support=support)):
             return timed(growing, stage)
 
     def speculative(support: int, k: int, stage: str):
@@ -139,7 +142,7 @@ def _eager_modes(
             growing,
             context,
             first,
-            SparseConfig(support=support, kernel=kernel, selector=selector),
+            config(support=support),
             tokens + 1,
             draft_tokens=k,
             adaptive=adaptive,

@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 
 from ..errors import SparseDecodeError
-from .eval_spec import KEY_FIELDS, EvalSpec, RunKey
+from ..protocol.results import upgrade_selector
+from .eval_spec import DENSE, KEY_FIELDS, EvalSpec, RunKey
 from .fields import FLAG, INTEGER, INTEGERS, NUMBER, STRING, Fields, check_rows, integer, json_kind, or_null, strings
 from .ruler import GENERATOR_VERSION
 from .specs import adopt_stored
@@ -98,8 +99,11 @@ ROW_FIELDS: Fields = {
 def read_rows(path: Path, *, repair: bool = False) -> list[dict]:
     """The rows of an evaluation's ``runs.jsonl`` (see :func:`.sweep.parse_rows`: a torn last line is ignored, with
     ``repair`` cut from the file); a row that lacks a field of :data:`ROW_FIELDS` or holds the wrong kind of value
-    is refused in one line naming the file and the run."""
-    return check_rows(path, parse_rows(path, repair=repair), ROW_FIELDS)
+    is refused in one line naming the file and the run. Selectors are named as today
+    (:func:`~sparsedecode.protocol.results.upgrade_selector`: rows of ``quest`` or ``sparq`` written before issue #39
+    ran the group-mean variants)."""
+    rows = check_rows(path, parse_rows(path, repair=repair), ROW_FIELDS)
+    return [row if row["selector"] == DENSE else upgrade_selector(row) for row in rows]
 
 
 def check_folder(directory: Path, spec: EvalSpec, shard: Shard | None) -> list[str]:

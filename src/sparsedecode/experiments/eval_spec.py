@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import SparseConfig
+from ..config import SparseConfig, parse_layers
 from ..errors import SparseDecodeError
 from ..selectors.registry import provided
 from .corpus import DEFAULT_CORPUS
@@ -54,8 +54,10 @@ class EvalSpec(Spec):
     template: str = "auto"
     seed: int = 0
     answer_tokens: int | None = None
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "dense_layers", parse_layers(self.dense_layers))
         # a spec read back from eval.json may hold any JSON value: every field's kind is checked before its use
         for name in ("model", "dtype", "corpus", "template"):
             if not isinstance(getattr(self, name), str):
@@ -97,7 +99,14 @@ class EvalSpec(Spec):
         """One :class:`SparseConfig` per (selector, support): selectors outer."""
         with provided(self.sources()):  # a stored name's file, where a resume adopted one (.specs.adopt_stored)
             return [
-                SparseConfig(support=s, window=self.window, block_size=self.block_size, reuse=self.reuse, selector=sel)
+                SparseConfig(
+                    support=s,
+                    window=self.window,
+                    block_size=self.block_size,
+                    reuse=self.reuse,
+                    selector=sel,
+                    dense_layers=self.dense_layers,
+                )
                 for sel in self.selectors
                 for s in self.supports
             ]

@@ -12,8 +12,9 @@ import contextvars
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from ..config import SparseConfig
+from ..config import SparseConfig, parse_layers
 from ..errors import SparseDecodeError
+from ..protocol.results import upgrade_selector
 from ..selectors.registry import provided
 from .corpus import DEFAULT_CORPUS, GAP
 
@@ -52,7 +53,10 @@ class Spec:
         A spec read back is what a folder stored: its selectors are taken as their stored spec strings and never
         imported (a selector file may have moved or be gone, and a relative path would name another file from
         another directory: the rows hold everything a report prints); every other setting is checked."""
-        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        if "dense_layers" in names and "dense_layers" not in data:  # written before issue #39: selectors renamed
+            data = upgraded_selectors(data)
         if unknown:
             raise SparseDecodeError(f"{cls.WHAT} has unknown fields {', '.join(unknown)}: written by a newer version?")
         token = _STORED.set(True)
@@ -121,6 +125,22 @@ class Spec:
                 else:
                     merged[name] = merged[name] + [v for v in theirs[name] if v not in merged[name]]
         return cls.from_dict(merged)
+
+
+def upgraded_selectors(data: dict) -> dict:
+    """A spec written before issue #39 (no ``dense_layers`` field: every spec written since stores one) with its
+    selectors named as today (:func:`~sparsedecode.protocol.results.upgrade_selector`): its ``quest`` and ``sparq``
+    ran the group-mean variants, its ``top-p`` is ``block-top-p``."""
+    data = dict(data)
+    if isinstance(data.get("selectors"), (list, tuple)):
+        data["selectors"] = [_upgraded(name) for name in data["selectors"]]
+    if isinstance(data.get("selector"), str):
+        data["selector"] = _upgraded(data["selector"])
+    return data
+
+
+def _upgraded(name):
+    return upgrade_selector({"selector": name})["selector"] if isinstance(name, str) else name
 
 
 def canonical_selectors(specs) -> tuple[str, ...]:
@@ -230,8 +250,10 @@ class SweepSpec(Spec):
     block_size: int = 16
     audit: bool = False
     gap: int = GAP
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "dense_layers", parse_layers(self.dense_layers))
         for name in ("contexts", "supports", "reuse"):
             values = tuple(getattr(self, name))
             object.__setattr__(self, name, values)
@@ -270,6 +292,7 @@ class SweepSpec(Spec):
                 reuse=r,
                 selector=selector,
                 audit=self.audit,
+                dense_layers=self.dense_layers,
             )
             for selector in self.selectors
             for s in self.supports
@@ -322,8 +345,10 @@ class RetrievalSpec(Spec):
     digits: int = 5
     answer_tokens: int = 8
     seed: int = 0
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "dense_layers", parse_layers(self.dense_layers))
         if not isinstance(self.selector, str):
             raise SparseDecodeError(f"selector must be a selector name, got {self.selector!r}")
         object.__setattr__(self, "selector", canonical_selectors((self.selector,))[0])
@@ -341,7 +366,12 @@ class RetrievalSpec(Spec):
     def configs(self) -> list[SparseConfig]:
         return [
             SparseConfig(
-                support=s, window=self.window, block_size=self.block_size, reuse=self.reuse, selector=self.selector
+                support=s,
+                window=self.window,
+                block_size=self.block_size,
+                reuse=self.reuse,
+                selector=self.selector,
+                dense_layers=self.dense_layers,
             )
             for s in self.supports
         ]

@@ -74,6 +74,8 @@ def make_row(key: RunKey, result: CompareResult, *, run_s: float, audit: bool = 
     }
     if "selector_sha256" in settings:
         row["selector_sha256"] = settings["selector_sha256"]
+    if settings.get("dense_layers"):  # rows of runs with every layer sparse hold no such field, as before #39
+        row["dense_layers"] = list(settings["dense_layers"])
     row.update({name: getattr(result, name) for name in RESULT_FIELDS})
     row.update({name: result.certificate.get(name) for name in CERTIFICATE_FIELDS})
     if audit:
