@@ -123,6 +123,14 @@ def cmd_compare_selectors(args) -> int:
     for line in dense_retrieval_lines(summary)[:1]:
         console.print(line)
     args.out.mkdir(parents=True, exist_ok=True)
+    settings = _settings(args, chosen, execute)
+    write_selector_comparison(args.out, {"settings": settings, "summary": summary, "runs": runs, "retrieval": trials})
+    console.print(f"wrote {args.out / 'selectors.md'}, selectors.csv, selectors.json")
+    return 0
+
+
+def _settings(args, chosen, execute) -> dict:
+    """What ``selectors.json`` records of the command: its arguments, the selectors, the machine and the backend."""
     settings = {
         key: getattr(args, key)
         for key in (
@@ -144,6 +152,4 @@ def cmd_compare_selectors(args) -> int:
     settings["environment"] = environment()
     if execute is not None:
         settings["backend"] = execute.description
-    write_selector_comparison(args.out, {"settings": settings, "summary": summary, "runs": runs, "retrieval": trials})
-    console.print(f"wrote {args.out / 'selectors.md'}, selectors.csv, selectors.json")
-    return 0
+    return settings

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..errors import SparseDecodeError
 from .comparison_file import COMPARISON_FILE, read_comparison
-from .selector_comparison import rebuild
+from .selector_comparison import named_as_today, rebuild
 
 SAME_SETTINGS = (
     "model",
@@ -48,7 +48,7 @@ def merge_comparisons(folders: list[Path]) -> dict:
     """One comparison document (``selectors.json``'s content, summary rebuilt) of ``folders``' runs and trials."""
     if len(folders) < 2:
         raise SparseDecodeError("give at least two selector comparison folders to merge")
-    docs = [(Path(folder), read_comparison(folder)) for folder in folders]  # each checked whole first
+    docs = [(Path(folder), named_as_today(read_comparison(folder))) for folder in folders]  # each checked whole first
     first, settings = docs[0][0], docs[0][1]["settings"]
     selectors: list[str] = []
     runs, trials, summary, parts = [], [], [], []

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 from ..errors import SparseDecodeError
-from ..protocol.results import upgrade_selector
 from .eval_spec import DENSE, KEY_FIELDS, EvalSpec, RunKey
 from .fields import FLAG, INTEGER, INTEGERS, NUMBER, STRING, Fields, check_rows, integer, json_kind, or_null, strings
 from .ruler import GENERATOR_VERSION
@@ -102,6 +101,8 @@ def read_rows(path: Path, *, repair: bool = False) -> list[dict]:
     is refused in one line naming the file and the run. Selectors are named as today
     (:func:`~sparsedecode.protocol.results.upgrade_selector`: rows of ``quest`` or ``sparq`` written before issue #39
     ran the group-mean variants)."""
+    from ..protocol.results import upgrade_selector  # results imports torch: command-line errors come before it
+
     rows = check_rows(path, parse_rows(path, repair=repair), ROW_FIELDS)
     return [row if row["selector"] == DENSE else upgrade_selector(row) for row in rows]
 

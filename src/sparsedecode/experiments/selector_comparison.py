@@ -289,17 +289,33 @@ def summarize(
     return rows
 
 
-def rebuild(data: dict) -> dict:
-    """A stored comparison (the JSON document) with its runs in today's ``first_divergence`` convention and its
-    summary recomputed from them by :func:`summarize`; the operator times of the stored summary are kept."""
+def named_as_today(data: dict) -> dict:
+    """A stored comparison with its runs upgraded (:func:`~sparsedecode.protocol.results.upgrade_row`) and every
+    selector named as its runs say it ran: the settings (and a merged comparison's parts), the passkey trials and
+    the summary follow the runs (``quest`` of a comparison written before issue #39 is
+    ``quest:grouping=mean-query``)."""
     runs = [upgrade_row(run) for run in data["runs"]]
-    # the runs say what each stored name ran (their parameters); the settings, trials and summary follow them
     renamed = {old["selector"]: new["selector"] for old, new in zip(data["runs"], runs)}
-    settings = {**data["settings"], "selectors": [renamed.get(s, s) for s in data["settings"]["selectors"]]}
-    trials = [{**t, "selector": renamed.get(t["selector"], t["selector"])} if "selector" in t else t
-              for t in data.get("retrieval", [])]  # fmt: skip
-    op_ms = {(r["context"], renamed.get(r["selector"], r["selector"]), r["support"]): r.get("op_ms")
-             for r in data["summary"]}  # fmt: skip
+
+    def rename(name):
+        return renamed.get(name, name)
+
+    settings = {**data["settings"], "selectors": [rename(s) for s in data["settings"]["selectors"]]}
+    if isinstance(settings.get("parts"), list):
+        settings["parts"] = [{**part, "selectors": [rename(s) for s in part.get("selectors", [])]}
+                             for part in settings["parts"]]  # fmt: skip
+    trials = [{**t, "selector": rename(t["selector"])} if "selector" in t else t for t in data.get("retrieval", [])]
+    summary = [{**row, "selector": rename(row["selector"])} for row in data["summary"]]
+    return {**data, "settings": settings, "summary": summary, "runs": runs, "retrieval": trials}
+
+
+def rebuild(data: dict) -> dict:
+    """A stored comparison (the JSON document) named as today (:func:`named_as_today`), its runs in today's
+    ``first_divergence`` convention and its summary recomputed from them by :func:`summarize`; the operator times of
+    the stored summary are kept."""
+    data = named_as_today(data)
+    settings, runs, trials = data["settings"], data["runs"], data["retrieval"]
+    op_ms = {(r["context"], r["selector"], r["support"]): r.get("op_ms") for r in data["summary"]}
     rows = summarize(
         runs,
         trials,

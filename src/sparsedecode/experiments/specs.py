@@ -14,7 +14,6 @@ from pathlib import Path
 
 from ..config import SparseConfig, parse_layers
 from ..errors import SparseDecodeError
-from ..protocol.results import upgrade_selector
 from ..selectors.registry import provided
 from .corpus import DEFAULT_CORPUS, GAP
 
@@ -140,6 +139,8 @@ def upgraded_selectors(data: dict) -> dict:
 
 
 def _upgraded(name):
+    from ..protocol.results import upgrade_selector  # results imports torch: command-line errors come before it
+
     return upgrade_selector({"selector": name})["selector"] if isinstance(name, str) else name
 
 
