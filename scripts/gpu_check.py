@@ -133,7 +133,7 @@ def reference_by_position(q, keys, values, blocks, layout, scale):
 def check_limits() -> list[dict]:
     """The largest tiles the Triton kernels accept must compile and match float64; refused tensors must run on
     torch under ``auto`` (and match) and raise under ``kernel="triton"``."""
-    from sparsedecode.kernels.reference import _attend_blocks
+    from sparsedecode.kernels.reference import attend_blocks
     from sparsedecode.selectors import select_blocks
     from sparsedecode.selectors.statistics import BlockStatistics
 
@@ -169,14 +169,14 @@ def check_limits() -> list[dict]:
             row["refusal"] = kernels.refusals(q, keys, values, layout)["triton"]
             cfg = SparseConfig(support=1 + 64 + 4 * block, block_size=block)
             blocks = select_blocks(cfg, BlockStatistics(block), q, keys, layout, scale=d**-0.5)
-            out = _attend_blocks(cfg, q, keys, values, blocks, layout, d**-0.5)
+            out = attend_blocks(cfg, q, keys, values, blocks, layout, d**-0.5)
             expected = reference_by_position(q, keys, values, blocks, layout, d**-0.5)
             row["rel_error"] = float((out.double() - expected).norm() / expected.norm())
             tolerance = 1e-5 if spec["dtype"] in (torch.float32, torch.float64) else 1e-2
             explicit_raises = None
             if not should_serve:
                 try:
-                    _attend_blocks(
+                    attend_blocks(
                         SparseConfig(support=cfg.support, block_size=block, kernel="triton"),
                         q,
                         keys,

@@ -1,9 +1,9 @@
-"""An independent float64, mask-based implementation of DESIGN.md sections 1 and 3, for checking the library.
+"""An independent float64, mask-based implementation of docs/definitions.md, sections 1 and 3, for checking the library.
 
 Nothing here imports sparsedecode: the support is recomputed from its definition for every decode row and applied
 as a mask over dense float64 attention (no gathers, no centroid cache, no kernels). The model is a float64 copy of
 the one under test, decoding with transformers' own ``DynamicCache``; the paired protocol (dense reference,
-free-running, teacher-forced) is written out again from DESIGN.md section 3.
+free-running, teacher-forced) is written out again from docs/definitions.md, section 3.
 
 Reuse interval ``R``: step ``k`` of a chain of sparse decode rows (a row with ``N`` above the support; a dense row
 ends the chain) selects afresh when ``(k - 1) % R == 0`` and otherwise reads the block indices chosen then, each
@@ -25,7 +25,7 @@ NAME = "reference64"
 
 @dataclass
 class Support:
-    """The support definition of DESIGN.md section 1 (mean-pooled block selector)."""
+    """The support definition of docs/definitions.md, section 1 (mean-pooled block selector)."""
 
     support: int
     window: int = 64
@@ -129,7 +129,7 @@ def _nll(logits: torch.Tensor, target: int) -> float:
 def paired_protocol(
     model: torch.nn.Module, prompt_ids: torch.Tensor, support: int, tokens: int, reuse: int = 1
 ) -> PairedOutcome:
-    """DESIGN.md section 3 for one prompt, one support and one reuse interval, in float64 with masks."""
+    """docs/definitions.md, section 3 for one prompt, one support and one reuse interval, in float64 with masks."""
     return paired_protocols(model, prompt_ids, support, tokens, (reuse,))[0]
 
 

@@ -56,7 +56,8 @@ def test_run_writes_json_with_one_result_per_support(tiny_model_dir, tmp_path, c
     assert sparse["settings"]["effective_support"] == 97 and sparse["sparse_steps"] > 0
     assert full["survives"] and full["teacher_forced_match"] == 100.0 and full["delta_ppl_percent"] == 0.0
     assert "dense vs sparse, context 200" in stdout
-    # the side-by-side continuation marks the first divergence at step t = first_divergence (DESIGN.md section 3)
+    # the side-by-side continuation marks the first divergence at step t = first_divergence (docs/definitions.md,
+    # section 3)
     assert not sparse["survives"], "a sparse run that survives would not test the marker"
     assert f"⟦step {sparse['first_divergence']}⟧" in stdout and stdout.count("⟦step") == 2  # both columns
     assert "sparse steps: C kernel" in " ".join(stdout.split())  # float32, mean-pooled: what auto runs here

@@ -40,7 +40,7 @@ def test_small_support_is_measured_consistently(arch):
     result = compare(model, None, ids, SparseConfig(support=97), tokens=40, reference=reference)
     assert result.sparse_steps == 39 * 2
     assert 0.0 <= result.teacher_forced_match <= 100.0
-    # DESIGN.md section 3: the step t >= 1 of the first s_t != d_t, T if none (s_0 = d_0 is shared)
+    # docs/definitions.md, section 3: the step t >= 1 of the first s_t != d_t, T if none (s_0 = d_0 is shared)
     diverged = [t for t, (d, s) in enumerate(zip(result.dense_tokens, result.sparse_tokens)) if d != s]
     assert result.sparse_tokens[0] == result.dense_tokens[0] and result.survives == (not diverged)
     assert result.first_divergence == (diverged[0] if diverged else 40) and diverged, "a run that survives tests less"

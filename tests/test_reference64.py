@@ -1,7 +1,8 @@
 """The library's paired protocol against an independent float64 mask-based implementation (tests/reference64.py).
 
-The reference recomputes each decode row's support from DESIGN.md section 1 and masks dense float64 attention, so it
-shares no code with the library's selection, centroid cache, gathers or kernels. The library runs in float32.
+The reference recomputes each decode row's support from docs/definitions.md, section 1 and masks dense float64
+attention, so it shares no code with the library's selection, centroid cache, gathers or kernels. The library runs
+in float32.
 """
 
 from __future__ import annotations

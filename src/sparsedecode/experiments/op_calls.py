@@ -2,7 +2,7 @@
 selecting the support and attending over it, for every kind of selector, each as decoding runs it.
 
 * token-level selectors: the positions (:func:`~sparsedecode.selectors.select_positions`), then attention over them;
-* adaptive block selectors (a ``budget()``, such as ``top-p``): the blocks and the budget's count of them
+* adaptive block selectors (a ``budget()``, such as ``block-top-p``): the blocks and the budget's count of them
   (:func:`~sparsedecode.selectors.choose_blocks` on torch's operations, the only ones that serve a budget), then
   attention over the kept blocks' positions, the dropped ones masked, as the session's step attends;
 * block selectors with a fixed budget: the blocks, then the attention kernel ``kernel`` over them.

@@ -145,9 +145,9 @@ def _upgraded(name):
 
 
 def canonical_selectors(specs) -> tuple[str, ...]:
-    """Each selector spec string as :meth:`~sparsedecode.selectors.Selector.spec` writes it (``top-p:p=0.90`` and
-    ``top-p:p=0.9`` are one selector), so folders, resumes and merges compare like with like; a stored spec's as
-    stored (:meth:`Spec.from_dict`)."""
+    """Each selector spec string as :meth:`~sparsedecode.selectors.Selector.spec` writes it (``block-top-p:p=0.90``
+    and ``block-top-p:p=0.9`` are one selector), so folders, resumes and merges compare like with like; a stored
+    spec's as stored (:meth:`Spec.from_dict`)."""
     from ..selectors import resolve_selector
 
     if _STORED.get():

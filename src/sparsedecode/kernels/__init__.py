@@ -1,5 +1,5 @@
 """The sparse step's kernels: a C kernel for the CPU (:mod:`.cpu`, source in ``csrc/``), Triton kernels for CUDA
-(:mod:`.triton_attention`), and the one place that decides which serves a call (:mod:`.dispatch`).
+(:mod:`.triton.attention`), and the one place that decides which serves a call (:mod:`.dispatch`).
 
 This package depends on :mod:`sparsedecode.layout` (where the support lies) and :mod:`sparsedecode.errors`
 only, never on the selectors or the attention step, which call into it.

@@ -128,7 +128,7 @@ def attend_support(
     return out.reshape(query_heads, -1)
 
 
-def _attend_blocks(cfg, q, keys, values, blocks, layout, scale) -> torch.Tensor:
+def attend_blocks(cfg, q, keys, values, blocks, layout, scale) -> torch.Tensor:
     """Attention over a block selector's support by the kernel :func:`sparsedecode.kernels.attention_kernel` picks
     for ``cfg.kernel`` (the torch path where no kernel can serve under ``auto``; an insisted-on kernel that cannot
     raises)."""

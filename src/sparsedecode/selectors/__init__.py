@@ -1,10 +1,10 @@
 """Selectors: which distant positions a decode step reads (docs/definitions.md, sections 1 and 8).
 
-One module per method (:mod:`.mean_pooled`, :mod:`.quest`, :mod:`.oracle`, :mod:`.random_blocks`,
-:mod:`.streaming`, :mod:`.h2o`, and methods from the literature written on the public protocol: :mod:`.top_p`,
-:mod:`.sparq`, :mod:`.sink_streaming`); the protocol in :mod:`.base`, names and files in :mod:`.registry`, the
-library's half of a selection (scores to support) in :mod:`.select`, tensor operations to build scores from in
-:mod:`.ops`.
+One module per method in :mod:`.methods` (the project's own ``mean-pooled`` and ``block-top-p``, the references,
+and methods from the literature written on the public protocol: ``quest``, ``sparq``, ``twilight``, ``h2o``,
+``streaming``, ``sink-streaming``); the block statistics a session caches in :mod:`.statistics`; the protocol in
+:mod:`.base`, names and files in :mod:`.registry`, the library's half of a selection (scores to support) in
+:mod:`.select`, tensor operations to build scores from in :mod:`.ops`.
 """
 
 import importlib as _importlib

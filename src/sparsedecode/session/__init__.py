@@ -17,9 +17,9 @@ attention history, the positions read). :class:`LayerState` says why that state 
 no longer in the cache, at a cost of O(1) per layer and step.
 
 The package: :mod:`.hf` (transformers glue), :mod:`.session` and :mod:`.state` (session and per-layer state),
-:mod:`.forward` (a forward of one sequence or a padded batch, each sequence in its own coordinates), :mod:`.step`
-(one layer's sparse step over a batch of rows, a sequence alone being a batch of one), :mod:`.attend` (attention over
-a support).
+:mod:`.forward` (a forward of one sequence or a padded batch, each sequence in its own coordinates), :mod:`.rows`
+(one layer's sparse step over a batch of rows, a sequence alone being a batch of one), :mod:`.kv_cache` (a cache that
+appends in place, rewinding); attention over a support is :mod:`sparsedecode.kernels.reference`.
 """
 
 from ..kernels.reference import attend_positions, attend_support, dense_short_forward

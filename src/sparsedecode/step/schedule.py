@@ -2,7 +2,7 @@
 afresh, how its reuse counter moves, and what a step reads and tallies. Every route of a step follows these rules
 through these functions: the session's rows (:mod:`sparsedecode.session.rows`), the compiled op's general path
 (:mod:`sparsedecode.compiled.op`) and the host-free device step (:mod:`sparsedecode.step.device`).
-The C kernel's ``prepared_step`` (``kernels/csrc/sparse_step.c``) is their one declared mirror, checked against
+The C kernel's ``prepared_step`` (``kernels/cpu/csrc/sparse_step.c``) is their one declared mirror, checked against
 them by a property test (``tests/test_schedule.py``).
 
 The functions are elementwise: an argument is a Python ``int``/``bool`` (one row, the session's) or an integer or

@@ -1,5 +1,6 @@
 """The C kernel's batched sparse step: every sparse sequence of a layer of a left-padded batch in one call (see
-:func:`sparse_step_batch`); the single-sequence calls and the build are in :mod:`.cpu`."""
+:func:`sparse_step_batch`); the single-sequence calls and the build are in
+:mod:`sparsedecode.kernels.cpu`."""
 
 from __future__ import annotations
 
