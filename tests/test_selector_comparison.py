@@ -305,3 +305,33 @@ def test_merged_comparisons_equal_one_comparison_of_every_selector(tiny_model_di
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err, err
         assert not out.exists()
+
+
+def test_a_comparison_written_before_the_published_methods_merges_beside_them(tiny_model_dir, tmp_path, capsys):
+    """A comparison of ``quest`` written before issue #39 (its runs without the selector's parameters) ran the
+    group-mean variant: read, re-rendered and merged it is ``quest:grouping=mean-query``, beside today's ``quest``."""
+    from sparsedecode.reports.sweep import write_report
+
+    base = ["compare-selectors", "--model", str(tiny_model_dir), "--context", "300", "--support", "97"]
+    base += ["--prompts", "1", "--tokens", "4", "--retrieval", "1"]
+    old, new = tmp_path / "old", tmp_path / "new"
+    assert main([*base, "--selectors", "quest:grouping=mean-query", "--out", str(old)]) == 0
+    assert main([*base, "--selectors", "quest", "--out", str(new)]) == 0
+    data = json.loads((old / "selectors.json").read_text())
+    variant = [r["sparse_tokens"] for r in data["runs"]]
+    for record in (data["settings"], *data["summary"], *data["runs"], *data["retrieval"]):
+        if record.get("selector") == "quest:grouping=mean-query":
+            record["selector"] = "quest"  # as the selector was named then
+    for run in data["runs"]:
+        del run["settings"]["selector_params"]  # runs stored no parameters then
+        run["settings"]["selector"] = "quest"
+    data["settings"]["selectors"] = ["quest"]
+    (old / "selectors.json").write_text(json.dumps(data))
+    assert write_report(old) == old / "selectors.md"
+    assert "| 300 | quest:grouping=mean-query |" in (old / "selectors.md").read_text()
+    assert main(["merge", str(old), str(new), "--out", str(tmp_path / "merged")]) == 0, capsys.readouterr().err
+    merged = json.loads((tmp_path / "merged" / "selectors.json").read_text())
+    assert merged["settings"]["selectors"] == ["quest:grouping=mean-query", "quest"]
+    assert [r["sparse_tokens"] for r in merged["runs"] if r["selector"] == "quest:grouping=mean-query"] == variant
+    trials = {t["selector"] for t in merged["retrieval"] if t.get("selector")}
+    assert trials == {"quest:grouping=mean-query", "quest"}
