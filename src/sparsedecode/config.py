@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from .errors import SparseDecodeError
 from .layout import budget_blocks, check_budget, check_seed
@@ -34,7 +34,9 @@ class SparseConfig:
     costs one dense attention pass per sparse step; off, nothing beyond the support is ever read. ``kernel``
     picks the attention implementation (:data:`KERNELS`); it changes speed, not what is read. ``dense_layers``
     names layers (by index, from 0) that decode dense at every step, as Quest's and Twilight's evaluations keep the
-    first two (``(0, 1)`` or ``"0,1"``); their steps count as dense steps.
+    first two (``(0, 1)`` or ``"0,1"``); their steps count as dense steps. ``layer_supports`` gives layers a support
+    of their own (``{2: 385}`` or ``"2:385"``; the others read ``support``): :meth:`for_layer` is a layer's
+    configuration.
 
     Reference: "Attention-Mass Condensation for Sparse Decoding", arXiv 2602.06317.
     """
@@ -48,10 +50,17 @@ class SparseConfig:
     seed: int = 0
     kernel: str = "auto"
     dense_layers: tuple[int, ...] | str = ()
+    layer_supports: tuple[tuple[int, int], ...] | dict | str = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dense_layers", parse_layers(self.dense_layers))
+        object.__setattr__(self, "layer_supports", parse_layer_supports(self.layer_supports))
         check_budget(self.support, self.window, self.block_size)
+        for layer, support in self.layer_supports:
+            check_budget(support, self.window, self.block_size)
+            if layer in self.dense_layers:
+                raise SparseDecodeError(f"layer {layer} is in dense_layers and has a support in layer_supports")
+        object.__setattr__(self, "_layers", {})  # for_layer's configurations, made once
         if not isinstance(self.reuse, int) or isinstance(self.reuse, bool):
             raise SparseDecodeError(f"reuse must be an integer, got {self.reuse!r}")
         if self.reuse < 1:
@@ -71,6 +80,23 @@ class SparseConfig:
     @property
     def token_level(self) -> bool:
         return self.selector.token_level
+
+    def for_layer(self, layer: int) -> SparseConfig:
+        """The configuration layer ``layer`` decodes with: ``support`` replaced by the layer's own in
+        ``layer_supports`` (this configuration itself where it has none)."""
+        own = dict(self.layer_supports).get(layer)
+        if own is None or own == self.support:
+            return self
+        made = self._layers.get(layer)
+        if made is None:
+            made = self._layers[layer] = replace(self, support=own, layer_supports=())
+        return made
+
+    def supports_by_layer(self, layers: int) -> list[int | None]:
+        """Each of ``layers`` layers' effective support, ``None`` for a dense layer."""
+        return [
+            None if layer in self.dense_layers else self.for_layer(layer).effective_support for layer in range(layers)
+        ]
 
     @property
     def kernels_serve(self) -> bool:
@@ -146,13 +172,76 @@ def parse_layers(layers) -> tuple[int, ...]:
 
 
 def check_dense_layers(config: SparseConfig, layers: int) -> None:
-    """Every layer ``config.dense_layers`` names is one of the model's ``layers``."""
-    outside = [layer for layer in config.dense_layers if layer >= layers]
-    if outside:
+    """Every layer ``config.dense_layers`` and ``config.layer_supports`` name is one of the model's ``layers``."""
+    for field, named in (("dense_layers", config.dense_layers), ("layer_supports", dict(config.layer_supports))):
+        outside = [layer for layer in named if layer >= layers]
+        if outside:
+            raise SparseDecodeError(
+                f"{field} names layer{'s' if len(outside) > 1 else ''} {', '.join(map(str, outside))}; the model "
+                f"has {layers} attention layers (0 to {layers - 1})"
+            )
+
+
+def parse_layer_supports(supports) -> tuple[tuple[int, int], ...]:
+    """Per-layer supports as sorted ``(layer, support)`` pairs, from a mapping ``{layer: support}`` (keys may be
+    digit strings, as JSON writes them), a sequence of pairs, or a text ``"2:385,3:385"``."""
+    if isinstance(supports, str):
+        pairs = []
+        for item in (item.strip() for item in supports.split(",") if item.strip()):
+            layer, colon, support = item.partition(":")
+            if not colon or not layer.strip().isdigit() or not support.strip().isdigit():
+                raise SparseDecodeError(f"layer_supports is LAYER:SUPPORT,... (for example 2:385,3:385), got {item!r}")
+            pairs.append((int(layer), int(support)))
+    elif isinstance(supports, dict):
+        pairs = list(supports.items())
+    else:
+        try:
+            pairs = [tuple(pair) for pair in supports]
+        except TypeError:
+            raise SparseDecodeError(f"layer_supports maps layers to supports, got {supports!r}") from None
+    checked = []
+    for pair in pairs:
+        if len(pair) != 2:
+            raise SparseDecodeError(f"layer_supports holds (layer, support) pairs, got {pair!r}")
+        layer, support = pair
+        layer = int(layer) if isinstance(layer, str) and layer.isdigit() else layer
+        if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
+            raise SparseDecodeError(f"layer_supports: a layer is an integer >= 0, got {layer!r}")
+        checked.append((layer, support))
+    if len({layer for layer, _ in checked}) != len(checked):
+        raise SparseDecodeError(f"layer_supports names a layer twice: {supports!r}")
+    return tuple(sorted(checked))
+
+
+BUDGET_FIELDS = ("dense_layers", "layer_supports")
+"""What a budget file (``--budget FILE``) holds: the per-layer part of a configuration."""
+
+
+def read_budget(path) -> dict:
+    """A budget file's fields: a JSON object of :data:`BUDGET_FIELDS` (``{"dense_layers": [0, 1],
+    "layer_supports": {"5": 385}}``), each checked as :class:`SparseConfig` checks it."""
+    import json
+    from pathlib import Path
+
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise SparseDecodeError(f"budget file {path}: no such file") from None
+    except OSError as error:
+        raise SparseDecodeError(f"budget file {path}: {error.strerror or error}") from None
+    try:
+        data = json.loads(text)
+    except ValueError as error:
+        raise SparseDecodeError(f"budget file {path} is not valid JSON ({error})") from None
+    if not isinstance(data, dict):
+        raise SparseDecodeError(f"budget file {path} must hold a JSON object of {', '.join(BUDGET_FIELDS)}")
+    unknown = sorted(set(data) - set(BUDGET_FIELDS))
+    if unknown:
         raise SparseDecodeError(
-            f"dense_layers names layer{'s' if len(outside) > 1 else ''} {', '.join(map(str, outside))}; the model has "
-            f"{layers} attention layers (0 to {layers - 1})"
+            f"budget file {path}: unknown field(s) {', '.join(unknown)}; it holds {', '.join(BUDGET_FIELDS)}"
         )
+    return {"dense_layers": parse_layers(data.get("dense_layers", ())),
+            "layer_supports": parse_layer_supports(data.get("layer_supports", ()))}  # fmt: skip
 
 
 def config_from_overrides(overrides: dict) -> SparseConfig:

@@ -19,6 +19,7 @@ __all__ = [
     "float_list",
     "int_list",
     "layer_list",
+    "layer_supports_arg",
     "path_arg",
     "positive_seconds",
     "selector_arg",
@@ -97,6 +98,17 @@ def layer_list(text: str) -> tuple[int, ...]:
 
     try:
         return parse_layers(text)
+    except SparseDecodeError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def layer_supports_arg(text: str) -> tuple[tuple[int, int], ...]:
+    """``--layer-supports 5:385,6:385``: per-layer supports (:func:`sparsedecode.config.parse_layer_supports`)."""
+    from ..config import parse_layer_supports
+    from ..errors import SparseDecodeError
+
+    try:
+        return parse_layer_supports(text)
     except SparseDecodeError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 

@@ -9,10 +9,11 @@ from ..errors import SparseDecodeError
 from .arguments import file_arg, int_list, selector_arg
 from .bench_batch import bench_e2e_batch
 from .bench_results import recorded_model, selector_record, start_clock, write_result
+from .conditions import plain_layers
 from .display import console, progress_bars
 from .loading import check_prompt_source, check_whole_blocks, load
 from .outputs import check_output_file, inputs_of
-from .parser import DRAFT_TOKENS, DTYPES, add_dense_layers_arg, add_model_args
+from .parser import DRAFT_TOKENS, DTYPES, add_dense_layers_arg, add_model_args, layer_budget
 
 __all__ = ["add_e2e_parser", "cmd_bench_e2e"]
 
@@ -131,15 +132,16 @@ def cmd_bench_e2e(args) -> int:
                     selector=args.selector,
                     compile=args.compile,
                     baseline=engines,
-                    dense_layers=args.dense_layers,
+                    **layer_budget(args),
                 )
             )
         for engine in (engines or {}).values():
             engine.close()  # llama.cpp's processes (models and caches) end before the next context
     _print_e2e(args, rows)
     if args.json:
-        dense = {"dense_layers": list(args.dense_layers)} if args.dense_layers else {}
-        write_result(args.json, clock, selector=selector_record(args.selector), **dense, rows=[asdict(r) for r in rows])
+        layers = {name: plain_layers(value) for name, value in layer_budget(args).items() if value}
+        selector = selector_record(args.selector)
+        write_result(args.json, clock, selector=selector, **layers, rows=[asdict(r) for r in rows])
     return 0
 
 
@@ -176,8 +178,8 @@ def _check_e2e_args(args) -> None:
             raise SparseDecodeError("--batch values must be >= 1")
         if args.baseline != "none":
             raise SparseDecodeError("--baseline runs batch 1 only: drop --batch")
-        if args.dense_layers:
-            raise SparseDecodeError("--dense-layers runs batch 1 only here: drop --batch")
+        if any(layer_budget(args).values()):
+            raise SparseDecodeError("--dense-layers, --layer-supports and --budget run batch 1 only here: drop --batch")
         if args.mode == "lossless":
             raise SparseDecodeError(
                 "--mode lossless runs batch 1 only (per-sequence acceptance and rollback are not implemented): "

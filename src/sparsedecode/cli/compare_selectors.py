@@ -9,11 +9,11 @@ from rich.table import Table
 from ..errors import SparseDecodeError
 from .arguments import int_list, path_arg, selector_list
 from .backend import add_backend_args, check_backend_args, executor
-from .conditions import environment
+from .conditions import environment, plain_layers
 from .display import console, progress_bars
 from .loading import check_whole_blocks, load
 from .outputs import check_output_folder, inputs_of
-from .parser import add_dense_layers_arg, add_model_args
+from .parser import add_dense_layers_arg, add_model_args, layer_budget
 
 
 def add_parsers(sub) -> None:
@@ -100,7 +100,7 @@ def cmd_compare_selectors(args) -> int:
             selectors=chosen,
             audit=args.audit,
             retrieval=args.retrieval,
-            dense_layers=args.dense_layers,
+            **layer_budget(args),
             op_shape=shape,
             progress=progress,
             batch=args.batch,
@@ -147,8 +147,7 @@ def _settings(args, chosen, execute) -> dict:
         )
     }
     settings["selectors"] = list(chosen)
-    if args.dense_layers:
-        settings["dense_layers"] = list(args.dense_layers)
+    settings.update({name: plain_layers(value) for name, value in layer_budget(args).items() if value})
     settings["environment"] = environment()
     if execute is not None:
         settings["backend"] = execute.description

@@ -3,7 +3,9 @@ here), as printed above a command's tables and written into its result files."""
 
 from __future__ import annotations
 
-__all__ = ["conditions", "environment", "run_settings"]
+from .parser import layer_budget
+
+__all__ = ["conditions", "environment", "plain_layers", "run_settings"]
 
 
 def environment() -> dict:
@@ -11,6 +13,11 @@ def environment() -> dict:
     from ..experiments.environment import environment as measured_environment
 
     return measured_environment()
+
+
+def plain_layers(value):
+    """A per-layer setting as JSON holds it: a list of layers, or ``{layer: support}`` with text keys."""
+    return {str(layer): support for layer, support in value} if value and isinstance(value[0], tuple) else list(value)
 
 
 def run_settings(args, command: str) -> dict:
@@ -21,7 +28,7 @@ def run_settings(args, command: str) -> dict:
         **{key: getattr(args, key) for key in keys},
         "contexts": args.context,
         "supports": args.support,
-        **({"dense_layers": list(args.dense_layers)} if getattr(args, "dense_layers", ()) else {}),
+        **{name: plain_layers(value) for name, value in layer_budget(args).items() if value},
         "environment": environment(),
     }
 

@@ -23,7 +23,7 @@ from .backend import add_backend_args, check_backend_args, executor
 from .display import run_hooks
 from .loading import check_whole_blocks, load, quiet_transformers
 from .outputs import check_output_folder, inputs_of
-from .parser import add_dense_layers_arg
+from .parser import add_dense_layers_arg, layer_budget
 
 LM_EVAL_COMMAND = "lm-eval"
 
@@ -133,7 +133,7 @@ def eval_spec(args):
         template=args.template,
         seed=args.seed,
         answer_tokens=args.answer_tokens,
-        dense_layers=args.dense_layers,
+        **layer_budget(args),
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from ..errors import SparseDecodeError
 from .display import console
 from .outputs import check_writable_folder
+from .parser import layer_budget
 
 __all__ = [
     "check_model_cache",
@@ -29,7 +30,7 @@ def _configs(args, audit: bool = False) -> list:
             reuse=args.reuse,
             selector=args.selector,
             audit=audit,
-            dense_layers=getattr(args, "dense_layers", ()),
+            **layer_budget(args),
         )
         for s in args.support
     ]

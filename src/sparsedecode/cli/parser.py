@@ -12,6 +12,7 @@ from .arguments import (
     float_list,
     int_list,
     layer_list,
+    layer_supports_arg,
     path_arg,
     positive_seconds,
     selector_arg,
@@ -27,6 +28,7 @@ __all__ = [
     "HelpFormatter",
     "Parser",
     "add_dense_layers_arg",
+    "layer_budget",
     "add_model_args",
     "add_prompt_args",
 ]
@@ -81,6 +83,9 @@ SHARED_HELP = {
     "to set its parameters, or path/to/file.py:ClassName[:key=value,...] for a class of your own",
     "--dense-layers": "layers (indices from 0, comma-separated) that decode dense at every step, as Quest's and "
     "Twilight's evaluations keep 0,1 (default: none)",
+    "--layer-supports": "layers that read a support of their own, LAYER:S comma-separated (e.g. 5:385,6:385); the "
+    "others read --support",
+    "--budget": "a JSON file of dense_layers and layer_supports (what --dense-layers and --layer-supports give)",
     "--tokens": "greedy tokens T per run",
     "--prompt-index": "which prompt: the i-th non-overlapping prefix of the tokenised corpus",
     "--prompts": "prompts per context (corpus prefixes 0..n-1)",
@@ -150,8 +155,23 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_dense_layers_arg(parser: argparse.ArgumentParser) -> None:
-    """``--dense-layers``: layers that decode dense at every step (``SparseConfig.dense_layers``)."""
+    """``--dense-layers``, ``--layer-supports`` and ``--budget FILE`` (which holds the two): the per-layer part of a
+    configuration (``SparseConfig.dense_layers``, ``SparseConfig.layer_supports``), merged by :func:`layer_budget`."""
     parser.add_argument("--dense-layers", type=layer_list, default=(), metavar="0,1")
+    parser.add_argument("--layer-supports", type=layer_supports_arg, default=(), metavar="LAYER:S[,...]")
+    parser.add_argument("--budget", type=file_arg, default=None)
+
+
+def layer_budget(args) -> dict:
+    """``dense_layers`` and ``layer_supports`` of the command: from ``--budget FILE``, or from the two options."""
+    from ..config import read_budget
+
+    dense, supports = getattr(args, "dense_layers", ()), getattr(args, "layer_supports", ())
+    if getattr(args, "budget", None) is None:
+        return {"dense_layers": tuple(dense), "layer_supports": tuple(supports)}
+    if dense or supports:
+        raise SparseDecodeError("give --budget FILE or --dense-layers / --layer-supports, not both")
+    return read_budget(args.budget)
 
 
 def add_prompt_args(parser: argparse.ArgumentParser, *, tokens: int) -> None:

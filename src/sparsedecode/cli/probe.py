@@ -11,7 +11,7 @@ from .conditions import conditions, run_settings
 from .display import console, layer_table, progress_bars
 from .loading import check_whole_blocks, load, prepare
 from .outputs import atomic_path, check_output_folder, inputs_of, write_json
-from .parser import Parser, add_dense_layers_arg, add_model_args, add_prompt_args
+from .parser import Parser, add_dense_layers_arg, add_model_args, add_prompt_args, layer_budget
 
 
 def add_parsers(sub) -> None:
@@ -154,7 +154,7 @@ def _check_retrieval_args(args):
         digits=args.digits,
         answer_tokens=args.answer_tokens,
         seed=args.seed,
-        dense_layers=args.dense_layers,
+        **layer_budget(args),
     )
     check_whole_blocks(spec.configs())
     return spec

@@ -10,7 +10,7 @@ from .backend import add_backend_args, check_backend_args, executor
 from .display import console, progress_bars, run_hooks
 from .loading import check_whole_blocks, load
 from .outputs import check_output_folder, check_writable_folder, inputs_of
-from .parser import add_dense_layers_arg, add_model_args
+from .parser import add_dense_layers_arg, add_model_args, layer_budget
 
 
 def add_parsers(sub) -> None:
@@ -139,7 +139,7 @@ def _sweep_spec(args):
         window=args.window,
         block_size=args.block_size,
         audit=args.audit,
-        dense_layers=args.dense_layers,
+        **layer_budget(args),
     )
 
 

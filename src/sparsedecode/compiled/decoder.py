@@ -175,7 +175,15 @@ class CompiledDecoder:
                 if module.layer_idx in cfg.dense_layers:
                     continue  # a module without step buffers decodes dense
                 self.states[module] = allocate(
-                    cfg, module.layer_idx, batch, kv_heads, head_dim, max_len, self.device, form, heads
+                    cfg.for_layer(module.layer_idx),
+                    module.layer_idx,
+                    batch,
+                    kv_heads,
+                    head_dim,
+                    max_len,
+                    self.device,
+                    form,
+                    heads,
                 )
         self._row_linears = {}
         if compile_cpu.uses_row_products(model, self.device):

@@ -64,6 +64,7 @@ def bench_e2e(
     compile: bool = False,
     baseline: dict | None = None,
     dense_layers: tuple[int, ...] = (),
+    layer_supports: tuple[tuple[int, int], ...] = (),
 ) -> list[E2ERow]:
     """Dense prefill once, then ``tokens`` greedy tokens per mode from the same prefilled KV cache.
 
@@ -77,11 +78,13 @@ def bench_e2e(
     dense and each sparse mode over a static cache with the decode step compiled (:mod:`sparsedecode.compiled.decoder`),
     their compile time in ``compile_s``. ``baseline`` (``{label: LlamaCpp}``, :mod:`.baseline`) adds llama.cpp's dense
     decoding of the same token ids, timed in the same rotation, and every row's ratio to it and bytes per token.
-    ``dense_layers``: layers every sparse mode leaves dense (``SparseConfig.dense_layers``).
+    ``dense_layers``, ``layer_supports``: the per-layer part of every sparse mode's configuration.
     """
     if isinstance(repeats, bool) or not isinstance(repeats, numbers.Integral) or repeats < 1:
         raise SparseDecodeError(f"bench e2e: repeats must be an integer >= 1 (got {repeats!r})")
-    config = partial(SparseConfig, kernel=kernel, selector=selector, dense_layers=dense_layers)
+    config = partial(
+        SparseConfig, kernel=kernel, selector=selector, dense_layers=dense_layers, layer_supports=layer_supports
+    )
     if compile:  # before the prefill
         from ..compiled.decoder import check_compilable
 

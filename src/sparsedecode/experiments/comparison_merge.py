@@ -28,6 +28,7 @@ SAME_SETTINGS = (
     "audit",
     "retrieval",
     "dense_layers",
+    "layer_supports",
 )
 """The settings two comparisons must share to merge."""
 

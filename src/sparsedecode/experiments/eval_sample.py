@@ -98,6 +98,7 @@ def make_row(key: RunKey, sample: Sample, cfg: SparseConfig | None, result: dict
         "reuse": None if cfg is None else cfg.reuse,
         **({} if cfg is None else {k: v for k, v in cfg.selector.record().items() if k != "selector"}),
         **({"dense_layers": list(cfg.dense_layers)} if cfg is not None and cfg.dense_layers else {}),
+        **({"layer_supports": [list(p) for p in cfg.layer_supports]} if cfg is not None and cfg.layer_supports else {}),
         "prompt_tokens": sample.tokens,
         "prefill_tokens": sample.question_start,
         "question_tokens": sample.question_tokens,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import SparseConfig, parse_layers
+from ..config import SparseConfig, parse_layer_supports, parse_layers
 from ..errors import SparseDecodeError
 from ..selectors.registry import provided
 from .corpus import DEFAULT_CORPUS
@@ -55,9 +55,11 @@ class EvalSpec(Spec):
     seed: int = 0
     answer_tokens: int | None = None
     dense_layers: tuple[int, ...] = ()
+    layer_supports: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dense_layers", parse_layers(self.dense_layers))
+        object.__setattr__(self, "layer_supports", parse_layer_supports(self.layer_supports))
         # a spec read back from eval.json may hold any JSON value: every field's kind is checked before its use
         for name in ("model", "dtype", "corpus", "template"):
             if not isinstance(getattr(self, name), str):
@@ -106,6 +108,7 @@ class EvalSpec(Spec):
                     reuse=self.reuse,
                     selector=sel,
                     dense_layers=self.dense_layers,
+                    layer_supports=self.layer_supports,
                 )
                 for sel in self.selectors
                 for s in self.supports

@@ -93,6 +93,7 @@ class PromptUnit:
     audit: bool = False
     batched: bool = False
     dense_layers: tuple[int, ...] = ()
+    layer_supports: tuple[tuple[int, int], ...] = ()
 
     def __str__(self) -> str:
         return (
@@ -107,7 +108,13 @@ class PromptUnit:
         runs = []
         for selector in self.selectors:
             for support in self.supports:
-                cfg = SparseConfig(support=support, selector=selector, audit=self.audit, dense_layers=self.dense_layers)
+                cfg = SparseConfig(
+                    support=support,
+                    selector=selector,
+                    audit=self.audit,
+                    dense_layers=self.dense_layers,
+                    layer_supports=self.layer_supports,
+                )
                 if self.batched:
                     results = compare(model, None, self.ids, cfg, self.tokens, reference=reference, progress=progress)
                 else:
@@ -160,6 +167,7 @@ def compare_selectors(
     batch: int = 1,
     execute: Executor | None = None,
     dense_layers: tuple[int, ...] = (),
+    layer_supports: tuple[tuple[int, int], ...] = (),
 ) -> tuple[list[SelectorRow], list[dict], list[dict]]:
     """Run every selector on the same prompts; returns summary rows, the per-run results and the retrieval trials.
 
@@ -168,7 +176,7 @@ def compare_selectors(
     that many prompts of one context together: the same runs apart from timings (each its share of the batch's)
     and float32 round-off. With ``execute`` the prompts (or batches of them) and trials run as units elsewhere
     (:class:`PromptUnit`, :class:`TrialUnit`, see :mod:`.work`); the operator times are measured here either way.
-    ``dense_layers``: layers every selector leaves dense (``SparseConfig.dense_layers``).
+    ``dense_layers``, ``layer_supports``: the per-layer part of every selector's configuration.
     """
     if not isinstance(retrieval, int) or retrieval < 0:
         raise SparseDecodeError(f"retrieval must be an integer >= 0 (trials per context), got {retrieval!r}")
@@ -195,12 +203,13 @@ def compare_selectors(
             audit,
             batched=batch > 1,
             dense_layers=dense_layers,
+            layer_supports=layer_supports,
         )
         for context in contexts
         for indices in chunks
     ]
     configs = [
-        SparseConfig(support=support, selector=selector, dense_layers=dense_layers)
+        SparseConfig(support=support, selector=selector, dense_layers=dense_layers, layer_supports=layer_supports)
         for selector in selectors
         for support in supports
     ]

@@ -12,7 +12,7 @@ import contextvars
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from ..config import SparseConfig, parse_layers
+from ..config import SparseConfig, parse_layer_supports, parse_layers
 from ..errors import SparseDecodeError
 from ..selectors.registry import provided
 from .corpus import DEFAULT_CORPUS, GAP
@@ -252,9 +252,11 @@ class SweepSpec(Spec):
     audit: bool = False
     gap: int = GAP
     dense_layers: tuple[int, ...] = ()
+    layer_supports: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dense_layers", parse_layers(self.dense_layers))
+        object.__setattr__(self, "layer_supports", parse_layer_supports(self.layer_supports))
         for name in ("contexts", "supports", "reuse"):
             values = tuple(getattr(self, name))
             object.__setattr__(self, name, values)
@@ -294,6 +296,7 @@ class SweepSpec(Spec):
                 selector=selector,
                 audit=self.audit,
                 dense_layers=self.dense_layers,
+                layer_supports=self.layer_supports,
             )
             for selector in self.selectors
             for s in self.supports
@@ -347,9 +350,11 @@ class RetrievalSpec(Spec):
     answer_tokens: int = 8
     seed: int = 0
     dense_layers: tuple[int, ...] = ()
+    layer_supports: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dense_layers", parse_layers(self.dense_layers))
+        object.__setattr__(self, "layer_supports", parse_layer_supports(self.layer_supports))
         if not isinstance(self.selector, str):
             raise SparseDecodeError(f"selector must be a selector name, got {self.selector!r}")
         object.__setattr__(self, "selector", canonical_selectors((self.selector,))[0])
@@ -373,6 +378,7 @@ class RetrievalSpec(Spec):
                 reuse=self.reuse,
                 selector=self.selector,
                 dense_layers=self.dense_layers,
+                layer_supports=self.layer_supports,
             )
             for s in self.supports
         ]

@@ -74,8 +74,9 @@ def make_row(key: RunKey, result: CompareResult, *, run_s: float, audit: bool = 
     }
     if "selector_sha256" in settings:
         row["selector_sha256"] = settings["selector_sha256"]
-    if settings.get("dense_layers"):  # rows of runs with every layer sparse hold no such field, as before #39
-        row["dense_layers"] = list(settings["dense_layers"])
+    for name in ("dense_layers", "layer_supports"):  # rows of runs of one support everywhere hold neither
+        if settings.get(name):
+            row[name] = [list(item) if isinstance(item, tuple) else item for item in settings[name]]
     row.update({name: getattr(result, name) for name in RESULT_FIELDS})
     row.update({name: result.certificate.get(name) for name in CERTIFICATE_FIELDS})
     if audit:

@@ -77,6 +77,11 @@ def _selectors_command(settings: dict) -> str:
         f"{settings['prompts']} --tokens {settings['tokens']}"
         + ("" if list(selectors) == list(selector_names()) else f" --selectors {','.join(selectors)}")
         + (f" --dense-layers {','.join(map(str, settings['dense_layers']))}" if settings.get("dense_layers") else "")
+        + (
+            f" --layer-supports {','.join(f'{k}:{v}' for k, v in settings['layer_supports'].items())}"
+            if settings.get("layer_supports")
+            else ""
+        )
         + (" --audit" if settings.get("audit") else "")
         + (f" --retrieval {settings['retrieval']}" if settings.get("retrieval") else "")
         + (f" --batch {settings['batch']}" if settings.get("batch", 1) > 1 else "")

@@ -107,7 +107,7 @@ def _decode(
 ):
     """A decode step of every row: one batched SDPA call where every row is dense (dense batched decoding,
     exactly), otherwise each dense row its own SDPA over its own slice and the sparse rows one sparse step."""
-    cfg = session.config
+    cfg = session.config.for_layer(state.layer)
     sliding = kwargs.get("sliding_window")
     h2o = cfg.selector.uses_history
     lengths = [n - pad for pad in pads]

@@ -81,7 +81,8 @@ def sparse_rows(
     query dtype. Every state must describe its row's keys (the attention function sees to that, see
     :class:`LayerState`).
     """
-    cfg, selector = session.config, session.config.selector
+    cfg = session.config.for_layer(rows[0][1].layer)  # a layer's rows: one layer's configuration
+    selector = cfg.selector
     q = query[:, :, 0, :]  # (batch, H, d)
     layouts = {
         i: BlockLayout(
