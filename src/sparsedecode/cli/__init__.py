@@ -19,7 +19,7 @@ import argparse
 import sys
 
 from ..errors import SparseDecodeError
-from . import bench, compare_selectors, models, probe, run, sweep
+from . import bench, calibrate, compare_selectors, models, probe, run, sweep
 from . import eval as evaluation
 from .arguments import int_list
 from .display import console, progress_bars
@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_parsers(sub)
     models.add_parsers(sub)
     compare_selectors.add_parsers(sub)
+    calibrate.add_parsers(sub)
     sweep.add_parsers(sub)
     bench.add_parsers(sub)
     evaluation.add_eval_parser(sub, int_list=int_list, add_model_args=add_model_args).set_defaults(
