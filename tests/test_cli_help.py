@@ -43,6 +43,7 @@ def test_every_command_is_covered():
         "bench op",
         "bench e2e",
         "eval",
+        "calibrate",
     }
 
 

@@ -9,6 +9,7 @@ The ``realmodel`` tests load SmolLM2-135M through the real cache.
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import subprocess
 import sys
@@ -279,6 +280,14 @@ def test_verify_converted_detects_corruption(tmp_path: Path, corrupt) -> None:
     assert not verify_converted(entry)
 
 
+def test_an_entry_of_an_older_format_is_converted_again(tmp_path: Path) -> None:
+    """Format 1 stored a tied embedding as ``lm_head.weight`` only (vLLM then loads no input embedding)."""
+    entry = fake_entry(tmp_path / "entry")
+    manifest = json.loads((entry / "manifest.json").read_text())
+    (entry / "manifest.json").write_text(json.dumps({**manifest, "format": 1}))
+    assert not verify_converted(entry)
+
+
 def test_verify_converted_checks_source_and_hashes(tmp_path: Path) -> None:
     entry = fake_entry(tmp_path / "entry")
     assert not verify_converted(entry, "cd" * 32)  # converted from another GGUF
@@ -303,6 +312,11 @@ def test_local_gguf_pipeline(cache: Path, tmp_path: Path, fake_gguf_loader: dict
     assert not model.training and not any(p.requires_grad for p in model.parameters())
     assert model.config._attn_implementation == "sdpa"
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    from safetensors import safe_open
+
+    with safe_open(str(entry / "model.safetensors"), "pt") as stored:  # a tied head under the embedding's name
+        names = set(stored.keys())
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
     with torch.no_grad():
         expected = fake_gguf_loader["model"](IDS).logits
         torch.testing.assert_close(model(IDS).logits, expected, rtol=0, atol=0)

@@ -37,8 +37,8 @@ def add_parsers(sub) -> None:
         "beside each uniform support, with 95%% bootstrap intervals. Writes OUT/budget.json (for --budget), "
         "calibration.json and calibration.md. Needs Optuna (pip install optuna).",
         epilog="examples:\n"
-        "  sparsedecode calibrate --context 2048 --target tf-match>=95 --trials 30 --out runs/calibrate\n"
-        "  sparsedecode calibrate --selector quest --target tf-match>=90 --target dppl<=5 --out runs/quest",
+        "  sparsedecode calibrate --context 2048 --target 'tf-match>=95' --trials 30 --out runs/calibrate\n"
+        "  sparsedecode calibrate --selector quest --target 'tf-match>=90' --target 'dppl<=5' --out runs/quest",
     )
     add_model_args(parser)
     parser.add_argument("--corpus", default="python-docs")

@@ -161,6 +161,12 @@ def ensure_gguf(source: ModelSource, progress: Progress | None = None) -> Path:
 # ---- converting a GGUF into a checked safetensors directory ----
 
 
+FORMAT = 2
+"""The converted entries' layout: 2 stores a tied embedding under its input name (``model.embed_tokens.weight``), as
+hub checkpoints do; format 1 stored it as ``lm_head.weight`` only, which vLLM reads as an untied head and an
+embedding never loaded. An entry of another format is converted again."""
+
+
 def _write_manifest(directory: Path, source_sha256: str, source: str) -> None:
     """Write ``manifest.json`` listing size and sha256 of every other file in ``directory``."""
     files = {
@@ -168,7 +174,7 @@ def _write_manifest(directory: Path, source_sha256: str, source: str) -> None:
         for p in sorted(directory.iterdir())
         if p.is_file() and p.name != MANIFEST
     }
-    manifest = {"format": 1, "source": source, "source_sha256": source_sha256, "files": files}
+    manifest = {"format": FORMAT, "source": source, "source_sha256": source_sha256, "files": files}
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
@@ -196,6 +202,8 @@ def verify_converted(directory: Path, source_sha256: str | None = None, *, check
     if not {"config.json", "model.safetensors"} <= files.keys():
         return False
     if source_sha256 is not None and manifest.get("source_sha256") != source_sha256:
+        return False
+    if manifest.get("format") != FORMAT:
         return False
     for name, meta in files.items():
         path = directory / name
@@ -251,8 +259,6 @@ def convert_gguf(gguf_path: Path, target: Path, source_sha256: str, progress: Pr
     The entry is built in a temporary sibling directory, the manifest written last, and the directory renamed
     into place, so an interrupted conversion never leaves a half-written entry under ``target``.
     """
-    from safetensors.torch import save_model
-
     if progress:
         progress("convert", 0, 1)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -270,7 +276,7 @@ def convert_gguf(gguf_path: Path, target: Path, source_sha256: str, progress: Pr
             del model.config.quantization_config
         model.config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
-        save_model(model, str(tmp / "model.safetensors"))  # stores tied weights once
+        save_weights(model, tmp / "model.safetensors")
         tokenizer.save_pretrained(tmp)
         _write_manifest(tmp, source_sha256, source=str(gguf_path))
         remove_path(target)
@@ -283,6 +289,24 @@ def convert_gguf(gguf_path: Path, target: Path, source_sha256: str, progress: Pr
         remove_path(tmp)
     if progress:
         progress("convert", 1, 1)
+
+
+def save_weights(model, path: Path) -> None:
+    """The model's weights as safetensors under their own names, a tied output head stored once as the input
+    embedding (``lm_head.weight`` left out: transformers ties it again on load, as it does for hub checkpoints)."""
+    from safetensors.torch import save_file
+
+    state = model.state_dict()
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is not None and embedding is not None and head.weight is embedding.weight:
+        tied = head.weight.data_ptr()
+        state = {name: tensor for name, tensor in state.items() if tensor.data_ptr() != tied or "embed" in name}
+    seen: dict[int, str] = {}
+    for name, tensor in list(state.items()):  # any other tensor shared by two names is stored under both
+        if tensor.data_ptr() in seen:
+            state[name] = tensor.clone()
+        seen[tensor.data_ptr()] = name
+    save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(path), metadata={"format": "pt"})
 
 
 def first_line(e: BaseException, *, whole: bool = False) -> str:
