@@ -148,11 +148,12 @@ def selector_markdown(data: dict) -> str:
             *_table_lines(dense),
             "",
         ]
-    fewer = [r for r in sparse if r.get("support_read_mean") is not None and r["support_read_mean"] < r["support"]]
+    fewer = [r for r in sparse if r.get("support_read_mean") is not None and r["support_read_mean"] != r["support"]]
     if fewer:
         out += [
-            "Positions read per KV head and sparse step, where fewer than S on average (an adaptive budget, or a "
-            "chosen short last block): "
+            "Positions read per KV head and sparse step, where not S on average (fewer: an adaptive budget, or a "
+            "chosen short last block; more: a support per query head, a KV head reading the union of its query "
+            "heads' positions): "
             + "; ".join(
                 f"`{r['selector']}` at S = {r['support']}: mean {r['support_read_mean']:.1f}, min "
                 f"{r['support_read_min']}, max {r['support_read_max']}"
