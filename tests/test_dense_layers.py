@@ -144,6 +144,11 @@ def test_sweep_eval_and_bench_e2e_take_dense_layers(tiny_model_dir, tmp_path, ca
     assert main([*evaluation, "--out", str(tmp_path / "e")]) == 0, capsys.readouterr().err
     rows = [json.loads(line) for line in (tmp_path / "e" / "runs.jsonl").read_text().splitlines()]
     assert [row.get("dense_layers") for row in rows] == [None, [1]]  # the dense row, then twilight's
+    assert all(row["output_tokens"] == len(row["output_ids"]) >= 1 for row in rows)  # answer lengths, #41
+    assert main(["report", str(tmp_path / "e")]) == 0
+    ratio = f"{len(rows[1]['output_ids']):.1f} / {len(rows[0]['output_ids']):.1f}"
+    assert "answer tokens sparse / dense" in (tmp_path / "e" / "report.md").read_text()
+    assert ratio in (tmp_path / "e" / "report.md").read_text()
     e2e = ["bench", "e2e", *model, "--context", "300", "--support", "97", "--tokens", "4", "--repeats", "1"]
     assert main([*e2e, "--dense-layers", "0", "--json", str(tmp_path / "b.json")]) == 0, capsys.readouterr().err
     assert json.loads((tmp_path / "b.json").read_text())["dense_layers"] == [0]

@@ -106,6 +106,7 @@ def make_row(key: RunKey, sample: Sample, cfg: SparseConfig | None, result: dict
         "prompt_sha256": prompt_sha256(sample),
         "answers": list(sample.answers),
         **{name: result[name] for name in ("output", "output_ids", "stop", "score")},
+        "output_tokens": len(result["output_ids"]),  # the answer's generated length (sparse may answer longer)
         "correct": result["score"] == 1.0,
         **extra,
         "sparse_steps": result["sparse_steps"],

@@ -87,7 +87,8 @@ def _dense_by_sample(rows: list[dict]) -> dict[tuple, dict]:
 
 def paired(rows: list[dict]) -> list[dict]:
     """Per sparse (selector, support), over the samples that have a dense row: mean scores, the paired difference,
-    how many samples scored lower / higher than dense and how many answered exactly as dense. ``*_dense_ok`` counts
+    how many samples scored lower / higher than dense and how many answered exactly as dense, the mean generated
+    answer lengths (tokens; sparse decoding can answer longer where an end token applies). ``*_dense_ok`` counts
     only the cells where dense does not fail (see :func:`dense_fails`)."""
     dense = _dense_by_sample(rows)
     failing = {(a["task"], a["context"]) for a in dense_fails(rows)}
@@ -115,6 +116,8 @@ def paired(rows: list[dict]) -> list[dict]:
                 "lower": sum(s["score"] < d["score"] for s, d in group),
                 "higher": sum(s["score"] > d["score"] for s, d in group),
                 "same_output": sum(s["output_ids"] == d["output_ids"] for s, d in group),
+                "dense_tokens": sum(len(d["output_ids"]) for _, d in group) / len(group),
+                "sparse_tokens": sum(len(s["output_ids"]) for s, _ in group) / len(group),
                 "samples_dense_ok": len(ok),
                 "difference_dense_ok": sum(s["score"] - d["score"] for s, d in ok) / len(ok) if ok else None,
             }

@@ -154,6 +154,13 @@ PAIRED_HEADER = ["setting", "samples", "dense %", "sparse %", "Δ points", "lowe
 """The columns of the paired table but its last (the difference where dense does not fail)."""
 
 
+def _length_ratio(p: dict) -> str:
+    if p.get("dense_tokens") is None:
+        return "-"
+    ratio = p["sparse_tokens"] / p["dense_tokens"] if p["dense_tokens"] else float("nan")
+    return f"{p['sparse_tokens']:.1f} / {p['dense_tokens']:.1f} ({ratio:.2f}x)"
+
+
 def _paired_lines(paired: list[dict]) -> list[str]:
     """Each sparse setting against dense on the same samples: mean scores, the paired difference and its sign."""
     lines = ["## Paired against dense", ""]
@@ -170,15 +177,17 @@ def _paired_lines(paired: list[dict]) -> list[str]:
             str(p["higher"]),
             str(p["same_output"]),
             "-" if p["difference_dense_ok"] is None else f"{100 * p['difference_dense_ok']:+.1f}",
+            _length_ratio(p),
         ]
         for p in paired
     ]
     return lines + [
         "Per sparse setting over every sample: mean scores, the mean paired difference (sparse - dense, points), "
-        "samples scoring lower / higher than dense, samples answered token for token as dense, and the mean "
-        "difference over the cells where dense does not fail.",
+        "samples scoring lower / higher than dense, samples answered token for token as dense, the mean "
+        "difference over the cells where dense does not fail, and the mean generated answer length against "
+        "dense's (tokens; a ratio above 1 is a longer answer, which costs decode steps).",
         "",
-        markdown_table([*PAIRED_HEADER, "Δ (dense ok)"], table),
+        markdown_table([*PAIRED_HEADER, "Δ (dense ok)", "answer tokens sparse / dense"], table),
         "",
     ]
 
