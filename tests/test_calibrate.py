@@ -55,7 +55,10 @@ def test_calibrate_finds_the_cheapest_feasible_supports_and_resumes(tiny_model_d
         assert compare(model, None, ids, cfg, 6).teacher_forced_match == 100.0
     held = {row["configuration"]: row for row in data["held_out"]}
     assert set(held) == {"calibrated", "uniform S=97", "uniform S=1009"} and held["calibrated"]["prompts"] == 2
-    assert "Held out: 2 prompts the search never saw" in (out / "calibration.md").read_text()
+    markdown = (out / "calibration.md").read_text()
+    assert "Held out: 2 prompts the search never saw" in markdown and "![trials](front.png)" in markdown
+    assert all((out / name).stat().st_size > 0 for name in ("front.png", "supports.png", "trials.csv"))
+    assert len((out / "trials.csv").read_text().splitlines()) == 1 + 6
     assert main([*args, "--trials", "8"]) == 0  # resumed: six trials kept, two more run
     again = json.loads((out / "calibration.json").read_text())["trials"]
     assert len(again) == 8 and again[:6] == trials

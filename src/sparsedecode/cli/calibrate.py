@@ -15,7 +15,7 @@ from .loading import check_whole_blocks, load
 from .outputs import check_output_folder
 from .parser import add_model_args
 
-WRITTEN = ("study.db", "budget.json", "calibration.json", "calibration.md")
+WRITTEN = ("study.db", "budget.json", "calibration.json", "calibration.md", "trials.csv", "front.png", "supports.png")
 
 
 def target_arg(text: str):
@@ -136,7 +136,7 @@ def _base(args):
 def _write(args, search, study, best, held, layers) -> None:
     from ..experiments import calibrate as search_module
     from ..files import write_json_atomic, write_text_atomic
-    from ..reports.calibration import calibration_markdown
+    from ..reports.calibration import write_calibration_report
 
     trials = [
         {"number": t.number, "state": t.state.name.lower(), "supports": [t.params.get(f"layer_{i}") for i in
@@ -150,7 +150,7 @@ def _write(args, search, study, best, held, layers) -> None:
     if chosen is not None:
         write_json_atomic(args.out / "budget.json", {"layer_supports": {str(i): s for i, s in enumerate(chosen)}})
     write_json_atomic(args.out / "calibration.json", data)
-    write_text_atomic(args.out / "calibration.md", calibration_markdown(data))
+    write_text_atomic(args.out / "calibration.md", write_calibration_report(args.out, data))
 
 
 def _print(args, best, held) -> None:

@@ -3,11 +3,29 @@ prompts beside each uniform support."""
 
 from __future__ import annotations
 
-from .tables import markdown_table
+from pathlib import Path
+
+from .tables import markdown_table, write_csv
 
 
 def _interval(value: dict) -> str:
     return f"{value['mean']:.1f} [{value['low']:.1f}, {value['high']:.1f}]"
+
+
+def write_calibration_report(directory: Path, data: dict) -> str:
+    """``trials.csv``, ``front.png`` (trials against the first target's measure), ``supports.png`` (the chosen
+    support per layer) in ``directory``; returns the Markdown of :func:`calibration_markdown` that shows them."""
+    from .plots import calibration_front, layer_supports_bars
+
+    settings = data["settings"]
+    write_csv(directory / "trials.csv", [{k: v for k, v in t.items() if k != "means"} | (t["means"] or {})
+                                         for t in data["trials"]])  # fmt: skip
+    measure = settings["targets"][0].split(">=")[0].split("<=")[0]
+    title = f"{settings['model']}, {settings['selector']}, context {settings['context']}"
+    calibration_front(data["trials"], data["held_out"], directory / "front.png", measure=measure, title=title)
+    if data["chosen"] is not None:
+        layer_supports_bars(data["chosen"], directory / "supports.png", title=f"chosen supports: {title}")
+    return calibration_markdown(data)
 
 
 def calibration_markdown(data: dict) -> str:
@@ -33,7 +51,16 @@ def calibration_markdown(data: dict) -> str:
             f"Chosen (the cheapest that met them, {cheapest['cost']:.1f} positions read per layer and step): "
             f"supports by layer `{','.join(map(str, chosen))}`, in `budget.json` (`--budget budget.json`).",
             "",
+            "![chosen supports per layer](supports.png)",
+            "",
         ]
+    lines += [
+        "Every trial (`trials.csv`), the cost against the first target's measure on the calibration prompts; the "
+        "held-out means of the chosen and uniform configurations marked:",
+        "",
+        "![trials](front.png)",
+        "",
+    ]
     held = data["held_out"]
     lines += [
         f"## Held out: {held[0]['prompts']} prompts the search never saw",

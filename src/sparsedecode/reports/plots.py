@@ -202,3 +202,44 @@ def captured_mass_vs_success(trials: list[dict], path: Path, *, title: str) -> P
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7)
     return _save(fig, path)
+
+
+def calibration_front(trials: list[dict], held: list[dict], path: Path, *, measure: str, title: str) -> Path:
+    """A calibration's trials, positions read per layer and step against the calibration mean of ``measure``
+    (feasible ones filled, the cheapest feasible at each cost joined: the front), beside the held-out means of the
+    uniform supports and the chosen configuration."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    done = [t for t in trials if t.get("means") and t.get("cost") is not None]
+    for feasible, style in ((False, dict(facecolors="none", edgecolors="0.55")), (True, dict(color="C0"))):
+        group = [t for t in done if t["feasible"] == feasible]
+        label = "trial, targets met" if feasible else "trial, targets missed"
+        ax.scatter([t["cost"] for t in group], [t["means"][measure] for t in group], s=18, label=label, **style)
+    front, best = [], None
+    for t in sorted((t for t in done if t["feasible"]), key=lambda t: t["cost"]):
+        value = t["means"][measure]
+        if best is None or (value > best if measure == "tf-match" else value < best):
+            best = value
+            front.append((t["cost"], value))
+    if front:
+        ax.plot(*zip(*front), color="C0", linewidth=1)
+    for row in held:
+        marker, color = ("*", "C3") if row["configuration"] == "calibrated" else ("s", "C2")
+        ax.scatter([row["cost"]], [row[measure]["mean"]], marker=marker, s=60, color=color, zorder=3)
+        ax.annotate(f"{row['configuration']} (held out)", (row["cost"], row[measure]["mean"]), fontsize=6,
+                    xytext=(3, 3), textcoords="offset points")  # fmt: skip
+    ax.set_xlabel("positions read per layer and decode step (mean over layers)")
+    ax.set_ylabel("teacher-forced match %" if measure == "tf-match" else "ΔPPL %")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def layer_supports_bars(supports: list[int], path: Path, *, title: str) -> Path:
+    """The chosen support of every layer, one bar per layer."""
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.22 * len(supports) + 2.0), 3.2))
+    ax.bar(range(len(supports)), supports, color="C0")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("support S (positions)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_title(title, fontsize=10)
+    return _save(fig, path)
