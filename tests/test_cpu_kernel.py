@@ -400,3 +400,23 @@ def test_c_kernel_after_fork_starts_its_own_workers():
     if child.is_alive():
         child.kill()
     assert child.exitcode == 0 and done.get(timeout=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_kernel_attends_supports_per_query_head_as_torch_does(dtype):
+    """Blocks per query head (quest's): the C kernel attends once per member of a KV group; the outputs equal the
+    torch path's over the same blocks, to the dtype's round-off."""
+    from sparsedecode.kernels.reference import attend_blocks_on
+    from sparsedecode.layout import BlockLayout
+
+    g = torch.Generator().manual_seed(5)
+    kv, group, d, n = 2, 3, 16, 400
+    shapes = ((kv * group, d), (kv, n, d), (kv, n, d))
+    q, keys, values = (torch.randn(*shape, generator=g).to(dtype) for shape in shapes)
+    layout = BlockLayout(n=n, window=32, block_size=8)
+    blocks = torch.stack([torch.randperm(layout.n_blocks, generator=g)[:5].sort().values for _ in range(kv * group)])
+    got = attend_blocks_on("c", q, keys, values, blocks, layout, d**-0.5)
+    expected = attend_blocks_on("torch", q, keys, values, blocks, layout, d**-0.5)
+    assert got.shape == (kv * group, d)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=0, atol=1e-5 if dtype == torch.float32 else 2e-2)
+    assert not torch.allclose(got.float()[0], got.float()[1])  # the heads of a group read other blocks

@@ -16,7 +16,7 @@ from conftest import assert_attention_close, prompt
 from sparsedecode import SparseConfig, SparseDecodeError, kernels, sparse_decoding
 from sparsedecode.kernels import cpu, dispatch
 from sparsedecode.kernels.common import largest_offset
-from sparsedecode.kernels.reference import _attend_blocks
+from sparsedecode.kernels.reference import attend_blocks
 from sparsedecode.kernels.triton import attention as triton_attention
 from sparsedecode.layout import BlockLayout
 from sparsedecode.selectors import select_blocks
@@ -59,7 +59,7 @@ def step(kernel, q, keys, values, layout, b=3):
     cfg = SparseConfig(support=1 + 64 + layout.block_size * b, block_size=layout.block_size, kernel=kernel)
     scale = q.shape[-1] ** -0.5
     blocks = select_blocks(cfg, BlockStatistics(layout.block_size), q, keys, layout, scale=scale)
-    return blocks, _attend_blocks(cfg, q, keys, values, blocks, layout, scale), scale
+    return blocks, attend_blocks(cfg, q, keys, values, blocks, layout, scale), scale
 
 
 def assert_close_to_reference(q, keys, values, layout, blocks, out, scale):
@@ -242,7 +242,7 @@ def test_torch_path_with_a_value_head_dim_other_than_the_key_head_dim(dv):
     q, keys, values, layout = case(dv=dv, n=400)
     layout_blocks = torch.tensor([[0, 5, layout.n_blocks - 1], [3, 4, 9]])  # a short last block among them
     for blocks in (layout_blocks, layout_blocks[:, :2]):
-        out = _attend_blocks(SparseConfig(kernel="torch"), q, keys, values, blocks, layout, 0.25)
+        out = attend_blocks(SparseConfig(kernel="torch"), q, keys, values, blocks, layout, 0.25)
         assert_close_to_reference(q, keys, values, layout, blocks, out, 0.25)
 
 

@@ -96,12 +96,13 @@ def test_kernel_in_half_precision():
     assert (out - reference).norm() / reference.norm() < 2e-3
 
 
-def test_decoding_with_the_triton_kernel_matches_torch(arch):
+@pytest.mark.parametrize("selector", ["mean-pooled", "quest"])  # quest: blocks per query head
+def test_decoding_with_the_triton_kernel_matches_torch(arch, selector):
     model = tiny_model(arch)
     ids = prompt(180)
     results = {}
     for kernel in ("torch", "triton"):
-        with sparse_decoding(model, SparseConfig(support=97, kernel=kernel)) as session:
+        with sparse_decoding(model, SparseConfig(support=97, kernel=kernel, selector=selector)) as session:
             results[kernel] = greedy_loop(model, ids, 12)
         assert session.sparse_steps == 12 * 2
     (torch_tokens, torch_logits), (triton_tokens, triton_logits) = results["torch"], results["triton"]

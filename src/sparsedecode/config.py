@@ -74,7 +74,7 @@ class SparseConfig:
         if self.kernel in ("c", "triton") and not self.kernels_serve:
             raise SparseDecodeError(
                 f"kernel {self.kernel!r} serves block selectors only; {self.selector_name} steps run as torch "
-                "operations (token-level, adaptive budget or a support per query head): use kernel='auto' or 'torch'"
+                "operations (token-level or adaptive budget): use kernel='auto' or 'torch'"
             )
 
     @property
@@ -100,10 +100,10 @@ class SparseConfig:
 
     @property
     def kernels_serve(self) -> bool:
-        """Whether the C and Triton kernels can run this selector's step: a block selector with a fixed budget and
-        one support per KV head (token-level selectors, adaptive budgets and supports per query head gather by
-        position in torch)."""
-        return not (self.token_level or self.selector.adaptive or self.selector.per_query_head)
+        """Whether the C and Triton kernels can run this selector's step: a block selector with a fixed budget
+        (token-level selectors and adaptive budgets gather by position in torch). A block selector with a support
+        per query head is scored in torch and attended by the kernel once per member of a KV group."""
+        return not (self.token_level or self.selector.adaptive)
 
     @property
     def selector_name(self) -> str:

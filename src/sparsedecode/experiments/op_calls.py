@@ -13,6 +13,7 @@ from __future__ import annotations
 from functools import partial
 
 from ..kernels import cpu as cpu_kernel
+from ..kernels.reference import attend_blocks_on
 from ..kernels.triton import attention as triton_attention
 from ..selectors import choose_blocks, select_blocks, select_positions
 from ..selectors.select import step_layout, support_of
@@ -32,7 +33,10 @@ def op_calls(cfg, layer, layout, scale: float, kernel: str, history=None) -> tup
         index, valid = support_of(select(), step)
         return select, partial(attend_positions, q, k, v, index, scale, valid=valid)
     select = partial(select_blocks, cfg, layer.centroids, q, k, layout, scale=scale)
+    blocks = select()
+    if blocks.shape[0] != k.shape[0]:  # a support per query head: the kernel once per member of a KV group
+        return select, partial(attend_blocks_on, kernel, q, k, v, blocks, layout, scale)
     attention = {"triton": triton_attention.support_attention, "c": cpu_kernel.attend_support}.get(
         kernel, attend_support
     )
-    return select, partial(attention, q, k, v, select(), layout, scale)
+    return select, partial(attention, q, k, v, blocks, layout, scale)

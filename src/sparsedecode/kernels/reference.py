@@ -141,4 +141,22 @@ def attend_blocks_on(kernel: str, q, keys, values, blocks, layout, scale) -> tor
     ``"triton"``): what a planned step calls."""
     if kernel == "torch":
         return attend_support(q, keys, values, blocks, layout, scale)
-    return kernels.attend(kernel, q, keys, values, blocks, layout, scale)
+    kv_heads, rows = keys.shape[0], blocks.shape[0]
+    if rows == kv_heads:
+        return kernels.attend(kernel, q, keys, values, blocks, layout, scale)
+    # blocks per query head: the kernels read one support per KV head, so member g of every KV group is one call
+    # of groups of one (the query heads kv * G + g, their blocks), G calls in all
+    group = rows // kv_heads
+    parts = [
+        kernels.attend(
+            kernel,
+            q.view(kv_heads, group, -1)[:, g].contiguous(),
+            keys,
+            values,
+            blocks.view(kv_heads, group, -1)[:, g].contiguous(),
+            layout,
+            scale,
+        )
+        for g in range(group)
+    ]
+    return torch.stack(parts, dim=1).reshape(rows, -1)

@@ -64,9 +64,11 @@ def plan_step(
 
 def _plan(cfg: SparseConfig, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout) -> StepPlan:
     selector = cfg.selector
-    if selector.token_level or selector.per_query_head:  # gathered by position (no kernel reads a support per head)
+    if selector.token_level:  # gathered by position
         return StepPlan("torch", "torch", False)
     attend = kernels.attention_kernel(cfg.kernel, q, keys, values, layout)
+    if selector.per_query_head:  # scored in torch; the kernel attends once per member of a KV group (reference.py)
+        return StepPlan("torch" if selector.adaptive else attend, "torch", False)
     select = "torch"
     if selector.kernel_scoring == "mean-dot" and not selector.adaptive:
         # the C kernel attending serves these tensors, so it serves their selection (which needs less of them)
