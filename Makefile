@@ -7,7 +7,7 @@ TORCH_PIN ?= torch==2.13.0
 DEMO_ARGS ?= --model smollm2-135m --context 2048 --support 97,193 --tokens 64 --prompt-index 2
 
 # The lowest transformers pyproject.toml allows (its floor); `make test-lowest` runs the suite with it in .venv-lowest.
-TRANSFORMERS_LOWEST ?= 5.20.0
+TRANSFORMERS_LOWEST ?= 5.24.0
 LOWEST := .venv-lowest
 
 # Parallel test workers (pytest-xdist): one per core by default; PYTEST_WORKERS=0 runs the suite in this process.

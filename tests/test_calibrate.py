@@ -44,6 +44,7 @@ def test_calibrate_finds_the_cheapest_feasible_supports_and_resumes(tiny_model_d
     data = json.loads((out / "calibration.json").read_text())
     trials = data["trials"]
     assert len(trials) == 6 and data["chosen"] is not None
+    assert [t["supports"] for t in trials[:2]] == [[97, 97], [1009, 1009]]  # the uniform supports first
     feasible = [t for t in trials if t["feasible"]]
     assert min(t["cost"] for t in feasible) == min(t["cost"] for t in trials if t["supports"] == data["chosen"])
     # the chosen supports meet the target when the paired protocol runs again here

@@ -2,8 +2,9 @@
 configuration re-measured on held-out prompts the search never saw, beside every uniform support.
 
 The search is Optuna's TPE sampler with constraints (Optuna is imported when a search runs; ``pip install optuna``):
-each trial picks one support per layer among ``choices``, decodes the calibration prompts against their dense
-references (the paired protocol, :func:`sparsedecode.protocol.paired.compare`) and is *feasible* when every target
+the first trials are the uniform supports, then each trial picks one support per layer among ``choices``, decodes
+the calibration prompts against their dense references (the paired protocol,
+:func:`sparsedecode.protocol.paired.compare`) and is *feasible* when every target
 holds on the mean over those prompts. Its cost is the positions a decode step reads per layer at the prompts'
 context, the mean over the layers (:func:`cost`; the anchor and the window included). A trial that can no longer
 reach a ``tf-match`` target whatever its remaining prompts give is pruned (stopped early, infeasible). The study
@@ -207,6 +208,9 @@ def run_search(model, prompts, references, base: SparseConfig, search: Search, s
             best = best_feasible(study)
             progress(len(finished(study)), trials, None if best is None else best.value)
 
+    if not study.trials:  # the uniform supports first: known points the sampler learns from (cheapest first)
+        for support in sorted(search.choices):
+            study.enqueue_trial({f"layer_{i}": support for i in range(search.layers)})
     remaining = trials - len(finished(study))
     if remaining > 0:
         study.optimize(objective, n_trials=remaining, callbacks=[report], catch=())
