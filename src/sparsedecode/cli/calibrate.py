@@ -46,7 +46,7 @@ def add_parsers(sub) -> None:
     parser.add_argument("--selector", type=selector_arg, default="mean-pooled")
     parser.add_argument("--choices", type=int_list, default=[97, 193, 385, 769], help="the supports a layer may take")
     parser.add_argument(
-        "--target", type=target_arg, action="append", required=True, metavar="MEASURE{>=,<=}X",
+        "--target", type=target_arg, action="append", default=[], metavar="MEASURE{>=,<=}X",
         help="tf-match>=X (mean teacher-forced match, %%) or dppl<=X (mean change of perplexity, %%); repeat to "
         "combine",
     )  # fmt: skip
@@ -62,6 +62,8 @@ def add_parsers(sub) -> None:
 def _check(args) -> None:
     from ..config import SparseConfig
 
+    if not args.target:
+        raise SparseDecodeError("give at least one --target (tf-match>=X or dppl<=X): what the supports must meet")
     if args.prompts < 1 or args.held_out < 1:
         raise SparseDecodeError("--prompts and --held-out must be >= 1: the chosen supports are checked on prompts "
                                 "the search never saw")  # fmt: skip

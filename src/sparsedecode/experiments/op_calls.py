@@ -35,7 +35,8 @@ def op_calls(cfg, layer, layout, scale: float, kernel: str, history=None) -> tup
     select = partial(select_blocks, cfg, layer.centroids, q, k, layout, scale=scale)
     blocks = select()
     if blocks.shape[0] != k.shape[0]:  # a support per query head: the kernel once per member of a KV group
-        return select, partial(attend_blocks_on, kernel, q, k, v, blocks, layout, scale)
+        chosen = kernel if kernel in ("c", "triton") else "torch"  # bench op times "auto" as torch's operations
+        return select, partial(attend_blocks_on, chosen, q, k, v, blocks, layout, scale)
     attention = {"triton": triton_attention.support_attention, "c": cpu_kernel.attend_support}.get(
         kernel, attend_support
     )
