@@ -171,8 +171,10 @@ def parse_layers(layers) -> tuple[int, ...]:
     return tuple(sorted(values))
 
 
-def check_dense_layers(config: SparseConfig, layers: int) -> None:
-    """Every layer ``config.dense_layers`` and ``config.layer_supports`` name is one of the model's ``layers``."""
+def check_named_layers(config: SparseConfig, modules) -> None:
+    """Every layer ``config.dense_layers`` and ``config.layer_supports`` name is one of the model's attention
+    ``modules`` (numbered by their ``layer_idx``)."""
+    layers = 1 + max((int(module.layer_idx) for module in modules), default=-1)
     for field, named in (("dense_layers", config.dense_layers), ("layer_supports", dict(config.layer_supports))):
         outside = [layer for layer in named if layer >= layers]
         if outside:

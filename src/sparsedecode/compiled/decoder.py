@@ -19,7 +19,7 @@ import types
 import torch
 
 from .. import env
-from ..config import SparseConfig, check_dense_layers
+from ..config import SparseConfig, check_named_layers
 from ..errors import SparseDecodeError
 from ..models.catalog import attention_shape
 from ..step.device import fill_statistics
@@ -170,7 +170,7 @@ class CompiledDecoder:
             heads, kv_heads, head_dim, _ = attention_shape(model.config)
             form = step_form(cfg, self.device, form)
             modules = _attention_modules(model)
-            check_dense_layers(cfg, 1 + max((int(module.layer_idx) for module in modules), default=-1))
+            check_named_layers(cfg, modules)
             for module in modules:
                 if module.layer_idx in cfg.dense_layers:
                     continue  # a module without step buffers decodes dense

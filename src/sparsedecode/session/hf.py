@@ -13,7 +13,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..config import SparseConfig, check_config, check_dense_layers, config_from_overrides
+from ..config import SparseConfig, check_config, check_named_layers, config_from_overrides
 from ..errors import SparseDecodeError
 from ..selectors.methods.h2o import H2O
 from ..validate import check_model, check_sparse_attention
@@ -133,7 +133,7 @@ def sparse_decoding(model: torch.nn.Module, config: SparseConfig | None = None, 
     modules = [module for module in model.modules() if hasattr(module, "layer_idx") and hasattr(module, "config")]
     if not modules:
         raise SparseDecodeError(f"{type(model).__name__} has no attention layers with a layer_idx to hook into")
-    check_dense_layers(config, 1 + max(int(module.layer_idx) for module in modules))
+    check_named_layers(config, modules)
     owned = {id(module): (session, session.layer_state(module)) for module in modules}
     _switch_on(model)
     hooks = [module.register_forward_pre_hook(session.look, with_kwargs=True) for module in modules]
