@@ -129,9 +129,23 @@ def block_statistics(cache: BlockStatistics, keys: torch.Tensor, layout: BlockLa
 def block_scores(selector: BlockSelector, cache: BlockStatistics, queries, keys, layout: BlockLayout) -> torch.Tensor:
     """The selector's checked float32 scores ``(kv, n_blocks)``."""
     reads = block_statistics(cache, keys, layout) if selector.statistics else keys[:, : layout.n]
+    return scores_from(selector, queries, reads, layout, keys.shape[0], keys.device)
+
+
+def scores_from(selector: BlockSelector, queries, reads, layout: BlockLayout, kv_heads: int, device) -> torch.Tensor:
+    """The selector's checked scores from what it reads, already assembled: its block statistics (a dict of ``(kv,
+    n_blocks, d)``, the short last block included) or the keys ``(kv, N, d)``. Every route's scoring: the session's
+    and the compiled op's (through :func:`block_scores`) and vLLM's paged cache
+    (:mod:`sparsedecode.integrations.vllm`), which assembles the statistics from its pages."""
     scores = _call(selector, selector.score_blocks, queries, reads, layout=layout)
-    rows = selector.rows(queries.shape[0], keys.shape[0])
-    return _checked(selector, scores, (rows, layout.n_blocks), "score_blocks", keys.device)
+    rows = selector.rows(queries.shape[0], kv_heads)
+    return _checked(selector, scores, (rows, layout.n_blocks), "score_blocks", device)
+
+
+def blocks_from(selector: BlockSelector, budget: int, scores: torch.Tensor, layout: BlockLayout) -> BlockChoice:
+    """The ``budget`` top-scored blocks per row, ascending, with the tie rule, and an adaptive budget's mask."""
+    blocks = top_blocks(scores, budget)
+    return BlockChoice(blocks, _budget(selector, scores, blocks, layout) if selector.adaptive else None)
 
 
 def _whole_counts(selector: BlockSelector, counts: torch.Tensor) -> torch.Tensor:
@@ -197,9 +211,7 @@ def choose_planned_blocks(
     if chosen != "torch" and selector.kernel_scoring == "mean-dot" and not selector.adaptive:
         centroids = cache.update_all(keys, layout.n_full)["mean"]
         return BlockChoice(kernels.select_mean_pooled(chosen, queries, keys, centroids, layout, budget))
-    scores = block_scores(selector, cache, queries, keys, layout)
-    blocks = top_blocks(scores, budget)
-    return BlockChoice(blocks, _budget(selector, scores, blocks, layout) if selector.adaptive else None)
+    return blocks_from(selector, budget, block_scores(selector, cache, queries, keys, layout), layout)
 
 
 def choose_positions(

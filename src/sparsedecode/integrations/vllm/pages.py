@@ -1,0 +1,138 @@
+"""vLLM's paged KV cache as the sparse step reads it: positions through a sequence's block table, and block statistics
+kept per physical page. Pure torch (no vLLM import), so the tests build pages by hand.
+
+**The cache.** One layer's cache is ``(pages, kv_heads, P, 2 d)``, ``P`` positions a page. In the layout of vLLM's
+CPU kernels for the ``vec`` instruction sets (the one :mod:`.backend` asks for), a page holds per KV head its keys
+transposed, ``(d, P)``, then its values, ``(P, d)``. Position ``p`` of a sequence lies in page ``table[p // P]`` at
+offset ``p % P``; a step gathers its support's rows from there and copies nothing else.
+
+**Block statistics per page.** Block ``j`` covers positions ``[1 + jB, 1 + (j + 1)B)`` (the anchor is position 0),
+so with ``P`` a multiple of ``B`` it is the *piece* ``[jB + 1, (j + 1)B)`` of the page-aligned chunk ``[jB, (j +
+1)B)`` plus the first position of the next chunk, which may lie in another page. A page keeps each of its chunks'
+piece statistics (sum, minimum, maximum over ``B - 1`` keys); a block's statistic combines its piece with that one
+key, read through the sequence's own table. Every kept number is thus a function of one page's own keys: a page
+another sequence shares through vLLM's prefix cache carries the same keys at the same positions, and a page vLLM
+frees and hands to another sequence has each piece recomputed when its positions are written again
+(:meth:`PageStatistics.refresh`, after every write). A block is only ever chosen once complete (it ends before the
+window), when every position of its piece has been written by this sequence and its piece recomputed: no selection
+reads statistics of another sequence's keys. The piece's sum plus one key, divided by ``B``, is the block's mean in
+another order of additions than :func:`~sparsedecode.selectors.statistics.reduce_blocks`'s (the last bits may
+differ).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...errors import SparseDecodeError
+from ...layout import BlockLayout
+from ...selectors.statistics import reduce_blocks
+
+PIECES = {"mean": "sum", "min": "min", "max": "max"}
+"""What a page keeps of each chunk's piece for each block statistic."""
+
+
+@dataclass(frozen=True)
+class PagedCache:
+    """One layer's cache viewed as keys ``(pages, kv, d, P)`` and values ``(pages, kv, P, d)`` (no copy)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    @classmethod
+    def of(cls, kv_cache: torch.Tensor) -> PagedCache:
+        pages, kv_heads, page, width = kv_cache.shape
+        d = width // 2
+        flat = kv_cache.view(pages, kv_heads, page * width)
+        keys = flat[:, :, : page * d].view(pages, kv_heads, d, page)
+        values = flat[:, :, page * d :].view(pages, kv_heads, page, d)
+        return cls(keys, values)
+
+    @property
+    def page_size(self) -> int:
+        return self.keys.shape[-1]
+
+    def slots(self, table: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(page, offset)`` of ``positions`` (any shape) of the sequence whose block table is ``table``."""
+        page = self.page_size
+        return table[positions // page].long(), positions % page
+
+    def gather(self, table: torch.Tensor, index: torch.Tensor, heads: torch.Tensor):
+        """Keys and values at positions ``index (rows, S)``, row ``r`` from KV head ``heads[r]``: two ``(rows, S,
+        d)`` tensors, only the positions read copied."""
+        page, offset = self.slots(table, index)
+        head = heads.unsqueeze(1)
+        return self.keys[page, head, :, offset], self.values[page, head, offset]
+
+    def positions(self, table: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Keys of positions ``[start, stop)`` of every KV head, ``(kv, stop - start, d)`` (a copy: for selectors that
+        read keys, and the short last block)."""
+        page, offset = self.slots(table, torch.arange(start, stop, device=table.device))
+        return self.keys[page, :, :, offset].permute(1, 0, 2)
+
+
+class PageStatistics:
+    """Per physical page and chunk, the statistics of each chunk's piece (see the module): ``(pages, kv, P / B, d)``
+    float32 per kind, for one layer's cache."""
+
+    def __init__(self, cache: PagedCache, block: int, kinds: tuple[str, ...]) -> None:
+        pages, kv_heads, d, page = cache.keys.shape
+        if page % block:
+            raise SparseDecodeError(
+                f"vLLM's pages hold {page} positions, not a multiple of the block size {block}: choose a block size "
+                f"that divides {page} (or a --block-size for vLLM that is a multiple of {block})"
+            )
+        self.cache, self.block, self.kinds = cache, block, kinds
+        self.pieces = {kind: cache.keys.new_zeros(pages, kv_heads, page // block, d, dtype=torch.float32)
+                       for kind in kinds}  # fmt: skip
+
+    def refresh(self, slots: torch.Tensor) -> None:
+        """Recompute the pieces of the chunks that ``slots`` (vLLM's slot mapping of a forward's written positions,
+        ``page * P + offset``; negative entries are padding) fall in."""
+        slots = slots[slots >= 0].long()
+        if slots.numel() == 0:
+            return
+        page, block = self.cache.page_size, self.block
+        chunks = torch.unique(slots // block)  # global chunk ids: page * (P / B) + chunk
+        pages, chunk = chunks // (page // block), chunks % (page // block)
+        offsets = chunk.unsqueeze(1) * block + torch.arange(1, block, device=slots.device)  # (chunks, B - 1)
+        keys = self.cache.keys[pages.unsqueeze(1), :, :, offsets].float()  # (chunks, B - 1, kv, d)
+        for kind in self.kinds:
+            target = self.pieces[kind]
+            if kind == "mean":
+                target[pages, :, chunk] = keys.sum(dim=1)
+            else:
+                target[pages, :, chunk] = keys.amin(dim=1) if kind == "min" else keys.amax(dim=1)
+
+    def blocks(self, table: torch.Tensor, layout: BlockLayout) -> dict[str, torch.Tensor]:
+        """Every distant block's statistics ``(kv, n_blocks, d)`` float32 for the sequence of ``table``: the complete
+        blocks from their pieces and next keys, the short last block reduced from its keys."""
+        block, full = self.block, layout.n_full
+        starts = torch.arange(full, device=table.device) * block  # chunk j starts at jB
+        page, offset = self.cache.slots(table, starts)
+        chunk = offset // block
+        nxt_page, nxt_offset = self.cache.slots(table, starts + block)
+        nxt = self.cache.keys[nxt_page, :, :, nxt_offset].float().permute(1, 0, 2)  # (kv, full, d)
+        out = {}
+        for kind in self.kinds:
+            piece = self.pieces[kind][page, :, chunk].permute(1, 0, 2)
+            if kind == "mean":
+                out[kind] = (piece + nxt) / block
+            else:
+                out[kind] = torch.minimum(piece, nxt) if kind == "min" else torch.maximum(piece, nxt)
+        if layout.n_blocks > full:
+            tail = self.cache.positions(table, 1 + full * block, layout.distant_end).float().unsqueeze(1)
+            out = {kind: torch.cat([out[kind], reduce_blocks(tail, kind)], dim=1) for kind in self.kinds}
+        return out
+
+
+def attend_rows(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid, scale: float) -> torch.Tensor:
+    """Attention of a batch of sparse rows over their gathered supports, float32: ``queries (R, rows, G, d)``,
+    ``keys``/``values (R, rows, S, d)``, ``valid (R, rows, S)`` or ``None``; returns ``(R, rows * G, dv)``."""
+    mask = None if valid is None else valid.unsqueeze(2)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        queries.float(), keys.float(), values.float(), attn_mask=mask, scale=scale
+    )
+    return out.flatten(1, 2)

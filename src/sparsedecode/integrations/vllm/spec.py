@@ -1,0 +1,63 @@
+"""The sparsedecode configuration a vLLM engine decodes with, from vLLM's own configuration or the environment.
+
+Two places, the first found wins:
+
+* ``--additional-config '{"sparsedecode": {"support": 193, "selector": "quest"}}'`` (``vllm.LLM(...,
+  additional_config={"sparsedecode": {...}})``): vLLM hands it to every worker;
+* the environment variable :data:`ENV`, the same JSON object (``SPARSEDECODE_VLLM='{"support": 193}'``).
+
+The object's fields are :class:`~sparsedecode.config.SparseConfig`'s (``support``, ``window``, ``block_size``,
+``reuse``, ``selector`` (a registered name, a spec string, ``path.py:Class``), ``seed``, ``dense_layers``,
+``layer_supports``) and ``budget``: a budget file's path (``sparsedecode calibrate``'s ``budget.json``), whose
+``dense_layers`` and ``layer_supports`` it sets. Neither present: the engine decodes dense, as without the plug-in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from ...config import SparseConfig, config_from_overrides, read_budget
+from ...errors import SparseDecodeError
+from .step import check_servable
+
+ENV = "SPARSEDECODE_VLLM"
+KEY = "sparsedecode"
+
+
+def spec_text(additional_config, environ=None) -> object:
+    """The spec as given (a dict from vLLM's additional config, or the environment's JSON text), ``None`` if none."""
+    if isinstance(additional_config, dict) and KEY in additional_config:
+        return additional_config[KEY]
+    environ = os.environ if environ is None else environ
+    return environ.get(ENV) or None
+
+
+def config_from_spec(spec: object) -> SparseConfig:
+    """The :class:`SparseConfig` of a spec (a dict, or JSON text of one), checked as the vLLM step needs it; one line
+    naming what is wrong otherwise (:class:`SparseDecodeError`)."""
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except ValueError as error:
+            raise SparseDecodeError(f"{ENV} is not valid JSON ({error}): give an object such as "
+                                    '{"support": 193, "selector": "mean-pooled"}') from None  # fmt: skip
+    if not isinstance(spec, dict):
+        raise SparseDecodeError(f"the sparsedecode spec must be a JSON object of SparseConfig fields, got {spec!r}")
+    fields = dict(spec)
+    budget = fields.pop("budget", None)
+    if budget is not None:
+        fields.update(read_budget(budget))
+    for name, refused in (("audit", "the audit reads dense attention at every step"),
+                          ("kernel", "vLLM's pages are gathered in torch")):  # fmt: skip
+        if name in fields:
+            raise SparseDecodeError(f"spec field {name!r} is not taken by the vLLM backend: {refused}")
+    config = config_from_overrides(fields)
+    check_servable(config)
+    return config
+
+
+def configured(additional_config, environ=None) -> SparseConfig | None:
+    """The configuration vLLM's workers decode with, ``None`` for dense (no spec)."""
+    spec = spec_text(additional_config, environ)
+    return None if spec is None else config_from_spec(spec)

@@ -1,0 +1,183 @@
+"""The vLLM backend's step over pages (sparsedecode.integrations.vllm.pages/step/batch), without vLLM: pages laid
+out as vLLM's CPU kernels lay them out for the vec instruction sets, filled by hand, against the library's own
+selection (select_support) and attention over the same keys held contiguously."""
+
+import pytest
+import torch
+
+from sparsedecode import SparseConfig, select_support
+from sparsedecode.errors import SparseDecodeError
+from sparsedecode.integrations.vllm.batch import mean_dot_supports
+from sparsedecode.integrations.vllm.pages import PagedCache, PageStatistics
+from sparsedecode.integrations.vllm.spec import config_from_spec, configured
+from sparsedecode.integrations.vllm.step import row_layout, row_support, sparse_rows, statistics_for
+from sparsedecode.kernels.reference import attend_positions
+
+KV, G, D, PAGE = 2, 3, 16, 32
+
+
+class Pages:
+    """A layer's paged cache: ``pages`` physical pages, sequences written through their block tables."""
+
+    def __init__(self, pages: int, page: int = PAGE, dtype=torch.float32):
+        self.data = torch.full((pages, KV, page, 2 * D), float("nan"), dtype=dtype)  # unwritten = NaN
+        self.cache = PagedCache.of(self.data)
+        self.page = page
+
+    def write(self, table, keys, values, start=0, stats=None):
+        """Write positions ``[start, start + len)`` of a sequence; refresh ``stats`` with their slots."""
+        n = keys.shape[1]
+        positions = torch.arange(start, start + n)
+        page, offset = table[positions // self.page].long(), positions % self.page
+        for h in range(KV):
+            self.cache.keys[page, h, :, offset] = keys[h].to(self.data.dtype)
+            self.cache.values[page, h, offset] = values[h].to(self.data.dtype)
+        if stats is not None:
+            stats.refresh(page * self.page + offset)
+
+
+def sequence(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(KV, n, D, generator=g)
+    keys[:, 1:] += 2 * torch.randn(KV, 1, D, generator=g) * (torch.arange(1, n) % 97 < 20).float().view(1, -1, 1)
+    return keys, torch.randn(KV, n, D, generator=g), torch.randn(KV * G, D, generator=g)
+
+
+def reference(cfg, q, keys, values, scale):
+    """The library's selection and attention over contiguous keys."""
+    chosen = select_support(q, keys, support=cfg.support, window=cfg.window, block_size=cfg.block_size,
+                            method=cfg.selector)
+    width = max(len(c) for c in chosen)
+    index = torch.stack([torch.nn.functional.pad(c, (0, width - len(c))) for c in chosen])
+    valid = torch.stack([torch.arange(width) < len(c) for c in chosen])
+    return chosen, attend_positions(q, keys, values, index, scale, valid=valid)
+
+
+@pytest.mark.parametrize("selector", ["mean-pooled", "quest", "quest:grouping=mean-query", "sparq", "oracle-tokens", "oracle-blocks", "streaming",
+                                      "block-top-p:p=0.7", "twilight", "random-blocks"])
+@pytest.mark.parametrize("lengths", [(300, 613, 130), (1000,)])
+def test_pages_select_and_attend_as_the_library(selector, lengths):
+    cfg = config_from_spec({"support": 97, "selector": selector})
+    pages = Pages(80)
+    stats = statistics_for(cfg, pages.cache)
+    free = torch.randperm(80).int()
+    tables, qs, refs, used = [], [], [], 0
+    for i, n in enumerate(lengths):
+        keys, values, q = sequence(n, i)
+        table = torch.zeros(40, dtype=torch.int32)
+        count = -(-n // PAGE)
+        table[:count] = free[used : used + count]
+        used += count
+        pages.write(table, keys[:, : n - 7], values[:, : n - 7], 0, stats)  # a prefill, then decode steps
+        for p in range(n - 7, n):
+            pages.write(table, keys[:, p : p + 1], values[:, p : p + 1], p, stats)
+        tables.append(table)
+        qs.append(q)
+        refs.append(reference(cfg, q, keys, values, D**-0.5))
+    out = sparse_rows(cfg, pages.cache, stats, torch.stack(qs), torch.stack(tables), list(lengths), layer=0,
+                      scale=D**-0.5)
+    for r, (chosen, expected) in enumerate(refs):
+        index, valid = row_support(cfg, pages.cache, stats, qs[r], tables[r], row_layout(cfg, lengths[r], 0, D**-0.5))
+        assert [i[v].sort().values.tolist() for i, v in zip(index, valid)] == [c.tolist() for c in chosen]
+        torch.testing.assert_close(out[r], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("support", [97, 193, 130])
+def test_batched_mean_dot_equals_row_by_row(support):
+    cfg = SparseConfig(support=support)
+    pages = Pages(120, page=64)
+    stats = statistics_for(cfg, pages.cache)
+    lengths = [support + 1, 700, 701, 1000, 1234, 2000]
+    tables, qs = [], []
+    order = torch.randperm(120).int()
+    used = 0
+    for i, n in enumerate(lengths):
+        keys, values, q = sequence(n, 10 + i)
+        count = -(-n // 64)
+        table = torch.zeros(40, dtype=torch.int32)
+        table[:count] = order[used : used + count]
+        used += count
+        pages.write(table, keys, values, 0, stats)
+        tables.append(table)
+        qs.append(q)
+    queries, tables = torch.stack(qs), torch.stack(tables)
+    index, valid = mean_dot_supports(cfg, stats, queries, tables, lengths, D**-0.5)
+    for r, n in enumerate(lengths):
+        one, ok = row_support(cfg, pages.cache, stats, qs[r], tables[r], row_layout(cfg, n, 0, D**-0.5))
+        assert torch.equal(index[r][valid[r]], one[ok]) and torch.equal(valid[r], ok)
+
+
+def test_a_reused_page_never_lends_its_old_statistics():
+    """Sequence A fills pages; vLLM frees them and hands them to sequence B, which writes over them a position at a
+    time: B selects as it would on fresh pages, at every step."""
+    cfg = SparseConfig(support=97, selector="quest")  # min/max statistics: a stale value would show
+    pages, fresh = Pages(12), Pages(12)
+    stats, fresh_stats = statistics_for(cfg, pages.cache), statistics_for(cfg, fresh.cache)
+    a_keys, a_values, _ = sequence(380, 1)
+    a_keys *= 50  # A's keys dominate any statistic they leak into
+    table = torch.arange(12, dtype=torch.int32).flip(0)
+    pages.write(table, a_keys, a_values, 0, stats)
+    b_keys, b_values, q = sequence(360, 2)
+    b_table = torch.arange(12, dtype=torch.int32)  # the same pages, in another order
+    pages.write(b_table, b_keys[:, :200], b_values[:, :200], 0, stats)
+    fresh.write(b_table, b_keys[:, :200], b_values[:, :200], 0, fresh_stats)
+    for n in range(201, 361):
+        pages.write(b_table, b_keys[:, n - 1 : n], b_values[:, n - 1 : n], n - 1, stats)
+        fresh.write(b_table, b_keys[:, n - 1 : n], b_values[:, n - 1 : n], n - 1, fresh_stats)
+        layout = row_layout(cfg, n, 0, D**-0.5)
+        got = row_support(cfg, pages.cache, stats, q, b_table, layout)
+        want = row_support(cfg, fresh.cache, fresh_stats, q, b_table, layout)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), n
+
+
+def test_shared_prefix_pages_serve_each_sequence_its_own_blocks():
+    """Two sequences share their first pages (vLLM's prefix cache) and differ after: the block that straddles the
+    last shared page and the first own page takes its last key from each sequence's own page."""
+    cfg = SparseConfig(support=97)
+    pages = Pages(20)
+    stats = statistics_for(cfg, pages.cache)
+    k1, v1, q = sequence(300, 3)
+    k2, v2, _ = sequence(300, 4)
+    k2[:, :128], v2[:, :128] = k1[:, :128], v1[:, :128]  # 4 shared pages of 32
+    t1 = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 9], dtype=torch.int32)
+    t2 = torch.tensor([0, 1, 2, 3, 10, 11, 12, 13, 14, 15], dtype=torch.int32)
+    pages.write(t1, k1, v1, 0, stats)
+    pages.write(t2, k2[:, 128:], v2[:, 128:], 128, stats)
+    for keys, values, table in ((k1, v1, t1), (k2, v2, t2)):
+        layout = row_layout(cfg, 300, 0, D**-0.5)
+        index, valid = row_support(cfg, pages.cache, stats, q, table, layout)
+        chosen, _ = reference(cfg, q, keys, values, D**-0.5)
+        assert [i[v].tolist() for i, v in zip(index, valid)] == [c.tolist() for c in chosen]
+        means = stats.blocks(table, layout)["mean"]
+        torch.testing.assert_close(means[:, 7], keys[:, 113:129].mean(dim=1), rtol=1e-6, atol=1e-6)
+
+
+def test_pages_must_hold_whole_blocks():
+    with pytest.raises(SparseDecodeError, match="multiple of the block size"):
+        PageStatistics(Pages(2, page=32).cache, 24, ("mean",))
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ('{"support": 97', "not valid JSON"),
+        ('[97]', "JSON object"),
+        ('{"support": 50}', "smaller than anchor"),
+        ('{"support": 97, "selector": "h2o"}', "history"),
+        ('{"support": 97, "reuse": 4}', "reuse 4"),
+        ('{"support": 97, "selector": "nope"}', "nope"),
+        ('{"support": 97, "audit": true}', "audit"),
+        ('{"support": 97, "colour": 1}', "colour"),
+        ('{"budget": "/nonexistent/budget.json"}', "no such file"),
+    ],
+)
+def test_a_bad_spec_is_one_line(spec, message):
+    with pytest.raises(SparseDecodeError, match=message) as error:
+        configured({}, {"SPARSEDECODE_VLLM": spec})
+    assert "\n" not in str(error.value)
+
+
+def test_the_spec_comes_from_vllms_config_first():
+    assert configured({}, {}) is None
+    assert configured({"sparsedecode": {"support": 193}}, {"SPARSEDECODE_VLLM": '{"support": 97}'}).support == 193
+    assert configured({}, {"SPARSEDECODE_VLLM": '{"support": 97, "dense_layers": [0]}'}).dense_layers == (0,)
