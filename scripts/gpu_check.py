@@ -1,6 +1,7 @@
 """One prepared check of the optional Triton path on a CUDA machine; writes JSON files into the folder given.
 
-    PYTHONPATH=src python3 scripts/gpu_check.py OUTDIR [--quick] [--graphs-only | --batch-only | --compiled-only]
+    PYTHONPATH=src python3 scripts/gpu_check.py OUTDIR [--quick] [--graphs-only | --batch-only | --compiled-only |
+                                                     --per-head-only]
 
 ``--quick`` shrinks every stage (a dry run of the script itself; without CUDA it runs on the CPU, the kernel
 through Triton's interpreter: set TRITON_INTERPRET=1).
@@ -110,6 +111,43 @@ def check_kernel() -> list[dict]:
             results.append(
                 dict(dtype=str(dtype), shape=[query_heads, kv, d], n=n, b=b, splits=splits, rel_error=error, ok=ok)
             )
+    return results
+
+
+def check_per_head() -> list[dict]:
+    """Supports per query head (published Quest's): the Triton kernel attends once per member of a KV group
+    (``attend_blocks_on``); against float64 attention of every query head over its own positions, with its
+    selection made by the ``quest`` selector itself on the device."""
+    from sparsedecode.kernels.reference import attend_blocks_on
+    from sparsedecode.selectors import resolve_selector
+    from sparsedecode.selectors.select import choose_blocks
+    from sparsedecode.selectors.statistics import BlockStatistics
+
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+    cases = [(14, 2, 64, 8192, 8), (32, 8, 128, 4096, 24), (28, 4, 128, 32768, 12), (8, 1, 32, 700, 4)]
+    if QUICK:
+        cases = [(h, kv, d, min(n, 2048), b) for h, kv, d, n, b in cases]
+        tolerance.pop(torch.bfloat16)
+    generator = torch.Generator(device=DEVICE).manual_seed(4321)
+    quest = resolve_selector("quest")
+    results = []
+    for dtype in tolerance:
+        for query_heads, kv, d, n, b in cases:
+            layout = BlockLayout(n=n, window=64, block_size=16, scale=d**-0.5)
+            keys = torch.randn(kv, n, d, device=DEVICE, generator=generator).to(dtype)
+            values = torch.randn(kv, n, d, device=DEVICE, generator=generator).to(dtype)
+            q = (3 * torch.randn(query_heads, d, device=DEVICE, generator=generator)).to(dtype)
+            cache = BlockStatistics(16, quest.cached_statistics())
+            blocks = choose_blocks(quest, b, cache, q, keys, layout, kernel="torch").blocks  # (H, b)
+            out = attend_blocks_on("triton", q, keys, values, blocks, layout, d**-0.5)
+            index, valid = support_positions(blocks, layout)
+            heads = torch.arange(query_heads, device=DEVICE) // (query_heads // kv)
+            k, v = keys[heads.unsqueeze(1), index].double(), values[heads.unsqueeze(1), index].double()
+            logits = (torch.einsum("hd,hsd->hs", q.double(), k) * d**-0.5).masked_fill(~valid, float("-inf"))
+            expected = torch.einsum("hs,hsd->hd", torch.softmax(logits, -1), v)
+            error = float((out.double() - expected).norm() / expected.norm())
+            ok = bool(torch.isfinite(out).all()) and error < tolerance[dtype] and tuple(blocks.shape) == (query_heads, b)
+            results.append(dict(dtype=str(dtype), shape=[query_heads, kv, d], n=n, b=b, rel_error=error, ok=ok))
     return results
 
 
@@ -439,6 +477,13 @@ def main() -> int:
     if "--compiled-only" in sys.argv:  # the compiled end-to-end stage alone
         stage("compiled e2e", lambda: compiled_e2e(out_dir))
         print(summary.get("compiled e2e"))
+        return 0
+    if "--per-head-only" in sys.argv:  # supports per query head (published Quest) through the Triton kernel
+        rows = stage("per-head", check_per_head) or []
+        (out_dir / "per-head-check.json").write_text(json.dumps(rows, indent=1))
+        for r in rows:
+            print(("ok  " if r["ok"] else "BAD ") + json.dumps(r), flush=True)
+        print(summary.get("per-head"), f"{sum(r['ok'] for r in rows)}/{len(rows)} cases within tolerance")
         return 0
     if "--batch-only" in sys.argv:  # the batched end-to-end stage alone
         stage("batch e2e", lambda: batched_e2e(out_dir))
