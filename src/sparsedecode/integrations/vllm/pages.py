@@ -12,7 +12,7 @@ so with ``P`` a multiple of ``B`` it is the *piece* ``[jB + 1, (j + 1)B)`` of th
 piece statistics (sum, minimum, maximum over ``B - 1`` keys); a block's statistic combines its piece with that one
 key, read through the sequence's own table. Every kept number is thus a function of one page's own keys: a page
 another sequence shares through vLLM's prefix cache carries the same keys at the same positions, and a page vLLM
-frees and hands to another sequence has each piece recomputed when its positions are written again
+frees and hands to another sequence has each piece recomputed when its last position is written again
 (:meth:`PageStatistics.refresh`, after every write). A block is only ever chosen once complete (it ends before the
 window), when every position of its piece has been written by this sequence and its piece recomputed: no selection
 reads statistics of another sequence's keys. The piece's sum plus one key, divided by ``B``, is the block's mean in
@@ -89,14 +89,18 @@ class PageStatistics:
                        for kind in kinds}  # fmt: skip
 
     def refresh(self, slots: torch.Tensor) -> None:
-        """Recompute the pieces of the chunks that ``slots`` (vLLM's slot mapping of a forward's written positions,
-        ``page * P + offset``; negative entries are padding) fall in."""
-        slots = slots[slots >= 0].long()
-        if slots.numel() == 0:
+        """Recompute the pieces that ``slots`` (vLLM's slot mapping of a forward's written positions, ``page * P +
+        offset``; negative entries are padding) complete: a piece is recomputed from the page when its last position
+        is written. A sequence writes its positions in order (prefill chunks, then one token a step), so by then every
+        position of the piece holds this sequence's key; a piece never completed is never read (its block is not
+        complete either)."""
+        block = self.block
+        done = slots[(slots >= 0) & (slots % block == block - 1)].long()
+        if done.numel() == 0:
             return
-        page, block = self.cache.page_size, self.block
-        chunks = torch.unique(slots // block)  # global chunk ids: page * (P / B) + chunk
-        pages, chunk = chunks // (page // block), chunks % (page // block)
+        per_page = self.cache.page_size // block
+        chunks = done // block  # global chunk ids: page * (P / B) + chunk
+        pages, chunk = chunks // per_page, chunks % per_page
         offsets = chunk.unsqueeze(1) * block + torch.arange(1, block, device=slots.device)  # (chunks, B - 1)
         keys = self.cache.keys[pages.unsqueeze(1), :, :, offsets].float()  # (chunks, B - 1, kv, d)
         for kind in self.kinds:
