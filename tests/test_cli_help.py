@@ -42,6 +42,7 @@ def test_every_command_is_covered():
         "report",
         "bench op",
         "bench e2e",
+        "bench vllm",
         "eval",
         "calibrate",
     }

@@ -105,7 +105,8 @@ def test_vllm_serve_with_the_plugin_answers_an_openai_client(setup):
         f"c = openai.OpenAI(base_url='http://127.0.0.1:{port}/v1', api_key='none')\n"
         f"r = c.completions.create(model='smollm2', prompt={prompts[1]!r}, max_tokens={TOKENS}, temperature=0,"
         " extra_body={'return_token_ids': True, 'ignore_eos': True})\n"
-        "print(json.dumps({'text': r.choices[0].text, 'ids': r.choices[0].token_ids, 'usage': r.usage.completion_tokens}))\n"
+        "choice = r.choices[0]\n"
+        "print(json.dumps({'text': choice.text, 'ids': choice.token_ids, 'usage': r.usage.completion_tokens}))\n"
     )
     try:
         deadline = time.time() + 600

@@ -19,9 +19,9 @@ KV, G, D, PAGE = 2, 3, 16, 32
 class Pages:
     """A layer's paged cache: ``pages`` physical pages, sequences written through their block tables."""
 
-    def __init__(self, pages: int, page: int = PAGE, dtype=torch.float32):
+    def __init__(self, pages: int, page: int = PAGE, dtype=torch.float32, kernel: bool = True):
         self.data = torch.full((pages, KV, page, 2 * D), float("nan"), dtype=dtype)  # unwritten = NaN
-        self.cache = PagedCache.of(self.data)
+        self.cache = PagedCache.of(self.data, kernel)  # kernel: the C kernel reads the pages, else torch
         self.page = page
 
     def write(self, table, keys, values, start=0, stats=None):
@@ -53,12 +53,16 @@ def reference(cfg, q, keys, values, scale):
     return chosen, attend_positions(q, keys, values, index, scale, valid=valid)
 
 
-@pytest.mark.parametrize("selector", ["mean-pooled", "quest", "quest:grouping=mean-query", "sparq", "oracle-tokens", "oracle-blocks", "streaming",
-                                      "block-top-p:p=0.7", "twilight", "random-blocks"])
+SELECTORS = ["mean-pooled", "quest", "quest:grouping=mean-query", "sparq", "oracle-tokens", "oracle-blocks",
+             "streaming", "block-top-p:p=0.7", "twilight", "random-blocks"]  # fmt: skip
+
+
+@pytest.mark.parametrize("selector", SELECTORS)
 @pytest.mark.parametrize("lengths", [(300, 613, 130), (1000,)])
-def test_pages_select_and_attend_as_the_library(selector, lengths):
+@pytest.mark.parametrize("kernel", [True, False], ids=["c", "torch"])
+def test_pages_select_and_attend_as_the_library(selector, lengths, kernel):
     cfg = config_from_spec({"support": 97, "selector": selector})
-    pages = Pages(80)
+    pages = Pages(80, kernel=kernel)
     stats = statistics_for(cfg, pages.cache)
     free = torch.randperm(80).int()
     tables, qs, refs, used = [], [], [], 0
@@ -83,9 +87,12 @@ def test_pages_select_and_attend_as_the_library(selector, lengths):
 
 
 @pytest.mark.parametrize("support", [97, 193, 130])
-def test_batched_mean_dot_equals_row_by_row(support):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel", [True, False], ids=["c", "torch"])
+def test_batched_mean_dot_equals_row_by_row(support, dtype, kernel):
+    """Every row's selection at once (the C kernel's through the pages, or torch's padded) is the row-by-row one."""
     cfg = SparseConfig(support=support)
-    pages = Pages(120, page=64)
+    pages = Pages(120, page=64, dtype=dtype, kernel=kernel)
     stats = statistics_for(cfg, pages.cache)
     lengths = [support + 1, 700, 701, 1000, 1234, 2000]
     tables, qs = [], []
@@ -99,7 +106,7 @@ def test_batched_mean_dot_equals_row_by_row(support):
         used += count
         pages.write(table, keys, values, 0, stats)
         tables.append(table)
-        qs.append(q)
+        qs.append(q.to(dtype))
     queries, tables = torch.stack(qs), torch.stack(tables)
     index, valid = mean_dot_supports(cfg, stats, queries, tables, lengths, D**-0.5)
     for r, n in enumerate(lengths):

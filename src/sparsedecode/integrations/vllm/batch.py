@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ...config import SparseConfig
+from ...kernels.cpu.paged import paged_refusal, select_paged
 from ...selectors.ops import group_mean_queries, mean_pooled_scores, top_blocks
 from .pages import PageStatistics
 
@@ -31,7 +32,7 @@ def block_means(stats: PageStatistics, tables: torch.Tensor, lengths: torch.Tens
     chunk_page = tables.gather(1, (starts // page).clamp(max=last).expand(len(lengths), -1))  # (R, most + 1)
     next_page = tables.gather(1, ((starts + block) // page).clamp(max=last).expand(len(lengths), -1))
     piece = stats.pieces["mean"][chunk_page, :, (starts % page) // block]  # (R, most + 1, kv, d)
-    nxt = cache.keys[next_page, :, :, (starts + block) % page].float()
+    nxt = stats.firsts[next_page, :, ((starts + block) % page) // block]
     means = ((piece + nxt) / block).transpose(1, 2)  # (R, kv, most + 1, d)
     # the short last block of each row, from its keys: positions [1 + n_full B, distant_end)
     offsets = torch.arange(block, device=tables.device)
@@ -47,24 +48,35 @@ def block_means(stats: PageStatistics, tables: torch.Tensor, lengths: torch.Tens
     return means, n_blocks
 
 
-def mean_dot_supports(cfg: SparseConfig, stats: PageStatistics, queries, tables, lengths, scale: float):
-    """``(index, valid)`` ``(R, kv, S)`` of every row's mean-dot selection (``lengths`` the rows' ``N``s)."""
-    lengths = torch.as_tensor(lengths, dtype=torch.long)
+def mean_dot_blocks(cfg: SparseConfig, stats: PageStatistics, queries, tables, lengths) -> torch.Tensor:
+    """Every row's chosen blocks ``(R, kv, b)``, ascending: the C kernel's selection through the pages where it can
+    serve (``kernels/cpu/csrc/paged.h``), else torch's over :func:`block_means`."""
+    cache = stats.cache
+    if cache.raw is not None and paged_refusal(queries, cache.raw) is None:
+        return select_paged(queries, cache.raw, stats.pieces["mean"], stats.firsts, tables, lengths,
+                            block=cfg.block_size, window=cfg.window, b=cfg.blocks)  # fmt: skip
     rows_q, query_heads, d = queries.shape
-    kv_heads, block, window = stats.cache.keys.shape[1], cfg.block_size, cfg.window
-    means, n_blocks = block_means(stats, tables, lengths, window)
+    kv_heads = cache.keys.shape[1]
+    means, n_blocks = block_means(stats, tables, lengths, cfg.window)
     width = means.shape[2]
     q = group_mean_queries(queries.reshape(rows_q * query_heads, d), rows_q * kv_heads)  # (R kv, d)
     scores = mean_pooled_scores(q, means.reshape(rows_q * kv_heads, width, d))
     real = torch.arange(width) < n_blocks.repeat_interleave(kv_heads).unsqueeze(1)
     scores = scores.masked_fill(~real, torch.finfo(torch.float32).min)
-    blocks = top_blocks(scores, cfg.blocks).view(rows_q, kv_heads, -1)  # ascending, the tie rule
+    return top_blocks(scores, cfg.blocks).view(rows_q, kv_heads, -1)  # ascending, the tie rule
+
+
+def mean_dot_supports(cfg: SparseConfig, stats: PageStatistics, queries, tables, lengths, scale: float):
+    """``(index, valid)`` ``(R, kv, S)`` of every row's mean-dot selection (``lengths`` the rows' ``N``s)."""
+    lengths = torch.as_tensor(lengths, dtype=torch.long)
+    blocks = mean_dot_blocks(cfg, stats, queries, tables, lengths)
+    rows_q, kv_heads = blocks.shape[:2]
+    block, window = cfg.block_size, cfg.window
     distant_end = (lengths - window).view(rows_q, 1, 1)
     positions = (1 + blocks.unsqueeze(-1) * block + torch.arange(block)).flatten(2)  # (R, kv, b B)
-    held = positions < distant_end
+    held = (positions < distant_end) & (positions > 0)
     window_positions = (distant_end + torch.arange(window)).expand(-1, kv_heads, -1)
     anchor = torch.zeros(rows_q, kv_heads, 1, dtype=torch.long)
     index = torch.cat([anchor, positions.masked_fill(~held, 0), window_positions], dim=2)
-    valid = torch.cat([torch.ones_like(anchor, dtype=torch.bool), held, torch.ones_like(window_positions,
-                                                                                      dtype=torch.bool)], dim=2)
-    return index, valid
+    ones = torch.ones_like(anchor, dtype=torch.bool)
+    return index, torch.cat([ones, held, ones.expand_as(window_positions)], dim=2)

@@ -6,18 +6,17 @@ CPU kernels for the ``vec`` instruction sets (the one :mod:`.backend` asks for),
 transposed, ``(d, P)``, then its values, ``(P, d)``. Position ``p`` of a sequence lies in page ``table[p // P]`` at
 offset ``p % P``; a step gathers its support's rows from there and copies nothing else.
 
-**Block statistics per page.** Block ``j`` covers positions ``[1 + jB, 1 + (j + 1)B)`` (the anchor is position 0),
-so with ``P`` a multiple of ``B`` it is the *piece* ``[jB + 1, (j + 1)B)`` of the page-aligned chunk ``[jB, (j +
-1)B)`` plus the first position of the next chunk, which may lie in another page. A page keeps each of its chunks'
-piece statistics (sum, minimum, maximum over ``B - 1`` keys); a block's statistic combines its piece with that one
-key, read through the sequence's own table. Every kept number is thus a function of one page's own keys: a page
-another sequence shares through vLLM's prefix cache carries the same keys at the same positions, and a page vLLM
-frees and hands to another sequence has each piece recomputed when its last position is written again
+**Block statistics per page.** Block ``j`` covers positions ``[1 + jB, 1 + (j + 1)B)`` (the anchor is position 0), so
+with ``P`` a multiple of ``B`` it is the *piece* ``[jB + 1, (j + 1)B)`` of the page-aligned chunk ``[jB, (j + 1)B)``
+plus the first position of the next chunk, which may lie in another page. A page keeps each of its chunks' piece
+statistics (sum, minimum, maximum over ``B - 1`` keys) and its first key; a block's statistic combines its piece with
+the next chunk's first key, found through the sequence's own table. Every kept number is thus a function of one page's
+own keys: a page another sequence shares through vLLM's prefix cache carries the same keys at the same positions, and a
+page vLLM frees and hands to another sequence has each piece recomputed when its last position is written again
 (:meth:`PageStatistics.refresh`, after every write). A block is only ever chosen once complete (it ends before the
-window), when every position of its piece has been written by this sequence and its piece recomputed: no selection
-reads statistics of another sequence's keys. The piece's sum plus one key, divided by ``B``, is the block's mean in
-another order of additions than :func:`~sparsedecode.selectors.statistics.reduce_blocks`'s (the last bits may
-differ).
+window), when every position of its piece has been written by this sequence and its piece recomputed: no selection reads
+statistics of another sequence's keys. The piece's sum plus one key, divided by ``B``, is the block's mean in another
+order of additions than :func:`~sparsedecode.selectors.statistics.reduce_blocks`'s (the last bits may differ).
 """
 
 from __future__ import annotations
@@ -40,15 +39,17 @@ class PagedCache:
 
     keys: torch.Tensor
     values: torch.Tensor
+    raw: torch.Tensor | None = None
+    """The cache tensor itself, for the C kernel (``None``: torch reads the views)."""
 
     @classmethod
-    def of(cls, kv_cache: torch.Tensor) -> PagedCache:
+    def of(cls, kv_cache: torch.Tensor, kernel: bool = True) -> PagedCache:
         pages, kv_heads, page, width = kv_cache.shape
         d = width // 2
         flat = kv_cache.view(pages, kv_heads, page * width)
         keys = flat[:, :, : page * d].view(pages, kv_heads, d, page)
         values = flat[:, :, page * d :].view(pages, kv_heads, page, d)
-        return cls(keys, values)
+        return cls(keys, values, kv_cache if kernel else None)
 
     @property
     def page_size(self) -> int:
@@ -87,18 +88,24 @@ class PageStatistics:
         self.cache, self.block, self.kinds = cache, block, kinds
         self.pieces = {kind: cache.keys.new_zeros(pages, kv_heads, page // block, d, dtype=torch.float32)
                        for kind in kinds}  # fmt: skip
+        self.firsts = cache.keys.new_zeros(pages, kv_heads, page // block, d, dtype=torch.float32)
+        """Each chunk's first key, float32: the last key of the block before it (read where the pages are)."""
 
     def refresh(self, slots: torch.Tensor) -> None:
-        """Recompute the pieces that ``slots`` (vLLM's slot mapping of a forward's written positions, ``page * P +
-        offset``; negative entries are padding) complete: a piece is recomputed from the page when its last position
-        is written. A sequence writes its positions in order (prefill chunks, then one token a step), so by then every
-        position of the piece holds this sequence's key; a piece never completed is never read (its block is not
-        complete either)."""
-        block = self.block
-        done = slots[(slots >= 0) & (slots % block == block - 1)].long()
+        """Keep the pages' numbers for the positions ``slots`` wrote (vLLM's slot mapping of a forward, ``page * P +
+        offset``; negative entries are padding): a chunk's first key, copied when it is written, and a piece,
+        recomputed from the page when its last position is written. A sequence writes its positions in order (prefill
+        chunks, then one token a step), so by then every position of the piece holds this sequence's key; a piece
+        never completed is never read (its block is not complete either)."""
+        block, per_page = self.block, self.cache.page_size // self.block
+        written = slots[slots >= 0].long()
+        first = written[written % block == 0]
+        if first.numel():
+            pages, chunk = (first // block) // per_page, (first // block) % per_page
+            self.firsts[pages, :, chunk] = self.cache.keys[pages, :, :, chunk * block].float()
+        done = written[written % block == block - 1]
         if done.numel() == 0:
             return
-        per_page = self.cache.page_size // block
         chunks = done // block  # global chunk ids: page * (P / B) + chunk
         pages, chunk = chunks // per_page, chunks % per_page
         offsets = chunk.unsqueeze(1) * block + torch.arange(1, block, device=slots.device)  # (chunks, B - 1)
@@ -118,7 +125,7 @@ class PageStatistics:
         page, offset = self.cache.slots(table, starts)
         chunk = offset // block
         nxt_page, nxt_offset = self.cache.slots(table, starts + block)
-        nxt = self.cache.keys[nxt_page, :, :, nxt_offset].float().permute(1, 0, 2)  # (kv, full, d)
+        nxt = self.firsts[nxt_page, :, nxt_offset // block].permute(1, 0, 2)  # (kv, full, d)
         out = {}
         for kind in self.kinds:
             piece = self.pieces[kind][page, :, chunk].permute(1, 0, 2)

@@ -19,6 +19,7 @@ import torch
 
 from ...config import SparseConfig
 from ...errors import SparseDecodeError
+from ...kernels.cpu.paged import attend_paged, paged_refusal
 from ...layout import BlockLayout
 from ...selectors.select import blocks_from, choose_position_set, scores_from, support_of, token_support
 from .batch import mean_dot_supports
@@ -84,8 +85,11 @@ def batched(cfg: SparseConfig) -> bool:
 
 
 def attend_supports(cache: PagedCache, queries, tables, index, valid, scale: float) -> torch.Tensor:
-    """Every row's attention over its support ``index``/``valid (R, rows, S)``, gathered through ``tables`` in one
-    indexing: ``(R, H, dv)`` float32."""
+    """Every row's attention over its support ``index``/``valid (R, rows, S)``, gathered through ``tables``: ``(R, H,
+    dv)`` float32. The C kernel reads the pages in place where it can (``kernels/cpu/csrc/paged.h``); else one torch
+    indexing gathers every row's support."""
+    if cache.raw is not None and paged_refusal(queries, cache.raw) is None:
+        return attend_paged(queries, cache.raw, tables, index, None if bool(valid.all()) else valid, scale)
     rows_q, query_heads, d = queries.shape
     rows, kv_heads = index.shape[1], cache.keys.shape[1]
     group = query_heads // kv_heads

