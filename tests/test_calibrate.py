@@ -5,9 +5,16 @@ and reports the held-out prompts beside every uniform support; bad input is refu
 from __future__ import annotations
 
 import json
+import os
+import signal
+import sqlite3
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
+from conftest import char_tokenizer, tiny_model
 
 from sparsedecode import SparseConfig, SparseDecodeError
 from sparsedecode.cli import main
@@ -90,3 +97,95 @@ def test_the_cost_is_what_a_step_reads_at_the_context():
     cfg = calibrate.layer_config(SparseConfig(support=97), [97, 1009])
     assert calibrate.cost(cfg, 2, 300) == (97 + 300) / 2
     assert calibrate.cost(cfg, 2, 4000) == (97 + 1009) / 2
+
+
+def _fake_measure(model, prompts, references, cfg, tokens, *, on_prompt=None):
+    """Rows that depend on the supports alone (a support under 385 costs match), so a search runs in milliseconds."""
+    layers = len(cfg.layer_supports)
+    loss = sum(4.0 * (cfg.for_layer(i).support < 385) + 2.0 * (cfg.for_layer(i).support < 193) for i in range(layers))
+    rows = []
+    for index in range(len(prompts)):
+        row = {"teacher_forced_match": 100.0 - loss - index, "delta_ppl_percent": loss / 2, "first_divergence": 0}
+        rows.append(row)
+        if on_prompt is not None:
+            on_prompt(rows)
+    return rows
+
+
+def _search_trials(study) -> list:
+    return [(t.params, t.state.name, t.value, t.user_attrs.get("means")) for t in calibrate.finished(study)]
+
+
+def test_a_trial_left_running_or_waiting_is_failed_and_the_search_goes_on_as_if_never_stopped(tmp_path, monkeypatch):
+    monkeypatch.setattr(calibrate, "measure", _fake_measure)
+    search = calibrate.Search(
+        model="fake", selector="mean-pooled", context=4096, tokens=8, prompts=2, choices=(97, 193, 385, 769),
+        targets=("tf-match>=90",), layers=6, seed=3,
+    )  # fmt: skip
+    base, prompts = SparseConfig(support=97), [None, None]
+    whole = calibrate.open_study(tmp_path / "whole.db", search)
+    best = calibrate.run_search(None, prompts, prompts, base, search, whole, 16)
+    for stop in (2, 11):  # among the uniform trials, and after TPE's 8 random ones
+        study = calibrate.open_study(tmp_path / f"stopped{stop}.db", search)
+        calibrate.run_search(None, prompts, prompts, base, search, study, stop)
+        study.ask()  # what a SIGKILL mid-trial leaves: one trial running ...
+        study.enqueue_trial({f"layer_{i}": 769 for i in range(6)})  # ... and one waiting
+        resumed = calibrate.open_study(tmp_path / f"stopped{stop}.db", search)
+        again = calibrate.run_search(None, prompts, prompts, base, search, resumed, 16)
+        assert [t.state.name for t in resumed.trials].count("FAIL") == 2
+        assert _search_trials(resumed) == _search_trials(whole)
+        assert again.params == best.params and again.value == best.value
+    trials = _search_trials(whole)
+    assert [t[0]["layer_0"] for t in trials[:4]] == [97, 193, 385, 769]  # the uniform supports first
+    assert len({json.dumps(t[0], sort_keys=True) for t in trials}) > 8, "the sampler proposed different supports"
+    reseeded = calibrate.Search(**{**search.record(), "seed": 4})
+    other = calibrate.open_study(tmp_path / "seed4.db", reseeded)
+    calibrate.run_search(None, prompts, prompts, base, reseeded, other, 16)
+    assert _search_trials(other) != trials, "the seed decides the proposals"
+
+
+def _finished_and_running(db: Path) -> tuple[int, int]:
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=0.1) as connection:
+            states = [state for (state,) in connection.execute("SELECT state FROM trials")]
+    except sqlite3.Error:  # not made yet, or being written
+        return 0, 0
+    return sum(s in ("COMPLETE", "PRUNED") for s in states), states.count("RUNNING")
+
+
+def test_a_search_killed_mid_trial_resumes_to_the_uninterrupted_result(tmp_path, capsys):
+    """SIGKILL a real ``calibrate`` process while a trial runs, after TPE's random trials: the rerun fails that
+    trial, runs the rest and ends with the trials and the choice of a search never stopped."""
+    model_dir = tmp_path / "tiny4"
+    tiny_model("llama", layers=4).save_pretrained(model_dir)
+    char_tokenizer().save_pretrained(model_dir)
+    args = ["calibrate", "--model", str(model_dir), "--context", "300", "--choices", "97,193,1009", "--tokens", "8"]
+    args += ["--target", "tf-match>=90", "--prompts", "2", "--held-out", "1", "--trials", "14", "--seed", "1"]
+    import torch
+
+    killed = tmp_path / "killed"
+    threads = str(torch.get_num_threads())  # the killed run sums in the order this process does
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"), "OMP_NUM_THREADS": threads}
+    proc = subprocess.Popen([sys.executable, "-m", "sparsedecode", *args, "--out", str(killed)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)  # fmt: skip
+    deadline, state = time.monotonic() + 300, (0, 0)
+    while time.monotonic() < deadline and proc.poll() is None:
+        state = _finished_and_running(killed / "study.db")
+        if state[0] >= 10 and state[1] == 1:
+            break
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done, running = _finished_and_running(killed / "study.db")
+    assert 10 <= done < 14 and running == 1, f"the kill should land in a trial ({done} finished, {running} running)"
+    assert main([*args, "--out", str(killed)]) == 0
+    assert main([*args, "--out", str(tmp_path / "whole")]) == 0, capsys.readouterr().err
+    resumed, whole = (json.loads((tmp_path / n / "calibration.json").read_text()) for n in ("killed", "whole"))
+    assert len(resumed["failed_trials"]) == 1 and whole["failed_trials"] == []
+
+    def kept(trial):
+        return {k: v for k, v in trial.items() if k != "number"}  # a failed trial took a number
+
+    assert [kept(t) for t in resumed["trials"]] == [kept(t) for t in whole["trials"]]
+    assert resumed["chosen"] == whole["chosen"] and resumed["chosen"] is not None
+    assert resumed["held_out"] == whole["held_out"]

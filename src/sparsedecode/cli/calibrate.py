@@ -8,6 +8,7 @@ import argparse
 from rich.table import Table
 
 from ..errors import SparseDecodeError
+from ..experiments.sweep_folder import locked
 from .arguments import int_list, path_arg, selector_arg
 from .conditions import environment
 from .display import console, progress_bars
@@ -90,18 +91,27 @@ def cmd_calibrate(args) -> int:
         model=args.model, selector=args.selector, context=args.context, tokens=args.tokens, prompts=args.prompts,
         choices=tuple(args.choices), targets=tuple(args.target), layers=layers, seed=args.seed,
     )  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    study = search_module.open_study(args.out / "study.db", search)
-    with progress_bars() as progress:
+    with locked(args.out):  # one search per study: a trial left running is one a killed search left
+        study = search_module.open_study(args.out / "study.db", search)
+        with progress_bars() as progress:
 
-        def shown(done, total, best):
-            note = "no configuration meets the targets yet" if best is None else f"best: {best:.1f} positions"
-            progress("search", done, total, note)
+            def shown(done, total, best):
+                note = "no configuration meets the targets yet" if best is None else f"best: {best:.1f} positions"
+                progress("search", done, total, note)
 
-        best = search_module.run_search(
-            model, prompts[: args.prompts], references[: args.prompts], base, search, study, args.trials,
-            progress=shown,
-        )  # fmt: skip
+            best = search_module.run_search(
+                model, prompts[: args.prompts], references[: args.prompts], base, search, study, args.trials,
+                progress=shown,
+            )  # fmt: skip
+        _finish(args, model, prompts, references, base, search, study, best, targets)
+    return 0
+
+
+def _finish(args, model, prompts, references, base, search, study, best, targets) -> None:
+    """The held-out check of the chosen and uniform configurations, the files and the table."""
+    from ..experiments import calibrate as search_module
+
+    layers = search.layers
     configs = {f"uniform S={s}": search_module.layer_config(base, [s] * layers) for s in args.choices}
     if best is not None:
         chosen = [best.params[f"layer_{i}"] for i in range(layers)]
@@ -111,7 +121,6 @@ def cmd_calibrate(args) -> int:
     )
     _write(args, search, study, best, held, layers)
     _print(args, best, held)
-    return 0
 
 
 def _references(args, model, tokenizer):
@@ -147,8 +156,10 @@ def _write(args, search, study, best, held, layers) -> None:
         for t in search_module.finished(study)
     ]  # fmt: skip
     chosen = None if best is None else [best.params[f"layer_{i}"] for i in range(layers)]
+    failed = [t.number for t in study.trials if t.state.name == "FAIL"]  # left unfinished by a stopped search
     data = {"settings": {**search.record(), "corpus": args.corpus, "held_out": args.held_out, "trials": args.trials},
-            "environment": environment(), "chosen": chosen, "trials": trials, "held_out": held}  # fmt: skip
+            "environment": environment(), "chosen": chosen, "trials": trials, "failed_trials": failed,
+            "held_out": held}  # fmt: skip
     if chosen is not None:
         write_json_atomic(args.out / "budget.json", {"layer_supports": {str(i): s for i, s in enumerate(chosen)}})
     write_json_atomic(args.out / "calibration.json", data)

@@ -8,7 +8,9 @@ the calibration prompts against their dense references (the paired protocol,
 holds on the mean over those prompts. Its cost is the positions a decode step reads per layer at the prompts'
 context, the mean over the layers (:func:`cost`; the anchor and the window included). A trial that can no longer
 reach a ``tf-match`` target whatever its remaining prompts give is pruned (stopped early, infeasible). The study
-lives in an SQLite file, so a search that was stopped resumes where it was and can be read while it runs.
+lives in an SQLite file, so a search that was stopped resumes where it was and can be read while it runs. A search
+killed mid-trial resumes to the same trials as one never stopped: the trial it left running is failed and proposed
+again, and each proposal depends only on the finished trials and the seed (:data:`SAMPLER`).
 
 Targets (:func:`parse_target`): ``tf-match>=X`` (mean teacher-forced match, percent) and ``dppl<=X`` (mean change
 of teacher-forced perplexity, percent); several combine, all must hold. The held-out check reports each target's
@@ -19,6 +21,7 @@ and the report says how many there were.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import random
 import statistics
@@ -119,6 +122,12 @@ def bootstrap_interval(values: list[float], *, resamples: int = 2000, seed: int 
     return draws[int(0.025 * resamples)], draws[int(0.975 * resamples) - 1]
 
 
+SAMPLER = "tpe-reseeded/1"
+"""How trials are proposed, stored with the search (a study proposed another way is not resumed): trial ``k`` (the
+``k``-th to finish, from 0) is uniform support ``sorted(choices)[k]`` while ``k < len(choices)``, then Optuna's TPE
+with constraints seeded by :func:`sampler_seed` ``(seed, k)``, so it depends on the finished trials alone."""
+
+
 @dataclass
 class Search:
     """A search's settings, as its study stores them (a resume must match them)."""
@@ -132,6 +141,7 @@ class Search:
     targets: tuple[str, ...]
     layers: int
     seed: int = 0
+    sampler: str = SAMPLER
 
     def record(self) -> dict:
         return {**dataclasses.asdict(self), "choices": list(self.choices), "targets": list(self.targets)}
@@ -142,20 +152,26 @@ def open_study(path: Path, search: Search):
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    sampler = optuna.samplers.TPESampler(seed=search.seed, n_startup_trials=8)  # it reads the trials' constraints
     study = optuna.create_study(
-        study_name="calibrate", storage=f"sqlite:///{path}", direction="minimize", sampler=sampler, load_if_exists=True
+        study_name="calibrate", storage=f"sqlite:///{path}", direction="minimize", load_if_exists=True
     )
-    stored = study.user_attrs.get("search")
+    stored, wanted = study.user_attrs.get("search"), search.record()
     if stored is None:
-        study.set_user_attr("search", search.record())
-    elif stored != search.record():
-        differ = [k for k in stored if stored[k] != search.record().get(k)]
+        study.set_user_attr("search", wanted)
+    elif stored != wanted:
+        differ = [k for k in {**stored, **wanted} if stored.get(k) != wanted.get(k)]
         raise SparseDecodeError(
             f"{path} holds a search of other settings ({', '.join(differ)} differ): use another --out, or the same "
             "settings to resume it"
         )
     return study
+
+
+def sampler_seed(seed: int, finished_trials: int) -> int:
+    """The sampler's seed for the trial proposed after ``finished_trials`` finished ones: a resumed study draws what
+    an uninterrupted one drew at the same point."""
+    digest = hashlib.sha256(f"calibrate/{seed}/{finished_trials}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
 
 
 def finished(study) -> list:
@@ -164,6 +180,24 @@ def finished(study) -> list:
 
     states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
     return [t for t in study.trials if t.state in states]
+
+
+def abandon_unfinished(study) -> list[int]:
+    """Mark failed the trials a killed search left running or waiting (one process searches a study at a time: the
+    command holds its folder's lock), so they are not resumed half-measured; returns their numbers. The search then
+    proposes the next trial from the finished ones alone, as an uninterrupted search did."""
+    import optuna
+
+    state = optuna.trial.TrialState
+    running = [t.number for t in study.trials if t.state == state.RUNNING]
+    for number in running:
+        study.tell(number, state=state.FAIL)
+    waiting = []
+    while any(t.state == state.WAITING for t in study.get_trials(deepcopy=False)):
+        trial = study.ask()  # takes the first waiting trial
+        waiting.append(trial.number)
+        study.tell(trial, state=state.FAIL)
+    return running + waiting
 
 
 def best_feasible(study):
@@ -178,42 +212,55 @@ def best_feasible(study):
     return min(feasible, key=lambda t: (t.value, t.number)) if feasible else None
 
 
+def run_trial(trial, model, prompts, references, base: SparseConfig, search: Search, targets: list[Target]) -> float:
+    """One trial: a support per layer, the calibration prompts measured; its cost, or ``optuna.TrialPruned`` once
+    a ``tf-match`` target is out of reach. The targets are the trial's constraints (<= 0 where one holds)."""
+    import optuna
+
+    supports = [trial.suggest_categorical(f"layer_{i}", list(search.choices)) for i in range(search.layers)]
+    cfg = layer_config(base, supports)
+
+    def check(rows):
+        if hopeless(targets, rows, len(prompts)):
+            for target in targets:  # infeasible
+                trial.set_constraint(str(target), 1.0)
+            raise optuna.TrialPruned()
+
+    rows = measure(model, prompts, references, cfg, search.tokens, on_prompt=check)
+    summary = means(rows)
+    trial.set_user_attr("means", summary)
+    constraints = [-target.slack(summary[target.measure]) for target in targets]
+    for target, value in zip(targets, constraints):
+        trial.set_constraint(str(target), value)
+    trial.set_user_attr("constraints", constraints)
+    return cost(cfg, search.layers, search.context)
+
+
 def run_search(model, prompts, references, base: SparseConfig, search: Search, study, trials: int, *, progress=None):
-    """Run the study until it holds ``trials`` finished trials (those a stopped search finished count)."""
+    """Run the study until it holds ``trials`` finished trials (those a stopped search finished count; those it
+    left unfinished are failed and proposed again, see :data:`SAMPLER`). Returns the best feasible trial or None."""
     import optuna
 
     targets = [parse_target(text) for text in search.targets]
-
-    def objective(trial) -> float:
-        supports = [trial.suggest_categorical(f"layer_{i}", list(search.choices)) for i in range(search.layers)]
-        cfg = layer_config(base, supports)
-
-        def check(rows):
-            if hopeless(targets, rows, len(prompts)):
-                for target in targets:  # infeasible (Optuna's constraints: <= 0 feasible)
-                    trial.set_constraint(str(target), 1.0)
-                raise optuna.TrialPruned()
-
-        rows = measure(model, prompts, references, cfg, search.tokens, on_prompt=check)
-        summary = means(rows)
-        trial.set_user_attr("means", summary)
-        constraints = [-target.slack(summary[target.measure]) for target in targets]
-        for target, value in zip(targets, constraints):
-            trial.set_constraint(str(target), value)
-        trial.set_user_attr("constraints", constraints)
-        return cost(cfg, search.layers, search.context)
-
-    def report(study, trial) -> None:
+    abandon_unfinished(study)
+    uniform = sorted(search.choices)
+    while (done := len(finished(study))) < trials:
+        study.sampler = optuna.samplers.TPESampler(seed=sampler_seed(search.seed, done), n_startup_trials=8)
+        if done < len(uniform):  # the uniform supports first: known points the sampler learns from
+            study.enqueue_trial({f"layer_{i}": uniform[done] for i in range(search.layers)})
+        trial = study.ask()
+        try:
+            value = run_trial(trial, model, prompts, references, base, search, targets)
+        except optuna.TrialPruned:
+            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+        except BaseException:
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            raise
+        else:
+            study.tell(trial, value)
         if progress is not None:
             best = best_feasible(study)
-            progress(len(finished(study)), trials, None if best is None else best.value)
-
-    if not study.trials:  # the uniform supports first: known points the sampler learns from (cheapest first)
-        for support in sorted(search.choices):
-            study.enqueue_trial({f"layer_{i}": support for i in range(search.layers)})
-    remaining = trials - len(finished(study))
-    if remaining > 0:
-        study.optimize(objective, n_trials=remaining, callbacks=[report], catch=())
+            progress(done + 1, trials, None if best is None else best.value)
     return best_feasible(study)
 
 
