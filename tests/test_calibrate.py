@@ -26,19 +26,37 @@ from sparsedecode.protocol.paired import compare
 
 
 def test_targets_parse_and_bad_ones_are_refused():
-    assert str(calibrate.parse_target("tf-match>=99")) == "tf-match>=99"
-    assert calibrate.parse_target("dppl <= 1.5") == calibrate.Target("dppl", 1.5)
+    parse = calibrate.parse_target
+    for text in ("tf-match>=99", "dppl<=1", "task-accuracy>=90", "task-accuracy>=dense-2", "length-ratio<=1.05"):
+        assert str(parse(text)) == text
+    assert parse("dppl <= 1.5") == calibrate.Target("dppl", 1.5)
+    assert parse("task-accuracy >= dense - 2.5") == calibrate.Target("task-accuracy", -2.5, relative=True)
+    assert str(parse("task-accuracy>=dense")) == "task-accuracy>=dense" and str(parse("task-accuracy>=dense+1"))
     assert calibrate.Target("tf-match", 90).slack(95) == 5 and calibrate.Target("dppl", 1).slack(3) == -2
-    for bad in ("tf-match<=99", "accuracy>=3", "dppl<=x", "dppl<=nan", ""):
-        with pytest.raises(SparseDecodeError, match="a target is one of"):
-            calibrate.parse_target(bad)
+    assert parse("task-accuracy>=dense-2").slack(79.0, dense=80.0) == 1.0  # 79 >= 80 - 2
+    assert parse("task-accuracy>=dense-2").slack(77.0, dense=80.0) == -1.0
+    assert parse("length-ratio<=1.05").slack(1.1) < 0 <= parse("length-ratio<=1.05").slack(1.05)
+    bad_ones = ["tf-match<=99", "accuracy>=3", "dppl<=x", "dppl<=nan", "", "length-ratio>=1", "tf-match>=dense-1"]
+    bad_ones += ["length-ratio<=dense", "task-accuracy>=dense2", "task-accuracy>=densely", "task-accuracy<=dense-2"]
+    for bad in bad_ones:
+        with pytest.raises(SparseDecodeError, match="a target is one of .*task-accuracy>=dense-X.*length-ratio<=X"):
+            parse(bad)
 
 
-def test_a_hopeless_trial_is_one_no_later_prompt_can_save():
-    target = [calibrate.Target("tf-match", 90)]
-    assert calibrate.hopeless(target, [{"teacher_forced_match": 50.0}], 4)  # at best (50 + 300) / 4 = 87.5
-    assert not calibrate.hopeless(target, [{"teacher_forced_match": 70.0}], 4)  # at best 92.5
-    assert not calibrate.hopeless([calibrate.Target("dppl", 1)], [{"delta_ppl_percent": 500.0}], 4)
+def test_a_hopeless_trial_is_one_no_later_unit_can_save():
+    hopeless, parse = calibrate.hopeless, calibrate.parse_target
+    four = [{}] * 4
+    assert hopeless([parse("tf-match>=90")], [{"teacher_forced_match": 50.0}], four[1:])  # at best 87.5
+    assert not hopeless([parse("tf-match>=90")], [{"teacher_forced_match": 70.0}], four[1:])  # at best 92.5
+    assert not hopeless([parse("dppl<=1")], [{"delta_ppl_percent": 500.0}], four[1:])  # no bound
+    wrong = [{"score": 0.0, "dense_score": 1.0, "output_tokens": 30, "dense_tokens": 10}]
+    pending = [{"score": 1.0, "output_tokens": 10}] * 3
+    assert hopeless([parse("task-accuracy>=80")], wrong, pending)  # at best 75
+    assert not hopeless([parse("task-accuracy>=75")], wrong, pending)
+    assert hopeless([parse("task-accuracy>=dense-10")], wrong, pending, dense=90.0)  # 75 < 80
+    assert not hopeless([parse("task-accuracy>=dense-20")], wrong, pending, dense=90.0)
+    assert hopeless([parse("length-ratio<=0.7")], wrong, pending)  # 30 of 40 dense tokens already
+    assert not hopeless([parse("length-ratio<=0.75")], wrong, pending)
     low, high = calibrate.bootstrap_interval([1.0, 2.0, 3.0, 10.0])
     assert 1.0 <= low <= 4.0 <= high <= 10.0 and calibrate.bootstrap_interval([7.0]) == (7.0, 7.0)
 
@@ -99,17 +117,19 @@ def test_the_cost_is_what_a_step_reads_at_the_context():
     assert calibrate.cost(cfg, 2, 4000) == (97 + 1009) / 2
 
 
-def _fake_measure(model, prompts, references, cfg, tokens, *, on_prompt=None):
+def _fake_measure(model, units, cfg, targets=(), *, prune=False):
     """Rows that depend on the supports alone (a support under 385 costs match), so a search runs in milliseconds."""
+    import optuna
+
     layers = len(cfg.layer_supports)
     loss = sum(4.0 * (cfg.for_layer(i).support < 385) + 2.0 * (cfg.for_layer(i).support < 193) for i in range(layers))
     rows = []
-    for index in range(len(prompts)):
+    for index in range(len(units.prompts)):
         row = {"teacher_forced_match": 100.0 - loss - index, "delta_ppl_percent": loss / 2, "first_divergence": 0}
         rows.append(row)
-        if on_prompt is not None:
-            on_prompt(rows)
-    return rows
+        if prune and calibrate.hopeless(targets, rows, units.prompts[len(rows) :]):
+            raise optuna.TrialPruned()
+    return {"corpus": rows, "tasks": []}
 
 
 def _search_trials(study) -> list:
@@ -122,16 +142,16 @@ def test_a_trial_left_running_or_waiting_is_failed_and_the_search_goes_on_as_if_
         model="fake", selector="mean-pooled", context=4096, tokens=8, prompts=2, choices=(97, 193, 385, 769),
         targets=("tf-match>=90",), layers=6, seed=3,
     )  # fmt: skip
-    base, prompts = SparseConfig(support=97), [None, None]
+    base, units = SparseConfig(support=97), calibrate.Units(prompts=[{}, {}], references=[None, None])
     whole = calibrate.open_study(tmp_path / "whole.db", search)
-    best = calibrate.run_search(None, prompts, prompts, base, search, whole, 16)
+    best = calibrate.run_search(None, units, base, search, whole, 16)
     for stop in (2, 11):  # among the uniform trials, and after TPE's 8 random ones
         study = calibrate.open_study(tmp_path / f"stopped{stop}.db", search)
-        calibrate.run_search(None, prompts, prompts, base, search, study, stop)
+        calibrate.run_search(None, units, base, search, study, stop)
         study.ask()  # what a SIGKILL mid-trial leaves: one trial running ...
         study.enqueue_trial({f"layer_{i}": 769 for i in range(6)})  # ... and one waiting
         resumed = calibrate.open_study(tmp_path / f"stopped{stop}.db", search)
-        again = calibrate.run_search(None, prompts, prompts, base, search, resumed, 16)
+        again = calibrate.run_search(None, units, base, search, resumed, 16)
         assert [t.state.name for t in resumed.trials].count("FAIL") == 2
         assert _search_trials(resumed) == _search_trials(whole)
         assert again.params == best.params and again.value == best.value
@@ -140,7 +160,7 @@ def test_a_trial_left_running_or_waiting_is_failed_and_the_search_goes_on_as_if_
     assert len({json.dumps(t[0], sort_keys=True) for t in trials}) > 8, "the sampler proposed different supports"
     reseeded = calibrate.Search(**{**search.record(), "seed": 4})
     other = calibrate.open_study(tmp_path / "seed4.db", reseeded)
-    calibrate.run_search(None, prompts, prompts, base, reseeded, other, 16)
+    calibrate.run_search(None, units, base, reseeded, other, 16)
     assert _search_trials(other) != trials, "the seed decides the proposals"
 
 
