@@ -209,3 +209,82 @@ def test_a_search_killed_mid_trial_resumes_to_the_uninterrupted_result(tmp_path,
     assert [kept(t) for t in resumed["trials"]] == [kept(t) for t in whole["trials"]]
     assert resumed["chosen"] == whole["chosen"] and resumed["chosen"] is not None
     assert resumed["held_out"] == whole["held_out"]
+
+
+TWO_TASKS = ("niah_single_noise", "vt")
+
+
+@pytest.fixture(scope="module")
+def ended_model_dir(tmp_path_factory):
+    """A tiny Llama whose end token is the one its dense answers settle into after a few tokens (id 26), so answers
+    end, and end later where sparse decoding wanders."""
+    path = tmp_path_factory.mktemp("tiny-ended")
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = 26
+    model.save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
+    return path
+
+
+def _eval_route(model, tokenizer, samples, cfg) -> list[dict]:
+    """The samples answered by ``eval``'s own code (a prefill of its own per sample): its rows for ``cfg``."""
+    from sparsedecode.experiments.eval_sample import run_sample
+
+    rows = []
+    for sample in samples:
+        key = (sample.task, sample.context, sample.index, "mean-pooled", 97)
+        rows += run_sample(model, tokenizer, sample, [key], {("mean-pooled", 97): cfg})
+    return rows
+
+
+def test_calibrate_meets_task_targets_measured_as_eval_measures_them(ended_model_dir, tmp_path, capsys):
+    from sparsedecode.experiments.calibration_tasks import task_samples
+
+    out = tmp_path / "c"
+    args = ["calibrate", "--model", str(ended_model_dir), "--context", "600", "--choices", "97,1009", "--tokens", "4"]
+    args += ["--tasks", ",".join(TWO_TASKS), "--target", "task-accuracy>=dense-0", "--target", "length-ratio<=1.05"]
+    args += ["--prompts", "2", "--held-out", "1", "--trials", "4", "--out", str(out)]
+    assert main(args) == 0, capsys.readouterr().err
+    data = json.loads((out / "calibration.json").read_text())
+    assert data["settings"]["tasks"] == list(TWO_TASKS)
+    model, tokenizer = load_model(str(ended_model_dir))
+    samples = task_samples(tokenizer, TWO_TASKS, 600, range(2))
+    assert sum(t["state"] == "complete" for t in data["trials"]) >= 2
+    for trial in data["trials"]:
+        if trial["state"] == "complete":  # each finished trial's values are eval's on the calibration samples
+            cfg = calibrate.layer_config(SparseConfig(support=97), trial["supports"])
+            rows = _eval_route(model, tokenizer, samples, cfg)
+            assert set(trial["means"]) == {"task-accuracy", "length-ratio", "dense task-accuracy"}
+            assert trial["means"]["task-accuracy"] == pytest.approx(100 * sum(r["score"] for r in rows) / 4)
+            assert trial["means"]["dense task-accuracy"] == pytest.approx(100 * sum(r["dense_score"] for r in rows) / 4)
+            dense = [r["output_tokens"] for r in _eval_route(model, tokenizer, samples, SparseConfig(support=4096))]
+            ratio = sum(r["output_tokens"] for r in rows) / sum(dense)
+            assert trial["means"]["length-ratio"] == pytest.approx(ratio)
+            assert trial["feasible"] == (
+                ratio <= 1.05 and trial["means"]["task-accuracy"] >= trial["means"]["dense task-accuracy"]
+            )
+    uniform = {tuple(t["supports"]): t for t in data["trials"][:2]}
+    assert not uniform[(97, 97)]["feasible"], "support 97 answers longer than dense on these samples"
+    assert uniform[(1009, 1009)]["feasible"] and uniform[(1009, 1009)]["means"]["length-ratio"] == 1.0
+    assert data["chosen"] is not None and data["chosen"] != [97, 97]
+    held = {row["configuration"]: row for row in data["held_out"]}
+    assert held["calibrated"]["samples"] == 2 and held["calibrated"]["prompts"] == 0
+    assert held["uniform S=1009"]["length-ratio"] == {"mean": 1.0, "low": 1.0, "high": 1.0}
+    assert set(held["uniform S=97"]["targets_met"]) == {"task-accuracy>=dense", "length-ratio<=1.05"}
+    markdown = (out / "calibration.md").read_text()
+    assert "answer length, sparse / dense" in markdown and "1 samples of each of the tasks" in markdown
+
+
+def test_bad_task_targets_are_refused_in_one_line(tiny_model_dir, tmp_path, capsys):
+    base = ["calibrate", "--model", str(tiny_model_dir), "--context", "600", "--out", str(tmp_path / "c")]
+    for extra, message in [
+        (["--target", "length-ratio<=1.05", "--tasks", "vt"], "this model and tokenizer name none"),  # no end token
+        (["--target", "task-accuracy>=dense-2", "--tasks", "vt,nope"], "unknown task(s) nope"),
+        (["--target", "task-accuracy>=dense-2", "--tasks", "vt", "--answer-tokens", "0"], "--answer-tokens must"),
+        (["--target", "task-accuracy>=dense-2", "--tasks", "vt", "--context", "1000"], "exceeds the model's 1024"),
+        (["--target", "length-ratio>=1"], "a target is one of"),
+    ]:
+        assert main([*base, *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "c").exists()
