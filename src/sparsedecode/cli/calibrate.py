@@ -40,7 +40,6 @@ def add_parsers(sub) -> None:
         "OUT/budget.json (for --budget), calibration.json and calibration.md. Needs Optuna (pip install optuna).",
         epilog="examples:\n"
         "  sparsedecode calibrate --context 2048 --target 'tf-match>=95' --trials 30 --out runs/calibrate\n"
-        "  sparsedecode calibrate --selector quest --target 'tf-match>=90' --target 'dppl<=5' --out runs/quest\n"
         "  sparsedecode calibrate --tasks niah_single_noise,vt --target 'task-accuracy>=dense-2' "
         "--target 'length-ratio<=1.05' --out runs/tasks",
     )
