@@ -68,6 +68,14 @@ def add_parsers(sub) -> None:
                         help="answer budget of a task sample in tokens (default: each task's own)")  # fmt: skip
     parser.add_argument("--tokens", type=int, default=64, help="greedy tokens T per prompt")
     parser.add_argument("--trials", type=int, default=40, help="trials the study holds when the search stops")
+    parser.add_argument(
+        "--search-reuse",
+        type=int_list,
+        default=None,
+        metavar="R[,R...]",
+        help="also search the reuse interval R among these (the cost then counts the block "
+        "statistics a selection reads, at one step in R; uniform supports at the smallest R)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="the sampler's seed")
     parser.add_argument("--out", type=path_arg, required=True, help="folder of the study and its results")
     parser.set_defaults(handler=cmd_calibrate)
@@ -90,6 +98,10 @@ def _check(args) -> None:
     if len(set(args.choices)) != len(args.choices) or len(args.choices) < 2:
         raise SparseDecodeError(f"--choices needs two or more distinct supports, got {args.choices}")
     check_whole_blocks([SparseConfig(support=s, selector=args.selector) for s in args.choices])
+    if args.search_reuse is not None:
+        from ..experiments.calibrate import check_reuse_search
+
+        check_reuse_search(_base(args), tuple(args.search_reuse))
     check_output_folder(args.out, files=WRITTEN)
     try:
         import optuna  # noqa: F401
@@ -116,7 +128,7 @@ def cmd_calibrate(args) -> int:
     search = search_module.Search(
         model=args.model, selector=args.selector, context=args.context, tokens=args.tokens, prompts=args.prompts,
         choices=tuple(args.choices), targets=tuple(args.target), layers=layers, seed=args.seed, tasks=tasks,
-        answer_tokens=args.answer_tokens if tasks else None,
+        answer_tokens=args.answer_tokens if tasks else None, reuses=tuple(args.search_reuse or ()),
     )  # fmt: skip
     base = _base(args)
     with locked(args.out):  # one search per study: a trial left running is one a killed search left
@@ -130,9 +142,8 @@ def cmd_calibrate(args) -> int:
             best = search_module.run_search(model, calibration, base, search, study, args.trials, progress=shown)
         configs = {f"uniform S={s}": search_module.layer_config(base, [s] * layers) for s in args.choices}
         if best is not None:
-            chosen = [best.params[f"layer_{i}"] for i in range(layers)]
-            configs = {"calibrated": search_module.layer_config(base, chosen), **configs}
-        rows = search_module.held_out(model, held, configs, targets, layers, args.context)
+            configs = {"calibrated": search.config(base, best.params), **configs}
+        rows = search_module.held_out(model, held, configs, targets, search)
         _write(args, search, study, best, rows, layers)
         _print(args, best, rows)
     return 0
@@ -181,7 +192,8 @@ def _check_answer_room(model, args, tasks) -> None:
 def _base(args):
     from ..config import SparseConfig
 
-    return SparseConfig(support=min(args.choices), selector=args.selector)
+    reuse = min(args.search_reuse) if args.search_reuse else 1
+    return SparseConfig(support=min(args.choices), selector=args.selector, reuse=reuse)
 
 
 def _write(args, search, study, best, held, layers) -> None:
@@ -193,6 +205,7 @@ def _write(args, search, study, best, held, layers) -> None:
         {"number": t.number, "state": t.state.name.lower(), "supports": [t.params.get(f"layer_{i}") for i in
          range(layers)], "cost": t.value, "means": t.user_attrs.get("means"),
          "feasible": all(c <= 0 for c in t.user_attrs.get("constraints", [1]))}
+        | ({"reuse": t.params.get("reuse")} if search.reuses else {})
         for t in search_module.finished(study)
     ]  # fmt: skip
     chosen = None if best is None else [best.params[f"layer_{i}"] for i in range(layers)]
@@ -200,6 +213,8 @@ def _write(args, search, study, best, held, layers) -> None:
     data = {"settings": {**search.record(), "corpus": args.corpus, "held_out": args.held_out, "trials": args.trials},
             "environment": environment(), "chosen": chosen, "trials": trials, "failed_trials": failed,
             "held_out": held}  # fmt: skip
+    if search.reuses:
+        data["chosen_reuse"] = None if best is None else best.params["reuse"]
     if chosen is not None:
         write_json_atomic(args.out / "budget.json", {"layer_supports": {str(i): s for i, s in enumerate(chosen)}})
     write_json_atomic(args.out / "calibration.json", data)
@@ -220,3 +235,6 @@ def _print(args, best, held) -> None:
         table.add_row(row["configuration"], f"{row['cost']:.1f}", *cells(row), met)
     console.print(table)
     console.print(f"wrote {args.out / 'calibration.md'}, calibration.json" + (", budget.json" if best else ""))
+    if best is not None and "reuse" in best.params:
+        console.print(f"the chosen supports are for reuse R = {best.params['reuse']}: --budget budget.json "
+                      f"--reuse {best.params['reuse']}")  # fmt: skip

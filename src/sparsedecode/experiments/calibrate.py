@@ -50,6 +50,7 @@ __all__ = [  # with the target names tests and the command import from here
     "Target",
     "Units",
     "bootstrap_interval",
+    "check_reuse_search",
     "cost",
     "held_out",
     "hopeless",
@@ -58,6 +59,7 @@ __all__ = [  # with the target names tests and the command import from here
     "open_study",
     "parse_target",
     "run_search",
+    "selection_cost",
 ]
 
 
@@ -66,10 +68,37 @@ def layer_config(base: SparseConfig, supports: list[int]) -> SparseConfig:
     return dataclasses.replace(base, layer_supports=tuple(enumerate(supports)))
 
 
-def cost(cfg: SparseConfig, layers: int, context: int) -> float:
+def cost(cfg: SparseConfig, layers: int, context: int, *, selection: bool = False) -> float:
     """Positions a decode step at ``context`` reads per layer, the mean over ``layers`` layers: each layer's
-    effective support, or the whole context where that is smaller (a support past it reads everything)."""
-    return statistics.mean(min(cfg.for_layer(layer).effective_support, context) for layer in range(layers))
+    effective support, or the whole context where that is smaller (a support past it reads everything). With
+    ``selection``, plus what selecting reads per step (:func:`selection_cost`), for searches over the reuse R."""
+    return statistics.mean(
+        min(cfg.for_layer(layer).effective_support, context) + (selection_cost(cfg.for_layer(layer), context) if
+                                                                 selection else 0.0)
+        for layer in range(layers)
+    )  # fmt: skip
+
+
+def selection_cost(cfg: SparseConfig, context: int) -> float:
+    """What one sparse step at ``context`` reads to select, in positions (a position is a key and a value, two
+    vectors): the block statistics of every complete distant block (one vector per statistic and block), at one
+    step in ``R``; 0 where the support covers the context (no selection). For selectors that keep block statistics
+    (:attr:`~sparsedecode.selectors.base.Selector.statistics`), as :func:`check_reuse_search` requires."""
+    if cfg.effective_support >= context:
+        return 0.0
+    blocks = (context - 1 - cfg.window) // cfg.block_size
+    return blocks * len(cfg.selector.cached_statistics()) / 2 / cfg.reuse
+
+
+def check_reuse_search(base: SparseConfig, reuses: tuple[int, ...]) -> None:
+    """Refuse a reuse search the cost cannot weigh: a selector without block statistics, or a bad list of R."""
+    if not base.selector.statistics or base.selector.reselects_every_step:
+        raise SparseDecodeError(
+            f"--search-reuse weighs the block statistics a selection reads, and {base.selector_name} keeps none: "
+            "search the supports alone"
+        )
+    if len(set(reuses)) != len(reuses) or any(r < 1 for r in reuses):
+        raise SparseDecodeError(f"--search-reuse takes distinct intervals R >= 1, got {list(reuses)}")
 
 
 @dataclass
@@ -133,11 +162,20 @@ class Search:
     seed: int = 0
     tasks: tuple[str, ...] = ()
     answer_tokens: int | None = None
+    reuses: tuple[int, ...] = ()  # reuse intervals R a trial picks among (none: the base's R alone)
     sampler: str = SAMPLER
 
     def record(self) -> dict:
         data = dataclasses.asdict(self)
-        return {**data, **{name: list(data[name]) for name in ("choices", "targets", "tasks")}}
+        return {**data, **{name: list(data[name]) for name in ("choices", "targets", "tasks", "reuses")}}
+
+    def config(self, base: SparseConfig, params: dict) -> SparseConfig:
+        """A trial's configuration from its parameters (``layer_i``, and ``reuse`` when the search picks R)."""
+        cfg = layer_config(base, [params[f"layer_{i}"] for i in range(self.layers)])
+        return dataclasses.replace(cfg, reuse=params["reuse"]) if self.reuses else cfg
+
+    def cost(self, cfg: SparseConfig) -> float:
+        return cost(cfg, self.layers, self.context, selection=bool(self.reuses))
 
 
 def open_study(path: Path, search: Search):
@@ -210,8 +248,10 @@ def run_trial(trial, model, units: Units, base: SparseConfig, search: Search, ta
     target is out of reach. The targets are the trial's constraints (<= 0 where one holds)."""
     import optuna
 
-    supports = [trial.suggest_categorical(f"layer_{i}", list(search.choices)) for i in range(search.layers)]
-    cfg = layer_config(base, supports)
+    params = {f"layer_{i}": trial.suggest_categorical(f"layer_{i}", list(search.choices)) for i in range(search.layers)}
+    if search.reuses:
+        params["reuse"] = trial.suggest_categorical("reuse", list(search.reuses))
+    cfg = search.config(base, params)
     try:
         rows = measure(model, units, cfg, targets, prune=True)
     except optuna.TrialPruned:
@@ -224,7 +264,7 @@ def run_trial(trial, model, units: Units, base: SparseConfig, search: Search, ta
     for target, value in zip(targets, held):
         trial.set_constraint(str(target), value)
     trial.set_user_attr("constraints", held)
-    return cost(cfg, search.layers, search.context)
+    return search.cost(cfg)
 
 
 def run_search(model, units: Units, base: SparseConfig, search: Search, study, trials: int, *, progress=None):
@@ -238,7 +278,8 @@ def run_search(model, units: Units, base: SparseConfig, search: Search, study, t
     while (done := len(finished(study))) < trials:
         study.sampler = optuna.samplers.TPESampler(seed=sampler_seed(search.seed, done), n_startup_trials=8)
         if done < len(uniform):  # the uniform supports first: known points the sampler learns from
-            study.enqueue_trial({f"layer_{i}": uniform[done] for i in range(search.layers)})
+            fixed = {f"layer_{i}": uniform[done] for i in range(search.layers)}
+            study.enqueue_trial(fixed | ({"reuse": min(search.reuses)} if search.reuses else {}))
         trial = study.ask()
         try:
             value = run_trial(trial, model, units, base, search, targets)
@@ -255,14 +296,14 @@ def run_search(model, units: Units, base: SparseConfig, search: Search, study, t
     return best_feasible(study)
 
 
-def held_out(model, units: Units, configs: dict, targets: list[Target], layers: int, context: int) -> list[dict]:
+def held_out(model, units: Units, configs: dict, targets: list[Target], search: Search) -> list[dict]:
     """Each named configuration on the held-out units: every measure with its 95% bootstrap interval
-    (:func:`.calibration_targets.interval_row`), its cost (:func:`cost` at ``context``) and whether each target
+    (:func:`.calibration_targets.interval_row`), its cost (:meth:`Search.cost`), its R, and whether each target
     holds; ``prompts`` and ``samples`` count the units."""
     rows = []
     for name, cfg in configs.items():
         measured = measure(model, units, cfg)
-        row = {"configuration": name, "cost": cost(cfg, layers, context), "prompts": len(units.prompts)}
+        row = {"configuration": name, "cost": search.cost(cfg), "reuse": cfg.reuse, "prompts": len(units.prompts)}
         if units.tasks is not None:
             row["samples"] = len(units.tasks)
         rows.append({**row, **interval_row(targets, measured)})

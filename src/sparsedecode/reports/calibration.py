@@ -68,8 +68,8 @@ def calibration_markdown(data: dict) -> str:
         f"Targets {', '.join(f'`{t}`' for t in settings['targets'])} on {calibration} (context "
         f"{settings['context']}, {settings['tokens']} tokens per prompt, corpus {settings['corpus']}); each of the "
         f"{settings['layers']} layers took a support among "
-        f"{', '.join(map(str, settings['choices']))}. {len(trials)} trials ({pruned} stopped early as hopeless), "
-        f"{len(feasible)} met every target.",
+        f"{', '.join(map(str, settings['choices']))}{_reuse_note(settings)}. {len(trials)} trials ({pruned} "
+        f"stopped early as hopeless), {len(feasible)} met every target.",
         "",
     ]
     if chosen is None:
@@ -78,7 +78,12 @@ def calibration_markdown(data: dict) -> str:
         cheapest = min(feasible, key=lambda t: t["cost"])
         lines += [
             f"Chosen (the cheapest that met them, {cheapest['cost']:.1f} positions read per layer and step): "
-            f"supports by layer `{','.join(map(str, chosen))}`, in `budget.json` (`--budget budget.json`).",
+            f"supports by layer `{','.join(map(str, chosen))}`, in `budget.json` (`--budget budget.json`)"
+            + (
+                f", at reuse R = {data['chosen_reuse']} (`--reuse {data['chosen_reuse']}`)."
+                if "chosen_reuse" in data
+                else "."
+            ),
             "",
             "![chosen supports per layer](supports.png)",
             "",
@@ -114,3 +119,10 @@ def _units(prompts: int, samples_per_task: int, tasks: list[str]) -> str:
     if samples_per_task:
         parts.append(f"{samples_per_task} samples of each of the tasks {', '.join(tasks)}")
     return " and ".join(parts)
+
+
+def _reuse_note(settings: dict) -> str:
+    if not settings.get("reuses"):
+        return ""
+    return (f", and the trial a reuse interval R among {', '.join(map(str, settings['reuses']))} (its cost then adds "
+            "the block statistics a selection reads, in positions of two vectors, at one step in R)")  # fmt: skip
