@@ -288,3 +288,47 @@ def test_bad_task_targets_are_refused_in_one_line(tiny_model_dir, tmp_path, caps
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "c").exists()
+
+
+def test_a_reuse_search_costs_the_selection_at_one_step_in_r():
+    mean, quest = SparseConfig(support=193, reuse=2), SparseConfig(support=193, selector="quest")
+    blocks = (4096 - 1 - 64) // 16  # complete distant blocks at context 4096 (window 64, blocks of 16)
+    assert calibrate.selection_cost(mean, 4096) == blocks * 1 / 2 / 2  # one mean per block, two vectors a position
+    assert calibrate.selection_cost(quest, 4096) == blocks * 2 / 2  # min and max per block, R = 1
+    assert calibrate.selection_cost(SparseConfig(support=1009), 300) == 0.0  # reads the whole context: no selection
+    cfg = calibrate.layer_config(SparseConfig(support=97, reuse=4), [97, 1009])
+    assert calibrate.cost(cfg, 2, 300) == (97 + 300) / 2  # the supports alone, as without a reuse search
+    assert calibrate.cost(cfg, 2, 300, selection=True) == (97 + (300 - 65) // 16 / 8 + 300) / 2
+    for selector in ("random-blocks", "streaming", "h2o"):
+        with pytest.raises(SparseDecodeError, match=f"{selector} keeps none"):
+            calibrate.check_reuse_search(SparseConfig(support=97, selector=selector), (1, 2))
+    with pytest.raises(SparseDecodeError, match="distinct intervals R >= 1"):
+        calibrate.check_reuse_search(SparseConfig(support=97), (2, 2))
+
+
+def test_calibrate_searches_the_reuse_interval(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "c"
+    args = ["calibrate", "--model", str(tiny_model_dir), "--context", "300", "--choices", "97,1009", "--tokens", "8"]
+    args += ["--target", "tf-match>=90", "--prompts", "2", "--held-out", "1", "--trials", "8"]
+    assert main([*args, "--search-reuse", "1,4", "--out", str(out)]) == 0, capsys.readouterr().err
+    data = json.loads((out / "calibration.json").read_text())
+    assert data["settings"]["reuses"] == [1, 4]
+    assert [(t["supports"], t["reuse"]) for t in data["trials"][:2]] == [([97, 97], 1), ([1009, 1009], 1)]
+    assert any(t["reuse"] == 4 and t["state"] == "complete" for t in data["trials"]), "the sampler tried R = 4"
+    model, tokenizer = load_model(str(tiny_model_dir))
+    for trial in data["trials"]:
+        cfg = calibrate.layer_config(SparseConfig(support=97, reuse=trial["reuse"]), trial["supports"])
+        if trial["state"] == "complete":  # its cost counts the selection, its match is the paired protocol's at its R
+            assert trial["cost"] == calibrate.cost(cfg, 2, 300, selection=True)
+            ids = [prompt_ids(tokenizer, "python-docs", 300, index, 8) for index in range(2)]
+            tf = [compare(model, None, one, cfg, 8).teacher_forced_match for one in ids]
+            assert trial["means"]["tf-match"] == pytest.approx(sum(tf) / 2)
+    best = min((t for t in data["trials"] if t["feasible"]), key=lambda t: t["cost"])
+    assert (data["chosen"], data["chosen_reuse"]) == (best["supports"], best["reuse"])
+    held = {row["configuration"]: row for row in data["held_out"]}
+    assert held["calibrated"]["reuse"] == best["reuse"] and held["uniform S=97"]["reuse"] == 1
+    assert f"--reuse {best['reuse']}" in (out / "calibration.md").read_text()
+    assert main([*args, "--out", str(out)]) == 2  # the same folder without the reuse search: other settings
+    assert "reuses differ" in capsys.readouterr().err
+    assert main([*args, "--selector", "h2o", "--search-reuse", "1,2", "--out", str(tmp_path / "d")]) == 2
+    assert "h2o keeps none" in capsys.readouterr().err
