@@ -5,9 +5,16 @@ and reports the held-out prompts beside every uniform support; bad input is refu
 from __future__ import annotations
 
 import json
+import os
+import signal
+import sqlite3
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
+from conftest import char_tokenizer, tiny_model
 
 from sparsedecode import SparseConfig, SparseDecodeError
 from sparsedecode.cli import main
@@ -19,19 +26,37 @@ from sparsedecode.protocol.paired import compare
 
 
 def test_targets_parse_and_bad_ones_are_refused():
-    assert str(calibrate.parse_target("tf-match>=99")) == "tf-match>=99"
-    assert calibrate.parse_target("dppl <= 1.5") == calibrate.Target("dppl", 1.5)
+    parse = calibrate.parse_target
+    for text in ("tf-match>=99", "dppl<=1", "task-accuracy>=90", "task-accuracy>=dense-2", "length-ratio<=1.05"):
+        assert str(parse(text)) == text
+    assert parse("dppl <= 1.5") == calibrate.Target("dppl", 1.5)
+    assert parse("task-accuracy >= dense - 2.5") == calibrate.Target("task-accuracy", -2.5, relative=True)
+    assert str(parse("task-accuracy>=dense")) == "task-accuracy>=dense" and str(parse("task-accuracy>=dense+1"))
     assert calibrate.Target("tf-match", 90).slack(95) == 5 and calibrate.Target("dppl", 1).slack(3) == -2
-    for bad in ("tf-match<=99", "accuracy>=3", "dppl<=x", "dppl<=nan", ""):
-        with pytest.raises(SparseDecodeError, match="a target is one of"):
-            calibrate.parse_target(bad)
+    assert parse("task-accuracy>=dense-2").slack(79.0, dense=80.0) == 1.0  # 79 >= 80 - 2
+    assert parse("task-accuracy>=dense-2").slack(77.0, dense=80.0) == -1.0
+    assert parse("length-ratio<=1.05").slack(1.1) < 0 <= parse("length-ratio<=1.05").slack(1.05)
+    bad_ones = ["tf-match<=99", "accuracy>=3", "dppl<=x", "dppl<=nan", "", "length-ratio>=1", "tf-match>=dense-1"]
+    bad_ones += ["length-ratio<=dense", "task-accuracy>=dense2", "task-accuracy>=densely", "task-accuracy<=dense-2"]
+    for bad in bad_ones:
+        with pytest.raises(SparseDecodeError, match="a target is one of .*task-accuracy>=dense-X.*length-ratio<=X"):
+            parse(bad)
 
 
-def test_a_hopeless_trial_is_one_no_later_prompt_can_save():
-    target = [calibrate.Target("tf-match", 90)]
-    assert calibrate.hopeless(target, [{"teacher_forced_match": 50.0}], 4)  # at best (50 + 300) / 4 = 87.5
-    assert not calibrate.hopeless(target, [{"teacher_forced_match": 70.0}], 4)  # at best 92.5
-    assert not calibrate.hopeless([calibrate.Target("dppl", 1)], [{"delta_ppl_percent": 500.0}], 4)
+def test_a_hopeless_trial_is_one_no_later_unit_can_save():
+    hopeless, parse = calibrate.hopeless, calibrate.parse_target
+    four = [{}] * 4
+    assert hopeless([parse("tf-match>=90")], [{"teacher_forced_match": 50.0}], four[1:])  # at best 87.5
+    assert not hopeless([parse("tf-match>=90")], [{"teacher_forced_match": 70.0}], four[1:])  # at best 92.5
+    assert not hopeless([parse("dppl<=1")], [{"delta_ppl_percent": 500.0}], four[1:])  # no bound
+    wrong = [{"score": 0.0, "dense_score": 1.0, "output_tokens": 30, "dense_tokens": 10}]
+    pending = [{"score": 1.0, "output_tokens": 10}] * 3
+    assert hopeless([parse("task-accuracy>=80")], wrong, pending)  # at best 75
+    assert not hopeless([parse("task-accuracy>=75")], wrong, pending)
+    assert hopeless([parse("task-accuracy>=dense-10")], wrong, pending, dense=90.0)  # 75 < 80
+    assert not hopeless([parse("task-accuracy>=dense-20")], wrong, pending, dense=90.0)
+    assert hopeless([parse("length-ratio<=0.7")], wrong, pending)  # 30 of 40 dense tokens already
+    assert not hopeless([parse("length-ratio<=0.75")], wrong, pending)
     low, high = calibrate.bootstrap_interval([1.0, 2.0, 3.0, 10.0])
     assert 1.0 <= low <= 4.0 <= high <= 10.0 and calibrate.bootstrap_interval([7.0]) == (7.0, 7.0)
 
@@ -90,3 +115,220 @@ def test_the_cost_is_what_a_step_reads_at_the_context():
     cfg = calibrate.layer_config(SparseConfig(support=97), [97, 1009])
     assert calibrate.cost(cfg, 2, 300) == (97 + 300) / 2
     assert calibrate.cost(cfg, 2, 4000) == (97 + 1009) / 2
+
+
+def _fake_measure(model, units, cfg, targets=(), *, prune=False):
+    """Rows that depend on the supports alone (a support under 385 costs match), so a search runs in milliseconds."""
+    import optuna
+
+    layers = len(cfg.layer_supports)
+    loss = sum(4.0 * (cfg.for_layer(i).support < 385) + 2.0 * (cfg.for_layer(i).support < 193) for i in range(layers))
+    rows = []
+    for index in range(len(units.prompts)):
+        row = {"teacher_forced_match": 100.0 - loss - index, "delta_ppl_percent": loss / 2, "first_divergence": 0}
+        rows.append(row)
+        if prune and calibrate.hopeless(targets, rows, units.prompts[len(rows) :]):
+            raise optuna.TrialPruned()
+    return {"corpus": rows, "tasks": []}
+
+
+def _search_trials(study) -> list:
+    return [(t.params, t.state.name, t.value, t.user_attrs.get("means")) for t in calibrate.finished(study)]
+
+
+def test_a_trial_left_running_or_waiting_is_failed_and_the_search_goes_on_as_if_never_stopped(tmp_path, monkeypatch):
+    monkeypatch.setattr(calibrate, "measure", _fake_measure)
+    search = calibrate.Search(
+        model="fake", selector="mean-pooled", context=4096, tokens=8, prompts=2, choices=(97, 193, 385, 769),
+        targets=("tf-match>=90",), layers=6, seed=3,
+    )  # fmt: skip
+    base, units = SparseConfig(support=97), calibrate.Units(prompts=[{}, {}], references=[None, None])
+    whole = calibrate.open_study(tmp_path / "whole.db", search)
+    best = calibrate.run_search(None, units, base, search, whole, 16)
+    for stop in (2, 11):  # among the uniform trials, and after TPE's 8 random ones
+        study = calibrate.open_study(tmp_path / f"stopped{stop}.db", search)
+        calibrate.run_search(None, units, base, search, study, stop)
+        study.ask()  # what a SIGKILL mid-trial leaves: one trial running ...
+        study.enqueue_trial({f"layer_{i}": 769 for i in range(6)})  # ... and one waiting
+        resumed = calibrate.open_study(tmp_path / f"stopped{stop}.db", search)
+        again = calibrate.run_search(None, units, base, search, resumed, 16)
+        assert [t.state.name for t in resumed.trials].count("FAIL") == 2
+        assert _search_trials(resumed) == _search_trials(whole)
+        assert again.params == best.params and again.value == best.value
+    trials = _search_trials(whole)
+    assert [t[0]["layer_0"] for t in trials[:4]] == [97, 193, 385, 769]  # the uniform supports first
+    assert len({json.dumps(t[0], sort_keys=True) for t in trials}) > 8, "the sampler proposed different supports"
+    reseeded = calibrate.Search(**{**search.record(), "seed": 4})
+    other = calibrate.open_study(tmp_path / "seed4.db", reseeded)
+    calibrate.run_search(None, units, base, reseeded, other, 16)
+    assert _search_trials(other) != trials, "the seed decides the proposals"
+
+
+def _finished_and_running(db: Path) -> tuple[int, int]:
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=0.1) as connection:
+            states = [state for (state,) in connection.execute("SELECT state FROM trials")]
+    except sqlite3.Error:  # not made yet, or being written
+        return 0, 0
+    return sum(s in ("COMPLETE", "PRUNED") for s in states), states.count("RUNNING")
+
+
+def test_a_search_killed_mid_trial_resumes_to_the_uninterrupted_result(tmp_path, capsys):
+    """SIGKILL a real ``calibrate`` process while a trial runs, after TPE's random trials: the rerun fails that
+    trial, runs the rest and ends with the trials and the choice of a search never stopped."""
+    model_dir = tmp_path / "tiny4"
+    tiny_model("llama", layers=4).save_pretrained(model_dir)
+    char_tokenizer().save_pretrained(model_dir)
+    args = ["calibrate", "--model", str(model_dir), "--context", "300", "--choices", "97,193,1009", "--tokens", "8"]
+    args += ["--target", "tf-match>=90", "--prompts", "2", "--held-out", "1", "--trials", "14", "--seed", "1"]
+    import torch
+
+    killed = tmp_path / "killed"
+    threads = str(torch.get_num_threads())  # the killed run sums in the order this process does
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"), "OMP_NUM_THREADS": threads}
+    proc = subprocess.Popen([sys.executable, "-m", "sparsedecode", *args, "--out", str(killed)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)  # fmt: skip
+    deadline, state = time.monotonic() + 300, (0, 0)
+    while time.monotonic() < deadline and proc.poll() is None:
+        state = _finished_and_running(killed / "study.db")
+        if state[0] >= 10 and state[1] == 1:
+            break
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done, running = _finished_and_running(killed / "study.db")
+    assert 10 <= done < 14 and running == 1, f"the kill should land in a trial ({done} finished, {running} running)"
+    assert main([*args, "--out", str(killed)]) == 0
+    assert main([*args, "--out", str(tmp_path / "whole")]) == 0, capsys.readouterr().err
+    resumed, whole = (json.loads((tmp_path / n / "calibration.json").read_text()) for n in ("killed", "whole"))
+    assert len(resumed["failed_trials"]) == 1 and whole["failed_trials"] == []
+
+    def kept(trial):
+        return {k: v for k, v in trial.items() if k != "number"}  # a failed trial took a number
+
+    assert [kept(t) for t in resumed["trials"]] == [kept(t) for t in whole["trials"]]
+    assert resumed["chosen"] == whole["chosen"] and resumed["chosen"] is not None
+    assert resumed["held_out"] == whole["held_out"]
+
+
+TWO_TASKS = ("niah_single_noise", "vt")
+
+
+@pytest.fixture(scope="module")
+def ended_model_dir(tmp_path_factory):
+    """A tiny Llama whose end token is the one its dense answers settle into after a few tokens (id 26), so answers
+    end, and end later where sparse decoding wanders."""
+    path = tmp_path_factory.mktemp("tiny-ended")
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = 26
+    model.save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
+    return path
+
+
+def _eval_route(model, tokenizer, samples, cfg) -> list[dict]:
+    """The samples answered by ``eval``'s own code (a prefill of its own per sample): its rows for ``cfg``."""
+    from sparsedecode.experiments.eval_sample import run_sample
+
+    rows = []
+    for sample in samples:
+        key = (sample.task, sample.context, sample.index, "mean-pooled", 97)
+        rows += run_sample(model, tokenizer, sample, [key], {("mean-pooled", 97): cfg})
+    return rows
+
+
+def test_calibrate_meets_task_targets_measured_as_eval_measures_them(ended_model_dir, tmp_path, capsys):
+    from sparsedecode.experiments.calibration_tasks import task_samples
+
+    out = tmp_path / "c"
+    args = ["calibrate", "--model", str(ended_model_dir), "--context", "600", "--choices", "97,1009", "--tokens", "4"]
+    args += ["--tasks", ",".join(TWO_TASKS), "--target", "task-accuracy>=dense-0", "--target", "length-ratio<=1.05"]
+    args += ["--prompts", "2", "--held-out", "1", "--trials", "4", "--out", str(out)]
+    assert main(args) == 0, capsys.readouterr().err
+    data = json.loads((out / "calibration.json").read_text())
+    assert data["settings"]["tasks"] == list(TWO_TASKS)
+    model, tokenizer = load_model(str(ended_model_dir))
+    samples = task_samples(tokenizer, TWO_TASKS, 600, range(2))
+    assert sum(t["state"] == "complete" for t in data["trials"]) >= 2
+    for trial in data["trials"]:
+        if trial["state"] == "complete":  # each finished trial's values are eval's on the calibration samples
+            cfg = calibrate.layer_config(SparseConfig(support=97), trial["supports"])
+            rows = _eval_route(model, tokenizer, samples, cfg)
+            assert set(trial["means"]) == {"task-accuracy", "length-ratio", "dense task-accuracy"}
+            assert trial["means"]["task-accuracy"] == pytest.approx(100 * sum(r["score"] for r in rows) / 4)
+            assert trial["means"]["dense task-accuracy"] == pytest.approx(100 * sum(r["dense_score"] for r in rows) / 4)
+            dense = [r["output_tokens"] for r in _eval_route(model, tokenizer, samples, SparseConfig(support=4096))]
+            ratio = sum(r["output_tokens"] for r in rows) / sum(dense)
+            assert trial["means"]["length-ratio"] == pytest.approx(ratio)
+            assert trial["feasible"] == (
+                ratio <= 1.05 and trial["means"]["task-accuracy"] >= trial["means"]["dense task-accuracy"]
+            )
+    uniform = {tuple(t["supports"]): t for t in data["trials"][:2]}
+    assert not uniform[(97, 97)]["feasible"], "support 97 answers longer than dense on these samples"
+    assert uniform[(1009, 1009)]["feasible"] and uniform[(1009, 1009)]["means"]["length-ratio"] == 1.0
+    assert data["chosen"] is not None and data["chosen"] != [97, 97]
+    held = {row["configuration"]: row for row in data["held_out"]}
+    assert held["calibrated"]["samples"] == 2 and held["calibrated"]["prompts"] == 0
+    assert held["uniform S=1009"]["length-ratio"] == {"mean": 1.0, "low": 1.0, "high": 1.0}
+    assert set(held["uniform S=97"]["targets_met"]) == {"task-accuracy>=dense", "length-ratio<=1.05"}
+    markdown = (out / "calibration.md").read_text()
+    assert "answer length, sparse / dense" in markdown and "1 samples of each of the tasks" in markdown
+
+
+def test_bad_task_targets_are_refused_in_one_line(tiny_model_dir, tmp_path, capsys):
+    base = ["calibrate", "--model", str(tiny_model_dir), "--context", "600", "--out", str(tmp_path / "c")]
+    for extra, message in [
+        (["--target", "length-ratio<=1.05", "--tasks", "vt"], "this model and tokenizer name none"),  # no end token
+        (["--target", "task-accuracy>=dense-2", "--tasks", "vt,nope"], "unknown task(s) nope"),
+        (["--target", "task-accuracy>=dense-2", "--tasks", "vt", "--answer-tokens", "0"], "--answer-tokens must"),
+        (["--target", "task-accuracy>=dense-2", "--tasks", "vt", "--context", "1000"], "exceeds the model's 1024"),
+        (["--target", "length-ratio>=1"], "a target is one of"),
+    ]:
+        assert main([*base, *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_reuse_search_costs_the_selection_at_one_step_in_r():
+    mean, quest = SparseConfig(support=193, reuse=2), SparseConfig(support=193, selector="quest")
+    blocks = (4096 - 1 - 64) // 16  # complete distant blocks at context 4096 (window 64, blocks of 16)
+    assert calibrate.selection_cost(mean, 4096) == blocks * 1 / 2 / 2  # one mean per block, two vectors a position
+    assert calibrate.selection_cost(quest, 4096) == blocks * 2 / 2  # min and max per block, R = 1
+    assert calibrate.selection_cost(SparseConfig(support=1009), 300) == 0.0  # reads the whole context: no selection
+    cfg = calibrate.layer_config(SparseConfig(support=97, reuse=4), [97, 1009])
+    assert calibrate.cost(cfg, 2, 300) == (97 + 300) / 2  # the supports alone, as without a reuse search
+    assert calibrate.cost(cfg, 2, 300, selection=True) == (97 + (300 - 65) // 16 / 8 + 300) / 2
+    for selector in ("random-blocks", "streaming", "h2o"):
+        with pytest.raises(SparseDecodeError, match=f"{selector} keeps none"):
+            calibrate.check_reuse_search(SparseConfig(support=97, selector=selector), (1, 2))
+    with pytest.raises(SparseDecodeError, match="distinct intervals R >= 1"):
+        calibrate.check_reuse_search(SparseConfig(support=97), (2, 2))
+
+
+def test_calibrate_searches_the_reuse_interval(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "c"
+    args = ["calibrate", "--model", str(tiny_model_dir), "--context", "300", "--choices", "97,1009", "--tokens", "8"]
+    args += ["--target", "tf-match>=90", "--prompts", "2", "--held-out", "1", "--trials", "8"]
+    assert main([*args, "--search-reuse", "1,4", "--out", str(out)]) == 0, capsys.readouterr().err
+    data = json.loads((out / "calibration.json").read_text())
+    assert data["settings"]["reuses"] == [1, 4]
+    assert [(t["supports"], t["reuse"]) for t in data["trials"][:2]] == [([97, 97], 1), ([1009, 1009], 1)]
+    assert any(t["reuse"] == 4 and t["state"] == "complete" for t in data["trials"]), "the sampler tried R = 4"
+    model, tokenizer = load_model(str(tiny_model_dir))
+    for trial in data["trials"]:
+        cfg = calibrate.layer_config(SparseConfig(support=97, reuse=trial["reuse"]), trial["supports"])
+        if trial["state"] == "complete":  # its cost counts the selection, its match is the paired protocol's at its R
+            assert trial["cost"] == calibrate.cost(cfg, 2, 300, selection=True)
+            ids = [prompt_ids(tokenizer, "python-docs", 300, index, 8) for index in range(2)]
+            tf = [compare(model, None, one, cfg, 8).teacher_forced_match for one in ids]
+            assert trial["means"]["tf-match"] == pytest.approx(sum(tf) / 2)
+    best = min((t for t in data["trials"] if t["feasible"]), key=lambda t: t["cost"])
+    assert (data["chosen"], data["chosen_reuse"]) == (best["supports"], best["reuse"])
+    held = {row["configuration"]: row for row in data["held_out"]}
+    assert held["calibrated"]["reuse"] == best["reuse"] and held["uniform S=97"]["reuse"] == 1
+    assert f"--reuse {best['reuse']}" in (out / "calibration.md").read_text()
+    assert main([*args, "--out", str(out)]) == 2  # the same folder without the reuse search: other settings
+    assert "reuses differ" in capsys.readouterr().err
+    assert main([*args, "--selector", "h2o", "--search-reuse", "1,2", "--out", str(tmp_path / "d")]) == 2
+    assert "h2o keeps none" in capsys.readouterr().err

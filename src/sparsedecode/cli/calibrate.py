@@ -8,6 +8,7 @@ import argparse
 from rich.table import Table
 
 from ..errors import SparseDecodeError
+from ..experiments.sweep_folder import locked
 from .arguments import int_list, path_arg, selector_arg
 from .conditions import environment
 from .display import console, progress_bars
@@ -19,7 +20,7 @@ WRITTEN = ("study.db", "budget.json", "calibration.json", "calibration.md", "tri
 
 
 def target_arg(text: str):
-    from ..experiments.calibrate import parse_target
+    from ..experiments.calibration_targets import parse_target
 
     try:
         return str(parse_target(text))
@@ -32,13 +33,15 @@ def add_parsers(sub) -> None:
         "calibrate",
         help="the cheapest per-layer supports that meet a quality target, checked on held-out prompts",
         description="Searches one support per layer among --choices (Optuna's TPE with constraints; the study in "
-        "OUT/study.db, so a stopped search resumes) for the fewest positions read per step whose mean over the "
-        "calibration prompts meets every --target; then measures it on held-out prompts the search never saw, "
-        "beside each uniform support, with 95%% bootstrap intervals. Writes OUT/budget.json (for --budget), "
-        "calibration.json and calibration.md. Needs Optuna (pip install optuna).",
+        "OUT/study.db, so a stopped search, even one killed mid-trial, resumes to what it would have found) for the "
+        "fewest positions read per step that meets every --target on the calibration prompts (tf-match, dppl) and "
+        "task samples (task-accuracy, length-ratio: the RULER-style tasks of eval); then measures it on held-out "
+        "ones the search never saw, beside each uniform support, with 95%% bootstrap intervals. Writes "
+        "OUT/budget.json (for --budget), calibration.json and calibration.md. Needs Optuna (pip install optuna).",
         epilog="examples:\n"
         "  sparsedecode calibrate --context 2048 --target 'tf-match>=95' --trials 30 --out runs/calibrate\n"
-        "  sparsedecode calibrate --selector quest --target 'tf-match>=90' --target 'dppl<=5' --out runs/quest",
+        "  sparsedecode calibrate --tasks niah_single_noise,vt --target 'task-accuracy>=dense-2' "
+        "--target 'length-ratio<=1.05' --out runs/tasks",
     )
     add_model_args(parser)
     parser.add_argument("--corpus", default="python-docs")
@@ -47,13 +50,32 @@ def add_parsers(sub) -> None:
     parser.add_argument("--choices", type=int_list, default=[97, 193, 385, 769], help="the supports a layer may take")
     parser.add_argument(
         "--target", type=target_arg, action="append", default=[], metavar="MEASURE{>=,<=}X",
-        help="tf-match>=X (mean teacher-forced match, %%) or dppl<=X (mean change of perplexity, %%); repeat to "
-        "combine",
+        help="tf-match>=X (mean teacher-forced match, %%), dppl<=X (mean change of perplexity, %%), "
+        "task-accuracy>=X or >=dense-X (mean task score, %%, or X points under dense's on the same samples), "
+        "length-ratio<=X (answer tokens, sparse / dense); repeat to combine",
     )  # fmt: skip
-    parser.add_argument("--prompts", type=int, default=4, help="calibration prompts (corpus prefixes 0..n-1)")
-    parser.add_argument("--held-out", type=int, default=4, help="held-out prompts, the prefixes after those")
+    parser.add_argument("--prompts", type=int, default=4, help="calibration prompts (corpus prefixes 0..n-1) and "
+                        "task samples per task (samples 0..n-1)")  # fmt: skip
+    parser.add_argument("--held-out", type=int, default=4, help="held-out prompts (and samples per task), the ones "
+                        "after those")  # fmt: skip
+    parser.add_argument(
+        "--tasks",
+        default="all",
+        metavar="NAME[,NAME...]|all",
+        help="the tasks of eval that task-accuracy and length-ratio targets read (default: all)",
+    )
+    parser.add_argument("--answer-tokens", type=int, default=None,
+                        help="answer budget of a task sample in tokens (default: each task's own)")  # fmt: skip
     parser.add_argument("--tokens", type=int, default=64, help="greedy tokens T per prompt")
     parser.add_argument("--trials", type=int, default=40, help="trials the study holds when the search stops")
+    parser.add_argument(
+        "--search-reuse",
+        type=int_list,
+        default=None,
+        metavar="R[,R...]",
+        help="also search the reuse interval R among these (the cost then counts the block "
+        "statistics a selection reads, at one step in R; uniform supports at the smallest R)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="the sampler's seed")
     parser.add_argument("--out", type=path_arg, required=True, help="folder of the study and its results")
     parser.set_defaults(handler=cmd_calibrate)
@@ -63,7 +85,11 @@ def _check(args) -> None:
     from ..config import SparseConfig
 
     if not args.target:
-        raise SparseDecodeError("give at least one --target (tf-match>=X or dppl<=X): what the supports must meet")
+        raise SparseDecodeError("give at least one --target (tf-match>=X, dppl<=X, task-accuracy>=dense-X, "
+                                "length-ratio<=X): what the supports must meet")  # fmt: skip
+    args.tasks = _tasks(args.tasks)
+    if args.answer_tokens is not None and args.answer_tokens < 1:
+        raise SparseDecodeError(f"--answer-tokens must be >= 1, got {args.answer_tokens}")
     if args.prompts < 1 or args.held_out < 1:
         raise SparseDecodeError("--prompts and --held-out must be >= 1: the chosen supports are checked on prompts "
                                 "the search never saw")  # fmt: skip
@@ -72,6 +98,10 @@ def _check(args) -> None:
     if len(set(args.choices)) != len(args.choices) or len(args.choices) < 2:
         raise SparseDecodeError(f"--choices needs two or more distinct supports, got {args.choices}")
     check_whole_blocks([SparseConfig(support=s, selector=args.selector) for s in args.choices])
+    if args.search_reuse is not None:
+        from ..experiments.calibrate import check_reuse_search
+
+        check_reuse_search(_base(args), tuple(args.search_reuse))
     check_output_folder(args.out, files=WRITTEN)
     try:
         import optuna  # noqa: F401
@@ -79,60 +109,91 @@ def _check(args) -> None:
         raise SparseDecodeError("calibrate searches with Optuna, which is not installed: pip install optuna") from None
 
 
+def _tasks(text: str) -> tuple[str, ...]:
+    from ..experiments.ruler_tasks import TASK_NAMES, check_tasks
+
+    return TASK_NAMES if text == "all" else check_tasks(tuple(name for name in text.split(",") if name))
+
+
 def cmd_calibrate(args) -> int:
     from ..experiments import calibrate as search_module
+    from ..experiments.calibration_targets import TASKS
 
     _check(args)
+    targets = [search_module.parse_target(text) for text in args.target]
     model, tokenizer = load(args)
-    prompts, references, layers = _references(args, model, tokenizer)
-    base, targets = _base(args), [search_module.parse_target(text) for text in args.target]
+    layers = sum(1 for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "config"))
+    tasks = args.tasks if any(t.kind == TASKS for t in targets) else ()
+    calibration, held = _units(args, model, tokenizer, targets, tasks)
     search = search_module.Search(
         model=args.model, selector=args.selector, context=args.context, tokens=args.tokens, prompts=args.prompts,
-        choices=tuple(args.choices), targets=tuple(args.target), layers=layers, seed=args.seed,
+        choices=tuple(args.choices), targets=tuple(args.target), layers=layers, seed=args.seed, tasks=tasks,
+        answer_tokens=args.answer_tokens if tasks else None, reuses=tuple(args.search_reuse or ()),
     )  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    study = search_module.open_study(args.out / "study.db", search)
-    with progress_bars() as progress:
+    base = _base(args)
+    with locked(args.out):  # one search per study: a trial left running is one a killed search left
+        study = search_module.open_study(args.out / "study.db", search)
+        with progress_bars() as progress:
 
-        def shown(done, total, best):
-            note = "no configuration meets the targets yet" if best is None else f"best: {best:.1f} positions"
-            progress("search", done, total, note)
+            def shown(done, total, best):
+                note = "no configuration meets the targets yet" if best is None else f"best: {best:.1f} positions"
+                progress("search", done, total, note)
 
-        best = search_module.run_search(
-            model, prompts[: args.prompts], references[: args.prompts], base, search, study, args.trials,
-            progress=shown,
-        )  # fmt: skip
-    configs = {f"uniform S={s}": search_module.layer_config(base, [s] * layers) for s in args.choices}
-    if best is not None:
-        chosen = [best.params[f"layer_{i}"] for i in range(layers)]
-        configs = {"calibrated": search_module.layer_config(base, chosen), **configs}
-    held = search_module.held_out(
-        model, prompts[args.prompts :], references[args.prompts :], configs, targets, args.tokens, layers
-    )
-    _write(args, search, study, best, held, layers)
-    _print(args, best, held)
+            best = search_module.run_search(model, calibration, base, search, study, args.trials, progress=shown)
+        configs = {f"uniform S={s}": search_module.layer_config(base, [s] * layers) for s in args.choices}
+        if best is not None:
+            configs = {"calibrated": search.config(base, best.params), **configs}
+        rows = search_module.held_out(model, held, configs, targets, search)
+        _write(args, search, study, best, rows, layers)
+        _print(args, best, rows)
     return 0
 
 
-def _references(args, model, tokenizer):
+def _units(args, model, tokenizer, targets, tasks):
+    """The calibration and held-out units: corpus prompts with their dense references where a target reads them,
+    task samples with their dense answers where one reads those."""
+    from ..experiments.calibrate import Units
+    from ..experiments.calibration_targets import CORPUS
+    from ..experiments.calibration_tasks import prepare_tasks, task_samples
     from ..experiments.corpus import prompt_ids
     from ..protocol.paired import dense_reference
 
-    layers = sum(1 for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "config"))
-    count = args.prompts + args.held_out
-    prompts = [prompt_ids(tokenizer, args.corpus, args.context, index, args.tokens) for index in range(count)]
-    references = []
+    if tasks:
+        _check_answer_room(model, args, tasks)
+    sides = [Units(tokens=args.tokens, tokenizer=tokenizer) for _ in range(2)]
+    spans = (range(args.prompts), range(args.prompts, args.prompts + args.held_out))
     with progress_bars() as progress:
-        for index, ids in enumerate(prompts):
-            references.append(dense_reference(model, ids, tokens=args.tokens))
-            progress("dense references", index + 1, count)
-    return prompts, references, layers
+        for units, span, side in zip(sides, spans, ("calibration", "held out")):
+            if any(t.kind == CORPUS for t in targets):
+                units.prompts = [prompt_ids(tokenizer, args.corpus, args.context, i, args.tokens) for i in span]
+                for index, ids in enumerate(units.prompts):
+                    units.references.append(dense_reference(model, ids, tokens=args.tokens))
+                    progress(f"dense references, {side}", index + 1, len(span))
+            if tasks:
+                samples = task_samples(tokenizer, tasks, args.context, span, corpus=args.corpus,
+                                       max_new_tokens=args.answer_tokens)  # fmt: skip
+                units.tasks = prepare_tasks(
+                    model, tokenizer, samples, need_end=any(t.measure == "length-ratio" for t in targets),
+                    progress=lambda done, total, side=side: progress(f"dense answers, {side}", done, total),
+                )  # fmt: skip
+    return sides
+
+
+def _check_answer_room(model, args, tasks) -> None:
+    from ..experiments.ruler_tasks import TASKS
+
+    longest = args.answer_tokens or max(TASKS[t].max_new_tokens for t in tasks)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and args.context + longest > limit:
+        raise SparseDecodeError(f"--context {args.context} + {longest} answer tokens exceeds the model's {limit} "
+                                "positions; use a shorter --context or fewer --answer-tokens")  # fmt: skip
 
 
 def _base(args):
     from ..config import SparseConfig
 
-    return SparseConfig(support=min(args.choices), selector=args.selector)
+    reuse = min(args.search_reuse) if args.search_reuse else 1
+    return SparseConfig(support=min(args.choices), selector=args.selector, reuse=reuse)
 
 
 def _write(args, search, study, best, held, layers) -> None:
@@ -144,11 +205,16 @@ def _write(args, search, study, best, held, layers) -> None:
         {"number": t.number, "state": t.state.name.lower(), "supports": [t.params.get(f"layer_{i}") for i in
          range(layers)], "cost": t.value, "means": t.user_attrs.get("means"),
          "feasible": all(c <= 0 for c in t.user_attrs.get("constraints", [1]))}
+        | ({"reuse": t.params.get("reuse")} if search.reuses else {})
         for t in search_module.finished(study)
     ]  # fmt: skip
     chosen = None if best is None else [best.params[f"layer_{i}"] for i in range(layers)]
+    failed = [t.number for t in study.trials if t.state.name == "FAIL"]  # left unfinished by a stopped search
     data = {"settings": {**search.record(), "corpus": args.corpus, "held_out": args.held_out, "trials": args.trials},
-            "environment": environment(), "chosen": chosen, "trials": trials, "held_out": held}  # fmt: skip
+            "environment": environment(), "chosen": chosen, "trials": trials, "failed_trials": failed,
+            "held_out": held}  # fmt: skip
+    if search.reuses:
+        data["chosen_reuse"] = None if best is None else best.params["reuse"]
     if chosen is not None:
         write_json_atomic(args.out / "budget.json", {"layer_supports": {str(i): s for i, s in enumerate(chosen)}})
     write_json_atomic(args.out / "calibration.json", data)
@@ -156,19 +222,19 @@ def _write(args, search, study, best, held, layers) -> None:
 
 
 def _print(args, best, held) -> None:
+    from ..reports.calibration import LABELS, cells, measured
+
     if best is None:
-        console.print(f"no configuration met {', '.join(args.target)} on the calibration prompts in {args.trials} "
+        console.print(f"no configuration met {', '.join(args.target)} on the calibration units in {args.trials} "
                       "trials: the held-out table shows the uniform supports")  # fmt: skip
-    table = Table(title=f"held out ({held[0]['prompts']} prompts): mean [95% bootstrap interval]")
-    for column in ("configuration", "positions read", "TF match %", "ΔPPL %", "targets met"):
+    table = Table(title="held out: value [95% bootstrap interval]")
+    for column in ("configuration", "positions read", *(LABELS[m] for m in measured(held[0])), "targets met"):
         table.add_column(column)
     for row in held:
         met = ", ".join(f"{name} {'yes' if ok else 'no'}" for name, ok in row["targets_met"].items())
-        table.add_row(row["configuration"], f"{row['cost']:.1f}", _interval(row["tf-match"]),
-                      _interval(row["dppl"]), met)  # fmt: skip
+        table.add_row(row["configuration"], f"{row['cost']:.1f}", *cells(row), met)
     console.print(table)
     console.print(f"wrote {args.out / 'calibration.md'}, calibration.json" + (", budget.json" if best else ""))
-
-
-def _interval(value: dict) -> str:
-    return f"{value['mean']:.1f} [{value['low']:.1f}, {value['high']:.1f}]"
+    if best is not None and "reuse" in best.params:
+        console.print(f"the chosen supports are for reuse R = {best.params['reuse']}: --budget budget.json "
+                      f"--reuse {best.params['reuse']}")  # fmt: skip

@@ -1,75 +1,66 @@
-"""Calibration: the cheapest per-layer supports that meet a quality target on calibration prompts, then the same
-configuration re-measured on held-out prompts the search never saw, beside every uniform support.
+"""Calibration: the cheapest per-layer supports that meet quality targets on calibration units, then the same
+configuration re-measured on held-out units the search never saw, beside every uniform support.
 
 The search is Optuna's TPE sampler with constraints (Optuna is imported when a search runs; ``pip install optuna``):
-the first trials are the uniform supports, then each trial picks one support per layer among ``choices``, decodes
-the calibration prompts against their dense references (the paired protocol,
-:func:`sparsedecode.protocol.paired.compare`) and is *feasible* when every target
-holds on the mean over those prompts. Its cost is the positions a decode step reads per layer at the prompts'
-context, the mean over the layers (:func:`cost`; the anchor and the window included). A trial that can no longer
-reach a ``tf-match`` target whatever its remaining prompts give is pruned (stopped early, infeasible). The study
-lives in an SQLite file, so a search that was stopped resumes where it was and can be read while it runs.
+the first trials are the uniform supports, then each trial picks one support per layer among ``choices``, measures
+the calibration units (:class:`Units`: corpus prompts decoded against their dense references by the paired
+protocol, :func:`sparsedecode.protocol.paired.compare`, and RULER-style task samples answered from their dense
+prefill, :mod:`.calibration_tasks`; each only where a target reads it) and is *feasible* when every target holds on
+them. Its cost is the positions a decode step reads per layer at the prompts' context, the mean over the layers
+(:func:`cost`; the anchor and the window included). A trial that can no longer meet a target whatever its remaining
+units give is pruned (stopped early, infeasible). The study lives in an SQLite file, so a search that was stopped
+resumes where it was and can be read while it runs. A search killed mid-trial resumes to the same trials as one
+never stopped: the trial it left running is failed and proposed again, and each proposal depends only on the
+finished trials and the seed (:data:`SAMPLER`).
 
-Targets (:func:`parse_target`): ``tf-match>=X`` (mean teacher-forced match, percent) and ``dppl<=X`` (mean change
-of teacher-forced perplexity, percent); several combine, all must hold. The held-out check reports each target's
-mean with a 95% bootstrap interval over the held-out prompts (:func:`held_out`): few prompts give wide intervals,
-and the report says how many there were.
+Targets (:mod:`.calibration_targets`): ``tf-match>=X``, ``dppl<=X``, ``task-accuracy>=X`` or ``>=dense-X``,
+``length-ratio<=X``; several combine, all must hold. The held-out check reports every measure with a 95% bootstrap
+interval over the held-out units (:func:`held_out`): few units give wide intervals, and the report says how many
+there were.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import random
+import hashlib
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import SparseConfig
 from ..errors import SparseDecodeError
 from ..protocol.paired import compare
+from .calibration_targets import (
+    CORPUS,
+    TASKS,
+    Target,
+    bootstrap_interval,
+    constraints,
+    dense_value,
+    hopeless,
+    interval_row,
+    parse_target,
+    summary,
+)
+from .calibration_tasks import TaskSet, measure_tasks
 
-MEASURES = {"tf-match": ("teacher_forced_match", ">="), "dppl": ("delta_ppl_percent", "<=")}
-"""Each target's name, the row field it reads and the direction it must hold in."""
-
-
-@dataclass(frozen=True)
-class Target:
-    """``measure op value``: the mean over prompts of ``measure`` must satisfy the comparison."""
-
-    measure: str
-    value: float
-
-    @property
-    def field(self) -> str:
-        return MEASURES[self.measure][0]
-
-    @property
-    def op(self) -> str:
-        return MEASURES[self.measure][1]
-
-    def slack(self, mean: float) -> float:
-        """How far ``mean`` lies inside the target (>= 0 when it holds, negative when it does not)."""
-        return mean - self.value if self.op == ">=" else self.value - mean
-
-    def __str__(self) -> str:
-        return f"{self.measure}{self.op}{self.value:g}"
-
-
-def parse_target(text: str) -> Target:
-    """A target from ``tf-match>=99`` or ``dppl<=1``."""
-    for name, (_, op) in MEASURES.items():
-        head, found, tail = text.replace(" ", "").partition(op)
-        if found and head == name:
-            try:
-                value = float(tail)
-            except ValueError:
-                break
-            if math.isfinite(value):
-                return Target(name, value)
-            break
-    known = ", ".join(f"{name}{op}X" for name, (_, op) in MEASURES.items())
-    raise SparseDecodeError(f"a target is one of {known} (X a number), got {text!r}")
+__all__ = [  # with the target names tests and the command import from here
+    "SAMPLER",
+    "Search",
+    "Target",
+    "Units",
+    "bootstrap_interval",
+    "check_reuse_search",
+    "cost",
+    "held_out",
+    "hopeless",
+    "layer_config",
+    "measure",
+    "open_study",
+    "parse_target",
+    "run_search",
+    "selection_cost",
+]
 
 
 def layer_config(base: SparseConfig, supports: list[int]) -> SparseConfig:
@@ -77,46 +68,83 @@ def layer_config(base: SparseConfig, supports: list[int]) -> SparseConfig:
     return dataclasses.replace(base, layer_supports=tuple(enumerate(supports)))
 
 
-def cost(cfg: SparseConfig, layers: int, context: int) -> float:
+def cost(cfg: SparseConfig, layers: int, context: int, *, selection: bool = False) -> float:
     """Positions a decode step at ``context`` reads per layer, the mean over ``layers`` layers: each layer's
-    effective support, or the whole context where that is smaller (a support past it reads everything)."""
-    return statistics.mean(min(cfg.for_layer(layer).effective_support, context) for layer in range(layers))
+    effective support, or the whole context where that is smaller (a support past it reads everything). With
+    ``selection``, plus what selecting reads per step (:func:`selection_cost`), for searches over the reuse R."""
+    return statistics.mean(
+        min(cfg.for_layer(layer).effective_support, context) + (selection_cost(cfg.for_layer(layer), context) if
+                                                                 selection else 0.0)
+        for layer in range(layers)
+    )  # fmt: skip
 
 
-def measure(model, prompts: list, references: list, cfg: SparseConfig, tokens: int, *, on_prompt=None) -> list[dict]:
-    """The paired protocol on every prompt: one ``{field: value}`` per prompt (the target fields, first divergence).
-    ``on_prompt(rows so far)`` is called after each prompt and may raise to stop."""
-    rows = []
-    for ids, reference in zip(prompts, references):
-        result = compare(model, None, ids, cfg, tokens, reference=reference)
-        rows.append({field: getattr(result, field) for field, _ in MEASURES.values()})
-        rows[-1]["first_divergence"] = result.first_divergence
-        if on_prompt is not None:
-            on_prompt(rows)
+def selection_cost(cfg: SparseConfig, context: int) -> float:
+    """What one sparse step at ``context`` reads to select, in positions (a position is a key and a value, two
+    vectors): the block statistics of every complete distant block (one vector per statistic and block), at one
+    step in ``R``; 0 where the support covers the context (no selection). For selectors that keep block statistics
+    (:attr:`~sparsedecode.selectors.base.Selector.statistics`), as :func:`check_reuse_search` requires."""
+    if cfg.effective_support >= context:
+        return 0.0
+    blocks = (context - 1 - cfg.window) // cfg.block_size
+    return blocks * len(cfg.selector.cached_statistics()) / 2 / cfg.reuse
+
+
+def check_reuse_search(base: SparseConfig, reuses: tuple[int, ...]) -> None:
+    """Refuse a reuse search the cost cannot weigh: a selector without block statistics, or a bad list of R."""
+    if not base.selector.statistics or base.selector.reselects_every_step:
+        raise SparseDecodeError(
+            f"--search-reuse weighs the block statistics a selection reads, and {base.selector_name} keeps none: "
+            "search the supports alone"
+        )
+    if len(set(reuses)) != len(reuses) or any(r < 1 for r in reuses):
+        raise SparseDecodeError(f"--search-reuse takes distinct intervals R >= 1, got {list(reuses)}")
+
+
+@dataclass
+class Units:
+    """What a configuration is measured on: corpus ``prompts`` with their dense ``references`` (``tokens`` decoded
+    per prompt), and ``tasks`` (task samples with their dense answers; ``None`` when no target reads them)."""
+
+    prompts: list = field(default_factory=list)
+    references: list = field(default_factory=list)
+    tokens: int = 64
+    tasks: TaskSet | None = None
+    tokenizer: object = None
+
+
+def measure(model, units: Units, cfg: SparseConfig, targets: list[Target] = (), *, prune: bool = False) -> dict:
+    """Every unit under ``cfg``: ``{"corpus": rows, "tasks": rows}`` (one row per prompt or sample). With ``prune``,
+    raises ``optuna.TrialPruned`` as soon as a target can no longer hold (:func:`.calibration_targets.hopeless`)."""
+    rows: dict[str, list[dict]] = {CORPUS: [], TASKS: []}
+
+    def check(kind: str, pending: list[dict], dense: float | None = None):
+        def after_unit(done: list[dict]) -> None:
+            if prune and hopeless([t for t in targets if t.kind == kind], done, pending[len(done) :], dense):
+                import optuna
+
+                raise optuna.TrialPruned()
+
+        return after_unit
+
+    on_prompt = check(CORPUS, [{}] * len(units.prompts))
+    for ids, reference in zip(units.prompts, units.references):
+        result = compare(model, None, ids, cfg, units.tokens, reference=reference)
+        rows[CORPUS].append({"teacher_forced_match": result.teacher_forced_match,
+                             "delta_ppl_percent": result.delta_ppl_percent,
+                             "first_divergence": result.first_divergence})  # fmt: skip
+        on_prompt(rows[CORPUS])
+    if units.tasks is not None:
+        dense = dense_value("task-accuracy", [{"dense_score": d["score"]} for d in units.tasks.dense])
+        on_sample = check(TASKS, units.tasks.dense, dense)
+        rows[TASKS] = measure_tasks(model, units.tokenizer, units.tasks, cfg, on_sample=on_sample)
     return rows
 
 
-def means(rows: list[dict]) -> dict:
-    return {name: statistics.mean(row[field] for row in rows) for name, (field, _) in MEASURES.items()}
-
-
-def hopeless(targets: list[Target], rows: list[dict], total: int) -> bool:
-    """Whether a ``tf-match`` target can no longer hold on the mean over ``total`` prompts, the rest at 100%."""
-    for target in targets:
-        if target.measure == "tf-match":
-            best = (sum(row[target.field] for row in rows) + 100.0 * (total - len(rows))) / total
-            if best < target.value:
-                return True
-    return False
-
-
-def bootstrap_interval(values: list[float], *, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """The 95% percentile bootstrap interval of the mean of ``values`` (resampling prompts)."""
-    if len(values) == 1:
-        return values[0], values[0]
-    generator = random.Random(seed)
-    draws = sorted(statistics.mean(generator.choices(values, k=len(values))) for _ in range(resamples))
-    return draws[int(0.025 * resamples)], draws[int(0.975 * resamples) - 1]
+SAMPLER = "tpe-reseeded/1"
+"""How trials are proposed, stored with the search (a study proposed another way is not resumed): trial ``k`` (the
+``k``-th to finish, from 0) is uniform support ``sorted(choices)[k]`` while ``k < len(choices)``, then Optuna's TPE
+with constraints seeded by :func:`sampler_seed` ``(seed, k)``, so it depends on the finished trials alone."""
 
 
 @dataclass
@@ -132,9 +160,22 @@ class Search:
     targets: tuple[str, ...]
     layers: int
     seed: int = 0
+    tasks: tuple[str, ...] = ()
+    answer_tokens: int | None = None
+    reuses: tuple[int, ...] = ()  # reuse intervals R a trial picks among (none: the base's R alone)
+    sampler: str = SAMPLER
 
     def record(self) -> dict:
-        return {**dataclasses.asdict(self), "choices": list(self.choices), "targets": list(self.targets)}
+        data = dataclasses.asdict(self)
+        return {**data, **{name: list(data[name]) for name in ("choices", "targets", "tasks", "reuses")}}
+
+    def config(self, base: SparseConfig, params: dict) -> SparseConfig:
+        """A trial's configuration from its parameters (``layer_i``, and ``reuse`` when the search picks R)."""
+        cfg = layer_config(base, [params[f"layer_{i}"] for i in range(self.layers)])
+        return dataclasses.replace(cfg, reuse=params["reuse"]) if self.reuses else cfg
+
+    def cost(self, cfg: SparseConfig) -> float:
+        return cost(cfg, self.layers, self.context, selection=bool(self.reuses))
 
 
 def open_study(path: Path, search: Search):
@@ -142,20 +183,26 @@ def open_study(path: Path, search: Search):
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    sampler = optuna.samplers.TPESampler(seed=search.seed, n_startup_trials=8)  # it reads the trials' constraints
     study = optuna.create_study(
-        study_name="calibrate", storage=f"sqlite:///{path}", direction="minimize", sampler=sampler, load_if_exists=True
+        study_name="calibrate", storage=f"sqlite:///{path}", direction="minimize", load_if_exists=True
     )
-    stored = study.user_attrs.get("search")
+    stored, wanted = study.user_attrs.get("search"), search.record()
     if stored is None:
-        study.set_user_attr("search", search.record())
-    elif stored != search.record():
-        differ = [k for k in stored if stored[k] != search.record().get(k)]
+        study.set_user_attr("search", wanted)
+    elif stored != wanted:
+        differ = [k for k in {**stored, **wanted} if stored.get(k) != wanted.get(k)]
         raise SparseDecodeError(
             f"{path} holds a search of other settings ({', '.join(differ)} differ): use another --out, or the same "
             "settings to resume it"
         )
     return study
+
+
+def sampler_seed(seed: int, finished_trials: int) -> int:
+    """The sampler's seed for the trial proposed after ``finished_trials`` finished ones: a resumed study draws what
+    an uninterrupted one drew at the same point."""
+    digest = hashlib.sha256(f"calibrate/{seed}/{finished_trials}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
 
 
 def finished(study) -> list:
@@ -164,6 +211,24 @@ def finished(study) -> list:
 
     states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
     return [t for t in study.trials if t.state in states]
+
+
+def abandon_unfinished(study) -> list[int]:
+    """Mark failed the trials a killed search left running or waiting (one process searches a study at a time: the
+    command holds its folder's lock), so they are not resumed half-measured; returns their numbers. The search then
+    proposes the next trial from the finished ones alone, as an uninterrupted search did."""
+    import optuna
+
+    state = optuna.trial.TrialState
+    running = [t.number for t in study.trials if t.state == state.RUNNING]
+    for number in running:
+        study.tell(number, state=state.FAIL)
+    waiting = []
+    while any(t.state == state.WAITING for t in study.get_trials(deepcopy=False)):
+        trial = study.ask()  # takes the first waiting trial
+        waiting.append(trial.number)
+        study.tell(trial, state=state.FAIL)
+    return running + waiting
 
 
 def best_feasible(study):
@@ -178,57 +243,68 @@ def best_feasible(study):
     return min(feasible, key=lambda t: (t.value, t.number)) if feasible else None
 
 
-def run_search(model, prompts, references, base: SparseConfig, search: Search, study, trials: int, *, progress=None):
-    """Run the study until it holds ``trials`` finished trials (those a stopped search finished count)."""
+def run_trial(trial, model, units: Units, base: SparseConfig, search: Search, targets: list[Target]) -> float:
+    """One trial: a support per layer, the calibration units measured; its cost, or ``optuna.TrialPruned`` once a
+    target is out of reach. The targets are the trial's constraints (<= 0 where one holds)."""
+    import optuna
+
+    params = {f"layer_{i}": trial.suggest_categorical(f"layer_{i}", list(search.choices)) for i in range(search.layers)}
+    if search.reuses:
+        params["reuse"] = trial.suggest_categorical("reuse", list(search.reuses))
+    cfg = search.config(base, params)
+    try:
+        rows = measure(model, units, cfg, targets, prune=True)
+    except optuna.TrialPruned:
+        for target in targets:  # infeasible
+            trial.set_constraint(str(target), 1.0)
+        raise
+    values = summary(targets, rows)
+    trial.set_user_attr("means", values)
+    held = constraints(targets, values)
+    for target, value in zip(targets, held):
+        trial.set_constraint(str(target), value)
+    trial.set_user_attr("constraints", held)
+    return search.cost(cfg)
+
+
+def run_search(model, units: Units, base: SparseConfig, search: Search, study, trials: int, *, progress=None):
+    """Run the study until it holds ``trials`` finished trials (those a stopped search finished count; those it
+    left unfinished are failed and proposed again, see :data:`SAMPLER`). Returns the best feasible trial or None."""
     import optuna
 
     targets = [parse_target(text) for text in search.targets]
-
-    def objective(trial) -> float:
-        supports = [trial.suggest_categorical(f"layer_{i}", list(search.choices)) for i in range(search.layers)]
-        cfg = layer_config(base, supports)
-
-        def check(rows):
-            if hopeless(targets, rows, len(prompts)):
-                for target in targets:  # infeasible (Optuna's constraints: <= 0 feasible)
-                    trial.set_constraint(str(target), 1.0)
-                raise optuna.TrialPruned()
-
-        rows = measure(model, prompts, references, cfg, search.tokens, on_prompt=check)
-        summary = means(rows)
-        trial.set_user_attr("means", summary)
-        constraints = [-target.slack(summary[target.measure]) for target in targets]
-        for target, value in zip(targets, constraints):
-            trial.set_constraint(str(target), value)
-        trial.set_user_attr("constraints", constraints)
-        return cost(cfg, search.layers, search.context)
-
-    def report(study, trial) -> None:
+    abandon_unfinished(study)
+    uniform = sorted(search.choices)
+    while (done := len(finished(study))) < trials:
+        study.sampler = optuna.samplers.TPESampler(seed=sampler_seed(search.seed, done), n_startup_trials=8)
+        if done < len(uniform):  # the uniform supports first: known points the sampler learns from
+            fixed = {f"layer_{i}": uniform[done] for i in range(search.layers)}
+            study.enqueue_trial(fixed | ({"reuse": min(search.reuses)} if search.reuses else {}))
+        trial = study.ask()
+        try:
+            value = run_trial(trial, model, units, base, search, targets)
+        except optuna.TrialPruned:
+            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+        except BaseException:
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            raise
+        else:
+            study.tell(trial, value)
         if progress is not None:
             best = best_feasible(study)
-            progress(len(finished(study)), trials, None if best is None else best.value)
-
-    if not study.trials:  # the uniform supports first: known points the sampler learns from (cheapest first)
-        for support in sorted(search.choices):
-            study.enqueue_trial({f"layer_{i}": support for i in range(search.layers)})
-    remaining = trials - len(finished(study))
-    if remaining > 0:
-        study.optimize(objective, n_trials=remaining, callbacks=[report], catch=())
+            progress(done + 1, trials, None if best is None else best.value)
     return best_feasible(study)
 
 
-def held_out(model, prompts, references, configs: dict, targets: list[Target], tokens: int, layers: int) -> list:
-    """Each named configuration on the held-out prompts: every measure's mean and 95% bootstrap interval, its
-    cost (:func:`cost` at the prompts' context) and whether each target holds on the mean."""
-    context = int(prompts[0].shape[1])
+def held_out(model, units: Units, configs: dict, targets: list[Target], search: Search) -> list[dict]:
+    """Each named configuration on the held-out units: every measure with its 95% bootstrap interval
+    (:func:`.calibration_targets.interval_row`), its cost (:meth:`Search.cost`), its R, and whether each target
+    holds; ``prompts`` and ``samples`` count the units."""
     rows = []
     for name, cfg in configs.items():
-        measured = measure(model, prompts, references, cfg, tokens)
-        row = {"configuration": name, "cost": cost(cfg, layers, context), "prompts": len(prompts)}
-        for measure_name, (field, _) in MEASURES.items():
-            values = [r[field] for r in measured]
-            low, high = bootstrap_interval(values)
-            row[measure_name] = {"mean": statistics.mean(values), "low": low, "high": high}
-        row["targets_met"] = {str(t): t.slack(row[t.measure]["mean"]) >= 0 for t in targets}
-        rows.append(row)
+        measured = measure(model, units, cfg)
+        row = {"configuration": name, "cost": search.cost(cfg), "reuse": cfg.reuse, "prompts": len(units.prompts)}
+        if units.tasks is not None:
+            row["samples"] = len(units.tasks)
+        rows.append({**row, **interval_row(targets, measured)})
     return rows

@@ -5,11 +5,36 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..experiments.calibration_targets import MEASURES
 from .tables import markdown_table, write_csv
 
+LABELS = {
+    "tf-match": "TF match %",
+    "dppl": "ΔPPL %",
+    "task-accuracy": "task accuracy %",
+    "length-ratio": "answer length, sparse / dense",
+}
+"""Each measure's column heading and axis label."""
 
-def _interval(value: dict) -> str:
-    return f"{value['mean']:.1f} [{value['low']:.1f}, {value['high']:.1f}]"
+
+def _interval(value: dict, digits: int = 1) -> str:
+    return f"{value['mean']:.{digits}f} [{value['low']:.{digits}f}, {value['high']:.{digits}f}]"
+
+
+def measured(row: dict) -> list[str]:
+    """The measures a held-out row holds, in :data:`MEASURES` order."""
+    return [name for name in MEASURES if name in row]
+
+
+def cells(row: dict) -> list[str]:
+    """A held-out row's measures as ``value [low, high]`` (and dense's value where a target reads it)."""
+    out = []
+    for name in measured(row):
+        text = _interval(row[name], 3 if name == "length-ratio" else 1)
+        if f"dense {name}" in row:
+            text += f" (dense {row[f'dense {name}']:.1f})"
+        out.append(text)
+    return out
 
 
 def write_calibration_report(directory: Path, data: dict) -> str:
@@ -20,9 +45,10 @@ def write_calibration_report(directory: Path, data: dict) -> str:
     settings = data["settings"]
     write_csv(directory / "trials.csv", [{k: v for k, v in t.items() if k != "means"} | (t["means"] or {})
                                          for t in data["trials"]])  # fmt: skip
-    measure = settings["targets"][0].split(">=")[0].split("<=")[0]
+    measure = next(name for name in MEASURES if settings["targets"][0].startswith(name + MEASURES[name].op))
     title = f"{settings['model']}, {settings['selector']}, context {settings['context']}"
-    calibration_front(data["trials"], data["held_out"], directory / "front.png", measure=measure, title=title)
+    calibration_front(data["trials"], data["held_out"], directory / "front.png", measure=measure,
+                      label=LABELS[measure], higher=MEASURES[measure].op == ">=", title=title)  # fmt: skip
     if data["chosen"] is not None:
         layer_supports_bars(data["chosen"], directory / "supports.png", title=f"chosen supports: {title}")
     return calibration_markdown(data)
@@ -33,46 +59,70 @@ def calibration_markdown(data: dict) -> str:
     settings, trials, chosen = data["settings"], data["trials"], data["chosen"]
     feasible = [t for t in trials if t["feasible"]]
     pruned = sum(t["state"] == "pruned" for t in trials)
+    held = data["held_out"]
+    calibration = _units(held[0]["prompts"] and settings["prompts"], held[0].get("samples") and settings["prompts"],
+                         settings.get("tasks", []))  # fmt: skip
     lines = [
         f"# Calibration: {settings['model']}, {settings['selector']}",
         "",
-        f"Targets {', '.join(f'`{t}`' for t in settings['targets'])} on the mean over {settings['prompts']} "
-        f"calibration prompts (context {settings['context']}, {settings['tokens']} tokens, corpus "
-        f"{settings['corpus']}); each of the {settings['layers']} layers took a support among "
-        f"{', '.join(map(str, settings['choices']))}. {len(trials)} trials ({pruned} stopped early as hopeless), "
-        f"{len(feasible)} met every target.",
+        f"Targets {', '.join(f'`{t}`' for t in settings['targets'])} on {calibration} (context "
+        f"{settings['context']}, {settings['tokens']} tokens per prompt, corpus {settings['corpus']}); each of the "
+        f"{settings['layers']} layers took a support among "
+        f"{', '.join(map(str, settings['choices']))}{_reuse_note(settings)}. {len(trials)} trials ({pruned} "
+        f"stopped early as hopeless), {len(feasible)} met every target.",
         "",
     ]
     if chosen is None:
-        lines += ["No configuration met the targets on the calibration prompts: no budget was written.", ""]
+        lines += ["No configuration met the targets on the calibration units: no budget was written.", ""]
     else:
         cheapest = min(feasible, key=lambda t: t["cost"])
         lines += [
             f"Chosen (the cheapest that met them, {cheapest['cost']:.1f} positions read per layer and step): "
-            f"supports by layer `{','.join(map(str, chosen))}`, in `budget.json` (`--budget budget.json`).",
+            f"supports by layer `{','.join(map(str, chosen))}`, in `budget.json` (`--budget budget.json`)"
+            + (
+                f", at reuse R = {data['chosen_reuse']} (`--reuse {data['chosen_reuse']}`)."
+                if "chosen_reuse" in data
+                else "."
+            ),
             "",
             "![chosen supports per layer](supports.png)",
             "",
         ]
     lines += [
-        "Every trial (`trials.csv`), the cost against the first target's measure on the calibration prompts; the "
-        "held-out means of the chosen and uniform configurations marked:",
+        "Every trial (`trials.csv`), the cost against the first target's measure on the calibration units; the "
+        "held-out values of the chosen and uniform configurations marked:",
         "",
         "![trials](front.png)",
         "",
     ]
-    held = data["held_out"]
+    tasks = held[0].get("samples") and held[0]["samples"] // max(1, len(settings.get("tasks", [])))
     lines += [
-        f"## Held out: {held[0]['prompts']} prompts the search never saw",
+        f"## Held out: {_units(held[0]['prompts'], tasks, settings.get('tasks', []))} the search never saw",
         "",
-        "Means with 95% bootstrap intervals over the prompts (few prompts: wide intervals).",
+        "Values with 95% bootstrap intervals over the units (few units: wide intervals); task accuracy is the mean "
+        "RULER score, the answer length the ratio of sparse to dense generated tokens summed over the samples.",
         "",
     ]
-    headers = ["configuration", "positions read", "TF match %", "ΔPPL %", *held[0]["targets_met"]]
+    headers = ["configuration", "positions read", *(LABELS[m] for m in measured(held[0])), *held[0]["targets_met"]]
     rows = [
-        [r["configuration"], f"{r['cost']:.1f}", _interval(r["tf-match"]), _interval(r["dppl"]),
-         *("yes" if ok else "no" for ok in r["targets_met"].values())]
+        [r["configuration"], f"{r['cost']:.1f}", *cells(r), *("yes" if ok else "no" for ok in
+                                                               r["targets_met"].values())]
         for r in held
     ]  # fmt: skip
     lines.append(markdown_table(headers, rows))
     return "\n".join(lines) + "\n"
+
+
+def _units(prompts: int, samples_per_task: int, tasks: list[str]) -> str:
+    """``4 prompts`` / ``4 samples of each of vt, cwe`` / both."""
+    parts = [f"{prompts} prompts"] if prompts else []
+    if samples_per_task:
+        parts.append(f"{samples_per_task} samples of each of the tasks {', '.join(tasks)}")
+    return " and ".join(parts)
+
+
+def _reuse_note(settings: dict) -> str:
+    if not settings.get("reuses"):
+        return ""
+    return (f", and the trial a reuse interval R among {', '.join(map(str, settings['reuses']))} (its cost then adds "
+            "the block statistics a selection reads, in positions of two vectors, at one step in R)")  # fmt: skip

@@ -204,10 +204,12 @@ def captured_mass_vs_success(trials: list[dict], path: Path, *, title: str) -> P
     return _save(fig, path)
 
 
-def calibration_front(trials: list[dict], held: list[dict], path: Path, *, measure: str, title: str) -> Path:
-    """A calibration's trials, positions read per layer and step against the calibration mean of ``measure``
-    (feasible ones filled, the cheapest feasible at each cost joined: the front), beside the held-out means of the
-    uniform supports and the chosen configuration."""
+def calibration_front(
+    trials: list[dict], held: list[dict], path: Path, *, measure: str, label: str, higher: bool, title: str
+) -> Path:
+    """A calibration's trials, positions read per layer and step against their calibration value of ``measure``
+    (axis ``label``; ``higher`` when more is better; feasible ones filled, the cheapest feasible at each cost
+    joined: the front), beside the held-out values of the uniform supports and the chosen configuration."""
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     done = [t for t in trials if t.get("means") and t.get("cost") is not None]
     for feasible, style in ((False, dict(facecolors="none", edgecolors="0.55")), (True, dict(color="C0"))):
@@ -217,7 +219,7 @@ def calibration_front(trials: list[dict], held: list[dict], path: Path, *, measu
     front, best = [], None
     for t in sorted((t for t in done if t["feasible"]), key=lambda t: t["cost"]):
         value = t["means"][measure]
-        if best is None or (value > best if measure == "tf-match" else value < best):
+        if best is None or (value > best if higher else value < best):
             best = value
             front.append((t["cost"], value))
     if front:
@@ -228,7 +230,7 @@ def calibration_front(trials: list[dict], held: list[dict], path: Path, *, measu
         ax.annotate(f"{row['configuration']} (held out)", (row["cost"], row[measure]["mean"]), fontsize=6,
                     xytext=(3, 3), textcoords="offset points")  # fmt: skip
     ax.set_xlabel("positions read per layer and decode step (mean over layers)")
-    ax.set_ylabel("teacher-forced match %" if measure == "tf-match" else "ΔPPL %")
+    ax.set_ylabel(label)
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7)
     return _save(fig, path)
