@@ -75,7 +75,7 @@ def test_pages_freed_and_reused_never_mix_sequences(setup):
     model, prompts = setup
     many = prompts + [p[:-37] for p in prompts]
     spec = {"support": 97, "selector": "quest"}
-    got = engine(model, many, spec, blocks=14, batched_tokens=1024)
+    got = engine(model, many, spec, blocks=14, batched_tokens=1024, max_len=1536)
     assert [r["tokens"] for r in got["together"]] == session_tokens(model, many, spec)
 
 
