@@ -188,3 +188,25 @@ def test_the_spec_comes_from_vllms_config_first():
     assert configured({}, {}) is None
     assert configured({"sparsedecode": {"support": 193}}, {"SPARSEDECODE_VLLM": '{"support": 97}'}).support == 193
     assert configured({}, {"SPARSEDECODE_VLLM": '{"support": 97, "dense_layers": [0]}'}).dense_layers == (0,)
+
+
+def test_bench_vllm_refuses_before_any_engine_starts(tmp_path, capsys):
+    from sparsedecode.cli import main
+
+    missing = ["bench", "vllm", "--vllm-python", str(tmp_path / "none"), "--context", "512"]
+    assert main(missing) == 2
+    assert "make vllm" in capsys.readouterr().err
+    python = tmp_path / "python"
+    python.write_text("")
+    assert main(["bench", "vllm", "--vllm-python", str(python), "--selector", "h2o"]) == 2
+    assert "history" in capsys.readouterr().err
+    assert main(["bench", "vllm", "--vllm-python", str(python), "--batch", "0"]) == 2
+    assert "--batch" in capsys.readouterr().err
+
+
+def test_a_failed_engine_is_named_by_its_cause():
+    from sparsedecode.experiments.bench_vllm import cause
+
+    log = "INFO starting\nTraceback (most recent call last):\n  File x\nValueError: no pages left\nINFO shutdown\n"
+    assert cause(log) == "ValueError: no pages left"
+    assert cause("only this\n") == "only this"

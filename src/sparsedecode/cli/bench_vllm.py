@@ -24,12 +24,14 @@ def add_vllm_parser(benches) -> None:
         "with the sparsedecode plug-in, one engine process per mode and round, the modes alternating; decode "
         "tokens/s per batch (the batch prefilled in one step, then --tokens decode steps timed by vLLM's own "
         "timestamps), medians over --rounds.",
-        epilog="examples:\n  sparsedecode bench vllm --context 8192 --batch 1,8 --tokens 32 --json vllm.json",
+        epilog="examples:\n  sparsedecode bench vllm --context 8128 --batch 1,8 --tokens 32 --json vllm.json",
     )
     bench.add_argument("--model", default="smollm2-135m", help="model alias, local folder or .gguf file")
     bench.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     bench.add_argument("--corpus", default="python-docs")
-    bench.add_argument("--context", type=int, default=8192, help="prompt length in tokens")
+    bench.add_argument(
+        "--context", type=int, default=8128, help="prompt length in tokens (plus --tokens + 1 must fit the model)"
+    )
     bench.add_argument("--batch", type=int_list, default=[1, 8], help="batch sizes (prompts decoded together)")
     bench.add_argument("--support", type=int_list, default=[193])
     bench.add_argument("--selector", type=selector_arg, default="mean-pooled")
@@ -69,13 +71,14 @@ def _plain(budget: dict) -> dict:
 def cmd_bench_vllm(args) -> int:
     import torch
 
-    from ..experiments.bench_vllm import bench_vllm
+    from ..experiments.bench_vllm import bench_vllm, check_fits
     from ..experiments.corpus import prompt_ids
     from ..models.catalog import load_tokenizer
 
     clock = start_clock()
     modes, python = _check(args)
     tokenizer = load_tokenizer(args.model)
+    check_fits(tokenizer.name_or_path, args.context, args.tokens)
     prompts = [prompt_ids(tokenizer, args.corpus, args.context, i, args.tokens)[0].tolist() for i in
                range(max(args.batch))]  # fmt: skip
     threads = args.threads or torch.get_num_threads()

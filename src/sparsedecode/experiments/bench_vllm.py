@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import tempfile
@@ -28,6 +29,17 @@ def vllm_python(given: str | None = None) -> Path:
     if not path.exists():
         raise SparseDecodeError(f"no vLLM environment at {path}: `make vllm` creates .venv-vllm (docs/vllm.md)")
     return path
+
+
+def check_fits(folder: str, context: int, tokens: int) -> None:
+    """One line if a prompt of ``context`` tokens and ``tokens`` more do not fit the model's positions."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    most = config.get("max_position_embeddings")
+    if most is not None and context + tokens + 1 > most:
+        raise SparseDecodeError(
+            f"--context {context} + --tokens {tokens} + 1 exceeds the model's {most} positions: use --context <= "
+            f"{most - tokens - 1}"
+        )
 
 
 def kv_space_gib(folder: str, batch: int, positions: int, dtype: str) -> int:
@@ -53,9 +65,16 @@ def run_engine(python: Path, job: dict, threads: int, kv_gib: int) -> dict:
         os.unlink(f.name)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise SparseDecodeError(f"vLLM engine ({'sparse' if job['spec'] else 'dense'}) failed: {last}")
+        raise SparseDecodeError(f"vLLM engine ({'sparse' if job['spec'] else 'dense'}) failed: {cause(done.stderr)}")
     return json.loads(lines[0][len("RESULT ") :])
+
+
+def cause(stderr: str) -> str:
+    """The line of a failed engine's output that says why: the last exception's, vLLM's configuration errors
+    included (pydantic's ``Value error, ...``), else the last line."""
+    lines = [line.strip() for line in stderr.strip().splitlines()] or ["no output"]
+    named = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b", line) or "Value error," in line]
+    return (named or lines)[-1]
 
 
 def leading_equal(a: list[int], b: list[int]) -> int:

@@ -42,7 +42,7 @@ def run(job: dict) -> dict:
     extra = {"additional_config": {"sparsedecode": job["spec"]}} if job["spec"] else {}
     context = max(len(p) for p in job["prompts"])
     budget = max(job["batches"]) * (context + 16)
-    llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=context + job["tokens"] + 16, enforce_eager=True,
+    llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=context + job["tokens"] + 1, enforce_eager=True,
               enable_prefix_caching=False, max_num_seqs=max(job["batches"]), seed=0, disable_log_stats=False,
               max_num_batched_tokens=budget, enable_chunked_prefill=False, **extra)  # fmt: skip
     timed(llm, job["prompts"][:1], 4)  # warm-up
