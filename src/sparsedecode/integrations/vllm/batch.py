@@ -69,7 +69,12 @@ def mean_dot_blocks(cfg: SparseConfig, stats: PageStatistics, queries, tables, l
 def mean_dot_supports(cfg: SparseConfig, stats: PageStatistics, queries, tables, lengths, scale: float):
     """``(index, valid)`` ``(R, kv, S)`` of every row's mean-dot selection (``lengths`` the rows' ``N``s)."""
     lengths = torch.as_tensor(lengths, dtype=torch.long)
-    blocks = mean_dot_blocks(cfg, stats, queries, tables, lengths)
+    return block_supports(cfg, mean_dot_blocks(cfg, stats, queries, tables, lengths), lengths)
+
+
+def block_supports(cfg: SparseConfig, blocks: torch.Tensor, lengths: torch.Tensor):
+    """``(index, valid)`` ``(R, kv, S)`` of chosen ``blocks (R, kv, b)`` (``-1``: none) of rows of ``lengths``:
+    :func:`~sparsedecode.layout.support_positions` for every row at once."""
     rows_q, kv_heads = blocks.shape[:2]
     block, window = cfg.block_size, cfg.window
     distant_end = (lengths - window).view(rows_q, 1, 1)

@@ -29,8 +29,8 @@ from ...errors import SparseDecodeError
 from ...layout import BlockLayout
 from ...selectors.statistics import reduce_blocks
 
-PIECES = {"mean": "sum", "min": "min", "max": "max"}
-"""What a page keeps of each chunk's piece for each block statistic."""
+FEW = 256
+"""Slot mappings up to this long (decode steps) are filtered on the host, where a few tensor operations cost more."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,11 @@ class PageStatistics:
         chunks, then one token a step), so by then every position of the piece holds this sequence's key; a piece
         never completed is never read (its block is not complete either)."""
         block, per_page = self.block, self.cache.page_size // self.block
+        if slots.numel() <= FEW:  # decode steps: most write no chunk's first or last position
+            few = [s for s in slots.tolist() if s >= 0 and s % block in (0, block - 1)]
+            if not few:
+                return
+            slots = torch.tensor(few, dtype=torch.long)
         written = slots[slots >= 0].long()
         first = written[written % block == 0]
         if first.numel():

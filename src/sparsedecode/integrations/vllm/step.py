@@ -19,10 +19,10 @@ import torch
 
 from ...config import SparseConfig
 from ...errors import SparseDecodeError
-from ...kernels.cpu.paged import attend_paged, paged_refusal
+from ...kernels.cpu.paged import attend_paged, attend_paged_blocks, paged_refusal
 from ...layout import BlockLayout
 from ...selectors.select import blocks_from, choose_position_set, scores_from, support_of, token_support
-from .batch import mean_dot_supports
+from .batch import block_supports, mean_dot_blocks
 from .pages import PagedCache, PageStatistics, attend_rows
 
 
@@ -67,7 +67,12 @@ def sparse_rows(cfg: SparseConfig, cache: PagedCache, stats: PageStatistics | No
     """The sparse step of rows ``queries (R, H, d)`` (post-RoPE, the current tokens'), ``tables (R, >= pages)`` their
     block tables and ``lengths`` their ``N``s (each larger than the effective support): ``(R, H, dv)`` float32."""
     if batched(cfg):
-        index, valid = mean_dot_supports(cfg, stats, queries, tables, lengths, scale)
+        lengths = torch.as_tensor(lengths, dtype=torch.long)
+        blocks = mean_dot_blocks(cfg, stats, queries, tables, lengths)
+        if cache.raw is not None and paged_refusal(queries, cache.raw) is None:  # the C kernel makes the supports
+            return attend_paged_blocks(queries, cache.raw, tables, blocks, lengths, window=cfg.window,
+                                       block=cfg.block_size, scale=scale)  # fmt: skip
+        index, valid = block_supports(cfg, blocks, lengths)
     else:
         supports = [row_support(cfg, cache, stats, queries[r], tables[r], row_layout(cfg, int(n), layer, scale))
                     for r, n in enumerate(lengths)]  # fmt: skip

@@ -76,3 +76,29 @@ def select_paged(queries, kv_cache, pieces, firsts, tables, lengths, *, block: i
     )  # fmt: skip
     check_status(status)
     return blocks
+
+
+_BLOCKS_ARGS = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 10
+                + [ctypes.c_float, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64])  # fmt: skip
+
+
+def attend_paged_blocks(queries, kv_cache, tables, blocks, lengths, *, window: int, block: int, scale: float):
+    """:func:`attend_paged` over the supports of chosen ``blocks (R, kv, b)`` (``-1``: none), the positions made in
+    the call from the rows' ``lengths``: ``(R, H, d)`` float32."""
+    lib = library()
+    if lib.attend_paged_blocks.argtypes is None:
+        lib.attend_paged_blocks.argtypes, lib.attend_paged_blocks.restype = _BLOCKS_ARGS, ctypes.c_int
+    n_rows, query_heads, d = queries.shape
+    kv, page = kv_cache.shape[1], kv_cache.shape[2]
+    q = queries.contiguous()
+    tables = tables.to(torch.int32).contiguous()
+    blocks = blocks.to(torch.int64).contiguous()
+    lengths = torch.as_tensor(lengths, dtype=torch.int64).contiguous()
+    out = torch.empty(n_rows, query_heads, d, dtype=torch.float32)
+    status = lib.attend_paged_blocks(
+        q.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), tables.shape[1], blocks.data_ptr(), lengths.data_ptr(),
+        n_rows, kv, 1, query_heads // kv, kv, d, page, blocks.shape[2], window, block, scale, torch.get_num_threads(),
+        out.data_ptr(), DTYPES[kv_cache.dtype],
+    )  # fmt: skip
+    check_status(status)
+    return out

@@ -20,19 +20,43 @@ typedef struct {
     float scale;
     float *out;
     int dtype;
+    const int64_t *blocks, *lengths; /* instead of index: chosen blocks (R, rows, b), the rows' lengths (R) */
+    int64_t b, window, block;
 } paged_job;
+
+/* A support row's positions from its chosen blocks: the anchor, each block's distant positions, the window
+ * (sparsedecode.layout.support_positions, blocks outside the distant region skipped). Returns the count. */
+static int64_t block_positions(const paged_job *job, int64_t r, int64_t i, int64_t *positions) {
+    int64_t n = job->lengths[r], distant_end = n - job->window > 1 ? n - job->window : 1, B = job->block;
+    int64_t n_blocks = (distant_end - 1 + B - 1) / B, count = 0;
+    const int64_t *chosen = job->blocks + (r * job->rows + i) * job->b;
+    positions[count++] = 0;
+    for (int64_t c = 0; c < job->b; c++) {
+        if (chosen[c] < 0 || chosen[c] >= n_blocks) continue;
+        int64_t start = 1 + chosen[c] * B, stop = start + B < distant_end ? start + B : distant_end;
+        for (int64_t p = start; p < stop; p++) positions[count++] = p;
+    }
+    for (int64_t p = distant_end; p < n; p++) positions[count++] = p;
+    return count;
+}
 
 static inline __attribute__((always_inline)) int paged_row_as(const paged_job *job, int64_t task, int t) {
     int64_t r = task / job->rows, i = task % job->rows, h = i / job->rep, qpr = job->qpr, d = job->d, P = job->page;
     int64_t S = job->support, esize = element_size(t);
-    const int64_t *index = job->index + (r * job->rows + i) * S;
-    const uint8_t *valid = job->valid ? job->valid + (r * job->rows + i) * S : NULL;
+    int64_t *own = NULL; /* positions made from chosen blocks */
+    if (job->blocks) {
+        own = malloc(sizeof(int64_t) * (size_t)S);
+        if (!own) return -1;
+        S = block_positions(job, r, i, own);
+    }
+    const int64_t *index = own ? own : job->index + (r * job->rows + i) * S;
+    const uint8_t *valid = own || !job->valid ? NULL : job->valid + (r * job->rows + i) * S;
     const int32_t *table = job->tables + r * job->table_width;
     int64_t head_bytes = P * 2 * d * esize, page_bytes = job->kv * head_bytes;
     float *keys = malloc(sizeof(float) * (size_t)(S * d + S * qpr + qpr * d));
     const char **vrows = malloc(sizeof(char *) * (size_t)S);
     if (!keys || !vrows) {
-        free(keys), free(vrows);
+        free(keys), free(vrows), free(own);
         return -1;
     }
     float *w = keys + S * d, *qh = w + S * qpr;
@@ -77,7 +101,7 @@ static inline __attribute__((always_inline)) int paged_row_as(const paged_job *j
             for (; c < d; c++) o[c] += ws * load1(vrows[s], c, t);
         }
     }
-    free(keys), free(vrows);
+    free(keys), free(vrows), free(own);
     return 0;
 }
 
@@ -93,7 +117,19 @@ int attend_paged(const void *q, const void *cache, const int32_t *tables, int64_
                  const uint8_t *valid, int64_t n_rows, int64_t rows, int64_t rep, int64_t qpr, int64_t kv, int64_t d,
                  int64_t page, int64_t support, float scale, int64_t threads, float *out, int64_t dtype) {
     paged_job job = {q, cache, tables, index, valid, table_width, rows, rep, qpr, kv, d, page, support, scale, out,
-                     (int)dtype};
+                     (int)dtype, NULL, NULL, 0, 0, 0};
+    int64_t tasks = n_rows * rows;
+    return parallel(paged_row, &job, tasks, threads < tasks ? threads : tasks, 1);
+}
+
+/* attend_paged with each support row's positions made from its chosen blocks (R, rows, b), -1 for none, and the
+ * rows' lengths: the support is then at most 1 + b * block + window positions. */
+int attend_paged_blocks(const void *q, const void *cache, const int32_t *tables, int64_t table_width,
+                        const int64_t *blocks, const int64_t *lengths, int64_t n_rows, int64_t rows, int64_t rep,
+                        int64_t qpr, int64_t kv, int64_t d, int64_t page, int64_t b, int64_t window, int64_t block,
+                        float scale, int64_t threads, float *out, int64_t dtype) {
+    paged_job job = {q, cache, tables, NULL, NULL, table_width, rows, rep, qpr, kv, d, page, 1 + b * block + window,
+                     scale, out, (int)dtype, blocks, lengths, b, window, block};
     int64_t tasks = n_rows * rows;
     return parallel(paged_row, &job, tasks, threads < tasks ? threads : tasks, 1);
 }
