@@ -9,6 +9,7 @@ _EXPORTS = {
     "list_models": "catalog",
     "load_model": "catalog",
     "load_tokenizer": "catalog",
+    "WEIGHTS": "weights",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -102,9 +102,9 @@ def load_gguf_linears(model: torch.nn.Module, path: Path) -> dict[str, int]:
     returns how many layers each GGUF type gave (``float`` counts the linear layers left as they were)."""
     from gguf import GGUFReader
 
-    from .catalog import attention_shape
-
-    heads, kv_heads, _, _ = attention_shape(model.config)
+    text = model.config.get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
     tensors = GGUFReader(str(path)).tensors
     tied = "output.weight" not in {t.name for t in tensors}  # llama.cpp's output is then the embedding
     linears = linear_modules(model)
