@@ -123,8 +123,9 @@ def test_full_support_decodes_the_quantized_models_own_dense_tokens(tmp_path, we
     compiled_dense = generate(model, ids, None, 16, mode="dense", compile=True)
     assert generate(model, ids, full, 16, mode="sparse").tokens == dense.tokens
     assert generate(model, ids, full, 16, mode="sparse", compile=True).tokens == compiled_dense.tokens == dense.tokens
-    sparse = generate(model, ids, SparseConfig(support=97, window=32, block_size=8), 16, mode="sparse", compile=True)
-    assert sparse.tokens == generate(model, ids, SparseConfig(support=97, window=32, block_size=8), 16, mode="sparse").tokens
+    small = SparseConfig(support=97, window=32, block_size=8)
+    compiled_sparse = generate(model, ids, small, 16, mode="sparse", compile=True)
+    assert compiled_sparse.tokens == generate(model, ids, small, 16, mode="sparse").tokens
 
 
 @pytest.mark.slow
@@ -135,8 +136,10 @@ def test_inductor_fuses_the_quantized_step_and_keeps_the_tokens():
     model = tiny_model("llama")
     apply_weights(model, "int4", None, "tiny")
     ids, cfg = _prompt(), SparseConfig(support=97, window=32, block_size=8)
-    assert generate(model, ids, cfg, 12, mode="sparse", compile=True).tokens == generate(model, ids, cfg, 12,
-                                                                                         mode="sparse").tokens
+    assert (
+        generate(model, ids, cfg, 12, mode="sparse", compile=True).tokens
+        == generate(model, ids, cfg, 12, mode="sparse").tokens
+    )
     assert not decoder_for(model, cfg, 1, 150 + 12).frozen
 
 

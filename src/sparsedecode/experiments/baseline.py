@@ -18,7 +18,8 @@ from ..errors import SparseDecodeError
 
 INSTALL = (
     'pip install "sparsedecode[llamacpp]" (llama-cpp-python from source; on x86-64 set CMAKE_ARGS="-DGGML_NATIVE=OFF '
-    '-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON", adding -DGGML_AVX512=ON where the CPU has it; docs/benchmarks.md)'
+    '-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON", adding -DGGML_AVX512=ON only where the CPU has avx512f: such a '
+    "build dies with an illegal instruction on an AVX2-only CPU; docs/setup.md, per CPU family)"
 )
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..errors import SparseDecodeError
-from .quantized import GROUP, Int8Linear, int4_from_nibbles, linear_modules, replace_module
+from .quantized import GROUP, Int4Linear, Int8Linear, int4_from_nibbles, linear_modules, replace_module
 
 _BLOCKS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
            "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -77,10 +77,9 @@ def _llama_rows(rows: int, heads: int) -> torch.Tensor:
 
 def _reordered(layer, rows: torch.Tensor):
     """``layer`` with its output rows taken in the order ``rows``."""
-    from .quantized import Int4Linear
-
     if isinstance(layer, Int4Linear):
-        return Int4Linear(layer.packed[..., rows], layer.scale[:, rows], layer.offset[:, rows], layer.bias, layer.source)
+        packed, scale, offset = layer.packed[..., rows], layer.scale[:, rows], layer.offset[:, rows]
+        return Int4Linear(packed, scale, offset, layer.bias, layer.source)
     return Int8Linear(layer.q[rows], layer.scale[rows], layer.bias, layer.source)
 
 
