@@ -1,15 +1,16 @@
 """Weight-only quantized linear layers for the CPU: a decode step reads 4-bit or 8-bit weights, not float ones.
 
-Two formats, both in groups of :data:`GROUP` = 32 consecutive inputs of one output (GGUF's block), activations and
-arithmetic in float32:
+Two formats, both in groups of :data:`GROUP` = 32 consecutive inputs of one output (GGUF's block), scales stored in
+float16 as GGUF stores them (so a layer holds exactly the bytes of its GGUF blocks: 20 per 32 weights for int4, 34
+for int8), activations and arithmetic in float32:
 
 - :class:`Int4Linear`: ``w = q * scale + offset`` with ``q`` in 0..15, two per byte as GGUF packs them (byte ``j`` of
   a group holds input ``j`` in its low nibble and input ``j + 16`` in its high one), the bytes stored group by group
-  with the outputs innermost (``(K / 32, 16, N)``), one float32 scale and offset per group and output. GGUF's Q4_1
+  with the outputs innermost (``(K / 32, 16, N)``), one float16 scale and offset per group and output. GGUF's Q4_1
   (``q * d + m``) maps exactly (``scale = d``, ``offset = m``), Q4_0 (``(q - 8) * d``) too (``offset = -8 d``).
   From float weights (:data:`METHODS` ``int4``): each group's minimum and maximum, ``scale = (max - min) / 15``,
-  ``offset = min``, ``q`` rounded to nearest (Q4_1's own method).
-- :class:`Int8Linear`: ``w = q * scale``, ``q`` in -127..127 stored ``(N, K / 32, 32)``, one float32 scale per group
+  ``offset = min`` (both rounded to float16), ``q`` rounded to nearest (Q4_1's own method).
+- :class:`Int8Linear`: ``w = q * scale``, ``q`` in -127..127 stored ``(N, K / 32, 32)``, one float16 scale per group
   and output. GGUF's Q8_0 (``q * d``) maps exactly. From float weights: ``scale = max |w| / 127`` per group, ``q``
   rounded to nearest (Q8_0's own method).
 
@@ -82,7 +83,7 @@ class QuantizedLinear(torch.nn.Module):
 
 class Int4Linear(QuantizedLinear):
     """``w[n, 32 g + j] = nibble * scale[g, n] + offset[g, n]`` (module docstring); ``packed (K/32, 16, N)`` uint8,
-    ``scale`` and ``offset (K/32, N)`` float32."""
+    ``scale`` and ``offset (K/32, N)`` float16."""
 
     format = "int4"
 
@@ -92,25 +93,25 @@ class Int4Linear(QuantizedLinear):
         if half != GROUP // 2 or packed.dtype != torch.uint8 or scale.shape != (groups, outputs):
             raise SparseDecodeError(f"Int4Linear: packed (K/32, 16, N) uint8 and scales (K/32, N), got {packed.shape}")
         self.register_buffer("packed", packed.contiguous())
-        self.register_buffer("scale", scale.float().contiguous())
-        self.register_buffer("offset", offset.float().contiguous())
+        self.register_buffer("scale", scale.to(torch.float16).contiguous())
+        self.register_buffer("offset", offset.to(torch.float16).contiguous())
 
     def fused(self, x: torch.Tensor) -> torch.Tensor:
         groups = self.packed.shape[0]
         xg = x.reshape(-1, groups, GROUP, 1)
         low, high = (self.packed & 15).float(), (self.packed >> 4).float()
         dots = (low * xg[:, :, : GROUP // 2] + high * xg[:, :, GROUP // 2 :]).sum(-2)  # (rows, groups, N)
-        return (dots * self.scale + self.offset * xg.sum(-2)).sum(-2)
+        return (dots * self.scale.float() + self.offset.float() * xg.sum(-2)).sum(-2)
 
     def dequantized(self) -> torch.Tensor:
         nibbles = torch.cat([self.packed & 15, self.packed >> 4], dim=1).float()  # (groups, 32, N)
-        weight = nibbles * self.scale.unsqueeze(1) + self.offset.unsqueeze(1)
+        weight = nibbles * self.scale.float().unsqueeze(1) + self.offset.float().unsqueeze(1)
         return weight.reshape(self.in_features, self.out_features).t()
 
 
 class Int8Linear(QuantizedLinear):
     """``w[n, 32 g + j] = q[n, g, j] * scale[n, g]`` (module docstring); ``q (N, K/32, 32)`` int8, ``scale (N, K/32)``
-    float32."""
+    float16."""
 
     format = "int8"
 
@@ -120,15 +121,15 @@ class Int8Linear(QuantizedLinear):
         if size != GROUP or q.dtype != torch.int8 or scale.shape != (outputs, groups):
             raise SparseDecodeError(f"Int8Linear: q (N, K/32, 32) int8 and scales (N, K/32), got {q.shape}")
         self.register_buffer("q", q.contiguous())
-        self.register_buffer("scale", scale.float().contiguous())
+        self.register_buffer("scale", scale.to(torch.float16).contiguous())
 
     def fused(self, x: torch.Tensor) -> torch.Tensor:
         groups = self.q.shape[1]
         xg = x.reshape(-1, 1, groups, GROUP)
-        return ((self.q.float() * xg).sum(-1) * self.scale).sum(-1)
+        return ((self.q.float() * xg).sum(-1) * self.scale.float()).sum(-1)
 
     def dequantized(self) -> torch.Tensor:
-        return (self.q.float() * self.scale.unsqueeze(-1)).reshape(self.out_features, self.in_features)
+        return (self.q.float() * self.scale.float().unsqueeze(-1)).reshape(self.out_features, self.in_features)
 
 
 def int4_from_nibbles(nibbles: torch.Tensor, scale, offset, bias=None, source: str = "int4") -> Int4Linear:
@@ -143,8 +144,8 @@ def quantize_int4(linear: torch.nn.Linear) -> Int4Linear:
     """``linear`` as :class:`Int4Linear` by :data:`METHODS` ``int4``."""
     weight = linear.weight.detach().float()
     groups = weight.reshape(weight.shape[0], -1, GROUP)
-    low, high = groups.amin(-1), groups.amax(-1)
-    scale = (high - low) / 15
+    low, high = groups.amin(-1).half().float(), groups.amax(-1)
+    scale = ((high - low) / 15).half().float()
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     nibbles = ((groups - low.unsqueeze(-1)) / safe.unsqueeze(-1)).round().clamp(0, 15)
     return int4_from_nibbles(nibbles.reshape(weight.shape), scale, low, linear.bias, "int4 " + METHODS["int4"])
@@ -154,7 +155,7 @@ def quantize_int8(linear: torch.nn.Linear) -> Int8Linear:
     """``linear`` as :class:`Int8Linear` by :data:`METHODS` ``int8``."""
     weight = linear.weight.detach().float()
     groups = weight.reshape(weight.shape[0], -1, GROUP)
-    scale = groups.abs().amax(-1) / 127
+    scale = (groups.abs().amax(-1) / 127).half().float()
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = (groups / safe.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
     return Int8Linear(q, scale, linear.bias, "int8 " + METHODS["int8"])
