@@ -156,3 +156,19 @@ def test_weights_choices_are_checked():
         check_weights("q4", "float32")
     with pytest.raises(SparseDecodeError, match="not a built-in alias or a local .gguf"):
         apply_weights(tiny_model("llama"), "gguf", None, "some/folder")
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+@pytest.mark.parametrize(("rows", "outputs"), [(1, 100), (3, 64), (8, 200)])
+def test_the_c_kernel_gives_the_dequantized_product(weights, rows, outputs):
+    """csrc/qlinear.h: whole tiles of 64 outputs and a shorter last one, one row or several, float32 sums."""
+    from sparsedecode.models.quantized import c_kernel, quantize_int4, quantize_int8
+
+    assert c_kernel() is not None  # the C library builds here (the CPU kernel's tests need it too)
+    torch.manual_seed(outputs)
+    linear = torch.nn.Linear(96, outputs)
+    layer = (quantize_int4 if weights == "int4" else quantize_int8)(linear)
+    x = torch.randn(rows, 96)
+    expected = x @ layer.dequantized().t()
+    assert torch.allclose(layer.c_product(x), expected, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(layer(x), expected + linear.bias, rtol=1e-5, atol=1e-5)  # forward: the C kernel, the bias

@@ -29,13 +29,51 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import env
 from ..errors import SparseDecodeError
 
 GROUP = 32
 """Inputs per group (one scale, and for int4 one offset, per group and output): GGUF's block size."""
 FUSED_ROWS = 8
-"""A compiled product of at most this many rows runs as the fused loop over the packed weight; more rows (a
-prefill) de-quantize the weight and multiply."""
+"""A product of at most this many rows (a decode step) runs as one loop over the packed weight (the C kernel, else
+in a compiled step inductor's fused loop); more rows (a prefill) de-quantize the weight and multiply."""
+C_KERNEL = env.flag("SPARSEDECODE_QUANTIZED_C", True)
+"""A decode step's quantized products run in the C kernel (``csrc/qlinear.h``, one custom op per layer, compiled
+or not) where it builds; ``SPARSEDECODE_QUANTIZED_C=0``: inductor's fused loop in a compiled step, the de-quantized
+product in eager ones."""
+
+
+def c_kernel():
+    """The C library serving the quantized products, or ``None`` where it cannot be built here."""
+    from ..kernels.cpu.qlinear import available
+
+    return available()
+
+
+def _int4_linear(x, packed, scale, offset):
+    from ..kernels.cpu.qlinear import q4_linear
+
+    return q4_linear(x, packed, scale, offset)
+
+
+def _int8_linear(x, q, scale):
+    from ..kernels.cpu.qlinear import q8_linear
+
+    return q8_linear(x, q, scale)
+
+
+# torch.library's schema API (as sparsedecode.compiled.op): a custom op per product, opaque to the compiler
+_OPS = torch.library.Library("sparsedecode_quantized", "DEF")
+_OPS.define("int4_linear(Tensor x, Tensor packed, Tensor scale, Tensor offset) -> Tensor")
+_OPS.define("int8_linear(Tensor x, Tensor q, Tensor scale) -> Tensor")
+_OPS.impl("int4_linear", _int4_linear, "CompositeExplicitAutograd")
+_OPS.impl("int8_linear", _int8_linear, "CompositeExplicitAutograd")
+torch.library.register_fake(
+    "sparsedecode_quantized::int4_linear", lambda x, packed, s, o: x.new_empty(x.shape[0], packed.shape[2]), lib=_OPS
+)
+torch.library.register_fake(
+    "sparsedecode_quantized::int8_linear", lambda x, q, s: x.new_empty(x.shape[0], q.shape[0]), lib=_OPS
+)
 METHODS = {
     "int4": "group-32 min-max, round to nearest (q in 0..15, w = q * scale + min; Q4_1's method)",
     "int8": "group-32 absmax, round to nearest (q in -127..127, w = q * scale; Q8_0's method)",
@@ -59,7 +97,9 @@ class QuantizedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[:-1].numel()
         flat = x.reshape(rows, self.in_features).float()
-        if rows <= FUSED_ROWS and torch.compiler.is_compiling():
+        if rows <= FUSED_ROWS and x.device.type == "cpu" and C_KERNEL and c_kernel() is not None:
+            out = self.c_product(flat)
+        elif rows <= FUSED_ROWS and torch.compiler.is_compiling():
             out = self.fused(flat)
         else:
             out = F.linear(flat, self.dequantized())
@@ -68,6 +108,9 @@ class QuantizedLinear(torch.nn.Module):
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def fused(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - every subclass has its own
+        raise NotImplementedError
+
+    def c_product(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - every subclass has its own
         raise NotImplementedError
 
     def dequantized(self) -> torch.Tensor:  # pragma: no cover - every subclass has its own
@@ -96,6 +139,9 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("scale", scale.to(torch.float16).contiguous())
         self.register_buffer("offset", offset.to(torch.float16).contiguous())
 
+    def c_product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.sparsedecode_quantized.int4_linear(x, self.packed, self.scale, self.offset)
+
     def fused(self, x: torch.Tensor) -> torch.Tensor:
         groups = self.packed.shape[0]
         xg = x.reshape(-1, groups, GROUP, 1)
@@ -122,6 +168,9 @@ class Int8Linear(QuantizedLinear):
             raise SparseDecodeError(f"Int8Linear: q (N, K/32, 32) int8 and scales (N, K/32), got {q.shape}")
         self.register_buffer("q", q.contiguous())
         self.register_buffer("scale", scale.to(torch.float16).contiguous())
+
+    def c_product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.sparsedecode_quantized.int8_linear(x, self.q, self.scale)
 
     def fused(self, x: torch.Tensor) -> torch.Tensor:
         groups = self.q.shape[1]

@@ -3,7 +3,7 @@
  *
  * Built at first use by sparsedecode/kernels/cpu/__init__.py (cc -O3 -march=native -fopenmp-simd -pthread), called
  * through ctypes. One translation unit in parts: numeric.h (e^x, element types), threads.h (work splitting),
- * select.h (selection), attend.h (attention), and here the calls of a step.
+ * select.h (selection), attend.h (attention), qlinear.h (quantized linear layers), and here the calls of a step.
  * It replaces ~20 small torch operations whose fixed per-call cost dominated below ~32K positions. Semantics are
  * those of sparsedecode.selectors (top_blocks: the b best, ties to the lowest block, ascending) and of
  * sparsedecode.session.attend_support (softmax over the support, all query heads of a GQA group sharing it).
@@ -32,6 +32,7 @@
 #include "threads.h"
 #include "select.h"
 #include "attend.h"
+#include "qlinear.h"
 
 
 /* ---------------------------------------------------------------------------------------------------------------
