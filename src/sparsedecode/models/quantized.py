@@ -44,36 +44,13 @@ product in eager ones."""
 
 
 def c_kernel():
-    """The C library serving the quantized products, or ``None`` where it cannot be built here."""
+    """The C library serving the quantized products (its custom ops ``sparsedecode_quantized::int4_linear`` and
+    ``int8_linear`` registered), or ``None`` where it cannot be built here."""
     from ..kernels.cpu.qlinear import available
 
     return available()
 
 
-def _int4_linear(x, packed, scale, offset):
-    from ..kernels.cpu.qlinear import q4_linear
-
-    return q4_linear(x, packed, scale, offset)
-
-
-def _int8_linear(x, q, scale):
-    from ..kernels.cpu.qlinear import q8_linear
-
-    return q8_linear(x, q, scale)
-
-
-# torch.library's schema API (as sparsedecode.compiled.op): a custom op per product, opaque to the compiler
-_OPS = torch.library.Library("sparsedecode_quantized", "DEF")
-_OPS.define("int4_linear(Tensor x, Tensor packed, Tensor scale, Tensor offset) -> Tensor")
-_OPS.define("int8_linear(Tensor x, Tensor q, Tensor scale) -> Tensor")
-_OPS.impl("int4_linear", _int4_linear, "CompositeExplicitAutograd")
-_OPS.impl("int8_linear", _int8_linear, "CompositeExplicitAutograd")
-torch.library.register_fake(
-    "sparsedecode_quantized::int4_linear", lambda x, packed, s, o: x.new_empty(x.shape[0], packed.shape[2]), lib=_OPS
-)
-torch.library.register_fake(
-    "sparsedecode_quantized::int8_linear", lambda x, q, s: x.new_empty(x.shape[0], q.shape[0]), lib=_OPS
-)
 METHODS = {
     "int4": "group-32 min-max, round to nearest (q in 0..15, w = q * scale + min; Q4_1's method)",
     "int8": "group-32 absmax, round to nearest (q in -127..127, w = q * scale; Q8_0's method)",

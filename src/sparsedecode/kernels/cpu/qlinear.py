@@ -53,3 +53,18 @@ def q8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
                       torch.get_num_threads())
     )  # fmt: skip
     return out
+
+
+# torch.library's schema API (as sparsedecode.compiled.op): one custom op per product, opaque to the compiler; here,
+# imported once, so a module that uses them may be imported again
+_OPS = torch.library.Library("sparsedecode_quantized", "DEF")
+_OPS.define("int4_linear(Tensor x, Tensor packed, Tensor scale, Tensor offset) -> Tensor")
+_OPS.define("int8_linear(Tensor x, Tensor q, Tensor scale) -> Tensor")
+_OPS.impl("int4_linear", q4_linear, "CompositeExplicitAutograd")
+_OPS.impl("int8_linear", q8_linear, "CompositeExplicitAutograd")
+torch.library.register_fake(
+    "sparsedecode_quantized::int4_linear", lambda x, packed, s, o: x.new_empty(x.shape[0], packed.shape[2]), lib=_OPS
+)
+torch.library.register_fake(
+    "sparsedecode_quantized::int8_linear", lambda x, q, s: x.new_empty(x.shape[0], q.shape[0]), lib=_OPS
+)
