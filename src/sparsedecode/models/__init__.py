@@ -10,6 +10,7 @@ _EXPORTS = {
     "load_model": "catalog",
     "load_tokenizer": "catalog",
     "WEIGHTS": "weights",
+    "apply_weights": "weights",
 }
 __all__ = sorted(_EXPORTS)
 
