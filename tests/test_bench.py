@@ -289,7 +289,18 @@ def test_bench_e2e_baseline_runs_llama_cpp_in_the_rotation(monkeypatch, tmp_path
     gguf = _gguf_file(tmp_path / "model.gguf")
     engines = {LLAMA_CPP: LlamaCpp(gguf, 220, 2), LLAMA_CPP_FLASH: LlamaCpp(gguf, 220, 2, flash_attn=True)}
     ids = prompt(200)
-    rows = bench_e2e(tiny_model("qwen2"), "tiny", ids, (97,), tokens=4, repeats=2, baseline=engines)
+    heard = []
+    rows = bench_e2e(
+        tiny_model("qwen2"),
+        "tiny",
+        ids,
+        (97,),
+        tokens=4,
+        repeats=2,
+        baseline=engines,
+        progress=lambda *a: heard.append(a),
+    )
+    assert ("dense, llama.cpp (run 2/2), prefill and decode", 4, 4) in heard  # where it is while llama.cpp works
     assert [(r.mode, r.cache) for r in rows][-2:] == [("dense", LLAMA_CPP), ("dense", LLAMA_CPP_FLASH)]
     llama = rows[-2]
     fastest = min(r.decode_s for r in rows[-2:])  # llama.cpp's faster mode is the reference

@@ -169,13 +169,21 @@ LLAMA_CPP = "llama.cpp"
 LLAMA_CPP_FLASH = "llama.cpp, flash attention"
 
 
-def baseline_modes(engines: dict[str, LlamaCpp], prompt_ids: torch.Tensor, tokens: int, prefills: dict) -> dict:
+def baseline_modes(
+    engines: dict[str, LlamaCpp], prompt_ids: torch.Tensor, tokens: int, prefills: dict, progress=None
+) -> dict:
     """``bench_e2e`` modes for llama.cpp engines (``{cache label: engine}``): each a function ``(stage) ->
-    (decode seconds, tokens)``; every run's prefill seconds go to ``prefills[label]``."""
+    (decode seconds, tokens)``; every run's prefill seconds go to ``prefills[label]``; ``progress(stage, done,
+    total)`` hears when each run (llama.cpp's prefill and tokens) begins and ends."""
     prompt = [int(t) for t in prompt_ids.reshape(-1).tolist()]
 
     def run(label: str, stage: str):
+        stage = f"{stage}, prefill and decode"
+        if progress:
+            progress(stage, 0, tokens)
         prefill_s, decode_s, out = engines[label].decode(prompt, tokens)
+        if progress:
+            progress(stage, tokens, tokens)
         prefills.setdefault(label, []).append(prefill_s)
         return decode_s, out
 

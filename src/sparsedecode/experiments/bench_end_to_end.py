@@ -111,7 +111,7 @@ def bench_e2e(
     if baseline:
         from .baseline import baseline_modes
 
-        modes.update(baseline_modes(baseline, prompt_ids, tokens, prefills))
+        modes.update(baseline_modes(baseline, prompt_ids, tokens, prefills, progress))
     runs = _rotate(modes, repeats)
     rss = peak_rss_mb()
     rows = _e2e_rows(name, runs, context, tokens, prefill_s, rss, kernel, compile_s, baseline)
