@@ -8,10 +8,12 @@ The choice is recorded on the model as ``model.sparsedecode_weights`` (a short l
 from __future__ import annotations
 
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..errors import SparseDecodeError
+
+if TYPE_CHECKING:  # torch is not imported by the command line's --help, which lists WEIGHTS
+    import torch
 
 FLOAT_WEIGHTS = ("float32", "bfloat16", "float16")
 QUANTIZED_WEIGHTS = ("gguf", "int8", "int4")
