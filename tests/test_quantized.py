@@ -172,3 +172,40 @@ def test_the_c_kernel_gives_the_dequantized_product(weights, rows, outputs):
     expected = x @ layer.dequantized().t()
     assert torch.allclose(layer.c_product(x), expected, rtol=1e-5, atol=1e-5)
     assert torch.allclose(layer(x), expected + linear.bias, rtol=1e-5, atol=1e-5)  # forward: the C kernel, the bias
+
+
+@pytest.mark.parametrize("march", ["x86-64", "x86-64-v3"])
+def test_the_c_kernel_built_for_older_cpus_gives_the_same_products(tmp_path, march):
+    """The library as a CPU without AVX2 (``x86-64``: the portable byte widening, integer float16 conversion) and an
+    AVX2-only one (``x86-64-v3``: AVX2, FMA, F16C, no AVX-512) would build it: the same products as the build for this
+    CPU, to float32 round-off. x86-64 hosts only (elsewhere those targets do not exist)."""
+    import ctypes
+    import os
+    import platform
+    import subprocess
+
+    from sparsedecode.kernels import cpu
+    from sparsedecode.kernels.cpu import qlinear
+    from sparsedecode.models.quantized import quantize_int4, quantize_int8
+
+    assert platform.machine() in ("x86_64", "AMD64"), "this check is for x86-64 hosts"
+    flags = [f for f in cpu.FLAGS if f != "-march=native"] + [f"-march={march}"]
+    half = ["-DSPARSE_STEP_HALF=3"] if march == "x86-64" else []
+    target = tmp_path / f"{march}.so"
+    command = [os.environ.get("CC") or "cc", *flags, *half, str(cpu.SOURCE), "-o", str(target), "-lm"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-500:]
+    older = ctypes.CDLL(str(target))
+    older.q4_linear.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4
+    older.q8_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
+    torch.manual_seed(7)
+    linear = torch.nn.Linear(96, 1100, bias=False)  # two spans and a tail of 4 outputs
+    x = torch.randn(2, 96)
+    int4, int8 = quantize_int4(linear), quantize_int8(linear)
+    out = torch.empty(2, 1100)
+    xsum = x.view(2, 3, 32).sum(-1).contiguous()
+    pointers = (int4.packed, int4.scale, int4.offset, x, xsum, out)
+    assert older.q4_linear(*(t.data_ptr() for t in pointers), 2, 1100, 3, 1) == 0
+    assert torch.allclose(out, qlinear.q4_linear(x, int4.packed, int4.scale, int4.offset), rtol=1e-5, atol=1e-5)
+    assert older.q8_linear(int8.q.data_ptr(), int8.scale.data_ptr(), x.data_ptr(), out.data_ptr(), 2, 1100, 3, 1) == 0
+    assert torch.allclose(out, qlinear.q8_linear(x, int8.q, int8.scale), rtol=1e-5, atol=1e-5)
