@@ -237,7 +237,8 @@ def _print_e2e(args, rows) -> None:
         "leading tokens equal to dense greedy output; peak RSS is the process peak so far"
         + (
             "; vs llama.cpp = the faster llama.cpp mode's decode time over the row's; MB/token = weights + attention "
-            "reads at the mean context, bound = read bandwidth / MB per token.[/]"
+            "reads at the mean context, bound = read bandwidth / MB per token; the engines decode the same model only "
+            "where their weights match (--weights gguf).[/]"
             if baseline
             else ".[/]"
         )
