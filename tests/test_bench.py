@@ -263,6 +263,21 @@ class FakeLlama:
         return (self.tokens[-1] + 1) % 96
 
 
+def _gguf_file(path: Path) -> Path:
+    """A small GGUF file holding one Q4_1 tensor (what llama.cpp's rows name as their weights)."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    data = gguf.quants.quantize(np.ones((8, 64), dtype=np.float32), gguf.GGMLQuantizationType.Q4_1)
+    writer.add_tensor("blk.0.attn_q.weight", data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def test_bench_e2e_baseline_runs_llama_cpp_in_the_rotation(monkeypatch, tmp_path):
     import types
 
@@ -271,17 +286,28 @@ def test_bench_e2e_baseline_runs_llama_cpp_in_the_rotation(monkeypatch, tmp_path
     monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=FakeLlama))
     monkeypatch.setattr(FakeLlama, "log", tmp_path / "llama.jsonl")
     monkeypatch.setattr(bench_end_to_end, "read_bandwidth_gbs", lambda *a, **k: 10.0)  # structure, not speed
-    gguf = tmp_path / "model.gguf"
-    gguf.write_bytes(b"\0" * 1000)
+    gguf = _gguf_file(tmp_path / "model.gguf")
     engines = {LLAMA_CPP: LlamaCpp(gguf, 220, 2), LLAMA_CPP_FLASH: LlamaCpp(gguf, 220, 2, flash_attn=True)}
     ids = prompt(200)
-    rows = bench_e2e(tiny_model("qwen2"), "tiny", ids, (97,), tokens=4, repeats=2, baseline=engines)
+    heard = []
+    rows = bench_e2e(
+        tiny_model("qwen2"),
+        "tiny",
+        ids,
+        (97,),
+        tokens=4,
+        repeats=2,
+        baseline=engines,
+        progress=lambda *a: heard.append(a),
+    )
+    assert ("dense, llama.cpp (run 2/2), prefill and decode", 4, 4) in heard  # where it is while llama.cpp works
     assert [(r.mode, r.cache) for r in rows][-2:] == [("dense", LLAMA_CPP), ("dense", LLAMA_CPP_FLASH)]
     llama = rows[-2]
     fastest = min(r.decode_s for r in rows[-2:])  # llama.cpp's faster mode is the reference
     assert llama.runs == 2 and max(r.vs_llama_cpp for r in rows[-2:]) == 1.0
     assert all(r.vs_llama_cpp == pytest.approx(fastest / r.decode_s) for r in rows)
     assert llama.bytes_per_token_mb * 1e6 > 1000  # the GGUF file plus its float16 KV cache reads
+    assert llama.weights == "gguf Q4_1" and rows[0].weights == "float32"  # each engine's weights named
     sparse = next(r for r in rows if r.mode == "sparse")
     dense = rows[0]
     assert sparse.bytes_per_token_mb < dense.bytes_per_token_mb
@@ -460,6 +486,22 @@ def test_bench_op_times_the_c_kernel_in_half_precision(dtype):
     assert rows[1].bytes_sparse == op_bytes(SparseConfig(support=97), 512, 3, 9, 64, 2)[1]
 
 
+def test_a_llama_cpp_build_for_another_cpu_is_named_as_the_cause(monkeypatch, tmp_path):
+    """llama.cpp's process dying of signal 4 (an AVX-512 build on an AVX2-only CPU) is said to be the build."""
+    import signal
+    import types
+
+    from sparsedecode.experiments.baseline import LlamaCpp
+
+    class IllegalInstruction:
+        def __init__(self, model_path, **settings):
+            os.kill(os.getpid(), signal.SIGILL)
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=IllegalInstruction))
+    with pytest.raises(SparseDecodeError, match=r"illegal instruction \(signal 4\).*docs/setup.md"):
+        LlamaCpp(tmp_path / "model.gguf", 220, 2)
+
+
 def test_a_llama_cpp_engine_that_cannot_load_is_refused_in_one_line(monkeypatch, tmp_path):
     import types
 
@@ -472,3 +514,18 @@ def test_a_llama_cpp_engine_that_cannot_load_is_refused_in_one_line(monkeypatch,
     monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=Broken))
     with pytest.raises(SparseDecodeError, match=r"llama.cpp: cannot load .*model.gguf: not a GGUF file"):
         LlamaCpp(tmp_path / "model.gguf", 220, 2)
+
+
+def test_progress_off_a_terminal_is_one_line_per_stage_begun_and_ended():
+    """bench e2e's progress where output is not a terminal (a log, a pipe): lines on stderr, not rich's bars."""
+    import io
+
+    from sparsedecode.cli.display import progress_lines
+
+    out = io.StringIO()
+    progress = progress_lines(out)
+    for done in (0, 4, 8):
+        progress("sparse S=97 (run 1/1)", done, 8)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "sparse S=97 (run 1/1): 0/8 ..." and len(lines) == 2
+    assert lines[1].startswith("sparse S=97 (run 1/1): 8/8 in ") and lines[1].endswith(" s")

@@ -22,6 +22,7 @@ SWITCHES = {
     "SPARSEDECODE_FREEZE": ("sparsedecode.compiled.cpu", "FREEZE", "nonsense"),
     "SPARSEDECODE_AUTOTUNE": ("sparsedecode.compiled.cpu", "AUTOTUNE", "2"),
     "SPARSEDECODE_MODULE_GUARDS": ("sparsedecode.compiled.decoder", "MODULE_GUARDS_PER_INSTALL", "nonsense"),
+    "SPARSEDECODE_QUANTIZED_C": ("sparsedecode.models.quantized", "C_KERNEL", "maybe"),
 }
 """Every switch read when its module is imported: (module, the attribute it sets, a value it must refuse)."""
 

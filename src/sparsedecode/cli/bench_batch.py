@@ -65,7 +65,7 @@ def _run_batches(args, model, tokenizer) -> list:
             prompts = [
                 prompt_ids(tokenizer, args.corpus, context, args.prompt_index + i, args.tokens) for i in range(largest)
             ]
-            with progress_bars() as progress:
+            with progress_bars(piped_lines=True) as progress:
                 rows.extend(
                     measure_batches(
                         run_model,

@@ -13,7 +13,7 @@ from .conditions import plain_layers
 from .display import console, progress_bars
 from .loading import check_prompt_source, check_whole_blocks, load
 from .outputs import check_output_file, inputs_of
-from .parser import DRAFT_TOKENS, DTYPES, add_dense_layers_arg, add_model_args, layer_budget
+from .parser import DRAFT_TOKENS, DTYPES, add_dense_layers_arg, add_model_args, add_weights_arg, layer_budget
 
 __all__ = ["add_e2e_parser", "cmd_bench_e2e"]
 
@@ -31,6 +31,7 @@ def add_e2e_parser(benches) -> None:
         "  sparsedecode bench e2e --context 2048 --tokens 16 --batch 1,4 --json e2e-batch.json",
     )
     add_model_args(e2e)
+    add_weights_arg(e2e)
     e2e.add_argument("--corpus", default="python-docs")
     e2e.add_argument(
         "--context", type=int_list, default=[8192], help="prompt length(s) in tokens (plus --tokens must fit the model)"
@@ -117,7 +118,7 @@ def cmd_bench_e2e(args) -> int:
         engines = None
         if args.baseline != "none":
             engines = _llama_engines(baseline.gguf_of(args.model), context + args.tokens + 1)
-        with progress_bars() as progress:
+        with progress_bars(piped_lines=True) as progress:
             rows.extend(
                 bench_e2e(
                     model,
@@ -203,18 +204,18 @@ def _llama_engines(path, context: int) -> dict:
 def _print_e2e(args, rows) -> None:
     """The table of ``bench e2e`` rows (llama.cpp's columns with ``--baseline``)."""
     baseline = args.baseline != "none"
+    weights = baseline or getattr(args, "weights", None) is not None
     table = Table(
         title=f"end to end, {args.model} {args.dtype} on cpu: {args.tokens} greedy tokens after a dense prefill"
     )
-    names = ["context", "mode", "KV cache", "S", "k", "accepted", "prefill s", "decode tok/s", "vs best dense"]
+    names = ["context", "mode", "KV cache"] + (["weights"] if weights else [])
+    names += ["S", "k", "accepted", "prefill s", "decode tok/s", "vs best dense"]
     names += ["vs llama.cpp", "MB/token", "bound tok/s"] if baseline else []
     for name in (*names, "same tokens", "compile s", "peak RSS MB"):
         table.add_column(name, justify="right")
     for r in rows:
-        cells = [
-            str(r.context),
-            r.mode,
-            r.cache,
+        cells = [str(r.context), r.mode, r.cache] + ([r.weights or "-"] if weights else [])
+        cells += [
             str(r.support or "-"),
             str(r.draft_tokens or "-"),
             f"{100 * r.acceptance_rate:.0f}%" if r.acceptance_rate is not None else "-",
@@ -236,7 +237,8 @@ def _print_e2e(args, rows) -> None:
         "leading tokens equal to dense greedy output; peak RSS is the process peak so far"
         + (
             "; vs llama.cpp = the faster llama.cpp mode's decode time over the row's; MB/token = weights + attention "
-            "reads at the mean context, bound = read bandwidth / MB per token.[/]"
+            "reads at the mean context, bound = read bandwidth / MB per token; the engines decode the same model only "
+            "where their weights match (--weights gguf).[/]"
             if baseline
             else ".[/]"
         )

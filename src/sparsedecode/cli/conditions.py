@@ -26,6 +26,7 @@ def run_settings(args, command: str) -> dict:
     return {
         "command": command,
         **{key: getattr(args, key) for key in keys},
+        **({"weights": args.weights} if getattr(args, "weights", None) else {}),
         "contexts": args.context,
         "supports": args.support,
         **{name: plain_layers(value) for name, value in layer_budget(args).items() if value},
@@ -60,12 +61,19 @@ def _kernel_in_use(dtype: str, selector: str, shape: tuple[int, int, int, int] |
     return "sparse steps: C kernel"
 
 
+def _weights(args) -> str:
+    """``, weights W`` where ``--weights`` chose quantized ones, else nothing."""
+    weights = getattr(args, "weights", None)
+    return f", weights {weights}" if weights not in (None, args.dtype) else ""
+
+
 def conditions(args) -> str:
     """One line (rich markup) of the conditions a command's numbers are measured under, printed above its tables."""
     import torch
 
     return (
-        f"[bold]{args.model}[/] {args.dtype} on cpu, {torch.get_num_threads()} threads; corpus {args.corpus}, "
+        f"[bold]{args.model}[/] {args.dtype}{_weights(args)} on cpu, {torch.get_num_threads()} threads; corpus "
+        f"{args.corpus}, "
         f"prompt {args.prompt_index}; T = {args.tokens}; W = {args.window}, B = {args.block_size}, "
         f"R = {args.reuse}, selector {args.selector}; {_kernel_in_use(args.dtype, args.selector)}"
     )

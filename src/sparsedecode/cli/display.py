@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from rich.console import Console
 from rich.progress import (
@@ -17,7 +17,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-__all__ = ["console", "layer_table", "progress_bars", "run_hooks"]
+__all__ = ["console", "layer_table", "progress_bars", "progress_lines", "run_hooks"]
 
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 132)
 
@@ -39,11 +39,16 @@ def run_hooks(progress, out, row_line):
 
 
 @contextlib.contextmanager
-def progress_bars(speed_estimate_period: float = 30.0) -> Iterator:
+def progress_bars(speed_estimate_period: float = 30.0, *, piped_lines: bool = False) -> Iterator:
     """A ``progress(stage, done, total, note="")`` callback drawing one rich bar per stage (``note`` after it).
 
-    The ETA of a bar comes from its progress over the last ``speed_estimate_period`` seconds.
+    The ETA of a bar comes from its progress over the last ``speed_estimate_period`` seconds. Where the console is
+    not a terminal rich draws nothing; ``piped_lines``: then one line on stderr per stage begun and ended
+    (:func:`progress_lines`).
     """
+    if piped_lines and not console.is_terminal:
+        yield progress_lines(sys.stderr)
+        return
     bars = Progress(
         TextColumn("{task.description:>16}"),
         BarColumn(),
@@ -66,6 +71,24 @@ def progress_bars(speed_estimate_period: float = 30.0) -> Iterator:
 
     with bars:
         yield update
+
+
+def progress_lines(out) -> Callable[..., None]:
+    """A ``progress(stage, done, total, note="")`` callback writing one line to ``out`` when a stage begins and one
+    when it ends, with its seconds (for output that is not a terminal: a log, a pipe)."""
+    import time
+
+    begun: dict[str, float] = {}
+
+    def update(stage: str, done: int, total: int, note: str = "") -> None:
+        if stage not in begun:
+            begun[stage] = time.perf_counter()
+            print(f"{stage}: {done}/{total} ...", file=out, flush=True)
+        if done >= total:
+            seconds = time.perf_counter() - begun.pop(stage)
+            print(f"{stage}: {total}/{total} in {seconds:.1f} s{' ' + note if note else ''}", file=out, flush=True)
+
+    return update
 
 
 def layer_table(title: str, summary: dict) -> Table:

@@ -61,8 +61,9 @@ def load(args):
     check_model_cache(args.model)
     from ..validate import check_sparse_attention
 
-    with console.status(f"loading {args.model} ({args.dtype})"):
-        model, tokenizer = load_model(args.model, dtype=args.dtype)
+    weights = getattr(args, "weights", None)
+    with console.status(f"loading {args.model} ({weights or args.dtype})"):
+        model, tokenizer = load_model(args.model, dtype=args.dtype, weights=weights)
     check_sparse_attention(model, args.model)
     return model, tokenizer
 

@@ -30,6 +30,7 @@ __all__ = [
     "add_dense_layers_arg",
     "layer_budget",
     "add_model_args",
+    "add_weights_arg",
     "add_prompt_args",
 ]
 
@@ -152,6 +153,20 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         help="model alias (see `sparsedecode models`), local folder or .gguf file, or hub id",
     )
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations dtype")
+
+
+def add_weights_arg(parser: argparse.ArgumentParser) -> None:
+    """``--weights``: the weights a model decodes with (``load_model``'s ``weights``; the commands that offer it)."""
+    from ..models.weights import WEIGHTS
+
+    parser.add_argument(
+        "--weights",
+        default=None,
+        choices=WEIGHTS,
+        help="gguf: the linear layers from the model's GGUF as stored (Q4_0/Q4_1 as int4, Q8_0 as int8, group 32); "
+        "int4, int8: quantized from the float weights (group-32 min-max / absmax, round to nearest); a float dtype: "
+        "as --dtype (default: --dtype). Activations stay in --dtype",
+    )
 
 
 def add_dense_layers_arg(parser: argparse.ArgumentParser) -> None:

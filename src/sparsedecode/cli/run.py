@@ -11,7 +11,7 @@ from .conditions import conditions, run_settings
 from .display import console, layer_table, progress_bars
 from .loading import prepare
 from .outputs import check_output_file, inputs_of, write_json
-from .parser import DRAFT_TOKENS, add_model_args, add_prompt_args
+from .parser import DRAFT_TOKENS, add_model_args, add_prompt_args, add_weights_arg
 
 
 def add_parsers(sub) -> None:
@@ -26,6 +26,7 @@ def add_parsers(sub) -> None:
         "  sparsedecode run --mode lossless --draft-tokens 4 --context 1024 --support 193 --tokens 32 --json run.json",
     )
     add_model_args(run)
+    add_weights_arg(run)
     add_prompt_args(run, tokens=128)
     run.add_argument("--json", type=file_arg, help="write {settings, results} to this JSON file (default: not written)")
     run.add_argument(

@@ -80,6 +80,9 @@ def choices(model: torch.nn.Module, device: torch.device, backend: str, batch: i
     :data:`AUTOTUNE`)."""
     frozen = backend == "inductor" and device.type == "cpu" and FREEZE
     frozen = frozen and not (row_products and batch == 1) and room_to_freeze(model)
+    from ..models.quantized import is_quantized
+
+    frozen = frozen and not is_quantized(model)  # freezing would fold the de-quantization into float constants
     return frozen, frozen and AUTOTUNE and batch > 1
 
 

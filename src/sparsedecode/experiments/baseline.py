@@ -18,7 +18,8 @@ from ..errors import SparseDecodeError
 
 INSTALL = (
     'pip install "sparsedecode[llamacpp]" (llama-cpp-python from source; on x86-64 set CMAKE_ARGS="-DGGML_NATIVE=OFF '
-    '-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON", adding -DGGML_AVX512=ON where the CPU has it; docs/benchmarks.md)'
+    '-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON", adding -DGGML_AVX512=ON only where the CPU has avx512f: such a '
+    "build dies with an illegal instruction on an AVX2-only CPU; docs/setup.md, per CPU family)"
 )
 
 
@@ -50,6 +51,22 @@ def _llama_class():
     return Llama
 
 
+def ended(exitcode: int | None, path: Path) -> str:
+    """Why llama.cpp's process ended: an illegal instruction (signal 4) is a build for CPU features this CPU lacks."""
+    import signal
+
+    if exitcode == -signal.SIGILL:
+        from .environment import cpu_record
+
+        flags = ", ".join(cpu_record()["cpu_flags"] or ()) or "unknown"
+        return (
+            f"llama.cpp's process died of an illegal instruction (signal 4) with {path.name}: llama-cpp-python was "
+            "built for CPU features this CPU lacks (an AVX-512 or native build on an AVX2-only CPU, say; this CPU "
+            f"has: {flags}); reinstall it with the build flags of this CPU family (docs/setup.md)"
+        )
+    return f"llama.cpp's process ended ({exitcode}) decoding {path}"
+
+
 @dataclass
 class LlamaCpp:
     """One llama.cpp model in a process of its own (forked here, so it loads the ``llama_cpp`` this process would):
@@ -78,9 +95,8 @@ class LlamaCpp:
         try:
             answer = self._pipe.recv()
         except EOFError:
-            raise SparseDecodeError(
-                f"llama.cpp's process ended ({self._process.exitcode}) decoding {self.path}"
-            ) from None
+            self._process.join(timeout=5)
+            raise SparseDecodeError(ended(self._process.exitcode, self.path)) from None
         if isinstance(answer, str):
             raise SparseDecodeError(f"llama.cpp: {answer}")
         return answer
@@ -138,12 +154,6 @@ def _serve(pipe, settings) -> None:
     pipe.close()
 
 
-def parameter_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the weights a decode step reads: every parameter once (the tied embedding counted once, as the
-    output projection; the embedding lookup reads one row)."""
-    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
-
-
 def attention_bytes(config, n: int, support: int | None, element: int, block_size: int = 16) -> int:
     """Bytes attention reads per token at ``n`` positions: every key and value (``support=None``: dense), or the
     support's keys and values plus the float32 block centroids selection scores (one per ``block_size`` keys)."""
@@ -159,13 +169,21 @@ LLAMA_CPP = "llama.cpp"
 LLAMA_CPP_FLASH = "llama.cpp, flash attention"
 
 
-def baseline_modes(engines: dict[str, LlamaCpp], prompt_ids: torch.Tensor, tokens: int, prefills: dict) -> dict:
+def baseline_modes(
+    engines: dict[str, LlamaCpp], prompt_ids: torch.Tensor, tokens: int, prefills: dict, progress=None
+) -> dict:
     """``bench_e2e`` modes for llama.cpp engines (``{cache label: engine}``): each a function ``(stage) ->
-    (decode seconds, tokens)``; every run's prefill seconds go to ``prefills[label]``."""
+    (decode seconds, tokens)``; every run's prefill seconds go to ``prefills[label]``; ``progress(stage, done,
+    total)`` hears when each run (llama.cpp's prefill and tokens) begins and ends."""
     prompt = [int(t) for t in prompt_ids.reshape(-1).tolist()]
 
     def run(label: str, stage: str):
+        stage = f"{stage}, prefill and decode"
+        if progress:
+            progress(stage, 0, tokens)
         prefill_s, decode_s, out = engines[label].decode(prompt, tokens)
+        if progress:
+            progress(stage, tokens, tokens)
         prefills.setdefault(label, []).append(prefill_s)
         return decode_s, out
 
@@ -175,16 +193,20 @@ def baseline_modes(engines: dict[str, LlamaCpp], prompt_ids: torch.Tensor, token
 def annotate(rows: list, model: torch.nn.Module, engines: dict[str, LlamaCpp], prefills: dict, bandwidth_gbs: float):
     """Each row's ratio to llama.cpp's faster dense mode (``vs_llama_cpp``: its decode seconds over the row's), the
     bytes a token reads (weights + attention at the run's mean context) and the bound that puts on tokens/s;
-    llama.cpp's rows get their own prefill time."""
+    llama.cpp's rows get their own prefill time and their GGUF's weight types (``weights``)."""
     import statistics
+
+    from ..models.quantized import weight_bytes
+    from ..models.weights import gguf_types
 
     reference = min((r for r in rows if r.cache in engines), key=lambda r: r.decode_s, default=None)  # its faster
     element = next(model.parameters()).element_size()
-    weights = parameter_bytes(model)
+    weights = weight_bytes(model)
     for row in rows:
         n = row.context + row.tokens // 2
         if row.cache in engines:
             row.prefill_s = statistics.median(prefills[row.cache])
+            row.weights = gguf_types(engines[row.cache].path)
             read = engines[row.cache].path.stat().st_size + attention_bytes(model.config, n, None, 2)
         else:
             read = weights + attention_bytes(model.config, n, row.support if row.mode == "sparse" else None, element)

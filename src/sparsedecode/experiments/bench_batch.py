@@ -18,6 +18,7 @@ from ..config import SparseConfig
 from ..decoding.loop import Progress, decode_tokens, prefill
 from ..errors import SparseDecodeError
 from ..memory import available_memory_bytes
+from ..models.weights import weights_label
 from ..session import sparse_decoding
 from ..session.kv_cache import GrowingCache, crop_cache, crop_rewinds
 from .bench_end_to_end import compiled_decode
@@ -71,6 +72,8 @@ class BatchRow:
     compile_s: float | None = None
     dtype: str = "float32"
     """The model's dtype in this row."""
+    weights: str | None = None
+    """The weights this row decodes with (:func:`~sparsedecode.models.weights.weights_label`)."""
 
 
 def over_best_dense(rows: list[BatchRow]) -> list[BatchRow]:
@@ -261,6 +264,7 @@ def _batch_rows(model, name: str, measured: dict, context: int, tokens: int, ker
                 cache,
                 m.get("compile_s"),
                 dtype,
+                weights_label(model),
             )
         )
     return rows

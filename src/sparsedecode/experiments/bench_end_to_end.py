@@ -16,6 +16,7 @@ from ..config import SparseConfig
 from ..decoding.generate import lossless_decode
 from ..decoding.loop import Progress, decode_tokens, prefill
 from ..errors import SparseDecodeError
+from ..models.weights import weights_label
 from ..session import sparse_decoding
 from ..session.kv_cache import crop_cache, growing_copy
 from .bench_measures import peak_rss_mb, read_bandwidth_gbs
@@ -46,6 +47,7 @@ class E2ERow:
     vs_llama_cpp: float | None = None  # with a llama.cpp baseline: its dense decode seconds over this row's
     bytes_per_token_mb: float | None = None  # with a baseline: weights + attention reads per token (MB)
     bound_tokens_per_s: float | None = None  # with a baseline: read bandwidth / bytes per token
+    weights: str | None = None  # the weights the row decodes with (models.weights: "float32", "gguf Q4_1+Q8_0", ...)
 
 
 def bench_e2e(
@@ -109,10 +111,12 @@ def bench_e2e(
     if baseline:
         from .baseline import baseline_modes
 
-        modes.update(baseline_modes(baseline, prompt_ids, tokens, prefills))
+        modes.update(baseline_modes(baseline, prompt_ids, tokens, prefills, progress))
     runs = _rotate(modes, repeats)
     rss = peak_rss_mb()
     rows = _e2e_rows(name, runs, context, tokens, prefill_s, rss, kernel, compile_s, baseline)
+    for row in rows:
+        row.weights = weights_label(model)  # llama.cpp's rows get their GGUF's in annotate
     if baseline:
         from .baseline import annotate
 

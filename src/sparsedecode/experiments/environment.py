@@ -24,6 +24,29 @@ def source_revision() -> str | None:
     return done.stdout.strip() or None if done.returncode == 0 else None
 
 
+CPU_FLAGS = ("avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+             "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "asimddp", "sve", "bf16", "i8mm")  # fmt: skip
+"""The CPU features that decide how fast the kernels, torch's products and llama.cpp's builds run (and which
+llama.cpp builds run at all): the x86 vector extensions, AMX, and Arm's."""
+
+
+def cpu_record(cpuinfo: str | None = None) -> dict:
+    """``cpu_model`` (the model name) and ``cpu_flags`` (those of :data:`CPU_FLAGS` it has), from ``/proc/cpuinfo``
+    (Linux; ``cpuinfo`` its text), else ``None`` for both."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return {"cpu_model": None, "cpu_flags": None}
+    fields = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())  # the first processor's
+    model = fields.get("model name") or fields.get("Model") or fields.get("Hardware")
+    present = set((fields.get("flags") or fields.get("Features") or "").split())
+    return {"cpu_model": model, "cpu_flags": [flag for flag in CPU_FLAGS if flag in present]}
+
+
 def environment(model: torch.nn.Module | None = None) -> dict:
     """Library versions, the device the model's weights are on (``cpu`` without a model), threads, machine."""
     import numpy
@@ -48,5 +71,6 @@ def environment(model: torch.nn.Module | None = None) -> dict:
         "cpu_count": os.cpu_count(),
         "machine": platform.machine(),
         "processor": platform.processor() or platform.machine(),
+        **cpu_record(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }

@@ -9,6 +9,8 @@ _EXPORTS = {
     "list_models": "catalog",
     "load_model": "catalog",
     "load_tokenizer": "catalog",
+    "WEIGHTS": "weights",
+    "apply_weights": "weights",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -117,7 +117,11 @@ def _load_cached(
 
 
 def load_model(
-    spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", *, progress: Progress | None = None
+    spec: str = DEFAULT_MODEL,
+    dtype: str | torch.dtype = "float32",
+    *,
+    weights: str | None = None,
+    progress: Progress | None = None,
 ) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` for a causal LM, in eval mode with SDPA attention and no gradients.
 
@@ -126,12 +130,28 @@ def load_model(
     reachable: an unknown path or name fails in one line, not after the hub client's retries). GGUF models are
     converted once and cached (see the module docstring).
     ``progress(stage, done, total)`` is called for the ``download``, ``extract`` and ``convert`` stages.
-    The spec is stored on the model as ``model.sparsedecode_spec``.
+    ``weights`` (:data:`~sparsedecode.models.weights.WEIGHTS`): a float dtype (as ``dtype``), ``gguf`` (the linear
+    layers from the alias's or file's GGUF as they are stored: Q4_0/Q4_1 as int4, Q8_0 as int8), ``int4`` or ``int8``
+    (quantized from the float weights; :mod:`sparsedecode.models.quantized`); recorded as
+    ``model.sparsedecode_weights``. The spec is stored on the model as ``model.sparsedecode_spec``.
     """
+    from .weights import apply_weights, check_weights
+
     spec = _spec(spec, "load_model")
+    dtype, quantized = check_weights(weights, dtype)
     model, tokenizer = _load(spec, resolve_dtype(dtype), progress, tokenizer_only=False)
+    apply_weights(model, quantized, gguf_source(spec, progress) if quantized == "gguf" else None, spec)
     model.sparsedecode_spec = spec
     return model, tokenizer
+
+
+def gguf_source(spec: str, progress: Progress | None = None) -> Path | None:
+    """The GGUF file a model spec was converted from (an alias's, fetched and checked if need be; a local
+    ``.gguf``), else ``None``."""
+    if spec in ALIASES:
+        return ensure_gguf(ALIASES[spec], progress)
+    path = Path(spec).expanduser()
+    return path if spec.endswith(".gguf") and path.is_file() else None
 
 
 def _spec(spec: object, where: str) -> str:

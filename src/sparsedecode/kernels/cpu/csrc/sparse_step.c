@@ -3,7 +3,8 @@
  *
  * Built at first use by sparsedecode/kernels/cpu/__init__.py (cc -O3 -march=native -fopenmp-simd -pthread), called
  * through ctypes. One translation unit in parts: numeric.h (e^x, element types), threads.h (work splitting),
- * select.h (selection), attend.h (attention), paged.h (attention through vLLM's pages), and here the calls of a step.
+ * select.h (selection), attend.h (attention), paged.h (selection and attention through vLLM's pages), qlinear.h
+ * (quantized linear layers), and here the calls of a step.
  * It replaces ~20 small torch operations whose fixed per-call cost dominated below ~32K positions. Semantics are
  * those of sparsedecode.selectors (top_blocks: the b best, ties to the lowest block, ascending) and of
  * sparsedecode.session.attend_support (softmax over the support, all query heads of a GQA group sharing it).
@@ -33,6 +34,7 @@
 #include "select.h"
 #include "attend.h"
 #include "paged.h"
+#include "qlinear.h"
 
 
 /* ---------------------------------------------------------------------------------------------------------------

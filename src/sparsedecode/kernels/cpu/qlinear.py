@@ -1,0 +1,70 @@
+"""The C kernel's quantized linear layers (``csrc/qlinear.h``): a decode step's few rows times an int4 or int8 weight
+in the layouts of :mod:`sparsedecode.models.quantized`, read as stored (no de-quantized copy), float32 sums, split over
+torch's thread count. ``None`` from :func:`available` where the library could not be built here."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from . import check_status, library
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+_BOUND: set[int] = set()
+
+
+def available():
+    """The built library with the quantized products' argument types set, or ``None``."""
+    lib = library()
+    if lib is not None and id(lib) not in _BOUND:
+        lib.q4_linear.argtypes = [_ptr] * 6 + [_i64] * 4
+        lib.q8_linear.argtypes = [_ptr] * 4 + [_i64] * 4
+        lib.q4_linear.restype = lib.q8_linear.restype = ctypes.c_int
+        _BOUND.add(id(lib))
+    return lib
+
+
+def q4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """``x (rows, K)`` float32 times the int4 weight ``packed (K/32, 16, N)`` uint8, ``scale``, ``offset (K/32, N)``
+    float16: ``(rows, N)`` float32."""
+    groups, _, n = packed.shape
+    x = x.contiguous()
+    xsum = x.view(x.shape[0], groups, 32).sum(-1).contiguous()
+    out = x.new_empty(x.shape[0], n)
+    lib = available()
+    status = lib.q4_linear(
+        packed.data_ptr(), scale.data_ptr(), offset.data_ptr(), x.data_ptr(), xsum.data_ptr(), out.data_ptr(),
+        x.shape[0], n, groups, torch.get_num_threads(),
+    )  # fmt: skip
+    check_status(status)
+    return out
+
+
+def q8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x (rows, K)`` float32 times the int8 weight ``q (N, K/32, 32)``, ``scale (N, K/32)`` float16: ``(rows, N)``
+    float32."""
+    n, groups, _ = q.shape
+    x = x.contiguous()
+    out = x.new_empty(x.shape[0], n)
+    lib = available()
+    check_status(
+        lib.q8_linear(q.data_ptr(), scale.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], n, groups,
+                      torch.get_num_threads())
+    )  # fmt: skip
+    return out
+
+
+# torch.library's schema API (as sparsedecode.compiled.op): one custom op per product, opaque to the compiler; here,
+# imported once, so a module that uses them may be imported again
+_OPS = torch.library.Library("sparsedecode_quantized", "DEF")
+_OPS.define("int4_linear(Tensor x, Tensor packed, Tensor scale, Tensor offset) -> Tensor")
+_OPS.define("int8_linear(Tensor x, Tensor q, Tensor scale) -> Tensor")
+_OPS.impl("int4_linear", q4_linear, "CompositeExplicitAutograd")
+_OPS.impl("int8_linear", q8_linear, "CompositeExplicitAutograd")
+torch.library.register_fake(
+    "sparsedecode_quantized::int4_linear", lambda x, packed, s, o: x.new_empty(x.shape[0], packed.shape[2]), lib=_OPS
+)
+torch.library.register_fake(
+    "sparsedecode_quantized::int8_linear", lambda x, q, s: x.new_empty(x.shape[0], q.shape[0]), lib=_OPS
+)

@@ -1,0 +1,125 @@
+"""A model's linear layers loaded from the quantized tensors of the GGUF it was converted from, not de-quantized:
+Q4_0 and Q4_1 as :class:`~.quantized.Int4Linear`, Q8_0 as :class:`~.quantized.Int8Linear`, exactly (the formats map
+bit for bit; :mod:`.quantized`). Tensors of other types (F32, F16, the K-quants) keep the float weights the
+conversion made of them, which are the GGUF's own values.
+
+Every layer taken is checked against the converted model's weight it replaces: its de-quantized values must equal
+those (rounded to the model's dtype) element for element, so a wrong name, row order or byte layout is refused
+instead of decoding another model. llama.cpp stores Llama's query and key rows in another order (for its rotary
+embedding); the check finds which of the two orders the converted weight has.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import SparseDecodeError
+from .quantized import GROUP, Int4Linear, Int8Linear, int4_from_nibbles, linear_modules, replace_module
+
+_BLOCKS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+           "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+           "ffn_down": "mlp.down_proj"}  # fmt: skip
+_LAYER = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
+MAPPED = ("Q4_0", "Q4_1", "Q8_0")
+"""GGUF tensor types loaded as they are; the others stay float."""
+
+
+def module_name(tensor: str, tied: bool) -> str | None:
+    """The transformers module a GGUF tensor is the weight of (Llama and Qwen2 names), or ``None``: ``output`` is
+    ``lm_head``, and so is ``token_embd`` where the output projection is tied to the embedding."""
+    match = _LAYER.match(tensor)
+    if match and match.group(2) in _BLOCKS:
+        return f"model.layers.{match.group(1)}.{_BLOCKS[match.group(2)]}"
+    if tensor == "output.weight" or (tied and tensor == "token_embd.weight"):
+        return "lm_head"
+    return None
+
+
+def _blocks(tensor, size: int) -> np.ndarray:
+    """A quantized GGUF tensor's bytes as ``(rows, groups, size)``: one block of ``size`` bytes per 32 weights."""
+    data = np.asarray(tensor.data, dtype=np.uint8)
+    rows = int(np.prod(tensor.shape[1:]))
+    return data.reshape(rows, -1, size)
+
+
+def _half(blocks: np.ndarray, at: int) -> torch.Tensor:
+    """The float16 at byte ``at`` of every block, as float32 ``(rows, groups)``."""
+    return torch.from_numpy(np.ascontiguousarray(blocks[..., at : at + 2]).view(np.float16)[..., 0].astype(np.float32))
+
+
+def quantized_layer(tensor, bias: torch.Tensor | None = None):
+    """A GGUF tensor of type Q4_0, Q4_1 or Q8_0 as the quantized linear layer holding it exactly."""
+    kind = tensor.tensor_type.name
+    if kind == "Q8_0":
+        blocks = _blocks(tensor, 2 + GROUP)
+        q = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8))
+        return Int8Linear(q, _half(blocks, 0), bias, source="GGUF Q8_0")
+    if kind in ("Q4_0", "Q4_1"):
+        head = 2 if kind == "Q4_0" else 4
+        blocks = _blocks(tensor, head + GROUP // 2)
+        d = _half(blocks, 0)
+        offset = -8 * d if kind == "Q4_0" else _half(blocks, 2)
+        packed = torch.from_numpy(np.ascontiguousarray(blocks[..., head:]))  # (N, groups, 16)
+        low, high = packed & 15, packed >> 4
+        nibbles = torch.cat([low, high], dim=-1).reshape(packed.shape[0], -1)
+        return int4_from_nibbles(nibbles, d, offset, bias, source=f"GGUF {kind}")
+    raise SparseDecodeError(f"GGUF tensor {tensor.name} is {kind}; loaded as it is: {', '.join(MAPPED)}")
+
+
+def _llama_rows(rows: int, heads: int) -> torch.Tensor:
+    """The row order transformers gives a llama.cpp query or key weight of ``heads`` heads (its reverse permute)."""
+    return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows)
+
+
+def _reordered(layer, rows: torch.Tensor):
+    """``layer`` with its output rows taken in the order ``rows``."""
+    if isinstance(layer, Int4Linear):
+        packed, scale, offset = layer.packed[..., rows], layer.scale[:, rows], layer.offset[:, rows]
+        return Int4Linear(packed, scale, offset, layer.bias, layer.source)
+    return Int8Linear(layer.q[rows], layer.scale[rows], layer.bias, layer.source)
+
+
+def _matching(layer, weight: torch.Tensor, heads: tuple[int, ...]):
+    """``layer``, its rows reordered as llama.cpp's query and key rows are where that is what ``weight`` holds, if its
+    de-quantized values equal ``weight`` exactly; else ``None``."""
+    if torch.equal(layer.dequantized().to(weight.dtype), weight):
+        return layer
+    for h in dict.fromkeys(heads):
+        if layer.out_features % (2 * h) == 0:
+            candidate = _reordered(layer, _llama_rows(layer.out_features, h))
+            if torch.equal(candidate.dequantized().to(weight.dtype), weight):
+                return candidate
+    return None
+
+
+def load_gguf_linears(model: torch.nn.Module, path: Path) -> dict[str, int]:
+    """Replace ``model``'s linear layers by the GGUF's quantized tensors they were converted from (module docstring);
+    returns how many layers each GGUF type gave (``float`` counts the linear layers left as they were)."""
+    from gguf import GGUFReader
+
+    text = model.config.get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    tensors = GGUFReader(str(path)).tensors
+    tied = "output.weight" not in {t.name for t in tensors}  # llama.cpp's output is then the embedding
+    linears = linear_modules(model)
+    counts: dict[str, int] = {}
+    for tensor in tensors:
+        name = module_name(tensor.name, tied)
+        if name not in linears or tensor.tensor_type.name not in MAPPED:
+            continue
+        linear = linears.pop(name)
+        layer = _matching(quantized_layer(tensor, linear.bias), linear.weight.detach(), (heads, kv_heads))
+        if layer is None:
+            raise SparseDecodeError(
+                f"GGUF tensor {tensor.name} ({tensor.tensor_type.name}) does not hold the weights of {name} as the "
+                f"converted model has them: {path} is not the GGUF this model was converted from"
+            )
+        replace_module(model, name, layer)
+        counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
+    counts["float"] = len(linears)
+    return counts

@@ -1,0 +1,227 @@
+"""Weight-only quantized linear layers for the CPU: a decode step reads 4-bit or 8-bit weights, not float ones.
+
+Two formats, both in groups of :data:`GROUP` = 32 consecutive inputs of one output (GGUF's block), scales stored in
+float16 as GGUF stores them (so a layer holds exactly the bytes of its GGUF blocks: 20 per 32 weights for int4, 34
+for int8), activations and arithmetic in float32:
+
+- :class:`Int4Linear`: ``w = q * scale + offset`` with ``q`` in 0..15, two per byte as GGUF packs them (byte ``j`` of
+  a group holds input ``j`` in its low nibble and input ``j + 16`` in its high one), the bytes stored group by group
+  with the outputs innermost (``(K / 32, 16, N)``), one float16 scale and offset per group and output. GGUF's Q4_1
+  (``q * d + m``) maps exactly (``scale = d``, ``offset = m``), Q4_0 (``(q - 8) * d``) too (``offset = -8 d``).
+  From float weights (:data:`METHODS` ``int4``): each group's minimum and maximum, ``scale = (max - min) / 15``,
+  ``offset = min`` (both rounded to float16), ``q`` rounded to nearest (Q4_1's own method).
+- :class:`Int8Linear`: ``w = q * scale``, ``q`` in -127..127 stored ``(N, K / 32, 32)``, one float16 scale per group
+  and output. GGUF's Q8_0 (``q * d``) maps exactly. From float weights: ``scale = max |w| / 127`` per group, ``q``
+  rounded to nearest (Q8_0's own method).
+
+The product: in a compiled step of a few rows (:data:`FUSED_ROWS`), written as tensor operations that inductor fuses
+into one loop over the packed bytes (each weight converted to float32 in registers, never stored); otherwise (eager,
+prefill) the weight is de-quantized to float32 and multiplied as ``F.linear`` does. torch's own CPU operations were
+measured against this in the compiled step of SmolLM2's shapes, one thread, on the AMX Intel Xeon of
+docs/benchmarks.md: ``torch._weight_int4pack_mm_for_cpu`` (which maps these formats exactly, as Q4_1 does: its
+de-quantization is ``(q - 8) * scale + zero``) took 1,370 us for a 1536 x 576 layer against 81 us here (float32
+``F.linear`` 190 us), and ``torch._weight_int8pack_mm`` (one scale per output, so not Q8_0's) 513 us against 92 us;
+on the 49,152 x 576 vocabulary projection 45.6 ms and 22.4 ms against 2.6 ms (int4) and 3.0 ms (int8; float32 7.6 ms).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import env
+from ..errors import SparseDecodeError
+
+GROUP = 32
+"""Inputs per group (one scale, and for int4 one offset, per group and output): GGUF's block size."""
+FUSED_ROWS = 8
+"""A product of at most this many rows (a decode step) runs as one loop over the packed weight (the C kernel, else
+in a compiled step inductor's fused loop); more rows (a prefill) de-quantize the weight and multiply."""
+C_KERNEL = env.flag("SPARSEDECODE_QUANTIZED_C", True)
+"""A decode step's quantized products run in the C kernel (``csrc/qlinear.h``, one custom op per layer, compiled
+or not) where it builds; ``SPARSEDECODE_QUANTIZED_C=0``: inductor's fused loop in a compiled step, the de-quantized
+product in eager ones."""
+
+
+def c_kernel():
+    """The C library serving the quantized products (its custom ops ``sparsedecode_quantized::int4_linear`` and
+    ``int8_linear`` registered), or ``None`` where it cannot be built here."""
+    from ..kernels.cpu.qlinear import available
+
+    return available()
+
+
+METHODS = {
+    "int4": "group-32 min-max, round to nearest (q in 0..15, w = q * scale + min; Q4_1's method)",
+    "int8": "group-32 absmax, round to nearest (q in -127..127, w = q * scale; Q8_0's method)",
+}
+"""How ``int4`` and ``int8`` weights are made from float ones."""
+
+
+class QuantizedLinear(torch.nn.Module):
+    """A linear layer whose weight is held in a quantized format (a subclass says which); ``bias`` float32 or None.
+    ``source`` names where the weight came from (a GGUF tensor type, or the method of :data:`METHODS`)."""
+
+    format = "quantized"
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, source: str):
+        super().__init__()
+        if in_features % GROUP:
+            raise SparseDecodeError(f"a quantized linear layer needs inputs in groups of {GROUP}, got {in_features}")
+        self.in_features, self.out_features, self.source = in_features, out_features, source
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[:-1].numel()
+        flat = x.reshape(rows, self.in_features).float()
+        if rows <= FUSED_ROWS and x.device.type == "cpu" and C_KERNEL and c_kernel() is not None:
+            out = self.c_product(flat)
+        elif rows <= FUSED_ROWS and torch.compiler.is_compiling():
+            out = self.fused(flat)
+        else:
+            out = F.linear(flat, self.dequantized())
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def fused(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - every subclass has its own
+        raise NotImplementedError
+
+    def c_product(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - every subclass has its own
+        raise NotImplementedError
+
+    def dequantized(self) -> torch.Tensor:  # pragma: no cover - every subclass has its own
+        raise NotImplementedError
+
+    def stored_bytes(self) -> int:
+        """Bytes of the weight as stored (what a decode step reads), the bias included."""
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.format} from {self.source}"
+
+
+class Int4Linear(QuantizedLinear):
+    """``w[n, 32 g + j] = nibble * scale[g, n] + offset[g, n]`` (module docstring); ``packed (K/32, 16, N)`` uint8,
+    ``scale`` and ``offset (K/32, N)`` float16."""
+
+    format = "int4"
+
+    def __init__(self, packed, scale, offset, bias=None, source: str = "int4"):
+        groups, half, outputs = packed.shape
+        super().__init__(groups * GROUP, outputs, bias, source)
+        if half != GROUP // 2 or packed.dtype != torch.uint8 or scale.shape != (groups, outputs):
+            raise SparseDecodeError(f"Int4Linear: packed (K/32, 16, N) uint8 and scales (K/32, N), got {packed.shape}")
+        self.register_buffer("packed", packed.contiguous())
+        self.register_buffer("scale", scale.to(torch.float16).contiguous())
+        self.register_buffer("offset", offset.to(torch.float16).contiguous())
+
+    def c_product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.sparsedecode_quantized.int4_linear(x, self.packed, self.scale, self.offset)
+
+    def fused(self, x: torch.Tensor) -> torch.Tensor:
+        groups = self.packed.shape[0]
+        xg = x.reshape(-1, groups, GROUP, 1)
+        low, high = (self.packed & 15).float(), (self.packed >> 4).float()
+        dots = (low * xg[:, :, : GROUP // 2] + high * xg[:, :, GROUP // 2 :]).sum(-2)  # (rows, groups, N)
+        return (dots * self.scale.float() + self.offset.float() * xg.sum(-2)).sum(-2)
+
+    def dequantized(self) -> torch.Tensor:
+        nibbles = torch.cat([self.packed & 15, self.packed >> 4], dim=1).float()  # (groups, 32, N)
+        weight = nibbles * self.scale.float().unsqueeze(1) + self.offset.float().unsqueeze(1)
+        return weight.reshape(self.in_features, self.out_features).t()
+
+
+class Int8Linear(QuantizedLinear):
+    """``w[n, 32 g + j] = q[n, g, j] * scale[n, g]`` (module docstring); ``q (N, K/32, 32)`` int8, ``scale (N, K/32)``
+    float16."""
+
+    format = "int8"
+
+    def __init__(self, q, scale, bias=None, source: str = "int8"):
+        outputs, groups, size = q.shape
+        super().__init__(groups * GROUP, outputs, bias, source)
+        if size != GROUP or q.dtype != torch.int8 or scale.shape != (outputs, groups):
+            raise SparseDecodeError(f"Int8Linear: q (N, K/32, 32) int8 and scales (N, K/32), got {q.shape}")
+        self.register_buffer("q", q.contiguous())
+        self.register_buffer("scale", scale.to(torch.float16).contiguous())
+
+    def c_product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.sparsedecode_quantized.int8_linear(x, self.q, self.scale)
+
+    def fused(self, x: torch.Tensor) -> torch.Tensor:
+        groups = self.q.shape[1]
+        xg = x.reshape(-1, 1, groups, GROUP)
+        return ((self.q.float() * xg).sum(-1) * self.scale.float()).sum(-1)
+
+    def dequantized(self) -> torch.Tensor:
+        return (self.q.float() * self.scale.float().unsqueeze(-1)).reshape(self.out_features, self.in_features)
+
+
+def int4_from_nibbles(nibbles: torch.Tensor, scale, offset, bias=None, source: str = "int4") -> Int4Linear:
+    """An :class:`Int4Linear` from ``nibbles (N, K)`` (0..15) and per-group ``scale``, ``offset (N, K/32)``."""
+    outputs, inputs = nibbles.shape
+    groups = nibbles.to(torch.uint8).reshape(outputs, inputs // GROUP, GROUP)
+    packed = groups[..., : GROUP // 2] | (groups[..., GROUP // 2 :] << 4)  # (N, groups, 16), GGUF's byte order
+    return Int4Linear(packed.permute(1, 2, 0), scale.t(), offset.t(), bias, source)
+
+
+def quantize_int4(linear: torch.nn.Linear) -> Int4Linear:
+    """``linear`` as :class:`Int4Linear` by :data:`METHODS` ``int4``."""
+    weight = linear.weight.detach().float()
+    groups = weight.reshape(weight.shape[0], -1, GROUP)
+    low, high = groups.amin(-1).half().float(), groups.amax(-1)
+    scale = ((high - low) / 15).half().float()
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    nibbles = ((groups - low.unsqueeze(-1)) / safe.unsqueeze(-1)).round().clamp(0, 15)
+    return int4_from_nibbles(nibbles.reshape(weight.shape), scale, low, linear.bias, "int4 " + METHODS["int4"])
+
+
+def quantize_int8(linear: torch.nn.Linear) -> Int8Linear:
+    """``linear`` as :class:`Int8Linear` by :data:`METHODS` ``int8``."""
+    weight = linear.weight.detach().float()
+    groups = weight.reshape(weight.shape[0], -1, GROUP)
+    scale = (groups.abs().amax(-1) / 127).half().float()
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (groups / safe.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
+    return Int8Linear(q, scale, linear.bias, "int8 " + METHODS["int8"])
+
+
+def linear_modules(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    """The model's ``nn.Linear`` layers by qualified name."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def replace_module(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    """Put ``module`` where ``model``'s submodule ``name`` was."""
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+def quantize_linears(model: torch.nn.Module, weights: str) -> dict[str, int]:
+    """Every linear layer of ``model`` whose inputs come in groups of 32, quantized in place by ``weights``
+    (``int4`` or ``int8``, :data:`METHODS`); returns how many layers each format took (``float`` for those left)."""
+    make = {"int4": quantize_int4, "int8": quantize_int8}[weights]
+    counts = {weights: 0, "float": 0}
+    for name, linear in linear_modules(model).items():
+        if linear.in_features % GROUP:
+            counts["float"] += 1
+            continue
+        replace_module(model, name, make(linear))
+        counts[weights] += 1
+    return counts
+
+
+def is_quantized(model: torch.nn.Module) -> bool:
+    """Whether any layer of ``model`` holds quantized weights."""
+    return any(isinstance(m, QuantizedLinear) for m in model.modules())
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights a decode step reads: every parameter and quantized weight once (a tied embedding counted once,
+    as the output projection), but an embedding table no linear layer shares (a token reads one row of it)."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    shared = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    tensors = {id(p): p for p in model.parameters() if id(p) not in embeddings or id(p) in shared}
+    tensors.update({id(b): b for m in model.modules() if isinstance(m, QuantizedLinear) for b in m.buffers()})
+    return sum(t.numel() * t.element_size() for t in tensors.values())

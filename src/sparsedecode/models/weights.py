@@ -1,0 +1,82 @@
+"""Which weights a model decodes with (``load_model(..., weights=...)``, ``--weights``): float ones in a dtype, the
+GGUF's own quantized tensors, or int4 / int8 made from the float weights (:mod:`.quantized`, :mod:`.gguf_weights`).
+
+The choice is recorded on the model as ``model.sparsedecode_weights`` (a short label: ``float32``, ``bfloat16``,
+``float16``, ``gguf Q4_1+Q8_0``, ``int4``, ``int8``), which benchmark rows and result files carry.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import SparseDecodeError
+
+if TYPE_CHECKING:  # torch is not imported by the command line's --help, which lists WEIGHTS
+    import torch
+
+FLOAT_WEIGHTS = ("float32", "bfloat16", "float16")
+QUANTIZED_WEIGHTS = ("gguf", "int8", "int4")
+WEIGHTS = FLOAT_WEIGHTS + QUANTIZED_WEIGHTS
+"""What ``weights`` may name: a float dtype (the same as ``dtype``), or a quantized form: ``gguf`` (the linear layers
+from the model's GGUF as they are stored: Q4_0 and Q4_1 as int4, Q8_0 as int8, other types float), ``int4`` or
+``int8`` (quantized from the float weights, :data:`~.quantized.METHODS`)."""
+
+
+def check_weights(weights: str | None, dtype: str | torch.dtype) -> tuple[str | torch.dtype, str | None]:
+    """``(dtype, quantized form or None)`` for a ``weights`` choice: a float name sets the dtype (and must agree with
+    a ``dtype`` other than the default float32); a quantized form keeps ``dtype`` for the activations and the
+    layers it leaves float."""
+    if weights is None:
+        return dtype, None
+    if weights not in WEIGHTS:
+        raise SparseDecodeError(f"unknown weights {weights!r}; choose one of: {', '.join(WEIGHTS)}")
+    if weights in FLOAT_WEIGHTS:
+        named = str(dtype).removeprefix("torch.")
+        if named not in ("float32", weights):
+            raise SparseDecodeError(f"weights {weights!r} and dtype {named!r} disagree: give one of them")
+        return weights, None
+    return dtype, weights
+
+
+def apply_weights(model: torch.nn.Module, weights: str | None, gguf: Path | None, spec: str) -> None:
+    """Turn ``model``'s linear layers into ``weights`` (a quantized form, or ``None`` for none) and record the label
+    (module docstring); ``gguf``: the GGUF file ``spec`` was converted from, if any (``weights="gguf"`` needs it)."""
+    from .quantized import quantize_linears
+
+    if weights is None:
+        model.sparsedecode_weights = str(next(model.parameters()).dtype).removeprefix("torch.")
+        return
+    if weights == "gguf":
+        if gguf is None:
+            raise SparseDecodeError(
+                f"weights 'gguf' reads the GGUF a model was converted from; {spec!r} is not a built-in alias or a "
+                "local .gguf file (choose int4 or int8 to quantize its float weights)"
+            )
+        from .gguf_weights import load_gguf_linears
+
+        counts = load_gguf_linears(model, gguf)
+        kinds = [kind for kind in counts if kind != "float" and counts[kind]]
+        if not kinds:
+            raise SparseDecodeError(f"{gguf.name} holds no linear weights of a type loaded as it is (Q4_0, Q4_1, Q8_0)")
+        label = "gguf " + "+".join(sorted(kinds))
+    else:
+        counts = quantize_linears(model, weights)
+        label = weights
+    model.sparsedecode_weights = label + (f" ({counts['float']} linear layers float)" if counts["float"] else "")
+    model.sparsedecode_weight_counts = counts
+
+
+def weights_label(model: torch.nn.Module) -> str:
+    """The weights ``model`` decodes with, as recorded by :func:`apply_weights` (else its parameters' dtype)."""
+    label = getattr(model, "sparsedecode_weights", None)
+    return label if label is not None else str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
+def gguf_types(path: Path) -> str:
+    """``gguf`` and the types of a GGUF's two-dimensional tensors, the label :func:`apply_weights` gives a model whose
+    linear layers it loaded (how llama.cpp's rows name the weights they read)."""
+    from gguf import GGUFReader
+
+    kinds = {t.tensor_type.name for t in GGUFReader(str(path)).tensors if len(t.shape) == 2}
+    return "gguf " + "+".join(sorted(kinds))

@@ -1,0 +1,211 @@
+"""Quantized weights (sparsedecode.models.quantized, .gguf_weights, .weights): the formats hold GGUF's blocks bit for
+bit, a model's linear layers load from a GGUF's own tensors (and refuse another GGUF's), the fused product equals the
+de-quantized one, and the exactness oracle holds within the quantized model: a support covering the context decodes
+the quantized model's own dense tokens, compiled and not."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_model
+from gguf import GGMLQuantizationType as Q
+
+from sparsedecode import SparseConfig
+from sparsedecode.decoding.generate import generate
+from sparsedecode.errors import SparseDecodeError
+from sparsedecode.models.gguf_weights import load_gguf_linears, quantized_layer
+from sparsedecode.models.quantized import Int4Linear, Int8Linear, quantize_linears, weight_bytes
+from sparsedecode.models.weights import apply_weights, check_weights, weights_label
+
+GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+              "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}  # fmt: skip
+
+
+def _reader(tmp_path, tensors: dict[str, tuple[np.ndarray, Q]]):
+    """A GGUF file holding ``tensors`` (name: float weights and the type to quantize them to), read back."""
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, (weights, kind) in tensors.items():
+        data = gguf.quants.quantize(weights, kind)
+        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+
+
+@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+def test_a_gguf_tensor_loads_bit_for_bit_and_the_fused_product_equals_the_dequantized(tmp_path, kind):
+    weights = np.random.default_rng(0).standard_normal((48, 96)).astype(np.float32)
+    _, tensors = _reader(tmp_path, {"w": (weights, kind)})
+    layer = quantized_layer(tensors["w"])
+    assert isinstance(layer, Int8Linear if kind == Q.Q8_0 else Int4Linear)
+    expected = torch.from_numpy(gguf.quants.dequantize(tensors["w"].data, kind).reshape(48, 96).copy())
+    assert torch.equal(layer.dequantized(), expected)  # the GGUF's own values, not an approximation
+    x = torch.randn(3, 96)
+    assert torch.allclose(layer.fused(x), x @ expected.t(), rtol=1e-5, atol=1e-4)
+    assert torch.allclose(layer(x), x @ expected.t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_quantizing_float_weights_bounds_the_error_and_shrinks_the_bytes(weights):
+    model = tiny_model("llama")
+    before = {n: m.weight.clone() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    float_bytes = weight_bytes(model)
+    counts = quantize_linears(model, weights)
+    assert counts == {weights: len(before), "float": 0}
+    for name, weight in before.items():
+        layer = model.get_submodule(name)
+        groups = weight.reshape(weight.shape[0], -1, 32)
+        spread = (groups.amax(-1) - groups.amin(-1)) if weights == "int4" else groups.abs().amax(-1)
+        step = spread / (15 if weights == "int4" else 127)  # one level; rounding to nearest is off by half of it
+        # plus the rounding of the stored float16 scale (and minimum) to 11 bits, over at most 128 levels
+        low = groups.amin(-1).abs() if weights == "int4" else torch.zeros_like(step)
+        slack = (low + 128 * step) * 2.0**-10
+        error = (layer.dequantized() - weight).abs().reshape_as(groups)
+        assert bool((error <= (step / 2 + slack).unsqueeze(-1) + 1e-7).all())
+    assert weight_bytes(model) < float_bytes / (6 if weights == "int4" else 3.5)  # 20 and 34 bytes per 32 weights
+
+
+def _tiny_gguf(tmp_path, model, kinds=(Q.Q4_1, Q.Q8_0)):
+    """A GGUF of ``model``'s linear layers (llama.cpp's names and query/key row order), and the model's weights set
+    to what transformers' conversion of it gives (the de-quantized values, query and key rows reordered back)."""
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    tensors = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            leaf = name.rsplit(".", 1)[-1]
+            gguf_name = "output.weight" if leaf == "lm_head" else f"blk.{name.split('.')[2]}.{GGUF_NAMES[leaf]}.weight"
+            kind = kinds[1] if leaf in ("lm_head", "down_proj") else kinds[0]
+            tensors[gguf_name] = (module.weight.numpy().copy(), kind)
+    path, read = _reader(tmp_path, tensors)
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            leaf = name.rsplit(".", 1)[-1]
+            key = "output.weight" if leaf == "lm_head" else f"blk.{name.split('.')[2]}.{GGUF_NAMES[leaf]}.weight"
+            values = torch.from_numpy(gguf.quants.dequantize(read[key].data, read[key].tensor_type).copy())
+            values = values.reshape(module.weight.shape)
+            if leaf in ("q_proj", "k_proj"):  # transformers' reverse of llama.cpp's rotary row order
+                h = heads if leaf == "q_proj" else kv_heads
+                values = values.reshape(h, -1, 2, values.shape[1]).transpose(1, 2).reshape(values.shape)
+            module.weight.copy_(values)
+    return path
+
+
+def test_a_models_linear_layers_load_from_its_gguf_and_refuse_another(tmp_path):
+    model = tiny_model("llama")
+    path = _tiny_gguf(tmp_path, model)
+    dense_before = generate(model, _prompt(), None, 12, mode="dense").tokens
+    apply_weights(model, "gguf", path, "tiny.gguf")
+    assert weights_label(model) == "gguf Q4_1+Q8_0"
+    assert model.sparsedecode_weight_counts == {"Q4_1": 12, "Q8_0": 3, "float": 0}
+    assert generate(model, _prompt(), None, 12, mode="dense").tokens == dense_before  # the same model
+    other = tiny_model("llama", seed=1)
+    with pytest.raises(SparseDecodeError, match="is not the GGUF this model was converted from"):
+        load_gguf_linears(other, path)
+
+
+def _prompt(length: int = 150) -> torch.Tensor:
+    return torch.randint(0, 90, (1, length), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("weights", ["gguf", "int4", "int8"])
+def test_full_support_decodes_the_quantized_models_own_dense_tokens(tmp_path, weights, monkeypatch):
+    """The exactness oracle within the quantized model: S covering the context reproduces its dense decoding, in the
+    session and in the compiled step (the fused products traced; aot_eager runs them as written)."""
+    from sparsedecode.compiled import decoder as compiled
+
+    monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
+    model = tiny_model("llama")
+    apply_weights(model, weights, _tiny_gguf(tmp_path, model) if weights == "gguf" else None, "tiny")
+    ids, full = _prompt(), SparseConfig(support=193)
+    dense = generate(model, ids, None, 16, mode="dense")
+    compiled_dense = generate(model, ids, None, 16, mode="dense", compile=True)
+    assert generate(model, ids, full, 16, mode="sparse").tokens == dense.tokens
+    assert generate(model, ids, full, 16, mode="sparse", compile=True).tokens == compiled_dense.tokens == dense.tokens
+    small = SparseConfig(support=97, window=32, block_size=8)
+    compiled_sparse = generate(model, ids, small, 16, mode="sparse", compile=True)
+    assert compiled_sparse.tokens == generate(model, ids, small, 16, mode="sparse").tokens
+
+
+@pytest.mark.slow
+def test_inductor_fuses_the_quantized_step_and_keeps_the_tokens():
+    """inductor (the default backend, not frozen for a quantized model): the eager session's tokens."""
+    from sparsedecode.compiled.decoder import decoder_for
+
+    model = tiny_model("llama")
+    apply_weights(model, "int4", None, "tiny")
+    ids, cfg = _prompt(), SparseConfig(support=97, window=32, block_size=8)
+    assert (
+        generate(model, ids, cfg, 12, mode="sparse", compile=True).tokens
+        == generate(model, ids, cfg, 12, mode="sparse").tokens
+    )
+    assert not decoder_for(model, cfg, 1, 150 + 12).frozen
+
+
+def test_weights_choices_are_checked():
+    assert check_weights(None, "bfloat16") == ("bfloat16", None)
+    assert check_weights("bfloat16", "float32") == ("bfloat16", None)
+    assert check_weights("int4", "bfloat16") == ("bfloat16", "int4")
+    with pytest.raises(SparseDecodeError, match="disagree"):
+        check_weights("bfloat16", "float16")
+    with pytest.raises(SparseDecodeError, match="unknown weights"):
+        check_weights("q4", "float32")
+    with pytest.raises(SparseDecodeError, match="not a built-in alias or a local .gguf"):
+        apply_weights(tiny_model("llama"), "gguf", None, "some/folder")
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+@pytest.mark.parametrize(("rows", "outputs"), [(1, 100), (3, 64), (8, 200)])
+def test_the_c_kernel_gives_the_dequantized_product(weights, rows, outputs):
+    """csrc/qlinear.h: whole tiles of 64 outputs and a shorter last one, one row or several, float32 sums."""
+    from sparsedecode.models.quantized import c_kernel, quantize_int4, quantize_int8
+
+    assert c_kernel() is not None  # the C library builds here (the CPU kernel's tests need it too)
+    torch.manual_seed(outputs)
+    linear = torch.nn.Linear(96, outputs)
+    layer = (quantize_int4 if weights == "int4" else quantize_int8)(linear)
+    x = torch.randn(rows, 96)
+    expected = x @ layer.dequantized().t()
+    assert torch.allclose(layer.c_product(x), expected, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(layer(x), expected + linear.bias, rtol=1e-5, atol=1e-5)  # forward: the C kernel, the bias
+
+
+@pytest.mark.parametrize("march", ["x86-64", "x86-64-v3"])
+def test_the_c_kernel_built_for_older_cpus_gives_the_same_products(tmp_path, march):
+    """The library as a CPU without AVX2 (``x86-64``: the portable byte widening, integer float16 conversion) and an
+    AVX2-only one (``x86-64-v3``: AVX2, FMA, F16C, no AVX-512) would build it: the same products as the build for this
+    CPU, to float32 round-off. x86-64 hosts only (elsewhere those targets do not exist)."""
+    import ctypes
+    import os
+    import platform
+    import subprocess
+
+    from sparsedecode.kernels import cpu
+    from sparsedecode.kernels.cpu import qlinear
+    from sparsedecode.models.quantized import quantize_int4, quantize_int8
+
+    assert platform.machine() in ("x86_64", "AMD64"), "this check is for x86-64 hosts"
+    flags = [f for f in cpu.FLAGS if f != "-march=native"] + [f"-march={march}"]
+    half = ["-DSPARSE_STEP_HALF=3"] if march == "x86-64" else []
+    target = tmp_path / f"{march}.so"
+    command = [os.environ.get("CC") or "cc", *flags, *half, str(cpu.SOURCE), "-o", str(target), "-lm"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-500:]
+    older = ctypes.CDLL(str(target))
+    older.q4_linear.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4
+    older.q8_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
+    torch.manual_seed(7)
+    linear = torch.nn.Linear(96, 1100, bias=False)  # two spans and a tail of 4 outputs
+    x = torch.randn(2, 96)
+    int4, int8 = quantize_int4(linear), quantize_int8(linear)
+    out = torch.empty(2, 1100)
+    xsum = x.view(2, 3, 32).sum(-1).contiguous()
+    pointers = (int4.packed, int4.scale, int4.offset, x, xsum, out)
+    assert older.q4_linear(*(t.data_ptr() for t in pointers), 2, 1100, 3, 1) == 0
+    assert torch.allclose(out, qlinear.q4_linear(x, int4.packed, int4.scale, int4.offset), rtol=1e-5, atol=1e-5)
+    assert older.q8_linear(int8.q.data_ptr(), int8.scale.data_ptr(), x.data_ptr(), out.data_ptr(), 2, 1100, 3, 1) == 0
+    assert torch.allclose(out, qlinear.q8_linear(x, int8.q, int8.scale), rtol=1e-5, atol=1e-5)
