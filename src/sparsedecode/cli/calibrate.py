@@ -8,7 +8,6 @@ import argparse
 from rich.table import Table
 
 from ..errors import SparseDecodeError
-from ..experiments.sweep_folder import locked
 from .arguments import int_list, path_arg, selector_arg
 from .conditions import environment
 from .display import console, progress_bars
@@ -131,6 +130,8 @@ def cmd_calibrate(args) -> int:
         answer_tokens=args.answer_tokens if tasks else None, reuses=tuple(args.search_reuse or ()),
     )  # fmt: skip
     base = _base(args)
+    from ..experiments.sweep_folder import locked
+
     with locked(args.out):  # one search per study: a trial left running is one a killed search left
         study = search_module.open_study(args.out / "study.db", search)
         with progress_bars() as progress:

@@ -55,12 +55,12 @@ def kv_space_gib(folder: str, batch: int, positions: int, dtype: str) -> int:
 def run_engine(python: Path, job: dict, threads: int, kv_gib: int) -> dict:
     """One engine process's rows (see :mod:`sparsedecode.integrations.vllm.bench`); one line naming the cause if it
     fails."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": str(kv_gib)}
-    env.pop("SPARSEDECODE_VLLM", None)
+    environ = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": str(kv_gib)}
+    environ.pop("SPARSEDECODE_VLLM", None)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
     try:
-        done = subprocess.run([str(python), "-m", ENGINE, f.name], capture_output=True, text=True, env=env)
+        done = subprocess.run([str(python), "-m", ENGINE, f.name], capture_output=True, text=True, env=environ)
     finally:
         os.unlink(f.name)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
