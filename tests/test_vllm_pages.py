@@ -7,11 +7,11 @@ import torch
 
 from sparsedecode import SparseConfig, select_support
 from sparsedecode.errors import SparseDecodeError
-from sparsedecode.integrations.vllm.batch import mean_dot_supports
 from sparsedecode.integrations.vllm.pages import PagedCache, PageStatistics
 from sparsedecode.integrations.vllm.spec import config_from_spec, configured
-from sparsedecode.integrations.vllm.step import row_layout, row_support, sparse_rows, statistics_for
+from sparsedecode.integrations.vllm.step import mean_dot_blocks, row_layout, row_support, sparse_rows, statistics_for
 from sparsedecode.kernels.reference import attend_positions
+from sparsedecode.layout import support_positions
 
 KV, G, D, PAGE = 2, 3, 16, 32
 
@@ -88,11 +88,10 @@ def test_pages_select_and_attend_as_the_library(selector, lengths, kernel):
 
 @pytest.mark.parametrize("support", [97, 193, 130])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kernel", [True, False], ids=["c", "torch"])
-def test_batched_mean_dot_equals_row_by_row(support, dtype, kernel):
-    """Every row's selection at once (the C kernel's through the pages, or torch's padded) is the row-by-row one."""
+def test_batched_mean_dot_equals_row_by_row(support, dtype):
+    """Every row's selection at once (the C kernel's, through the pages) is the row-by-row one (torch's)."""
     cfg = SparseConfig(support=support)
-    pages = Pages(120, page=64, dtype=dtype, kernel=kernel)
+    pages = Pages(120, page=64, dtype=dtype)
     stats = statistics_for(cfg, pages.cache)
     lengths = [support + 1, 700, 701, 1000, 1234, 2000]
     tables, qs = [], []
@@ -108,10 +107,13 @@ def test_batched_mean_dot_equals_row_by_row(support, dtype, kernel):
         tables.append(table)
         qs.append(q.to(dtype))
     queries, tables = torch.stack(qs), torch.stack(tables)
-    index, valid = mean_dot_supports(cfg, stats, queries, tables, lengths, D**-0.5)
+    assert pages.cache.kernel_serves(queries)
+    blocks = mean_dot_blocks(cfg, stats, queries, tables, lengths)
     for r, n in enumerate(lengths):
-        one, ok = row_support(cfg, pages.cache, stats, qs[r], tables[r], row_layout(cfg, n, 0, D**-0.5))
-        assert torch.equal(index[r][valid[r]], one[ok]) and torch.equal(valid[r], ok)
+        layout = row_layout(cfg, n, 0, D**-0.5)
+        index, valid = support_positions(blocks[r], layout)
+        one, ok = row_support(cfg, pages.cache, stats, qs[r], tables[r], layout)
+        assert torch.equal(index[valid], one[ok]) and torch.equal(valid, ok)
 
 
 def test_a_reused_page_never_lends_its_old_statistics():

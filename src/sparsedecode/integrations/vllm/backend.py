@@ -167,11 +167,9 @@ class SparseAttentionImpl(CPUAttentionBackendImpl):
             if present:
                 raise SparseDecodeError(f"the sparse vLLM backend does not serve attention with {what}")
 
-    def layer_config(self, layer) -> SparseConfig | None:
-        index = layer_index(layer.layer_name)
-        if index in self.config.dense_layers:
-            return None
-        return self.config.for_layer(index)
+    def layer_config(self, index: int) -> SparseConfig | None:
+        """Layer ``index``'s configuration, ``None`` for a dense layer."""
+        return None if index in self.config.dense_layers else self.config.for_layer(index)
 
     def pages(self, kv_cache: torch.Tensor, cfg: SparseConfig, isa: str):
         """The layer's cache as :mod:`.pages` reads it and its page statistics (made at the first forward over it)."""
@@ -184,7 +182,8 @@ class SparseAttentionImpl(CPUAttentionBackendImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):  # fmt: skip
-        cfg = None if self.config is None or attn_metadata is None else self.layer_config(layer)
+        index = None if self.config is None or attn_metadata is None else layer_index(layer.layer_name)
+        cfg = None if index is None else self.layer_config(index)
         if cfg is None:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                    output_block_scale)  # fmt: skip
@@ -202,8 +201,7 @@ class SparseAttentionImpl(CPUAttentionBackendImpl):
             out[split.dense_tokens] = part
         rows = split.sparse
         result = sparse_rows(cfg, cache, stats, query[split.sparse_tokens], attn_metadata.block_table[rows],
-                             attn_metadata.seq_lens[rows].tolist(), layer=layer_index(layer.layer_name),
-                             scale=self.scale)  # fmt: skip
+                             attn_metadata.seq_lens[rows].tolist(), layer=index, scale=self.scale)  # fmt: skip
         out[split.sparse_tokens] = result.to(out.dtype)
         return output
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import SparseDecodeError
+from ...kernels.cpu.paged import paged_refusal
 from ...layout import BlockLayout
 from ...selectors.statistics import reduce_blocks
 
@@ -55,16 +56,24 @@ class PagedCache:
     def page_size(self) -> int:
         return self.keys.shape[-1]
 
+    def kernel_serves(self, queries: torch.Tensor) -> bool:
+        """Whether the C kernel reads these pages in place (``kernels/cpu/csrc/paged.h``) for ``queries``."""
+        return self.raw is not None and paged_refusal(queries, self.raw) is None
+
     def slots(self, table: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(page, offset)`` of ``positions`` (any shape) of the sequence whose block table is ``table``."""
+        """``(page, offset)`` of ``positions`` (any shape) of the sequence whose block table is ``table``; or, with
+        tables ``(R, width)``, of positions ``(R, ...)``, row ``r`` through table ``r``."""
         page = self.page_size
-        return table[positions // page].long(), positions % page
+        if table.dim() == 1:
+            return table[positions // page].long(), positions % page
+        return table.long().gather(1, (positions // page).flatten(1)).view_as(positions), positions % page
 
     def gather(self, table: torch.Tensor, index: torch.Tensor, heads: torch.Tensor):
         """Keys and values at positions ``index (rows, S)``, row ``r`` from KV head ``heads[r]``: two ``(rows, S,
-        d)`` tensors, only the positions read copied."""
+        d)`` tensors, only the positions read copied; with tables ``(R, width)``, ``index (R, rows, S)`` and ``(R,
+        rows, S, d)``."""
         page, offset = self.slots(table, index)
-        head = heads.unsqueeze(1)
+        head = heads.unsqueeze(-1)
         return self.keys[page, head, :, offset], self.values[page, head, offset]
 
     def positions(self, table: torch.Tensor, start: int, stop: int) -> torch.Tensor:

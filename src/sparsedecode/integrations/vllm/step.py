@@ -3,8 +3,9 @@
 (:func:`~sparsedecode.selectors.select.scores_from`, :func:`~sparsedecode.selectors.select.blocks_from`,
 :func:`~sparsedecode.selectors.select.choose_position_set`; supports by
 :func:`~sparsedecode.selectors.select.support_of` / :func:`~sparsedecode.selectors.select.token_support`), then every
-row attends at once over its support, gathered through its block table. Pure torch: :mod:`.backend` calls it from
-inside vLLM, the tests call it on pages built by hand.
+row attends at once over its support, gathered through its block table. The C kernel reads the pages in place where
+it can be built (``kernels/cpu/csrc/paged.h``, every row's mean-dot selection at once too); torch's path is its
+reference. No vLLM import: :mod:`.backend` calls it from inside vLLM, the tests call it on pages built by hand.
 
 What a selection reads: a block selector with ``statistics`` reads the pages' block statistics
 (:class:`~.pages.PageStatistics`), ``N / B`` of them; a selector handed the keys (SparQ, Twilight, the oracles, a
@@ -19,10 +20,9 @@ import torch
 
 from ...config import SparseConfig
 from ...errors import SparseDecodeError
-from ...kernels.cpu.paged import attend_paged, attend_paged_blocks, paged_refusal
+from ...kernels.cpu.paged import attend_paged, attend_paged_blocks, select_paged
 from ...layout import BlockLayout
 from ...selectors.select import blocks_from, choose_position_set, scores_from, support_of, token_support
-from .batch import block_supports, mean_dot_blocks
 from .pages import PagedCache, PageStatistics, attend_rows
 
 
@@ -66,45 +66,48 @@ def sparse_rows(cfg: SparseConfig, cache: PagedCache, stats: PageStatistics | No
                 layer: int, scale: float) -> torch.Tensor:  # fmt: skip
     """The sparse step of rows ``queries (R, H, d)`` (post-RoPE, the current tokens'), ``tables (R, >= pages)`` their
     block tables and ``lengths`` their ``N``s (each larger than the effective support): ``(R, H, dv)`` float32."""
-    if batched(cfg):
-        lengths = torch.as_tensor(lengths, dtype=torch.long)
+    if batched(cfg, stats) and cache.kernel_serves(queries):  # every row at once, in the C kernel
         blocks = mean_dot_blocks(cfg, stats, queries, tables, lengths)
-        if cache.raw is not None and paged_refusal(queries, cache.raw) is None:  # the C kernel makes the supports
-            return attend_paged_blocks(queries, cache.raw, tables, blocks, lengths, window=cfg.window,
-                                       block=cfg.block_size, scale=scale)  # fmt: skip
-        index, valid = block_supports(cfg, blocks, lengths)
-    else:
-        supports = [row_support(cfg, cache, stats, queries[r], tables[r], row_layout(cfg, int(n), layer, scale))
-                    for r, n in enumerate(lengths)]  # fmt: skip
-        index = torch.stack([i for i, _ in supports])
-        valid = torch.stack([v for _, v in supports])
+        return attend_paged_blocks(queries, cache.raw, tables, blocks, lengths, window=cfg.window,
+                                   block=cfg.block_size, scale=scale)  # fmt: skip
+    supports = [row_support(cfg, cache, stats, queries[r], tables[r], row_layout(cfg, int(n), layer, scale))
+                for r, n in enumerate(lengths)]  # fmt: skip
+    index = torch.stack([i for i, _ in supports])
+    valid = torch.stack([v for _, v in supports])
     return attend_supports(cache, queries, tables, index, valid, scale)
 
 
-def batched(cfg: SparseConfig) -> bool:
-    """Whether every row's selection can be made at once: the scoring the kernels implement themselves (``mean-dot``,
-    the mean-pooled selector's), a fixed budget, one support per KV head."""
+def batched(cfg: SparseConfig, stats: PageStatistics | None) -> bool:
+    """Whether the C kernel can select for every row at once: the scoring the kernels implement themselves
+    (``mean-dot``, the mean-pooled selector's, over the pages' mean statistics), a fixed budget, one support per KV
+    head. The blocks are those of :func:`row_support` (a test compares them)."""
     selector = cfg.selector
     return (selector.kernel_scoring == "mean-dot" and not selector.adaptive and not selector.per_query_head
-            and not selector.token_level)  # fmt: skip
+            and not selector.token_level and stats is not None and "mean" in stats.pieces)  # fmt: skip
+
+
+def mean_dot_blocks(cfg: SparseConfig, stats: PageStatistics, queries, tables, lengths) -> torch.Tensor:
+    """Every row's chosen blocks ``(R, kv, b)``, ascending, by the C kernel through the pages (``lengths`` the rows'
+    ``N``s)."""
+    return select_paged(queries, stats.cache.raw, stats.pieces["mean"], stats.firsts, tables, lengths,
+                        block=cfg.block_size, window=cfg.window, b=cfg.blocks)  # fmt: skip
 
 
 def attend_supports(cache: PagedCache, queries, tables, index, valid, scale: float) -> torch.Tensor:
     """Every row's attention over its support ``index``/``valid (R, rows, S)``, gathered through ``tables``: ``(R, H,
     dv)`` float32. The C kernel reads the pages in place where it can (``kernels/cpu/csrc/paged.h``); else one torch
     indexing gathers every row's support."""
-    if cache.raw is not None and paged_refusal(queries, cache.raw) is None:
-        return attend_paged(queries, cache.raw, tables, index, None if bool(valid.all()) else valid, scale)
+    mask = None if bool(valid.all()) else valid
+    if cache.kernel_serves(queries):
+        return attend_paged(queries, cache.raw, tables, index, mask, scale)
     rows_q, query_heads, d = queries.shape
     rows, kv_heads = index.shape[1], cache.keys.shape[1]
     group = query_heads // kv_heads
     per_head = rows == query_heads and group > 1
-    heads = (torch.arange(rows, device=index.device) // (group if per_head else 1)).view(1, rows, 1)
-    page = tables.long().gather(1, (index // cache.page_size).view(rows_q, -1)).view_as(index)
-    offset = index % cache.page_size
-    keys, values = cache.keys[page, heads, :, offset], cache.values[page, heads, offset]
+    heads = torch.arange(rows, device=index.device) // (group if per_head else 1)
+    keys, values = cache.gather(tables, index, heads)
     q = queries.view(rows_q, rows, 1 if per_head else group, d)
-    return attend_rows(q, keys, values, None if bool(valid.all()) else valid, scale)
+    return attend_rows(q, keys, values, mask, scale)
 
 
 def statistics_for(cfg: SparseConfig, cache: PagedCache) -> PageStatistics | None:

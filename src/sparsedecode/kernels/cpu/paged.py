@@ -14,6 +14,14 @@ _ARGS = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [cty
          + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64])  # fmt: skip
 
 
+def _function(name: str, argtypes: list):
+    """The library's C function ``name``, its argument types set at its first use."""
+    function = getattr(library(), name)
+    if function.argtypes is None:
+        function.argtypes, function.restype = argtypes, ctypes.c_int
+    return function
+
+
 def paged_refusal(queries: torch.Tensor, kv_cache: torch.Tensor) -> str | None:
     """Why the C kernel cannot attend over these pages (``None`` if it can)."""
     if library() is None:
@@ -29,9 +37,6 @@ def attend_paged(queries, kv_cache, tables, index, valid, scale: float) -> torch
     """``queries (R, H, d)``, ``kv_cache (pages, kv, P, 2 d)``, ``tables (R, width)``, ``index``/``valid (R, rows, S)``
     (``valid`` ``None``: all valid): ``(R, H, d)`` float32 (see ``csrc/paged.h``; callers check
     :func:`paged_refusal` first)."""
-    lib = library()
-    if lib.attend_paged.argtypes is None:
-        lib.attend_paged.argtypes, lib.attend_paged.restype = _ARGS, ctypes.c_int
     n_rows, query_heads, d = queries.shape
     kv, page = kv_cache.shape[1], kv_cache.shape[2]
     rows, support = index.shape[1], index.shape[2]
@@ -41,7 +46,7 @@ def attend_paged(queries, kv_cache, tables, index, valid, scale: float) -> torch
     index = index.to(torch.int64).contiguous()
     mask = None if valid is None else valid.to(torch.uint8).contiguous()
     out = torch.empty(n_rows, query_heads, d, dtype=torch.float32)
-    status = lib.attend_paged(
+    status = _function("attend_paged", _ARGS)(
         q.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), tables.shape[1], index.data_ptr(),
         None if mask is None else mask.data_ptr(), n_rows, rows, rep, qpr, kv, d, page, support, scale,
         torch.get_num_threads(), out.data_ptr(), DTYPES[kv_cache.dtype],
@@ -59,9 +64,6 @@ def select_paged(queries, kv_cache, pieces, firsts, tables, lengths, *, block: i
     ``pieces``/``firsts (pages, kv, P / B, d)`` float32 (the pages' piece sums and chunks' first keys), ``tables (R,
     width)``, ``lengths`` the rows' ``N``: blocks ``(R, kv, b)`` ascending, ``-1`` where a row has fewer than ``b``
     blocks."""
-    lib = library()
-    if lib.select_paged.argtypes is None:
-        lib.select_paged.argtypes, lib.select_paged.restype = _SELECT_ARGS, ctypes.c_int
     n_rows, query_heads, d = queries.shape
     kv, page = kv_cache.shape[1], kv_cache.shape[2]
     q = queries.contiguous()
@@ -69,7 +71,7 @@ def select_paged(queries, kv_cache, pieces, firsts, tables, lengths, *, block: i
     lengths = torch.as_tensor(lengths, dtype=torch.int64).contiguous()
     pieces, firsts = pieces.contiguous(), firsts.contiguous()
     blocks = torch.empty(n_rows, kv, b, dtype=torch.int64)
-    status = lib.select_paged(
+    status = _function("select_paged", _SELECT_ARGS)(
         q.data_ptr(), kv_cache.data_ptr(), pieces.data_ptr(), firsts.data_ptr(), tables.data_ptr(), tables.shape[1],
         lengths.data_ptr(), n_rows, kv, query_heads // kv, d, page, block, window, b, torch.get_num_threads(),
         blocks.data_ptr(), DTYPES[kv_cache.dtype],
@@ -85,9 +87,6 @@ _BLOCKS_ARGS = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 2
 def attend_paged_blocks(queries, kv_cache, tables, blocks, lengths, *, window: int, block: int, scale: float):
     """:func:`attend_paged` over the supports of chosen ``blocks (R, kv, b)`` (``-1``: none), the positions made in
     the call from the rows' ``lengths``: ``(R, H, d)`` float32."""
-    lib = library()
-    if lib.attend_paged_blocks.argtypes is None:
-        lib.attend_paged_blocks.argtypes, lib.attend_paged_blocks.restype = _BLOCKS_ARGS, ctypes.c_int
     n_rows, query_heads, d = queries.shape
     kv, page = kv_cache.shape[1], kv_cache.shape[2]
     q = queries.contiguous()
@@ -95,7 +94,7 @@ def attend_paged_blocks(queries, kv_cache, tables, blocks, lengths, *, window: i
     blocks = blocks.to(torch.int64).contiguous()
     lengths = torch.as_tensor(lengths, dtype=torch.int64).contiguous()
     out = torch.empty(n_rows, query_heads, d, dtype=torch.float32)
-    status = lib.attend_paged_blocks(
+    status = _function("attend_paged_blocks", _BLOCKS_ARGS)(
         q.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), tables.shape[1], blocks.data_ptr(), lengths.data_ptr(),
         n_rows, kv, 1, query_heads // kv, kv, d, page, blocks.shape[2], window, block, scale, torch.get_num_threads(),
         out.data_ptr(), DTYPES[kv_cache.dtype],
