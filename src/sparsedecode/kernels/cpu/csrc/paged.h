@@ -165,12 +165,7 @@ static inline __attribute__((always_inline)) int paged_select_as(const paged_sel
         return -1;
     }
     float *qm = buffer, *mean = qm + d, *best = mean + d; /* the group-mean query, a block's mean, the best scores */
-    const void *q = element(job->q, (r * job->kv * job->group + h * job->group) * d, t);
-    for (int64_t c = 0; c < d; c++) {
-        float total = 0.0f;
-        for (int64_t g = 0; g < job->group; g++) total += load1(q, g * d + c, t);
-        qm[c] = total / (float)job->group;
-    }
+    mean_query(element(job->q, r * job->kv * job->group * d, t), h, job->group, d, t, qm);
     float inv_sqrt_d = 1.0f / sqrtf((float)d);
     int status = 0;
     for (int64_t j = 0; j < n_blocks && b > 0; j++) {
@@ -191,21 +186,15 @@ static inline __attribute__((always_inline)) int paged_select_as(const paged_sel
         float score = 0.0f;
         for (int64_t c = 0; c < d; c++) score += qm[c] * mean[c];
         score *= inv_sqrt_d;
-        if (!isfinite(score)) {
+        if (nonfinite(score)) {
             status = NONFINITE;
             break;
         }
-        if (kept == b && !(score > best[b - 1])) continue; /* equal loses: the earlier block wins the tie */
-        int64_t at = kept < b ? kept++ : b - 1;
-        while (at > 0 && score > best[at - 1]) best[at] = best[at - 1], ids[at] = ids[at - 1], at--;
-        best[at] = score, ids[at] = j;
+        offer(score, j, best, ids, &kept, b); /* the tie rule: the earlier block wins */
     }
     int64_t *out = job->blocks + (r * job->kv + h) * b;
-    for (int64_t i = 0; i < kept; i++) { /* ascending block order */
-        int64_t at = i;
-        while (at > 0 && out[at - 1] > ids[i]) out[at] = out[at - 1], at--;
-        out[at] = ids[i];
-    }
+    qsort(ids, (size_t)kept, sizeof(int64_t), compare_ascending);
+    memcpy(out, ids, sizeof(int64_t) * (size_t)kept);
     for (int64_t i = kept; i < b; i++) out[i] = -1; /* fewer blocks than b: none to read */
     free(buffer), free(ids);
     return status;
