@@ -71,18 +71,19 @@ def _plain(budget: dict) -> dict:
 def cmd_bench_vllm(args) -> int:
     import torch
 
-    from ..experiments.bench_vllm import bench_vllm, check_fits
+    from ..experiments.bench_vllm import bench_vllm, check_fits, model_config
     from ..experiments.corpus import prompt_ids
     from ..models.catalog import load_tokenizer
 
     clock = start_clock()
     modes, python = _check(args)
     tokenizer = load_tokenizer(args.model)
-    check_fits(tokenizer.name_or_path, args.context, args.tokens)
+    config = model_config(tokenizer.name_or_path)
+    check_fits(config, args.context, args.tokens)
     prompts = [prompt_ids(tokenizer, args.corpus, args.context, i, args.tokens)[0].tolist() for i in
                range(max(args.batch))]  # fmt: skip
     threads = args.threads or torch.get_num_threads()
-    rows = bench_vllm(tokenizer.name_or_path, prompts, modes, dtype=args.dtype, batches=args.batch,
+    rows = bench_vllm(tokenizer.name_or_path, config, prompts, modes, dtype=args.dtype, batches=args.batch,
                       tokens=args.tokens, rounds=args.rounds, python=python, threads=threads,
                       progress=lambda what: console.print(f"[dim]{what} done[/]"))  # fmt: skip
     table = Table(title=f"vLLM, {args.model} {args.dtype}, {args.context} tokens of context, {threads} threads")

@@ -31,10 +31,17 @@ def vllm_python(given: str | None = None) -> Path:
     return path
 
 
-def check_fits(folder: str, context: int, tokens: int) -> None:
-    """One line if a prompt of ``context`` tokens and ``tokens`` more do not fit the model's positions."""
-    config = json.loads((Path(folder) / "config.json").read_text())
-    most = config.get("max_position_embeddings")
+def model_config(folder: str):
+    """The transformers config of the model folder vLLM loads (read from the folder, no weights)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder)
+
+
+def check_fits(config, context: int, tokens: int) -> None:
+    """One line if a prompt of ``context`` tokens and ``tokens`` more (and vLLM's one more position) do not fit the
+    model's positions."""
+    most = getattr(config, "max_position_embeddings", None)
     if most is not None and context + tokens + 1 > most:
         raise SparseDecodeError(
             f"--context {context} + --tokens {tokens} + 1 exceeds the model's {most} positions: use --context <= "
@@ -42,14 +49,11 @@ def check_fits(folder: str, context: int, tokens: int) -> None:
         )
 
 
-def kv_space_gib(folder: str, batch: int, positions: int, dtype: str) -> int:
+def kv_space_gib(config, batch: int, positions: int, dtype: str) -> int:
     """GiB of KV cache vLLM needs for ``batch`` sequences of ``positions``, with room to spare."""
-    config = json.loads((Path(folder) / "config.json").read_text())
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    kv_heads = config.get("num_key_value_heads", heads)
-    per_position = config["num_hidden_layers"] * kv_heads * head_dim * 2 * (4 if dtype == "float32" else 2)
-    return int(batch * positions * per_position * 1.25 / 2**30) + 1
+    from .bench_measures import kv_cache_bytes
+
+    return int(kv_cache_bytes(config, batch, positions, 4 if dtype == "float32" else 2) * 1.25 / 2**30) + 1
 
 
 def run_engine(python: Path, job: dict, threads: int, kv_gib: int) -> dict:
@@ -86,10 +90,11 @@ def leading_equal(a: list[int], b: list[int]) -> int:
     return count
 
 
-def bench_vllm(folder: str, prompts: list[list[int]], modes: dict, *, dtype: str, batches: list[int], tokens: int,
-               rounds: int, python: Path, threads: int, progress=None) -> list[dict]:  # fmt: skip
-    """Rows per batch and mode: ``modes`` maps a name to a spec (``None``: vLLM dense, which must be among them)."""
-    kv_gib = kv_space_gib(folder, max(batches), len(prompts[0]) + tokens + 16, dtype)
+def bench_vllm(folder: str, config, prompts: list[list[int]], modes: dict, *, dtype: str, batches: list[int],
+               tokens: int, rounds: int, python: Path, threads: int, progress=None) -> list[dict]:  # fmt: skip
+    """Rows per batch and mode: ``modes`` maps a name to a spec (``None``: vLLM dense, which must be among them);
+    ``config`` is the model folder's (:func:`model_config`)."""
+    kv_gib = kv_space_gib(config, max(batches), len(prompts[0]) + tokens + 16, dtype)
     runs: dict[str, list[dict]] = {name: [] for name in modes}
     order = list(modes)
     for r in range(rounds):
