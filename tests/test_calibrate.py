@@ -327,8 +327,63 @@ def test_calibrate_searches_the_reuse_interval(tiny_model_dir, tmp_path, capsys)
     assert (data["chosen"], data["chosen_reuse"]) == (best["supports"], best["reuse"])
     held = {row["configuration"]: row for row in data["held_out"]}
     assert held["calibrated"]["reuse"] == best["reuse"] and held["uniform S=97"]["reuse"] == 1
-    assert f"--reuse {best['reuse']}" in (out / "calibration.md").read_text()
+    assert f"at reuse R = {best['reuse']}" in (out / "calibration.md").read_text()
+    budget = read_budget(out / "budget.json")  # the chosen R travels with the supports
+    assert budget["reuse"] == best["reuse"] and budget["selector"] == "mean-pooled"
     assert main([*args, "--out", str(out)]) == 2  # the same folder without the reuse search: other settings
     assert "reuses differ" in capsys.readouterr().err
     assert main([*args, "--selector", "h2o", "--search-reuse", "1,2", "--out", str(tmp_path / "d")]) == 2
     assert "h2o keeps none" in capsys.readouterr().err
+
+
+def test_calibrate_searches_a_selector_parameter_costing_an_adaptive_one_by_what_it_read(
+    tiny_model_dir, tmp_path, capsys
+):
+    out = tmp_path / "c"
+    args = ["calibrate", "--model", str(tiny_model_dir), "--context", "300", "--choices", "97,1009", "--tokens", "6"]
+    args += ["--target", "tf-match>=80", "--prompts", "2", "--held-out", "1", "--trials", "7"]
+    args += ["--selector", "block-top-p", "--search-param", "p=0.3,0.99"]
+    assert main([*args, "--out", str(out)]) == 0, capsys.readouterr().err
+    data = json.loads((out / "calibration.json").read_text())
+    assert data["settings"]["params"] == {"p": [0.3, 0.99]}
+    assert {t["params"]["p"] for t in data["trials"]} == {0.3, 0.99}, "the sampler tried both values"
+    model, tokenizer = load_model(str(tiny_model_dir))
+    ids = [prompt_ids(tokenizer, "python-docs", 300, index, 6) for index in range(2)]
+    for trial in (t for t in data["trials"] if t["state"] == "complete"):
+        # the cost of an adaptive selector is what its sparse layers read on the calibration prompts
+        cfg = calibrate.layer_config(SparseConfig(support=97, selector=f"block-top-p:p={trial['params']['p']}"),
+                                     trial["supports"])  # fmt: skip
+        results = [compare(model, None, one, cfg, 6) for one in ids]
+        rows = [{"support_read_mean": r.support_read_mean} for r in results]
+        assert trial["cost"] == pytest.approx(calibrate.measured_cost(cfg, 2, 300, rows, selection=False))
+        assert trial["means"]["tf-match"] == pytest.approx(sum(r.teacher_forced_match for r in results) / 2)
+        sparse = [s for s in trial["supports"] if s < 300]
+        if sparse:  # a sparse layer reads at most its support
+            assert trial["cost"] <= calibrate.cost(cfg, 2, 300)
+    best = min((t for t in data["trials"] if t["feasible"]), key=lambda t: t["cost"])
+    budget = read_budget(out / "budget.json")
+    assert budget["selector"] == data["chosen_selector"] == f"block-top-p:p={best['params']['p']}"
+    assert f"with the selector `{budget['selector']}`" in (out / "calibration.md").read_text()
+    capsys.readouterr()
+    for extra, message in [
+        (["--search-param", "q=1,2"], "no parameter 'q'"),
+        (["--search-param", "p=0.5"], "two or more distinct values"),
+        (["--search-param", "p=0.5,x"], "parameter p='x' is not float"),
+        (["--search-param", "p=0.5,0.6", "--search-param", "p=0.7,0.8"], "names a parameter twice"),
+        (["--search-param", "p"], "NAME=V1,V2"),
+    ]:
+        assert main([*args[:-2], *extra, "--out", str(tmp_path / "bad")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    tasks = ["calibrate", "--model", str(tiny_model_dir), "--selector", "block-top-p", "--out", str(tmp_path / "t")]
+    assert main([*tasks, "--target", "task-accuracy>=50"]) == 2
+    assert "add a tf-match or dppl target" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "t").exists()
+
+
+def test_the_measured_cost_counts_dense_and_covering_layers_whole():
+    cfg = SparseConfig(support=193, selector="block-top-p", dense_layers=(0,), layer_supports={2: 1009})
+    rows = [{"support_read_mean": 100.0}, {"support_read_mean": 120.0}, {"support_read_mean": None}]
+    assert calibrate.measured_cost(cfg, 4, 300, rows, selection=False) == (300 + 110 + 300 + 110) / 4
+    assert calibrate.measured_cost(cfg, 4, 300, [], selection=False) == calibrate.cost(cfg, 4, 300)
+    assert calibrate.cost(cfg, 4, 300) == (300 + 193 + 300 + 193) / 4  # a dense layer reads the context

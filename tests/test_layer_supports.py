@@ -126,3 +126,55 @@ def test_the_command_line_takes_layer_supports_or_a_budget_file(tiny_model_dir, 
     both = ["run", *base, "--budget", str(budget), "--dense-layers", "1", "--json", str(tmp_path / "no.json")]
     assert main(both) == 2 and "not both" in capsys.readouterr().err and not (tmp_path / "no.json").exists()
     assert main(["run", *base, "--layer-supports", "1:x"]) == 2 and "LAYER:SUPPORT" in capsys.readouterr().err
+
+
+def test_a_budget_file_may_carry_the_reuse_and_selector_a_calibration_chose(tmp_path):
+    path = tmp_path / "budget.json"
+    path.write_text(json.dumps({"layer_supports": {"1": 193}, "reuse": 2, "selector": "block-top-p:p=0.8"}))
+    budget = read_budget(path)
+    assert budget["reuse"] == 2 and budget["selector"] == "block-top-p:p=0.8"
+    cfg = SparseConfig(support=97, **budget)  # the library takes the file's fields as they are
+    assert cfg.reuse == 2 and cfg.selector.p == 0.8 and cfg.layer_supports == ((1, 193),)
+    path.write_text(json.dumps({"layer_supports": {}}))
+    assert set(read_budget(path)) == {"dense_layers", "layer_supports"}  # none named: the command's own hold
+    for data, message in [
+        ({"reuse": 0}, "reuse is an integer R >= 1"),
+        ({"reuse": True}, "reuse is an integer R >= 1"),
+        ({"selector": 3}, "selector is a spec string"),
+        ({"selector": "no-such-selector"}, "no-such-selector"),
+        ({"selector": "block-top-p:q=1"}, "no parameter 'q'"),
+    ]:
+        path.write_text(json.dumps(data))
+        with pytest.raises(SparseDecodeError, match=message):
+            read_budget(path)
+
+
+def test_a_budget_files_reuse_and_selector_set_the_commands_unless_given_otherwise(tmp_path):
+    from sparsedecode.cli import build_parser
+    from sparsedecode.cli.parser import apply_budget_file
+
+    budget = tmp_path / "budget.json"
+    budget.write_text(json.dumps({"layer_supports": {"1": 193}, "reuse": 2, "selector": "quest"}))
+
+    def parsed(*argv):
+        args = build_parser().parse_args(list(argv))
+        apply_budget_file(args)
+        return args
+
+    run = parsed("run", "--budget", str(budget))
+    assert (run.reuse, run.selector) == (2, "quest")
+    same = parsed("run", "--budget", str(budget), "--reuse", "2", "--selector", "quest")
+    assert (same.reuse, same.selector) == (2, "quest")
+    assert parsed("sweep", "--budget", str(budget), "--out", str(tmp_path / "s")).reuse == [2]
+    assert parsed("run", "--reuse", "3").reuse == 3  # no budget: the options as given
+    for argv, message in [
+        (["run", "--budget", str(budget), "--reuse", "1"], "--reuse 1 differs from budget file"),
+        (["run", "--budget", str(budget), "--selector", "mean-pooled"], "--selector mean-pooled differs"),
+        (["sweep", "--budget", str(budget), "--reuse", "1,2", "--out", str(tmp_path / "s")], "--reuse 1,2 differs"),
+        (["bench", "e2e", "--budget", str(budget)], "sets reuse 2, which this command does not take"),
+    ]:
+        with pytest.raises(SparseDecodeError, match=message):
+            parsed(*argv)
+    budget.write_text(json.dumps({"selector": "quest"}))
+    with pytest.raises(SparseDecodeError, match="it compares --selectors"):
+        parsed("compare-selectors", "--budget", str(budget), "--out", str(tmp_path / "c"))

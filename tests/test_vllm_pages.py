@@ -45,8 +45,9 @@ def sequence(n, seed):
 
 def reference(cfg, q, keys, values, scale):
     """The library's selection and attention over contiguous keys."""
-    chosen = select_support(q, keys, support=cfg.support, window=cfg.window, block_size=cfg.block_size,
-                            method=cfg.selector)
+    chosen = select_support(
+        q, keys, support=cfg.support, window=cfg.window, block_size=cfg.block_size, method=cfg.selector
+    )
     width = max(len(c) for c in chosen)
     index = torch.stack([torch.nn.functional.pad(c, (0, width - len(c))) for c in chosen])
     valid = torch.stack([torch.arange(width) < len(c) for c in chosen])
@@ -78,8 +79,9 @@ def test_pages_select_and_attend_as_the_library(selector, lengths, kernel):
         tables.append(table)
         qs.append(q)
         refs.append(reference(cfg, q, keys, values, D**-0.5))
-    out = sparse_rows(cfg, pages.cache, stats, torch.stack(qs), torch.stack(tables), list(lengths), layer=0,
-                      scale=D**-0.5)
+    out = sparse_rows(
+        cfg, pages.cache, stats, torch.stack(qs), torch.stack(tables), list(lengths), layer=0, scale=D**-0.5
+    )
     for r, (chosen, expected) in enumerate(refs):
         index, valid = row_support(cfg, pages.cache, stats, qs[r], tables[r], row_layout(cfg, lengths[r], 0, D**-0.5))
         assert [i[v].sort().values.tolist() for i, v in zip(index, valid)] == [c.tolist() for c in chosen]
@@ -170,7 +172,7 @@ def test_pages_must_hold_whole_blocks():
     ("spec", "message"),
     [
         ('{"support": 97', "not valid JSON"),
-        ('[97]', "JSON object"),
+        ("[97]", "JSON object"),
         ('{"support": 50}', "smaller than anchor"),
         ('{"support": 97, "selector": "h2o"}', "history"),
         ('{"support": 97, "reuse": 4}', "reuse 4"),

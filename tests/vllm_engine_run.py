@@ -25,15 +25,27 @@ def main() -> None:
     extra = {"additional_config": {"sparsedecode": job["spec"]}} if job.get("spec") else {}
     if job.get("blocks"):
         extra["num_gpu_blocks_override"] = job["blocks"]
-    llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"), max_model_len=job.get("max_len", 4096),
-              enforce_eager=True, seed=0, enable_prefix_caching=job.get("prefix_caching", True),
-              max_num_batched_tokens=job.get("batched_tokens", 2048), **extra)
+    llm = LLM(
+        model=job["model"],
+        dtype=job.get("dtype", "float32"),
+        max_model_len=job.get("max_len", 4096),
+        enforce_eager=True,
+        seed=0,
+        enable_prefix_caching=job.get("prefix_caching", True),
+        max_num_batched_tokens=job.get("batched_tokens", 2048),
+        **extra,
+    )
     params = SamplingParams(temperature=0, max_tokens=job["tokens"], logprobs=3, ignore_eos=True)
 
     def run(prompts):
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        return [{"tokens": list(o.outputs[0].token_ids),
-                 "logprobs": {str(k): v.logprob for k, v in o.outputs[0].logprobs[0].items()}} for o in outs]
+        return [
+            {
+                "tokens": list(o.outputs[0].token_ids),
+                "logprobs": {str(k): v.logprob for k, v in o.outputs[0].logprobs[0].items()},
+            }
+            for o in outs
+        ]
 
     result = {"together": run(job["prompts"])}
     if job.get("alone"):

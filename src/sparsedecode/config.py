@@ -215,13 +215,17 @@ def parse_layer_supports(supports) -> tuple[tuple[int, int], ...]:
     return tuple(sorted(checked))
 
 
-BUDGET_FIELDS = ("dense_layers", "layer_supports")
-"""What a budget file (``--budget FILE``) holds: the per-layer part of a configuration."""
+BUDGET_FIELDS = ("dense_layers", "layer_supports", "reuse", "selector")
+"""What a budget file (``--budget FILE``) holds: the per-layer part of a configuration (``dense_layers``,
+``layer_supports``) and, where a calibration chose them, the reuse interval ``reuse`` and the ``selector`` (a spec
+string, its parameters included)."""
 
 
 def read_budget(path) -> dict:
     """A budget file's fields: a JSON object of :data:`BUDGET_FIELDS` (``{"dense_layers": [0, 1],
-    "layer_supports": {"5": 385}}``), each checked as :class:`SparseConfig` checks it."""
+    "layer_supports": {"5": 385}, "reuse": 2, "selector": "block-top-p:p=0.9"}``), each checked as
+    :class:`SparseConfig` checks it. ``dense_layers`` and ``layer_supports`` are always in the result; ``reuse`` and
+    ``selector`` only where the file holds them (``selector`` as its canonical spec string)."""
     import json
     from pathlib import Path
 
@@ -242,8 +246,18 @@ def read_budget(path) -> dict:
         raise SparseDecodeError(
             f"budget file {path}: unknown field(s) {', '.join(unknown)}; it holds {', '.join(BUDGET_FIELDS)}"
         )
-    return {"dense_layers": parse_layers(data.get("dense_layers", ())),
-            "layer_supports": parse_layer_supports(data.get("layer_supports", ()))}  # fmt: skip
+    fields_ = {"dense_layers": parse_layers(data.get("dense_layers", ())),
+               "layer_supports": parse_layer_supports(data.get("layer_supports", ()))}  # fmt: skip
+    if "reuse" in data:
+        reuse = data["reuse"]
+        if not isinstance(reuse, int) or isinstance(reuse, bool) or reuse < 1:
+            raise SparseDecodeError(f"budget file {path}: reuse is an integer R >= 1, got {reuse!r}")
+        fields_["reuse"] = reuse
+    if "selector" in data:
+        if not isinstance(data["selector"], str):
+            raise SparseDecodeError(f"budget file {path}: selector is a spec string, got {data['selector']!r}")
+        fields_["selector"] = resolve_selector(data["selector"]).spec()
+    return fields_
 
 
 def config_from_overrides(overrides: dict) -> SparseConfig:

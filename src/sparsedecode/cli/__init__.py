@@ -25,7 +25,7 @@ from .arguments import int_list
 from .display import console, progress_bars
 from .failures import one_line
 from .outputs import MADE_FOLDERS, remove_empty_made_folders
-from .parser import Parser, add_model_args
+from .parser import Parser, add_model_args, apply_budget_file
 
 __all__ = ["build_parser", "main"]
 
@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         if argv[:1] == [evaluation.LM_EVAL_COMMAND]:  # lm-eval's own options pass through untouched
             return evaluation.run_lm_eval(argv[1:])
         args = build_parser().parse_args(argv)
+        apply_budget_file(args)
         return args.handler(args)
     except (SparseDecodeError, OSError) as error:
         remove_empty_made_folders()

@@ -27,6 +27,16 @@ def target_arg(text: str):
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def search_param_arg(text: str) -> tuple[str, tuple[str, ...]]:
+    """``--search-param NAME=V1,V2[,...]``: a selector parameter and the values a trial picks among (as text; the
+    selector types them)."""
+    name, eq, values = text.partition("=")
+    listed = tuple(v.strip() for v in values.split(",") if v.strip())
+    if not eq or not name.strip() or not listed:
+        raise argparse.ArgumentTypeError(f"give NAME=V1,V2[,...] (a parameter of the selector), got {text!r}")
+    return name.strip(), listed
+
+
 def add_parsers(sub) -> None:
     parser = sub.add_parser(
         "calibrate",
@@ -75,6 +85,11 @@ def add_parsers(sub) -> None:
         help="also search the reuse interval R among these (the cost then counts the block "
         "statistics a selection reads, at one step in R; uniform supports at the smallest R)",
     )
+    parser.add_argument(
+        "--search-param", type=search_param_arg, action="append", default=[], metavar="NAME=V1,V2[,...]",
+        help="also search this parameter of --selector among these values (e.g. p=0.8,0.9,0.95 for block-top-p); "
+        "repeat for several. An adaptive selector's cost is what it read on the corpus prompts",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="the sampler's seed")
     parser.add_argument("--out", type=path_arg, required=True, help="folder of the study and its results")
     parser.set_defaults(handler=cmd_calibrate)
@@ -101,6 +116,13 @@ def _check(args) -> None:
         from ..experiments.calibrate import check_reuse_search
 
         check_reuse_search(_base(args), tuple(args.search_reuse))
+    names = [name for name, _ in args.search_param]
+    if len(set(names)) != len(names):
+        raise SparseDecodeError(f"--search-param names a parameter twice: {', '.join(names)}")
+    from ..experiments.calibrate import check_param_search, parse_target
+
+    args.search_param = check_param_search(_base(args), dict(args.search_param),
+                                           [parse_target(t) for t in args.target])  # fmt: skip
     check_output_folder(args.out, files=WRITTEN)
     try:
         import optuna  # noqa: F401
@@ -128,6 +150,7 @@ def cmd_calibrate(args) -> int:
         model=args.model, selector=args.selector, context=args.context, tokens=args.tokens, prompts=args.prompts,
         choices=tuple(args.choices), targets=tuple(args.target), layers=layers, seed=args.seed, tasks=tasks,
         answer_tokens=args.answer_tokens if tasks else None, reuses=tuple(args.search_reuse or ()),
+        params=args.search_param,
     )  # fmt: skip
     base = _base(args)
     from ..experiments.sweep_folder import locked
@@ -207,6 +230,7 @@ def _write(args, search, study, best, held, layers) -> None:
          range(layers)], "cost": t.value, "means": t.user_attrs.get("means"),
          "feasible": all(c <= 0 for c in t.user_attrs.get("constraints", [1]))}
         | ({"reuse": t.params.get("reuse")} if search.reuses else {})
+        | ({"params": {name: t.params.get(f"param_{name}") for name in search.params}} if search.params else {})
         for t in search_module.finished(study)
     ]  # fmt: skip
     chosen = None if best is None else [best.params[f"layer_{i}"] for i in range(layers)]
@@ -216,8 +240,13 @@ def _write(args, search, study, best, held, layers) -> None:
             "held_out": held}  # fmt: skip
     if search.reuses:
         data["chosen_reuse"] = None if best is None else best.params["reuse"]
+    if search.params:
+        data["chosen_selector"] = None if best is None else search.config(_base(args), best.params).selector.spec()
     if chosen is not None:
-        write_json_atomic(args.out / "budget.json", {"layer_supports": {str(i): s for i, s in enumerate(chosen)}})
+        cfg = search.config(_base(args), best.params)
+        budget = {"layer_supports": {str(i): s for i, s in enumerate(chosen)}, "reuse": cfg.reuse,
+                  "selector": cfg.selector.spec()}  # fmt: skip
+        write_json_atomic(args.out / "budget.json", budget)
     write_json_atomic(args.out / "calibration.json", data)
     write_text_atomic(args.out / "calibration.md", write_calibration_report(args.out, data))
 
@@ -236,6 +265,7 @@ def _print(args, best, held) -> None:
         table.add_row(row["configuration"], f"{row['cost']:.1f}", *cells(row), met)
     console.print(table)
     console.print(f"wrote {args.out / 'calibration.md'}, calibration.json" + (", budget.json" if best else ""))
-    if best is not None and "reuse" in best.params:
-        console.print(f"the chosen supports are for reuse R = {best.params['reuse']}: --budget budget.json "
-                      f"--reuse {best.params['reuse']}")  # fmt: skip
+    if best is not None and ("reuse" in best.params or any(k.startswith("param_") for k in best.params)):
+        chosen = {k.removeprefix("param_"): v for k, v in best.params.items() if not k.startswith("layer_")}
+        console.print(f"chosen with the supports: {', '.join(f'{k}={v}' for k, v in chosen.items())} (budget.json "
+                      "holds them: --budget budget.json sets them)")  # fmt: skip

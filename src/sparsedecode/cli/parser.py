@@ -28,6 +28,8 @@ __all__ = [
     "HelpFormatter",
     "Parser",
     "add_dense_layers_arg",
+    "apply_budget_file",
+    "given",
     "layer_budget",
     "add_model_args",
     "add_weights_arg",
@@ -55,6 +57,8 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def add_argument(self, *args, **kwargs):
+        if args and str(args[0]).startswith("-") and kwargs.get("action", "store") == "store":
+            kwargs["action"] = Store  # records that the option was given (:func:`given`)
         action = super().add_argument(*args, **kwargs)
         if action.help is None and action.option_strings:
             action.help = SHARED_HELP.get(action.option_strings[-1])
@@ -72,6 +76,24 @@ class Parser(argparse.ArgumentParser):
         return namespace, extras
 
 
+GIVEN = "given_options"
+"""The namespace attribute naming the options a command line gave (their ``dest``), set by :class:`Store`."""
+
+
+class Store(argparse.Action):
+    """argparse's ``store``, which also notes in ``namespace.given_options`` that the option was given, so a value
+    can be told from its default (:func:`given`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, GIVEN, {*getattr(namespace, GIVEN, ()), self.dest})
+
+
+def given(args, dest: str) -> bool:
+    """Whether the command line gave the option stored in ``dest`` (not its default)."""
+    return dest in getattr(args, GIVEN, ())
+
+
 SHARED_HELP = {
     "--dtype": "weights and activations dtype",
     "--corpus": "prompt text: python-docs (offline), wikitext2 (needs the hub), or a local text file or folder",
@@ -86,7 +108,8 @@ SHARED_HELP = {
     "Twilight's evaluations keep 0,1 (default: none)",
     "--layer-supports": "layers that read a support of their own, LAYER:S comma-separated (e.g. 5:385,6:385); the "
     "others read --support",
-    "--budget": "a JSON file of dense_layers and layer_supports (what --dense-layers and --layer-supports give)",
+    "--budget": "a JSON file of dense_layers and layer_supports (what --dense-layers and --layer-supports give), "
+    "and the reuse and selector a calibration chose, if it names them (they set --reuse and --selector)",
     "--tokens": "greedy tokens T per run",
     "--prompt-index": "which prompt: the i-th non-overlapping prefix of the tokenised corpus",
     "--prompts": "prompts per context (corpus prefixes 0..n-1)",
@@ -174,19 +197,48 @@ def add_dense_layers_arg(parser: argparse.ArgumentParser) -> None:
     configuration (``SparseConfig.dense_layers``, ``SparseConfig.layer_supports``), merged by :func:`layer_budget`."""
     parser.add_argument("--dense-layers", type=layer_list, default=(), metavar="0,1")
     parser.add_argument("--layer-supports", type=layer_supports_arg, default=(), metavar="LAYER:S[,...]")
-    parser.add_argument("--budget", type=file_arg, default=None)
+    parser.add_argument("--budget", type=file_arg, default=None, dest="budget_file")
 
 
 def layer_budget(args) -> dict:
-    """``dense_layers`` and ``layer_supports`` of the command: from ``--budget FILE``, or from the two options."""
+    """``dense_layers`` and ``layer_supports`` of the command: from ``--budget FILE``, or from the two options (the
+    file's ``reuse`` and ``selector``, if any, are the command's own options: :func:`apply_budget_file`)."""
     from ..config import read_budget
 
     dense, supports = getattr(args, "dense_layers", ()), getattr(args, "layer_supports", ())
-    if getattr(args, "budget", None) is None:
+    if getattr(args, "budget_file", None) is None:
         return {"dense_layers": tuple(dense), "layer_supports": tuple(supports)}
     if dense or supports:
         raise SparseDecodeError("give --budget FILE or --dense-layers / --layer-supports, not both")
-    return read_budget(args.budget)
+    budget = read_budget(args.budget_file)
+    return {"dense_layers": budget["dense_layers"], "layer_supports": budget["layer_supports"]}
+
+
+def apply_budget_file(args) -> None:
+    """A budget file's ``reuse`` and ``selector`` (a calibration's choice) become the command's ``--reuse`` and
+    ``--selector`` where the command line left them at their defaults; given there with another value, or on a
+    command that takes no such option, they are refused in one line. A command without ``--budget`` is left as is."""
+    from ..config import read_budget
+
+    if getattr(args, "budget_file", None) is None:
+        return
+    budget = read_budget(args.budget_file)
+    for name in ("reuse", "selector"):
+        if name not in budget:
+            continue
+        value, current = budget[name], getattr(args, name, None)
+        listed = isinstance(current, list)  # sweep's --reuse takes a list
+        if not hasattr(args, name):
+            if name == "reuse" and value == 1:
+                continue
+            other = " (it compares --selectors: name this one there)" if hasattr(args, "selectors") else ""
+            raise SparseDecodeError(f"budget file {args.budget_file} sets {name} {value}, which this command does not "
+                                    f"take{other}; use a budget file without it")  # fmt: skip
+        if given(args, name) and current != ([value] if listed else value):
+            shown = ",".join(map(str, current)) if listed else current
+            raise SparseDecodeError(f"--{name} {shown} differs from budget file {args.budget_file}'s {name} {value}: "
+                                    "give one of the two")  # fmt: skip
+        setattr(args, name, [value] if listed else value)
 
 
 def add_prompt_args(parser: argparse.ArgumentParser, *, tokens: int) -> None:

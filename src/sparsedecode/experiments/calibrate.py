@@ -50,6 +50,7 @@ __all__ = [  # with the target names tests and the command import from here
     "Target",
     "Units",
     "bootstrap_interval",
+    "check_param_search",
     "check_reuse_search",
     "cost",
     "held_out",
@@ -60,6 +61,7 @@ __all__ = [  # with the target names tests and the command import from here
     "parse_target",
     "run_search",
     "selection_cost",
+    "with_params",
 ]
 
 
@@ -70,13 +72,14 @@ def layer_config(base: SparseConfig, supports: list[int]) -> SparseConfig:
 
 def cost(cfg: SparseConfig, layers: int, context: int, *, selection: bool = False) -> float:
     """Positions a decode step at ``context`` reads per layer, the mean over ``layers`` layers: each layer's
-    effective support, or the whole context where that is smaller (a support past it reads everything). With
-    ``selection``, plus what selecting reads per step (:func:`selection_cost`), for searches over the reuse R."""
-    return statistics.mean(
-        min(cfg.for_layer(layer).effective_support, context) + (selection_cost(cfg.for_layer(layer), context) if
-                                                                 selection else 0.0)
-        for layer in range(layers)
-    )  # fmt: skip
+    effective support, or the whole context where that is smaller (a support past it, or a dense layer, reads
+    everything). With ``selection``, plus what selecting reads per step (:func:`selection_cost`), for searches over
+    the reuse R."""
+    sizes = [context if s is None else min(s, context) for s in cfg.supports_by_layer(layers)]
+    if selection:
+        sizes = [size + selection_cost(cfg.for_layer(layer), context) if size < context else size
+                 for layer, size in enumerate(sizes)]  # fmt: skip
+    return statistics.mean(sizes)
 
 
 def selection_cost(cfg: SparseConfig, context: int) -> float:
@@ -99,6 +102,35 @@ def check_reuse_search(base: SparseConfig, reuses: tuple[int, ...]) -> None:
         )
     if len(set(reuses)) != len(reuses) or any(r < 1 for r in reuses):
         raise SparseDecodeError(f"--search-reuse takes distinct intervals R >= 1, got {list(reuses)}")
+
+
+def with_params(selector, changes: dict):
+    """``selector`` (an instance) with the parameters ``changes`` set, the others as they were."""
+    from ..selectors.registry import build
+
+    return build(type(selector), {**selector.params(), **changes}) if changes else selector
+
+
+def check_param_search(base: SparseConfig, params: dict, targets: list[Target]) -> dict:
+    """``params`` (``{name: [value text, ...]}``, from ``--search-param NAME=V1,V2``) as typed values of the base
+    selector's parameters, each value checked by building the selector with it; one line naming what is wrong
+    otherwise. An adaptive selector's reads are measured on the corpus prompts, so it needs a corpus target."""
+    from ..selectors.registry import parse_params
+
+    typed = {}
+    for name, texts in params.items():
+        values = [parse_params(type(base.selector), f"{name}={text}")[name] for text in texts]
+        if len(values) < 2 or len(set(map(repr, values))) != len(values):
+            raise SparseDecodeError(f"--search-param {name} needs two or more distinct values, got {texts}")
+        for value in values:
+            with_params(base.selector, {name: value})
+        typed[name] = tuple(values)
+    if base.selector.adaptive and not any(t.kind == CORPUS for t in targets):
+        raise SparseDecodeError(
+            f"{base.selector_name} chooses how much it reads, which calibrate measures on the corpus prompts: add "
+            "a tf-match or dppl target"
+        )
+    return typed
 
 
 @dataclass
@@ -132,7 +164,8 @@ def measure(model, units: Units, cfg: SparseConfig, targets: list[Target] = (), 
         result = compare(model, None, ids, cfg, units.tokens, reference=reference)
         rows[CORPUS].append({"teacher_forced_match": result.teacher_forced_match,
                              "delta_ppl_percent": result.delta_ppl_percent,
-                             "first_divergence": result.first_divergence})  # fmt: skip
+                             "first_divergence": result.first_divergence,
+                             "support_read_mean": result.support_read_mean})  # fmt: skip
         on_prompt(rows[CORPUS])
     if units.tasks is not None:
         dense = dense_value("task-accuracy", [{"dense_score": d["score"]} for d in units.tasks.dense])
@@ -163,19 +196,44 @@ class Search:
     tasks: tuple[str, ...] = ()
     answer_tokens: int | None = None
     reuses: tuple[int, ...] = ()  # reuse intervals R a trial picks among (none: the base's R alone)
+    params: dict = field(default_factory=dict)  # selector parameter -> the values a trial picks among
     sampler: str = SAMPLER
 
     def record(self) -> dict:
         data = dataclasses.asdict(self)
-        return {**data, **{name: list(data[name]) for name in ("choices", "targets", "tasks", "reuses")}}
+        lists = {name: list(data[name]) for name in ("choices", "targets", "tasks", "reuses")}
+        return {**data, **lists, "params": {name: list(values) for name, values in self.params.items()}}
 
     def config(self, base: SparseConfig, params: dict) -> SparseConfig:
-        """A trial's configuration from its parameters (``layer_i``, and ``reuse`` when the search picks R)."""
+        """A trial's configuration from its parameters (``layer_i``, ``reuse`` when the search picks R,
+        ``param_NAME`` for each searched selector parameter)."""
         cfg = layer_config(base, [params[f"layer_{i}"] for i in range(self.layers)])
+        if self.params:
+            changes = {name: params[f"param_{name}"] for name in self.params}
+            cfg = dataclasses.replace(cfg, selector=with_params(cfg.selector, changes))
         return dataclasses.replace(cfg, reuse=params["reuse"]) if self.reuses else cfg
 
-    def cost(self, cfg: SparseConfig) -> float:
+    def cost(self, cfg: SparseConfig, rows: dict | None = None) -> float:
+        """:func:`cost` of ``cfg``; for an adaptive selector, whose reads vary, what it read on the corpus prompts
+        of ``rows`` (:func:`measured_cost`)."""
+        if cfg.selector.adaptive and rows is not None:
+            return measured_cost(cfg, self.layers, self.context, rows[CORPUS], selection=bool(self.reuses))
         return cost(cfg, self.layers, self.context, selection=bool(self.reuses))
+
+
+def measured_cost(cfg: SparseConfig, layers: int, context: int, corpus: list[dict], *, selection: bool) -> float:
+    """:func:`cost` with what the sparse layers read measured (an adaptive budget reads at most its support): the
+    mean over the prompts of ``support_read_mean`` (positions a KV head read per sparse step) for every layer that
+    decodes sparse, the context for one that reads it all. Every sparse layer is sparse at the same steps with the
+    same heads, so that mean is the mean over those layers, and the mean over all layers is exact."""
+    read = [row["support_read_mean"] for row in corpus if row.get("support_read_mean") is not None]
+    if not read:
+        return cost(cfg, layers, context, selection=selection)
+    sparse = statistics.mean(read)
+    sizes = [context if s is None else min(s, context) for s in cfg.supports_by_layer(layers)]
+    reads = [size if size >= context else sparse + (selection_cost(cfg.for_layer(layer), context) if selection else 0)
+             for layer, size in enumerate(sizes)]  # fmt: skip
+    return statistics.mean(reads)
 
 
 def open_study(path: Path, search: Search):
@@ -251,6 +309,8 @@ def run_trial(trial, model, units: Units, base: SparseConfig, search: Search, ta
     params = {f"layer_{i}": trial.suggest_categorical(f"layer_{i}", list(search.choices)) for i in range(search.layers)}
     if search.reuses:
         params["reuse"] = trial.suggest_categorical("reuse", list(search.reuses))
+    for name, values in search.params.items():
+        params[f"param_{name}"] = trial.suggest_categorical(f"param_{name}", list(values))
     cfg = search.config(base, params)
     try:
         rows = measure(model, units, cfg, targets, prune=True)
@@ -264,7 +324,7 @@ def run_trial(trial, model, units: Units, base: SparseConfig, search: Search, ta
     for target, value in zip(targets, held):
         trial.set_constraint(str(target), value)
     trial.set_user_attr("constraints", held)
-    return search.cost(cfg)
+    return search.cost(cfg, rows)
 
 
 def run_search(model, units: Units, base: SparseConfig, search: Search, study, trials: int, *, progress=None):
@@ -303,7 +363,8 @@ def held_out(model, units: Units, configs: dict, targets: list[Target], search: 
     rows = []
     for name, cfg in configs.items():
         measured = measure(model, units, cfg)
-        row = {"configuration": name, "cost": search.cost(cfg), "reuse": cfg.reuse, "prompts": len(units.prompts)}
+        row = {"configuration": name, "cost": search.cost(cfg, measured), "reuse": cfg.reuse,
+               "selector": cfg.selector.spec(), "prompts": len(units.prompts)}  # fmt: skip
         if units.tasks is not None:
             row["samples"] = len(units.tasks)
         rows.append({**row, **interval_row(targets, measured)})

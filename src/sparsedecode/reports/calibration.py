@@ -78,12 +78,10 @@ def calibration_markdown(data: dict) -> str:
         cheapest = min(feasible, key=lambda t: t["cost"])
         lines += [
             f"Chosen (the cheapest that met them, {cheapest['cost']:.1f} positions read per layer and step): "
-            f"supports by layer `{','.join(map(str, chosen))}`, in `budget.json` (`--budget budget.json`)"
-            + (
-                f", at reuse R = {data['chosen_reuse']} (`--reuse {data['chosen_reuse']}`)."
-                if "chosen_reuse" in data
-                else "."
-            ),
+            f"supports by layer `{','.join(map(str, chosen))}`"
+            + (f", at reuse R = {data['chosen_reuse']}" if "chosen_reuse" in data else "")
+            + (f", with the selector `{data['chosen_selector']}`" if data.get("chosen_selector") else "")
+            + ", in `budget.json` (`--budget budget.json` sets them all).",
             "",
             "![chosen supports per layer](supports.png)",
             "",
@@ -122,7 +120,11 @@ def _units(prompts: int, samples_per_task: int, tasks: list[str]) -> str:
 
 
 def _reuse_note(settings: dict) -> str:
-    if not settings.get("reuses"):
-        return ""
-    return (f", and the trial a reuse interval R among {', '.join(map(str, settings['reuses']))} (its cost then adds "
-            "the block statistics a selection reads, in positions of two vectors, at one step in R)")  # fmt: skip
+    notes = []
+    if settings.get("reuses"):
+        notes.append(f", and the trial a reuse interval R among {', '.join(map(str, settings['reuses']))} (its cost "
+                     "then adds the block statistics a selection reads, in positions of two vectors, at one step in "
+                     "R)")  # fmt: skip
+    for name, values in (settings.get("params") or {}).items():
+        notes.append(f", and the selector's `{name}` among {', '.join(map(str, values))}")
+    return "".join(notes)

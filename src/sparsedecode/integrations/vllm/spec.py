@@ -9,7 +9,8 @@ Two places, the first found wins:
 The object's fields are :class:`~sparsedecode.config.SparseConfig`'s (``support``, ``window``, ``block_size``,
 ``reuse``, ``selector`` (a registered name, a spec string, ``path.py:Class``), ``seed``, ``dense_layers``,
 ``layer_supports``) and ``budget``: a budget file's path (``sparsedecode calibrate``'s ``budget.json``), whose
-``dense_layers`` and ``layer_supports`` it sets. Neither present: the engine decodes dense, as without the plug-in.
+``dense_layers`` and ``layer_supports`` it sets, and its ``reuse`` and ``selector`` where it names them (the spec
+naming another is refused). Neither present: the engine decodes dense, as without the plug-in.
 """
 
 from __future__ import annotations
@@ -47,7 +48,13 @@ def config_from_spec(spec: object) -> SparseConfig:
     fields = dict(spec)
     budget = fields.pop("budget", None)
     if budget is not None:
-        fields.update(read_budget(budget))
+        if "dense_layers" in fields or "layer_supports" in fields:
+            raise SparseDecodeError("give the spec a budget file or dense_layers / layer_supports, not both")
+        for name, value in read_budget(budget).items():
+            if name in fields and name in ("reuse", "selector") and _differs(name, fields[name], value):
+                raise SparseDecodeError(f"spec field {name!r} ({fields[name]!r}) differs from budget file {budget}'s "
+                                        f"{name} {value!r}: give one of the two")  # fmt: skip
+            fields[name] = value
     for name, refused in (("audit", "the audit reads dense attention at every step"),
                           ("kernel", "vLLM's pages are gathered in torch")):  # fmt: skip
         if name in fields:
@@ -55,6 +62,14 @@ def config_from_spec(spec: object) -> SparseConfig:
     config = config_from_overrides(fields)
     check_servable(config)
     return config
+
+
+def _differs(name: str, given: object, budget: object) -> bool:
+    if name == "selector":
+        from ...selectors import resolve_selector
+
+        return resolve_selector(given).spec() != budget
+    return given != budget
 
 
 def configured(additional_config, environ=None) -> SparseConfig | None:
