@@ -164,6 +164,61 @@ def test_a_trial_left_running_or_waiting_is_failed_and_the_search_goes_on_as_if_
     assert _search_trials(other) != trials, "the seed decides the proposals"
 
 
+class _Rounds:
+    """An executor of :func:`calibrate.run_search` in this process: each trial's rows from :func:`_fake_measure`,
+    handed back in reverse order (Ray's come back as they finish); ``fail_at`` raises at that unit, as a driver
+    killed mid-round stops."""
+
+    def __init__(self, workers: int, units, fail_at: int | None = None):
+        self.description, self.units, self.fail_at, self.seen = {"workers": workers}, units, fail_at, 0
+
+    def run(self, work, total):
+        import optuna
+
+        results = []
+        for unit in work:
+            self.seen += 1
+            if self.seen == self.fail_at:
+                raise KeyboardInterrupt
+            targets = [calibrate.parse_target(t) for t in unit.targets]
+            try:
+                rows = _fake_measure(None, self.units, unit.config, targets, prune=True)
+            except optuna.TrialPruned:
+                rows = None
+            results.append((unit, [{"number": unit.number, "pruned": rows is None, "rows": rows}]))
+        yield from reversed(results)
+
+
+def test_rounds_of_trials_resume_to_the_uninterrupted_search(tmp_path, monkeypatch):
+    monkeypatch.setattr(calibrate, "measure", _fake_measure)  # the local search's, for the batch of one below
+    search = calibrate.Search(
+        model="fake", selector="mean-pooled", context=4096, tokens=8, prompts=2, choices=(97, 193, 385, 769),
+        targets=("tf-match>=90",), layers=6, seed=3, batch=3,
+    )  # fmt: skip
+    base, units = SparseConfig(support=97), calibrate.Units(prompts=[{}, {}], references=[None, None])
+    whole = calibrate.open_study(tmp_path / "whole.db", search)
+    best = calibrate.run_search(None, None, base, search, whole, 16, execute=_Rounds(3, units))
+    trials = _search_trials(whole)
+    assert len(trials) == 16 and [t[0]["layer_0"] for t in trials[:4]] == [97, 193, 385, 769]
+    assert len({json.dumps(t[0], sort_keys=True) for t in trials}) > 8, "the sampler proposed different supports"
+    for fail_at in (2, 14):  # in the first round, and in a later one
+        study = calibrate.open_study(tmp_path / f"stopped{fail_at}.db", search)
+        with pytest.raises(KeyboardInterrupt):
+            calibrate.run_search(None, None, base, search, study, 16, execute=_Rounds(3, units, fail_at))
+        resumed = calibrate.open_study(tmp_path / f"stopped{fail_at}.db", search)
+        again = calibrate.run_search(None, None, base, search, resumed, 16, execute=_Rounds(3, units))
+        assert _search_trials(resumed) == trials and again.params == best.params
+    single = calibrate.Search(**{**search.record(), "batch": 1})
+    one = calibrate.open_study(tmp_path / "one.db", single)
+    calibrate.run_search(None, None, base, single, one, 16, execute=_Rounds(1, units))
+    local = calibrate.open_study(tmp_path / "local.db", single)
+    calibrate.run_search(None, units, base, single, local, 16)
+    assert _search_trials(one) == _search_trials(local), "rounds of one trial are the local search's trials"
+    assert _search_trials(one)[:4] == trials[:4] and _search_trials(one) != trials
+    with pytest.raises(SparseDecodeError, match="batch differ"):
+        calibrate.open_study(tmp_path / "whole.db", single)
+
+
 def _finished_and_running(db: Path) -> tuple[int, int]:
     try:
         with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=0.1) as connection:

@@ -330,3 +330,44 @@ def test_a_selector_file_reaches_the_workers_and_their_rows_equal_the_local_ones
     local, remote = (read_rows(tmp_path / d / RUNS_FILE) for d in ("local", "ray"))
     assert by_key(remote) == by_key(local)
     assert {row["selector_sha256"] for row in local if "MaxKeyBlocks" in row["selector"]} != set()
+
+
+def test_calibrate_on_ray_runs_rounds_of_trials_as_an_in_process_search_and_resumes(
+    cluster, tiny_model_dir, tmp_path, capsys
+):
+    from sparsedecode import SparseConfig
+    from sparsedecode.experiments import calibrate
+    from sparsedecode.models.catalog import load_model
+
+    out = tmp_path / "ray"
+    args = ["calibrate", "--model", str(tiny_model_dir), "--context", "300", "--choices", "97,1009", "--tokens", "6"]
+    args += ["--target", "tf-match>=90", "--prompts", "2", "--held-out", "1", "--out", str(out)]
+    assert main([*args, "--trials", "6", "--backend", "ray", "--workers", "2"]) == 0, capsys.readouterr().err
+    data = json.loads((out / "calibration.json").read_text())
+    assert data["settings"]["batch"] == 2 and len(data["trials"]) == 6
+
+    class InProcess:  # the same rounds, each trial's unit run here
+        description = {"workers": 2}
+
+        def __init__(self, loaded):
+            self.loaded = loaded
+
+        def run(self, work, total):
+            for unit in work:
+                yield unit, unit.run(*self.loaded)
+
+    loaded = load_model(str(tiny_model_dir))
+    fields = set(calibrate.Search.__dataclass_fields__)
+    search = calibrate.Search(**{k: v for k, v in data["settings"].items() if k in fields})
+    study = calibrate.open_study(tmp_path / "here.db", search)
+    spec = calibrate.UnitsSpec(corpus="python-docs", context=300, first=0, count=2, tokens=6)
+    calibrate.run_search(None, None, SparseConfig(support=97), search, study, 6, execute=InProcess(loaded), spec=spec)
+    here = [{"supports": [t.params[f"layer_{i}"] for i in range(2)], "state": t.state.name.lower(), "cost": t.value,
+             "means": t.user_attrs.get("means")} for t in calibrate.finished(study)]  # fmt: skip
+    assert [{k: t[k] for k in ("supports", "state", "cost", "means")} for t in data["trials"]] == here
+    assert main([*args, "--trials", "8", "--backend", "ray", "--workers", "2"]) == 0  # resumed: 6 kept, 2 more
+    again = json.loads((out / "calibration.json").read_text())["trials"]
+    assert len(again) == 8 and again[:6] == data["trials"]
+    capsys.readouterr()
+    assert main([*args, "--trials", "8"]) == 2  # proposed one at a time, the search would differ
+    assert "holds a search of other settings (batch differ)" in capsys.readouterr().err

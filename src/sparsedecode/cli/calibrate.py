@@ -9,6 +9,7 @@ from rich.table import Table
 
 from ..errors import SparseDecodeError
 from .arguments import int_list, path_arg, selector_arg
+from .backend import add_backend_args, check_backend_args, executor
 from .conditions import environment
 from .display import console, progress_bars
 from .loading import check_whole_blocks, load
@@ -92,6 +93,7 @@ def add_parsers(sub) -> None:
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="the sampler's seed")
     parser.add_argument("--out", type=path_arg, required=True, help="folder of the study and its results")
+    add_backend_args(parser, unit="trial (a round of as many trials as workers, proposed together)")
     parser.set_defaults(handler=cmd_calibrate)
 
 
@@ -123,6 +125,7 @@ def _check(args) -> None:
 
     args.search_param = check_param_search(_base(args), dict(args.search_param),
                                            [parse_target(t) for t in args.target])  # fmt: skip
+    check_backend_args(args)
     check_output_folder(args.out, files=WRITTEN)
     try:
         import optuna  # noqa: F401
@@ -145,62 +148,59 @@ def cmd_calibrate(args) -> int:
     model, tokenizer = load(args)
     layers = sum(1 for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "config"))
     tasks = args.tasks if any(t.kind == TASKS for t in targets) else ()
-    calibration, held = _units(args, model, tokenizer, targets, tasks)
-    search = search_module.Search(
-        model=args.model, selector=args.selector, context=args.context, tokens=args.tokens, prompts=args.prompts,
-        choices=tuple(args.choices), targets=tuple(args.target), layers=layers, seed=args.seed, tasks=tasks,
-        answer_tokens=args.answer_tokens if tasks else None, reuses=tuple(args.search_reuse or ()),
-        params=args.search_param,
-    )  # fmt: skip
+    if tasks:
+        _check_answer_room(model, args, tasks)
+    calibration, held = _specs(args, targets, tasks)
+    if calibration.need_end:
+        from ..experiments.calibration_tasks import check_end
+
+        check_end(model, tokenizer)
+    units = None
+    if args.backend == "local":  # Ray's workers build their own
+        with progress_bars() as progress:
+            units = calibration.build(model, tokenizer, progress=progress, side=", calibration")
     base = _base(args)
     from ..experiments.sweep_folder import locked
 
     with locked(args.out):  # one search per study: a trial left running is one a killed search left
-        study = search_module.open_study(args.out / "study.db", search)
-        with progress_bars() as progress:
+        with progress_bars() as progress, executor(args, progress) as execute:
+            search = search_module.Search(
+                model=args.model, selector=args.selector, context=args.context, tokens=args.tokens,
+                prompts=args.prompts, choices=tuple(args.choices), targets=tuple(args.target), layers=layers,
+                seed=args.seed, tasks=tasks, answer_tokens=args.answer_tokens if tasks else None,
+                reuses=tuple(args.search_reuse or ()), params=args.search_param,
+                batch=1 if execute is None else execute.description["workers"],
+            )  # fmt: skip
+            study = search_module.open_study(args.out / "study.db", search)
 
-            def shown(done, total, best):
+            def searched(done, total, best):
                 note = "no configuration meets the targets yet" if best is None else f"best: {best:.1f} positions"
                 progress("search", done, total, note)
 
-            best = search_module.run_search(model, calibration, base, search, study, args.trials, progress=shown)
+            best = search_module.run_search(model, units, base, search, study, args.trials, progress=searched,
+                                            execute=execute, spec=calibration)  # fmt: skip
         configs = {f"uniform S={s}": search_module.layer_config(base, [s] * layers) for s in args.choices}
         if best is not None:
             configs = {"calibrated": search.config(base, best.params), **configs}
-        rows = search_module.held_out(model, held, configs, targets, search)
+        with progress_bars() as progress:
+            held_units = held.build(model, tokenizer, progress=progress, side=", held out")
+        rows = search_module.held_out(model, held_units, configs, targets, search)
         _write(args, search, study, best, rows, layers)
         _print(args, best, rows)
     return 0
 
 
-def _units(args, model, tokenizer, targets, tasks):
-    """The calibration and held-out units: corpus prompts with their dense references where a target reads them,
-    task samples with their dense answers where one reads those."""
-    from ..experiments.calibrate import Units
+def _specs(args, targets, tasks):
+    """The calibration and held-out units' specs: corpus prompts where a target reads them, task samples where one
+    reads those; the calibration ones first, the held-out ones after them."""
+    from ..experiments.calibrate import UnitsSpec
     from ..experiments.calibration_targets import CORPUS
-    from ..experiments.calibration_tasks import prepare_tasks, task_samples
-    from ..experiments.corpus import prompt_ids
-    from ..protocol.paired import dense_reference
 
-    if tasks:
-        _check_answer_room(model, args, tasks)
-    sides = [Units(tokens=args.tokens, tokenizer=tokenizer) for _ in range(2)]
-    spans = (range(args.prompts), range(args.prompts, args.prompts + args.held_out))
-    with progress_bars() as progress:
-        for units, span, side in zip(sides, spans, ("calibration", "held out")):
-            if any(t.kind == CORPUS for t in targets):
-                units.prompts = [prompt_ids(tokenizer, args.corpus, args.context, i, args.tokens) for i in span]
-                for index, ids in enumerate(units.prompts):
-                    units.references.append(dense_reference(model, ids, tokens=args.tokens))
-                    progress(f"dense references, {side}", index + 1, len(span))
-            if tasks:
-                samples = task_samples(tokenizer, tasks, args.context, span, corpus=args.corpus,
-                                       max_new_tokens=args.answer_tokens)  # fmt: skip
-                units.tasks = prepare_tasks(
-                    model, tokenizer, samples, need_end=any(t.measure == "length-ratio" for t in targets),
-                    progress=lambda done, total, side=side: progress(f"dense answers, {side}", done, total),
-                )  # fmt: skip
-    return sides
+    common = dict(corpus=args.corpus, context=args.context, tokens=args.tokens,
+                  prompts=any(t.kind == CORPUS for t in targets), tasks=tasks, answer_tokens=args.answer_tokens,
+                  need_end=any(t.measure == "length-ratio" for t in targets))  # fmt: skip
+    return (UnitsSpec(first=0, count=args.prompts, **common),
+            UnitsSpec(first=args.prompts, count=args.held_out, **common))  # fmt: skip
 
 
 def _check_answer_room(model, args, tasks) -> None:

@@ -215,6 +215,7 @@ class RayPool:
             runtime_env={"env_vars": env},
         )
         self.actors: list = []
+        self.idle: list = []  # actors with no unit, kept from one run() to the next (a calibration's rounds)
 
     def _start(self):
         from ..selectors.registry import loaded_sources
@@ -225,6 +226,8 @@ class RayPool:
 
     def _discard(self, actor) -> None:
         self.actors.remove(actor)
+        if actor in self.idle:
+            self.idle.remove(actor)
         with contextlib.suppress(Exception):
             self.ray.kill(actor, no_restart=True)
 
@@ -244,7 +247,9 @@ class RayPool:
         again: deque = deque()  # units whose worker died, run again before new ones
         failures: dict[object, int] = {}
         flight: dict = {}  # ObjectRef -> (actor, unit)
-        idle: list = []
+        for actor in [a for a in self.actors if a not in self.idle]:  # busy in a run() that was stopped
+            self._discard(actor)
+        idle = self.idle
         done = retried = 0
         self._show(done, total, 0, retried)
         while True:

@@ -29,26 +29,25 @@ from pathlib import Path
 
 from ..config import SparseConfig
 from ..errors import SparseDecodeError
-from ..protocol.paired import compare
 from .calibration_targets import (
     CORPUS,
-    TASKS,
     Target,
     bootstrap_interval,
     constraints,
-    dense_value,
     hopeless,
     interval_row,
     parse_target,
     summary,
 )
-from .calibration_tasks import TaskSet, measure_tasks
+from .calibration_units import TrialUnit, Units, UnitsSpec, measure
 
 __all__ = [  # with the target names tests and the command import from here
     "SAMPLER",
     "Search",
     "Target",
+    "TrialUnit",
     "Units",
+    "UnitsSpec",
     "bootstrap_interval",
     "check_param_search",
     "check_reuse_search",
@@ -133,47 +132,6 @@ def check_param_search(base: SparseConfig, params: dict, targets: list[Target]) 
     return typed
 
 
-@dataclass
-class Units:
-    """What a configuration is measured on: corpus ``prompts`` with their dense ``references`` (``tokens`` decoded
-    per prompt), and ``tasks`` (task samples with their dense answers; ``None`` when no target reads them)."""
-
-    prompts: list = field(default_factory=list)
-    references: list = field(default_factory=list)
-    tokens: int = 64
-    tasks: TaskSet | None = None
-    tokenizer: object = None
-
-
-def measure(model, units: Units, cfg: SparseConfig, targets: list[Target] = (), *, prune: bool = False) -> dict:
-    """Every unit under ``cfg``: ``{"corpus": rows, "tasks": rows}`` (one row per prompt or sample). With ``prune``,
-    raises ``optuna.TrialPruned`` as soon as a target can no longer hold (:func:`.calibration_targets.hopeless`)."""
-    rows: dict[str, list[dict]] = {CORPUS: [], TASKS: []}
-
-    def check(kind: str, pending: list[dict], dense: float | None = None):
-        def after_unit(done: list[dict]) -> None:
-            if prune and hopeless([t for t in targets if t.kind == kind], done, pending[len(done) :], dense):
-                import optuna
-
-                raise optuna.TrialPruned()
-
-        return after_unit
-
-    on_prompt = check(CORPUS, [{}] * len(units.prompts))
-    for ids, reference in zip(units.prompts, units.references):
-        result = compare(model, None, ids, cfg, units.tokens, reference=reference)
-        rows[CORPUS].append({"teacher_forced_match": result.teacher_forced_match,
-                             "delta_ppl_percent": result.delta_ppl_percent,
-                             "first_divergence": result.first_divergence,
-                             "support_read_mean": result.support_read_mean})  # fmt: skip
-        on_prompt(rows[CORPUS])
-    if units.tasks is not None:
-        dense = dense_value("task-accuracy", [{"dense_score": d["score"]} for d in units.tasks.dense])
-        on_sample = check(TASKS, units.tasks.dense, dense)
-        rows[TASKS] = measure_tasks(model, units.tokenizer, units.tasks, cfg, on_sample=on_sample)
-    return rows
-
-
 SAMPLER = "tpe-reseeded/1"
 """How trials are proposed, stored with the search (a study proposed another way is not resumed): trial ``k`` (the
 ``k``-th to finish, from 0) is uniform support ``sorted(choices)[k]`` while ``k < len(choices)``, then Optuna's TPE
@@ -197,6 +155,7 @@ class Search:
     answer_tokens: int | None = None
     reuses: tuple[int, ...] = ()  # reuse intervals R a trial picks among (none: the base's R alone)
     params: dict = field(default_factory=dict)  # selector parameter -> the values a trial picks among
+    batch: int = 1  # trials proposed per round (Ray's workers); another batch proposes other trials
     sampler: str = SAMPLER
 
     def record(self) -> dict:
@@ -301,58 +260,96 @@ def best_feasible(study):
     return min(feasible, key=lambda t: (t.value, t.number)) if feasible else None
 
 
-def run_trial(trial, model, units: Units, base: SparseConfig, search: Search, targets: list[Target]) -> float:
-    """One trial: a support per layer, the calibration units measured; its cost, or ``optuna.TrialPruned`` once a
-    target is out of reach. The targets are the trial's constraints (<= 0 where one holds)."""
-    import optuna
-
+def suggest(trial, search: Search) -> dict:
+    """A trial's parameters: a support per layer (``layer_i``), ``reuse`` when the search picks R, ``param_NAME``
+    for each searched selector parameter."""
     params = {f"layer_{i}": trial.suggest_categorical(f"layer_{i}", list(search.choices)) for i in range(search.layers)}
     if search.reuses:
         params["reuse"] = trial.suggest_categorical("reuse", list(search.reuses))
     for name, values in search.params.items():
         params[f"param_{name}"] = trial.suggest_categorical(f"param_{name}", list(values))
-    cfg = search.config(base, params)
-    try:
-        rows = measure(model, units, cfg, targets, prune=True)
-    except optuna.TrialPruned:
-        for target in targets:  # infeasible
+    return params
+
+
+def propose(study, search: Search, done: int, count: int) -> list:
+    """Ask the study for ``count`` trials after ``done`` finished ones: trial ``done + k`` is the next uniform support
+    while some are left, else TPE's proposal seeded by :func:`sampler_seed` ``(seed, done + k)``; the ones asked
+    before it in this round are running (TPE's constant liar counts them), so a round is proposed the same way
+    whenever it is proposed after the same finished trials. Returns ``(trial, params)`` pairs."""
+    import optuna
+
+    uniform, asked = sorted(search.choices), []
+    for number in range(done, done + count):
+        study.sampler = optuna.samplers.TPESampler(seed=sampler_seed(search.seed, number), n_startup_trials=8)
+        if number < len(uniform):  # the uniform supports first: known points the sampler learns from
+            fixed = {f"layer_{i}": uniform[number] for i in range(search.layers)}
+            study.enqueue_trial(fixed | ({"reuse": min(search.reuses)} if search.reuses else {}))
+        trial = study.ask()
+        asked.append((trial, suggest(trial, search)))
+    return asked
+
+
+def conclude(study, trial, search: Search, cfg: SparseConfig, targets: list[Target], rows: dict | None) -> None:
+    """Tell the study how a trial ended: stopped early (``rows`` None: every target its constraint 1, infeasible),
+    or complete with its means, its constraints (<= 0 where a target holds) and its cost as the value."""
+    import optuna
+
+    if rows is None:
+        for target in targets:
             trial.set_constraint(str(target), 1.0)
-        raise
+        study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+        return
     values = summary(targets, rows)
     trial.set_user_attr("means", values)
     held = constraints(targets, values)
     for target, value in zip(targets, held):
         trial.set_constraint(str(target), value)
     trial.set_user_attr("constraints", held)
-    return search.cost(cfg, rows)
+    study.tell(trial, search.cost(cfg, rows))
 
 
-def run_search(model, units: Units, base: SparseConfig, search: Search, study, trials: int, *, progress=None):
+def _measured(model, units: Units, cfg: SparseConfig, targets: list[Target]) -> dict | None:
+    """:func:`measure`'s rows, or ``None`` for a trial stopped early."""
+    import optuna
+
+    try:
+        return measure(model, units, cfg, targets, prune=True)
+    except optuna.TrialPruned:
+        return None
+
+
+def run_search(model, units: Units, base: SparseConfig, search: Search, study, trials: int, *, progress=None,
+               execute=None, spec: UnitsSpec | None = None):  # fmt: skip
     """Run the study until it holds ``trials`` finished trials (those a stopped search finished count; those it
-    left unfinished are failed and proposed again, see :data:`SAMPLER`). Returns the best feasible trial or None."""
+    left unfinished are failed and proposed again, see :data:`SAMPLER`). Returns the best feasible trial or None.
+
+    Trials are proposed in rounds of ``search.batch`` (:func:`propose`) and told in the order proposed. Here, one
+    after another on ``units``; with ``execute`` (an :class:`~.work.Executor`: Ray's workers), a round's trials at
+    once, as :class:`TrialUnit` s over the units of ``spec``, which each worker builds once. A round stopped midway
+    leaves its trials unfinished, so it is proposed again whole on resume."""
     import optuna
 
     targets = [parse_target(text) for text in search.targets]
     abandon_unfinished(study)
-    uniform = sorted(search.choices)
     while (done := len(finished(study))) < trials:
-        study.sampler = optuna.samplers.TPESampler(seed=sampler_seed(search.seed, done), n_startup_trials=8)
-        if done < len(uniform):  # the uniform supports first: known points the sampler learns from
-            fixed = {f"layer_{i}": uniform[done] for i in range(search.layers)}
-            study.enqueue_trial(fixed | ({"reuse": min(search.reuses)} if search.reuses else {}))
-        trial = study.ask()
+        asked = propose(study, search, done, min(search.batch, trials - done))
+        configs = [search.config(base, params) for _, params in asked]
         try:
-            value = run_trial(trial, model, units, base, search, targets)
-        except optuna.TrialPruned:
-            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+            if execute is None:
+                outcomes = [_measured(model, units, cfg, targets) for cfg in configs]
+            else:
+                work = [TrialUnit(trial.number, cfg, search.targets, spec) for (trial, _), cfg in zip(asked, configs)]
+                got = {row["number"]: row["rows"] for _, rows in execute.run(work, len(work)) for row in rows}
+                outcomes = [got[trial.number] for trial, _ in asked]
         except BaseException:
-            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            for trial, _ in asked:
+                study.tell(trial, state=optuna.trial.TrialState.FAIL)
             raise
-        else:
-            study.tell(trial, value)
+        for (trial, _), cfg, rows in zip(asked, configs, outcomes):
+            conclude(study, trial, search, cfg, targets, rows)
         if progress is not None:
             best = best_feasible(study)
-            progress(done + 1, trials, None if best is None else best.value)
+            progress(len(finished(study)), trials, None if best is None else best.value)
     return best_feasible(study)
 
 

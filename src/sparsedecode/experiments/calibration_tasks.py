@@ -38,16 +38,23 @@ def task_samples(tokenizer, tasks: tuple[str, ...], context: int, indices: range
     return [build_sample(tokenizer, task, context, index, **options) for index in indices for task in tasks]
 
 
-@torch.no_grad()
-def prepare_tasks(model, tokenizer, samples: list[Sample], *, need_end: bool = False, progress=None) -> TaskSet:
-    """Prefill each sample up to its question and answer it densely. ``need_end``: refuse a model without an end
-    token (every answer would run to its budget, so lengths could not differ)."""
+def check_end(model, tokenizer) -> set[int]:
+    """The end tokens an answer stops at; refused in one line where the model and tokenizer name none (the
+    ``length-ratio`` target compares lengths up to one)."""
     stop = eos_ids(model, tokenizer)
-    if need_end and not stop:
+    if not stop:
         raise SparseDecodeError(
             "length-ratio compares answer lengths up to an end token, and this model and tokenizer name none: every "
             "answer runs to its budget"
         )
+    return stop
+
+
+@torch.no_grad()
+def prepare_tasks(model, tokenizer, samples: list[Sample], *, need_end: bool = False, progress=None) -> TaskSet:
+    """Prefill each sample up to its question and answer it densely. ``need_end``: refuse a model without an end
+    token (every answer would run to its budget, so lengths could not differ)."""
+    stop = check_end(model, tokenizer) if need_end else eos_ids(model, tokenizer)
     device = next(model.parameters()).device
     caches, dense = [], []
     for number, sample in enumerate(samples):
