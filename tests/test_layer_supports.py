@@ -176,5 +176,7 @@ def test_a_budget_files_reuse_and_selector_set_the_commands_unless_given_otherwi
         with pytest.raises(SparseDecodeError, match=message):
             parsed(*argv)
     budget.write_text(json.dumps({"selector": "quest"}))
-    with pytest.raises(SparseDecodeError, match="it compares --selectors"):
-        parsed("compare-selectors", "--budget", str(budget), "--out", str(tmp_path / "c"))
+    assert parsed("compare-selectors", "--budget", str(budget), "--out", str(tmp_path / "c")).selectors == ("quest",)
+    assert parsed("eval", "--budget", str(budget), "--out", str(tmp_path / "e")).selectors == ("quest",)
+    with pytest.raises(SparseDecodeError, match="--selectors mean-pooled,streaming differs from budget file"):
+        parsed("eval", "--budget", str(budget), "--selectors", "mean-pooled,streaming", "--out", str(tmp_path / "e"))

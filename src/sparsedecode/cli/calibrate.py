@@ -4,6 +4,7 @@ checked on held-out prompts beside every uniform support (:mod:`sparsedecode.exp
 from __future__ import annotations
 
 import argparse
+import sys
 
 from rich.table import Table
 
@@ -146,7 +147,9 @@ def cmd_calibrate(args) -> int:
     _check(args)
     targets = [search_module.parse_target(text) for text in args.target]
     model, tokenizer = load(args)
-    layers = sum(1 for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "config"))
+    from ..models.catalog import attention_modules
+
+    layers = len(attention_modules(model))
     tasks = args.tasks if any(t.kind == TASKS for t in targets) else ()
     if tasks:
         _check_answer_room(model, args, tasks)
@@ -157,13 +160,13 @@ def cmd_calibrate(args) -> int:
         check_end(model, tokenizer)
     units = None
     if args.backend == "local":  # Ray's workers build their own
-        with progress_bars() as progress:
+        with progress_bars(piped_lines=True) as progress:
             units = calibration.build(model, tokenizer, progress=progress, side=", calibration")
     base = _base(args)
     from ..experiments.sweep_folder import locked
 
     with locked(args.out):  # one search per study: a trial left running is one a killed search left
-        with progress_bars() as progress, executor(args, progress) as execute:
+        with progress_bars(piped_lines=True) as progress, executor(args, progress) as execute:
             search = search_module.Search(
                 model=args.model, selector=args.selector, context=args.context, tokens=args.tokens,
                 prompts=args.prompts, choices=tuple(args.choices), targets=tuple(args.target), layers=layers,
@@ -176,13 +179,15 @@ def cmd_calibrate(args) -> int:
             def searched(done, total, best):
                 note = "no configuration meets the targets yet" if best is None else f"best: {best:.1f} positions"
                 progress("search", done, total, note)
+                if not console.is_terminal:  # a log: a line per round of trials
+                    print(f"search: {done}/{total} trials, {note}", file=sys.stderr, flush=True)
 
             best = search_module.run_search(model, units, base, search, study, args.trials, progress=searched,
                                             execute=execute, spec=calibration)  # fmt: skip
         configs = {f"uniform S={s}": search_module.layer_config(base, [s] * layers) for s in args.choices}
         if best is not None:
             configs = {"calibrated": search.config(base, best.params), **configs}
-        with progress_bars() as progress:
+        with progress_bars(piped_lines=True) as progress:
             held_units = held.build(model, tokenizer, progress=progress, side=", held out")
         rows = search_module.held_out(model, held_units, configs, targets, search)
         _write(args, search, study, best, rows, layers)

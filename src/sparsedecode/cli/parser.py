@@ -216,8 +216,9 @@ def layer_budget(args) -> dict:
 
 def apply_budget_file(args) -> None:
     """A budget file's ``reuse`` and ``selector`` (a calibration's choice) become the command's ``--reuse`` and
-    ``--selector`` where the command line left them at their defaults; given there with another value, or on a
-    command that takes no such option, they are refused in one line. A command without ``--budget`` is left as is."""
+    ``--selector`` (``--selectors``, that one alone, where a command compares several) where the command line left
+    them at their defaults; given there with another value, or on a command that takes no such option, they are
+    refused in one line. A command without ``--budget`` is left as is."""
     from ..config import read_budget
 
     if getattr(args, "budget_file", None) is None:
@@ -226,19 +227,20 @@ def apply_budget_file(args) -> None:
     for name in ("reuse", "selector"):
         if name not in budget:
             continue
-        value, current = budget[name], getattr(args, name, None)
-        listed = isinstance(current, list)  # sweep's --reuse takes a list
-        if not hasattr(args, name):
+        value = budget[name]
+        dest = "selectors" if name == "selector" and not hasattr(args, name) and hasattr(args, "selectors") else name
+        if not hasattr(args, dest):
             if name == "reuse" and value == 1:
                 continue
-            other = " (it compares --selectors: name this one there)" if hasattr(args, "selectors") else ""
             raise SparseDecodeError(f"budget file {args.budget_file} sets {name} {value}, which this command does not "
-                                    f"take{other}; use a budget file without it")  # fmt: skip
-        if given(args, name) and current != ([value] if listed else value):
-            shown = ",".join(map(str, current)) if listed else current
-            raise SparseDecodeError(f"--{name} {shown} differs from budget file {args.budget_file}'s {name} {value}: "
+                                    "take; use a budget file without it")  # fmt: skip
+        current = getattr(args, dest)
+        wanted = (value,) if dest == "selectors" else [value] if isinstance(current, list) else value  # sweep: lists
+        if given(args, dest) and current != wanted:
+            shown = ",".join(map(str, current)) if isinstance(current, (list, tuple)) else current
+            raise SparseDecodeError(f"--{dest} {shown} differs from budget file {args.budget_file}'s {name} {value}: "
                                     "give one of the two")  # fmt: skip
-        setattr(args, name, [value] if listed else value)
+        setattr(args, dest, wanted)
 
 
 def add_prompt_args(parser: argparse.ArgumentParser, *, tokens: int) -> None:

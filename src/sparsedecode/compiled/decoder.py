@@ -21,7 +21,7 @@ import torch
 from .. import env
 from ..config import SparseConfig, check_named_layers
 from ..errors import SparseDecodeError
-from ..models.catalog import attention_shape
+from ..models.catalog import attention_modules, attention_shape
 from ..step.device import fill_statistics
 from . import cpu as compile_cpu
 from .guards import drop_module_guards, model_fingerprint, weight_versions
@@ -130,10 +130,6 @@ def _own_method(owner, name: str):
     return types.MethodType(fresh, owner)
 
 
-def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "config")]
-
-
 class CompiledDecoder:
     """Greedy decoding of ``batch`` unpadded sequences over a ``StaticCache`` of ``max_len`` positions, dense
     (``cfg=None``) or sparse, the decode step compiled with ``backend`` and ``mode`` (``torch.compile``,
@@ -169,7 +165,7 @@ class CompiledDecoder:
         if cfg is not None:
             heads, kv_heads, head_dim, _ = attention_shape(model.config)
             form = step_form(cfg, self.device, form)
-            modules = _attention_modules(model)
+            modules = attention_modules(model)
             check_named_layers(cfg, modules)
             for module in modules:
                 if module.layer_idx in cfg.dense_layers:

@@ -15,6 +15,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..config import SparseConfig, check_config, check_named_layers, config_from_overrides
 from ..errors import SparseDecodeError
+from ..models.catalog import attention_modules
 from ..selectors.methods.h2o import H2O
 from ..validate import check_model, check_sparse_attention
 from .forward import session_forward
@@ -130,7 +131,7 @@ def sparse_decoding(model: torch.nn.Module, config: SparseConfig | None = None, 
     check_sparse_attention(model, "sparse_decoding")
     register()
     session = SparseSession(config=config, model=model)
-    modules = [module for module in model.modules() if hasattr(module, "layer_idx") and hasattr(module, "config")]
+    modules = attention_modules(model)
     if not modules:
         raise SparseDecodeError(f"{type(model).__name__} has no attention layers with a layer_idx to hook into")
     check_named_layers(config, modules)
