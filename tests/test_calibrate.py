@@ -442,3 +442,19 @@ def test_the_measured_cost_counts_dense_and_covering_layers_whole():
     assert calibrate.measured_cost(cfg, 4, 300, rows, selection=False) == (300 + 110 + 300 + 110) / 4
     assert calibrate.measured_cost(cfg, 4, 300, [], selection=False) == calibrate.cost(cfg, 4, 300)
     assert calibrate.cost(cfg, 4, 300) == (300 + 193 + 300 + 193) / 4  # a dense layer reads the context
+
+
+def test_a_selector_whose_reads_vary_is_costed_by_what_it_read_and_needs_a_corpus_target():
+    vary = calibrate.reads_vary
+    assert vary(SparseConfig(selector="quest")) and vary(SparseConfig(selector="block-top-p"))
+    assert not vary(SparseConfig(selector="quest:grouping=mean-query")) and not vary(SparseConfig())
+    search = calibrate.Search(model="m", selector="quest", context=300, tokens=4, prompts=1, choices=(97, 1009),
+                              targets=("tf-match>=90",), layers=2)  # fmt: skip
+    quest = calibrate.layer_config(SparseConfig(support=97, selector="quest"), [97, 1009])
+    rows = {"corpus": [{"support_read_mean": 130.0}], "tasks": []}  # the union of a group's query heads' positions
+    assert search.cost(quest, rows) == (130 + 300) / 2 and search.cost(quest) == (97 + 300) / 2
+    mean = calibrate.layer_config(SparseConfig(support=97), [97, 1009])
+    assert search.cost(mean, rows) == (97 + 300) / 2  # one support per KV head: its reads are the support
+    calibrate.check_costable(SparseConfig(selector="quest"), [calibrate.parse_target("dppl<=5")])
+    with pytest.raises(SparseDecodeError, match="quest reads a support per query head.*add a tf-match or dppl"):
+        calibrate.check_costable(SparseConfig(selector="quest"), [calibrate.parse_target("task-accuracy>=50")])

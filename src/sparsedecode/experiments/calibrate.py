@@ -50,6 +50,7 @@ __all__ = [  # with the target names tests and the command import from here
     "UnitsSpec",
     "bootstrap_interval",
     "check_param_search",
+    "check_costable",
     "check_reuse_search",
     "cost",
     "held_out",
@@ -58,6 +59,7 @@ __all__ = [  # with the target names tests and the command import from here
     "measure",
     "open_study",
     "parse_target",
+    "reads_vary",
     "run_search",
     "selection_cost",
     "with_params",
@@ -124,12 +126,25 @@ def check_param_search(base: SparseConfig, params: dict, targets: list[Target]) 
         for value in values:
             with_params(base.selector, {name: value})
         typed[name] = tuple(values)
-    if base.selector.adaptive and not any(t.kind == CORPUS for t in targets):
-        raise SparseDecodeError(
-            f"{base.selector_name} chooses how much it reads, which calibrate measures on the corpus prompts: add "
-            "a tf-match or dppl target"
-        )
+    check_costable(base, targets)
     return typed
+
+
+def reads_vary(cfg: SparseConfig) -> bool:
+    """Whether a step of ``cfg``'s selector can read other than its support: an adaptive budget reads less, a
+    support per query head reads the union of its query heads' positions per KV head."""
+    return cfg.selector.adaptive or cfg.selector.per_query_head
+
+
+def check_costable(base: SparseConfig, targets: list[Target]) -> None:
+    """Refuse a search whose cost cannot be known: a selector whose reads vary (:func:`reads_vary`) is costed by
+    what it read on the corpus prompts, so it needs a corpus target."""
+    if reads_vary(base) and not any(t.kind == CORPUS for t in targets):
+        what = "chooses how much it reads" if base.selector.adaptive else "reads a support per query head"
+        raise SparseDecodeError(
+            f"{base.selector_name} {what}, which calibrate measures on the corpus prompts: add a tf-match or dppl "
+            "target"
+        )
 
 
 SAMPLER = "tpe-reseeded/1"
@@ -173,15 +188,16 @@ class Search:
         return dataclasses.replace(cfg, reuse=params["reuse"]) if self.reuses else cfg
 
     def cost(self, cfg: SparseConfig, rows: dict | None = None) -> float:
-        """:func:`cost` of ``cfg``; for an adaptive selector, whose reads vary, what it read on the corpus prompts
-        of ``rows`` (:func:`measured_cost`)."""
-        if cfg.selector.adaptive and rows is not None:
+        """:func:`cost` of ``cfg``; for a selector whose reads vary (:func:`reads_vary`), what it read on the
+        corpus prompts of ``rows`` (:func:`measured_cost`)."""
+        if reads_vary(cfg) and rows is not None:
             return measured_cost(cfg, self.layers, self.context, rows[CORPUS], selection=bool(self.reuses))
         return cost(cfg, self.layers, self.context, selection=bool(self.reuses))
 
 
 def measured_cost(cfg: SparseConfig, layers: int, context: int, corpus: list[dict], *, selection: bool) -> float:
-    """:func:`cost` with what the sparse layers read measured (an adaptive budget reads at most its support): the
+    """:func:`cost` with what the sparse layers read measured (an adaptive budget reads at most its support, a
+    support per query head the union of the group's positions per KV head): the
     mean over the prompts of ``support_read_mean`` (positions a KV head read per sparse step) for every layer that
     decodes sparse, the context for one that reads it all. Every sparse layer is sparse at the same steps with the
     same heads, so that mean is the mean over those layers, and the mean over all layers is exact."""
