@@ -419,6 +419,12 @@ def test_calibrate_searches_a_selector_parameter_costing_an_adaptive_one_by_what
     budget = read_budget(out / "budget.json")
     assert budget["selector"] == data["chosen_selector"] == f"block-top-p:p={best['params']['p']}"
     assert f"with the selector `{budget['selector']}`" in (out / "calibration.md").read_text()
+    ran = tmp_path / "run.json"  # the budget's selector and supports are what run decodes with
+    run = ["run", "--model", str(tiny_model_dir), "--context", "300", "--support", "97", "--tokens", "4"]
+    assert main([*run, "--budget", str(out / "budget.json"), "--json", str(ran)]) == 0, capsys.readouterr().err
+    settings = json.loads(ran.read_text())["results"][0]["settings"]
+    assert settings["selector"] == budget["selector"]
+    assert settings["layer_supports"] == [[i, s] for i, s in enumerate(data["chosen"])]
     capsys.readouterr()
     for extra, message in [
         (["--search-param", "q=1,2"], "no parameter 'q'"),
