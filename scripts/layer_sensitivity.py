@@ -20,8 +20,9 @@ import torch
 
 from sparsedecode.config import SparseConfig
 from sparsedecode.experiments.corpus import prompt_ids
-from sparsedecode.models.catalog import attention_modules, load_model
+from sparsedecode.models.catalog import load_model
 from sparsedecode.protocol.paired import compare, dense_reference
+from sparsedecode.validate import attention_modules
 
 
 def main() -> None:

@@ -159,3 +159,9 @@ def check_scores(scores: torch.Tensor) -> None:
             "block selection scores hold NaN or infinite values (non-finite queries or keys in the KV cache); "
             "the model's hidden states are not finite (check its weights and dtype)"
         )
+
+
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's attention layers, in order: the modules that carry a ``layer_idx`` and a ``config`` (what a
+    session hooks, what the compiled step replaces, what a per-layer budget counts)."""
+    return [module for module in model.modules() if hasattr(module, "layer_idx") and hasattr(module, "config")]

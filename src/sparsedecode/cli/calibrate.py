@@ -147,7 +147,7 @@ def cmd_calibrate(args) -> int:
     _check(args)
     targets = [search_module.parse_target(text) for text in args.target]
     model, tokenizer = load(args)
-    from ..models.catalog import attention_modules
+    from ..validate import attention_modules
 
     layers = len(attention_modules(model))
     tasks = args.tasks if any(t.kind == TASKS for t in targets) else ()

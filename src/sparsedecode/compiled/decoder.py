@@ -21,8 +21,9 @@ import torch
 from .. import env
 from ..config import SparseConfig, check_named_layers
 from ..errors import SparseDecodeError
-from ..models.catalog import attention_modules, attention_shape
+from ..models.catalog import attention_shape
 from ..step.device import fill_statistics
+from ..validate import attention_modules
 from . import cpu as compile_cpu
 from .guards import drop_module_guards, model_fingerprint, weight_versions
 from .op import STATE, STATIC_ATTENTION, allocate, static_attention_forward, step_form

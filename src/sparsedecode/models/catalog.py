@@ -51,12 +51,6 @@ def attention_shape(config) -> tuple[int, int, int, int]:
     return heads, kv_heads, head_dim, text.num_hidden_layers
 
 
-def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's attention layers, in order: the modules that carry a ``layer_idx`` and a ``config`` (what a
-    session hooks, what the compiled step replaces, what a per-layer budget counts)."""
-    return [module for module in model.modules() if hasattr(module, "layer_idx") and hasattr(module, "config")]
-
-
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """Map ``"float32"``/``"bfloat16"``/``"float16"`` (or a torch dtype among them) to a torch dtype."""
     if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():

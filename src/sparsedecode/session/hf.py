@@ -15,9 +15,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..config import SparseConfig, check_config, check_named_layers, config_from_overrides
 from ..errors import SparseDecodeError
-from ..models.catalog import attention_modules
 from ..selectors.methods.h2o import H2O
-from ..validate import check_model, check_sparse_attention
+from ..validate import attention_modules, check_model, check_sparse_attention
 from .forward import session_forward
 from .session import ACTIVE_SESSIONS, SparseSession
 

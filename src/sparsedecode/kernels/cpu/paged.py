@@ -9,17 +9,10 @@ import ctypes
 import torch
 
 from . import DTYPES, check_status, library
+from .functions import c_function
 
 _ARGS = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 8 + [ctypes.c_float]
          + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64])  # fmt: skip
-
-
-def _function(name: str, argtypes: list):
-    """The library's C function ``name``, its argument types set at its first use."""
-    function = getattr(library(), name)
-    if function.argtypes is None:
-        function.argtypes, function.restype = argtypes, ctypes.c_int
-    return function
 
 
 def paged_refusal(queries: torch.Tensor, kv_cache: torch.Tensor) -> str | None:
@@ -46,7 +39,7 @@ def attend_paged(queries, kv_cache, tables, index, valid, scale: float) -> torch
     index = index.to(torch.int64).contiguous()
     mask = None if valid is None else valid.to(torch.uint8).contiguous()
     out = torch.empty(n_rows, query_heads, d, dtype=torch.float32)
-    status = _function("attend_paged", _ARGS)(
+    status = c_function("attend_paged", _ARGS)(
         q.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), tables.shape[1], index.data_ptr(),
         None if mask is None else mask.data_ptr(), n_rows, rows, rep, qpr, kv, d, page, support, scale,
         torch.get_num_threads(), out.data_ptr(), DTYPES[kv_cache.dtype],
@@ -71,7 +64,7 @@ def select_paged(queries, kv_cache, pieces, firsts, tables, lengths, *, block: i
     lengths = torch.as_tensor(lengths, dtype=torch.int64).contiguous()
     pieces, firsts = pieces.contiguous(), firsts.contiguous()
     blocks = torch.empty(n_rows, kv, b, dtype=torch.int64)
-    status = _function("select_paged", _SELECT_ARGS)(
+    status = c_function("select_paged", _SELECT_ARGS)(
         q.data_ptr(), kv_cache.data_ptr(), pieces.data_ptr(), firsts.data_ptr(), tables.data_ptr(), tables.shape[1],
         lengths.data_ptr(), n_rows, kv, query_heads // kv, d, page, block, window, b, torch.get_num_threads(),
         blocks.data_ptr(), DTYPES[kv_cache.dtype],
@@ -94,7 +87,7 @@ def attend_paged_blocks(queries, kv_cache, tables, blocks, lengths, *, window: i
     blocks = blocks.to(torch.int64).contiguous()
     lengths = torch.as_tensor(lengths, dtype=torch.int64).contiguous()
     out = torch.empty(n_rows, query_heads, d, dtype=torch.float32)
-    status = _function("attend_paged_blocks", _BLOCKS_ARGS)(
+    status = c_function("attend_paged_blocks", _BLOCKS_ARGS)(
         q.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), tables.shape[1], blocks.data_ptr(), lengths.data_ptr(),
         n_rows, kv, 1, query_heads // kv, kv, d, page, blocks.shape[2], window, block, scale, torch.get_num_threads(),
         out.data_ptr(), DTYPES[kv_cache.dtype],

@@ -9,20 +9,16 @@ import ctypes
 import torch
 
 from . import check_status, library
+from .functions import c_function
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-_BOUND: set[int] = set()
+_Q4_ARGS = [_ptr] * 6 + [_i64] * 4
+_Q8_ARGS = [_ptr] * 4 + [_i64] * 4
 
 
 def available():
-    """The built library with the quantized products' argument types set, or ``None``."""
-    lib = library()
-    if lib is not None and id(lib) not in _BOUND:
-        lib.q4_linear.argtypes = [_ptr] * 6 + [_i64] * 4
-        lib.q8_linear.argtypes = [_ptr] * 4 + [_i64] * 4
-        lib.q4_linear.restype = lib.q8_linear.restype = ctypes.c_int
-        _BOUND.add(id(lib))
-    return lib
+    """The built library, or ``None`` where it cannot be built here."""
+    return library()
 
 
 def q4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
@@ -32,8 +28,7 @@ def q4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset
     x = x.contiguous()
     xsum = x.view(x.shape[0], groups, 32).sum(-1).contiguous()
     out = x.new_empty(x.shape[0], n)
-    lib = available()
-    status = lib.q4_linear(
+    status = c_function("q4_linear", _Q4_ARGS)(
         packed.data_ptr(), scale.data_ptr(), offset.data_ptr(), x.data_ptr(), xsum.data_ptr(), out.data_ptr(),
         x.shape[0], n, groups, torch.get_num_threads(),
     )  # fmt: skip
@@ -47,11 +42,10 @@ def q8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
     n, groups, _ = q.shape
     x = x.contiguous()
     out = x.new_empty(x.shape[0], n)
-    lib = available()
-    check_status(
-        lib.q8_linear(q.data_ptr(), scale.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], n, groups,
-                      torch.get_num_threads())
-    )  # fmt: skip
+    q8 = c_function("q8_linear", _Q8_ARGS)
+    status = q8(q.data_ptr(), scale.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], n, groups,
+                torch.get_num_threads())  # fmt: skip
+    check_status(status)
     return out
 
 
