@@ -464,3 +464,7 @@ def test_a_selector_whose_reads_vary_is_costed_by_what_it_read_and_needs_a_corpu
     calibrate.check_costable(SparseConfig(selector="quest"), [calibrate.parse_target("dppl<=5")])
     with pytest.raises(SparseDecodeError, match="quest reads a support per query head.*add a tf-match or dppl"):
         calibrate.check_costable(SparseConfig(selector="quest"), [calibrate.parse_target("task-accuracy>=50")])
+    grouped, tasks = SparseConfig(selector="quest:grouping=mean-query"), [calibrate.parse_target("task-accuracy>=50")]
+    assert calibrate.check_param_search(grouped, {}, tasks) == {}
+    with pytest.raises(SparseDecodeError, match="reads a support per query head"):  # one of the values would
+        calibrate.check_param_search(grouped, {"grouping": ["mean-query", "per-head"]}, tasks)

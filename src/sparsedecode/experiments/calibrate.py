@@ -123,8 +123,8 @@ def check_param_search(base: SparseConfig, params: dict, targets: list[Target]) 
         values = [parse_params(type(base.selector), f"{name}={text}")[name] for text in texts]
         if len(values) < 2 or len(set(map(repr, values))) != len(values):
             raise SparseDecodeError(f"--search-param {name} needs two or more distinct values, got {texts}")
-        for value in values:
-            with_params(base.selector, {name: value})
+        for value in values:  # each value builds (the selector checks it), and is costed as it reads
+            check_costable(dataclasses.replace(base, selector=with_params(base.selector, {name: value})), targets)
         typed[name] = tuple(values)
     check_costable(base, targets)
     return typed
