@@ -468,3 +468,18 @@ def test_a_selector_whose_reads_vary_is_costed_by_what_it_read_and_needs_a_corpu
     assert calibrate.check_param_search(grouped, {}, tasks) == {}
     with pytest.raises(SparseDecodeError, match="reads a support per query head"):  # one of the values would
         calibrate.check_param_search(grouped, {"grouping": ["mean-query", "per-head"]}, tasks)
+
+
+def test_the_front_plot_names_its_measure_on_the_axis(tmp_path, monkeypatch):
+    from sparsedecode.reports import plots
+
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig) or path)
+    trials = [{"cost": 97.0, "means": {"tf-match": 90.0}, "feasible": False},
+              {"cost": 193.0, "means": {"tf-match": 95.0}, "feasible": True}]  # fmt: skip
+    held = [{"configuration": "uniform S=97", "cost": 97.0, "tf-match": {"mean": 91.0}}]
+    plots.calibration_front(trials, held, tmp_path / "front.png", measure="tf-match", label="TF match %", higher=True,
+                            title="t")  # fmt: skip
+    axes = figures[0].axes[0]
+    assert axes.get_ylabel() == "TF match %"
+    assert [text.get_text() for text in axes.get_legend().get_texts()] == ["trial, targets missed", "trial, targets met"]

@@ -214,8 +214,8 @@ def calibration_front(
     done = [t for t in trials if t.get("means") and t.get("cost") is not None]
     for feasible, style in ((False, dict(facecolors="none", edgecolors="0.55")), (True, dict(color="C0"))):
         group = [t for t in done if t["feasible"] == feasible]
-        label = "trial, targets met" if feasible else "trial, targets missed"
-        ax.scatter([t["cost"] for t in group], [t["means"][measure] for t in group], s=18, label=label, **style)
+        legend = "trial, targets met" if feasible else "trial, targets missed"
+        ax.scatter([t["cost"] for t in group], [t["means"][measure] for t in group], s=18, label=legend, **style)
     front, best = [], None
     for t in sorted((t for t in done if t["feasible"]), key=lambda t: t["cost"]):
         value = t["means"][measure]
