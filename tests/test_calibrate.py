@@ -482,4 +482,27 @@ def test_the_front_plot_names_its_measure_on_the_axis(tmp_path, monkeypatch):
                             title="t")  # fmt: skip
     axes = figures[0].axes[0]
     assert axes.get_ylabel() == "TF match %"
-    assert [text.get_text() for text in axes.get_legend().get_texts()] == ["trial, targets missed", "trial, targets met"]
+    assert [text.get_text() for text in axes.get_legend().get_texts()] == [
+        "trial, targets missed",
+        "trial, targets met",
+    ]
+
+
+def test_a_search_judged_at_the_bound_needs_the_intervals_safe_end_to_meet_the_target(tmp_path, monkeypatch):
+    monkeypatch.setattr(calibrate, "measure", _fake_measure)  # prompt i matches i points less: the units differ
+    base, units = SparseConfig(support=97), calibrate.Units(prompts=[{}] * 4, references=[None] * 4)
+    met = {}
+    for feasible in ("mean", "bound"):
+        search = calibrate.Search(
+            model="fake", selector="mean-pooled", context=4096, tokens=8, prompts=4, choices=(97, 193, 385, 769),
+            targets=("tf-match>=98",), layers=2, seed=3, feasible=feasible,
+        )  # fmt: skip
+        study = calibrate.open_study(tmp_path / f"{feasible}.db", search)
+        calibrate.run_search(None, units, base, search, study, 4)  # the uniform supports
+        complete = [t for t in calibrate.finished(study) if t.state.name == "COMPLETE"]
+        assert [t.params["layer_0"] for t in complete] == [385, 769]  # 100, 99, 98, 97 per prompt: mean 98.5
+        met[feasible] = [all(c <= 0 for c in t.user_attrs["constraints"]) for t in complete]
+        if feasible == "bound":
+            low = calibrate.bootstrap_interval([100.0, 99.0, 98.0, 97.0])[0]
+            assert 97.0 <= low < 98.0 and all(t.user_attrs["bounds"] == {"tf-match": low} for t in complete)
+    assert met == {"mean": [True, True], "bound": [False, False]}

@@ -92,6 +92,12 @@ def add_parsers(sub) -> None:
         help="also search this parameter of --selector among these values (e.g. p=0.8,0.9,0.95 for block-top-p); "
         "repeat for several. An adaptive selector's cost is what it read on the corpus prompts",
     )  # fmt: skip
+    parser.add_argument(
+        "--feasible", choices=("mean", "bound"), default="mean",
+        help="mean: a trial meets a target by its mean over the calibration units; bound: by the safe end of the "
+        "95%% bootstrap interval (the low end for >=, the high end for <=), so that a trial its few units happened to "
+        "favour is not chosen",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="the sampler's seed")
     parser.add_argument("--out", type=path_arg, required=True, help="folder of the study and its results")
     add_backend_args(parser, unit="trial (a round of as many trials as workers, proposed together)")
@@ -173,6 +179,7 @@ def cmd_calibrate(args) -> int:
                 seed=args.seed, tasks=tasks, answer_tokens=args.answer_tokens if tasks else None,
                 reuses=tuple(args.search_reuse or ()), params=args.search_param,
                 batch=1 if execute is None else execute.description["workers"],
+                feasible=args.feasible,
             )  # fmt: skip
             study = search_module.open_study(args.out / "study.db", search)
 

@@ -171,6 +171,7 @@ class Search:
     reuses: tuple[int, ...] = ()  # reuse intervals R a trial picks among (none: the base's R alone)
     params: dict = field(default_factory=dict)  # selector parameter -> the values a trial picks among
     batch: int = 1  # trials proposed per round (Ray's workers); another batch proposes other trials
+    feasible: str = "mean"  # a trial meets a target by its mean over the units, or by its interval's bound
     sampler: str = SAMPLER
 
     def record(self) -> dict:
@@ -317,11 +318,22 @@ def conclude(study, trial, search: Search, cfg: SparseConfig, targets: list[Targ
         return
     values = summary(targets, rows)
     trial.set_user_attr("means", values)
+    if search.feasible == "bound":
+        values = judged_at_bound(targets, rows, values)
+        trial.set_user_attr("bounds", {t.measure: values[t.measure] for t in targets})
     held = constraints(targets, values)
     for target, value in zip(targets, held):
         trial.set_constraint(str(target), value)
     trial.set_user_attr("constraints", held)
     study.tell(trial, search.cost(cfg, rows))
+
+
+def judged_at_bound(targets: list[Target], rows: dict, values: dict) -> dict:
+    """``values`` with each target's measure at the safe end of its 95% bootstrap interval over the units of
+    ``rows`` (the low end for a ``>=`` target, the high end for ``<=``): what ``feasible="bound"`` judges a trial
+    by, so that a trial whose few units happened to favour it is not chosen for its mean."""
+    interval = interval_row(targets, rows)
+    return values | {t.measure: interval[t.measure]["low" if t.op == ">=" else "high"] for t in targets}
 
 
 def _measured(model, units: Units, cfg: SparseConfig, targets: list[Target]) -> dict | None:

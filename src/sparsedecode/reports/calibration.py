@@ -127,4 +127,7 @@ def _reuse_note(settings: dict) -> str:
                      "R)")  # fmt: skip
     for name, values in (settings.get("params") or {}).items():
         notes.append(f", and the selector's `{name}` among {', '.join(map(str, values))}")
+    if settings.get("feasible") == "bound":
+        notes.append("; a trial met a target when the safe end of its 95% bootstrap interval over the calibration "
+                     "units did")  # fmt: skip
     return "".join(notes)
