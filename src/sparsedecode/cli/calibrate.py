@@ -252,10 +252,10 @@ def _write(args, search, study, best, held, layers) -> None:
             "held_out": held}  # fmt: skip
     if search.reuses:
         data["chosen_reuse"] = None if best is None else best.params["reuse"]
+    cfg = None if best is None else search.config(_base(args), best.params)
     if search.params:
-        data["chosen_selector"] = None if best is None else search.config(_base(args), best.params).selector.spec()
-    if chosen is not None:
-        cfg = search.config(_base(args), best.params)
+        data["chosen_selector"] = None if cfg is None else cfg.selector.spec()
+    if cfg is not None:
         budget = {"layer_supports": {str(i): s for i, s in enumerate(chosen)}, "reuse": cfg.reuse,
                   "selector": cfg.selector.spec()}  # fmt: skip
         write_json_atomic(args.out / "budget.json", budget)

@@ -71,16 +71,17 @@ def layer_config(base: SparseConfig, supports: list[int]) -> SparseConfig:
     return dataclasses.replace(base, layer_supports=tuple(enumerate(supports)))
 
 
-def cost(cfg: SparseConfig, layers: int, context: int, *, selection: bool = False) -> float:
+def cost(cfg: SparseConfig, layers: int, context: int, *, selection: bool = False,
+         sparse_read: float | None = None) -> float:  # fmt: skip
     """Positions a decode step at ``context`` reads per layer, the mean over ``layers`` layers: each layer's
-    effective support, or the whole context where that is smaller (a support past it, or a dense layer, reads
-    everything). With ``selection``, plus what selecting reads per step (:func:`selection_cost`), for searches over
-    the reuse R."""
+    effective support (or ``sparse_read``, what a sparse layer was measured to read: :func:`measured_cost`), or the
+    whole context where that is smaller (a support past it, or a dense layer, reads everything). With ``selection``,
+    plus what selecting reads per step (:func:`selection_cost`), for searches over the reuse R."""
     sizes = [context if s is None else min(s, context) for s in cfg.supports_by_layer(layers)]
-    if selection:
-        sizes = [size + selection_cost(cfg.for_layer(layer), context) if size < context else size
-                 for layer, size in enumerate(sizes)]  # fmt: skip
-    return statistics.mean(sizes)
+    reads = [size if size >= context else (size if sparse_read is None else sparse_read)
+             + (selection_cost(cfg.for_layer(layer), context) if selection else 0.0)
+             for layer, size in enumerate(sizes)]  # fmt: skip
+    return statistics.mean(reads)
 
 
 def selection_cost(cfg: SparseConfig, context: int) -> float:
@@ -203,13 +204,7 @@ def measured_cost(cfg: SparseConfig, layers: int, context: int, corpus: list[dic
     decodes sparse, the context for one that reads it all. Every sparse layer is sparse at the same steps with the
     same heads, so that mean is the mean over those layers, and the mean over all layers is exact."""
     read = [row["support_read_mean"] for row in corpus if row.get("support_read_mean") is not None]
-    if not read:
-        return cost(cfg, layers, context, selection=selection)
-    sparse = statistics.mean(read)
-    sizes = [context if s is None else min(s, context) for s in cfg.supports_by_layer(layers)]
-    reads = [size if size >= context else sparse + (selection_cost(cfg.for_layer(layer), context) if selection else 0)
-             for layer, size in enumerate(sizes)]  # fmt: skip
-    return statistics.mean(reads)
+    return cost(cfg, layers, context, selection=selection, sparse_read=statistics.mean(read) if read else None)
 
 
 def open_study(path: Path, search: Search):

@@ -51,7 +51,7 @@ def config_from_spec(spec: object) -> SparseConfig:
         if "dense_layers" in fields or "layer_supports" in fields:
             raise SparseDecodeError("give the spec a budget file or dense_layers / layer_supports, not both")
         for name, value in read_budget(budget).items():
-            if name in fields and name in ("reuse", "selector") and _differs(name, fields[name], value):
+            if name in fields and _differs(name, fields[name], value):  # reuse or selector: the others were refused
                 raise SparseDecodeError(f"spec field {name!r} ({fields[name]!r}) differs from budget file {budget}'s "
                                         f"{name} {value!r}: give one of the two")  # fmt: skip
             fields[name] = value
