@@ -16,7 +16,14 @@ from sparsedecode import SparseConfig
 from sparsedecode.decoding.generate import generate
 from sparsedecode.errors import SparseDecodeError
 from sparsedecode.models.gguf_weights import load_gguf_linears, quantized_layer
-from sparsedecode.models.quantized import Int4Linear, Int8Linear, quantize_linears, weight_bytes
+from sparsedecode.models.quantized import (
+    FUSED_ROWS,
+    Int4Linear,
+    Int8Linear,
+    quantize_linears,
+    quantized_activations,
+    weight_bytes,
+)
 from sparsedecode.models.weights import apply_weights, check_weights, weights_label
 
 GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
@@ -47,7 +54,12 @@ def test_a_gguf_tensor_loads_bit_for_bit_and_the_fused_product_equals_the_dequan
     assert torch.equal(layer.dequantized(), expected)  # the GGUF's own values, not an approximation
     x = torch.randn(3, 96)
     assert torch.allclose(layer.fused(x), x @ expected.t(), rtol=1e-5, atol=1e-4)
-    assert torch.allclose(layer(x), x @ expected.t(), rtol=1e-5, atol=1e-5)
+    # a decode step's rows: the activations quantized per group of 32 first (as llama.cpp's dot products do)
+    step = quantized_activations(x) @ expected.t()
+    assert torch.allclose(layer(x), step, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(step, x @ expected.t(), rtol=1e-5, atol=1e-5)  # which is not the float product
+    rows = torch.randn(FUSED_ROWS + 1, 96)  # a prefill's rows: float activations
+    assert torch.allclose(layer(rows), rows @ expected.t(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("weights", ["int4", "int8"])
@@ -159,9 +171,10 @@ def test_weights_choices_are_checked():
 
 
 @pytest.mark.parametrize("weights", ["int4", "int8"])
-@pytest.mark.parametrize(("rows", "outputs"), [(1, 100), (3, 64), (8, 200)])
+@pytest.mark.parametrize(("rows", "outputs"), [(1, 100), (3, 64), (8, 200), (2, 2100)])
 def test_the_c_kernel_gives_the_dequantized_product(weights, rows, outputs):
-    """csrc/qlinear.h: whole tiles of 64 outputs and a shorter last one, one row or several, float32 sums."""
+    """csrc/qlinear.h: whole chunks of 32 outputs and a shorter last one, one row or several: the de-quantized weight
+    times the de-quantized int8 activations."""
     from sparsedecode.models.quantized import c_kernel, quantize_int4, quantize_int8
 
     assert c_kernel() is not None  # the C library builds here (the CPU kernel's tests need it too)
@@ -169,7 +182,8 @@ def test_the_c_kernel_gives_the_dequantized_product(weights, rows, outputs):
     linear = torch.nn.Linear(96, outputs)
     layer = (quantize_int4 if weights == "int4" else quantize_int8)(linear)
     x = torch.randn(rows, 96)
-    expected = x @ layer.dequantized().t()
+    x[0, 32:64] = 0.0  # a group of zeros
+    expected = quantized_activations(x) @ layer.dequantized().t()
     assert torch.allclose(layer.c_product(x), expected, rtol=1e-5, atol=1e-5)
     assert torch.allclose(layer(x), expected + linear.bias, rtol=1e-5, atol=1e-5)  # forward: the C kernel, the bias
 
@@ -196,16 +210,29 @@ def test_the_c_kernel_built_for_older_cpus_gives_the_same_products(tmp_path, mar
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-500:]
     older = ctypes.CDLL(str(target))
-    older.q4_linear.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4
+    older.q4_linear.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4
     older.q8_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
     torch.manual_seed(7)
-    linear = torch.nn.Linear(96, 1100, bias=False)  # two spans and a tail of 4 outputs
+    linear = torch.nn.Linear(96, 2100, bias=False)  # two spans, the second a chunk of 32 and 20 outputs
     x = torch.randn(2, 96)
     int4, int8 = quantize_int4(linear), quantize_int8(linear)
-    out = torch.empty(2, 1100)
-    xsum = x.view(2, 3, 32).sum(-1).contiguous()
-    pointers = (int4.packed, int4.scale, int4.offset, x, xsum, out)
-    assert older.q4_linear(*(t.data_ptr() for t in pointers), 2, 1100, 3, 1) == 0
+    out = torch.empty(2, 2100)
+    pointers = (int4.packed, int4.scale, int4.offset, x, out)
+    assert older.q4_linear(*(t.data_ptr() for t in pointers), 2, 2100, 3, 1) == 0
     assert torch.allclose(out, qlinear.q4_linear(x, int4.packed, int4.scale, int4.offset), rtol=1e-5, atol=1e-5)
-    assert older.q8_linear(int8.q.data_ptr(), int8.scale.data_ptr(), x.data_ptr(), out.data_ptr(), 2, 1100, 3, 1) == 0
+    assert older.q8_linear(int8.q.data_ptr(), int8.scale.data_ptr(), x.data_ptr(), out.data_ptr(), 2, 2100, 3, 1) == 0
     assert torch.allclose(out, qlinear.q8_linear(x, int8.q, int8.scale), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_a_non_finite_activation_makes_the_quantized_products_output_nan(weights):
+    """As a float product's would: the C kernel and the torch form agree on NaN, not on a wrapped integer."""
+    from sparsedecode.models.quantized import quantize_int4, quantize_int8
+
+    layer = (quantize_int4 if weights == "int4" else quantize_int8)(torch.nn.Linear(64, 40, bias=False))
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(2, 64)
+        x[1, 40] = bad
+        assert torch.isnan(quantized_activations(x)[1, 32:]).all() and not quantized_activations(x)[0].isnan().any()
+        out = layer(x)
+        assert torch.isnan(out[1]).all() and torch.isfinite(out[0]).all()

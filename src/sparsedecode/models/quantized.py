@@ -2,7 +2,7 @@
 
 Two formats, both in groups of :data:`GROUP` = 32 consecutive inputs of one output (GGUF's block), scales stored in
 float16 as GGUF stores them (so a layer holds exactly the bytes of its GGUF blocks: 20 per 32 weights for int4, 34
-for int8), activations and arithmetic in float32:
+for int8), activations in float32 (quantized to int8 for a decode step's products, below):
 
 - :class:`Int4Linear`: ``w = q * scale + offset`` with ``q`` in 0..15, two per byte as GGUF packs them (byte ``j`` of
   a group holds input ``j`` in its low nibble and input ``j + 16`` in its high one), the bytes stored group by group
@@ -14,14 +14,21 @@ for int8), activations and arithmetic in float32:
   and output. GGUF's Q8_0 (``q * d``) maps exactly. From float weights: ``scale = max |w| / 127`` per group, ``q``
   rounded to nearest (Q8_0's own method).
 
-The product: in a compiled step of a few rows (:data:`FUSED_ROWS`), written as tensor operations that inductor fuses
-into one loop over the packed bytes (each weight converted to float32 in registers, never stored); otherwise (eager,
-prefill) the weight is de-quantized to float32 and multiplied as ``F.linear`` does. torch's own CPU operations were
-measured against this in the compiled step of SmolLM2's shapes, one thread, on the AMX Intel Xeon of
+The product of a decode step's few rows (:data:`FUSED_ROWS`) first quantizes the activations as llama.cpp does for
+its dot products (:func:`quantized_activations`: int8 per group of 32, the group's ``max |x| / 127`` as scale), so
+that a group's products are integers: in the C kernel (``csrc/qlinear.h``) where it builds, else, in a compiled step,
+tensor operations that inductor fuses into one loop over the packed bytes (each weight converted to float32 in
+registers, never stored), else the de-quantized weight times the de-quantized activations. All three are the same
+product to float32 round-off. More rows (a prefill) multiply the float activations by the de-quantized weight as
+``F.linear`` does.
+
+torch's own CPU operations were measured against the earlier float32 form of the C loop (each nibble converted to
+float, float activations) in the compiled step of SmolLM2's shapes, one thread, on the AMX Intel Xeon of
 docs/benchmarks.md: ``torch._weight_int4pack_mm_for_cpu`` (which maps these formats exactly, as Q4_1 does: its
-de-quantization is ``(q - 8) * scale + zero``) took 1,370 us for a 1536 x 576 layer against 81 us here (float32
-``F.linear`` 190 us), and ``torch._weight_int8pack_mm`` (one scale per output, so not Q8_0's) 513 us against 92 us;
-on the 49,152 x 576 vocabulary projection 45.6 ms and 22.4 ms against 2.6 ms (int4) and 3.0 ms (int8; float32 7.6 ms).
+de-quantization is ``(q - 8) * scale + zero``) took 1,370 us for a 1536 x 576 layer against 81 us for that loop
+(float32 ``F.linear`` 190 us), and ``torch._weight_int8pack_mm`` (one scale per output, so not Q8_0's) 513 us against
+92 us; on the 49,152 x 576 vocabulary projection 45.6 ms and 22.4 ms against 2.6 ms (int4) and 3.0 ms (int8; float32
+7.6 ms). The integer loop of today is faster still (docs/compiled.md).
 """
 
 from __future__ import annotations
@@ -51,6 +58,18 @@ def c_kernel():
     return available()
 
 
+def quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """``x (rows, K)`` float32 as a decode step's quantized product reads it: per group of :data:`GROUP` inputs,
+    ``d = max |x| / 127`` and ``round(x * (127 / max |x|))`` (to nearest, ties to even; 0 for a group of zeros)
+    times ``d``; NaN for a group holding a NaN or an infinity. The C kernel computes the same numbers."""
+    groups = x.reshape(x.shape[0], -1, GROUP)
+    top = groups.abs().amax(-1, keepdim=True)
+    finite = top <= torch.finfo(torch.float32).max
+    inverse = torch.where(finite & (top > 0), 127.0 / top, torch.zeros_like(top))
+    scale = torch.where(finite, top / 127.0, torch.full_like(top, float("nan")))
+    return (torch.round(groups * inverse) * scale).reshape(x.shape)
+
+
 METHODS = {
     "int4": "group-32 min-max, round to nearest (q in 0..15, w = q * scale + min; Q4_1's method)",
     "int8": "group-32 absmax, round to nearest (q in -127..127, w = q * scale; Q8_0's method)",
@@ -74,12 +93,14 @@ class QuantizedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[:-1].numel()
         flat = x.reshape(rows, self.in_features).float()
-        if rows <= FUSED_ROWS and x.device.type == "cpu" and C_KERNEL and c_kernel() is not None:
-            out = self.c_product(flat)
-        elif rows <= FUSED_ROWS and torch.compiler.is_compiling():
-            out = self.fused(flat)
-        else:
+        if rows > FUSED_ROWS:
             out = F.linear(flat, self.dequantized())
+        elif x.device.type == "cpu" and C_KERNEL and c_kernel() is not None:
+            out = self.c_product(flat)  # quantizes the activations itself
+        elif torch.compiler.is_compiling():
+            out = self.fused(quantized_activations(flat))
+        else:
+            out = F.linear(quantized_activations(flat), self.dequantized())
         if self.bias is not None:
             out = out + self.bias
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)

@@ -1,6 +1,8 @@
-"""The C kernel's quantized linear layers (``csrc/qlinear.h``): a decode step's few rows times an int4 or int8 weight
-in the layouts of :mod:`sparsedecode.models.quantized`, read as stored (no de-quantized copy), float32 sums, split over
-torch's thread count. ``None`` from :func:`available` where the library could not be built here."""
+"""The C kernel's quantized linear layers (``csrc/qlinear.h``): a decode step's few rows, their activations quantized
+to int8 per group of 32 (:func:`sparsedecode.models.quantized.quantized_activations`), times an int4 or int8 weight in
+the layouts of :mod:`sparsedecode.models.quantized`, read as stored (no de-quantized copy), integer sums per group
+scaled in float32, split over torch's thread count. ``None`` from :func:`available` where the library could not be
+built here."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from . import check_status, library
 from .functions import c_function
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-_Q4_ARGS = [_ptr] * 6 + [_i64] * 4
+_Q4_ARGS = [_ptr] * 5 + [_i64] * 4
 _Q8_ARGS = [_ptr] * 4 + [_i64] * 4
 
 
@@ -22,23 +24,22 @@ def available():
 
 
 def q4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    """``x (rows, K)`` float32 times the int4 weight ``packed (K/32, 16, N)`` uint8, ``scale``, ``offset (K/32, N)``
-    float16: ``(rows, N)`` float32."""
+    """``x (rows, K)`` float32 (quantized per group of 32 here) times the int4 weight ``packed (K/32, 16, N)`` uint8,
+    ``scale``, ``offset (K/32, N)`` float16: ``(rows, N)`` float32."""
     groups, _, n = packed.shape
     x = x.contiguous()
-    xsum = x.view(x.shape[0], groups, 32).sum(-1).contiguous()
     out = x.new_empty(x.shape[0], n)
     status = c_function("q4_linear", _Q4_ARGS)(
-        packed.data_ptr(), scale.data_ptr(), offset.data_ptr(), x.data_ptr(), xsum.data_ptr(), out.data_ptr(),
-        x.shape[0], n, groups, torch.get_num_threads(),
+        packed.data_ptr(), scale.data_ptr(), offset.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], n, groups,
+        torch.get_num_threads(),
     )  # fmt: skip
     check_status(status)
     return out
 
 
 def q8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x (rows, K)`` float32 times the int8 weight ``q (N, K/32, 32)``, ``scale (N, K/32)`` float16: ``(rows, N)``
-    float32."""
+    """``x (rows, K)`` float32 (quantized per group of 32 here) times the int8 weight ``q (N, K/32, 32)``,
+    ``scale (N, K/32)`` float16: ``(rows, N)`` float32."""
     n, groups, _ = q.shape
     x = x.contiguous()
     out = x.new_empty(x.shape[0], n)

@@ -4,148 +4,220 @@
  * int4: w[n, 32g + j] = nibble * scale[g, n] + offset[g, n]; packed (G, 16, N) bytes, byte j of group g holding input
  * j in its low nibble and input j + 16 in its high one (GGUF's Q4_0/Q4_1 byte order), the outputs innermost; scale
  * and offset (G, N) float16. int8: w[n, 32g + j] = q[n, g, j] * scale[n, g]; q (N, G, 32), scale (N, G) float16.
- * Activations x (rows, 32 G) and the output (rows, N) are float32; every product and sum is float32.
  *
- * int4 runs over spans of Q4_SPAN outputs: for each group, 16 rows of Q4_SPAN bytes read in order make Q4_SPAN
- * independent sums (8-lane vectors, -march=native: AVX2's byte widening and FMA where the CPU has them), then one
- * multiply-add per output applies the group's scale and its offset times the group's sum of x. int8 takes Q8_ROWS
- * outputs at a time, each a sum over 32 contiguous inputs per group. Work is split over threads by spans and rows. */
+ * The activations x (rows, 32 G) float32 are first quantized as llama.cpp quantizes them for its dot products: per
+ * group of 32, d = max |x| / 127 and xq = rint(x * (127 / max |x|)) in -127..127 (d = 0 and xq = 0 for a group of
+ * zeros; d NaN for one holding a NaN or an infinity, so that the output is NaN as a float product's would be). A
+ * group's dot product of integers is then exact in 32-bit integers, and the output (rows, N) float32 is
+ *   int4: sum over g of (scale * d) * sum_j nibble * xq + offset * (d * sum_j xq)
+ *   int8: sum over g of (scale * d) * sum_j q * xq,
+ * that is, the float product of the de-quantized weight with the de-quantized activations (xq * d), summed in
+ * another order.
+ *
+ * int4 runs over spans of Q4_SPAN outputs: for each group, 16 rows of span bytes read in order (a stream the
+ * hardware prefetcher follows). With AVX2, 32 outputs at a time: each byte's two nibbles side by side, times the
+ * pair (xq[j], xq[j + 16]) by one unsigned-by-signed multiply-add into 16-bit sums (8 rows at most: 8 * 2 * 15 * 127
+ * fits), widened to 32 bits; elsewhere the same sums in plain loops. int8 takes Q8_ROWS outputs at a time, each a sum
+ * over 32 contiguous inputs per group (AVX2: |q| times xq with q's sign, multiply-added to 32 bits). Work is split
+ * over threads by spans and rows. */
 
-enum { Q4_SPAN = 512, Q4_VECS = Q4_SPAN / 8, Q8_ROWS = 4 };
-typedef uint8_t v8b __attribute__((vector_size(8)));
-typedef int8_t v8c __attribute__((vector_size(8)));
-
-/* 8 bytes at p widened to 32 bits: AVX2's one instruction where the build targets it (compilers turn the generic
- * conversion into eight byte loads) */
-#if defined(__AVX2__)
-#include <immintrin.h>
-static inline v8i widen_u8(const uint8_t *p) { return (v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
-static inline v8 widen_s8(const int8_t *p) {
-    return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-}
-#else
-static inline v8i widen_u8(const uint8_t *p) {
-    v8b b;
-    memcpy(&b, p, 8);
-    return __builtin_convertvector(b, v8i);
-}
-static inline v8 widen_s8(const int8_t *p) {
-    v8c b;
-    memcpy(&b, p, 8);
-    return __builtin_convertvector(b, v8);
-}
-#endif
+enum { Q4_SPAN = 2048, Q4_CHUNK = 32, Q4_AHEAD = 8, Q8_ROWS = 4, Q8_AHEAD = 2048 };
 
 typedef struct {
     const uint8_t *weights;
     const uint16_t *scale, *offset;
-    const float *x, *xsum;
+    const int8_t *xq; /* (rows, 32 G) the quantized activations */
+    const float *xd;  /* (rows, G) their scales d */
+    const float *xs;  /* (rows, G) d * sum of the group's xq */
     float *out;
-    int64_t rows, n, groups, span; /* span: outputs per int4 task, a multiple of 8, at most Q4_SPAN */
+    int64_t rows, n, groups, span; /* span: outputs per int4 task, a multiple of Q4_CHUNK, at most Q4_SPAN */
 } qjob_t;
 
-/* Outputs n0 .. n0 + 8 vecs - 1 of every row (vecs <= Q4_VECS). The weight is read in its stored order, row (g, j) after row (g, j - 1),
- * Q4_SPAN bytes of each: a stream the hardware prefetcher follows (a tile of 64 outputs across all rows instead,
- * 16 G lines N bytes apart, waited on memory at every line of a weight that is not in the cache); the span's
- * accumulators (8 lanes each) stay in L1. */
-static void q4_span(const qjob_t *job, int64_t n0, int vecs) {
-    int64_t n = job->n;
-    for (int64_t r = 0; r < job->rows; r++) {
-        const float *x = job->x + r * job->groups * 32, *xsum = job->xsum + r * job->groups;
-        v8 total[Q4_VECS], acc[Q4_VECS];
-        for (int v = 0; v < vecs; v++) total[v] = splat8(0.0f);
-        for (int64_t g = 0; g < job->groups; g++) {
-            const uint8_t *bytes = job->weights + g * 16 * n + n0;
-            for (int v = 0; v < vecs; v++) acc[v] = splat8(0.0f);
-            for (int64_t j = 0; j < 16; j++) {
-                v8 low = splat8(x[g * 32 + j]), high = splat8(x[g * 32 + 16 + j]);
-                const uint8_t *row = bytes + j * n;
-                for (int v = 0; v < vecs; v++) {
-                    v8i q = widen_u8(row + 8 * v);
-                    acc[v] += __builtin_convertvector(q & 15, v8) * low + __builtin_convertvector(q >> 4, v8) * high;
-                }
-            }
-            v8 sum = splat8(xsum[g]);
-            for (int v = 0; v < vecs; v++) {
-                int64_t at = g * n + n0 + 8 * v;
-                total[v] += acc[v] * half8(job->scale + at) + half8(job->offset + at) * sum;
-            }
+/* x (rows, 32 groups) -> xq, xd, xs as the header says. */
+static void quantize_rows(const float *x, int64_t rows, int64_t groups, int8_t *xq, float *xd, float *xs) {
+    for (int64_t i = 0; i < rows * groups; i++) {
+        const float *v = x + i * 32;
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) amax = fabsf(v[j]) > amax || v[j] != v[j] ? fabsf(v[j]) : amax;
+        int finite = amax <= 3.4028235e38f;
+        float inverse = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t total = 0;
+        for (int j = 0; j < 32; j++) {
+            int8_t q = finite ? (int8_t)rintf(v[j] * inverse) : 0;
+            xq[i * 32 + j] = q;
+            total += q;
         }
-        for (int v = 0; v < vecs; v++) *(v8u *)(job->out + r * n + n0 + 8 * v) = total[v];
+        xd[i] = finite ? amax / 127.0f : NAN;
+        xs[i] = xd[i] * (float)total;
     }
 }
 
-/* The last outputs, fewer than 8: one at a time. */
-static void q4_tail(const qjob_t *job, int64_t n0) {
+/* Outputs n0 .. n0 + count - 1 (count <= Q4_SPAN) of every row, in plain loops: 32-bit sums per group, then the
+ * scales. */
+static void q4_plain(const qjob_t *job, int64_t n0, int64_t count) {
     int64_t n = job->n;
     for (int64_t r = 0; r < job->rows; r++) {
-        const float *x = job->x + r * job->groups * 32, *xsum = job->xsum + r * job->groups;
-        for (int64_t o = n0; o < n; o++) {
-            float total = 0.0f;
-            for (int64_t g = 0; g < job->groups; g++) {
-                float acc = 0.0f;
-                for (int64_t j = 0; j < 16; j++) {
-                    uint8_t b = job->weights[(g * 16 + j) * n + o];
-                    acc += (float)(b & 15) * x[g * 32 + j] + (float)(b >> 4) * x[g * 32 + 16 + j];
-                }
-                total += acc * half_to_float(job->scale[g * n + o]) + half_to_float(job->offset[g * n + o]) * xsum[g];
+        const int8_t *xq = job->xq + r * job->groups * 32;
+        float total[Q4_SPAN];
+        int32_t sums[Q4_SPAN];
+        for (int64_t i = 0; i < count; i++) total[i] = 0.0f;
+        for (int64_t g = 0; g < job->groups; g++) {
+            for (int64_t i = 0; i < count; i++) sums[i] = 0;
+            for (int64_t j = 0; j < 16; j++) {
+                int32_t low = xq[g * 32 + j], high = xq[g * 32 + 16 + j];
+                const uint8_t *row = job->weights + (g * 16 + j) * n + n0;
+                for (int64_t i = 0; i < count; i++) sums[i] += (row[i] & 15) * low + (row[i] >> 4) * high;
             }
-            job->out[r * n + o] = total;
+            float d = job->xd[r * job->groups + g], s = job->xs[r * job->groups + g];
+            for (int64_t i = 0; i < count; i++) {
+                int64_t at = g * n + n0 + i;
+                total[i] += (float)sums[i] * (half_to_float(job->scale[at]) * d) + half_to_float(job->offset[at]) * s;
+            }
         }
+        for (int64_t i = 0; i < count; i++) job->out[r * n + n0 + i] = total[i];
     }
 }
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+/* Outputs n0 .. n0 + 32 chunks - 1 of every row with AVX2 (header). After unpacking a lane's bytes, a 16-bit sum
+ * vector holds outputs 0-7 and 16-23 of its chunk (pairs[0]) or 8-15 and 24-31 (pairs[1]); widening puts them back
+ * in order. */
+static void q4_chunks(const qjob_t *job, int64_t n0, int chunks) {
+    int64_t n = job->n;
+    const __m256i nibble = _mm256_set1_epi8(15);
+    for (int64_t r = 0; r < job->rows; r++) {
+        const int8_t *xq = job->xq + r * job->groups * 32;
+        __m256 total[Q4_SPAN / 8];
+        __m256i sums[Q4_SPAN / 8], pairs[Q4_SPAN / 16];
+        for (int v = 0; v < 4 * chunks; v++) total[v] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < job->groups; g++) {
+            for (int v = 0; v < 4 * chunks; v++) sums[v] = _mm256_setzero_si256();
+            for (int64_t half = 0; half < 16; half += 8) {
+                for (int v = 0; v < 2 * chunks; v++) pairs[v] = _mm256_setzero_si256();
+                for (int64_t j = half; j < half + 8; j++) {
+                    uint16_t both = (uint8_t)xq[g * 32 + j] | (uint16_t)((uint8_t)xq[g * 32 + 16 + j] << 8);
+                    __m256i x = _mm256_set1_epi16((int16_t)both);
+                    const uint8_t *row = job->weights + (g * 16 + j) * n + n0;
+                    for (int c = 0; c < chunks; c++) {
+                        if (!(c & 1)) _mm_prefetch((const char *)(row + Q4_AHEAD * n + Q4_CHUNK * c), _MM_HINT_T0);
+                        __m256i bytes = _mm256_loadu_si256((const __m256i *)(row + Q4_CHUNK * c));
+                        __m256i low = _mm256_and_si256(bytes, nibble);
+                        __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+                        __m256i a = _mm256_maddubs_epi16(_mm256_unpacklo_epi8(low, high), x);
+                        __m256i b = _mm256_maddubs_epi16(_mm256_unpackhi_epi8(low, high), x);
+                        pairs[2 * c] = _mm256_add_epi16(pairs[2 * c], a);
+                        pairs[2 * c + 1] = _mm256_add_epi16(pairs[2 * c + 1], b);
+                    }
+                }
+                for (int c = 0; c < chunks; c++) {
+                    __m256i a = pairs[2 * c], b = pairs[2 * c + 1];
+                    __m256i *s = sums + 4 * c;
+                    s[0] = _mm256_add_epi32(s[0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(a)));
+                    s[1] = _mm256_add_epi32(s[1], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(b)));
+                    s[2] = _mm256_add_epi32(s[2], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(a, 1)));
+                    s[3] = _mm256_add_epi32(s[3], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(b, 1)));
+                }
+            }
+            __m256 d = _mm256_set1_ps(job->xd[r * job->groups + g]), s = _mm256_set1_ps(job->xs[r * job->groups + g]);
+            for (int v = 0; v < 4 * chunks; v++) {
+                int64_t at = g * n + n0 + 8 * v;
+                __m256 scaled = _mm256_mul_ps((__m256)half8(job->scale + at), d);
+                __m256 shifted = _mm256_add_ps(total[v], _mm256_mul_ps((__m256)half8(job->offset + at), s));
+                total[v] = _mm256_add_ps(shifted, _mm256_mul_ps(_mm256_cvtepi32_ps(sums[v]), scaled));
+            }
+        }
+        for (int v = 0; v < 4 * chunks; v++) _mm256_storeu_ps(job->out + r * n + n0 + 8 * v, total[v]);
+    }
+}
+#endif
 
 static int q4_tile(const void *arg, int64_t tile) {
     const qjob_t *job = arg;
-    int64_t n0 = tile * job->span, left = job->n - n0 < job->span ? job->n - n0 : job->span;
-    if (left >= 8) q4_span(job, n0, (int)(left / 8));
-    if (left % 8) q4_tail(job, n0 + left / 8 * 8);
+    int64_t n0 = tile * job->span, left = job->n - n0 < job->span ? job->n - n0 : job->span, whole = 0;
+#if defined(__AVX2__)
+    whole = left / Q4_CHUNK * Q4_CHUNK;
+    if (whole) q4_chunks(job, n0, (int)(whole / Q4_CHUNK));
+#endif
+    if (left > whole) q4_plain(job, n0 + whole, left - whole);
     return 0;
 }
 
-/* Outputs part * 4 .. + 3, each a row of 32 G int8 weights: per group two 8-lane sums, scaled; one horizontal sum at
- * the end. */
+/* Outputs part * Q8_ROWS .. + Q8_ROWS - 1, each a row of 32 G int8 weights: a 32-bit sum per group, scaled. */
 static int q8_rows(const void *arg, int64_t part) {
     const qjob_t *job = arg;
     int64_t groups = job->groups, k = groups * 32, n0 = part * Q8_ROWS;
     int64_t count = job->n - n0 < Q8_ROWS ? job->n - n0 : Q8_ROWS;
     const int8_t *q = (const int8_t *)job->weights;
     for (int64_t r = 0; r < job->rows; r++) {
-        const float *x = job->x + r * k;
+        const int8_t *xq = job->xq + r * k;
+        const float *xd = job->xd + r * groups;
         for (int64_t i = 0; i < count; i++) {
             int64_t o = n0 + i;
             const int8_t *w = q + o * k;
-            v8 total = splat8(0.0f);
-            for (int64_t g = 0; g < groups; g++) {
-                const int8_t *wg = w + g * 32;
-                const float *xg = x + g * 32;
-                v8 a = widen_s8(wg) * load8(xg), b = widen_s8(wg + 8) * load8(xg + 8);
-                a += widen_s8(wg + 16) * load8(xg + 16);
-                b += widen_s8(wg + 24) * load8(xg + 24);
-                total += (a + b) * splat8(half_to_float(job->scale[o * groups + g]));
-            }
             float sum = 0.0f;
+#if defined(__AVX2__)
+            const __m256i ones = _mm256_set1_epi16(1);
+            __m256 total = _mm256_setzero_ps();
+            for (int64_t g = 0; g < groups; g++) {
+                if (!(g & 1)) _mm_prefetch((const char *)(w + g * 32 + Q8_AHEAD), _MM_HINT_T0);
+                __m256i wg = _mm256_loadu_si256((const __m256i *)(w + g * 32));
+                __m256i xg = _mm256_loadu_si256((const __m256i *)(xq + g * 32));
+                __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(wg), _mm256_sign_epi8(xg, wg));
+                __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+                __m256 scale = _mm256_set1_ps(half_to_float(job->scale[o * groups + g]) * xd[g]);
+                total = _mm256_add_ps(total, _mm256_mul_ps(dots, scale));
+            }
             for (int lane = 0; lane < 8; lane++) sum += total[lane];
+#else
+            for (int64_t g = 0; g < groups; g++) {
+                int32_t dot = 0;
+                for (int j = 0; j < 32; j++) dot += w[g * 32 + j] * xq[g * 32 + j];
+                sum += (float)dot * (half_to_float(job->scale[o * groups + g]) * xd[g]);
+            }
+#endif
             job->out[r * job->n + o] = sum;
         }
     }
     return 0;
 }
 
-/* out (rows, n) = x (rows, 32 groups) times the int4 weight; xsum (rows, groups): each group's sum of x. */
-int q4_linear(const uint8_t *packed, const uint16_t *scale, const uint16_t *offset, const float *x, const float *xsum,
-              float *out, int64_t rows, int64_t n, int64_t groups, int64_t threads) {
-    int64_t parts = threads < 1 ? 1 : threads, span = (n + parts - 1) / parts;
-    span = span > Q4_SPAN ? Q4_SPAN : (span + 7) / 8 * 8; /* the outputs in about one span per thread */
-    qjob_t job = {packed, scale, offset, x, xsum, out, rows, n, groups, span};
-    int64_t tiles = (n + span - 1) / span;
-    return parallel(q4_tile, &job, tiles, threads < tiles ? threads : tiles, 0);
+/* The quantized activations of x (rows, 32 groups) in one allocation, job's xq, xd and xs pointing into it. */
+static void *quantized_activations(qjob_t *job, const float *x) {
+    int64_t values = job->rows * job->groups;
+    char *space = malloc((size_t)values * (32 + 2 * sizeof(float)));
+    if (!space) return NULL;
+    float *xd = (float *)space, *xs = xd + values;
+    int8_t *xq = (int8_t *)(xs + values);
+    quantize_rows(x, job->rows, job->groups, xq, xd, xs);
+    job->xq = xq;
+    job->xd = xd;
+    job->xs = xs;
+    return space;
 }
 
-/* out (rows, n) = x (rows, 32 groups) times the int8 weight. */
+/* out (rows, n) = x (rows, 32 groups) times the int4 weight (its activations quantized first). */
+int q4_linear(const uint8_t *packed, const uint16_t *scale, const uint16_t *offset, const float *x, float *out,
+              int64_t rows, int64_t n, int64_t groups, int64_t threads) {
+    int64_t parts = threads < 1 ? 1 : threads, span = (n + parts - 1) / parts;
+    span = span > Q4_SPAN ? Q4_SPAN : (span + Q4_CHUNK - 1) / Q4_CHUNK * Q4_CHUNK; /* about one span per thread */
+    qjob_t job = {packed, scale, offset, NULL, NULL, NULL, out, rows, n, groups, span};
+    void *space = quantized_activations(&job, x);
+    if (!space) return -1;
+    int64_t tiles = (n + span - 1) / span;
+    int status = parallel(q4_tile, &job, tiles, threads < tiles ? threads : tiles, 0);
+    free(space);
+    return status;
+}
+
+/* out (rows, n) = x (rows, 32 groups) times the int8 weight (its activations quantized first). */
 int q8_linear(const int8_t *q, const uint16_t *scale, const float *x, float *out, int64_t rows, int64_t n,
               int64_t groups, int64_t threads) {
-    qjob_t job = {(const uint8_t *)q, scale, NULL, x, NULL, out, rows, n, groups, 0};
+    qjob_t job = {(const uint8_t *)q, scale, NULL, NULL, NULL, NULL, out, rows, n, groups, 0};
+    void *space = quantized_activations(&job, x);
+    if (!space) return -1;
     int64_t parts = (n + Q8_ROWS - 1) / Q8_ROWS;
-    return parallel(q8_rows, &job, parts, threads < parts ? threads : parts, 0);
+    int status = parallel(q8_rows, &job, parts, threads < parts ? threads : parts, 0);
+    free(space);
+    return status;
 }
