@@ -35,7 +35,7 @@ def _reader(tmp_path, tensors: dict[str, tuple[np.ndarray, Q]]):
     path = tmp_path / "tiny.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
     for name, (weights, kind) in tensors.items():
-        data = gguf.quants.quantize(weights, kind)
+        data = weights if weights.dtype == np.uint8 else gguf.quants.quantize(weights, kind)  # bytes: as given
         writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -44,22 +44,41 @@ def _reader(tmp_path, tensors: dict[str, tuple[np.ndarray, Q]]):
     return path, {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
 
 
-@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+def _k_quant_bytes(kind, rows: int, inputs: int) -> np.ndarray:
+    """Random blocks of a K-quant (gguf-py cannot quantize to them): any bytes are valid values, the float16 scales
+    set to small finite ones."""
+    rng = np.random.default_rng(int(kind))
+    size, scales = {Q.Q4_K: (144, (0, 2)), Q.Q6_K: (210, (208,))}[kind]
+    data = rng.integers(0, 256, (rows, inputs // 256, size), dtype=np.uint8)
+    for at in scales:
+        d = rng.uniform(1e-3, 1e-2, (rows, inputs // 256)).astype(np.float16)
+        data[..., at : at + 2] = d.view(np.uint8).reshape(rows, -1, 2)
+    return data.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q4_K, Q.Q6_K])
 def test_a_gguf_tensor_loads_bit_for_bit_and_the_fused_product_equals_the_dequantized(tmp_path, kind):
-    weights = np.random.default_rng(0).standard_normal((48, 96)).astype(np.float32)
+    inputs = 512 if kind in (Q.Q4_K, Q.Q6_K) else 96
+    weights = np.random.default_rng(0).standard_normal((48, inputs)).astype(np.float32)
+    if kind in (Q.Q4_K, Q.Q6_K):
+        weights = _k_quant_bytes(kind, 48, inputs)
     _, tensors = _reader(tmp_path, {"w": (weights, kind)})
     layer = quantized_layer(tensors["w"])
-    assert isinstance(layer, Int8Linear if kind == Q.Q8_0 else Int4Linear)
-    expected = torch.from_numpy(gguf.quants.dequantize(tensors["w"].data, kind).reshape(48, 96).copy())
+    assert isinstance(layer, Int4Linear if kind in (Q.Q4_0, Q.Q4_1, Q.Q4_K) else Int8Linear)
+    expected = torch.from_numpy(gguf.quants.dequantize(tensors["w"].data, kind).reshape(48, inputs).copy())
     assert torch.equal(layer.dequantized(), expected)  # the GGUF's own values, not an approximation
-    x = torch.randn(3, 96)
-    assert torch.allclose(layer.fused(x), x @ expected.t(), rtol=1e-5, atol=1e-4)
+    wide = kind in (Q.Q4_K, Q.Q6_K)  # scales d * sc: float32, exact
+    assert layer.scale.dtype == (torch.float32 if wide else torch.float16)
+    x = torch.randn(3, inputs)
+    size = float(expected.abs().amax()) * inputs**0.5  # the scale of an output: round-off is relative to it
+    assert torch.allclose(layer.fused(x), x @ expected.t(), rtol=1e-5, atol=1e-5 * size)
     # a decode step's rows: the activations quantized per group of 32 first (as llama.cpp's dot products do)
     step = quantized_activations(x) @ expected.t()
-    assert torch.allclose(layer(x), step, rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(step, x @ expected.t(), rtol=1e-5, atol=1e-5)  # which is not the float product
-    rows = torch.randn(FUSED_ROWS + 1, 96)  # a prefill's rows: float activations
-    assert torch.allclose(layer(rows), rows @ expected.t(), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(layer(x), step, rtol=1e-5, atol=1e-5 * size)
+    assert torch.allclose(layer.fused(quantized_activations(x)), step, rtol=1e-5, atol=1e-5 * size)
+    assert not torch.allclose(step, x @ expected.t(), rtol=1e-5, atol=1e-3 * size)  # which is not the float product
+    rows = torch.randn(FUSED_ROWS + 1, inputs)  # a prefill's rows: float activations
+    assert torch.allclose(layer(rows), rows @ expected.t(), rtol=1e-5, atol=1e-5 * size)
 
 
 @pytest.mark.parametrize("weights", ["int4", "int8"])
@@ -210,18 +229,28 @@ def test_the_c_kernel_built_for_older_cpus_gives_the_same_products(tmp_path, mar
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-500:]
     older = ctypes.CDLL(str(target))
-    older.q4_linear.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4
-    older.q8_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
+    older.q4_linear.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5
+    older.q8_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6
     torch.manual_seed(7)
     linear = torch.nn.Linear(96, 2100, bias=False)  # two spans, the second a chunk of 32 and 20 outputs
     x = torch.randn(2, 96)
     int4, int8 = quantize_int4(linear), quantize_int8(linear)
-    out = torch.empty(2, 2100)
-    pointers = (int4.packed, int4.scale, int4.offset, x, out)
-    assert older.q4_linear(*(t.data_ptr() for t in pointers), 2, 2100, 3, 1) == 0
-    assert torch.allclose(out, qlinear.q4_linear(x, int4.packed, int4.scale, int4.offset), rtol=1e-5, atol=1e-5)
-    assert older.q8_linear(int8.q.data_ptr(), int8.scale.data_ptr(), x.data_ptr(), out.data_ptr(), 2, 2100, 3, 1) == 0
-    assert torch.allclose(out, qlinear.q8_linear(x, int8.q, int8.scale), rtol=1e-5, atol=1e-5)
+    wide4 = Int4Linear(int4.packed, int4.scale.float() * 1.0001, int4.offset.float(), scale_dtype=torch.float32)
+    blocks16 = Int8Linear(int8.q, torch.rand(2100, 6) / 100, scale_dtype=torch.float32)  # Q6_K's form
+    for layer in (int4, wide4):
+        out = torch.empty(2, 2100)
+        pointers = (layer.packed, layer.scale, layer.offset, x, out)
+        wide = int(layer.scale.dtype == torch.float32)
+        assert older.q4_linear(*(t.data_ptr() for t in pointers), 2, 2100, 3, wide, 1) == 0
+        expected = qlinear.q4_linear(x, layer.packed, layer.scale, layer.offset)
+        assert torch.allclose(out, expected, rtol=1e-5, atol=1e-5)
+    for layer, block in ((int8, 32), (blocks16, 16)):
+        out = torch.empty(2, 2100)
+        wide = int(layer.scale.dtype == torch.float32)
+        pointers = (layer.q, layer.scale, x, out)
+        assert older.q8_linear(*(t.data_ptr() for t in pointers), 2, 2100, 3, block, wide, 1) == 0
+        assert torch.allclose(out, qlinear.q8_linear(x, layer.q, layer.scale), rtol=1e-5, atol=1e-5)
+        assert torch.allclose(out, quantized_activations(x) @ layer.dequantized().t(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("weights", ["int4", "int8"])

@@ -1,7 +1,8 @@
 """A model's linear layers loaded from the quantized tensors of the GGUF it was converted from, not de-quantized:
-Q4_0 and Q4_1 as :class:`~.quantized.Int4Linear`, Q8_0 as :class:`~.quantized.Int8Linear`, exactly (the formats map
-bit for bit; :mod:`.quantized`). Tensors of other types (F32, F16, the K-quants) keep the float weights the
-conversion made of them, which are the GGUF's own values.
+Q4_0, Q4_1 and Q4_K as :class:`~.quantized.Int4Linear`, Q8_0, Q5_0 and Q6_K as :class:`~.quantized.Int8Linear`, each
+giving the GGUF's own values exactly (:mod:`.quantized`: Q4_0, Q4_1 and Q8_0 byte for byte; Q5_0 with its 5-bit
+values widened to a byte; the K-quants with their scales multiplied out in float32). Tensors of other types (F32,
+F16, Q5_1, the other K-quants) keep the float weights the conversion made of them, which are the GGUF's own values.
 
 Every layer taken is checked against the converted model's weight it replaces: its de-quantized values must equal
 those (rounded to the model's dtype) element for element, so a wrong name, row order or byte layout is refused
@@ -20,11 +21,14 @@ import torch
 from ..errors import SparseDecodeError
 from .quantized import GROUP, Int4Linear, Int8Linear, int4_from_nibbles, linear_modules, replace_module
 
+SUPER = 256
+"""Weights per K-quant super-block."""
+
 _BLOCKS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
            "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
            "ffn_down": "mlp.down_proj"}  # fmt: skip
 _LAYER = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
-MAPPED = ("Q4_0", "Q4_1", "Q8_0")
+MAPPED = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q6_K", "Q8_0")
 """GGUF tensor types loaded as they are; the others stay float."""
 
 
@@ -40,7 +44,8 @@ def module_name(tensor: str, tied: bool) -> str | None:
 
 
 def _blocks(tensor, size: int) -> np.ndarray:
-    """A quantized GGUF tensor's bytes as ``(rows, groups, size)``: one block of ``size`` bytes per 32 weights."""
+    """A quantized GGUF tensor's bytes as ``(rows, blocks, size)``: blocks of ``size`` bytes (32 weights each, 256
+    for a K-quant)."""
     data = np.asarray(tensor.data, dtype=np.uint8)
     rows = int(np.prod(tensor.shape[1:]))
     return data.reshape(rows, -1, size)
@@ -52,8 +57,16 @@ def _half(blocks: np.ndarray, at: int) -> torch.Tensor:
 
 
 def quantized_layer(tensor, bias: torch.Tensor | None = None):
-    """A GGUF tensor of type Q4_0, Q4_1 or Q8_0 as the quantized linear layer holding it exactly."""
+    """A GGUF tensor of a type in :data:`MAPPED` as the quantized linear layer holding it exactly."""
     kind = tensor.tensor_type.name
+    if kind in _K_QUANTS:
+        return _K_QUANTS[kind](tensor, bias)
+    if kind == "Q5_0":  # d, 32 high bits, 16 bytes of low nibbles (Q4_0's order): (q - 16) * d
+        blocks = _blocks(tensor, 6 + GROUP // 2)
+        high = (np.ascontiguousarray(blocks[..., 2:6]).view(np.uint32) >> np.arange(GROUP, dtype=np.uint32)) & 1
+        qs = blocks[..., 6:]
+        q = (np.concatenate([qs & 15, qs >> 4], axis=-1) | (high.astype(np.uint8) << 4)).astype(np.int8) - 16
+        return Int8Linear(torch.from_numpy(q), _half(blocks, 0), bias, source="GGUF Q5_0")
     if kind == "Q8_0":
         blocks = _blocks(tensor, 2 + GROUP)
         q = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8))
@@ -70,6 +83,44 @@ def quantized_layer(tensor, bias: torch.Tensor | None = None):
     raise SparseDecodeError(f"GGUF tensor {tensor.name} is {kind}; loaded as it is: {', '.join(MAPPED)}")
 
 
+def _q4_k(tensor, bias):
+    """Q4_K: per super-block d, dmin, twelve bytes of 6-bit scales and minimums (``sc``, ``m`` for eight sub-blocks
+    of 32; gguf's own unpacking), and 128 bytes, each 32 of them holding two sub-blocks (low nibbles, then high):
+    ``d sc q - dmin m``."""
+    from gguf.quants import Q4_K
+
+    blocks = _blocks(tensor, 4 + 12 + SUPER // 2)
+    rows, supers = blocks.shape[:2]
+    flat = blocks.reshape(rows * supers, -1)
+    sc, m = Q4_K.get_scale_min(np.ascontiguousarray(flat[:, 4:16]))
+    d = np.ascontiguousarray(flat[:, 0:2]).view(np.float16).astype(np.float32)
+    dmin = np.ascontiguousarray(flat[:, 2:4]).view(np.float16).astype(np.float32)
+    qs = flat[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    nibbles = torch.from_numpy((qs & 15).reshape(rows, supers * SUPER))
+    scale = torch.from_numpy((d * sc.astype(np.float32)).reshape(rows, -1))
+    offset = -torch.from_numpy((dmin * m.astype(np.float32)).reshape(rows, -1))
+    return int4_from_nibbles(nibbles, scale, offset, bias, "GGUF Q4_K", torch.float32)
+
+
+def _q6_k(tensor, bias):
+    """Q6_K: per super-block 128 bytes of low nibbles, 64 of high bit pairs, sixteen int8 scales (sub-blocks of 16)
+    and d: ``d sc (q - 32)``, q in 0..63."""
+    blocks = _blocks(tensor, SUPER // 2 + SUPER // 4 + SUPER // 16 + 2)
+    rows, supers = blocks.shape[:2]
+    flat = blocks.reshape(rows * supers, -1)
+    low = (flat[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15
+    pairs = flat[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    q = (low.reshape(-1, 8, 32) | ((pairs & 3).reshape(-1, 8, 32) << 4)).astype(np.int8) - 32
+    sc = np.ascontiguousarray(flat[:, 192:208]).view(np.int8).astype(np.float32)
+    d = np.ascontiguousarray(flat[:, 208:210]).view(np.float16).astype(np.float32)
+    scale = torch.from_numpy((d * sc).reshape(rows, -1))
+    q = torch.from_numpy(q.reshape(rows, -1, GROUP))
+    return Int8Linear(q, scale, bias, source="GGUF Q6_K", scale_dtype=torch.float32)
+
+
+_K_QUANTS = {"Q4_K": _q4_k, "Q6_K": _q6_k}
+
+
 def _llama_rows(rows: int, heads: int) -> torch.Tensor:
     """The row order transformers gives a llama.cpp query or key weight of ``heads`` heads (its reverse permute)."""
     return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows)
@@ -79,8 +130,8 @@ def _reordered(layer, rows: torch.Tensor):
     """``layer`` with its output rows taken in the order ``rows``."""
     if isinstance(layer, Int4Linear):
         packed, scale, offset = layer.packed[..., rows], layer.scale[:, rows], layer.offset[:, rows]
-        return Int4Linear(packed, scale, offset, layer.bias, layer.source)
-    return Int8Linear(layer.q[rows], layer.scale[rows], layer.bias, layer.source)
+        return Int4Linear(packed, scale, offset, layer.bias, layer.source, scale.dtype)
+    return Int8Linear(layer.q[rows], layer.scale[rows], layer.bias, layer.source, layer.scale.dtype)
 
 
 def _matching(layer, weight: torch.Tensor, heads: tuple[int, ...]):

@@ -2,17 +2,20 @@
 
 Two formats, both in groups of :data:`GROUP` = 32 consecutive inputs of one output (GGUF's block), scales stored in
 float16 as GGUF stores them (so a layer holds exactly the bytes of its GGUF blocks: 20 per 32 weights for int4, 34
-for int8), activations in float32 (quantized to int8 for a decode step's products, below):
+for int8), or in float32 where a GGUF K-quant's scales are products (:data:`SCALE_DTYPES`); activations in float32
+(quantized to int8 for a decode step's products, below):
 
 - :class:`Int4Linear`: ``w = q * scale + offset`` with ``q`` in 0..15, two per byte as GGUF packs them (byte ``j`` of
   a group holds input ``j`` in its low nibble and input ``j + 16`` in its high one), the bytes stored group by group
-  with the outputs innermost (``(K / 32, 16, N)``), one float16 scale and offset per group and output. GGUF's Q4_1
-  (``q * d + m``) maps exactly (``scale = d``, ``offset = m``), Q4_0 (``(q - 8) * d``) too (``offset = -8 d``).
+  with the outputs innermost (``(K / 32, 16, N)``), one scale and offset per group and output. GGUF's Q4_1
+  (``q * d + m``) maps exactly (``scale = d``, ``offset = m``), Q4_0 (``(q - 8) * d``) too (``offset = -8 d``), and
+  Q4_K (``d sc q - dmin m`` per sub-block of 32) with float32 ``scale = d sc`` and ``offset = -dmin m``.
   From float weights (:data:`METHODS` ``int4``): each group's minimum and maximum, ``scale = (max - min) / 15``,
   ``offset = min`` (both rounded to float16), ``q`` rounded to nearest (Q4_1's own method).
-- :class:`Int8Linear`: ``w = q * scale``, ``q`` in -127..127 stored ``(N, K / 32, 32)``, one float16 scale per group
-  and output. GGUF's Q8_0 (``q * d``) maps exactly. From float weights: ``scale = max |w| / 127`` per group, ``q``
-  rounded to nearest (Q8_0's own method).
+- :class:`Int8Linear`: ``w = q * scale``, ``q`` in -127..127 stored ``(N, K / 32, 32)``, one scale per block of
+  32 (or 16) inputs and output. GGUF's Q8_0 (``q * d``) maps exactly, Q5_0 (``(q - 16) * d``, 5-bit ``q``) too, and
+  Q6_K (``d sc (q - 32)`` per sub-block of 16) with blocks of 16 and float32 ``scale = d sc``. From float weights:
+  ``scale = max |w| / 127`` per group, ``q`` rounded to nearest (Q8_0's own method).
 
 The product of a decode step's few rows (:data:`FUSED_ROWS`) first quantizes the activations as llama.cpp does for
 its dot products (:func:`quantized_activations`: int8 per group of 32, the group's ``max |x| / 127`` as scale), so
@@ -70,6 +73,16 @@ def quantized_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(groups * inverse) * scale).reshape(x.shape)
 
 
+SCALE_DTYPES = (torch.float16, torch.float32)
+"""How a layer may store its scales: float16 (GGUF's Q4_0, Q4_1, Q8_0, Q5_0 and the methods of :data:`METHODS`), or
+float32 (GGUF's Q4_K and Q6_K, whose scale is a float16 times a small integer: exact in float32, not in float16)."""
+
+
+def _check_scale_dtype(dtype: torch.dtype) -> None:
+    if dtype not in SCALE_DTYPES:
+        raise SparseDecodeError(f"quantized scales are stored as float16 or float32, not {dtype}")
+
+
 METHODS = {
     "int4": "group-32 min-max, round to nearest (q in 0..15, w = q * scale + min; Q4_1's method)",
     "int8": "group-32 absmax, round to nearest (q in -127..127, w = q * scale; Q8_0's method)",
@@ -124,18 +137,19 @@ class QuantizedLinear(torch.nn.Module):
 
 class Int4Linear(QuantizedLinear):
     """``w[n, 32 g + j] = nibble * scale[g, n] + offset[g, n]`` (module docstring); ``packed (K/32, 16, N)`` uint8,
-    ``scale`` and ``offset (K/32, N)`` float16."""
+    ``scale`` and ``offset (K/32, N)`` stored as ``scale_dtype`` (:data:`SCALE_DTYPES`)."""
 
     format = "int4"
 
-    def __init__(self, packed, scale, offset, bias=None, source: str = "int4"):
+    def __init__(self, packed, scale, offset, bias=None, source: str = "int4", scale_dtype=torch.float16):
         groups, half, outputs = packed.shape
         super().__init__(groups * GROUP, outputs, bias, source)
         if half != GROUP // 2 or packed.dtype != torch.uint8 or scale.shape != (groups, outputs):
             raise SparseDecodeError(f"Int4Linear: packed (K/32, 16, N) uint8 and scales (K/32, N), got {packed.shape}")
+        _check_scale_dtype(scale_dtype)
         self.register_buffer("packed", packed.contiguous())
-        self.register_buffer("scale", scale.to(torch.float16).contiguous())
-        self.register_buffer("offset", offset.to(torch.float16).contiguous())
+        self.register_buffer("scale", scale.to(scale_dtype).contiguous())
+        self.register_buffer("offset", offset.to(scale_dtype).contiguous())
 
     def c_product(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.sparsedecode_quantized.int4_linear(x, self.packed, self.scale, self.offset)
@@ -154,37 +168,47 @@ class Int4Linear(QuantizedLinear):
 
 
 class Int8Linear(QuantizedLinear):
-    """``w[n, 32 g + j] = q[n, g, j] * scale[n, g]`` (module docstring); ``q (N, K/32, 32)`` int8, ``scale (N, K/32)``
-    float16."""
+    """``w[n, 32 g + j] = q[n, g, j] * scale[n, (32 g + j) // block]`` (module docstring); ``q (N, K/32, 32)`` int8,
+    ``scale (N, K/block)`` stored as ``scale_dtype`` (:data:`SCALE_DTYPES`), ``block`` 32 or 16 (from the shapes)."""
 
     format = "int8"
 
-    def __init__(self, q, scale, bias=None, source: str = "int8"):
+    def __init__(self, q, scale, bias=None, source: str = "int8", scale_dtype=torch.float16):
         outputs, groups, size = q.shape
         super().__init__(groups * GROUP, outputs, bias, source)
-        if size != GROUP or q.dtype != torch.int8 or scale.shape != (outputs, groups):
-            raise SparseDecodeError(f"Int8Linear: q (N, K/32, 32) int8 and scales (N, K/32), got {q.shape}")
+        blocks = scale.shape[1] if scale.dim() == 2 else 0
+        if size != GROUP or q.dtype != torch.int8 or scale.shape[0] != outputs or blocks not in (groups, 2 * groups):
+            raise SparseDecodeError(
+                f"Int8Linear: q (N, K/32, 32) int8 and scales (N, K/32) or (N, K/16), got {tuple(q.shape)} and "
+                f"{tuple(scale.shape)}"
+            )
+        _check_scale_dtype(scale_dtype)
+        self.block = self.in_features // blocks
         self.register_buffer("q", q.contiguous())
-        self.register_buffer("scale", scale.to(torch.float16).contiguous())
+        self.register_buffer("scale", scale.to(scale_dtype).contiguous())
 
     def c_product(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.sparsedecode_quantized.int8_linear(x, self.q, self.scale)
 
     def fused(self, x: torch.Tensor) -> torch.Tensor:
-        groups = self.q.shape[1]
-        xg = x.reshape(-1, 1, groups, GROUP)
-        return ((self.q.float() * xg).sum(-1) * self.scale.float()).sum(-1)
+        blocks = self.scale.shape[1]
+        xb = x.reshape(-1, 1, blocks, self.block)
+        q = self.q.reshape(self.out_features, blocks, self.block)
+        return ((q.float() * xb).sum(-1) * self.scale.float()).sum(-1)
 
     def dequantized(self) -> torch.Tensor:
-        return (self.q.float() * self.scale.float().unsqueeze(-1)).reshape(self.out_features, self.in_features)
+        q = self.q.reshape(self.out_features, -1, self.block).float()
+        return (q * self.scale.float().unsqueeze(-1)).reshape(self.out_features, self.in_features)
 
 
-def int4_from_nibbles(nibbles: torch.Tensor, scale, offset, bias=None, source: str = "int4") -> Int4Linear:
+def int4_from_nibbles(
+    nibbles: torch.Tensor, scale, offset, bias=None, source: str = "int4", scale_dtype=torch.float16
+) -> Int4Linear:
     """An :class:`Int4Linear` from ``nibbles (N, K)`` (0..15) and per-group ``scale``, ``offset (N, K/32)``."""
     outputs, inputs = nibbles.shape
     groups = nibbles.to(torch.uint8).reshape(outputs, inputs // GROUP, GROUP)
     packed = groups[..., : GROUP // 2] | (groups[..., GROUP // 2 :] << 4)  # (N, groups, 16), GGUF's byte order
-    return Int4Linear(packed.permute(1, 2, 0), scale.t(), offset.t(), bias, source)
+    return Int4Linear(packed.permute(1, 2, 0), scale.t(), offset.t(), bias, source, scale_dtype)
 
 
 def quantize_int4(linear: torch.nn.Linear) -> Int4Linear:

@@ -19,8 +19,8 @@ FLOAT_WEIGHTS = ("float32", "bfloat16", "float16")
 QUANTIZED_WEIGHTS = ("gguf", "int8", "int4")
 WEIGHTS = FLOAT_WEIGHTS + QUANTIZED_WEIGHTS
 """What ``weights`` may name: a float dtype (the same as ``dtype``), or a quantized form: ``gguf`` (the linear layers
-from the model's GGUF as they are stored: Q4_0 and Q4_1 as int4, Q8_0 as int8, other types float), ``int4`` or
-``int8`` (quantized from the float weights, :data:`~.quantized.METHODS`)."""
+from the model's GGUF as they are stored: Q4_0, Q4_1 and Q4_K as int4, Q8_0, Q5_0 and Q6_K as int8, other types
+float), ``int4`` or ``int8`` (quantized from the float weights, :data:`~.quantized.METHODS`)."""
 
 
 def check_weights(weights: str | None, dtype: str | torch.dtype) -> tuple[str | torch.dtype, str | None]:
@@ -53,12 +53,14 @@ def apply_weights(model: torch.nn.Module, weights: str | None, gguf: Path | None
                 f"weights 'gguf' reads the GGUF a model was converted from; {spec!r} is not a built-in alias or a "
                 "local .gguf file (choose int4 or int8 to quantize its float weights)"
             )
-        from .gguf_weights import load_gguf_linears
+        from .gguf_weights import MAPPED, load_gguf_linears
 
         counts = load_gguf_linears(model, gguf)
         kinds = [kind for kind in counts if kind != "float" and counts[kind]]
         if not kinds:
-            raise SparseDecodeError(f"{gguf.name} holds no linear weights of a type loaded as it is (Q4_0, Q4_1, Q8_0)")
+            raise SparseDecodeError(
+                f"{gguf.name} holds no linear weights of a type loaded as it is ({', '.join(MAPPED)})"
+            )
         label = "gguf " + "+".join(sorted(kinds))
     else:
         counts = quantize_linears(model, weights)

@@ -14,8 +14,8 @@ from . import check_status, library
 from .functions import c_function
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-_Q4_ARGS = [_ptr] * 5 + [_i64] * 4
-_Q8_ARGS = [_ptr] * 4 + [_i64] * 4
+_Q4_ARGS = [_ptr] * 5 + [_i64] * 5
+_Q8_ARGS = [_ptr] * 4 + [_i64] * 6
 
 
 def available():
@@ -25,13 +25,13 @@ def available():
 
 def q4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     """``x (rows, K)`` float32 (quantized per group of 32 here) times the int4 weight ``packed (K/32, 16, N)`` uint8,
-    ``scale``, ``offset (K/32, N)`` float16: ``(rows, N)`` float32."""
+    ``scale``, ``offset (K/32, N)`` float16 or float32: ``(rows, N)`` float32."""
     groups, _, n = packed.shape
     x = x.contiguous()
     out = x.new_empty(x.shape[0], n)
     status = c_function("q4_linear", _Q4_ARGS)(
         packed.data_ptr(), scale.data_ptr(), offset.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], n, groups,
-        torch.get_num_threads(),
+        int(scale.dtype == torch.float32), torch.get_num_threads(),
     )  # fmt: skip
     check_status(status)
     return out
@@ -39,12 +39,13 @@ def q4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset
 
 def q8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x (rows, K)`` float32 (quantized per group of 32 here) times the int8 weight ``q (N, K/32, 32)``,
-    ``scale (N, K/32)`` float16: ``(rows, N)`` float32."""
+    ``scale (N, K/block)`` float16 or float32, ``block`` 32 or 16: ``(rows, N)`` float32."""
     n, groups, _ = q.shape
     x = x.contiguous()
     out = x.new_empty(x.shape[0], n)
     q8 = c_function("q8_linear", _Q8_ARGS)
-    status = q8(q.data_ptr(), scale.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], n, groups,
+    block, wide = groups * 32 // scale.shape[1], int(scale.dtype == torch.float32)
+    status = q8(q.data_ptr(), scale.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], n, groups, block, wide,
                 torch.get_num_threads())  # fmt: skip
     check_status(status)
     return out

@@ -3,7 +3,9 @@
  *
  * int4: w[n, 32g + j] = nibble * scale[g, n] + offset[g, n]; packed (G, 16, N) bytes, byte j of group g holding input
  * j in its low nibble and input j + 16 in its high one (GGUF's Q4_0/Q4_1 byte order), the outputs innermost; scale
- * and offset (G, N) float16. int8: w[n, 32g + j] = q[n, g, j] * scale[n, g]; q (N, G, 32), scale (N, G) float16.
+ * and offset (G, N). int8: w[n, 32g + j] = q[n, g, j] * scale[n, (32g + j) / block]; q (N, G, 32), scale (N, 32G /
+ * block), block 32 (Q8_0) or 16 (Q6_K's sub-blocks). Scales are float16 (GGUF's own) or, with `scale32`, float32
+ * (a K-quant's super-block scale times a sub-block's integer scale, exact in float32).
  *
  * The activations x (rows, 32 G) float32 are first quantized as llama.cpp quantizes them for its dot products: per
  * group of 32, d = max |x| / 127 and xq = rint(x * (127 / max |x|)) in -127..127 (d = 0 and xq = 0 for a group of
@@ -25,13 +27,19 @@ enum { Q4_SPAN = 2048, Q4_CHUNK = 32, Q4_AHEAD = 8, Q8_ROWS = 4, Q8_AHEAD = 2048
 
 typedef struct {
     const uint8_t *weights;
-    const uint16_t *scale, *offset;
+    const void *scale, *offset; /* float16, or float32 with scale32 */
     const int8_t *xq; /* (rows, 32 G) the quantized activations */
     const float *xd;  /* (rows, G) their scales d */
     const float *xs;  /* (rows, G) d * sum of the group's xq */
     float *out;
     int64_t rows, n, groups, span; /* span: outputs per int4 task, a multiple of Q4_CHUNK, at most Q4_SPAN */
+    int64_t block, scale32;         /* int8: inputs per scale (16 or 32); whether scales are float32 */
 } qjob_t;
+
+/* Scale i of an array of the job's scales, as a float. */
+static inline float scale_at(const qjob_t *job, const void *p, int64_t i) {
+    return job->scale32 ? ((const float *)p)[i] : half_to_float(((const uint16_t *)p)[i]);
+}
 
 /* x (rows, 32 groups) -> xq, xd, xs as the header says. */
 static void quantize_rows(const float *x, int64_t rows, int64_t groups, int8_t *xq, float *xd, float *xs) {
@@ -71,7 +79,7 @@ static void q4_plain(const qjob_t *job, int64_t n0, int64_t count) {
             float d = job->xd[r * job->groups + g], s = job->xs[r * job->groups + g];
             for (int64_t i = 0; i < count; i++) {
                 int64_t at = g * n + n0 + i;
-                total[i] += (float)sums[i] * (half_to_float(job->scale[at]) * d) + half_to_float(job->offset[at]) * s;
+                total[i] += (float)sums[i] * (scale_at(job, job->scale, at) * d) + scale_at(job, job->offset, at) * s;
             }
         }
         for (int64_t i = 0; i < count; i++) job->out[r * n + n0 + i] = total[i];
@@ -80,6 +88,11 @@ static void q4_plain(const qjob_t *job, int64_t n0, int64_t count) {
 
 #if defined(__AVX2__)
 #include <immintrin.h>
+/* Scales i .. i + 7 of an array of the job's scales. */
+static inline __m256 scales8(const qjob_t *job, const void *p, int64_t i) {
+    return job->scale32 ? _mm256_loadu_ps((const float *)p + i) : (__m256)half8((const uint16_t *)p + i);
+}
+
 /* Outputs n0 .. n0 + 32 chunks - 1 of every row with AVX2 (header). After unpacking a lane's bytes, a 16-bit sum
  * vector holds outputs 0-7 and 16-23 of its chunk (pairs[0]) or 8-15 and 24-31 (pairs[1]); widening puts them back
  * in order. */
@@ -122,8 +135,8 @@ static void q4_chunks(const qjob_t *job, int64_t n0, int chunks) {
             __m256 d = _mm256_set1_ps(job->xd[r * job->groups + g]), s = _mm256_set1_ps(job->xs[r * job->groups + g]);
             for (int v = 0; v < 4 * chunks; v++) {
                 int64_t at = g * n + n0 + 8 * v;
-                __m256 scaled = _mm256_mul_ps((__m256)half8(job->scale + at), d);
-                __m256 shifted = _mm256_add_ps(total[v], _mm256_mul_ps((__m256)half8(job->offset + at), s));
+                __m256 scaled = _mm256_mul_ps(scales8(job, job->scale, at), d);
+                __m256 shifted = _mm256_add_ps(total[v], _mm256_mul_ps(scales8(job, job->offset, at), s));
                 total[v] = _mm256_add_ps(shifted, _mm256_mul_ps(_mm256_cvtepi32_ps(sums[v]), scaled));
             }
         }
@@ -143,10 +156,10 @@ static int q4_tile(const void *arg, int64_t tile) {
     return 0;
 }
 
-/* Outputs part * Q8_ROWS .. + Q8_ROWS - 1, each a row of 32 G int8 weights: a 32-bit sum per group, scaled. */
+/* Outputs part * Q8_ROWS .. + Q8_ROWS - 1, each a row of 32 G int8 weights: a 32-bit sum per block, scaled. */
 static int q8_rows(const void *arg, int64_t part) {
     const qjob_t *job = arg;
-    int64_t groups = job->groups, k = groups * 32, n0 = part * Q8_ROWS;
+    int64_t groups = job->groups, k = groups * 32, n0 = part * Q8_ROWS, per = 32 / job->block; /* scales a group */
     int64_t count = job->n - n0 < Q8_ROWS ? job->n - n0 : Q8_ROWS;
     const int8_t *q = (const int8_t *)job->weights;
     for (int64_t r = 0; r < job->rows; r++) {
@@ -165,15 +178,18 @@ static int q8_rows(const void *arg, int64_t part) {
                 __m256i xg = _mm256_loadu_si256((const __m256i *)(xq + g * 32));
                 __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(wg), _mm256_sign_epi8(xg, wg));
                 __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-                __m256 scale = _mm256_set1_ps(half_to_float(job->scale[o * groups + g]) * xd[g]);
+                const int64_t at = (o * groups + g) * per;
+                float first = scale_at(job, job->scale, at) * xd[g];
+                float second = per == 2 ? scale_at(job, job->scale, at + 1) * xd[g] : first;
+                __m256 scale = _mm256_setr_m128(_mm_set1_ps(first), _mm_set1_ps(second)); /* lanes 0-3: inputs 0-15 */
                 total = _mm256_add_ps(total, _mm256_mul_ps(dots, scale));
             }
             for (int lane = 0; lane < 8; lane++) sum += total[lane];
 #else
-            for (int64_t g = 0; g < groups; g++) {
+            for (int64_t b = 0; b < groups * per; b++) {
                 int32_t dot = 0;
-                for (int j = 0; j < 32; j++) dot += w[g * 32 + j] * xq[g * 32 + j];
-                sum += (float)dot * (half_to_float(job->scale[o * groups + g]) * xd[g]);
+                for (int64_t j = b * job->block; j < (b + 1) * job->block; j++) dot += w[j] * xq[j];
+                sum += (float)dot * (scale_at(job, job->scale, o * groups * per + b) * xd[b / per]);
             }
 #endif
             job->out[r * job->n + o] = sum;
@@ -197,11 +213,11 @@ static void *quantized_activations(qjob_t *job, const float *x) {
 }
 
 /* out (rows, n) = x (rows, 32 groups) times the int4 weight (its activations quantized first). */
-int q4_linear(const uint8_t *packed, const uint16_t *scale, const uint16_t *offset, const float *x, float *out,
-              int64_t rows, int64_t n, int64_t groups, int64_t threads) {
+int q4_linear(const uint8_t *packed, const void *scale, const void *offset, const float *x, float *out, int64_t rows,
+              int64_t n, int64_t groups, int64_t scale32, int64_t threads) {
     int64_t parts = threads < 1 ? 1 : threads, span = (n + parts - 1) / parts;
     span = span > Q4_SPAN ? Q4_SPAN : (span + Q4_CHUNK - 1) / Q4_CHUNK * Q4_CHUNK; /* about one span per thread */
-    qjob_t job = {packed, scale, offset, NULL, NULL, NULL, out, rows, n, groups, span};
+    qjob_t job = {packed, scale, offset, NULL, NULL, NULL, out, rows, n, groups, span, 32, scale32};
     void *space = quantized_activations(&job, x);
     if (!space) return -1;
     int64_t tiles = (n + span - 1) / span;
@@ -211,9 +227,9 @@ int q4_linear(const uint8_t *packed, const uint16_t *scale, const uint16_t *offs
 }
 
 /* out (rows, n) = x (rows, 32 groups) times the int8 weight (its activations quantized first). */
-int q8_linear(const int8_t *q, const uint16_t *scale, const float *x, float *out, int64_t rows, int64_t n,
-              int64_t groups, int64_t threads) {
-    qjob_t job = {(const uint8_t *)q, scale, NULL, NULL, NULL, NULL, out, rows, n, groups, 0};
+int q8_linear(const int8_t *q, const void *scale, const float *x, float *out, int64_t rows, int64_t n, int64_t groups,
+              int64_t block, int64_t scale32, int64_t threads) {
+    qjob_t job = {(const uint8_t *)q, scale, NULL, NULL, NULL, NULL, out, rows, n, groups, 0, block, scale32};
     void *space = quantized_activations(&job, x);
     if (!space) return -1;
     int64_t parts = (n + Q8_ROWS - 1) / Q8_ROWS;
