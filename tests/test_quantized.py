@@ -24,7 +24,7 @@ from sparsedecode.models.quantized import (
     quantized_activations,
     weight_bytes,
 )
-from sparsedecode.models.weights import apply_weights, check_weights, weights_label
+from sparsedecode.models.weights import apply_weights, check_weights, gguf_types, weights_label
 
 GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}  # fmt: skip
@@ -32,6 +32,7 @@ GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_pro
 
 def _reader(tmp_path, tensors: dict[str, tuple[np.ndarray, Q]]):
     """A GGUF file holding ``tensors`` (name: float weights and the type to quantize them to), read back."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "tiny.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
     for name, (weights, kind) in tensors.items():
@@ -265,3 +266,79 @@ def test_a_non_finite_activation_makes_the_quantized_products_output_nan(weights
         assert torch.isnan(quantized_activations(x)[1, 32:]).all() and not quantized_activations(x)[0].isnan().any()
         out = layer(x)
         assert torch.isnan(out[1]).all() and torch.isfinite(out[0]).all()
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_an_exported_gguf_holds_the_models_own_layers_for_llama_cpp(tmp_path, weights):
+    """bench e2e --baseline llama.cpp with --weights int4/int8: the GGUF written holds our layers byte for byte (its
+    Q4_1 or Q8_0 tensors load back into the same packed bytes and scales, llama.cpp's query and key row order
+    restored), and everything else as the source has it."""
+    from sparsedecode.models.gguf_export import export_gguf
+
+    model = tiny_model("llama")
+    source = _tiny_gguf(tmp_path, model)
+    apply_weights(model, weights, None, "tiny")
+    target = tmp_path / "ours.gguf"
+    counts = export_gguf(model, source, target)
+    assert counts == {("Q4_1" if weights == "int4" else "Q8_0"): 15}
+    again = tiny_model("llama")
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, (Int4Linear, Int8Linear)):
+                again.get_submodule(name).weight.copy_(module.dequantized())
+    assert load_gguf_linears(again, target) == {("Q4_1" if weights == "int4" else "Q8_0"): 15, "float": 0}
+    for name, module in model.named_modules():
+        if isinstance(module, (Int4Linear, Int8Linear)):
+            loaded = again.get_submodule(name)
+            for buffer in ("packed", "q", "scale", "offset"):
+                if hasattr(module, buffer):
+                    assert torch.equal(getattr(loaded, buffer), getattr(module, buffer)), (name, buffer)
+    written, original = gguf.GGUFReader(str(target)), gguf.GGUFReader(str(source))
+    assert written.fields["general.architecture"].contents() == "llama"
+    assert [t.name for t in written.tensors] == [t.name for t in original.tensors]
+    for ours, theirs in zip(written.tensors, original.tensors, strict=True):  # rows in the source's order (q, k too)
+        mine, source_values = (gguf.quants.dequantize(t.data, t.tensor_type) for t in (ours, theirs))
+        assert np.linalg.norm(mine - source_values) < 0.2 * np.linalg.norm(source_values), ours.name
+
+
+def test_an_exported_gguf_of_a_tied_output_keeps_the_embedding_and_writes_an_output(tmp_path):
+    from sparsedecode.models.gguf_export import export_gguf
+
+    model = tiny_model("llama")
+    weight = model.lm_head.weight.detach().numpy().copy()
+    source, tensors = _reader(tmp_path, {"token_embd.weight": (weight, Q.Q8_0)})  # tied: no output.weight
+    with torch.no_grad():
+        model.lm_head.weight.copy_(torch.from_numpy(gguf.quants.dequantize(tensors["token_embd.weight"].data, Q.Q8_0)))
+    apply_weights(model, "int4", None, "tiny")
+    target = tmp_path / "ours.gguf"
+    assert export_gguf(model, source, target) == {"Q4_1": 1}
+    written = {t.name: t for t in gguf.GGUFReader(str(target)).tensors}
+    assert np.array_equal(written["token_embd.weight"].data, tensors["token_embd.weight"].data)  # as the source's
+    assert written["output.weight"].tensor_type == Q.Q4_1
+    assert torch.equal(quantized_layer(written["output.weight"]).packed, model.lm_head.packed)
+
+
+def test_bench_e2e_gives_llama_cpp_the_gguf_of_the_weights_our_rows_read(tmp_path, monkeypatch):
+    """--weights gguf or a float dtype: the alias's own GGUF; int4/int8: a copy holding our layers, written once. The
+    bytes llama.cpp reads per token leave out an embedding table that has an output projection beside it."""
+    from types import SimpleNamespace
+
+    from sparsedecode.cli import bench_e2e as cli
+    from sparsedecode.experiments import baseline
+    from sparsedecode.models.weights import gguf_decode_bytes
+
+    model = tiny_model("llama")
+    source = _tiny_gguf(tmp_path, model)
+    monkeypatch.setattr(baseline, "gguf_of", lambda name: source)
+    assert cli._baseline_gguf(SimpleNamespace(model="tiny", weights=None), model, tmp_path) == source
+    apply_weights(model, "int8", None, "tiny")
+    folder = tmp_path / "scratch"
+    folder.mkdir()
+    written = cli._baseline_gguf(SimpleNamespace(model="tiny", weights="int8"), model, folder)
+    assert written.parent == folder and gguf_types(written) == "gguf Q8_0"
+    assert gguf_decode_bytes(written) == written.stat().st_size  # no embedding table in the tiny file
+    table = np.random.default_rng(1).standard_normal((64, 96)).astype(np.float32)
+    both, _ = _reader(tmp_path / "both", {"token_embd.weight": (table, Q.Q8_0), "output.weight": (table, Q.Q8_0)})
+    assert gguf_decode_bytes(both) == both.stat().st_size - 64 * 3 * 34  # the table is looked up, not read
+    tied, _ = _reader(tmp_path / "tied", {"token_embd.weight": (table, Q.Q8_0)})
+    assert gguf_decode_bytes(tied) == tied.stat().st_size  # the table is the output projection

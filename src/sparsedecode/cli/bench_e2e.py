@@ -3,6 +3,9 @@ llama.cpp with ``--baseline``) in the same process; with ``--batch`` the batched
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 from rich.table import Table
 
 from ..errors import SparseDecodeError
@@ -75,7 +78,8 @@ def add_e2e_parser(benches) -> None:
         choices=("none", "llama.cpp"),
         help="llama.cpp: also decode the alias's GGUF with llama.cpp (dense; with and without flash attention), the "
         "same token ids and threads, timed in the same rotation; adds each row's ratio to it and bytes per token "
-        "(needs the llamacpp extra)",
+        "(needs the llamacpp extra). With --weights gguf both engines read that GGUF's blocks; with --weights "
+        "int4/int8 llama.cpp reads a copy of it holding our layers' blocks (as Q4_1/Q8_0), written for the run",
     )
     e2e.add_argument(
         "--dense-dtype",
@@ -113,11 +117,12 @@ def cmd_bench_e2e(args) -> int:
 
     check_context_fits(model, args.context, args.tokens)
     rows = []
+    scratch = tempfile.TemporaryDirectory(prefix="sparsedecode-gguf-")  # a GGUF of our own layers, for llama.cpp
     for context in args.context:
         ids = prompt_ids(tokenizer, args.corpus, context, args.prompt_index, args.tokens)
         engines = None
         if args.baseline != "none":
-            engines = _llama_engines(baseline.gguf_of(args.model), context + args.tokens + 1)
+            engines = _llama_engines(_baseline_gguf(args, model, Path(scratch.name)), context + args.tokens + 1)
         with progress_bars(piped_lines=True) as progress:
             rows.extend(
                 bench_e2e(
@@ -138,6 +143,7 @@ def cmd_bench_e2e(args) -> int:
             )
         for engine in (engines or {}).values():
             engine.close()  # llama.cpp's processes (models and caches) end before the next context
+    scratch.cleanup()
     _print_e2e(args, rows)
     if args.json:
         layers = {name: plain_layers(value) for name, value in layer_budget(args).items() if value}
@@ -186,6 +192,24 @@ def _check_e2e_args(args) -> None:
                 "--mode lossless runs batch 1 only (per-sequence acceptance and rollback are not implemented): "
                 "drop --batch"
             )
+
+
+def _baseline_gguf(args, model, folder: Path) -> Path:
+    """The GGUF llama.cpp decodes: the alias's own, or with ``--weights int4``/``int8`` one holding our layers'
+    blocks (written once into ``folder``), so that both engines decode the same weights."""
+    from ..experiments import baseline
+
+    source = baseline.gguf_of(args.model)
+    if getattr(args, "weights", None) not in ("int4", "int8"):
+        return source
+    target = folder / f"{args.model}-{args.weights}.gguf"
+    if not target.exists():
+        from ..models.gguf_export import export_gguf
+
+        counts = export_gguf(model, source, target)
+        made = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
+        console.print(f"[dim]llama.cpp decodes {source.name} with our {args.weights} layers written in ({made})[/]")
+    return target
 
 
 def _llama_engines(path, context: int) -> dict:
@@ -238,7 +262,7 @@ def _print_e2e(args, rows) -> None:
         + (
             "; vs llama.cpp = the faster llama.cpp mode's decode time over the row's; MB/token = weights + attention "
             "reads at the mean context, bound = read bandwidth / MB per token; the engines decode the same model only "
-            "where their weights match (--weights gguf).[/]"
+            "where their weights match (--weights gguf, int4, int8).[/]"
             if baseline
             else ".[/]"
         )

@@ -197,7 +197,7 @@ def annotate(rows: list, model: torch.nn.Module, engines: dict[str, LlamaCpp], p
     import statistics
 
     from ..models.quantized import weight_bytes
-    from ..models.weights import gguf_types
+    from ..models.weights import gguf_decode_bytes, gguf_types
 
     reference = min((r for r in rows if r.cache in engines), key=lambda r: r.decode_s, default=None)  # its faster
     element = next(model.parameters()).element_size()
@@ -207,7 +207,7 @@ def annotate(rows: list, model: torch.nn.Module, engines: dict[str, LlamaCpp], p
         if row.cache in engines:
             row.prefill_s = statistics.median(prefills[row.cache])
             row.weights = gguf_types(engines[row.cache].path)
-            read = engines[row.cache].path.stat().st_size + attention_bytes(model.config, n, None, 2)
+            read = gguf_decode_bytes(engines[row.cache].path) + attention_bytes(model.config, n, None, 2)
         else:
             read = weights + attention_bytes(model.config, n, row.support if row.mode == "sparse" else None, element)
         row.bytes_per_token_mb = read / 1e6

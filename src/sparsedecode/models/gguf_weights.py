@@ -121,7 +121,7 @@ def _q6_k(tensor, bias):
 _K_QUANTS = {"Q4_K": _q4_k, "Q6_K": _q6_k}
 
 
-def _llama_rows(rows: int, heads: int) -> torch.Tensor:
+def llama_rows(rows: int, heads: int) -> torch.Tensor:
     """The row order transformers gives a llama.cpp query or key weight of ``heads`` heads (its reverse permute)."""
     return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows)
 
@@ -141,7 +141,7 @@ def _matching(layer, weight: torch.Tensor, heads: tuple[int, ...]):
         return layer
     for h in dict.fromkeys(heads):
         if layer.out_features % (2 * h) == 0:
-            candidate = _reordered(layer, _llama_rows(layer.out_features, h))
+            candidate = _reordered(layer, llama_rows(layer.out_features, h))
             if torch.equal(candidate.dequantized().to(weight.dtype), weight):
                 return candidate
     return None

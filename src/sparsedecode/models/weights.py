@@ -82,3 +82,14 @@ def gguf_types(path: Path) -> str:
 
     kinds = {t.tensor_type.name for t in GGUFReader(str(path)).tensors if len(t.shape) == 2}
     return "gguf " + "+".join(sorted(kinds))
+
+
+def gguf_decode_bytes(path: Path) -> int:
+    """Bytes llama.cpp reads per token of a GGUF's weights: the file, less the embedding table where an output
+    projection of its own exists (then a token reads one row of it; tied, the table is the output projection)."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    embedding = tensors.get("token_embd.weight")
+    untied = "output.weight" in tensors and embedding is not None
+    return path.stat().st_size - (int(embedding.n_bytes) if untied else 0)
