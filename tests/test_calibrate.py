@@ -4,6 +4,7 @@ and reports the held-out prompts beside every uniform support; bad input is refu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -506,3 +507,44 @@ def test_a_search_judged_at_the_bound_needs_the_intervals_safe_end_to_meet_the_t
             low = calibrate.bootstrap_interval([100.0, 99.0, 98.0, 97.0])[0]
             assert 97.0 <= low < 98.0 and all(t.user_attrs["bounds"] == {"tf-match": low} for t in complete)
     assert met == {"mean": [True, True], "bound": [False, False]}
+
+
+def test_a_search_by_groups_of_layers_gives_each_run_of_layers_one_support(
+    tmp_path, monkeypatch, tiny_model_dir, capsys
+):
+    monkeypatch.setattr(calibrate, "measure", _fake_measure)
+    base, units = SparseConfig(support=97), calibrate.Units(prompts=[{}] * 2, references=[None] * 2)
+    search = calibrate.Search(
+        model="fake", selector="mean-pooled", context=4096, tokens=8, prompts=2, choices=(97, 193, 385, 769),
+        targets=("tf-match>=90",), layers=7, seed=1, groups=3,
+    )  # fmt: skip
+    assert search.names() == ["group_0", "group_1", "group_2"]
+    study = calibrate.open_study(tmp_path / "groups.db", search)
+    calibrate.run_search(None, units, base, search, study, 12)
+    for trial in calibrate.finished(study):
+        assert set(trial.params) == {"group_0", "group_1", "group_2"}
+        supports = search.supports(trial.params)  # layers 0-2, 3-4, 5-6 (i * 3 // 7)
+        assert supports == [trial.params[f"group_{g}"] for g in (0, 0, 0, 1, 1, 2, 2)]
+        cfg = search.config(base, trial.params)
+        assert [cfg.for_layer(i).support for i in range(7)] == supports
+    assert len({tuple(search.supports(t.params)) for t in calibrate.finished(study)}) > 4  # the groups vary
+    with pytest.raises(SparseDecodeError, match="groups differ"):
+        calibrate.open_study(tmp_path / "groups.db", dataclasses.replace(search, groups=2))
+    out = ["calibrate", "--model", str(tiny_model_dir), "--context", "300", "--target", "tf-match>=90"]
+    assert main([*out, "--groups", "3", "--out", str(tmp_path / "c")]) == 2  # the tiny model has 2 layers
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "at most 2 groups" in err
+
+
+def test_a_study_made_before_a_setting_existed_resumes_with_its_default(tmp_path):
+    """Studies stored without ``feasible`` and ``groups`` (added later) had their defaults: they resume."""
+    search = calibrate.Search(
+        model="m", selector="mean-pooled", context=2048, tokens=64, prompts=8, choices=(97, 193), targets=("tf-match>=90",),
+        layers=30,
+    )  # fmt: skip
+    study = calibrate.open_study(tmp_path / "old.db", search)
+    old = {k: v for k, v in search.record().items() if k not in ("feasible", "groups")}
+    study.set_user_attr("search", old)
+    calibrate.open_study(tmp_path / "old.db", search)  # resumed
+    with pytest.raises(SparseDecodeError, match="feasible differ"):
+        calibrate.open_study(tmp_path / "old.db", dataclasses.replace(search, feasible="bound"))

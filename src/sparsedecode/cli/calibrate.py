@@ -98,6 +98,11 @@ def add_parsers(sub) -> None:
         "95%% bootstrap interval (the low end for >=, the high end for <=), so that a trial its few units happened to "
         "favour is not chosen",
     )  # fmt: skip
+    parser.add_argument(
+        "--groups", type=int, default=0, metavar="G",
+        help="search G supports, each for a run of consecutive layers (layer i in run i * G // layers), instead of "
+        "one per layer: fewer parameters for the sampler to learn in few trials (default: one per layer)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="the sampler's seed")
     parser.add_argument("--out", type=path_arg, required=True, help="folder of the study and its results")
     add_backend_args(parser, unit="trial (a round of as many trials as workers, proposed together)")
@@ -116,8 +121,8 @@ def _check(args) -> None:
     if args.prompts < 1 or args.held_out < 1:
         raise SparseDecodeError("--prompts and --held-out must be >= 1: the chosen supports are checked on prompts "
                                 "the search never saw")  # fmt: skip
-    if args.tokens < 2 or args.trials < 1:
-        raise SparseDecodeError("--tokens must be >= 2 and --trials >= 1")
+    if args.tokens < 2 or args.trials < 1 or args.groups < 0:
+        raise SparseDecodeError("--tokens must be >= 2, --trials >= 1 and --groups >= 0")
     if len(set(args.choices)) != len(args.choices) or len(args.choices) < 2:
         raise SparseDecodeError(f"--choices needs two or more distinct supports, got {args.choices}")
     check_whole_blocks([SparseConfig(support=s, selector=args.selector) for s in args.choices])
@@ -156,6 +161,8 @@ def cmd_calibrate(args) -> int:
     from ..validate import attention_modules
 
     layers = len(attention_modules(model))
+    if args.groups > layers:
+        raise SparseDecodeError(f"--groups {args.groups}: {args.model} has {layers} layers, so at most {layers} groups")
     tasks = args.tasks if any(t.kind == TASKS for t in targets) else ()
     if tasks:
         _check_answer_room(model, args, tasks)
@@ -179,7 +186,7 @@ def cmd_calibrate(args) -> int:
                 seed=args.seed, tasks=tasks, answer_tokens=args.answer_tokens if tasks else None,
                 reuses=tuple(args.search_reuse or ()), params=args.search_param,
                 batch=1 if execute is None else execute.description["workers"],
-                feasible=args.feasible,
+                feasible=args.feasible, groups=args.groups,
             )  # fmt: skip
             study = search_module.open_study(args.out / "study.db", search)
 
@@ -238,14 +245,14 @@ def _write(args, search, study, best, held, layers) -> None:
     from ..reports.calibration import write_calibration_report
 
     trials = [
-        {"number": t.number, "state": t.state.name.lower(), "supports": [t.params.get(f"layer_{i}") for i in
-         range(layers)], "cost": t.value, "means": t.user_attrs.get("means"),
+        {"number": t.number, "state": t.state.name.lower(), "supports": search.supports(t.params), "cost": t.value,
+         "means": t.user_attrs.get("means"),
          "feasible": all(c <= 0 for c in t.user_attrs.get("constraints", [1]))}
         | ({"reuse": t.params.get("reuse")} if search.reuses else {})
         | ({"params": {name: t.params.get(f"param_{name}") for name in search.params}} if search.params else {})
         for t in search_module.finished(study)
     ]  # fmt: skip
-    chosen = None if best is None else [best.params[f"layer_{i}"] for i in range(layers)]
+    chosen = None if best is None else search.supports(best.params)
     failed = [t.number for t in study.trials if t.state.name == "FAIL"]  # left unfinished by a stopped search
     data = {"settings": {**search.record(), "corpus": args.corpus, "held_out": args.held_out, "trials": args.trials},
             "environment": environment(), "chosen": chosen, "trials": trials, "failed_trials": failed,
@@ -278,6 +285,6 @@ def _print(args, best, held) -> None:
     console.print(table)
     console.print(f"wrote {args.out / 'calibration.md'}, calibration.json" + (", budget.json" if best else ""))
     if best is not None and ("reuse" in best.params or any(k.startswith("param_") for k in best.params)):
-        chosen = {k.removeprefix("param_"): v for k, v in best.params.items() if not k.startswith("layer_")}
+        chosen = {k.removeprefix("param_"): v for k, v in best.params.items() if k == "reuse" or k.startswith("param_")}
         console.print(f"chosen with the supports: {', '.join(f'{k}={v}' for k, v in chosen.items())} (budget.json "
                       "holds them: --budget budget.json sets them)")  # fmt: skip

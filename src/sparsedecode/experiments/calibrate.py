@@ -173,6 +173,7 @@ class Search:
     params: dict = field(default_factory=dict)  # selector parameter -> the values a trial picks among
     batch: int = 1  # trials proposed per round (Ray's workers); another batch proposes other trials
     feasible: str = "mean"  # a trial meets a target by its mean over the units, or by its interval's bound
+    groups: int = 0  # 0: a support per layer; G: G runs of consecutive layers, one support each
     sampler: str = SAMPLER
 
     def record(self) -> dict:
@@ -180,10 +181,21 @@ class Search:
         lists = {name: list(data[name]) for name in ("choices", "targets", "tasks", "reuses")}
         return {**data, **lists, "params": {name: list(values) for name, values in self.params.items()}}
 
+    def names(self) -> list[str]:
+        """The support parameters: ``layer_i`` for each layer, or ``group_k`` for each of :attr:`groups` runs of
+        consecutive layers (layer ``i`` in group ``i * groups // layers``)."""
+        return [f"group_{k}" for k in range(self.groups)] if self.groups else [f"layer_{i}" for i in range(self.layers)]
+
+    def supports(self, params: dict) -> list[int | None]:
+        """The support of every layer in a trial's parameters (``None`` where a parameter is missing)."""
+        if self.groups:
+            return [params.get(f"group_{i * self.groups // self.layers}") for i in range(self.layers)]
+        return [params.get(f"layer_{i}") for i in range(self.layers)]
+
     def config(self, base: SparseConfig, params: dict) -> SparseConfig:
-        """A trial's configuration from its parameters (``layer_i``, ``reuse`` when the search picks R,
+        """A trial's configuration from its parameters (:meth:`names`, ``reuse`` when the search picks R,
         ``param_NAME`` for each searched selector parameter)."""
-        cfg = layer_config(base, [params[f"layer_{i}"] for i in range(self.layers)])
+        cfg = layer_config(base, self.supports(params))
         if self.params:
             changes = {name: params[f"param_{name}"] for name in self.params}
             cfg = dataclasses.replace(cfg, selector=with_params(cfg.selector, changes))
@@ -218,13 +230,21 @@ def open_study(path: Path, search: Search):
     stored, wanted = study.user_attrs.get("search"), search.record()
     if stored is None:
         study.set_user_attr("search", wanted)
-    elif stored != wanted:
+        stored = wanted
+    stored = {**_added_later(), **stored}  # a setting added after the study was made: it had the default
+    if stored != wanted:
         differ = [k for k in {**stored, **wanted} if stored.get(k) != wanted.get(k)]
         raise SparseDecodeError(
             f"{path} holds a search of other settings ({', '.join(differ)} differ): use another --out, or the same "
             "settings to resume it"
         )
     return study
+
+
+def _added_later() -> dict:
+    """The settings a study made before they existed had, in :meth:`Search.record`'s form: their defaults."""
+    given = {name: "" for name in ("model", "selector", "context", "tokens", "prompts", "choices", "targets", "layers")}
+    return {name: value for name, value in Search(**given).record().items() if name in ("feasible", "groups")}
 
 
 def sampler_seed(seed: int, finished_trials: int) -> int:
@@ -273,9 +293,9 @@ def best_feasible(study):
 
 
 def suggest(trial, search: Search) -> dict:
-    """A trial's parameters: a support per layer (``layer_i``), ``reuse`` when the search picks R, ``param_NAME``
-    for each searched selector parameter."""
-    params = {f"layer_{i}": trial.suggest_categorical(f"layer_{i}", list(search.choices)) for i in range(search.layers)}
+    """A trial's parameters: a support per layer or group (:meth:`Search.names`), ``reuse`` when the search picks R,
+    ``param_NAME`` for each searched selector parameter."""
+    params = {name: trial.suggest_categorical(name, list(search.choices)) for name in search.names()}
     if search.reuses:
         params["reuse"] = trial.suggest_categorical("reuse", list(search.reuses))
     for name, values in search.params.items():
@@ -294,7 +314,7 @@ def propose(study, search: Search, done: int, count: int) -> list:
     for number in range(done, done + count):
         study.sampler = optuna.samplers.TPESampler(seed=sampler_seed(search.seed, number), n_startup_trials=8)
         if number < len(uniform):  # the uniform supports first: known points the sampler learns from
-            fixed = {f"layer_{i}": uniform[number] for i in range(search.layers)}
+            fixed = dict.fromkeys(search.names(), uniform[number])
             study.enqueue_trial(fixed | ({"reuse": min(search.reuses)} if search.reuses else {}))
         trial = study.ask()
         asked.append((trial, suggest(trial, search)))
