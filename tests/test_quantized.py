@@ -12,7 +12,7 @@ import torch
 from conftest import tiny_model
 from gguf import GGMLQuantizationType as Q
 
-from sparsedecode import SparseConfig
+from sparsedecode import SparseConfig, sparse_decoding
 from sparsedecode.decoding.generate import generate
 from sparsedecode.errors import SparseDecodeError
 from sparsedecode.models.gguf_weights import load_gguf_linears, quantized_layer
@@ -73,13 +73,14 @@ def test_a_gguf_tensor_loads_bit_for_bit_and_the_fused_product_equals_the_dequan
     x = torch.randn(3, inputs)
     size = float(expected.abs().amax()) * inputs**0.5  # the scale of an output: round-off is relative to it
     assert torch.allclose(layer.fused(x), x @ expected.t(), rtol=1e-5, atol=1e-5 * size)
-    # a decode step's rows: the activations quantized per group of 32 first (as llama.cpp's dot products do)
+    # the activations quantized per group of 32 first (as llama.cpp's dot products do)
     step = quantized_activations(x) @ expected.t()
     assert torch.allclose(layer(x), step, rtol=1e-5, atol=1e-5 * size)
     assert torch.allclose(layer.fused(quantized_activations(x)), step, rtol=1e-5, atol=1e-5 * size)
     assert not torch.allclose(step, x @ expected.t(), rtol=1e-5, atol=1e-3 * size)  # which is not the float product
-    rows = torch.randn(FUSED_ROWS + 1, inputs)  # a prefill's rows: float activations
-    assert torch.allclose(layer(rows), rows @ expected.t(), rtol=1e-5, atol=1e-5 * size)
+    rows = torch.randn(FUSED_ROWS + 1, inputs)  # a prefill's rows: the same function of the activations
+    assert torch.allclose(layer(rows), quantized_activations(rows) @ expected.t(), rtol=1e-5, atol=1e-5 * size)
+    assert torch.allclose(layer(rows)[:3], layer(rows[:3]), rtol=1e-5, atol=1e-5 * size)  # whatever the row count
 
 
 @pytest.mark.parametrize("weights", ["int4", "int8"])
@@ -342,3 +343,22 @@ def test_bench_e2e_gives_llama_cpp_the_gguf_of_the_weights_our_rows_read(tmp_pat
     assert gguf_decode_bytes(both) == both.stat().st_size - 64 * 3 * 34  # the table is looked up, not read
     tied, _ = _reader(tmp_path / "tied", {"token_embd.weight": (table, Q.Q8_0)})
     assert gguf_decode_bytes(tied) == tied.stat().st_size  # the table is the output projection
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_a_quantized_batch_of_more_rows_than_a_step_product_takes_decodes_each_row_as_alone(weights):
+    """A quantized layer is one function of its activations whatever the number of rows (every product rounds them
+    to int8 first): a batch of 10 sequences, whose step has more rows than the C product takes, decodes each
+    sequence's tokens as it decodes alone."""
+    from test_batch import generate_logits, ragged
+
+    model = tiny_model("llama")
+    apply_weights(model, weights, None, "tiny")
+    prompts, ids, mask = ragged((150, 120, 90, 140, 100, 130, 110, 95, 145, 125))
+    assert ids.shape[0] > FUSED_ROWS
+    cfg = SparseConfig(support=97, window=32, block_size=8)
+    with sparse_decoding(model, cfg):
+        tokens, _ = generate_logits(model, ids, mask, steps=12)
+        for i, single in enumerate(prompts):
+            alone, _ = generate_logits(model, single, steps=12)
+            assert torch.equal(tokens[i], alone[0]), i

@@ -3,7 +3,7 @@
 Two formats, both in groups of :data:`GROUP` = 32 consecutive inputs of one output (GGUF's block), scales stored in
 float16 as GGUF stores them (so a layer holds exactly the bytes of its GGUF blocks: 20 per 32 weights for int4, 34
 for int8), or in float32 where a GGUF K-quant's scales are products (:data:`SCALE_DTYPES`); activations in float32
-(quantized to int8 for a decode step's products, below):
+(quantized to int8 for every product, below):
 
 - :class:`Int4Linear`: ``w = q * scale + offset`` with ``q`` in 0..15, two per byte as GGUF packs them (byte ``j`` of
   a group holds input ``j`` in its low nibble and input ``j + 16`` in its high one), the bytes stored group by group
@@ -17,13 +17,14 @@ for int8), or in float32 where a GGUF K-quant's scales are products (:data:`SCAL
   Q6_K (``d sc (q - 32)`` per sub-block of 16) with blocks of 16 and float32 ``scale = d sc``. From float weights:
   ``scale = max |w| / 127`` per group, ``q`` rounded to nearest (Q8_0's own method).
 
-The product of a decode step's few rows (:data:`FUSED_ROWS`) first quantizes the activations as llama.cpp does for
-its dot products (:func:`quantized_activations`: int8 per group of 32, the group's ``max |x| / 127`` as scale), so
-that a group's products are integers: in the C kernel (``csrc/qlinear.h``) where it builds, else, in a compiled step,
-tensor operations that inductor fuses into one loop over the packed bytes (each weight converted to float32 in
-registers, never stored), else the de-quantized weight times the de-quantized activations. All three are the same
-product to float32 round-off. More rows (a prefill) multiply the float activations by the de-quantized weight as
-``F.linear`` does.
+Every product first quantizes the activations as llama.cpp does for its dot products (:func:`quantized_activations`:
+int8 per group of 32, the group's ``max |x| / 127`` as scale), so that the layer is one function whatever the number
+of rows (a prefill, a decode step, a batch). A decode step's few rows (:data:`FUSED_ROWS`) then sum a group's
+products in integers: in the C kernel (``csrc/qlinear.h``) where it builds, else, in a compiled step, tensor
+operations that inductor fuses into one loop over the packed bytes (each weight converted to float32 in registers,
+never stored), else the de-quantized weight times the de-quantized activations. More rows (a prefill) multiply the
+de-quantized activations by the de-quantized weight as ``F.linear`` does. All are the same product to float32
+round-off.
 
 torch's own CPU operations were measured against the earlier float32 form of the C loop (each nibble converted to
 float, float activations) in the compiled step of SmolLM2's shapes, one thread, on the AMX Intel Xeon of
@@ -106,8 +107,8 @@ class QuantizedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[:-1].numel()
         flat = x.reshape(rows, self.in_features).float()
-        if rows > FUSED_ROWS:
-            out = F.linear(flat, self.dequantized())
+        if rows > FUSED_ROWS:  # a prefill's rows
+            out = F.linear(quantized_activations(flat), self.dequantized())
         elif x.device.type == "cpu" and C_KERNEL and c_kernel() is not None:
             out = self.c_product(flat)  # quantizes the activations itself
         elif torch.compiler.is_compiling():
