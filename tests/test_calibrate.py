@@ -539,8 +539,8 @@ def test_a_search_by_groups_of_layers_gives_each_run_of_layers_one_support(
 def test_a_study_made_before_a_setting_existed_resumes_with_its_default(tmp_path):
     """Studies stored without ``feasible`` and ``groups`` (added later) had their defaults: they resume."""
     search = calibrate.Search(
-        model="m", selector="mean-pooled", context=2048, tokens=64, prompts=8, choices=(97, 193), targets=("tf-match>=90",),
-        layers=30,
+        model="m", selector="mean-pooled", context=2048, tokens=64, prompts=8, choices=(97, 193),
+        targets=("tf-match>=90",), layers=30,
     )  # fmt: skip
     study = calibrate.open_study(tmp_path / "old.db", search)
     old = {k: v for k, v in search.record().items() if k not in ("feasible", "groups")}
