@@ -507,6 +507,12 @@ def test_a_search_judged_at_the_bound_needs_the_intervals_safe_end_to_meet_the_t
             low = calibrate.bootstrap_interval([100.0, 99.0, 98.0, 97.0])[0]
             assert 97.0 <= low < 98.0 and all(t.user_attrs["bounds"] == {"tf-match": low} for t in complete)
     assert met == {"mean": [True, True], "bound": [False, False]}
+    # the held-out check says both: met by the mean, not at the bound (the search's own standard)
+    targets = [calibrate.parse_target("tf-match>=98")]
+    (row,) = calibrate.held_out(
+        None, units, {"uniform S=385": calibrate.layer_config(base, [385, 385])}, targets, search
+    )
+    assert row["targets_met"] == {"tf-match>=98": True} and row["targets_met_at_bound"] == {"tf-match>=98": False}
 
 
 def test_a_search_by_groups_of_layers_gives_each_run_of_layers_one_support(

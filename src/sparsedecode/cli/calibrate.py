@@ -281,6 +281,8 @@ def _print(args, best, held) -> None:
         table.add_column(column)
     for row in held:
         met = ", ".join(f"{name} {'yes' if ok else 'no'}" for name, ok in row["targets_met"].items())
+        if "targets_met_at_bound" in row:
+            met += "; at the bound: " + ", ".join("yes" if ok else "no" for ok in row["targets_met_at_bound"].values())
         table.add_row(row["configuration"], f"{row['cost']:.1f}", *cells(row), met)
     console.print(table)
     console.print(f"wrote {args.out / 'calibration.md'}, calibration.json" + (", budget.json" if best else ""))

@@ -399,7 +399,8 @@ def run_search(model, units: Units, base: SparseConfig, search: Search, study, t
 def held_out(model, units: Units, configs: dict, targets: list[Target], search: Search) -> list[dict]:
     """Each named configuration on the held-out units: every measure with its 95% bootstrap interval
     (:func:`.calibration_targets.interval_row`), its cost (:meth:`Search.cost`), its R, and whether each target
-    holds; ``prompts`` and ``samples`` count the units."""
+    holds by the mean (``targets_met``) and, for a search judged at the bound, at the safe end of the interval too
+    (``targets_met_at_bound``, the search's own standard); ``prompts`` and ``samples`` count the units."""
     rows = []
     for name, cfg in configs.items():
         measured = measure(model, units, cfg)
@@ -407,5 +408,9 @@ def held_out(model, units: Units, configs: dict, targets: list[Target], search: 
                "selector": cfg.selector.spec(), "prompts": len(units.prompts)}  # fmt: skip
         if units.tasks is not None:
             row["samples"] = len(units.tasks)
-        rows.append({**row, **interval_row(targets, measured)})
+        row |= interval_row(targets, measured)
+        if search.feasible == "bound":
+            values = judged_at_bound(targets, measured, summary(targets, measured))
+            row["targets_met_at_bound"] = {str(t): held <= 0 for t, held in zip(targets, constraints(targets, values))}
+        rows.append(row)
     return rows

@@ -101,10 +101,12 @@ def calibration_markdown(data: dict) -> str:
         "RULER score, the answer length the ratio of sparse to dense generated tokens summed over the samples.",
         "",
     ]
+    bound = "targets_met_at_bound" in held[0]  # a search judged at the bound: its standard, beside the mean's
     headers = ["configuration", "positions read", *(LABELS[m] for m in measured(held[0])), *held[0]["targets_met"]]
+    headers += [f"{name} at the bound" for name in held[0]["targets_met_at_bound"]] if bound else []
     rows = [
-        [r["configuration"], f"{r['cost']:.1f}", *cells(r), *("yes" if ok else "no" for ok in
-                                                               r["targets_met"].values())]
+        [r["configuration"], f"{r['cost']:.1f}", *cells(r),
+         *("yes" if ok else "no" for ok in [*r["targets_met"].values(), *r.get("targets_met_at_bound", {}).values()])]
         for r in held
     ]  # fmt: skip
     lines.append(markdown_table(headers, rows))
