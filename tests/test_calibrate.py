@@ -20,7 +20,7 @@ from conftest import char_tokenizer, tiny_model
 from sparsedecode import SparseConfig, SparseDecodeError
 from sparsedecode.cli import main
 from sparsedecode.config import read_budget
-from sparsedecode.experiments import calibrate
+from sparsedecode.experiments import calibrate, calibration_units
 from sparsedecode.experiments.corpus import prompt_ids
 from sparsedecode.models.catalog import load_model
 from sparsedecode.protocol.paired import compare
@@ -508,6 +508,7 @@ def test_a_search_judged_at_the_bound_needs_the_intervals_safe_end_to_meet_the_t
             assert 97.0 <= low < 98.0 and all(t.user_attrs["bounds"] == {"tf-match": low} for t in complete)
     assert met == {"mean": [True, True], "bound": [False, False]}
     # the held-out check says both: met by the mean, not at the bound (the search's own standard)
+    monkeypatch.setattr(calibration_units, "measure", _fake_measure)
     targets = [calibrate.parse_target("tf-match>=98")]
     (row,) = calibrate.held_out(
         None, units, {"uniform S=385": calibrate.layer_config(base, [385, 385])}, targets, search

@@ -35,11 +35,11 @@ from .calibration_targets import (
     bootstrap_interval,
     constraints,
     hopeless,
-    interval_row,
+    judged_at_bound,
     parse_target,
     summary,
 )
-from .calibration_units import TrialUnit, Units, UnitsSpec, measure
+from .calibration_units import TrialUnit, Units, UnitsSpec, held_out, measure
 
 __all__ = [  # with the target names tests and the command import from here
     "SAMPLER",
@@ -343,14 +343,6 @@ def conclude(study, trial, search: Search, cfg: SparseConfig, targets: list[Targ
     study.tell(trial, search.cost(cfg, rows))
 
 
-def judged_at_bound(targets: list[Target], rows: dict, values: dict) -> dict:
-    """``values`` with each target's measure at the safe end of its 95% bootstrap interval over the units of
-    ``rows`` (the low end for a ``>=`` target, the high end for ``<=``): what ``feasible="bound"`` judges a trial
-    by, so that a trial whose few units happened to favour it is not chosen for its mean."""
-    interval = interval_row(targets, rows)
-    return values | {t.measure: interval[t.measure]["low" if t.op == ">=" else "high"] for t in targets}
-
-
 def _measured(model, units: Units, cfg: SparseConfig, targets: list[Target]) -> dict | None:
     """:func:`measure`'s rows, or ``None`` for a trial stopped early."""
     import optuna
@@ -394,23 +386,3 @@ def run_search(model, units: Units, base: SparseConfig, search: Search, study, t
             best = best_feasible(study)
             progress(len(finished(study)), trials, None if best is None else best.value)
     return best_feasible(study)
-
-
-def held_out(model, units: Units, configs: dict, targets: list[Target], search: Search) -> list[dict]:
-    """Each named configuration on the held-out units: every measure with its 95% bootstrap interval
-    (:func:`.calibration_targets.interval_row`), its cost (:meth:`Search.cost`), its R, and whether each target
-    holds by the mean (``targets_met``) and, for a search judged at the bound, at the safe end of the interval too
-    (``targets_met_at_bound``, the search's own standard); ``prompts`` and ``samples`` count the units."""
-    rows = []
-    for name, cfg in configs.items():
-        measured = measure(model, units, cfg)
-        row = {"configuration": name, "cost": search.cost(cfg, measured), "reuse": cfg.reuse,
-               "selector": cfg.selector.spec(), "prompts": len(units.prompts)}  # fmt: skip
-        if units.tasks is not None:
-            row["samples"] = len(units.tasks)
-        row |= interval_row(targets, measured)
-        if search.feasible == "bound":
-            values = judged_at_bound(targets, measured, summary(targets, measured))
-            row["targets_met_at_bound"] = {str(t): held <= 0 for t, held in zip(targets, constraints(targets, values))}
-        rows.append(row)
-    return rows

@@ -185,3 +185,11 @@ def interval_row(targets: list[Target], rows: dict[str, list[dict]]) -> dict:
             out[key] = value
     out["targets_met"] = {str(t): t.slack(values[t.measure], values.get(f"dense {t.measure}")) >= 0 for t in targets}
     return out
+
+
+def judged_at_bound(targets: list[Target], rows: dict, values: dict) -> dict:
+    """``values`` with each target's measure at the safe end of its 95% bootstrap interval over the units of
+    ``rows`` (the low end for a ``>=`` target, the high end for ``<=``): what ``feasible="bound"`` judges a trial
+    by, so that a trial whose few units happened to favour it is not chosen for its mean."""
+    interval = interval_row(targets, rows)
+    return values | {t.measure: interval[t.measure]["low" if t.op == ">=" else "high"] for t in targets}

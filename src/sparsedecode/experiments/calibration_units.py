@@ -13,7 +13,18 @@ from dataclasses import dataclass, field
 
 from ..config import SparseConfig
 from ..protocol.paired import compare, dense_reference
-from .calibration_targets import CORPUS, TASKS, Target, dense_value, hopeless, parse_target
+from .calibration_targets import (
+    CORPUS,
+    TASKS,
+    Target,
+    constraints,
+    dense_value,
+    hopeless,
+    interval_row,
+    judged_at_bound,
+    parse_target,
+    summary,
+)
 from .calibration_tasks import TaskSet, measure_tasks, prepare_tasks, task_samples
 
 
@@ -125,3 +136,24 @@ class TrialUnit:
         if on_row is not None:
             on_row(row)
         return [row]
+
+
+def held_out(model, units: Units, configs: dict, targets: list[Target], search) -> list[dict]:
+    """Each named configuration on the held-out units: every measure with its 95% bootstrap interval
+    (:func:`.calibration_targets.interval_row`), its cost (``search.cost``, :class:`~.calibrate.Search`), its R, and
+    whether each target holds by the mean (``targets_met``) and, for a search judged at the bound, at the safe end of
+    the interval too (``targets_met_at_bound``, the search's own standard); ``prompts`` and ``samples`` count the
+    units."""
+    rows = []
+    for name, cfg in configs.items():
+        measured = measure(model, units, cfg)
+        row = {"configuration": name, "cost": search.cost(cfg, measured), "reuse": cfg.reuse,
+               "selector": cfg.selector.spec(), "prompts": len(units.prompts)}  # fmt: skip
+        if units.tasks is not None:
+            row["samples"] = len(units.tasks)
+        row |= interval_row(targets, measured)
+        if search.feasible == "bound":
+            values = judged_at_bound(targets, measured, summary(targets, measured))
+            row["targets_met_at_bound"] = {str(t): held <= 0 for t, held in zip(targets, constraints(targets, values))}
+        rows.append(row)
+    return rows
