@@ -101,6 +101,7 @@ def test_bad_calibrations_are_refused_in_one_line(tiny_model_dir, tmp_path, caps
         (["--target", "tf-match>=90", "--choices", "97"], "two or more distinct supports"),
         (["--target", "tf-match>=90", "--choices", "97,100"], "support 100"),
         (["--target", "speed>=2"], "a target is one of"),
+        (["--target", "tf-match>=90", "--prompts", "4000", "--held-out", "4000"], "need 8000"),  # before measuring
         ([], "give at least one --target"),
     ]:
         assert main([*base, *extra]) == 2

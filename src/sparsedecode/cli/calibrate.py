@@ -166,6 +166,7 @@ def cmd_calibrate(args) -> int:
     tasks = args.tasks if any(t.kind == TASKS for t in targets) else ()
     if tasks:
         _check_answer_room(model, args, tasks)
+    _check_prompt_room(tokenizer, args, targets)
     calibration, held = _specs(args, targets, tasks)
     if calibration.need_end:
         from ..experiments.calibration_tasks import check_end
@@ -220,6 +221,19 @@ def _specs(args, targets, tasks):
                   need_end=any(t.measure == "length-ratio" for t in targets))  # fmt: skip
     return (UnitsSpec(first=0, count=args.prompts, **common),
             UnitsSpec(first=args.prompts, count=args.held_out, **common))  # fmt: skip
+
+
+def _check_prompt_room(tokenizer, args, targets) -> None:
+    """Before any measuring: the corpus holds the calibration and held-out prompts a corpus target reads."""
+    from ..experiments.calibration_targets import CORPUS
+    from ..experiments.corpus import prompt_count
+
+    if not any(t.kind == CORPUS for t in targets):
+        return
+    available, wanted = prompt_count(tokenizer, args.corpus, args.context, args.tokens), args.prompts + args.held_out
+    if wanted > available:
+        raise SparseDecodeError(f"corpus {args.corpus} holds {available} prompts of {args.context} tokens; --prompts "
+                                f"{args.prompts} and --held-out {args.held_out} need {wanted}")  # fmt: skip
 
 
 def _check_answer_room(model, args, tasks) -> None:
