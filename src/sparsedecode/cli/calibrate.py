@@ -204,7 +204,7 @@ def cmd_calibrate(args) -> int:
             configs = {"calibrated": search.config(base, best.params), **configs}
         with progress_bars(piped_lines=True) as progress:
             held_units = held.build(model, tokenizer, progress=progress, side=", held out")
-        rows = search_module.held_out(model, held_units, configs, targets, search)
+            rows = search_module.held_out(model, held_units, configs, targets, search, progress=progress)
         _write(args, search, study, best, rows, layers)
         _print(args, best, rows)
     return 0

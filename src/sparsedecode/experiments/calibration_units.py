@@ -138,14 +138,16 @@ class TrialUnit:
         return [row]
 
 
-def held_out(model, units: Units, configs: dict, targets: list[Target], search) -> list[dict]:
+def held_out(model, units: Units, configs: dict, targets: list[Target], search, progress=None) -> list[dict]:
     """Each named configuration on the held-out units: every measure with its 95% bootstrap interval
     (:func:`.calibration_targets.interval_row`), its cost (``search.cost``, :class:`~.calibrate.Search`), its R, and
     whether each target holds by the mean (``targets_met``) and, for a search judged at the bound, at the safe end of
     the interval too (``targets_met_at_bound``, the search's own standard); ``prompts`` and ``samples`` count the
-    units."""
+    units. ``progress(stage, done, total)`` hears each configuration begin and end."""
     rows = []
-    for name, cfg in configs.items():
+    for done, (name, cfg) in enumerate(configs.items()):
+        if progress is not None:
+            progress("held out, configurations", done, len(configs), name)
         measured = measure(model, units, cfg)
         row = {"configuration": name, "cost": search.cost(cfg, measured), "reuse": cfg.reuse,
                "selector": cfg.selector.spec(), "prompts": len(units.prompts)}  # fmt: skip
@@ -156,4 +158,6 @@ def held_out(model, units: Units, configs: dict, targets: list[Target], search) 
             values = judged_at_bound(targets, measured, summary(targets, measured))
             row["targets_met_at_bound"] = {str(t): held <= 0 for t, held in zip(targets, constraints(targets, values))}
         rows.append(row)
+    if progress is not None:
+        progress("held out, configurations", len(configs), len(configs))
     return rows
