@@ -205,7 +205,7 @@ def cmd_calibrate(args) -> int:
         with progress_bars(piped_lines=True) as progress:
             held_units = held.build(model, tokenizer, progress=progress, side=", held out")
             rows = search_module.held_out(model, held_units, configs, targets, search, progress=progress)
-        _write(args, search, study, best, rows, layers)
+        _write(args, search, study, best, rows)
         _print(args, best, rows)
     return 0
 
@@ -253,7 +253,7 @@ def _base(args):
     return SparseConfig(support=min(args.choices), selector=args.selector, reuse=reuse)
 
 
-def _write(args, search, study, best, held, layers) -> None:
+def _write(args, search, study, best, held) -> None:
     from ..experiments import calibrate as search_module
     from ..files import write_json_atomic, write_text_atomic
     from ..reports.calibration import write_calibration_report

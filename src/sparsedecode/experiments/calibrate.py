@@ -35,6 +35,7 @@ from .calibration_targets import (
     bootstrap_interval,
     constraints,
     hopeless,
+    interval_row,
     judged_at_bound,
     parse_target,
     summary,
@@ -334,7 +335,7 @@ def conclude(study, trial, search: Search, cfg: SparseConfig, targets: list[Targ
     values = summary(targets, rows)
     trial.set_user_attr("means", values)
     if search.feasible == "bound":
-        values = judged_at_bound(targets, rows, values)
+        values = judged_at_bound(targets, interval_row(targets, rows), values)
         trial.set_user_attr("bounds", {t.measure: values[t.measure] for t in targets})
     held = constraints(targets, values)
     for target, value in zip(targets, held):

@@ -170,10 +170,10 @@ def bootstrap_interval(
     return draws[int(0.025 * resamples)], draws[int(0.975 * resamples) - 1]
 
 
-def interval_row(targets: list[Target], rows: dict[str, list[dict]]) -> dict:
+def interval_row(targets: list[Target], rows: dict[str, list[dict]], *, bound: bool = False) -> dict:
     """Every measure the rows hold as ``{mean, low, high}`` (the value over all units and its 95% bootstrap
     interval; for ``length-ratio`` the ratio of sums), the dense values relative targets need, and whether each
-    target holds."""
+    target holds (``targets_met``; with ``bound``, also at the interval's safe end: ``targets_met_at_bound``)."""
     out: dict = {}
     for name, m in MEASURES.items():
         if rows.get(m.kind):
@@ -183,13 +183,15 @@ def interval_row(targets: list[Target], rows: dict[str, list[dict]]) -> dict:
     for key, value in values.items():
         if key.startswith("dense "):
             out[key] = value
-    out["targets_met"] = {str(t): t.slack(values[t.measure], values.get(f"dense {t.measure}")) >= 0 for t in targets}
+    out["targets_met"] = {str(t): held <= 0 for t, held in zip(targets, constraints(targets, values))}
+    if bound:
+        at_bound = constraints(targets, judged_at_bound(targets, out, values))
+        out["targets_met_at_bound"] = {str(t): held <= 0 for t, held in zip(targets, at_bound)}
     return out
 
 
-def judged_at_bound(targets: list[Target], rows: dict, values: dict) -> dict:
-    """``values`` with each target's measure at the safe end of its 95% bootstrap interval over the units of
-    ``rows`` (the low end for a ``>=`` target, the high end for ``<=``): what ``feasible="bound"`` judges a trial
-    by, so that a trial whose few units happened to favour it is not chosen for its mean."""
-    interval = interval_row(targets, rows)
+def judged_at_bound(targets: list[Target], interval: dict, values: dict) -> dict:
+    """``values`` with each target's measure at the safe end of its 95% bootstrap interval in ``interval`` (an
+    :func:`interval_row`; the low end for a ``>=`` target, the high end for ``<=``): what ``feasible="bound"`` judges
+    a trial by, so that a trial whose few units happened to favour it is not chosen for its mean."""
     return values | {t.measure: interval[t.measure]["low" if t.op == ">=" else "high"] for t in targets}

@@ -13,18 +13,7 @@ from dataclasses import dataclass, field
 
 from ..config import SparseConfig
 from ..protocol.paired import compare, dense_reference
-from .calibration_targets import (
-    CORPUS,
-    TASKS,
-    Target,
-    constraints,
-    dense_value,
-    hopeless,
-    interval_row,
-    judged_at_bound,
-    parse_target,
-    summary,
-)
+from .calibration_targets import CORPUS, TASKS, Target, dense_value, hopeless, interval_row, parse_target
 from .calibration_tasks import TaskSet, measure_tasks, prepare_tasks, task_samples
 
 
@@ -153,11 +142,7 @@ def held_out(model, units: Units, configs: dict, targets: list[Target], search, 
                "selector": cfg.selector.spec(), "prompts": len(units.prompts)}  # fmt: skip
         if units.tasks is not None:
             row["samples"] = len(units.tasks)
-        row |= interval_row(targets, measured)
-        if search.feasible == "bound":
-            values = judged_at_bound(targets, measured, summary(targets, measured))
-            row["targets_met_at_bound"] = {str(t): held <= 0 for t, held in zip(targets, constraints(targets, values))}
-        rows.append(row)
+        rows.append(row | interval_row(targets, measured, bound=search.feasible == "bound"))
     if progress is not None:
         progress("held out, configurations", len(configs), len(configs))
     return rows

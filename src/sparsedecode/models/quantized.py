@@ -63,7 +63,7 @@ def c_kernel():
 
 
 def quantized_activations(x: torch.Tensor) -> torch.Tensor:
-    """``x (rows, K)`` float32 as a decode step's quantized product reads it: per group of :data:`GROUP` inputs,
+    """``x (rows, K)`` float32 as every quantized product reads it: per group of :data:`GROUP` inputs,
     ``d = max |x| / 127`` and ``round(x * (127 / max |x|))`` (to nearest, ties to even; 0 for a group of zeros)
     times ``d``; NaN for a group holding a NaN or an infinity. The C kernel computes the same numbers."""
     groups = x.reshape(x.shape[0], -1, GROUP)
@@ -107,11 +107,10 @@ class QuantizedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[:-1].numel()
         flat = x.reshape(rows, self.in_features).float()
-        if rows > FUSED_ROWS:  # a prefill's rows
-            out = F.linear(quantized_activations(flat), self.dequantized())
-        elif x.device.type == "cpu" and C_KERNEL and c_kernel() is not None:
+        few = rows <= FUSED_ROWS  # a decode step's rows; more: a prefill's
+        if few and x.device.type == "cpu" and C_KERNEL and c_kernel() is not None:
             out = self.c_product(flat)  # quantizes the activations itself
-        elif torch.compiler.is_compiling():
+        elif few and torch.compiler.is_compiling():
             out = self.fused(quantized_activations(flat))
         else:
             out = F.linear(quantized_activations(flat), self.dequantized())
