@@ -62,7 +62,7 @@ def test_a_hopeless_trial_is_one_no_later_unit_can_save():
     assert 1.0 <= low <= 4.0 <= high <= 10.0 and calibrate.bootstrap_interval([7.0]) == (7.0, 7.0)
 
 
-def test_calibrate_finds_the_cheapest_feasible_supports_and_resumes(tiny_model_dir, tmp_path, capsys):
+def test_calibrate_finds_the_cheapest_feasible_supports_and_resumes(tiny_model_dir, tmp_path, capsys, monkeypatch):
     out = tmp_path / "c"
     args = ["calibrate", "--model", str(tiny_model_dir), "--context", "300", "--choices", "97,1009"]
     args += ["--target", "tf-match>=100", "--prompts", "2", "--held-out", "2", "--tokens", "6", "--out", str(out)]
@@ -86,9 +86,15 @@ def test_calibrate_finds_the_cheapest_feasible_supports_and_resumes(tiny_model_d
     assert "Held out: 2 prompts the search never saw" in markdown and "![trials](front.png)" in markdown
     assert all((out / name).stat().st_size > 0 for name in ("front.png", "supports.png", "trials.csv"))
     assert len((out / "trials.csv").read_text().splitlines()) == 1 + 6
-    assert main([*args, "--trials", "8"]) == 0  # resumed: six trials kept, two more run
-    again = json.loads((out / "calibration.json").read_text())["trials"]
-    assert len(again) == 8 and again[:6] == trials
+    built = []
+    build = calibration_units.UnitsSpec.build
+    monkeypatch.setattr(calibration_units.UnitsSpec, "build", lambda spec, *a, **k: built.append(spec.first) or
+                        build(spec, *a, **k))  # fmt: skip
+    assert main([*args, "--held-out-from", "3", "--trials", "8"]) == 0  # resumed: six trials kept, two more run
+    assert built == [0, 3]  # the calibration prompts from 0, the held-out ones from 3
+    again = json.loads((out / "calibration.json").read_text())
+    assert len(again["trials"]) == 8 and again["trials"][:6] == trials and again["settings"]["held_out_from"] == 3
+    assert "Held out: 2 prompts the search never saw (indices 3-4)" in (out / "calibration.md").read_text()
     capsys.readouterr()
     assert main([*args[:-4], "--tokens", "5", "--out", str(out), "--trials", "8"]) == 2
     assert "holds a search of other settings (tokens differ)" in capsys.readouterr().err
@@ -102,6 +108,8 @@ def test_bad_calibrations_are_refused_in_one_line(tiny_model_dir, tmp_path, caps
         (["--target", "tf-match>=90", "--choices", "97,100"], "support 100"),
         (["--target", "speed>=2"], "a target is one of"),
         (["--target", "tf-match>=90", "--prompts", "4000", "--held-out", "4000"], "need 8000"),  # before measuring
+        (["--target", "tf-match>=90", "--held-out-from", "5000"], "--held-out-from 5000 and --held-out 4 need 5004"),
+        (["--target", "tf-match>=90", "--prompts", "3", "--held-out-from", "2"], "would hold out calibration prompts"),
         ([], "give at least one --target"),
     ]:
         assert main([*base, *extra]) == 2
@@ -164,6 +172,34 @@ def test_a_trial_left_running_or_waiting_is_failed_and_the_search_goes_on_as_if_
     other = calibrate.open_study(tmp_path / "seed4.db", reseeded)
     calibrate.run_search(None, units, base, reseeded, other, 16)
     assert _search_trials(other) != trials, "the seed decides the proposals"
+
+
+def test_a_configuration_proposed_again_is_told_what_it_measured_without_measuring_again(tmp_path, monkeypatch):
+    measured = []
+
+    def counting(model, units, cfg, targets=(), *, prune=False):
+        measured.append([cfg.for_layer(i).support for i in range(2)])
+        return _fake_measure(model, units, cfg, targets, prune=prune)
+
+    monkeypatch.setattr(calibrate, "measure", counting)
+    search = calibrate.Search(
+        model="fake", selector="mean-pooled", context=4096, tokens=8, prompts=3, choices=(193, 385),
+        targets=("tf-match>=95",), layers=2, seed=1, groups=1,
+    )  # fmt: skip
+    base, units = SparseConfig(support=97), calibrate.Units(prompts=[{}] * 3, references=[None] * 3)
+    study = calibrate.open_study(tmp_path / "s.db", search)
+    best = calibrate.run_search(None, units, base, search, study, 6)  # two configurations exist: four repeats
+    assert sorted(measured) == [[193, 193], [385, 385]]
+    trials = calibrate.finished(study)
+    assert [t.user_attrs.get("repeat_of") for t in trials[:2]] == [None, None]
+    for trial in trials[2:]:
+        earlier = trials[trial.user_attrs["repeat_of"]]
+        assert trial.params == earlier.params and trial.state == earlier.state and trial.value == earlier.value
+        assert trial.user_attrs.get("means") == earlier.user_attrs.get("means")
+        assert trial.user_attrs.get("constraints") == earlier.user_attrs.get("constraints")
+    # 193 matches 92 and 91 on its first two prompts, out of the target's reach: pruned, and so are its repeats
+    assert {t.params["group_0"]: t.state.name for t in trials} == {193: "PRUNED", 385: "COMPLETE"}
+    assert best.params == {"group_0": 385} and best.number == 1
 
 
 class _Rounds:

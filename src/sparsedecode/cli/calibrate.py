@@ -70,6 +70,11 @@ def add_parsers(sub) -> None:
     parser.add_argument("--held-out", type=int, default=4, help="held-out prompts (and samples per task), the ones "
                         "after those")  # fmt: skip
     parser.add_argument(
+        "--held-out-from", type=int, default=None, metavar="K",
+        help="the first held-out prompt (and sample) index, at least --prompts (default: --prompts): a fresh held-out "
+        "set after one already looked at",
+    )  # fmt: skip
+    parser.add_argument(
         "--tasks",
         default="all",
         metavar="NAME[,NAME...]|all",
@@ -121,6 +126,11 @@ def _check(args) -> None:
     if args.prompts < 1 or args.held_out < 1:
         raise SparseDecodeError("--prompts and --held-out must be >= 1: the chosen supports are checked on prompts "
                                 "the search never saw")  # fmt: skip
+    if args.held_out_from is None:
+        args.held_out_from = args.prompts
+    if args.held_out_from < args.prompts:
+        raise SparseDecodeError(f"--held-out-from {args.held_out_from} would hold out calibration prompts: give at "
+                                f"least --prompts ({args.prompts})")  # fmt: skip
     if args.tokens < 2 or args.trials < 1 or args.groups < 0:
         raise SparseDecodeError("--tokens must be >= 2, --trials >= 1 and --groups >= 0")
     if len(set(args.choices)) != len(args.choices) or len(args.choices) < 2:
@@ -212,7 +222,7 @@ def cmd_calibrate(args) -> int:
 
 def _specs(args, targets, tasks):
     """The calibration and held-out units' specs: corpus prompts where a target reads them, task samples where one
-    reads those; the calibration ones first, the held-out ones after them."""
+    reads those; the calibration ones first, the held-out ones from ``--held-out-from``."""
     from ..experiments.calibrate import UnitsSpec
     from ..experiments.calibration_targets import CORPUS
 
@@ -220,7 +230,7 @@ def _specs(args, targets, tasks):
                   prompts=any(t.kind == CORPUS for t in targets), tasks=tasks, answer_tokens=args.answer_tokens,
                   need_end=any(t.measure == "length-ratio" for t in targets))  # fmt: skip
     return (UnitsSpec(first=0, count=args.prompts, **common),
-            UnitsSpec(first=args.prompts, count=args.held_out, **common))  # fmt: skip
+            UnitsSpec(first=args.held_out_from, count=args.held_out, **common))  # fmt: skip
 
 
 def _check_prompt_room(tokenizer, args, targets) -> None:
@@ -230,10 +240,12 @@ def _check_prompt_room(tokenizer, args, targets) -> None:
 
     if not any(t.kind == CORPUS for t in targets):
         return
-    available, wanted = prompt_count(tokenizer, args.corpus, args.context, args.tokens), args.prompts + args.held_out
+    available = prompt_count(tokenizer, args.corpus, args.context, args.tokens)
+    wanted = args.held_out_from + args.held_out
     if wanted > available:
         raise SparseDecodeError(f"corpus {args.corpus} holds {available} prompts of {args.context} tokens; --prompts "
-                                f"{args.prompts} and --held-out {args.held_out} need {wanted}")  # fmt: skip
+                                f"{args.prompts}, --held-out-from {args.held_out_from} and --held-out {args.held_out} "
+                                f"need {wanted}")  # fmt: skip
 
 
 def _check_answer_room(model, args, tasks) -> None:
@@ -268,7 +280,8 @@ def _write(args, search, study, best, held) -> None:
     ]  # fmt: skip
     chosen = None if best is None else search.supports(best.params)
     failed = [t.number for t in study.trials if t.state.name == "FAIL"]  # left unfinished by a stopped search
-    data = {"settings": {**search.record(), "corpus": args.corpus, "held_out": args.held_out, "trials": args.trials},
+    data = {"settings": {**search.record(), "corpus": args.corpus, "held_out": args.held_out,
+                         "held_out_from": args.held_out_from, "trials": args.trials},
             "environment": environment(), "chosen": chosen, "trials": trials, "failed_trials": failed,
             "held_out": held}  # fmt: skip
     if search.reuses:

@@ -22,13 +22,13 @@ there were.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import SparseConfig
 from ..errors import SparseDecodeError
+from .calibration_study import abandon_unfinished, best_feasible, finished, repeat_of, sampler_seed, tell_repeat
 from .calibration_targets import (
     CORPUS,
     Target,
@@ -54,6 +54,7 @@ __all__ = [  # with the target names tests and the command import from here
     "check_costable",
     "check_reuse_search",
     "cost",
+    "finished",
     "held_out",
     "hopeless",
     "layer_config",
@@ -248,51 +249,6 @@ def _added_later() -> dict:
     return {name: value for name, value in Search(**given).record().items() if name in ("feasible", "groups")}
 
 
-def sampler_seed(seed: int, finished_trials: int) -> int:
-    """The sampler's seed for the trial proposed after ``finished_trials`` finished ones: a resumed study draws what
-    an uninterrupted one drew at the same point."""
-    digest = hashlib.sha256(f"calibrate/{seed}/{finished_trials}".encode()).digest()
-    return int.from_bytes(digest[:4], "little")
-
-
-def finished(study) -> list:
-    """The study's trials that ended (complete or pruned), in order."""
-    import optuna
-
-    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
-    return [t for t in study.trials if t.state in states]
-
-
-def abandon_unfinished(study) -> list[int]:
-    """Mark failed the trials a killed search left running or waiting (one process searches a study at a time: the
-    command holds its folder's lock), so they are not resumed half-measured; returns their numbers. The search then
-    proposes the next trial from the finished ones alone, as an uninterrupted search did."""
-    import optuna
-
-    state = optuna.trial.TrialState
-    running = [t.number for t in study.trials if t.state == state.RUNNING]
-    for number in running:
-        study.tell(number, state=state.FAIL)
-    waiting = []
-    while any(t.state == state.WAITING for t in study.get_trials(deepcopy=False)):
-        trial = study.ask()  # takes the first waiting trial
-        waiting.append(trial.number)
-        study.tell(trial, state=state.FAIL)
-    return running + waiting
-
-
-def best_feasible(study):
-    """The cheapest complete trial whose every target held (the first of equal cost), or ``None``."""
-    import optuna
-
-    feasible = [
-        t
-        for t in study.trials
-        if t.state == optuna.trial.TrialState.COMPLETE and all(c <= 0 for c in t.user_attrs.get("constraints", [1]))
-    ]
-    return min(feasible, key=lambda t: (t.value, t.number)) if feasible else None
-
-
 def suggest(trial, search: Search) -> dict:
     """A trial's parameters: a support per layer or group (:meth:`Search.names`), ``reuse`` when the search picks R,
     ``param_NAME`` for each searched selector parameter."""
@@ -369,20 +325,25 @@ def run_search(model, units: Units, base: SparseConfig, search: Search, study, t
     abandon_unfinished(study)
     while (done := len(finished(study))) < trials:
         asked = propose(study, search, done, min(search.batch, trials - done))
+        repeats = [repeat_of(study, params) for _, params in asked]  # TPE proposes measured configurations again
         configs = [search.config(base, params) for _, params in asked]
+        new = [(trial, cfg) for (trial, _), cfg, earlier in zip(asked, configs, repeats) if earlier is None]
         try:
+            got = {}
             if execute is None:
-                outcomes = [_measured(model, units, cfg, targets) for cfg in configs]
-            else:
-                work = [TrialUnit(trial.number, cfg, search.targets, spec) for (trial, _), cfg in zip(asked, configs)]
+                got = {trial.number: _measured(model, units, cfg, targets) for trial, cfg in new}
+            elif new:
+                work = [TrialUnit(trial.number, cfg, search.targets, spec) for trial, cfg in new]
                 got = {row["number"]: row["rows"] for _, rows in execute.run(work, len(work)) for row in rows}
-                outcomes = [got[trial.number] for trial, _ in asked]
         except BaseException:
             for trial, _ in asked:
                 study.tell(trial, state=optuna.trial.TrialState.FAIL)
             raise
-        for (trial, _), cfg, rows in zip(asked, configs, outcomes):
-            conclude(study, trial, search, cfg, targets, rows)
+        for (trial, _), cfg, earlier in zip(asked, configs, repeats):  # told in the order proposed
+            if earlier is None:
+                conclude(study, trial, search, cfg, targets, got[trial.number])
+            else:
+                tell_repeat(study, trial, earlier, targets)
         if progress is not None:
             best = best_feasible(study)
             progress(len(finished(study)), trials, None if best is None else best.value)

@@ -95,7 +95,8 @@ def calibration_markdown(data: dict) -> str:
     ]
     tasks = held[0].get("samples") and held[0]["samples"] // max(1, len(settings.get("tasks", [])))
     lines += [
-        f"## Held out: {_units(held[0]['prompts'], tasks, settings.get('tasks', []))} the search never saw",
+        f"## Held out: {_units(held[0]['prompts'], tasks, settings.get('tasks', []))} the search never saw"
+        + _held_out_span(settings),
         "",
         "Values with 95% bootstrap intervals over the units (few units: wide intervals); task accuracy is the mean "
         "RULER score, the answer length the ratio of sparse to dense generated tokens summed over the samples.",
@@ -111,6 +112,12 @@ def calibration_markdown(data: dict) -> str:
     ]  # fmt: skip
     lines.append(markdown_table(headers, rows))
     return "\n".join(lines) + "\n"
+
+
+def _held_out_span(settings: dict) -> str:
+    """`` (prompts 47-81)``: which held-out units, where they do not follow the calibration ones."""
+    first = settings.get("held_out_from", settings["prompts"])
+    return "" if first == settings["prompts"] else f" (indices {first}-{first + settings['held_out'] - 1})"
 
 
 def _units(prompts: int, samples_per_task: int, tasks: list[str]) -> str:
