@@ -1,7 +1,7 @@
 """One prepared check of the optional Triton path on a CUDA machine; writes JSON files into the folder given.
 
     PYTHONPATH=src python3 scripts/gpu_check.py OUTDIR [--quick] [--graphs-only | --batch-only | --compiled-only |
-                                                     --per-head-only]
+                                                     --per-head-only | --paged-only]
 
 ``--quick`` shrinks every stage (a dry run of the script itself; without CUDA it runs on the CPU, the kernel
 through Triton's interpreter: set TRITON_INTERPRET=1).
@@ -25,6 +25,11 @@ through Triton's interpreter: set TRITON_INTERPRET=1).
    ``sparsedecode.step.device``) over a static cache, dense vs sparse S = 193, at 32K: Qwen2.5-0.5B
    shapes at batch 1 and 8, llama3-8b shapes at batch 1, random weights; compile seconds, aggregate tokens/s, and
    whether sparse and dense agree with each sequence's eager tokens.
+8. vLLM's pages (``--paged-only``: this stage alone, not in the full run): the plug-in's step
+   (``sparsedecode.integrations.vllm.step.sparse_rows``) over pages in vLLM's CUDA layout (``(pages, 16, kv, d)``
+   keys and values, shuffled block tables), batches of 1 / 8 / 32 sequences of up to 32K, S = 193 mean-pooled: the
+   Triton page-list kernel against float64 attention over each row's own support, and the median milliseconds of a
+   layer's call (selection + attention), of the attention alone, and of the same kernel over every position.
 
 Each stage runs even if an earlier one failed; a summary is printed last.
 """
@@ -36,6 +41,7 @@ import sys
 import time
 import traceback
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -146,7 +152,9 @@ def check_per_head() -> list[dict]:
             logits = (torch.einsum("hd,hsd->hs", q.double(), k) * d**-0.5).masked_fill(~valid, float("-inf"))
             expected = torch.einsum("hs,hsd->hd", torch.softmax(logits, -1), v)
             error = float((out.double() - expected).norm() / expected.norm())
-            ok = bool(torch.isfinite(out).all()) and error < tolerance[dtype] and tuple(blocks.shape) == (query_heads, b)
+            ok = (
+                bool(torch.isfinite(out).all()) and error < tolerance[dtype] and tuple(blocks.shape) == (query_heads, b)
+            )
             results.append(dict(dtype=str(dtype), shape=[query_heads, kv, d], n=n, b=b, rel_error=error, ok=ok))
     return results
 
@@ -448,6 +456,86 @@ def _compiled_run(model, decoder, mode, first, context, tokens):
     return out, row
 
 
+def check_paged() -> list[dict]:
+    """Stage 8: the vLLM step over CUDA-layout pages (see the module)."""
+    from sparsedecode.integrations.vllm.pages import PagedCache
+    from sparsedecode.integrations.vllm.step import row_layout, row_support, sparse_rows, statistics_for
+    from sparsedecode.kernels.triton.paged import paged_support_attention
+
+    kv, heads, d, page = 2, 14, 64, 16
+    cfg, scale = SparseConfig(support=193), d**-0.5
+    context = 2048 if QUICK else 32768
+    batches = (1, 3) if QUICK else (1, 8, 32)
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+    if QUICK:
+        tolerance.pop(torch.bfloat16)  # the interpreter multiplies bfloat16 wrongly
+    generator = torch.Generator(device=DEVICE).manual_seed(77)
+    results = []
+    for dtype in tolerance:
+        for batch in batches:
+            lengths = [context - 37 * r for r in range(batch)]
+            widths = [-(-n // page) for n in lengths]
+            data = torch.randn(2, sum(widths) + 5, page, kv, d, device=DEVICE, generator=generator).to(dtype)
+            cache = PagedCache.of_split(data[0], data[1])
+            stats = statistics_for(cfg, cache)
+            order = torch.randperm(data.shape[1], device=DEVICE, generator=generator).int()
+            tables = torch.zeros(batch, max(widths), dtype=torch.int32, device=DEVICE)
+            used = 0
+            for r, (n, w) in enumerate(zip(lengths, widths)):
+                tables[r, :w] = order[used : used + w]
+                used += w
+                slots = (
+                    tables[r, torch.arange(n, device=DEVICE) // page].long() * page
+                    + torch.arange(n, device=DEVICE) % page
+                )
+                stats.refresh(slots)
+            queries = (2 * torch.randn(batch, heads, d, device=DEVICE, generator=generator)).to(dtype)
+            out = sparse_rows(cfg, cache, stats, queries, tables, lengths, layer=0, scale=scale)
+            errors = []
+            for r, n in enumerate(lengths):
+                index, valid = row_support(cfg, cache, stats, queries[r], tables[r], row_layout(cfg, n, 0, scale))
+                keys, values = cache.gather(tables[r], index, torch.arange(kv, device=DEVICE))
+                logits = torch.einsum("kgd,ksd->kgs", queries[r].view(kv, -1, d).double(), keys.double()) * scale
+                logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
+                expected = torch.einsum("kgs,ksd->kgd", torch.softmax(logits, -1), values.double()).reshape(heads, d)
+                errors.append(float((out[r].double() - expected).norm() / expected.norm()))
+            full = torch.stack([torch.arange(max(lengths), device=DEVICE).clamp(max=n - 1).expand(kv, -1)
+                                for n in lengths])  # fmt: skip
+            full_valid = torch.stack([(torch.arange(max(lengths), device=DEVICE) < n).expand(kv, -1) for n in lengths])
+            supports = [row_support(cfg, cache, stats, queries[r], tables[r], row_layout(cfg, n, 0, scale))
+                        for r, n in enumerate(lengths)]  # fmt: skip
+            index, valid = torch.stack([i for i, _ in supports]), torch.stack([v for _, v in supports])
+            keys = cache.keys.transpose(2, 3)
+            timed = {
+                "step_ms": partial(sparse_rows, cfg, cache, stats, queries, tables, lengths, layer=0, scale=scale),
+                "attend_ms": partial(paged_support_attention, queries, keys, cache.values, tables, index, valid, scale),
+                "every_position_ms": partial(
+                    paged_support_attention, queries, keys, cache.values, tables, full, full_valid, scale
+                ),  # fmt: skip
+            }
+            row = dict(dtype=str(dtype), batch=batch, context=context, rel_error=max(errors))
+            for name, call in timed.items():
+                row[name] = _median_ms(call, repeats=3 if QUICK else 20)
+            row["ok"] = bool(torch.isfinite(out).all()) and max(errors) < tolerance[dtype]
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    return results
+
+
+def _median_ms(call, repeats: int) -> float:
+    call()
+    times = []
+    for _ in range(repeats):
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        call()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        times.append(1000 * (time.perf_counter() - started))
+    return sorted(times)[len(times) // 2]
+
+
 def main() -> int:
     out_dir = Path(sys.argv[1])
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -484,6 +572,11 @@ def main() -> int:
         for r in rows:
             print(("ok  " if r["ok"] else "BAD ") + json.dumps(r), flush=True)
         print(summary.get("per-head"), f"{sum(r['ok'] for r in rows)}/{len(rows)} cases within tolerance")
+        return 0
+    if "--paged-only" in sys.argv:  # vLLM's pages through the Triton page-list kernel
+        rows = stage("paged", check_paged) or []
+        (out_dir / "paged-check.json").write_text(json.dumps({"gpu": gpu, "rows": rows}, indent=1))
+        print(summary.get("paged"), f"{sum(r['ok'] for r in rows)}/{len(rows)} cases within tolerance")
         return 0
     if "--batch-only" in sys.argv:  # the batched end-to-end stage alone
         stage("batch e2e", lambda: batched_e2e(out_dir))

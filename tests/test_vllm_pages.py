@@ -1,6 +1,7 @@
 """The vLLM backend's step over pages (sparsedecode.integrations.vllm.pages/step/batch), without vLLM: pages laid
-out as vLLM's CPU kernels lay them out for the vec instruction sets, filled by hand, against the library's own
-selection (select_support) and attention over the same keys held contiguously."""
+out as vLLM's CPU kernels lay them out for the vec instruction sets (and as its CUDA backends do, keys and values
+apart), filled by hand, against the library's own selection (select_support) and attention over the same keys held
+contiguously."""
 
 import pytest
 import torch
@@ -19,9 +20,13 @@ KV, G, D, PAGE = 2, 3, 16, 32
 class Pages:
     """A layer's paged cache: ``pages`` physical pages, sequences written through their block tables."""
 
-    def __init__(self, pages: int, page: int = PAGE, dtype=torch.float32, kernel: bool = True):
-        self.data = torch.full((pages, KV, page, 2 * D), float("nan"), dtype=dtype)  # unwritten = NaN
-        self.cache = PagedCache.of(self.data, kernel)  # kernel: the C kernel reads the pages, else torch
+    def __init__(self, pages: int, page: int = PAGE, dtype=torch.float32, kernel: bool | str = True):
+        if kernel == "split":  # vLLM's CUDA layout: keys and values apart, (pages, P, kv, d) each; torch reads it
+            self.data = torch.full((2, pages, page, KV, D), float("nan"), dtype=dtype)
+            self.cache = PagedCache.of_split(self.data[0], self.data[1])
+        else:
+            self.data = torch.full((pages, KV, page, 2 * D), float("nan"), dtype=dtype)  # unwritten = NaN
+            self.cache = PagedCache.of(self.data, kernel)  # kernel: the C kernel reads the pages, else torch
         self.page = page
 
     def write(self, table, keys, values, start=0, stats=None):
@@ -60,7 +65,7 @@ SELECTORS = ["mean-pooled", "quest", "quest:grouping=mean-query", "sparq", "orac
 
 @pytest.mark.parametrize("selector", SELECTORS)
 @pytest.mark.parametrize("lengths", [(300, 613, 130), (1000,)])
-@pytest.mark.parametrize("kernel", [True, False], ids=["c", "torch"])
+@pytest.mark.parametrize("kernel", [True, False, "split"], ids=["c", "torch", "torch-cuda-layout"])
 def test_pages_select_and_attend_as_the_library(selector, lengths, kernel):
     cfg = config_from_spec({"support": 97, "selector": selector})
     pages = Pages(80, kernel=kernel)

@@ -52,6 +52,12 @@ class PagedCache:
         values = flat[:, :, page * d :].view(pages, kv_heads, page, d)
         return cls(keys, values, kv_cache if kernel else None)
 
+    @classmethod
+    def of_split(cls, key_cache: torch.Tensor, value_cache: torch.Tensor) -> PagedCache:
+        """The cache of vLLM's CUDA backends, keys and values apart, each ``(pages, P, kv, d)`` (views, no copy; the
+        C kernel does not read this layout)."""
+        return cls(key_cache.permute(0, 2, 3, 1), value_cache.permute(0, 2, 1, 3))
+
     @property
     def page_size(self) -> int:
         return self.keys.shape[-1]

@@ -4,7 +4,8 @@
 :func:`~sparsedecode.selectors.select.choose_position_set`; supports by
 :func:`~sparsedecode.selectors.select.support_of` / :func:`~sparsedecode.selectors.select.token_support`), then every
 row attends at once over its support, gathered through its block table. The C kernel reads the pages in place where
-it can be built (``kernels/cpu/csrc/paged.h``, every row's mean-dot selection at once too); torch's path is its
+it can be built (``kernels/cpu/csrc/paged.h``, every row's mean-dot selection at once too), Triton's page-list
+kernel on CUDA (``kernels/triton/paged.py``, the attention; the selection in torch there); torch's path is their
 reference. No vLLM import: :mod:`.backend` calls it from inside vLLM, the tests call it on pages built by hand.
 
 What a selection reads: a block selector with ``statistics`` reads the pages' block statistics
@@ -95,11 +96,15 @@ def mean_dot_blocks(cfg: SparseConfig, stats: PageStatistics, queries, tables, l
 
 def attend_supports(cache: PagedCache, queries, tables, index, valid, scale: float) -> torch.Tensor:
     """Every row's attention over its support ``index``/``valid (R, rows, S)``, gathered through ``tables``: ``(R, H,
-    dv)`` float32. The C kernel reads the pages in place where it can (``kernels/cpu/csrc/paged.h``); else one torch
-    indexing gathers every row's support."""
+    dv)`` float32. The C kernel reads the pages in place where it can (``kernels/cpu/csrc/paged.h``), on CUDA the
+    Triton page-list kernel (``kernels/triton/paged.py``); else one torch indexing gathers every row's support."""
     mask = None if bool(valid.all()) else valid
     if cache.kernel_serves(queries):
         return attend_paged(queries, cache.raw, tables, index, mask, scale)
+    if queries.is_cuda and triton_serves(cache, queries):
+        from ...kernels.triton.paged import paged_support_attention
+
+        return paged_support_attention(queries, cache.keys.transpose(2, 3), cache.values, tables, index, mask, scale)
     rows_q, query_heads, d = queries.shape
     rows, kv_heads = index.shape[1], cache.keys.shape[1]
     group = query_heads // kv_heads
@@ -108,6 +113,18 @@ def attend_supports(cache: PagedCache, queries, tables, index, valid, scale: flo
     keys, values = cache.gather(tables, index, heads)
     q = queries.view(rows_q, rows, 1 if per_head else group, d)
     return attend_rows(q, keys, values, mask, scale)
+
+
+def triton_serves(cache: PagedCache, queries: torch.Tensor) -> bool:
+    """Whether the Triton page-list kernel (:mod:`sparsedecode.kernels.triton.paged`) reads these pages for
+    ``queries``: Triton installed, and the tensors it takes."""
+    from ...kernels.triton.attention import triton_installed
+
+    if not triton_installed():
+        return False
+    from ...kernels.triton.paged import paged_refusal
+
+    return paged_refusal(queries, cache.keys.transpose(2, 3), cache.values) is None
 
 
 def statistics_for(cfg: SparseConfig, cache: PagedCache) -> PageStatistics | None:

@@ -116,7 +116,7 @@ def _require(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None, l
         raise SparseDecodeError(f"the Triton kernels cannot run on these tensors: {reason}")
 
 
-def _on(device: torch.device):
+def on_device(device: torch.device):
     """Launch on the cache's device (Triton launches on the current CUDA device)."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
@@ -173,7 +173,7 @@ def run_selection(
     scores = torch.empty(kv_heads, n_blocks, dtype=torch.float32, device=keys.device)
     tile = 64
     chosen = torch.empty(kv_heads, b, dtype=torch.int32, device=keys.device)
-    with _on(keys.device):
+    with on_device(keys.device):
         kernels.mean_pooled_scores_kernel[(kv_heads, -(-n_blocks // tile))](
             qg,
             centroids,
@@ -266,7 +266,7 @@ def run_attention(
         l_sum = torch.empty_like(m)
     else:
         acc = m = l_sum = out  # unused by the kernel when it writes the output itself
-    with _on(keys.device):
+    with on_device(keys.device):
         kernels.support_attention_kernel[(kv_heads, splits)](
             qg,
             keys,

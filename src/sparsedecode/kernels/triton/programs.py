@@ -1,10 +1,14 @@
-"""Triton kernels of the sparse decode step (imported only by :mod:`sparsedecode.kernels.triton.attention`).
+"""Triton kernels of the sparse decode step (imported only by :mod:`sparsedecode.kernels.triton.attention` and
+:mod:`sparsedecode.kernels.triton.paged`).
 
 ``support_attention_kernel``: one program per (KV head, split) walks its share of the support tiles (tile 0 is
 the anchor, then the window in tiles of ``BLOCK`` positions, then the chosen blocks), loads each tile's keys and
 values straight from the KV cache (no gathered copy), and keeps a flash-decoding online softmax for all the query
 heads of the group at once. With one split it writes the normalised output; otherwise ``combine_kernel`` merges
 the splits' partial sums. Scores are in log2 units (the scale carries log2(e)), accumulation is float32.
+
+``paged_attention_kernel``: the same attention for a batch of sequences over a paged cache (vLLM's), one program
+per (sequence, support row, split), each position of the support read through the sequence's block table.
 """
 
 from __future__ import annotations
@@ -173,3 +177,109 @@ def top_blocks_kernel(scores_ptr, out_ptr, n_blocks, CHOSEN: tl.constexpr, BLOCK
         best = tl.argmax(scores, 0, tie_break_left=True)
         tl.store(out_ptr + head * CHOSEN + i, best)
         scores = tl.where(offsets == best, float("-inf"), scores)
+
+
+@triton.jit
+def paged_attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    table_ptr,
+    index_ptr,
+    out_ptr,
+    acc_ptr,
+    m_ptr,
+    l_ptr,
+    support,
+    scale_log2,
+    rows_per_seq,
+    stride_qr,
+    stride_qh,
+    stride_kp,
+    stride_kh,
+    stride_ko,
+    stride_kd,
+    stride_vp,
+    stride_vh,
+    stride_vo,
+    stride_vd,
+    stride_tr,
+    stride_ir,
+    stride_iw,
+    HEADS_PER_KV: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    TILE: tl.constexpr,
+    SPLITS: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """One program per (sequence, support row, split): the row's ``GROUP`` query heads attend over its positions
+    ``index[seq, row, :]`` (``-1``: none), each read through the sequence's block table from its page (``PAGE``
+    positions a page; keys and values addressed by page, KV head, offset, dim strides: any paged layout), in tiles
+    of ``TILE`` positions with the online softmax of :func:`support_attention_kernel`."""
+    seq = tl.program_id(0)
+    row = tl.program_id(1)
+    split = tl.program_id(2)
+    head = row // HEADS_PER_KV  # the row's KV head (a row per query head reads its group's KV head)
+    group_rows = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    offsets = tl.arange(0, TILE)
+    live_rows = group_rows < GROUP
+    q_heads = row * GROUP + group_rows
+    q = tl.load(
+        q_ptr + seq * stride_qr + q_heads[:, None] * stride_qh + dims[None, :], mask=live_rows[:, None], other=0.0
+    )
+    m_i = tl.full([GROUP_PAD], -1.0e30, tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for tile in range(split, tl.cdiv(support, TILE), SPLITS):
+        slots = tile * TILE + offsets
+        positions = tl.load(index_ptr + seq * stride_ir + row * stride_iw + slots, mask=slots < support, other=-1).to(
+            tl.int64
+        )
+        valid = positions >= 0
+        at = tl.where(valid, positions, 0)
+        page = tl.load(table_ptr + seq * stride_tr + at // PAGE, mask=valid, other=0).to(tl.int64)
+        offset = at % PAGE
+        k = tl.load(
+            k_ptr
+            + page[:, None] * stride_kp
+            + head * stride_kh
+            + offset[:, None] * stride_ko
+            + dims[None, :] * stride_kd,
+            mask=valid[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            v_ptr
+            + page[:, None] * stride_vp
+            + head * stride_vh
+            + offset[:, None] * stride_vo
+            + dims[None, :] * stride_vd,
+            mask=valid[:, None],
+            other=0.0,
+        )
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = tl.where(valid[None, :], scores * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out_rows = (seq * rows_per_seq + row) * GROUP + group_rows
+    if SPLITS == 1:
+        tl.store(out_ptr + out_rows[:, None] * HEAD_DIM + dims[None, :], acc / l_i[:, None], mask=live_rows[:, None])
+    else:
+        slot = out_rows * SPLITS + split
+        tl.store(acc_ptr + slot[:, None] * HEAD_DIM + dims[None, :], acc, mask=live_rows[:, None])
+        tl.store(m_ptr + slot, m_i, mask=live_rows)
+        tl.store(l_ptr + slot, l_i, mask=live_rows)
