@@ -18,6 +18,41 @@ import triton.language as tl
 
 
 @triton.jit
+def online_softmax_tile(q, k, v, valid, m_i, l_i, acc, scale_log2, IEEE: tl.constexpr):
+    """One tile of the flash-decoding online softmax: scores of ``q (G, d)`` against the tile's keys (``valid``
+    positions only), the running maximum, sum and weighted values updated; returns ``(m_i, l_i, acc)``. A tile with no
+    valid position leaves them as they were (``m_i`` starts finite)."""
+    if IEEE:
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        scores = tl.dot(q, tl.trans(k))
+    scores = tl.where(valid[None, :], scores * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def store_rows(out_ptr, acc_ptr, m_ptr, l_ptr, out_rows, live_rows, dims, acc, m_i, l_i, split, SPLITS: tl.constexpr,
+               HEAD_DIM: tl.constexpr):  # fmt: skip
+    """A program's result for output rows ``out_rows``: normalised when it is the only split, else its partial sums
+    for :func:`combine_kernel`."""
+    if SPLITS == 1:
+        tl.store(out_ptr + out_rows[:, None] * HEAD_DIM + dims[None, :], acc / l_i[:, None], mask=live_rows[:, None])
+    else:
+        slot = out_rows * SPLITS + split
+        tl.store(acc_ptr + slot[:, None] * HEAD_DIM + dims[None, :], acc, mask=live_rows[:, None])
+        tl.store(m_ptr + slot, m_i, mask=live_rows)
+        tl.store(l_ptr + slot, l_i, mask=live_rows)
+
+
+@triton.jit
 def support_attention_kernel(
     q_ptr,
     k_ptr,
@@ -76,28 +111,9 @@ def support_attention_kernel(
         v = tl.load(
             v_ptr + head * stride_vh + positions[:, None] * stride_vn + dims[None, :], mask=valid[:, None], other=0.0
         )
-        if IEEE:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
-        scores = tl.where(valid[None, :], scores * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    out_rows = head * GROUP + rows
-    if SPLITS == 1:
-        tl.store(out_ptr + out_rows[:, None] * HEAD_DIM + dims[None, :], acc / l_i[:, None], mask=live_rows[:, None])
-    else:
-        slot = out_rows * SPLITS + split
-        tl.store(acc_ptr + slot[:, None] * HEAD_DIM + dims[None, :], acc, mask=live_rows[:, None])
-        tl.store(m_ptr + slot, m_i, mask=live_rows)
-        tl.store(l_ptr + slot, l_i, mask=live_rows)
+        m_i, l_i, acc = online_softmax_tile(q, k, v, valid, m_i, l_i, acc, scale_log2, IEEE)
+    store_rows(out_ptr, acc_ptr, m_ptr, l_ptr, head * GROUP + rows, live_rows, dims, acc, m_i, l_i, split, SPLITS,
+               HEAD_DIM)  # fmt: skip
 
 
 @triton.jit
@@ -181,44 +197,15 @@ def top_blocks_kernel(scores_ptr, out_ptr, n_blocks, CHOSEN: tl.constexpr, BLOCK
 
 @triton.jit
 def paged_attention_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    table_ptr,
-    index_ptr,
-    out_ptr,
-    acc_ptr,
-    m_ptr,
-    l_ptr,
-    support,
-    scale_log2,
-    rows_per_seq,
-    stride_qr,
-    stride_qh,
-    stride_kp,
-    stride_kh,
-    stride_ko,
-    stride_kd,
-    stride_vp,
-    stride_vh,
-    stride_vo,
-    stride_vd,
-    stride_tr,
-    stride_ir,
-    stride_iw,
-    HEADS_PER_KV: tl.constexpr,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    PAGE: tl.constexpr,
-    TILE: tl.constexpr,
-    SPLITS: tl.constexpr,
-    IEEE: tl.constexpr,
-):
+    q_ptr, k_ptr, v_ptr, table_ptr, index_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, support, scale_log2, rows_per_seq,
+    stride_qr, stride_qh, stride_kp, stride_kh, stride_ko, stride_kd, stride_vp, stride_vh, stride_vo, stride_vd,
+    stride_tr, stride_ir, stride_iw, HEADS_PER_KV: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr
+):  # fmt: skip
     """One program per (sequence, support row, split): the row's ``GROUP`` query heads attend over its positions
     ``index[seq, row, :]`` (``-1``: none), each read through the sequence's block table from its page (``PAGE``
     positions a page; keys and values addressed by page, KV head, offset, dim strides: any paged layout), in tiles
-    of ``TILE`` positions with the online softmax of :func:`support_attention_kernel`."""
+    of ``TILE`` positions with the online softmax of :func:`online_softmax_tile`."""
     seq = tl.program_id(0)
     row = tl.program_id(1)
     split = tl.program_id(2)
@@ -261,25 +248,6 @@ def paged_attention_kernel(
             mask=valid[:, None],
             other=0.0,
         )
-        if IEEE:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
-        scores = tl.where(valid[None, :], scores * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_tile(q, k, v, valid, m_i, l_i, acc, scale_log2, IEEE)
     out_rows = (seq * rows_per_seq + row) * GROUP + group_rows
-    if SPLITS == 1:
-        tl.store(out_ptr + out_rows[:, None] * HEAD_DIM + dims[None, :], acc / l_i[:, None], mask=live_rows[:, None])
-    else:
-        slot = out_rows * SPLITS + split
-        tl.store(acc_ptr + slot[:, None] * HEAD_DIM + dims[None, :], acc, mask=live_rows[:, None])
-        tl.store(m_ptr + slot, m_i, mask=live_rows)
-        tl.store(l_ptr + slot, l_i, mask=live_rows)
+    store_rows(out_ptr, acc_ptr, m_ptr, l_ptr, out_rows, live_rows, dims, acc, m_i, l_i, split, SPLITS, HEAD_DIM)
