@@ -20,6 +20,7 @@ from ..models.weights import weights_label
 from ..session import sparse_decoding
 from ..session.kv_cache import crop_cache, growing_copy
 from .bench_measures import peak_rss_mb, read_bandwidth_gbs
+from .bench_vllm import leading_equal
 
 
 @dataclass
@@ -193,9 +194,6 @@ def _e2e_rows(name, runs, context, tokens, prefill_s, rss, kernel, compile_s, ba
     best = min(seconds for mode, seconds in median_s.items() if mode[0] == "dense" and mode[1] not in (baseline or {}))
     dense_tokens = runs[("dense", "dynamic", None, None)][0][1]
 
-    def agreeing(out: list[int]) -> int:
-        return next((i for i, (a, b) in enumerate(zip(out, dense_tokens)) if a != b), tokens)
-
     rows = []
     for mode, results in runs.items():
         kind, cache, support, k = mode
@@ -228,7 +226,7 @@ def _e2e_rows(name, runs, context, tokens, prefill_s, rss, kernel, compile_s, ba
                 tokens / decode_s,
                 best / decode_s,
                 rss,
-                agreeing(out),
+                leading_equal(out, dense_tokens),
                 **extra,
             )
         )

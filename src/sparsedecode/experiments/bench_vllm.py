@@ -23,6 +23,11 @@ DEFAULT_PYTHON = Path(".venv-vllm") / "bin" / "python"
 ENGINE = "sparsedecode.integrations.vllm.bench"
 
 
+def leading_equal(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two greedy outputs share (a benchmark's "same tokens")."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def vllm_python(given: str | None = None) -> Path:
     """The vLLM environment's interpreter: ``given``, ``$SPARSEDECODE_VLLM_PYTHON`` or ``.venv-vllm/bin/python``."""
     path = Path(given or os.environ.get("SPARSEDECODE_VLLM_PYTHON") or DEFAULT_PYTHON)
@@ -79,15 +84,6 @@ def cause(stderr: str) -> str:
     lines = [line.strip() for line in stderr.strip().splitlines()] or ["no output"]
     named = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b", line) or "Value error," in line]
     return (named or lines)[-1]
-
-
-def leading_equal(a: list[int], b: list[int]) -> int:
-    count = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        count += 1
-    return count
 
 
 def bench_vllm(folder: str, config, prompts: list[list[int]], modes: dict, *, dtype: str, batches: list[int],
