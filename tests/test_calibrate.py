@@ -95,6 +95,9 @@ def test_calibrate_finds_the_cheapest_feasible_supports_and_resumes(tiny_model_d
     again = json.loads((out / "calibration.json").read_text())
     assert len(again["trials"]) == 8 and again["trials"][:6] == trials and again["settings"]["held_out_from"] == 3
     assert "Held out: 2 prompts the search never saw (indices 3-4)" in (out / "calibration.md").read_text()
+    built.clear()
+    assert main([*args, "--held-out-from", "3", "--trials", "8"]) == 0  # no trial left: the held-out check alone
+    assert built == [3], "a resumed study with no trial left builds no calibration references"
     capsys.readouterr()
     assert main([*args[:-4], "--tokens", "5", "--out", str(out), "--trials", "8"]) == 2
     assert "holds a search of other settings (tokens differ)" in capsys.readouterr().err

@@ -182,10 +182,6 @@ def cmd_calibrate(args) -> int:
         from ..experiments.calibration_tasks import check_end
 
         check_end(model, tokenizer)
-    units = None
-    if args.backend == "local":  # Ray's workers build their own
-        with progress_bars(piped_lines=True) as progress:
-            units = calibration.build(model, tokenizer, progress=progress, side=", calibration")
     base = _base(args)
     from ..experiments.sweep_folder import locked
 
@@ -200,6 +196,9 @@ def cmd_calibrate(args) -> int:
                 feasible=args.feasible, groups=args.groups,
             )  # fmt: skip
             study = search_module.open_study(args.out / "study.db", search)
+            units = None
+            if execute is None and len(search_module.finished(study)) < args.trials:  # Ray's workers build theirs
+                units = calibration.build(model, tokenizer, progress=progress, side=", calibration")
 
             def searched(done, total, best):
                 note = "no configuration meets the targets yet" if best is None else f"best: {best:.1f} positions"
