@@ -21,7 +21,7 @@ from sparsedecode import SparseConfig, SparseDecodeError
 from sparsedecode.cli import main
 from sparsedecode.config import read_budget
 from sparsedecode.experiments import calibrate, calibration_units
-from sparsedecode.experiments.corpus import prompt_ids
+from sparsedecode.experiments.corpus import prompt_count, prompt_ids
 from sparsedecode.models.catalog import load_model
 from sparsedecode.protocol.paired import compare
 
@@ -77,7 +77,10 @@ def test_calibrate_finds_the_cheapest_feasible_supports_and_resumes(tiny_model_d
     model, tokenizer = load_model(str(tiny_model_dir))
     cfg = SparseConfig(support=97, **read_budget(out / "budget.json"))
     assert [cfg.for_layer(i).support for i in range(2)] == data["chosen"]
-    for index in range(2):
+    drawn = data["settings"]["prompt_indices"]  # --split random (the default): the prompts drawn from the corpus
+    order = calibrate.drawn_prompts(prompt_count(tokenizer, "python-docs", 300, 6), 0)
+    assert drawn == {"calibration": order[:2], "held_out": order[2:4]} and order[:4] != [0, 1, 2, 3]
+    for index in drawn["calibration"]:
         ids = prompt_ids(tokenizer, "python-docs", 300, index, 6)
         assert compare(model, None, ids, cfg, 6).teacher_forced_match == 100.0
     held = {row["configuration"]: row for row in data["held_out"]}
@@ -94,13 +97,24 @@ def test_calibrate_finds_the_cheapest_feasible_supports_and_resumes(tiny_model_d
     assert built == [0, 3]  # the calibration prompts from 0, the held-out ones from 3
     again = json.loads((out / "calibration.json").read_text())
     assert len(again["trials"]) == 8 and again["trials"][:6] == trials and again["settings"]["held_out_from"] == 3
-    assert "Held out: 2 prompts the search never saw (indices 3-4)" in (out / "calibration.md").read_text()
+    assert again["settings"]["prompt_indices"]["held_out"] == order[3:5]
+    assert (
+        "Held out: 2 prompts the search never saw (corpus prompts drawn at random"
+        in (out / "calibration.md").read_text()
+    )
     built.clear()
     assert main([*args, "--held-out-from", "3", "--trials", "8"]) == 0  # no trial left: the held-out check alone
     assert built == [3], "a resumed study with no trial left builds no calibration references"
     capsys.readouterr()
     assert main([*args[:-4], "--tokens", "5", "--out", str(out), "--trials", "8"]) == 2
     assert "holds a search of other settings (tokens differ)" in capsys.readouterr().err
+    assert main([*args, "--split", "order", "--trials", "8"]) == 2  # a study drawn at random is not resumed in order
+    assert "holds a search of other settings (split differ)" in capsys.readouterr().err
+    ordered = [*args[:-1], str(tmp_path / "ordered"), "--split", "order", "--held-out-from", "3", "--trials", "2"]
+    assert main(ordered) == 0  # in the corpus's order: prompts 0-1, held out 3-4
+    data = json.loads((tmp_path / "ordered" / "calibration.json").read_text())
+    assert data["settings"]["prompt_indices"] == {"calibration": None, "held_out": None}
+    assert "never saw (indices 3-4)" in (tmp_path / "ordered" / "calibration.md").read_text()
 
 
 def test_bad_calibrations_are_refused_in_one_line(tiny_model_dir, tmp_path, capsys, monkeypatch):

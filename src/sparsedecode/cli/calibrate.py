@@ -75,6 +75,12 @@ def add_parsers(sub) -> None:
         "set after one already looked at",
     )  # fmt: skip
     parser.add_argument(
+        "--split", choices=("random", "order"), default="random",
+        help="random: the calibration and held-out corpus prompts drawn at random from the corpus (seeded by --seed), "
+        "so both are samples of it; order: the first --prompts prompts, the held-out ones after them (a corpus's "
+        "topics come in runs, so those sides can differ; studies made before --split used order)",
+    )  # fmt: skip
+    parser.add_argument(
         "--tasks",
         default="all",
         metavar="NAME[,NAME...]|all",
@@ -176,8 +182,8 @@ def cmd_calibrate(args) -> int:
     tasks = args.tasks if any(t.kind == TASKS for t in targets) else ()
     if tasks:
         _check_answer_room(model, args, tasks)
-    _check_prompt_room(tokenizer, args, targets)
-    calibration, held = _specs(args, targets, tasks)
+    available = _check_prompt_room(tokenizer, args, targets)
+    calibration, held = _specs(args, targets, tasks, available)
     if calibration.need_end:
         from ..experiments.calibration_tasks import check_end
 
@@ -193,7 +199,7 @@ def cmd_calibrate(args) -> int:
                 seed=args.seed, tasks=tasks, answer_tokens=args.answer_tokens if tasks else None,
                 reuses=tuple(args.search_reuse or ()), params=args.search_param,
                 batch=1 if execute is None else execute.description["workers"],
-                feasible=args.feasible, groups=args.groups,
+                feasible=args.feasible, groups=args.groups, split=args.split,
             )  # fmt: skip
             study = search_module.open_study(args.out / "study.db", search)
             units = None
@@ -214,37 +220,46 @@ def cmd_calibrate(args) -> int:
         with progress_bars(piped_lines=True) as progress:
             held_units = held.build(model, tokenizer, progress=progress, side=", held out")
             rows = search_module.held_out(model, held_units, configs, targets, search, progress=progress)
-        _write(args, search, study, best, rows)
+        _write(args, search, study, best, rows, (calibration.indices, held.indices))
         _print(args, best, rows)
     return 0
 
 
-def _specs(args, targets, tasks):
+def _specs(args, targets, tasks, available: int | None):
     """The calibration and held-out units' specs: corpus prompts where a target reads them, task samples where one
-    reads those; the calibration ones first, the held-out ones from ``--held-out-from``."""
-    from ..experiments.calibrate import UnitsSpec
+    reads those; the calibration ones first, the held-out ones from ``--held-out-from``: in the corpus's order, or,
+    with ``--split random``, in the order :func:`~sparsedecode.experiments.calibrate.drawn_prompts` draws the
+    corpus's ``available`` prompts (task samples are drawn from their generators' seeds already)."""
+    from ..experiments.calibrate import UnitsSpec, drawn_prompts
     from ..experiments.calibration_targets import CORPUS
 
-    common = dict(corpus=args.corpus, context=args.context, tokens=args.tokens,
-                  prompts=any(t.kind == CORPUS for t in targets), tasks=tasks, answer_tokens=args.answer_tokens,
-                  need_end=any(t.measure == "length-ratio" for t in targets))  # fmt: skip
-    return (UnitsSpec(first=0, count=args.prompts, **common),
-            UnitsSpec(first=args.held_out_from, count=args.held_out, **common))  # fmt: skip
+    corpus = any(t.kind == CORPUS for t in targets)
+    need_end = any(t.measure == "length-ratio" for t in targets)
+    common = dict(corpus=args.corpus, context=args.context, tokens=args.tokens, prompts=corpus, tasks=tasks,
+                  answer_tokens=args.answer_tokens, need_end=need_end)  # fmt: skip
+    sides = [(0, args.prompts), (args.held_out_from, args.held_out)]
+    if not corpus or args.split == "order":
+        return tuple(UnitsSpec(first=first, count=count, **common) for first, count in sides)
+    order = drawn_prompts(available, args.seed)
+    return tuple(UnitsSpec(first=first, count=count, indices=tuple(order[first : first + count]), **common)
+                 for first, count in sides)  # fmt: skip
 
 
-def _check_prompt_room(tokenizer, args, targets) -> None:
-    """Before any measuring: the corpus holds the calibration and held-out prompts a corpus target reads."""
+def _check_prompt_room(tokenizer, args, targets) -> int | None:
+    """Before any measuring: the corpus holds the calibration and held-out prompts a corpus target reads; returns how
+    many it holds (``None`` where no target reads the corpus)."""
     from ..experiments.calibration_targets import CORPUS
     from ..experiments.corpus import prompt_count
 
     if not any(t.kind == CORPUS for t in targets):
-        return
+        return None
     available = prompt_count(tokenizer, args.corpus, args.context, args.tokens)
     wanted = args.held_out_from + args.held_out
     if wanted > available:
         raise SparseDecodeError(f"corpus {args.corpus} holds {available} prompts of {args.context} tokens; --prompts "
                                 f"{args.prompts}, --held-out-from {args.held_out_from} and --held-out {args.held_out} "
                                 f"need {wanted}")  # fmt: skip
+    return available
 
 
 def _check_answer_room(model, args, tasks) -> None:
@@ -264,7 +279,7 @@ def _base(args):
     return SparseConfig(support=min(args.choices), selector=args.selector, reuse=reuse)
 
 
-def _write(args, search, study, best, held) -> None:
+def _write(args, search, study, best, held, indices) -> None:
     from ..experiments import calibrate as search_module
     from ..files import write_json_atomic, write_text_atomic
     from ..reports.calibration import write_calibration_report
@@ -280,7 +295,8 @@ def _write(args, search, study, best, held) -> None:
     chosen = None if best is None else search.supports(best.params)
     failed = [t.number for t in study.trials if t.state.name == "FAIL"]  # left unfinished by a stopped search
     data = {"settings": {**search.record(), "corpus": args.corpus, "held_out": args.held_out,
-                         "held_out_from": args.held_out_from, "trials": args.trials},
+                         "held_out_from": args.held_out_from, "trials": args.trials,
+                         "prompt_indices": {"calibration": indices[0], "held_out": indices[1]}},
             "environment": environment(), "chosen": chosen, "trials": trials, "failed_trials": failed,
             "held_out": held}  # fmt: skip
     if search.reuses:

@@ -22,6 +22,7 @@ there were.
 from __future__ import annotations
 
 import dataclasses
+import random
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,7 @@ __all__ = [  # with the target names tests and the command import from here
     "check_costable",
     "check_reuse_search",
     "cost",
+    "drawn_prompts",
     "finished",
     "held_out",
     "hopeless",
@@ -176,6 +178,7 @@ class Search:
     batch: int = 1  # trials proposed per round (Ray's workers); another batch proposes other trials
     feasible: str = "mean"  # a trial meets a target by its mean over the units, or by its interval's bound
     groups: int = 0  # 0: a support per layer; G: G runs of consecutive layers, one support each
+    split: str = "order"  # corpus prompts: the first ones for the calibration ("order"), or drawn at random ("random")
     sampler: str = SAMPLER
 
     def record(self) -> dict:
@@ -221,6 +224,16 @@ def measured_cost(cfg: SparseConfig, layers: int, context: int, corpus: list[dic
     return cost(cfg, layers, context, selection=selection, sparse_read=statistics.mean(read) if read else None)
 
 
+def drawn_prompts(available: int, seed: int) -> list[int]:
+    """The corpus's ``available`` prompt indices in the order a random split takes them, shuffled by ``seed`` alone:
+    the calibration prompts are the first ``prompts`` of them, the held-out ones follow. Consecutive prompts are
+    consecutive stretches of one text (a corpus sorted by topic holds its topics in runs), so the first prompts are
+    no random sample of it; drawn ones are, and a held-out check then tests prompts drawn like the calibration's."""
+    order = list(range(available))
+    random.Random(f"calibrate/split/{seed}").shuffle(order)
+    return order
+
+
 def open_study(path: Path, search: Search):
     """The search's Optuna study in ``path`` (SQLite), created or resumed; a study of other settings is refused."""
     import optuna
@@ -246,7 +259,7 @@ def open_study(path: Path, search: Search):
 def _added_later() -> dict:
     """The settings a study made before they existed had, in :meth:`Search.record`'s form: their defaults."""
     given = {name: "" for name in ("model", "selector", "context", "tokens", "prompts", "choices", "targets", "layers")}
-    return {name: value for name, value in Search(**given).record().items() if name in ("feasible", "groups")}
+    return {name: value for name, value in Search(**given).record().items() if name in ("feasible", "groups", "split")}
 
 
 def suggest(trial, search: Search) -> dict:

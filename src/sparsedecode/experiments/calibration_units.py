@@ -61,7 +61,8 @@ def measure(model, units: Units, cfg: SparseConfig, targets: list[Target] = (), 
 @dataclass(frozen=True)
 class UnitsSpec:
     """The units of one side: corpus prompts ``first .. first+count-1`` of ``corpus`` at ``context`` tokens (when
-    ``prompts``, i.e. a target reads the corpus) and samples ``first .. first+count-1`` of each of ``tasks``."""
+    ``prompts``, i.e. a target reads the corpus), or the prompts ``indices`` where given (a split drawn at random),
+    and samples ``first .. first+count-1`` of each of ``tasks``."""
 
     corpus: str
     context: int
@@ -72,6 +73,7 @@ class UnitsSpec:
     tasks: tuple[str, ...] = ()
     answer_tokens: int | None = None
     need_end: bool = False
+    indices: tuple[int, ...] | None = None
 
     def build(self, model, tokenizer, *, progress=None, side: str = "") -> Units:
         """The units, each dense reference and dense answer computed here; ``progress(what, done, total)``."""
@@ -80,11 +82,12 @@ class UnitsSpec:
         units = Units(tokens=self.tokens, tokenizer=tokenizer)
         span = range(self.first, self.first + self.count)
         if self.prompts:
-            units.prompts = [prompt_ids(tokenizer, self.corpus, self.context, i, self.tokens) for i in span]
+            chosen = span if self.indices is None else self.indices
+            units.prompts = [prompt_ids(tokenizer, self.corpus, self.context, i, self.tokens) for i in chosen]
             for index, ids in enumerate(units.prompts):
                 units.references.append(dense_reference(model, ids, tokens=self.tokens))
                 if progress is not None:
-                    progress(f"dense references{side}", index + 1, len(span))
+                    progress(f"dense references{side}", index + 1, len(chosen))
         if self.tasks:
             samples = task_samples(tokenizer, self.tasks, self.context, span, corpus=self.corpus,
                                    max_new_tokens=self.answer_tokens)  # fmt: skip

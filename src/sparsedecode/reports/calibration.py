@@ -115,7 +115,10 @@ def calibration_markdown(data: dict) -> str:
 
 
 def _held_out_span(settings: dict) -> str:
-    """`` (prompts 47-81)``: which held-out units, where they do not follow the calibration ones."""
+    """`` (indices 47-81)``: which held-out units, where they do not follow the calibration ones."""
+    if settings.get("split") == "random" and (settings.get("prompt_indices") or {}).get("held_out"):
+        return (f" (corpus prompts drawn at random, seed {settings['seed']}, disjoint from the calibration ones: "
+                "their indices are in `calibration.json`)")  # fmt: skip
     first = settings.get("held_out_from", settings["prompts"])
     return "" if first == settings["prompts"] else f" (indices {first}-{first + settings['held_out'] - 1})"
 
