@@ -430,7 +430,8 @@ def test_calibrate_searches_the_reuse_interval(tiny_model_dir, tmp_path, capsys)
         cfg = calibrate.layer_config(SparseConfig(support=97, reuse=trial["reuse"]), trial["supports"])
         if trial["state"] == "complete":  # its cost counts the selection, its match is the paired protocol's at its R
             assert trial["cost"] == calibrate.cost(cfg, 2, 300, selection=True)
-            ids = [prompt_ids(tokenizer, "python-docs", 300, index, 8) for index in range(2)]
+            drawn = data["settings"]["prompt_indices"]["calibration"]  # drawn at random (--split random)
+            ids = [prompt_ids(tokenizer, "python-docs", 300, index, 8) for index in drawn]
             tf = [compare(model, None, one, cfg, 8).teacher_forced_match for one in ids]
             assert trial["means"]["tf-match"] == pytest.approx(sum(tf) / 2)
     best = min((t for t in data["trials"] if t["feasible"]), key=lambda t: t["cost"])
@@ -458,7 +459,8 @@ def test_calibrate_searches_a_selector_parameter_costing_an_adaptive_one_by_what
     assert data["settings"]["params"] == {"p": [0.3, 0.99]}
     assert {t["params"]["p"] for t in data["trials"]} == {0.3, 0.99}, "the sampler tried both values"
     model, tokenizer = load_model(str(tiny_model_dir))
-    ids = [prompt_ids(tokenizer, "python-docs", 300, index, 6) for index in range(2)]
+    drawn = data["settings"]["prompt_indices"]["calibration"]  # drawn at random (--split random)
+    ids = [prompt_ids(tokenizer, "python-docs", 300, index, 6) for index in drawn]
     for trial in (t for t in data["trials"] if t["state"] == "complete"):
         # the cost of an adaptive selector is what its sparse layers read on the calibration prompts
         cfg = calibrate.layer_config(SparseConfig(support=97, selector=f"block-top-p:p={trial['params']['p']}"),
