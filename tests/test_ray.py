@@ -360,7 +360,8 @@ def test_calibrate_on_ray_runs_rounds_of_trials_as_an_in_process_search_and_resu
     fields = set(calibrate.Search.__dataclass_fields__)
     search = calibrate.Search(**{k: v for k, v in data["settings"].items() if k in fields})
     study = calibrate.open_study(tmp_path / "here.db", search)
-    spec = calibrate.UnitsSpec(corpus="python-docs", context=300, first=0, count=2, tokens=6)
+    drawn = tuple(data["settings"]["prompt_indices"]["calibration"])  # the prompts the split drew
+    spec = calibrate.UnitsSpec(corpus="python-docs", context=300, first=0, count=2, tokens=6, indices=drawn)
     calibrate.run_search(None, None, SparseConfig(support=97), search, study, 6, execute=InProcess(loaded), spec=spec)
     here = [{"supports": [t.params[f"layer_{i}"] for i in range(2)], "state": t.state.name.lower(), "cost": t.value,
              "means": t.user_attrs.get("means")} for t in calibrate.finished(study)]  # fmt: skip
