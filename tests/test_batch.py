@@ -404,3 +404,14 @@ def test_bench_e2e_batch_that_does_not_fit_is_refused_before_prefill(tiny_model_
     assert not out.exists()
     assert main([*args[:-2], "--mode", "lossless"]) == 2
     assert "lossless runs batch 1 only" in capsys.readouterr().err
+
+
+def test_bench_e2e_batch_names_quantized_weights(tiny_model_dir, tmp_path, capsys):
+    from sparsedecode.cli import main
+
+    out = tmp_path / "batch.json"
+    args = ["bench", "e2e", "--model", str(tiny_model_dir), "--context", "300", "--support", "97", "--tokens", "4"]
+    assert main([*args, "--batch", "1,2", "--repeats", "1", "--weights", "int8", "--json", str(out)]) == 0
+    assert "int8 weights, float32 activations" in " ".join(capsys.readouterr().out.split())
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["weights"] for r in rows} == {"int8"} and all(r["tokens_equal_to_batch1"] for r in rows)

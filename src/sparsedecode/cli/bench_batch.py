@@ -86,6 +86,9 @@ def _run_batches(args, model, tokenizer) -> list:
 def _print_batches(args, rows) -> None:
     """The table of batched rows and what its columns mean."""
     dtypes = args.dtype + (f" (dense also {args.dense_dtype})" if args.dense_dtype else "")
+    weights = getattr(args, "weights", None)
+    if weights is not None:  # quantized layers: the dtype is the activations' and the KV cache's
+        dtypes = f"{weights} weights, {dtypes} activations"
     table = Table(title=f"batched decoding, {args.model} {dtypes} on cpu: {args.tokens} greedy tokens per sequence")
     for name in (
         "dtype",
