@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ..config import SparseConfig
 from ..errors import SparseDecodeError
-from .calibration_study import abandon_unfinished, best_feasible, finished, repeat_of, sampler_seed, tell_repeat
+from .calibration_study import abandon_unfinished, best_feasible, finished, repeat_of, sampler_seed, tell, tell_repeat
 from .calibration_targets import (
     CORPUS,
     Target,
@@ -292,25 +292,17 @@ def propose(study, search: Search, done: int, count: int) -> list:
 
 
 def conclude(study, trial, search: Search, cfg: SparseConfig, targets: list[Target], rows: dict | None) -> None:
-    """Tell the study how a trial ended: stopped early (``rows`` None: every target its constraint 1, infeasible),
-    or complete with its means, its constraints (<= 0 where a target holds) and its cost as the value."""
-    import optuna
-
+    """Tell the study how a trial ended (:func:`.calibration_study.tell`): stopped early (``rows`` None), or complete
+    with its means (and bounds, judged at the bound), its constraints and its cost as the value."""
     if rows is None:
-        for target in targets:
-            trial.set_constraint(str(target), 1.0)
-        study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+        tell(study, trial, targets, None)
         return
     values = summary(targets, rows)
-    trial.set_user_attr("means", values)
+    attrs = {"means": values}
     if search.feasible == "bound":
         values = judged_at_bound(targets, interval_row(targets, rows), values)
-        trial.set_user_attr("bounds", {t.measure: values[t.measure] for t in targets})
-    held = constraints(targets, values)
-    for target, value in zip(targets, held):
-        trial.set_constraint(str(target), value)
-    trial.set_user_attr("constraints", held)
-    study.tell(trial, search.cost(cfg, rows))
+        attrs["bounds"] = {t.measure: values[t.measure] for t in targets}
+    tell(study, trial, targets, constraints(targets, values), search.cost(cfg, rows), attrs)
 
 
 def _measured(model, units: Units, cfg: SparseConfig, targets: list[Target]) -> dict | None:

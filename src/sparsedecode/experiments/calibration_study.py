@@ -1,6 +1,7 @@
 """A calibration's Optuna study as :mod:`.calibrate` drives it: the sampler's seed per trial, the trials that
-finished, those a stopped search left unfinished, the cheapest feasible one, and a proposal repeating a measured
-configuration (told what that one measured). Optuna is imported inside each function."""
+finished, those a stopped search left unfinished, the cheapest feasible one, how a trial's end is told to the study,
+and a proposal repeating a measured configuration (told what that one measured). Optuna is imported inside each
+function."""
 
 from __future__ import annotations
 
@@ -59,23 +60,35 @@ def repeat_of(study, params: dict):
     return next((t for t in finished(study) if t.params == params), None)
 
 
+def tell(
+    study, trial, targets: list[Target], held: list[float] | None, value: float | None = None, attrs: dict | None = None
+) -> None:
+    """Tell the study how a trial ended: stopped early (``held`` None: every target its constraint 1, pruned), or
+    complete with ``held``, its constraint per target (<= 0 where the target holds; also the ``constraints``
+    attribute), ``attrs`` as its user attributes and ``value`` (its cost)."""
+    import optuna
+
+    for key, attr in (attrs or {}).items():
+        trial.set_user_attr(key, attr)
+    if held is None:
+        for target in targets:
+            trial.set_constraint(str(target), 1.0)
+        study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+        return
+    for target, constraint in zip(targets, held):
+        trial.set_constraint(str(target), constraint)
+    trial.set_user_attr("constraints", held)
+    study.tell(trial, value)
+
+
 def tell_repeat(study, trial, earlier, targets: list[Target]) -> None:
     """Tell ``trial`` what ``earlier``, a finished trial of the same parameters, measured, without measuring again:
     a configuration measures the same every time (same seed and thread count), so the study, its proposals and its
     choice are those of a search that measured it twice. The trial carries ``repeat_of``."""
     import optuna
 
-    trial.set_user_attr("repeat_of", earlier.number)
-    if earlier.state == optuna.trial.TrialState.PRUNED:
-        for target in targets:
-            trial.set_constraint(str(target), 1.0)
-        study.tell(trial, state=optuna.trial.TrialState.PRUNED)
-        return
-    for key in ("means", "bounds"):
-        if key in earlier.user_attrs:
-            trial.set_user_attr(key, earlier.user_attrs[key])
-    held = earlier.user_attrs["constraints"]
-    for target, value in zip(targets, held):
-        trial.set_constraint(str(target), value)
-    trial.set_user_attr("constraints", held)
-    study.tell(trial, earlier.value)
+    attrs = {"repeat_of": earlier.number} | {
+        k: earlier.user_attrs[k] for k in ("means", "bounds") if k in earlier.user_attrs
+    }
+    pruned = earlier.state == optuna.trial.TrialState.PRUNED
+    tell(study, trial, targets, None if pruned else earlier.user_attrs["constraints"], earlier.value, attrs)
