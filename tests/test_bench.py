@@ -529,3 +529,36 @@ def test_progress_off_a_terminal_is_one_line_per_stage_begun_and_ended():
     lines = out.getvalue().splitlines()
     assert lines[0] == "sparse S=97 (run 1/1): 0/8 ..." and len(lines) == 2
     assert lines[1].startswith("sparse S=97 (run 1/1): 8/8 in ") and lines[1].endswith(" s")
+
+
+@pytest.mark.parametrize(
+    "cpuinfo, expected",
+    [
+        (
+            "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 23\nmodel\t\t: 49\nmodel name\t: AMD EPYC\n"
+            "stepping\t: 0\nflags\t\t: fpu sse avx f16c fma avx2 bmi2\n\nprocessor\t: 1\ncpu family\t: 99\n",
+            ("AMD EPYC", "AuthenticAMD family 23 model 49 stepping 0", ["avx", "avx2", "fma", "f16c"]),
+        ),
+        (
+            "processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 143\n"
+            "model name\t: Intel(R) Xeon(R) Platinum 8481C\nstepping\t: 8\n"
+            "flags\t\t: avx2 avx512f avx512_bf16 amx_tile amx_int8\n",
+            (
+                "Intel(R) Xeon(R) Platinum 8481C",
+                "GenuineIntel family 6 model 143 stepping 8",
+                ["avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_int8"],
+            ),
+        ),
+        (
+            "processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd asimddp i8mm\n",
+            (None, None, ["asimd", "asimddp", "i8mm"]),
+        ),
+    ],
+)
+def test_the_machine_record_names_the_cpus_generation_and_flags(cpuinfo, expected):
+    """A virtual machine's model name can hide the generation ("AMD EPYC" from Zen 2 to Zen 4); vendor, family,
+    model and stepping name it. The first processor's fields are taken."""
+    from sparsedecode.experiments.environment import cpu_record
+
+    record = cpu_record(cpuinfo)
+    assert (record["cpu_model"], record["cpu_id"], record["cpu_flags"]) == expected

@@ -31,20 +31,26 @@ llama.cpp builds run at all): the x86 vector extensions, AMX, and Arm's."""
 
 
 def cpu_record(cpuinfo: str | None = None) -> dict:
-    """``cpu_model`` (the model name) and ``cpu_flags`` (those of :data:`CPU_FLAGS` it has), from ``/proc/cpuinfo``
-    (Linux; ``cpuinfo`` its text), else ``None`` for both."""
+    """``cpu_model`` (the model name), ``cpu_id`` (vendor, family, model and stepping: a virtual machine's model name
+    often hides the generation, "AMD EPYC" for Zen 2 to Zen 4, these numbers do not) and ``cpu_flags`` (those of
+    :data:`CPU_FLAGS` it has), from ``/proc/cpuinfo`` (Linux; ``cpuinfo`` its text), else ``None`` for each."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
-            return {"cpu_model": None, "cpu_flags": None}
+            return {"cpu_model": None, "cpu_id": None, "cpu_flags": None}
     fields = {}
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         fields.setdefault(key.strip(), value.strip())  # the first processor's
     model = fields.get("model name") or fields.get("Model") or fields.get("Hardware")
     present = set((fields.get("flags") or fields.get("Features") or "").split())
-    return {"cpu_model": model, "cpu_flags": [flag for flag in CPU_FLAGS if flag in present]}
+    keys = (("family", "cpu family"), ("model", "model"), ("stepping", "stepping"))
+    numbers = [(name, fields.get(key)) for name, key in keys]
+    identity = " ".join(f"{name} {value}" for name, value in numbers if value) if numbers[0][1] else None
+    if identity and fields.get("vendor_id"):
+        identity = f"{fields['vendor_id']} {identity}"
+    return {"cpu_model": model, "cpu_id": identity, "cpu_flags": [flag for flag in CPU_FLAGS if flag in present]}
 
 
 def environment(model: torch.nn.Module | None = None) -> dict:
