@@ -231,36 +231,23 @@ def test_bench_e2e_compile_with_lossless_adds_compiled_lossless_rows(monkeypatch
         assert static.compile_s == by_mode[("sparse", "static, compiled", None)].compile_s
 
 
-class FakeLlama:
-    """Stands in for llama_cpp.Llama (not installed in the test extra): a 'model' whose greedy next token is the
-    last token + 1, with the methods the baseline calls (reset, eval, sample). Each engine runs in a forked process,
-    so what it was made with and handed is written as JSON lines to ``log`` (set before the engines start)."""
+FAKES = Path(__file__).parent / "fakes"
 
-    log: Path | None = None
 
-    def __init__(self, model_path, n_ctx, n_threads, n_threads_batch, n_batch, flash_attn, verbose):
-        self._note(made=dict(path=model_path, n_ctx=n_ctx, threads=n_threads, flash_attn=flash_attn))
-        self.tokens: list[int] = []
+def fake_llama_cpp(monkeypatch, tmp_path, behaviour: str = "greedy") -> Path:
+    """``llama_cpp`` is tests/fakes/llama_cpp here and in the engine processes started afresh (their ``sys.path``
+    and environment are this process's), behaving as ``behaviour`` says; the log of what it was made with and
+    handed."""
+    monkeypatch.syspath_prepend(str(FAKES))
+    monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
+    monkeypatch.setenv("FAKE_LLAMA_CPP", behaviour)
+    log = tmp_path / "llama.jsonl"
+    monkeypatch.setenv("FAKE_LLAMA_CPP_LOG", str(log))
+    return log
 
-    def _note(self, **entry):
-        with open(self.log, "a") as out:
-            out.write(json.dumps(entry) + "\n")
 
-    @classmethod
-    def notes(cls, kind: str) -> list:
-        return [e[kind] for e in map(json.loads, cls.log.read_text().splitlines()) if kind in e]
-
-    def reset(self):
-        self.tokens = []
-
-    def eval(self, tokens):
-        if len(tokens) > 1:
-            self._note(prompt=list(tokens))
-        self.tokens += list(tokens)
-
-    def sample(self, temp):
-        assert temp == 0.0  # greedy
-        return (self.tokens[-1] + 1) % 96
+def notes(log: Path, kind: str) -> list:
+    return [e[kind] for e in map(json.loads, log.read_text().splitlines()) if kind in e]
 
 
 def _gguf_file(path: Path) -> Path:
@@ -279,12 +266,10 @@ def _gguf_file(path: Path) -> Path:
 
 
 def test_bench_e2e_baseline_runs_llama_cpp_in_the_rotation(monkeypatch, tmp_path):
-    import types
+    from sparsedecode.experiments.baseline import LLAMA_CPP, LLAMA_CPP_FLASH
+    from sparsedecode.experiments.llama_engine import LlamaCpp
 
-    from sparsedecode.experiments.baseline import LLAMA_CPP, LLAMA_CPP_FLASH, LlamaCpp
-
-    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=FakeLlama))
-    monkeypatch.setattr(FakeLlama, "log", tmp_path / "llama.jsonl")
+    log = fake_llama_cpp(monkeypatch, tmp_path)
     monkeypatch.setattr(bench_end_to_end, "read_bandwidth_gbs", lambda *a, **k: 10.0)  # structure, not speed
     gguf = _gguf_file(tmp_path / "model.gguf")
     engines = {LLAMA_CPP: LlamaCpp(gguf, 220, 2), LLAMA_CPP_FLASH: LlamaCpp(gguf, 220, 2, flash_attn=True)}
@@ -312,9 +297,12 @@ def test_bench_e2e_baseline_runs_llama_cpp_in_the_rotation(monkeypatch, tmp_path
     dense = rows[0]
     assert sparse.bytes_per_token_mb < dense.bytes_per_token_mb
     assert dense.bound_tokens_per_s == pytest.approx(10e9 / (dense.bytes_per_token_mb * 1e6))
-    assert FakeLlama.notes("prompt")[-1] == ids[0].tolist()  # llama.cpp was handed the same token ids
-    assert [m["flash_attn"] for m in FakeLlama.notes("made")] == [False, True]
-    assert all(engine._process.pid != os.getpid() for engine in engines.values())  # each in a process of its own
+    assert notes(log, "prompt")[-1] == ids[0].tolist()  # llama.cpp was handed the same token ids
+    made = notes(log, "made")
+    assert [m["flash_attn"] for m in made] == [False, True]
+    assert [m["pid"] for m in made] == [engine._process.pid for engine in engines.values()] != [os.getpid()] * 2
+    # started afresh, not forked: a forked engine inherits torch's OpenMP pool, whose barrier llama.cpp then waits on
+    assert notes(log, "torch") == [False, False] and "torch" in sys.modules
     for engine in engines.values():
         engine.close()
         assert not engine._process.is_alive()
@@ -488,30 +476,17 @@ def test_bench_op_times_the_c_kernel_in_half_precision(dtype):
 
 def test_a_llama_cpp_build_for_another_cpu_is_named_as_the_cause(monkeypatch, tmp_path):
     """llama.cpp's process dying of signal 4 (an AVX-512 build on an AVX2-only CPU) is said to be the build."""
-    import signal
-    import types
+    from sparsedecode.experiments.llama_engine import LlamaCpp
 
-    from sparsedecode.experiments.baseline import LlamaCpp
-
-    class IllegalInstruction:
-        def __init__(self, model_path, **settings):
-            os.kill(os.getpid(), signal.SIGILL)
-
-    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=IllegalInstruction))
+    fake_llama_cpp(monkeypatch, tmp_path, "illegal")
     with pytest.raises(SparseDecodeError, match=r"illegal instruction \(signal 4\).*docs/setup.md"):
         LlamaCpp(tmp_path / "model.gguf", 220, 2)
 
 
 def test_a_llama_cpp_engine_that_cannot_load_is_refused_in_one_line(monkeypatch, tmp_path):
-    import types
+    from sparsedecode.experiments.llama_engine import LlamaCpp
 
-    from sparsedecode.experiments.baseline import LlamaCpp
-
-    class Broken:
-        def __init__(self, model_path, **settings):
-            raise ValueError("not a GGUF file")
-
-    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=Broken))
+    fake_llama_cpp(monkeypatch, tmp_path, "broken")
     with pytest.raises(SparseDecodeError, match=r"llama.cpp: cannot load .*model.gguf: not a GGUF file"):
         LlamaCpp(tmp_path / "model.gguf", 220, 2)
 

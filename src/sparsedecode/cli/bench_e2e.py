@@ -216,7 +216,8 @@ def _llama_engines(path, context: int) -> dict:
     """llama.cpp with and without flash attention, on torch's thread count (ours)."""
     import torch
 
-    from ..experiments.baseline import LLAMA_CPP, LLAMA_CPP_FLASH, LlamaCpp
+    from ..experiments.baseline import LLAMA_CPP, LLAMA_CPP_FLASH
+    from ..experiments.llama_engine import LlamaCpp
 
     threads = torch.get_num_threads()
     return {
