@@ -52,7 +52,8 @@ def ended(exitcode: int | None, path: Path) -> str:
 class LlamaCpp:
     """One llama.cpp model in a process of its own (started afresh with this interpreter and ``sys.path``, so it
     imports the ``llama_cpp`` this process would; see the module on why not forked): :meth:`decode` runs a dense
-    prefill of the prompt, then greedy tokens, timed in that process. In this process
+    prefill of the prompt, then greedy tokens, timed in that process (as for any process started afresh, a script that
+    makes one needs Python's ``if __name__ == "__main__":`` guard; the command line has it). In this process
     llama.cpp's worker threads, which keep polling for work after a decode, took a core from the modes timed after
     it (about 7% of their speed on a 2-core machine); apart, each engine has the cores while it runs."""
 
