@@ -2,9 +2,9 @@
 token ids, the same thread count, in the same run as our modes; and what each mode must read per token.
 
 llama.cpp comes from the optional extra ``llamacpp`` (llama-cpp-python, built from its source distribution; see
-docs/setup.md for the flags), in an engine process of its own (:mod:`.llama_engine`), imported only when the baseline is
-asked for. Token ids are handed
-to it as they are: the alias's tokenizer is the GGUF's own vocabulary, so both engines see one sequence.
+docs/setup.md for the flags), in an engine process of its own (:mod:`.llama_engine`), imported only when the baseline
+is asked for. Token ids are handed to it as they are: the alias's tokenizer is the GGUF's own vocabulary, so both
+engines see one sequence.
 """
 
 from __future__ import annotations

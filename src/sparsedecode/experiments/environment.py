@@ -46,10 +46,8 @@ def cpu_record(cpuinfo: str | None = None) -> dict:
     model = fields.get("model name") or fields.get("Model") or fields.get("Hardware")
     present = set((fields.get("flags") or fields.get("Features") or "").split())
     keys = (("family", "cpu family"), ("model", "model"), ("stepping", "stepping"))
-    numbers = [(name, fields.get(key)) for name, key in keys]
-    identity = " ".join(f"{name} {value}" for name, value in numbers if value) if numbers[0][1] else None
-    if identity and fields.get("vendor_id"):
-        identity = f"{fields['vendor_id']} {identity}"
+    parts = [fields.get("vendor_id"), *(f"{name} {fields[key]}" for name, key in keys if fields.get(key))]
+    identity = " ".join(filter(None, parts)) if fields.get("cpu family") else None  # x86 only: Arm has no family
     return {"cpu_model": model, "cpu_id": identity, "cpu_flags": [flag for flag in CPU_FLAGS if flag in present]}
 
 
