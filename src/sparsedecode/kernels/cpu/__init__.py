@@ -80,7 +80,7 @@ _LOCK = threading.Lock()
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
     root = os.environ.get("SPARSEDECODE_CACHE")
     return (Path(root) if root else Path.home() / ".cache" / "sparsedecode") / "kernels"
 
@@ -135,7 +135,7 @@ def _build() -> ctypes.CDLL:
     if _shares_libgomp():
         variants = [flags + OPENMP_FLAGS for flags in variants] + variants
     for flags in variants:
-        target = _cache_dir() / f"sparse_step-{_key(flags)}.so"
+        target = cache_dir() / f"sparse_step-{_key(flags)}.so"
         error = None if target.exists() else _compile(compiler, flags, target)
         if error is None:
             try:

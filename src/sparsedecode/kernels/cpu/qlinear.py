@@ -2,7 +2,11 @@
 to int8 per group of 32 (:func:`sparsedecode.models.quantized.quantized_activations`), times an int4 or int8 weight in
 the layouts of :mod:`sparsedecode.models.quantized`, read as stored (no de-quantized copy), integer sums per group
 scaled in float32, split over torch's thread count. ``None`` from :func:`available` where the library could not be
-built here."""
+built here.
+
+The operators ``sparsedecode_quantized::int4_linear`` and ``int8_linear`` are defined here; their CPU kernel is the
+C++ one of :mod:`.native` where that builds (no Python between the caller and the C products), else the Python
+functions below."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import ctypes
 
 import torch
 
-from . import check_status, library
+from . import check_status, library, native
 from .functions import c_function
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -19,8 +23,12 @@ _Q8_ARGS = [_ptr] * 4 + [_i64] * 6
 
 
 def available():
-    """The built library, or ``None`` where it cannot be built here."""
-    return library()
+    """The built library, or ``None`` where it cannot be built here; at the first call, the C++ operators of
+    :mod:`.native` built and loaded beside it where they can be."""
+    built = library()
+    if built is not None and native.BUILD_ERROR is None:
+        native.load(built)
+    return built
 
 
 def q4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@
  * over 32 contiguous inputs per group (AVX2: |q| times xq with q's sign, multiply-added to 32 bits). Work is split
  * over threads by spans and rows. */
 
-enum { Q4_SPAN = 2048, Q4_CHUNK = 32, Q4_AHEAD = 8, Q8_ROWS = 4, Q8_AHEAD = 2048 };
+enum { Q4_SPAN = 2048, Q4_CHUNK = 32, Q4_AHEAD = 8, Q4_PART = 1 << 17, Q8_ROWS = 4, Q8_AHEAD = 2048 };
 
 typedef struct {
     const uint8_t *weights;
@@ -34,6 +34,8 @@ typedef struct {
     float *out;
     int64_t rows, n, groups, span; /* span: outputs per int4 task, a multiple of Q4_CHUNK, at most Q4_SPAN */
     int64_t block, scale32;         /* int8: inputs per scale (16 or 32); whether scales are float32 */
+    int64_t slices;                 /* int4: ranges of groups summed apart (one per thread), then added */
+    float *partial;                 /* int4: (slices - 1, rows, n), the sums of slices 1 .. slices - 1 */
 } qjob_t;
 
 /* Scale i of an array of the job's scales, as a float. */
@@ -60,16 +62,16 @@ static void quantize_rows(const float *x, int64_t rows, int64_t groups, int8_t *
     }
 }
 
-/* Outputs n0 .. n0 + count - 1 (count <= Q4_SPAN) of every row, in plain loops: 32-bit sums per group, then the
- * scales. */
-static void q4_plain(const qjob_t *job, int64_t n0, int64_t count) {
+/* Outputs n0 .. n0 + count - 1 (count <= Q4_SPAN) of every row over groups g0 .. g1 - 1, into out (rows, n), in
+ * plain loops: 32-bit sums per group, then the scales. */
+static void q4_plain(const qjob_t *job, int64_t n0, int64_t count, int64_t g0, int64_t g1, float *out) {
     int64_t n = job->n;
     for (int64_t r = 0; r < job->rows; r++) {
         const int8_t *xq = job->xq + r * job->groups * 32;
         float total[Q4_SPAN];
         int32_t sums[Q4_SPAN];
         for (int64_t i = 0; i < count; i++) total[i] = 0.0f;
-        for (int64_t g = 0; g < job->groups; g++) {
+        for (int64_t g = g0; g < g1; g++) {
             for (int64_t i = 0; i < count; i++) sums[i] = 0;
             for (int64_t j = 0; j < 16; j++) {
                 int32_t low = xq[g * 32 + j], high = xq[g * 32 + 16 + j];
@@ -82,7 +84,7 @@ static void q4_plain(const qjob_t *job, int64_t n0, int64_t count) {
                 total[i] += (float)sums[i] * (scale_at(job, job->scale, at) * d) + scale_at(job, job->offset, at) * s;
             }
         }
-        for (int64_t i = 0; i < count; i++) job->out[r * n + n0 + i] = total[i];
+        for (int64_t i = 0; i < count; i++) out[r * n + n0 + i] = total[i];
     }
 }
 
@@ -93,10 +95,10 @@ static inline __m256 scales8(const qjob_t *job, const void *p, int64_t i) {
     return job->scale32 ? _mm256_loadu_ps((const float *)p + i) : (__m256)half8((const uint16_t *)p + i);
 }
 
-/* Outputs n0 .. n0 + 32 chunks - 1 of every row with AVX2 (header). After unpacking a lane's bytes, a 16-bit sum
- * vector holds outputs 0-7 and 16-23 of its chunk (pairs[0]) or 8-15 and 24-31 (pairs[1]); widening puts them back
- * in order. */
-static void q4_chunks(const qjob_t *job, int64_t n0, int chunks) {
+/* Outputs n0 .. n0 + 32 chunks - 1 of every row over groups g0 .. g1 - 1, into out, with AVX2 (header). After
+ * unpacking a lane's bytes, a 16-bit sum vector holds outputs 0-7 and 16-23 of its chunk (pairs[0]) or 8-15 and 24-31
+ * (pairs[1]); widening puts them back in order. */
+static void q4_chunks(const qjob_t *job, int64_t n0, int chunks, int64_t g0, int64_t g1, float *out) {
     int64_t n = job->n;
     const __m256i nibble = _mm256_set1_epi8(15);
     for (int64_t r = 0; r < job->rows; r++) {
@@ -104,7 +106,7 @@ static void q4_chunks(const qjob_t *job, int64_t n0, int chunks) {
         __m256 total[Q4_SPAN / 8];
         __m256i sums[Q4_SPAN / 8], pairs[Q4_SPAN / 16];
         for (int v = 0; v < 4 * chunks; v++) total[v] = _mm256_setzero_ps();
-        for (int64_t g = 0; g < job->groups; g++) {
+        for (int64_t g = g0; g < g1; g++) {
             for (int v = 0; v < 4 * chunks; v++) sums[v] = _mm256_setzero_si256();
             for (int64_t half = 0; half < 16; half += 8) {
                 for (int v = 0; v < 2 * chunks; v++) pairs[v] = _mm256_setzero_si256();
@@ -140,19 +142,23 @@ static void q4_chunks(const qjob_t *job, int64_t n0, int chunks) {
                 total[v] = _mm256_add_ps(shifted, _mm256_mul_ps(_mm256_cvtepi32_ps(sums[v]), scaled));
             }
         }
-        for (int v = 0; v < 4 * chunks; v++) _mm256_storeu_ps(job->out + r * n + n0 + 8 * v, total[v]);
+        for (int v = 0; v < 4 * chunks; v++) _mm256_storeu_ps(out + r * n + n0 + 8 * v, total[v]);
     }
 }
 #endif
 
-static int q4_tile(const void *arg, int64_t tile) {
+/* Task = slice * tiles + tile: the outputs of one span over one slice's groups. */
+static int q4_tile(const void *arg, int64_t task) {
     const qjob_t *job = arg;
+    int64_t tiles = (job->n + job->span - 1) / job->span, slice = task / tiles, tile = task % tiles;
+    int64_t g0 = job->groups * slice / job->slices, g1 = job->groups * (slice + 1) / job->slices;
+    float *out = slice ? job->partial + (slice - 1) * job->rows * job->n : job->out;
     int64_t n0 = tile * job->span, left = job->n - n0 < job->span ? job->n - n0 : job->span, whole = 0;
 #if defined(__AVX2__)
     whole = left / Q4_CHUNK * Q4_CHUNK;
-    if (whole) q4_chunks(job, n0, (int)(whole / Q4_CHUNK));
+    if (whole) q4_chunks(job, n0, (int)(whole / Q4_CHUNK), g0, g1, out);
 #endif
-    if (left > whole) q4_plain(job, n0 + whole, left - whole);
+    if (left > whole) q4_plain(job, n0 + whole, left - whole, g0, g1, out);
     return 0;
 }
 
@@ -215,21 +221,27 @@ static void *quantized_activations(qjob_t *job, const float *x) {
 /* out (rows, n) = x (rows, 32 groups) times the int4 weight (its activations quantized first). */
 int q4_linear(const uint8_t *packed, const void *scale, const void *offset, const float *x, float *out, int64_t rows,
               int64_t n, int64_t groups, int64_t scale32, int64_t threads) {
-    int64_t parts = threads < 1 ? 1 : threads, span = (n + parts - 1) / parts;
-    span = span > Q4_SPAN ? Q4_SPAN : (span + Q4_CHUNK - 1) / Q4_CHUNK * Q4_CHUNK; /* about one span per thread */
-    qjob_t job = {packed, scale, offset, NULL, NULL, NULL, out, rows, n, groups, span, 32, scale32};
-    void *space = quantized_activations(&job, x);
-    if (!space) return -1;
-    int64_t tiles = (n + span - 1) / span;
-    int status = parallel(q4_tile, &job, tiles, threads < tiles ? threads : tiles, 0);
+    int64_t parts = threads < 1 ? 1 : threads > groups ? groups : threads, size = groups * 16 * n;
+    if (parts > 1 + size / Q4_PART) parts = 1 + size / Q4_PART; /* a small weight: a second thread costs more */
+    int64_t span = n > Q4_SPAN ? Q4_SPAN : (n + Q4_CHUNK - 1) / Q4_CHUNK * Q4_CHUNK, tiles = (n + span - 1) / span;
+    /* each thread sums its own range of groups over every output: a contiguous part of the packed weight, read as
+     * one stream (split by outputs, each thread read every other piece of each row, at about half the rate) */
+    float *partial = parts > 1 ? malloc((size_t)((parts - 1) * rows * n) * sizeof(float)) : NULL;
+    qjob_t job = {packed, scale, offset, NULL, NULL, NULL, out, rows, n, groups, span, 32, scale32, parts, partial};
+    void *space = parts > 1 && !partial ? NULL : quantized_activations(&job, x);
+    if (!space) return free(partial), -1;
+    int status = parallel(q4_tile, &job, parts * tiles, parts, 0);
+    for (int64_t p = 1; p < parts; p++)
+        for (int64_t i = 0; i < rows * n; i++) out[i] += partial[(p - 1) * rows * n + i];
     free(space);
+    free(partial);
     return status;
 }
 
 /* out (rows, n) = x (rows, 32 groups) times the int8 weight (its activations quantized first). */
 int q8_linear(const int8_t *q, const void *scale, const float *x, float *out, int64_t rows, int64_t n, int64_t groups,
               int64_t block, int64_t scale32, int64_t threads) {
-    qjob_t job = {(const uint8_t *)q, scale, NULL, NULL, NULL, NULL, out, rows, n, groups, 0, block, scale32};
+    qjob_t job = {(const uint8_t *)q, scale, NULL, NULL, NULL, NULL, out, rows, n, groups, 0, block, scale32, 1, NULL};
     void *space = quantized_activations(&job, x);
     if (!space) return -1;
     int64_t parts = (n + Q8_ROWS - 1) / Q8_ROWS;
