@@ -1,0 +1,112 @@
+"""The quantized products as torch operators (sparsedecode.kernels.cpu.native, csrc/torch_ops.cpp) and split over
+threads (csrc/qlinear.h): the C++ kernel serves the operators here and gives the Python implementation's numbers,
+refuses what it cannot read in one line, the Python implementation serves where the C++ one cannot be built, and an
+int4 product split over threads by ranges of groups gives the one-thread product."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sparsedecode.models.quantized import (
+    Int4Linear,
+    Int8Linear,
+    c_kernel,
+    quantize_int4,
+    quantize_int8,
+    quantized_activations,
+)
+
+INT4 = "sparsedecode_quantized::int4_linear"
+
+
+@pytest.fixture
+def threads():
+    """Set torch's thread count for one test, restored after it."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def _layers(inputs: int, outputs: int) -> list[torch.nn.Module]:
+    """An int4 and an int8 layer of each scale form (float16; float32, and for int8 blocks of 16 as Q6_K's)."""
+    torch.manual_seed(inputs + outputs)
+    linear = torch.nn.Linear(inputs, outputs, bias=False)
+    int4, int8 = quantize_int4(linear), quantize_int8(linear)
+    wide4 = Int4Linear(int4.packed, int4.scale.float() * 1.0001, int4.offset.float(), scale_dtype=torch.float32)
+    blocks16 = Int8Linear(int8.q, torch.rand(outputs, inputs // 16) / 100, scale_dtype=torch.float32)
+    return [int4, wide4, int8, blocks16]
+
+
+def _python_product(layer, x):
+    from sparsedecode.kernels.cpu import qlinear
+
+    if isinstance(layer, Int4Linear):
+        return qlinear.q4_linear(x, layer.packed, layer.scale, layer.offset)
+    return qlinear.q8_linear(x, layer.q, layer.scale)
+
+
+def test_the_cpp_operators_serve_here_with_the_python_implementations_numbers():
+    from sparsedecode.kernels.cpu import native
+
+    assert c_kernel() is not None
+    assert native.load(c_kernel()), native.BUILD_ERROR  # a C++ compiler and torch's stable headers are here
+    for name in (INT4, "sparsedecode_quantized::int8_linear"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU"), name
+    for layer in _layers(96, 200):
+        x = torch.randn(96, 3).t()  # not contiguous: the C++ kernel copies it
+        out = layer.c_product(x)
+        assert not x.is_contiguous() and out.shape == (3, 200) and out.dtype == torch.float32
+        assert torch.equal(out, _python_product(layer, x.contiguous())), layer
+
+
+def test_the_cpp_operators_refuse_what_they_cannot_read():
+    layer = quantize_int4(torch.nn.Linear(64, 32))
+    assert c_kernel() is not None
+    with pytest.raises(RuntimeError, match="float32 on the CPU"):
+        torch.ops.sparsedecode_quantized.int4_linear(torch.ones(1, 64, dtype=torch.float64), layer.packed,
+                                                     layer.scale, layer.offset)  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"activations \(rows, 64\)"):
+        torch.ops.sparsedecode_quantized.int4_linear(torch.ones(1, 32), layer.packed, layer.scale, layer.offset)
+    with pytest.raises(RuntimeError, match="float16 or float32"):
+        torch.ops.sparsedecode_quantized.int4_linear(torch.ones(1, 64), layer.packed, layer.scale.double(),
+                                                     layer.offset)  # fmt: skip
+
+
+def test_without_a_cpp_compiler_the_python_implementation_serves(tmp_path):
+    """A fresh process whose C++ compiler does not exist: the C library still builds, the operators run in Python."""
+    script = (
+        "import torch\n"
+        "from sparsedecode.models.quantized import c_kernel, quantize_int4\n"
+        "from sparsedecode.kernels.cpu import native\n"
+        "assert c_kernel() is not None\n"
+        "assert 'c++-that-is-not-here' in native.BUILD_ERROR, native.BUILD_ERROR\n"
+        f"assert not torch._C._dispatch_has_kernel_for_dispatch_key({INT4!r}, 'CPU')\n"
+        "layer = quantize_int4(torch.nn.Linear(64, 40, bias=False))\n"
+        "x = torch.randn(2, 64)\n"
+        "print(float((layer(x) - x @ layer.dequantized().t()).abs().max()))\n"
+    )
+    env = {**os.environ, "CXX": str(tmp_path / "c++-that-is-not-here")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout.strip()) < 0.1  # the product of int8-rounded activations, served
+
+
+@pytest.mark.parametrize(("inputs", "outputs"), [(320, 2100), (320, 100), (64, 5000), (1536, 576)])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_an_int4_product_split_over_threads_gives_the_one_thread_product(threads, inputs, outputs, rows):
+    """Weights of 128 KB and more are split by ranges of groups (10 groups in 2, 3 and 5 parts, 2 groups for 3
+    threads); smaller ones stay on one thread: every count gives the one-thread sums, added in another order."""
+    assert c_kernel() is not None
+    layer = quantize_int4(torch.nn.Linear(inputs, outputs, bias=False))
+    x = torch.randn(rows, inputs)
+    threads(1)
+    alone = layer.c_product(x)
+    assert torch.allclose(alone, quantized_activations(x) @ layer.dequantized().t(), rtol=1e-5, atol=1e-4)
+    for count in (2, 3, 5):
+        threads(count)
+        assert torch.allclose(layer.c_product(x), alone, rtol=1e-5, atol=1e-4), count
