@@ -21,7 +21,8 @@
  * pair (xq[j], xq[j + 16]) by one unsigned-by-signed multiply-add into 16-bit sums (8 rows at most: 8 * 2 * 15 * 127
  * fits), widened to 32 bits; elsewhere the same sums in plain loops. int8 takes Q8_ROWS outputs at a time, each a sum
  * over 32 contiguous inputs per group (AVX2: |q| times xq with q's sign, multiply-added to 32 bits). Work is split
- * over threads by spans and rows. */
+ * over threads by ranges of groups for int4 (each thread's part of the weight one contiguous stream; weights under
+ * Q4_PART bytes stay on one thread) and by rows for int8. */
 
 enum { Q4_SPAN = 2048, Q4_CHUNK = 32, Q4_AHEAD = 8, Q4_PART = 1 << 17, Q8_ROWS = 4, Q8_AHEAD = 2048 };
 
