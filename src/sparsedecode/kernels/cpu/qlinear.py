@@ -1,8 +1,8 @@
 """The C kernel's quantized linear layers (``csrc/qlinear.h``): a decode step's few rows, their activations quantized
 to int8 per group of 32 (:func:`sparsedecode.models.quantized.quantized_activations`), times an int4 or int8 weight in
 the layouts of :mod:`sparsedecode.models.quantized`, read as stored (no de-quantized copy), integer sums per group
-scaled in float32, split over torch's thread count (int4: by ranges of groups). ``None`` from :func:`available` where the library could not be
-built here.
+scaled in float32, split over torch's thread count (int4: by ranges of groups). ``None`` from :func:`available` where
+the library could not be built here.
 
 The operators ``sparsedecode_quantized::int4_linear`` and ``int8_linear`` are defined here; their CPU kernel is the
 C++ one of :mod:`.native` where that builds (no Python between the caller and the C products), else the Python
