@@ -110,3 +110,18 @@ def test_an_int4_product_split_over_threads_gives_the_one_thread_product(threads
     for count in (2, 3, 5):
         threads(count)
         assert torch.allclose(layer.c_product(x), alone, rtol=1e-5, atol=1e-4), count
+
+
+@pytest.mark.parametrize("inputs", [96, 320, 2336])
+@pytest.mark.parametrize("wide", [False, True])
+def test_an_int8_product_of_any_group_count_gives_the_dequantized_product(inputs, wide):
+    """One scale per group, taken eight at a time and 64 groups a pass (3 groups: the tail alone; 10: eight and a
+    tail; 73: a whole pass, eight more and a tail), float16 or float32 scales."""
+    assert c_kernel() is not None
+    torch.manual_seed(inputs)
+    layer = quantize_int8(torch.nn.Linear(inputs, 70, bias=False))
+    if wide:
+        layer = Int8Linear(layer.q, layer.scale.float() * 1.0001, scale_dtype=torch.float32)
+    x = torch.randn(2, inputs)
+    expected = quantized_activations(x) @ layer.dequantized().t()
+    assert torch.allclose(layer.c_product(x), expected, rtol=1e-5, atol=1e-4)

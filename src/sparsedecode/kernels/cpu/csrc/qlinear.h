@@ -24,7 +24,7 @@
  * over threads by ranges of groups for int4 (each thread's part of the weight one contiguous stream; weights under
  * Q4_PART bytes stay on one thread) and by rows for int8. */
 
-enum { Q4_SPAN = 2048, Q4_CHUNK = 32, Q4_AHEAD = 8, Q4_PART = 1 << 17, Q8_ROWS = 4, Q8_AHEAD = 2048 };
+enum { Q4_SPAN = 2048, Q4_CHUNK = 32, Q4_AHEAD = 8, Q4_PART = 1 << 17, Q8_ROWS = 4, Q8_AHEAD = 2048, Q8_GROUPS = 64 };
 
 typedef struct {
     const uint8_t *weights;
@@ -163,6 +163,39 @@ static int q4_tile(const void *arg, int64_t task) {
     return 0;
 }
 
+#if defined(__AVX2__)
+/* One group's 32 products of int8 weights w and activations x, summed in 8 lanes of 32 bits as floats. */
+static inline __m256 q8_dots(const int8_t *w, const int8_t *x) {
+    __m256i wg = _mm256_loadu_si256((const __m256i *)w), xg = _mm256_loadu_si256((const __m256i *)x);
+    __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(wg), _mm256_sign_epi8(xg, wg));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+/* Output o of row r, one scale per group (block 32): each group's scale times the activations' d taken eight at a
+ * time (Q8_GROUPS groups a pass), then the groups' sums scaled in that order. */
+static float q8_output(const qjob_t *job, int64_t r, int64_t o) {
+    int64_t groups = job->groups, k = groups * 32;
+    const int8_t *w = (const int8_t *)job->weights + o * k, *xq = job->xq + r * k;
+    const float *xd = job->xd + r * groups;
+    float scaled[Q8_GROUPS];
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t g0 = 0; g0 < groups; g0 += Q8_GROUPS) {
+        int64_t count = groups - g0 < Q8_GROUPS ? groups - g0 : Q8_GROUPS, g = 0, at = o * groups + g0;
+        for (; g + 8 <= count; g += 8)
+            _mm256_storeu_ps(scaled + g, _mm256_mul_ps(scales8(job, job->scale, at + g), _mm256_loadu_ps(xd + g0 + g)));
+        for (; g < count; g++) scaled[g] = scale_at(job, job->scale, at + g) * xd[g0 + g];
+        for (g = 0; g < count; g++) {
+            if (!(g & 1)) _mm_prefetch((const char *)(w + (g0 + g) * 32 + Q8_AHEAD), _MM_HINT_T0);
+            __m256 dots = q8_dots(w + (g0 + g) * 32, xq + (g0 + g) * 32);
+            total = _mm256_add_ps(total, _mm256_mul_ps(dots, _mm256_set1_ps(scaled[g])));
+        }
+    }
+    float sum = 0.0f;
+    for (int lane = 0; lane < 8; lane++) sum += total[lane];
+    return sum;
+}
+#endif
+
 /* Outputs part * Q8_ROWS .. + Q8_ROWS - 1, each a row of 32 G int8 weights: a 32-bit sum per block, scaled. */
 static int q8_rows(const void *arg, int64_t part) {
     const qjob_t *job = arg;
@@ -177,17 +210,17 @@ static int q8_rows(const void *arg, int64_t part) {
             const int8_t *w = q + o * k;
             float sum = 0.0f;
 #if defined(__AVX2__)
-            const __m256i ones = _mm256_set1_epi16(1);
+            if (per == 1) {
+                job->out[r * job->n + o] = q8_output(job, r, o);
+                continue;
+            }
             __m256 total = _mm256_setzero_ps();
-            for (int64_t g = 0; g < groups; g++) {
+            for (int64_t g = 0; g < groups; g++) { /* two scales a group (Q6_K's blocks of 16) */
                 if (!(g & 1)) _mm_prefetch((const char *)(w + g * 32 + Q8_AHEAD), _MM_HINT_T0);
-                __m256i wg = _mm256_loadu_si256((const __m256i *)(w + g * 32));
-                __m256i xg = _mm256_loadu_si256((const __m256i *)(xq + g * 32));
-                __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(wg), _mm256_sign_epi8(xg, wg));
-                __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+                __m256 dots = q8_dots(w + g * 32, xq + g * 32);
                 const int64_t at = (o * groups + g) * per;
                 float first = scale_at(job, job->scale, at) * xd[g];
-                float second = per == 2 ? scale_at(job, job->scale, at + 1) * xd[g] : first;
+                float second = scale_at(job, job->scale, at + 1) * xd[g];
                 __m256 scale = _mm256_setr_m128(_mm_set1_ps(first), _mm_set1_ps(second)); /* lanes 0-3: inputs 0-15 */
                 total = _mm256_add_ps(total, _mm256_mul_ps(dots, scale));
             }
