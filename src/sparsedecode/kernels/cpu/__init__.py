@@ -47,7 +47,6 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -56,6 +55,7 @@ import torch
 
 from ...errors import SparseDecodeError
 from ..common import check_inputs
+from .compiling import compile_library
 
 if TYPE_CHECKING:
     from ...layout import BlockLayout
@@ -103,17 +103,11 @@ def _key(flags: tuple[str, ...]) -> str:
 
 def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> str | None:
     """Build the library with ``flags`` into ``target``: None, or the compiler's message when it fails."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built, source = Path(scratch) / target.name, Path(scratch) / SOURCE.name
-        for name, text in _SOURCES.items():
-            (Path(scratch) / name).write_bytes(text)
-        command = [compiler, *flags, str(source), "-o", str(built), "-lm"]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            return done.stderr.strip()[-500:] or f"exit status {done.returncode}"
-        os.replace(built, target)  # atomic: concurrent builders each write their own scratch copy
-    return None
+
+    def command(scratch: Path, built: Path) -> list[str]:
+        return [compiler, *flags, str(scratch / SOURCE.name), "-o", str(built), "-lm"]
+
+    return compile_library(_SOURCES, command, target, timeout=120)
 
 
 def _shares_libgomp() -> bool:

@@ -16,12 +16,12 @@ import hashlib
 import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
 from .. import cpu
+from .compiling import compile_library
 
 SOURCE = Path(__file__).with_name("csrc") / "torch_ops.cpp"
 _TEXT = SOURCE.read_bytes()  # read once, at import, as the C library's sources are
@@ -50,15 +50,11 @@ def _target(compiler: str) -> Path:
 def _build(compiler: str, target: Path) -> None:
     if not (_torch_paths()[0] / "torch" / "csrc" / "stable" / "library.h").exists():
         raise OSError(f"torch {torch.__version__} has no stable C++ headers (torch 2.10 or later has them)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = Path(scratch) / target.name
-        source = Path(scratch) / SOURCE.name
-        source.write_bytes(_TEXT)
-        done = subprocess.run(_command(compiler, source, built), capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            raise OSError(done.stderr.strip()[-500:] or f"exit status {done.returncode}")
-        os.replace(built, target)  # atomic: concurrent builders each write their own scratch copy
+    error = compile_library(
+        {SOURCE.name: _TEXT}, lambda scratch, built: _command(compiler, scratch / SOURCE.name, built), target, 300
+    )
+    if error is not None:
+        raise OSError(error)
 
 
 def load(library: ctypes.CDLL) -> bool:

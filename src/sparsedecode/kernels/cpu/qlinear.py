@@ -26,8 +26,8 @@ def available():
     """The built library, or ``None`` where it cannot be built here; at the first call, the C++ operators of
     :mod:`.native` built and loaded beside it where they can be."""
     built = library()
-    if built is not None and native.BUILD_ERROR is None:
-        native.load(built)
+    if built is not None:
+        native.load(built)  # at once after the first call
     return built
 
 
