@@ -43,6 +43,7 @@ the window, the blocks, and the layer index, the attention scale and the session
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -54,6 +55,42 @@ if TYPE_CHECKING:  # the protocol imports no torch, so naming a selector on the 
     from ..layout import BlockLayout
 
 STATISTICS = ("mean", "min", "max")
+
+
+_DERIVED = (functools.cached_property, property)
+_PLAIN = (bool, int, float, str, bytes, type(None))
+
+
+def _identity_of(value) -> tuple:
+    """A value as :meth:`Selector.identity` keys it: a plain value (or a tuple, list or dict of them) by its type and
+    text, anything else by the object (held, so its id is not reused; compared by id first, never by ``==``)."""
+
+    def plain(v) -> bool:
+        if isinstance(v, (tuple, list)):
+            return all(plain(x) for x in v)
+        if isinstance(v, dict):
+            return all(plain(x) for x in (*v, *v.values()))
+        return isinstance(v, _PLAIN)
+
+    if plain(value):
+        return (type(value).__name__, repr(value))
+    return ("object", _Held(value))
+
+
+class _Held:
+    """An object in a key: hashed by its id and equal only to itself (a tensor's ``==`` is no answer, an array has
+    no hash); holding it keeps its id from being reused."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __hash__(self) -> int:
+        return id(self.value)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Held) and other.value is self.value
 
 
 @dataclass(frozen=True)
@@ -86,7 +123,10 @@ class Selector:
 
     @classmethod
     def selector_name(cls) -> str:
-        return cls.name or cls.__name__
+        """The registered name; a user's class (a subclass of a built-in too) answers with a name set on itself, else
+        its class name (a subclass of ``twilight`` is not ``twilight`` in rows and errors)."""
+        own = cls.name if cls.__module__.startswith("sparsedecode.") else cls.__dict__.get("name", "")
+        return own or cls.__name__
 
     def params(self) -> dict:
         """The parameters, field by field, as given."""
@@ -97,8 +137,12 @@ class Selector:
     def identity(self) -> tuple:
         """What this selector *is*, for keying caches (compiled decoders, a custom op's configurations): its class,
         the object itself (two classes of one name in two files differ; a file edited and imported again is a new
-        class), and its parameters. Never its ``repr``, which reads the same for all of those."""
-        return (type(self), tuple((k, type(v).__name__, repr(v)) for k, v in self.params().items()))
+        class), and its parameters and other attributes: plain values (numbers, strings, tuples of them) by their
+        text, any other (a tensor, whose text is rounded and cut) by the object itself. Never its ``repr``, which
+        reads the same for all of those."""
+        derived = {n for klass in type(self).__mro__ for n, v in vars(klass).items() if isinstance(v, _DERIVED)}
+        values = {**getattr(self, "__dict__", {}), **self.params()}
+        return (type(self), tuple((k, *_identity_of(v)) for k, v in values.items() if k not in derived))
 
     def changed_params(self) -> dict:
         """The parameters that differ from their defaults (what a spec string names)."""

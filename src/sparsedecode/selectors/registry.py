@@ -42,7 +42,7 @@ def register_selector(cls: type[Selector] | None = None, *, name: str | None = N
         key = name or klass.selector_name()
         if not key or ":" in key or "," in key or "=" in key or key.endswith(".py"):
             raise SparseDecodeError(f"selector name {key!r}: use letters, digits and dashes (no ':', ',', '=')")
-        if name is not None and not klass.name:
+        if name is not None and not klass.__dict__.get("name"):  # a subclass's own, not its parent's
             klass.name = name
         held = _REGISTRY.get(key)
         if held is not None and held is not klass and key in _BUILTIN_NAMES:

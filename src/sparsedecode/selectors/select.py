@@ -16,8 +16,9 @@ import torch
 from .. import kernels
 from ..errors import SparseDecodeError
 from ..layout import BlockLayout, budget_blocks, check_budget, check_seed, support_positions
-from ..validate import check_finite, finite_sum
+from ..validate import check_finite
 from .base import BlockSelector, Selector, TokenSelector
+from .calls import call_selector, checked_scores, scores_from, support_rows
 from .ops import token_index, top_blocks, top_positions
 from .registry import resolve_selector
 from .statistics import BlockStatistics, reduce_blocks
@@ -30,90 +31,6 @@ class BlockChoice:
 
     blocks: torch.Tensor
     budget_mask: torch.Tensor | None = None
-
-
-def _checked(selector: Selector, scores, shape: tuple[int, int], what: str, device: torch.device) -> torch.Tensor:
-    """The selector's scores, checked: a tensor of ``shape`` on ``device``, numbers, finite. Half-precision scores
-    are widened to float32; float32, float64 and integer scores are ranked as they are (a cast to float32 would tie
-    float64 scores that differ below its precision and overflow large finite ones)."""
-    name = selector.spec()
-    if not isinstance(scores, torch.Tensor):
-        raise SparseDecodeError(f"selector {name}: {what} returned {type(scores).__name__}, not a tensor")
-    if tuple(scores.shape) != shape:
-        raise SparseDecodeError(f"selector {name}: {what} returned shape {tuple(scores.shape)}, expected {shape}")
-    if scores.device != device:
-        raise SparseDecodeError(
-            f"selector {name}: {what} returned scores on device {scores.device}, expected {device} (the keys')"
-        )
-    if not (scores.is_floating_point() or scores.dtype in (torch.int32, torch.int64)):
-        raise SparseDecodeError(f"selector {name}: {what} returned {scores.dtype} scores, not numbers")
-    if scores.dtype in (torch.float16, torch.bfloat16):
-        scores = scores.float()
-    if not finite_sum(scores):
-        bad = int((~torch.isfinite(scores)).sum())
-        raise SparseDecodeError(
-            f"selector {name}: the {what} scores hold NaN or infinite values ({bad}; NaN ranks nowhere): a NaN or "
-            "infinite query or key gives them too"
-        )
-    return scores
-
-
-def trusted(selector: Selector, method) -> bool:
-    """Whether ``method`` of ``selector`` is the library's own code (a built-in's, or the protocol's default): it is
-    handed the library's tensors themselves. Anything else (a user's class, or a user's override of a built-in) is
-    handed copies (:func:`_call`)."""
-    function = getattr(method, "__func__", method)
-    return getattr(function, "__module__", "").startswith("sparsedecode.")
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        return [v for v in value.values() if isinstance(v, torch.Tensor)]
-    return []
-
-
-def _copy(value):
-    """A copy a selector may do anything to; made outside ``inference_mode`` so that it has a version counter."""
-    with torch.inference_mode(False):
-        if isinstance(value, torch.Tensor):
-            return value.clone()
-        if isinstance(value, dict):
-            return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in value.items()}
-    return value
-
-
-def _versions(values) -> list[int | None]:
-    return [None if t.is_inference() else t._version for value in values for t in _tensors(value)]
-
-
-def _call(selector: Selector, method, *inputs, layout=None):
-    """``method(*inputs, layout)``, run so that the selector cannot change what other rows see.
-
-    Code that is not the library's is handed copies of the tensors (queries, keys, block statistics, history, the
-    scores a budget reads): whatever it does to them stays its own. Every call's inputs are checked by their version
-    counters afterwards, and a selector that wrote into them in place is refused in one line naming it (its scores
-    came from inputs it changed). A failure inside the selector is one line naming it too. The copies cost one pass
-    over what the selector reads; built-ins, and the kernels' own scoring, are handed the tensors themselves.
-    """
-    if not trusted(selector, method):
-        inputs = tuple(_copy(value) for value in inputs)
-    before = _versions(inputs)
-    try:
-        result = method(*inputs, layout)
-    except SparseDecodeError:
-        raise
-    except Exception as error:  # a user's selector failing is one line naming it
-        raise SparseDecodeError(
-            f"selector {selector.spec()} failed in {method.__name__}: {type(error).__name__}: {error}"
-        ) from None
-    if _versions(inputs) != before:
-        raise SparseDecodeError(
-            f"selector {selector.spec()} wrote into the tensors it was handed in {method.__name__} (an in-place "
-            "operation such as mul_ or a slice assignment); a selector must only read its inputs: copy them first"
-        )
-    return result
 
 
 def block_statistics(cache: BlockStatistics, keys: torch.Tensor, layout: BlockLayout) -> dict[str, torch.Tensor]:
@@ -130,16 +47,6 @@ def block_scores(selector: BlockSelector, cache: BlockStatistics, queries, keys,
     """The selector's checked float32 scores ``(kv, n_blocks)``."""
     reads = block_statistics(cache, keys, layout) if selector.statistics else keys[:, : layout.n]
     return scores_from(selector, queries, reads, layout, keys.shape[0], keys.device)
-
-
-def scores_from(selector: BlockSelector, queries, reads, layout: BlockLayout, kv_heads: int, device) -> torch.Tensor:
-    """The selector's checked scores from what it reads, already assembled: its block statistics (a dict of ``(kv,
-    n_blocks, d)``, the short last block included) or the keys ``(kv, N, d)``. Every route's scoring: the session's
-    and the compiled op's (through :func:`block_scores`) and vLLM's paged cache
-    (:mod:`sparsedecode.integrations.vllm`), which assembles the statistics from its pages."""
-    scores = _call(selector, selector.score_blocks, queries, reads, layout=layout)
-    rows = selector.rows(queries.shape[0], kv_heads)
-    return _checked(selector, scores, (rows, layout.n_blocks), "score_blocks", device)
 
 
 def blocks_from(selector: BlockSelector, budget: int, scores: torch.Tensor, layout: BlockLayout) -> BlockChoice:
@@ -161,13 +68,13 @@ def _whole_counts(selector: BlockSelector, counts: torch.Tensor) -> torch.Tensor
         )
     if bool((whole < 0).any()):
         raise SparseDecodeError(f"selector {selector.spec()}: budget returned negative counts ({counts.tolist()})")
-    return whole.to(torch.long)
+    return whole.clamp(max=2**62).to(torch.long)  # capped at b by the caller; 2**63 and more would cast negative
 
 
 def _budget(selector: Selector, scores: torch.Tensor, blocks: torch.Tensor, layout) -> torch.Tensor | None:
     """Which of the chosen ``blocks (rows, b)`` (block indices, or positions for a token selector: indices into
     ``scores``) an adaptive budget keeps: its first ``k_r`` in score order, ``(rows, b)`` bool."""
-    counts = _call(selector, selector.budget, scores, layout=layout)
+    counts = call_selector(selector, selector.budget, scores, layout=layout)
     if counts is None:
         return None
     rows, b = blocks.shape
@@ -231,7 +138,7 @@ def choose_position_set(
 
     A selector with ``uses_history`` is handed ``history`` ``(kv, >= N)``: the attention each position received from
     the queries *before* this one (the session keeps it)."""
-    rows = selector.rows(queries.shape[0], keys.shape[0])
+    rows = support_rows(selector, queries.shape[0], keys.shape[0])
     if selector.uses_history:
         if history is None:
             raise SparseDecodeError(
@@ -241,8 +148,8 @@ def choose_position_set(
         reads = history[:, : layout.n]
     else:
         reads = keys[:, : layout.n]
-    scores = _call(selector, selector.score_positions, queries, reads, layout=layout)
-    scores = _checked(selector, scores, (rows, layout.n), "score_positions", keys.device)
+    scores = call_selector(selector, selector.score_positions, queries, reads, layout=layout)
+    scores = checked_scores(selector, scores, (rows, layout.n), "score_positions", keys.device)
     positions = top_positions(scores, layout, count)
     return BlockChoice(positions, _budget(selector, scores, positions, layout) if selector.adaptive else None)
 
@@ -324,7 +231,7 @@ def select_support(
                 f"got {tuple(history.shape)}"
             )
     blocks = budget_blocks(support, window, block_size)
-    rows = selector.rows(queries.shape[0], kv_heads)
+    rows = support_rows(selector, queries.shape[0], kv_heads)
     if n <= (support if selector.token_level else 1 + window + blocks * block_size):
         return [torch.arange(n, device=keys.device) for _ in range(rows)]
     distant = support - 1 - window if selector.token_level else blocks * block_size

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..layout import BlockLayout
-from ..selectors.select import trusted
+from ..selectors.calls import trusted
 from ..selectors.statistics import reduce_blocks
 from . import schedule
 

@@ -1,6 +1,6 @@
 """The sparse decode step of one layer over vLLM's pages, for the rows of a forward that decode sparsely: each row
 (a sequence, ``N`` positions cached, the current token's included) selects with the library's own rules
-(:func:`~sparsedecode.selectors.select.scores_from`, :func:`~sparsedecode.selectors.select.blocks_from`,
+(:func:`~sparsedecode.selectors.calls.scores_from`, :func:`~sparsedecode.selectors.select.blocks_from`,
 :func:`~sparsedecode.selectors.select.choose_position_set`; supports by
 :func:`~sparsedecode.selectors.select.support_of` / :func:`~sparsedecode.selectors.select.token_support`), then every
 row attends at once over its support, gathered through its block table. The C kernel reads the pages in place where
@@ -23,7 +23,8 @@ from ...config import SparseConfig
 from ...errors import SparseDecodeError
 from ...kernels.cpu.paged import attend_paged, attend_paged_blocks, select_paged
 from ...layout import BlockLayout
-from ...selectors.select import blocks_from, choose_position_set, scores_from, support_of, token_support
+from ...selectors.calls import scores_from
+from ...selectors.select import blocks_from, choose_position_set, support_of, token_support
 from .pages import PagedCache, PageStatistics, attend_rows
 
 

@@ -1,0 +1,160 @@
+"""A user's code reached through a built-in, and what a selector returns besides scores (issue #42, cases found after
+it): a user's subclass of a built-in works on copies and is named as itself; compiled decoders tell apart selectors
+whose parameters print alike; huge budgets are capped, not wrapped; scores of a dtype or layout nothing ranks, and a
+``rows`` that contradicts ``per_query_head``, are one line naming the selector."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from conftest import prompt, tiny_model
+
+import sparsedecode as sd
+from sparsedecode import SparseConfig, SparseDecodeError, select_support
+from sparsedecode.selectors.methods.twilight import Twilight
+from sparsedecode.selectors.ops import group_mean_queries, mean_pooled_scores
+
+
+@dataclass(frozen=True)
+class HalvesThroughData(Twilight):
+    """Twilight's own scoring (a built-in method), whose candidates this subclass overrides to halve the keys behind
+    any version counter's back."""
+
+    def candidates(self, queries, keys, layout):
+        mask = super().candidates(queries, keys, layout)
+        keys.data.mul_(0.5)
+        return mask
+
+
+def test_a_subclass_of_a_builtin_works_on_copies_and_is_named_as_itself():
+    queries, keys = torch.randn(4, 16), torch.randn(2, 400, 16)
+    kept = keys.clone()
+    select_support(queries, keys, support=97, method=HalvesThroughData())
+    assert torch.equal(keys, kept)
+    assert HalvesThroughData().spec() == "HalvesThroughData" and Twilight().spec() == "twilight"
+
+
+def test_lossless_decoding_with_such_a_subclass_is_still_dense():
+    model, ids = tiny_model("llama"), prompt(300)
+    dense = sd.generate(model, ids, None, max_new_tokens=10, mode="dense").tokens
+    cfg = SparseConfig(support=97, selector=HalvesThroughData())
+    assert sd.generate(model, ids, cfg, max_new_tokens=10, mode="lossless").tokens == dense
+    assert sd.generate(model, ids, None, max_new_tokens=10, mode="dense").tokens == dense  # the model untouched
+
+
+@dataclass(frozen=True)
+class Biased(sd.BlockSelector):
+    bias: object = None
+
+    def score_blocks(self, queries, keys, layout):
+        scores = mean_pooled_scores(group_mean_queries(queries, keys.shape[0]), keys[:, : layout.n_blocks].float())
+        return scores + self.bias[: layout.n_blocks]
+
+
+class Signed(sd.BlockSelector):
+    """A parameter set in ``__init__``, not a dataclass field."""
+
+    def __init__(self, sign):
+        object.__setattr__(self, "sign", sign)
+
+    def score_blocks(self, queries, keys, layout):
+        return self.sign * mean_pooled_scores(group_mean_queries(queries, keys.shape[0]), keys[:, : layout.n_blocks])
+
+
+def test_selectors_that_print_alike_are_told_apart():
+    from sparsedecode.compiled.op import config_key
+
+    up, down = torch.zeros(2000), torch.zeros(2000)
+    up[4:12], down[4:12] = torch.linspace(1e4, 0, 8), torch.linspace(0, 1e4, 8)
+    assert repr(up) == repr(down)  # what keyed them before
+    for one, other in ((Biased(up), Biased(down)), (Signed(1.0), Signed(-1.0))):
+        first, second = SparseConfig(selector=one), SparseConfig(selector=other)
+        assert first.identity() != second.identity() and config_key(first) != config_key(second)
+        assert first.identity() == SparseConfig(selector=one).identity()  # the same object: one key
+    assert SparseConfig(selector=Signed(1.0)).identity() == SparseConfig(selector=Signed(1.0)).identity()
+    assert SparseConfig(selector="twilight").identity() == SparseConfig(selector="twilight").identity()
+
+
+def test_compiled_decoding_follows_the_selector_not_its_text(monkeypatch):
+    from sparsedecode.compiled import decoder
+
+    monkeypatch.setattr(decoder, "DEFAULT_BACKEND", "aot_eager")
+    model, ids = tiny_model("llama"), prompt(300)
+    runs = []
+    for sign in (1.0, -1.0):
+        cfg = SparseConfig(support=97, selector=Signed(sign))
+        compiled = sd.generate(model, ids, cfg, max_new_tokens=8, mode="sparse", compile=True).tokens
+        assert compiled == sd.generate(model, ids, cfg, max_new_tokens=8, mode="sparse").tokens
+        runs.append(compiled)
+    assert runs[0] != runs[1]  # the two really select differently here
+
+
+@dataclass(frozen=True)
+class HugeBudget(sd.BlockSelector):
+    value: float = 1e20
+
+    def score_blocks(self, queries, keys, layout):
+        return torch.arange(layout.n_blocks, dtype=torch.float32).flip(0).expand(keys.shape[0], -1).contiguous()
+
+    def budget(self, scores, layout):
+        return torch.full((scores.shape[0],), self.value)
+
+
+@pytest.mark.parametrize("value", [1e9, 2.0**63, 1e20])
+def test_budgets_past_what_an_int64_holds_are_capped_at_b(value):
+    picked = select_support(torch.randn(4, 16), torch.randn(2, 400, 16), support=97, method=HugeBudget(value))
+    assert [len(p) for p in picked] == [97, 97]
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda s: s.to(torch.float8_e4m3fn), "float8_e4m3fn scores; return one of"),
+        (lambda s: s.to_sparse(), "sparse_coo tensor; return a dense one"),
+        (lambda s: s.to(torch.uint8), "uint8 scores; return one of"),
+    ],
+)
+def test_scores_nothing_ranks_are_one_line(make, message):
+    @dataclass(frozen=True)
+    class Odd(sd.BlockSelector):
+        def score_blocks(self, queries, keys, layout):
+            return make(torch.ones(keys.shape[0], layout.n_blocks))
+
+    with pytest.raises(SparseDecodeError, match=f"selector Odd: score_blocks returned .*{message}") as raised:
+        select_support(torch.randn(4, 16), torch.randn(2, 400, 16), support=97, method=Odd())
+    assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_rows_contradicting_per_query_head_are_one_line(compile, monkeypatch):
+    from sparsedecode.compiled import decoder
+
+    monkeypatch.setattr(decoder, "DEFAULT_BACKEND", "aot_eager")
+
+    @dataclass(frozen=True)
+    class OneRow(sd.TokenSelector):
+        def rows(self, query_heads, kv_heads):
+            return 1
+
+        def score_positions(self, queries, keys, layout):
+            return keys.float().sum(-1)[:1]
+
+    model, ids = tiny_model("llama"), prompt(300)
+    cfg = SparseConfig(support=97, selector=OneRow())
+    with pytest.raises(SparseDecodeError, match=r"selector OneRow: rows\(4, 2\) returned 1, expected 2") as raised:
+        sd.generate(model, ids, cfg, max_new_tokens=4, mode="sparse", compile=compile)
+    assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("kind", [RuntimeError, SparseDecodeError])
+def test_a_selectors_error_of_several_lines_is_one_line(kind):
+    @dataclass(frozen=True)
+    class Talkative(sd.BlockSelector):
+        def score_blocks(self, queries, keys, layout):
+            raise kind("first line\nsecond line\n  third")
+
+    with pytest.raises(SparseDecodeError, match="first line second line third") as raised:
+        select_support(torch.randn(4, 16), torch.randn(2, 400, 16), support=97, method=Talkative())
+    assert "\n" not in str(raised.value)
