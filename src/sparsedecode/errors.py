@@ -13,6 +13,13 @@ class SparseDecodeError(ValueError):
     """A problem with the user's input or environment, explained in one line."""
 
 
+NONFINITE_SCORES = (
+    "block selection scores hold NaN or infinite values (queries or keys in the KV cache that are not finite, or so "
+    "large that their products overflow); check the model's weights and dtype"
+)
+"""What the torch path (:func:`sparsedecode.validate.check_scores`) and the C kernel say of non-finite scores."""
+
+
 @contextlib.contextmanager
 def naming(path) -> Iterator[None]:
     """Give an ``OSError`` raised inside the block without a file name (``ENOSPC`` from a write, say) ``path``'s

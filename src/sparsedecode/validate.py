@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .errors import SparseDecodeError
+from .errors import NONFINITE_SCORES, SparseDecodeError
 
 
 def _name(value: object) -> str:
@@ -155,10 +155,7 @@ def finite_sum(tensor: torch.Tensor) -> bool:
 def check_scores(scores: torch.Tensor) -> None:
     """Refuse non-finite selection scores ``(rows, n)``: NaN would otherwise pick blocks in index order."""
     if not finite_sum(scores):
-        raise SparseDecodeError(
-            "block selection scores hold NaN or infinite values (non-finite queries or keys in the KV cache); "
-            "the model's hidden states are not finite (check its weights and dtype)"
-        )
+        raise SparseDecodeError(NONFINITE_SCORES)
 
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...errors import SparseDecodeError
+from ...errors import NONFINITE_SCORES, SparseDecodeError
 from ..common import check_inputs
 from .compiling import compile_library
 
@@ -238,10 +238,7 @@ def check_status(status: int) -> None:
     """Raise for a C call's non-zero status: non-finite selection scores (refused as
     :func:`~sparsedecode.validate.check_scores` refuses them on the torch path) or scratch memory that ran out."""
     if status == NONFINITE:
-        raise SparseDecodeError(
-            "block selection scores hold NaN or infinite values (non-finite queries or keys in the KV cache); "
-            "the model's hidden states are not finite (check its weights and dtype)"
-        )
+        raise SparseDecodeError(NONFINITE_SCORES)
     if status:
         raise MemoryError("sparse step kernel: out of memory for its scratch buffers")
 
