@@ -26,7 +26,7 @@ from ..step.device import fill_statistics
 from ..validate import attention_modules
 from . import cpu as compile_cpu
 from .guards import drop_module_guards, model_fingerprint, weight_versions
-from .op import STATE, STATIC_ATTENTION, allocate, static_attention_forward, step_form
+from .op import STATE, STATIC_ATTENTION, allocate, raise_kept, static_attention_forward, step_form
 
 _NOTHING = contextlib.nullcontext()
 CACHE_ROUND = 512
@@ -275,7 +275,11 @@ class CompiledDecoder:
             self.frozen = self.autotuned = False  # memory taken since the decoder was made (another's compiling)
         started = time.perf_counter()
         with self._inductor_settings():
-            logits = self._compiled(tokens.reshape(self.batch, 1).to(self.device), position)
+            try:
+                logits = self._compiled(tokens.reshape(self.batch, 1).to(self.device), position)
+            except RuntimeError as error:
+                raise_kept(error)  # an error of the sparse step's Python part, kept by its C++ kernel
+                raise
         if not self._warm:
             self._warm, self.compile_s = True, time.perf_counter() - started
             self._fingerprint = self._fingerprinted()

@@ -37,11 +37,12 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from ..config import SparseConfig
 from ..errors import SparseDecodeError
 from ..layout import BlockLayout
+from ..selectors.calls import support_rows
 from ..step import schedule
 from ..step.device import device_step, fill_statistics, serves
 from ..step.plan import plan_step
 from ..step.rows import TensorRow, attend_row, one_call, reads_per_kv_head, select_row
-from .prepared import PREPARED, centroids_of, prepare, signature_of
+from .prepared import PREPARED, centroids_of, prepare, prepared_host, signature_of
 
 STATIC_ATTENTION = "sparsedecode-static"
 """The attention implementation name the capturable step registers under."""
@@ -139,7 +140,7 @@ def allocate(
     capacity = max(max_len // cfg.block_size + 1, 1)
     b = max(cfg.blocks, 1)
     distant = max(cfg.distant_positions, 1) if cfg.selector.token_level else 1
-    rows = cfg.selector.rows(query_heads or kv_heads, kv_heads)
+    rows = support_rows(cfg.selector, query_heads or kv_heads, kv_heads)
     long = dict(dtype=torch.int64, device=device)
     state = StepBuffers(
         layer=layer,
@@ -269,6 +270,57 @@ _LIBRARY.define(
 _LIBRARY.impl("sparse_step", sparse_step, "CompositeExplicitAutograd")
 torch.library.register_fake("sparsedecode::sparse_step", _fake, lib=_LIBRARY)
 
+# Where the C++ operators build (sparsedecode.kernels.cpu.native), sparse_step's CPU kernel is C++: it makes the
+# prepared calls itself and calls these two for everything else. An error raised in them is kept and an empty result
+# returned (a Python error crossing torch's C interface would become a RuntimeError of several lines); the kernel then
+# fails with KEPT_ERROR, and raise_kept raises the kept error in its place.
+KEPT_ERROR = "sparse_step: the step failed in Python"
+_KEPT: list[BaseException] = []
+
+
+def _sparse_step_host(query, *rest):
+    try:
+        return sparse_step(query, *rest)
+    except BaseException as error:
+        _KEPT[:] = [error]
+        return query.new_empty(0)
+
+
+def _prepared_host(key, stats, ident: int, n: int, status: int) -> bool:
+    try:
+        prepared_host(key, stats, ident, n, status)
+        return True
+    except BaseException as error:
+        _KEPT[:] = [error]
+        return False
+
+
+def raise_kept(error: RuntimeError) -> None:
+    """Raise the error kept from the Python part of the C++ kernel's call that failed with ``error``, if any."""
+    if _KEPT and KEPT_ERROR in str(error):
+        raise _KEPT.pop() from None
+
+
+_LIBRARY.define(
+    "sparse_step_host(Tensor query, Tensor key, Tensor value, Tensor position, Tensor(a!) stats, Tensor(b!) count, "
+    "Tensor(c!) blocks, Tensor(d!) budget_mask, Tensor(e!) positions, Tensor(f!) step, Tensor(g!) last, "
+    "Tensor(h!) tally, str config, int layer, float scale, str form) -> Tensor"
+)
+_LIBRARY.impl("sparse_step_host", _sparse_step_host, "CompositeExplicitAutograd")
+_LIBRARY.define("prepared_host(Tensor key, Tensor(a!) stats, int ident, int n, int status) -> bool")
+_LIBRARY.impl("prepared_host", _prepared_host, "CompositeExplicitAutograd")
+
+
+def _step_op(*arguments) -> torch.Tensor:
+    """``torch.ops.sparsedecode.sparse_step``; called eagerly, a kept error raised as itself (:func:`raise_kept`)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.sparsedecode.sparse_step(*arguments)
+    try:
+        return torch.ops.sparsedecode.sparse_step(*arguments)
+    except RuntimeError as error:
+        raise_kept(error)
+        raise
+
 
 def _written(key, value, mask, position):
     """A multi-token forward (a prefill chunk, eager) over the static cache: its keys, values and mask cut to the
@@ -327,7 +379,7 @@ def static_attention_forward(
                 state.blocks, state.step, state.last, state.tally,
             )  # fmt: skip
             return out, None
-        out = torch.ops.sparsedecode.sparse_step(
+        out = _step_op(
             query, key, value, position, state.stats, state.count, state.blocks, state.budget_mask, state.positions,
             state.step, state.last, state.tally, state.config, state.layer, float(scale), state.form,
         )  # fmt: skip

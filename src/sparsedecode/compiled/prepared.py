@@ -9,15 +9,23 @@ afresh, the reuse counters, the tally) in place, as the general path keeps them:
 graph's kernels runs cache-cold, about 90 us a layer call at batch 8 when it was done here (SmolLM2 8K bfloat16,
 batch 8 28.2 -> 26.2 ms a step, batch 1 about 22.2 -> 21.2 ms, side by side). Only the statistics of newly
 completed blocks are computed here, when the C call asks for them.
+
+Where the C++ operators build (:mod:`sparsedecode.kernels.cpu.native`), a prepared call is also handed to the op's
+C++ kernel (:meth:`Prepared.offer`), which makes the later calls itself with no Python between the compiled step and
+the C call (SmolLM2 at 8K, one thread: about 140 us a layer call in Python around an 87 us C call); it comes back here
+only for the statistics of completed blocks and for errors (:func:`prepared_host`).
 """
 
 from __future__ import annotations
 
 import array
+import itertools
 
 import numpy as np
 import torch
 
+from ..kernels import cpu
+from ..kernels.cpu import native
 from ..layout import BlockLayout
 from ..selectors.statistics import BlockStatistics, store_statistics
 
@@ -34,6 +42,9 @@ NEEDS_STATISTICS = 3
 
 PREPARED: dict[tuple, Prepared | None] = {}
 """Prepared calls by :func:`signature_of` (``None``: the general path serves those tensors)."""
+_BY_ID: dict[int, Prepared] = {}
+"""The prepared calls handed to the C++ kernel, by the id it names them by (kept alive while it may call them)."""
+_IDENTS = itertools.count()
 
 
 def centroids_of(state_stats: torch.Tensor, kinds: tuple[str, ...], count: int, block: int) -> BlockStatistics:
@@ -50,7 +61,6 @@ class Prepared:
     scored inside the C call (mean-dot, a fixed budget)."""
 
     def __init__(self, cfg, plan, q, key, value, stats, count, blocks, step, last, tally, scale):
-        from ..kernels import cpu
         from ..kernels.cpu import batch as cpu_batch
 
         self.cfg = cfg
@@ -76,12 +86,18 @@ class Prepared:
         self.every_step = bool(cfg.selector.reselects_every_step)
         split = SPLIT_WORK_SHARED if cpu.OPENMP else SPLIT_WORK
         self.settings = [cfg.reuse, 1 if self.every_step else 0, split]
+        # what the C++ kernel needs to make the same call (F_* in torch_ops.cpp)
+        self.ident = next(_IDENTS)
+        self.native = array.array(
+            "q", [self.ident, self.table, *self.tail[:6], self.code, *self.settings, *self.state, cfg.effective_support]
+        )
 
     def __call__(self, query, key, stats, out, n: int) -> None:
         """One step at context length ``n``: ``query (batch, H, 1, d)``, ``out (batch, 1, H, dv)`` float32. The C
         call keeps the state's integers (``prepared_step`` in ``sparse_step.c``); where rows selecting afresh lack
         the statistics of blocks completed since, it returns before attending, they are completed here, and it is
         called again."""
+        self.offer()  # the C++ kernel, where loaded, makes the next calls (it had none for these tensors)
         arguments = [query.data_ptr(), *self.arguments, out.data_ptr(), self.table, *self.tail]
         arguments += [torch.get_num_threads(), self.code, n, *self.settings, *self.state]
         status = self.function(*arguments, 0)
@@ -89,6 +105,11 @@ class Prepared:
             self._complete(key, stats, n)
             status = self.function(*arguments, 1)
         self.check(status)
+
+    def offer(self) -> None:
+        """Hand this call to the op's C++ kernel, for the call in progress (nothing where it is not loaded)."""
+        _BY_ID[self.ident] = self
+        native.offer_step(self.native.buffer_info()[0])
 
     def _complete(self, key, stats, n: int) -> None:
         """The statistics of the blocks completed since the last call, of the rows selecting afresh now: an
@@ -133,7 +154,22 @@ def prepare(signature, cfg, plan, q, key, value, stats, count, blocks, step, las
             and all(t.is_contiguous() for t in (count, blocks, step, last, tally))
         )
         if len(PREPARED) >= 1024:  # states of decoders long gone
+            native.forget_steps()
             PREPARED.clear()
+            _BY_ID.clear()
+        if serves_it and cpu.library() is not None:
+            native.load(cpu.library())  # the C++ kernel makes the later calls where it builds
         PREPARED[signature] = (
             Prepared(cfg, plan, q, key, value, stats, count, blocks, step, last, tally, scale) if serves_it else None
         )
+        if PREPARED[signature] is not None:
+            PREPARED[signature].offer()
+
+
+def prepared_host(key: torch.Tensor, stats: torch.Tensor, ident: int, n: int, status: int) -> None:
+    """The C++ kernel's call back for prepared call ``ident`` at context length ``n``: complete the statistics the C
+    call asked for (``status`` NEEDS_STATISTICS), or raise the error of its ``status``."""
+    if status == NEEDS_STATISTICS:
+        _BY_ID[ident]._complete(key, stats, n)
+    else:
+        cpu.check_status(status)

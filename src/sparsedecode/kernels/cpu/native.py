@@ -1,6 +1,7 @@
-"""The quantized products' C++ implementation (``csrc/torch_ops.cpp``): torch operators whose CPU kernel calls the C
-library's products without going through Python (about 1 us a call instead of about 10: the compiled step makes
-about 210 a token).
+"""The C++ kernels of the compiled step's operators (``csrc/torch_ops.cpp``): the quantized products and the sparse
+step's prepared call, whose CPU kernels call the C library without going through Python (a quantized product about
+1 us a call instead of about 10, the compiled step making about 210 a token; a prepared sparse step about 50 us less
+a layer).
 
 Built at first use with the system C++ compiler (``$CXX``, else ``c++`` or ``g++``) against torch's stable C++
 headers (``torch/csrc/stable``, torch 2.10 and later), into ``$SPARSEDECODE_CACHE/kernels`` keyed by the source,
@@ -28,6 +29,7 @@ _TEXT = SOURCE.read_bytes()  # read once, at import, as the C library's sources 
 FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC")
 BUILD_ERROR: str | None = None
 _LOADED: bool | None = None
+_SHIM: ctypes.CDLL | None = None
 
 
 def _torch_paths() -> tuple[Path, Path]:
@@ -58,8 +60,9 @@ def _build(compiler: str, target: Path) -> None:
 
 
 def load(library: ctypes.CDLL) -> bool:
-    """Build (once) and load the C++ operators, handing them the C ``library``'s products; whether they serve."""
-    global _LOADED, BUILD_ERROR
+    """Build (once) and load the C++ operators, handing them the C ``library``'s products and prepared step; whether
+    they serve."""
+    global _LOADED, BUILD_ERROR, _SHIM
     if _LOADED is None:
         _LOADED = False
         compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
@@ -70,11 +73,31 @@ def load(library: ctypes.CDLL) -> bool:
             if not target.exists():
                 _build(compiler, target)
             shim = ctypes.CDLL(str(target))
-            shim.sparsedecode_set_products.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-            shim.sparsedecode_set_products(ctypes.cast(library.q4_linear, ctypes.c_void_p),
-                                           ctypes.cast(library.q8_linear, ctypes.c_void_p))  # fmt: skip
+            shim.sparsedecode_set_products.argtypes = [ctypes.c_void_p] * 3
+            shim.sparsedecode_offer_step.argtypes = [ctypes.c_void_p]
+            shim.sparsedecode_step_calls.restype = ctypes.c_int64
+            functions = (library.q4_linear, library.q8_linear, library.prepared_step)
+            shim.sparsedecode_set_products(*(ctypes.cast(f, ctypes.c_void_p) for f in functions))
             torch.ops.load_library(str(target))  # registers the CPU kernels
-            _LOADED = True
+            _SHIM, _LOADED = shim, True
         except (OSError, RuntimeError, subprocess.SubprocessError) as error:
             BUILD_ERROR = str(error)
     return _LOADED
+
+
+def offer_step(fields: int) -> None:
+    """Hand the sparse step's C++ kernel a prepared call for the call in progress (``fields``: the address of its
+    int64 fields, :meth:`~sparsedecode.compiled.prepared.Prepared.offer`); nothing where the kernel is not loaded."""
+    if _SHIM is not None:
+        _SHIM.sparsedecode_offer_step(fields)
+
+
+def forget_steps() -> None:
+    """Make the sparse step's C++ kernel forget every prepared call it was handed."""
+    if _SHIM is not None:
+        _SHIM.sparsedecode_forget_steps()
+
+
+def step_calls() -> int:
+    """How many prepared sparse steps the C++ kernel has made in this process (0 where it is not loaded)."""
+    return 0 if _SHIM is None else int(_SHIM.sparsedecode_step_calls())

@@ -1,17 +1,26 @@
-/* The C kernel's quantized products (qlinear.h) as torch operators implemented in C++ for the CPU: the compiled step
- * calls about 210 of them a token, and the Python implementation of sparsedecode/kernels/cpu/qlinear.py costs about
- * 10 us a call before any work (argument checks, ctypes) where this one costs about 1. Built against torch's stable
- * C++ interface (torch/csrc/stable: headers only, no ATen), so it compiles in seconds; the ops themselves are defined
- * by qlinear.py, and where this file cannot be built its Python implementation serves them.
+/* torch operators of the compiled step implemented in C++ for the CPU, so that no Python runs between the caller
+ * (the compiled step's wrapper) and the C kernel where none is needed:
+ *   - the C kernel's quantized products (qlinear.h): the compiled step calls about 210 of them a token, and the
+ *     Python implementation of sparsedecode/kernels/cpu/qlinear.py costs about 10 us a call before any work
+ *     (argument checks, ctypes) where this one costs about 1;
+ *   - the sparse step's prepared call (sparsedecode/compiled/prepared.py), at the end of this file.
+ * Built against torch's stable C++ interface (torch/csrc/stable: headers only, no ATen), so it compiles in seconds;
+ * the ops themselves are defined in Python (qlinear.py, compiled/op.py), and where this file cannot be built their
+ * Python implementations serve them.
  *
- * The products are those of the C library built from sparse_step.c, which qlinear.py hands over by address
+ * The C functions are those of the library built from sparse_step.c, which native.py hands over by address
  * (sparsedecode_set_products) before any call: one build of the arithmetic, two ways of calling it. */
 
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
 
+#include <array>
 #include <cstdint>
+#include <cstring>
+#include <string>
+#include <unordered_map>
+#include <vector>
 
 using torch::headeronly::ScalarType;
 using torch::stable::Tensor;
@@ -21,12 +30,18 @@ typedef int (*int4_product)(const uint8_t *, const void *, const void *, const f
 typedef int (*int8_product)(const int8_t *, const void *, const float *, float *, int64_t, int64_t, int64_t, int64_t,
                             int64_t, int64_t);
 
+typedef int (*prepared_call)(const void *, const void *, int64_t, int64_t, const void *, int64_t, int64_t, float *,
+                             int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t, int64_t,
+                             int64_t, int64_t, int64_t, int64_t, int64_t *, int64_t *, int64_t *, int64_t *, int64_t);
+
 static int4_product q4 = nullptr;
 static int8_product q8 = nullptr;
+static prepared_call prepared = nullptr;
 
-extern "C" void sparsedecode_set_products(void *int4, void *int8) {
+extern "C" void sparsedecode_set_products(void *int4, void *int8, void *step) {
     q4 = reinterpret_cast<int4_product>(int4);
     q8 = reinterpret_cast<int8_product>(int8);
+    prepared = reinterpret_cast<prepared_call>(step);
 }
 
 /* The activations (rows, inputs) float32, contiguous (copied if not), on the CPU. */
@@ -100,3 +115,150 @@ STABLE_TORCH_LIBRARY_IMPL(sparsedecode_quantized, CPU, m) {
     m.impl("int4_linear", TORCH_BOX(&int4_linear));
     m.impl("int8_linear", TORCH_BOX(&int8_linear));
 }
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * sparsedecode::sparse_step's CPU kernel. A call whose layer state has a prepared call (Python's Prepared, offered
+ * here when Python made it or used it, and filed under that call's signature: every tensor's address and layout, the
+ * configuration, the layer and the scale, as compiled/prepared.py's signature_of) and whose context is sparse is the
+ * C library's prepared_step, called as Prepared.__call__ calls it. Every other call (a dense step, the first sparse
+ * call of a state, another form, a selector the prepared call does not serve, a signature not seen) is the Python
+ * implementation, sparsedecode::sparse_step_host, and so are the completion of block statistics the C call asks for
+ * and its errors: Python keeps an error it raises there, returns an empty tensor, and the caller raises it again
+ * (compiled/op.py: no Python error crosses this C interface, which would turn it into a RuntimeError). */
+
+enum { F_ID, F_TABLE, F_ROWS, F_KV, F_GROUP, F_D, F_WINDOW, F_BLOCK, F_CODE, F_REUSE, F_EVERY, F_SPLIT, F_COUNT, F_STEP,
+       F_LAST, F_TALLY, F_SUPPORT, F_FIELDS };
+enum { NEEDS_STATISTICS = 3 };
+static const char *FAILED = "sparse_step: the step failed in Python (sparsedecode raises its error again)";
+
+struct Record {
+    std::string config;
+    std::vector<int64_t> signature;
+    int64_t fields[F_FIELDS];
+};
+static std::unordered_map<intptr_t, Record> records; /* by the state's count tensor's address */
+static int64_t offered[F_FIELDS];
+static bool has_offer = false;
+static int64_t calls = 0; /* prepared calls made here */
+
+/* How many prepared calls this kernel has made (tests, diagnostics). */
+extern "C" int64_t sparsedecode_step_calls() { return calls; }
+
+/* A prepared call for the call in progress (fields: F_FIELDS int64, compiled/prepared.py's native_fields). */
+extern "C" void sparsedecode_offer_step(const int64_t *fields) {
+    std::memcpy(offered, fields, sizeof(offered));
+    has_offer = true;
+}
+
+/* Forget every prepared call (Python drops its Prepared objects, which own the row tables). */
+extern "C" void sparsedecode_forget_steps() {
+    records.clear();
+    has_offer = false;
+}
+
+static void describe(std::vector<int64_t> &out, const Tensor &t, bool address) {
+    if (address) out.push_back(static_cast<int64_t>(reinterpret_cast<intptr_t>(t.data_ptr())));
+    out.push_back(static_cast<int64_t>(t.scalar_type()));
+    out.push_back(t.dim());
+    for (int64_t i = 0; i < t.dim(); i++) out.push_back(t.size(i)), out.push_back(t.stride(i));
+}
+
+static std::vector<int64_t> signature(const Tensor &query, const Tensor &key, const Tensor &value,
+                                      const Tensor &position, const Tensor &stats, const Tensor &count,
+                                      const Tensor &blocks, const Tensor &step, const Tensor &last, const Tensor &tally,
+                                      int64_t layer, double scale) {
+    std::vector<int64_t> out;
+    out.reserve(96);
+    int64_t bits;
+    std::memcpy(&bits, &scale, sizeof(bits));
+    out.push_back(layer), out.push_back(bits);
+    describe(out, query, false), describe(out, key, true), describe(out, value, true), describe(out, position, false);
+    describe(out, stats, true), describe(out, count, true), describe(out, blocks, true), describe(out, step, true);
+    describe(out, last, true), describe(out, tally, true);
+    return out;
+}
+
+static Tensor host(std::array<StableIValue, 16> &stack) {
+    STD_TORCH_CHECK(torch_call_dispatcher("sparsedecode::sparse_step_host", "", stack.data(), TORCH_ABI_VERSION) ==
+                        AOTI_TORCH_SUCCESS,
+                    FAILED);
+    Tensor out = torch::stable::detail::to<Tensor>(stack[0]);
+    STD_TORCH_CHECK(out.dim() != 1, FAILED); /* the empty tensor of a kept error; a step's output has 4 dims */
+    return out;
+}
+
+/* Python's part of a prepared call (compiled/op.py's prepared_host): the statistics the C call asks for, or the
+ * error of its status. Returns whether the call goes on. */
+static bool prepared_host(const Tensor &key, const Tensor &stats, int64_t id, int64_t n, int64_t status) {
+    std::array<StableIValue, 5> stack{torch::stable::detail::from(key), torch::stable::detail::from(stats),
+                                      torch::stable::detail::from(id), torch::stable::detail::from(n),
+                                      torch::stable::detail::from(status)};
+    STD_TORCH_CHECK(torch_call_dispatcher("sparsedecode::prepared_host", "", stack.data(), TORCH_ABI_VERSION) ==
+                        AOTI_TORCH_SUCCESS,
+                    FAILED);
+    return torch::stable::detail::to<bool>(stack[0]);
+}
+
+static Tensor run_prepared(const Record &record, const Tensor &query, const Tensor &key, const Tensor &value,
+                           const Tensor &stats, int64_t n, double scale) {
+    const int64_t *f = record.fields;
+    int64_t sizes[4] = {query.size(0), 1, query.size(1), value.size(3)};
+    int64_t strides[4] = {sizes[2] * sizes[3], sizes[2] * sizes[3], sizes[3], 1};
+    AtenTensorHandle handle;
+    STD_TORCH_CHECK(aoti_torch_empty_strided(4, sizes, strides, aoti_torch_dtype_float32(),
+                                             aoti_torch_device_type_cpu(), 0, &handle) == AOTI_TORCH_SUCCESS,
+                    "sparse_step: out of memory for its output");
+    Tensor out(handle);
+    auto address = [](int64_t at) { return reinterpret_cast<int64_t *>(static_cast<intptr_t>(at)); };
+    calls++;
+    for (int64_t resumed = 0;; resumed = 1) {
+        int status = prepared(query.data_ptr(), key.data_ptr(), key.stride(1), key.stride(2), value.data_ptr(),
+                              value.stride(1), value.stride(2), static_cast<float *>(out.data_ptr()),
+                              address(f[F_TABLE]), f[F_ROWS], f[F_KV], f[F_GROUP], f[F_D], f[F_WINDOW], f[F_BLOCK],
+                              static_cast<float>(scale), torch::stable::get_num_threads(), f[F_CODE], n, f[F_REUSE],
+                              f[F_EVERY], f[F_SPLIT], address(f[F_COUNT]), address(f[F_STEP]), address(f[F_LAST]),
+                              address(f[F_TALLY]), resumed);
+        if (status == 0) break;
+        bool again = status == NEEDS_STATISTICS && !resumed;
+        STD_TORCH_CHECK(prepared_host(key, stats, f[F_ID], n, status) && again, FAILED);
+    }
+    return query.scalar_type() == ScalarType::Float ? out : torch::stable::to(out, query.scalar_type());
+}
+
+Tensor sparse_step(Tensor query, Tensor key, Tensor value, Tensor position, Tensor stats, Tensor count, Tensor blocks,
+                   Tensor budget_mask, Tensor positions, Tensor step, Tensor last, Tensor tally, std::string config,
+                   int64_t layer, double scale, std::string form) {
+    bool serves = prepared != nullptr && form == "prepared";
+    auto found = serves ? records.find(reinterpret_cast<intptr_t>(count.data_ptr())) : records.end();
+    if (found != records.end() && found->second.config == config && position.scalar_type() == ScalarType::Long &&
+        position.numel() > 0 &&
+        found->second.signature ==
+            signature(query, key, value, position, stats, count, blocks, step, last, tally, layer, scale)) {
+        int64_t at = 0; /* the last element of position, wherever its strides put it */
+        for (int64_t i = 0; i < position.dim(); i++) at += (position.size(i) - 1) * position.stride(i);
+        int64_t n = static_cast<const int64_t *>(position.data_ptr())[at] + 1;
+        if (n > found->second.fields[F_SUPPORT] && n <= key.size(2))
+            return run_prepared(found->second, query, key, value, stats, n, scale);
+    }
+    has_offer = false;
+    std::array<StableIValue, 16> stack{
+        torch::stable::detail::from(query),      torch::stable::detail::from(key),
+        torch::stable::detail::from(value),      torch::stable::detail::from(position),
+        torch::stable::detail::from(stats),      torch::stable::detail::from(count),
+        torch::stable::detail::from(blocks),     torch::stable::detail::from(budget_mask),
+        torch::stable::detail::from(positions),  torch::stable::detail::from(step),
+        torch::stable::detail::from(last),       torch::stable::detail::from(tally),
+        torch::stable::detail::from(config),     torch::stable::detail::from(layer),
+        torch::stable::detail::from(scale),      torch::stable::detail::from(form)};
+    Tensor out = host(stack);
+    if (serves && has_offer) { /* Python made or used a prepared call for this very call: file it */
+        Record record{config, signature(query, key, value, position, stats, count, blocks, step, last, tally, layer,
+                                        scale), {}};
+        std::memcpy(record.fields, offered, sizeof(offered));
+        records[reinterpret_cast<intptr_t>(count.data_ptr())] = std::move(record);
+    }
+    has_offer = false;
+    return out;
+}
+
+STABLE_TORCH_LIBRARY_IMPL(sparsedecode, CPU, m) { m.impl("sparse_step", TORCH_BOX(&sparse_step)); }
