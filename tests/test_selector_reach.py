@@ -5,6 +5,8 @@ whose parameters print alike; huge budgets are capped, not wrapped; scores of a 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -158,3 +160,58 @@ def test_a_selectors_error_of_several_lines_is_one_line(kind):
     with pytest.raises(SparseDecodeError, match="first line second line third") as raised:
         select_support(torch.randn(4, 16), torch.randn(2, 400, 16), support=97, method=Talkative())
     assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("base", ["mean-pooled", "quest:grouping=mean-query", "random-blocks"])
+def test_twilights_candidates_come_from_any_block_selector(base):
+    """Twilight's candidates are its base's support, for any block selector with a fixed budget (issue #39's
+    "any block selector by parameter")."""
+    from sparsedecode.layout import BlockLayout
+    from sparsedecode.selectors.registry import parse_selector
+
+    torch.manual_seed(0)
+    queries, keys = torch.randn(6, 16), torch.randn(2, 600, 16)
+    twilight = parse_selector(f"twilight:base={base}")
+    assert twilight.spec() == f"twilight:base={base}"
+    layout = BlockLayout(n=600, window=64, block_size=16, distant=193 - 1 - 64)
+    mask = twilight.candidates(queries, keys, layout)
+    expected = select_support(queries, keys, support=193, method=base)
+    group = 6 // len(expected)
+    for head in range(6):
+        assert mask[head].nonzero().flatten().tolist() == expected[head // group].tolist()
+
+
+def test_twilight_over_an_adaptive_base_decodes_and_refuses_token_bases():
+    cfg = SparseConfig(support=97, selector="twilight:base=block-top-p")
+    model, ids = tiny_model("llama"), prompt(300)
+    assert len(sd.generate(model, ids, cfg, max_new_tokens=4, mode="sparse").tokens) == 4
+    with pytest.raises(SparseDecodeError, match="base must be a block selector .* 'sparq', which selects tokens"):
+        SparseConfig(selector="twilight:base=sparq")
+    with pytest.raises(SparseDecodeError, match="twilight: base 'nothing': unknown selector"):
+        SparseConfig(selector="twilight:base=nothing")
+
+
+def test_a_users_base_is_handed_copies():
+    @dataclass(frozen=True)
+    class ZeroesKeys(sd.BlockSelector):
+        def score_blocks(self, queries, keys, layout):
+            scores = mean_pooled_scores(group_mean_queries(queries, keys.shape[0]), keys[:, : layout.n_blocks].float())
+            keys.data.zero_()
+            return scores
+
+    sd.register_selector(ZeroesKeys, name="zeroes-keys-base", replace=True)
+    queries, keys = torch.randn(6, 16), torch.randn(2, 600, 16)
+    kept = keys.clone()
+    select_support(queries, keys, support=193, method="twilight:base=zeroes-keys-base")
+    assert torch.equal(keys, kept)
+
+
+def test_a_fresh_process_makes_twilight_with_a_builtin_base_before_the_registry():
+    script = (
+        "import sys\n"
+        "from sparsedecode.selectors.methods.twilight import Twilight\n"
+        "assert 'sparsedecode.selectors.registry' not in sys.modules\n"
+        "print(Twilight(base='mean-pooled').base_selector.spec())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "mean-pooled", done.stderr[-800:]

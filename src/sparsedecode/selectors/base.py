@@ -270,6 +270,23 @@ class TokenSelector(Selector):
         return type(self).budget is not TokenSelector.budget
 
 
+_SPEC_PARSER = None
+
+
+def set_spec_parser(parser) -> None:
+    """Take the function that makes a selector from its spec string: the registry hands over its ``parse_selector``
+    when it is imported (a built-in that names another selector by its spec, Twilight's ``base``, reaches the
+    registry through here: the registry imports the built-ins, so they cannot import it)."""
+    global _SPEC_PARSER
+    _SPEC_PARSER = parser
+
+
+def parse_spec(text: str):
+    """A selector from its spec string (:func:`sparsedecode.selectors.registry.parse_selector`); ``None`` where the
+    registry has not been imported yet."""
+    return None if _SPEC_PARSER is None else _SPEC_PARSER(text)
+
+
 def check_selector_class(cls: object) -> type[Selector]:
     """``cls`` if it is a usable selector class, else a :class:`SparseDecodeError` saying why."""
     if not isinstance(cls, type) or not issubclass(cls, (BlockSelector, TokenSelector)):

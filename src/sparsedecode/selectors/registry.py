@@ -22,7 +22,7 @@ from importlib import metadata
 from pathlib import Path
 
 from ..errors import SparseDecodeError
-from .base import Selector, check_selector_class
+from .base import Selector, check_selector_class, set_spec_parser
 
 ENTRY_POINTS = "sparsedecode.selectors"
 _REGISTRY: dict[str, type[Selector]] = {}
@@ -326,6 +326,9 @@ def parse_selector(text: str) -> Selector:
     else:
         cls = selector_class(what)
     return build(cls, parse_params(cls, params))
+
+
+set_spec_parser(parse_selector)
 
 
 def parameter_names(text: str) -> tuple[str, ...] | None:

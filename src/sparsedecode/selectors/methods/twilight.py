@@ -2,8 +2,10 @@
 Pruning", arXiv 2502.02770), as its official code selects (``tsinghua-ideal/Twilight``, ``twilight/pyimpl/
 attention.py``), per query head:
 
-1. **candidates**: a base block selector's support on this project's layout (Quest per query head by default, another
-   built-in block selector by ``base=``): the anchor, its blocks (the support's ``b``) and the window;
+1. **candidates**: a base block selector's support on this project's layout (Quest per query head by default, any
+   block selector by ``base=``, a spec as the command line names it: ``mean-pooled``, ``quest:grouping=mean-query``,
+   a registered name; its scores rank the blocks, a budget it has is not used): the anchor, its blocks (the
+   support's ``b``) and the window;
 2. **estimate**: each candidate's logit under the query head from its key quantised per token to ``bits`` bits
    (min-max over the head dimension, 15 levels at 4 bits), scaled as the attention is; a softmax over the candidates;
 3. **prune**: top-p with ``p = 0.85`` by default, as Twilight's kernel finds it: a float32 bisection for a threshold
@@ -27,7 +29,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from ...errors import SparseDecodeError
-from ..base import TokenSelector
+from ..base import TokenSelector, parse_spec
 from .mean_pooled import MeanPooled
 from .oracle import OracleBlocks
 from .quest import Quest
@@ -37,8 +39,28 @@ if TYPE_CHECKING:
     import torch
 
 BASES = {cls.name: cls for cls in (Quest, MeanPooled, OracleBlocks, RandomBlocks)}
-"""The block selectors a Twilight step can take its candidates from, by name, each with its default parameters
-(Quest's are per query head, as Twilight's configurations use it)."""
+"""Built-in block selectors a Twilight step takes its candidates from by name (Quest's defaults are per query head,
+as Twilight's configurations use it); ``base=`` takes any block selector's spec (:func:`base_of`)."""
+
+
+def base_of(spec: str):
+    """The block selector a Twilight ``base=`` spec names (a name of :data:`BASES` even before the registry is
+    imported), or one line saying why there is none."""
+    try:
+        base = parse_spec(spec)
+    except SparseDecodeError as error:
+        raise SparseDecodeError(f"twilight: base {spec!r}: {error}") from None
+    if base is None:  # the registry not imported yet: the built-in bases only
+        if spec not in BASES:
+            raise SparseDecodeError(f"twilight: base must be one of {', '.join(BASES)}, got {spec!r}")
+        base = BASES[spec]()
+    if base.level != "block":
+        raise SparseDecodeError(
+            f"twilight: base must be a block selector (quest, mean-pooled, ...), got {spec!r}, which selects "
+            f"{base.level}s"
+        )
+    return base
+
 
 EPS = 1e-5
 """The bisection's stopping width, absolute, as in Twilight's kernel."""
@@ -92,12 +114,13 @@ class Twilight(TokenSelector):
             raise SparseDecodeError(f"twilight: p must be a number in (0, 1], got {self.p!r}")
         if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 1 <= self.bits <= 16:
             raise SparseDecodeError(f"twilight: bits must be an integer in [1, 16], got {self.bits!r}")
-        if self.base not in BASES:
-            raise SparseDecodeError(f"twilight: base must be one of {', '.join(BASES)}, got {self.base!r}")
+        if not isinstance(self.base, str):
+            raise SparseDecodeError(f"twilight: base is a block selector's spec (a name), got {self.base!r}")
+        base_of(self.base)  # a base that is no block selector is refused when the selector is made
 
     @cached_property
     def base_selector(self):
-        return BASES[self.base]()
+        return base_of(self.base)
 
     @property
     def per_query_head(self) -> bool:
@@ -107,6 +130,7 @@ class Twilight(TokenSelector):
         """``(H, N)`` bool: the anchor, the base selector's blocks for each query head, and the window."""
         import torch
 
+        from ..calls import scores_from
         from ..ops import top_blocks
         from ..statistics import block_span, reduce_blocks
 
@@ -124,7 +148,8 @@ class Twilight(TokenSelector):
             reads = {kind: reduce_blocks(spans, kind, valid) for kind in base.statistics}
         else:
             reads = keys
-        scores = base.score_blocks(queries, reads, layout).float()
+        # checked as every selector's scores are; a user's base handed copies
+        scores = scores_from(base, queries, reads, layout, keys.shape[0], keys.device).float()
         chosen = top_blocks(scores, layout.distant // block)
         chosen = chosen if chosen.shape[0] == heads else chosen.repeat_interleave(heads // chosen.shape[0], dim=0)
         positions = 1 + chosen.unsqueeze(-1) * block + torch.arange(block, device=keys.device)
