@@ -144,7 +144,7 @@ static int64_t calls = 0; /* prepared calls made here */
 /* How many prepared calls this kernel has made (tests, diagnostics). */
 extern "C" int64_t sparsedecode_step_calls() { return calls; }
 
-/* A prepared call for the call in progress (fields: F_FIELDS int64, compiled/prepared.py's native_fields). */
+/* A prepared call for the call in progress (fields: F_FIELDS int64, compiled/prepared.py's Prepared.native). */
 extern "C" void sparsedecode_offer_step(const int64_t *fields) {
     std::memcpy(offered, fields, sizeof(offered));
     has_offer = true;
