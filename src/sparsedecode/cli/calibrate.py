@@ -14,7 +14,7 @@ from .backend import add_backend_args, check_backend_args, executor
 from .conditions import environment
 from .display import console, progress_bars
 from .loading import check_whole_blocks, load
-from .outputs import check_output_folder
+from .outputs import check_output_folder, inputs_of
 from .parser import add_model_args
 
 WRITTEN = ("study.db", "budget.json", "calibration.json", "calibration.md", "trials.csv", "front.png", "supports.png")
@@ -47,7 +47,7 @@ def add_parsers(sub) -> None:
         "OUT/study.db, so a stopped search, even one killed mid-trial, resumes to what it would have found) for the "
         "fewest positions read per step that meets every --target on the calibration prompts (tf-match, dppl) and "
         "task samples (task-accuracy, length-ratio: the RULER-style tasks of eval); then measures it on held-out "
-        "ones the search never saw, beside each uniform support, with 95%% bootstrap intervals. Writes "
+        "ones the search never saw, beside each uniform support, with 95% bootstrap intervals. Writes "
         "OUT/budget.json (for --budget), calibration.json and calibration.md. Needs Optuna (pip install optuna).",
         epilog="examples:\n"
         "  sparsedecode calibrate --context 2048 --target 'tf-match>=95' --trials 30 --out runs/calibrate\n"
@@ -154,7 +154,7 @@ def _check(args) -> None:
     args.search_param = check_param_search(_base(args), dict(args.search_param),
                                            [parse_target(t) for t in args.target])  # fmt: skip
     check_backend_args(args)
-    check_output_folder(args.out, files=WRITTEN)
+    check_output_folder(args.out, inputs=inputs_of(args), files=WRITTEN, results="calibration.json")
     try:
         import optuna  # noqa: F401
     except ImportError:
@@ -199,12 +199,19 @@ def cmd_calibrate(args) -> int:
                 seed=args.seed, tasks=tasks, answer_tokens=args.answer_tokens if tasks else None,
                 reuses=tuple(args.search_reuse or ()), params=args.search_param,
                 batch=1 if execute is None else execute.description["workers"],
-                feasible=args.feasible, groups=args.groups, split=args.split,
+                feasible=args.feasible, groups=args.groups, split=args.split, corpus=str(args.corpus),
+                dtype=args.dtype,
             )  # fmt: skip
+            fresh = not (args.out / "study.db").exists()
             study = search_module.open_study(args.out / "study.db", search)
             units = None
             if execute is None and len(search_module.finished(study)) < args.trials:  # Ray's workers build theirs
-                units = calibration.build(model, tokenizer, progress=progress, side=", calibration")
+                try:
+                    units = calibration.build(model, tokenizer, progress=progress, side=", calibration")
+                except SparseDecodeError:  # refused before any trial: no study left to block the corrected command
+                    if fresh:
+                        (args.out / "study.db").unlink(missing_ok=True)
+                    raise
 
             def searched(done, total, best):
                 note = "no configuration meets the targets yet" if best is None else f"best: {best:.1f} positions"

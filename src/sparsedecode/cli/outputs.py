@@ -60,6 +60,7 @@ RESULTS = {
     "retrieval.json": "retrieval results",
     "mass.json": "an attention-mass probe",
     "export.json": "exported lm-eval tasks",
+    "calibration.json": "a calibration",
 }
 """The file that marks each kind of results folder, and what it holds (a sweep's and an evaluation's rows are both
 ``runs.jsonl``; their settings file tells them apart)."""

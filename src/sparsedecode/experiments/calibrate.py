@@ -180,6 +180,8 @@ class Search:
     groups: int = 0  # 0: a support per layer; G: G runs of consecutive layers, one support each
     split: str = "order"  # corpus prompts: the first ones for the calibration ("order"), or drawn at random ("random")
     sampler: str = SAMPLER
+    corpus: str = "python-docs"  # the corpus as given (--corpus): another draws other prompts
+    dtype: str = "float32"  # the model's dtype (--dtype)
 
     def record(self) -> dict:
         data = dataclasses.asdict(self)
@@ -239,10 +241,16 @@ def open_study(path: Path, search: Search):
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(
-        study_name="calibrate", storage=f"sqlite:///{path}", direction="minimize", load_if_exists=True
-    )
-    stored, wanted = study.user_attrs.get("search"), search.record()
+    try:
+        study = optuna.create_study(
+            study_name="calibrate", storage=f"sqlite:///{path}", direction="minimize", load_if_exists=True
+        )
+        stored, wanted = study.user_attrs.get("search"), search.record()
+    except Exception as error:  # not SQLite, or SQLite that is no Optuna storage
+        said = " ".join(str(error).split())[:160]
+        raise SparseDecodeError(
+            f"{path} is not a calibration study ({type(error).__name__}: {said}); use another --out"
+        ) from None
     if stored is None:
         study.set_user_attr("search", wanted)
         stored = wanted
@@ -259,7 +267,8 @@ def open_study(path: Path, search: Search):
 def _added_later() -> dict:
     """The settings a study made before they existed had, in :meth:`Search.record`'s form: their defaults."""
     given = {name: "" for name in ("model", "selector", "context", "tokens", "prompts", "choices", "targets", "layers")}
-    return {name: value for name, value in Search(**given).record().items() if name in ("feasible", "groups", "split")}
+    later = ("feasible", "groups", "split", "corpus", "dtype")
+    return {name: value for name, value in Search(**given).record().items() if name in later}
 
 
 def suggest(trial, search: Search) -> dict:

@@ -101,8 +101,20 @@ class Target:
 
     def __str__(self) -> str:
         if self.relative:
-            return f"{self.measure}{self.op}dense{f'{self.value:+g}' if self.value else ''}"
-        return f"{self.measure}{self.op}{self.value:g}"
+            shift = ("+" if self.value > 0 else "") + _exact(self.value) if self.value else ""
+            return f"{self.measure}{self.op}dense{shift}"
+        return f"{self.measure}{self.op}{_exact(self.value)}"
+
+
+def _exact(value: float) -> str:
+    """``value`` as written back exactly (the stored settings are parsed again: ``:g`` rounded 90.47619 to 90.4762 and
+    chose another configuration), whole numbers without ``.0``."""
+    text = repr(float(value))
+    return text[:-2] if text.endswith(".0") else text
+
+
+PERCENTS = ("tf-match", "task-accuracy")
+"""The measures that are percentages of 0 to 100 (a target outside can never, or always, hold)."""
 
 
 def _forms() -> str:
@@ -128,9 +140,11 @@ def parse_target(text: str) -> Target:
             value = float(number)
         except ValueError:
             break
-        if math.isfinite(value):
-            return Target(name, value, relative)
-        break
+        if not math.isfinite(value):
+            break
+        if name in PERCENTS and not relative and not 0 <= value <= 100:
+            raise SparseDecodeError(f"target {text!r}: {name} is a percentage, between 0 and 100")
+        return Target(name, value, relative)
     raise SparseDecodeError(f"a target is one of {_forms()} (X a number), got {text!r}")
 
 
