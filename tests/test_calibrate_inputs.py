@@ -59,6 +59,10 @@ def test_a_refused_calibration_leaves_no_study_and_out_is_checked(tiny_model_dir
     assert not (out / "study.db").exists()
     assert main([*args, "--context", "300"]) == 0, capsys.readouterr().err  # the corrected command runs
     assert json.loads((out / "calibration.json").read_text())["settings"]["targets"] == ["tf-match>=50"]
+    fewer = [*args[:11], "--trials", "1", *args[13:], "--context", "300"]
+    assert main(fewer) == 0  # resumed, asking for fewer trials than it holds
+    settings = json.loads((out / "calibration.json").read_text())["settings"]
+    assert (settings["trials"], settings["trials_asked"]) == (2, 1)  # what the study holds, and what was asked
     capsys.readouterr()
     sweep = tmp_path / "sweep"
     sweep.mkdir()

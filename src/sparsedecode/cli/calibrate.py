@@ -302,7 +302,7 @@ def _write(args, search, study, best, held, indices) -> None:
     chosen = None if best is None else search.supports(best.params)
     failed = [t.number for t in study.trials if t.state.name == "FAIL"]  # left unfinished by a stopped search
     data = {"settings": {**search.record(), "corpus": args.corpus, "held_out": args.held_out,
-                         "held_out_from": args.held_out_from, "trials": args.trials,
+                         "held_out_from": args.held_out_from, "trials": len(trials), "trials_asked": args.trials,
                          "prompt_indices": {"calibration": indices[0], "held_out": indices[1]}},
             "environment": environment(), "chosen": chosen, "trials": trials, "failed_trials": failed,
             "held_out": held}  # fmt: skip
