@@ -20,6 +20,16 @@ NONFINITE_SCORES = (
 """What the torch path (:func:`sparsedecode.validate.check_scores`) and the C kernel say of non-finite scores."""
 
 
+def one_line(error: BaseException) -> str:
+    """The error's message on one line: an ``OSError`` as its reason and the path(s) it concerns."""
+    if isinstance(error, OSError) and error.strerror:
+        paths = [str(name) for name in (error.filename, error.filename2) if name is not None]
+        text = error.strerror + (f": {' -> '.join(paths)}" if paths else "")
+    else:
+        text = str(error) or type(error).__name__
+    return " ".join(text.split())
+
+
 @contextlib.contextmanager
 def naming(path) -> Iterator[None]:
     """Give an ``OSError`` raised inside the block without a file name (``ENOSPC`` from a write, say) ``path``'s

@@ -18,12 +18,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..errors import SparseDecodeError
+from ..errors import SparseDecodeError, one_line
 from . import bench, calibrate, compare_selectors, models, probe, run, sweep
 from . import eval as evaluation
 from .arguments import int_list
 from .display import console, progress_bars
-from .failures import one_line
 from .outputs import MADE_FOLDERS, remove_empty_made_folders
 from .parser import Parser, add_model_args, apply_budget_file
 

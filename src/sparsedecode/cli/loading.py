@@ -44,16 +44,13 @@ def check_whole_blocks(configs) -> None:
     The library floors ``support`` to ``1 + W + b*B`` (:attr:`SparseConfig.effective_support`); the command line
     refuses instead, so the support asked for is the support in every table and JSON file.
     """
-    import dataclasses
-
     for cfg in configs:
-        layers = [(f"layer {layer}'s support", s) for layer, s in cfg.layer_supports]
-        asked = [("--support", cfg.support), *layers]
-        for what, support in asked:
-            floored = dataclasses.replace(cfg, support=support, layer_supports=()).effective_support
-            if not cfg.token_level and floored != support:
+        layers = [(f"layer {layer}'s support", cfg.for_layer(layer)) for layer, _ in cfg.layer_supports]
+        for what, asked in [("--support", cfg), *layers]:
+            floored = asked.effective_support
+            if not cfg.token_level and floored != asked.support:
                 raise SparseDecodeError(
-                    f"{what} {support} is not 1 + W + b*B with W = {cfg.window}, B = {cfg.block_size} "
+                    f"{what} {asked.support} is not 1 + W + b*B with W = {cfg.window}, B = {cfg.block_size} "
                     f"(block selectors read whole blocks): use {floored} or {floored + cfg.block_size}"
                 )
 

@@ -32,8 +32,7 @@ import sys
 from collections import deque
 from collections.abc import Iterable, Iterator
 
-from ..errors import SparseDecodeError
-from .failures import one_line
+from ..errors import SparseDecodeError, one_line
 
 RETRIES = 2
 """Times one unit is run again after its worker died, before the command gives up on it."""

@@ -107,9 +107,10 @@ class Prepared:
         self.check(status)
 
     def offer(self) -> None:
-        """Hand this call to the op's C++ kernel, for the call in progress (nothing where it is not loaded)."""
-        _BY_ID[self.ident] = self
-        native.offer_step(self.native.buffer_info()[0])
+        """Hand this call to the op's C++ kernel, for the call in progress (nothing where it is not loaded); it calls
+        back by :attr:`ident` at later calls only."""
+        if native.offer_step(self.native.buffer_info()[0]):
+            _BY_ID[self.ident] = self
 
     def _complete(self, key, stats, n: int) -> None:
         """The statistics of the blocks completed since the last call, of the rows selecting afresh now: an

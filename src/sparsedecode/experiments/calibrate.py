@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import SparseConfig
-from ..errors import SparseDecodeError
+from ..errors import SparseDecodeError, one_line
 from .calibration_study import abandon_unfinished, best_feasible, finished, repeat_of, sampler_seed, tell, tell_repeat
 from .calibration_targets import (
     CORPUS,
@@ -247,7 +247,7 @@ def open_study(path: Path, search: Search):
         )
         stored, wanted = study.user_attrs.get("search"), search.record()
     except Exception as error:  # not SQLite, or SQLite that is no Optuna storage
-        said = " ".join(str(error).split())[:160]
+        said = one_line(error)[:160]
         raise SparseDecodeError(
             f"{path} is not a calibration study ({type(error).__name__}: {said}); use another --out"
         ) from None

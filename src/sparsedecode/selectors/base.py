@@ -57,6 +57,11 @@ if TYPE_CHECKING:  # the protocol imports no torch, so naming a selector on the 
 STATISTICS = ("mean", "min", "max")
 
 
+def library_code(obj) -> bool:
+    """Whether ``obj`` (a class or a function) is this library's own code, by the module that defines it."""
+    return getattr(obj, "__module__", "").startswith("sparsedecode.")
+
+
 _DERIVED = (functools.cached_property, property)
 _PLAIN = (bool, int, float, str, bytes, type(None))
 
@@ -125,7 +130,7 @@ class Selector:
     def selector_name(cls) -> str:
         """The registered name; a user's class (a subclass of a built-in too) answers with a name set on itself, else
         its class name (a subclass of ``twilight`` is not ``twilight`` in rows and errors)."""
-        own = cls.name if cls.__module__.startswith("sparsedecode.") else cls.__dict__.get("name", "")
+        own = cls.name if library_code(cls) else cls.__dict__.get("name", "")
         return own or cls.__name__
 
     def params(self) -> dict:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import SparseDecodeError
+from ..errors import SparseDecodeError, one_line
 from ..layout import BlockLayout
 from ..validate import finite_sum
-from .base import BlockSelector, Selector
+from .base import BlockSelector, Selector, library_code
 
 SCORE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64)
 """The dtypes a selector's scores may have (half precision widened to float32; nothing else ranks: float8 has no
@@ -66,10 +66,8 @@ def trusted(selector: Selector, method) -> bool:
     """Whether ``method`` of ``selector`` is the library's own code (a built-in's, or the protocol's default) on a
     built-in selector: it is handed the library's tensors themselves. Anything else (a user's class, a user's subclass
     of a built-in, whose inherited methods may call what it overrides) is handed copies (:func:`call_selector`)."""
-    function = getattr(method, "__func__", method)
-    ours = getattr(function, "__module__", "").startswith("sparsedecode.")
     # a user's subclass of a built-in is a user's class: a built-in method of it may call any method it overrides
-    return ours and type(selector).__module__.startswith("sparsedecode.")
+    return library_code(getattr(method, "__func__", method)) and library_code(type(selector))
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -111,11 +109,10 @@ def call_selector(selector: Selector, method, *inputs, layout=None):
     except SparseDecodeError as error:
         if "\n" not in str(error):
             raise
-        raise SparseDecodeError(" ".join(str(error).split())) from None  # one line, whatever the selector wrote
+        raise SparseDecodeError(one_line(error)) from None  # one line, whatever the selector wrote
     except Exception as error:  # a user's selector failing is one line naming it
-        said = " ".join(str(error).split())
         raise SparseDecodeError(
-            f"selector {selector.spec()} failed in {method.__name__}: {type(error).__name__}: {said}"
+            f"selector {selector.spec()} failed in {method.__name__}: {type(error).__name__}: {one_line(error)}"
         ) from None
     if _versions(inputs) != before:
         raise SparseDecodeError(

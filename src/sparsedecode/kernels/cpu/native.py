@@ -85,11 +85,12 @@ def load(library: ctypes.CDLL) -> bool:
     return _LOADED
 
 
-def offer_step(fields: int) -> None:
+def offer_step(fields: int) -> bool:
     """Hand the sparse step's C++ kernel a prepared call for the call in progress (``fields``: the address of its
-    int64 fields, :meth:`~sparsedecode.compiled.prepared.Prepared.offer`); nothing where the kernel is not loaded."""
+    int64 fields, :meth:`~sparsedecode.compiled.prepared.Prepared.offer`); whether it was handed (the kernel loaded)."""
     if _SHIM is not None:
         _SHIM.sparsedecode_offer_step(fields)
+    return _SHIM is not None
 
 
 def forget_steps() -> None:
