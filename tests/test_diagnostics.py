@@ -175,6 +175,35 @@ def test_mass_audit_collects_per_layer():
     assert audit.steps == 4 and sorted(audit.records) == [0, 1]
 
 
+def test_the_audit_matches_layers_by_step_when_they_turn_sparse_apart():
+    """Per-layer supports: layer 1 (S = 193) is dense while the context fits it, layer 0 (S = 97) sparse throughout.
+    A row of the arrays is one decode step for every layer (NaN where a layer was dense), so each layer's figures
+    cover all its own sparse steps and no step is paired with another."""
+    model = tiny_model("llama")
+    audit = MassAudit()
+    with sparse_decoding(model, SparseConfig(support=97, layer_supports={1: 193})) as session, torch.no_grad():
+        session.observers.append(audit)
+        model.generate(prompt(150), max_new_tokens=60, do_sample=False)
+    assert len(audit.records[0]) == 59 and 0 < len(audit.records[1]) < 59
+    arrays = audit.arrays()
+    assert arrays["omitted_mass"].shape == (59, 2, 4)
+    sparse_1 = ~np.isnan(arrays["omitted_mass"][:, 1, 0])
+    assert not np.isnan(arrays["omitted_mass"][:, 0]).any() and sparse_1.sum() == len(audit.records[1])
+    assert sparse_1[-len(audit.records[1]) :].all()  # the last steps, where the context outgrew 193
+    for layer in (0, 1):
+        own = np.stack([record["omitted_mass"].numpy() for record in audit.records[layer]])
+        np.testing.assert_array_equal(
+            arrays["omitted_mass"][:, layer][~np.isnan(arrays["omitted_mass"][:, layer, 0])], own
+        )
+    summary = summarize_audit(arrays)
+    assert summary["audited_steps"] == 59
+    assert [layer["audited_steps"] for layer in summary["layers"]] == [59, len(audit.records[1])]
+    assert summary["layers"][0]["omitted_mass_mean"] == pytest.approx(
+        float(np.mean([r["omitted_mass"].numpy() for r in audit.records[0]]))
+    )
+    assert summary["bound_violations"] == 0 and np.isfinite(summary["omitted_mass_mean"])
+
+
 @pytest.mark.parametrize("selector", ["oracle-blocks", "oracle-tokens"])
 @pytest.mark.parametrize("support", [97, 161])
 def test_oracles_reach_the_group_best_at_every_step(arch, selector, support):

@@ -34,7 +34,7 @@ class MassProbe:
 
     def per_head(self, name: str) -> np.ndarray:
         """Mean over steps of one audit field: ``(layers, query_heads)``."""
-        return self.arrays[name].mean(axis=0)
+        return np.nanmean(self.arrays[name], axis=0)  # NaN: a layer dense at a step (per-layer supports)
 
 
 def mass_probe(

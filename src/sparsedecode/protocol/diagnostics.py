@@ -13,7 +13,8 @@
     selectors: the top ``S - 1 - W`` distant positions), ties towards the lowest index, which is exactly what
     ``oracle-blocks`` (``oracle-tokens``) picks. ``selector_recall`` is the share of that set the selector
     chose; ``captured_mass_ratio`` is the true mass of the chosen set over the mass of the best set, both
-    summed over the group's query heads (a ratio of sums, so it is at most 1). Both are per group and repeated
+    summed over the group's query heads (a ratio of sums: at most 1 for a set shared by the group; a selector
+    choosing per query head, such as ``quest``, can exceed it). Both are per group and repeated
     for each query head of the group, so the mean over query heads weighs every group equally. The oracles
     score 1 on both.
   - the same two figures against each query head's own top units, which no selector sharing a set across a
@@ -178,44 +179,60 @@ class MassAudit:
     """Session observer collecting :func:`audit_step` for every sparse step.
 
     Attach with ``session.observers.append(audit)``; :meth:`arrays` stacks the records into
-    ``(steps, layers, query_heads)`` float64 arrays, one per name in :data:`AUDIT_FIELDS`.
+    ``(steps, layers, query_heads)`` float64 arrays, one per name in :data:`AUDIT_FIELDS`. A row is one decode step
+    (records matched across layers by the step's position, not by their order), a column one layer that was sparse
+    at some step; where a layer was dense at a step (per-layer supports: its support covered the context then) or
+    has fewer query heads than another, the entries are NaN.
     """
 
     records: dict[int, list[dict[str, torch.Tensor]]] = field(default_factory=dict)
     value_norms: dict[int, list[float]] = field(default_factory=dict)
+    keys: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    """Per layer, each record's decode step: (positions read, how often the layer was audited there before)."""
     sequence: int | None = None
     """In a batch, the one sequence audited (``None``: every step seen, right for batch 1)."""
 
     def __call__(self, view: StepView) -> None:
         if self.sequence is not None and view.sequence != self.sequence:
             return
-        self.records.setdefault(view.layer, []).append(audit_step(view))
         n = view.layout.n
+        keys = self.keys.setdefault(view.layer, [])
+        keys.append((n, sum(1 for key in keys if key[0] == n)))  # a step repeated (a rewind) is another step
+        self.records.setdefault(view.layer, []).append(audit_step(view))
         self.value_norms.setdefault(view.layer, []).append(float(view.values[:, :n].double().norm(dim=-1).max()))
+
+    def _steps(self) -> list[tuple[int, int]]:
+        return sorted({key for keys in self.keys.values() for key in keys})
 
     @property
     def steps(self) -> int:
-        return min((len(v) for v in self.records.values()), default=0)
+        """Decode steps at which at least one layer was audited."""
+        return len(self._steps())
 
     def arrays(self) -> dict[str, np.ndarray]:
-        layers = sorted(self.records)
-        steps = self.steps
-        out = {
-            name: np.stack([np.stack([self.records[layer][s][name].numpy() for layer in layers]) for s in range(steps)])
-            if steps
-            else np.zeros((0, len(layers), 0))
-            for name in AUDIT_FIELDS
-        }
-        out["max_value_norm"] = np.array([[self.value_norms[layer][s] for layer in layers] for s in range(steps)])
+        layers, steps = sorted(self.records), self._steps()
+        row = {key: i for i, key in enumerate(steps)}
+        heads = max((len(r[AUDIT_FIELDS[0]]) for records in self.records.values() for r in records), default=0)
+        out = {name: np.full((len(steps), len(layers), heads), np.nan) for name in AUDIT_FIELDS}
+        out["max_value_norm"] = np.full((len(steps), len(layers)), np.nan)
+        for column, layer in enumerate(layers):
+            for key, record, norm in zip(self.keys[layer], self.records[layer], self.value_norms[layer]):
+                for name in AUDIT_FIELDS:
+                    values = record[name].numpy()
+                    out[name][row[key], column, : len(values)] = values
+                out["max_value_norm"][row[key], column] = norm
         out["layers"] = np.array(layers)
         return out
+
+
+_MASSES = ("omitted_mass", "mass_anchor", "mass_window", "mass_blocks")
 
 
 def _mean(arrays: dict[str, np.ndarray], name: str, layer: int | None = None) -> float | None:
     """Mean of one audit field over everything (or over one layer's column); ``None`` if the field is absent."""
     if name not in arrays:
         return None
-    return float((arrays[name] if layer is None else arrays[name][:, layer]).mean())
+    return float(np.nanmean(arrays[name] if layer is None else arrays[name][:, layer]))
 
 
 def summarize_audit(arrays: dict[str, np.ndarray]) -> dict:
@@ -223,9 +240,11 @@ def summarize_audit(arrays: dict[str, np.ndarray]) -> dict:
 
     ``selector_recall_mean`` and ``captured_mass_ratio_mean`` are against the group's reachable best (see the
     module docstring); the ``*_per_head_best_mean`` fields against each query head's own best. A field missing
-    from the arrays (an audit saved before it existed) summarises to ``None``.
+    from the arrays (an audit saved before it existed) summarises to ``None``. Means and maxima are over the
+    audited entries (a layer dense at a step holds NaN there); ``audited_steps`` counts decode steps with any layer
+    audited, a layer's own ``audited_steps`` those at which it was.
     """
-    if arrays["omitted_mass"].size == 0:
+    if np.isnan(arrays["omitted_mass"]).all():
         return {"audited_steps": 0}
     tolerance = 1e-5 * np.maximum(arrays["max_value_norm"], 1.0)[:, :, None]
     violations = arrays["error_norm"] > arrays["bound"] + tolerance
@@ -234,21 +253,19 @@ def summarize_audit(arrays: dict[str, np.ndarray]) -> dict:
         per_layer.append(
             {
                 "layer": layer,
-                "omitted_mass_mean": float(arrays["omitted_mass"][:, i].mean()),
-                "mass_anchor_mean": float(arrays["mass_anchor"][:, i].mean()),
-                "mass_window_mean": float(arrays["mass_window"][:, i].mean()),
-                "mass_blocks_mean": float(arrays["mass_blocks"][:, i].mean()),
+                "audited_steps": int((~np.isnan(arrays["omitted_mass"][:, i])).any(-1).sum()),
+                **{f"{name}_mean": _mean(arrays, name, i) for name in _MASSES},
                 **{f"{name}_mean": _mean(arrays, name, i) for name in SELECTOR_FIELDS},
-                "identity_residual_max": float(arrays["identity_residual"][:, i].max()),
-                "error_norm_mean": float(arrays["error_norm"][:, i].mean()),
+                "identity_residual_max": float(np.nanmax(arrays["identity_residual"][:, i])),
+                "error_norm_mean": _mean(arrays, "error_norm", i),
                 "bound_violations": int(violations[:, i].sum()),
             }
         )
     return {
         "audited_steps": int(arrays["omitted_mass"].shape[0]),
-        "identity_residual_max": float(arrays["identity_residual"].max()),
+        "identity_residual_max": float(np.nanmax(arrays["identity_residual"])),
         "bound_violations": int(violations.sum()),
-        "omitted_mass_mean": float(arrays["omitted_mass"].mean()),
+        "omitted_mass_mean": _mean(arrays, "omitted_mass"),
         **{f"{name}_mean": _mean(arrays, name) for name in SELECTOR_FIELDS},
         "layers": per_layer,
     }
