@@ -16,7 +16,7 @@ import torch
 from conftest import char_tokenizer, prompt, tiny_family
 from transformers import DynamicCache
 
-from sparsedecode import SparseConfig, compare, generate
+from sparsedecode import SparseConfig, compare, generate, sparse_decoding
 from sparsedecode.cli import main
 from sparsedecode.decoding.generate import compare_lossless
 from sparsedecode.decoding.loop import prefill
@@ -82,6 +82,31 @@ def test_lossless_drops_rejected_drafts(model):
     ]
     assert all(check.equal for check in checks), [check.mismatches for check in checks]
     assert all(check.lossless.tokens == check.dense.tokens for check in checks)
+
+
+def test_a_one_token_prefix_fed_again_is_dense():
+    """A rejected round on these caches goes back to the round's start and feeds the accepted prefix again, densely
+    as the verification did; a prefix of one token too (a one-token forward is otherwise a decode step). With a
+    full-attention layer first, a sparse one would reach the cached keys of the layers after it."""
+    model = tiny_family(
+        "qwen2", num_hidden_layers=3, use_sliding_window=True, sliding_window=48, max_window_layers=0,
+        layer_types=["full_attention", "sliding_attention", "full_attention"],
+    )  # fmt: skip
+    cfg = SparseConfig(support=97, window=32, block_size=8)
+    checks = [compare_lossless(model, prompt(300, seed=s), cfg, 24, draft_tokens=3) for s in range(4)]
+    assert any(a == 0 for check in checks for a in check.lossless.accepted)  # rejected at once: one token fed again
+    assert all(check.equal for check in checks), [check.mismatches for check in checks]
+
+
+def test_a_prefill_inside_a_session_is_dense_to_its_last_token():
+    """``prefill`` is dense even inside a sparse session, a last chunk of one token too."""
+    model = hybrid("sliding")
+    ids = prompt(129)
+    _, expected = prefill(model, ids, chunk=64)
+    with sparse_decoding(model, SparseConfig(support=97, window=32, block_size=8)) as session:
+        _, logits = prefill(model, ids, chunk=64)
+    assert session.sparse_steps == 0  # the session's dense one-token forward is its exact short one: round-off apart
+    assert torch.allclose(logits, expected, rtol=0, atol=1e-5)
 
 
 def test_lossless_rejections_happen_somewhere():

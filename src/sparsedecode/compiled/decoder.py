@@ -23,6 +23,7 @@ from ..config import SparseConfig, check_named_layers
 from ..errors import SparseDecodeError
 from ..models.catalog import attention_shape
 from ..step.device import fill_statistics
+from ..step.schedule import dense_forwards
 from ..validate import attention_modules
 from . import cpu as compile_cpu
 from .guards import drop_module_guards, model_fingerprint, weight_versions
@@ -296,10 +297,11 @@ class CompiledDecoder:
             raise SparseDecodeError(f"extend: ({self.batch}, T) ids fitting a cache of {self.max_len} positions")
         position = torch.arange(self.position, self.position + ids.shape[1], device=self.device).expand(self.batch, -1)
         _seek(self.cache, self.position)
-        out = self.model(
-            input_ids=ids.to(self.device), position_ids=position, cache=self.cache, use_cache=True,
-            logits_to_keep=logits_to_keep,
-        )  # fmt: skip
+        with dense_forwards():  # one token too (the last chunk of a prefill of 1024 k + 1)
+            out = self.model(
+                input_ids=ids.to(self.device), position_ids=position, cache=self.cache, use_cache=True,
+                logits_to_keep=logits_to_keep,
+            )  # fmt: skip
         self.position += ids.shape[1]
         return out.logits.float()
 

@@ -323,9 +323,9 @@ def _step_op(*arguments) -> torch.Tensor:
 
 
 def _written(key, value, mask, position):
-    """A multi-token forward (a prefill chunk, eager) over the static cache: its keys, values and mask cut to the
-    positions written so far, which are all the mask lets through (SDPA over the whole cache read every masked
-    position: SmolLM2 8K bfloat16 prefill 45 s against 35 s over a growing cache)."""
+    """A dense forward (a prefill chunk, a verification: eager) over the static cache: its keys, values and mask cut
+    to the positions written so far, which are all the mask lets through (SDPA over the whole cache read every
+    masked position: SmolLM2 8K bfloat16 prefill 45 s against 35 s over a growing cache)."""
     if position is None or mask is None or mask.shape[-1] != key.shape[2] or torch.compiler.is_compiling():
         return key, value, mask
     n = int(position.max()) + 1
@@ -357,9 +357,10 @@ def static_attention_forward(
             f"compiled sparse decoding: {type(module).__name__} has {key.shape[1]} KV heads of {key.shape[3]} where "
             f"the model's config gives {state.stats.shape[2]} of {state.stats.shape[3]}; decode without compile"
         )
-    if query.shape[2] > 1 and kwargs.get("sliding_window") is None:
+    decode = schedule.is_decode_step(query.shape[2])  # a one-token forward of extend() (a prefill chunk) is dense
+    if not decode and kwargs.get("sliding_window") is None:
         key, value, attention_mask = _written(key, value, attention_mask, position)
-    if state is None and query.shape[2] == 1 and kwargs.get("sliding_window") is None and not dropout:
+    if state is None and decode and kwargs.get("sliding_window") is None and not dropout:
         # dense decoding over the static cache: grouped heads read their KV head in place (transformers' SDPA path
         # repeats every key and value per query head when a mask is given: a copy of the whole cache per layer)
         out = torch.nn.functional.scaled_dot_product_attention(
@@ -371,7 +372,7 @@ def static_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if query.shape[2] == 1:
+    if decode:
         cfg = state.cfg
         if state.form == "traced":  # traced into the graph, fused with the layer by the compiler
             out = device_step(

@@ -25,6 +25,7 @@ import torch
 
 from ..errors import SparseDecodeError
 from ..session.kv_cache import checkpoint
+from ..step.schedule import dense_forwards
 
 Progress = Callable[..., None]
 """``progress(stage, done, total)``: called as work advances (a progress bar)."""
@@ -95,7 +96,8 @@ def prefill(
     for start in range(0, length, chunk):
         stop = min(start + chunk, length)
         padded = {} if mask is None else {"attention_mask": mask[:, :stop], "position_ids": pos[:, start:stop]}
-        out = model(input_ids=ids[:, start:stop], cache=cache, use_cache=True, logits_to_keep=1, **padded)
+        with dense_forwards():  # a last chunk of one token too, inside a session
+            out = model(input_ids=ids[:, start:stop], cache=cache, use_cache=True, logits_to_keep=1, **padded)
         logits = out.logits[:, -1].float()
         if progress:
             progress("prefill", stop, length)

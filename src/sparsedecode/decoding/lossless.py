@@ -11,6 +11,7 @@ from typing import Protocol
 import torch
 
 from ..session.kv_cache import crop_cache, crop_rewinds, restore, snapshot
+from ..step.schedule import dense_forwards
 from .loop import Progress, decode_one_token
 
 MAX_DRAFT_TOKENS = 16
@@ -88,14 +89,17 @@ class SessionDrafter:
 
     def verify(self, ids: list[int]) -> list[int]:
         self.ids = torch.tensor([ids], device=self.device)
-        return self.model(input_ids=self.ids, cache=self.cache, use_cache=True).logits[0].argmax(dim=-1).tolist()
+        with dense_forwards():
+            logits = self.model(input_ids=self.ids, cache=self.cache, use_cache=True).logits
+        return logits[0].argmax(dim=-1).tolist()
 
     def retain(self, fed: int, kept: int) -> None:
         if self.rewinds or kept == fed:
             crop_cache(self.cache, self.length + kept)
         else:  # sliding-window or recurrent layers cannot drop the rejected drafts: back to the round's start,
-            restore(self.cache, self.start)  # then the accepted prefix again (dense, as the verification was)
-            self.model(input_ids=self.ids[:, :kept], cache=self.cache, use_cache=True, logits_to_keep=1)
+            restore(self.cache, self.start)  # then the accepted prefix again (dense, as the verification was: one
+            with dense_forwards():  # token too, which the session would otherwise take for a decode step)
+                self.model(input_ids=self.ids[:, :kept], cache=self.cache, use_cache=True, logits_to_keep=1)
         self.length += kept
 
 

@@ -154,7 +154,8 @@ def session_forward(session, state, module, query, key, value, attention_mask, d
     (:meth:`LayerState.rows_for`: the layer's state itself for one unpadded sequence, one row state per sequence of
     a padded batch, whose position 0 is the sequence's first real token). The layer's state proves what is unchanged
     and each row keeps what lies inside its own run. Multi-token forwards are dense (one SDPA call with the mask,
-    or the exact short forward of one unpadded sequence); a decode step is :func:`_decode`, so padding is never
+    or the exact short forward of one unpadded sequence), and so is a one-token forward inside
+    :func:`~sparsedecode.step.schedule.dense_forwards`; a decode step is :func:`_decode`, so padding is never
     selected nor attended.
     """
     q_len = query.shape[2]
@@ -162,7 +163,7 @@ def session_forward(session, state, module, query, key, value, attention_mask, d
     n, pads = _extents(session, attention_mask, key, q_len, kwargs)
     intact = state.begin(n - q_len, q_len)
     rows = state.rows_for(pads)
-    if q_len == 1:
+    if schedule.is_decode_step(q_len):
         out = _decode(
             session,
             state,

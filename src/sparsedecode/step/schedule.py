@@ -32,11 +32,34 @@ or a rollback keeps ``[0, start)`` and restarts the chain, and a dense decode st
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 
 TALLY = ("sparse_steps", "dense_steps", "positions_read", "kv_head_steps")
 """What a route counts, in this order: sparse row-steps, dense row-steps, positions read by sparse steps (summed
 over KV heads), KV heads of the sparse row-steps."""
+
+
+_DENSE_FORWARDS = contextvars.ContextVar("sparsedecode_dense_forwards", default=False)
+
+
+@contextlib.contextmanager
+def dense_forwards():
+    """Inside, every forward is dense, one of a single token too: a prefill (whose last chunk may be one token), a
+    verification, a re-fed prefix. Without it a one-token forward in a sparse session or decoder is a decode step."""
+    token = _DENSE_FORWARDS.set(True)
+    try:
+        yield
+    finally:
+        _DENSE_FORWARDS.reset(token)
+
+
+def is_decode_step(q_len: int) -> bool:
+    """Whether a forward of ``q_len`` tokens is a sparse decode step: one token, outside :func:`dense_forwards` (a
+    traced step is one: the flag is read only eagerly, so a compiled step neither reads nor guards it)."""
+    return q_len == 1 and (torch.compiler.is_compiling() or not _DENSE_FORWARDS.get())
 
 
 def _where(condition, yes, no):
