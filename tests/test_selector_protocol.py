@@ -12,12 +12,14 @@ import textwrap
 import pytest
 import torch
 from conftest import SELECTORS, prompt, tiny_model
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import sparsedecode as sd
 from sparsedecode import SparseConfig, SparseDecodeError, select_support
+from sparsedecode.layout import BlockLayout
 from sparsedecode.selectors import parse_selector, registry, resolve_selector, split_selector_list
+from sparsedecode.selectors.ops import block_centroids, group_mean_queries, mean_pooled_scores
 
 USER_SELECTOR = '''
 """A user's selector: blocks by the largest logit any of their keys gets under the group-mean query."""
@@ -260,9 +262,45 @@ def test_top_p_budget_is_the_fewest_blocks_reaching_p():
     from sparsedecode.selectors.methods.top_p import blocks_for_mass
 
     estimated = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.1, 0.1, 0.7]])
-    assert blocks_for_mass(estimated, 0.5).tolist() == [1, 1]
-    assert blocks_for_mass(estimated, 0.8).tolist() == [2, 3]
-    assert blocks_for_mass(estimated, 1.0).tolist() == [3, 4]
+    assert blocks_for_mass(estimated, 0.5, estimated).tolist() == [1, 1]
+    assert blocks_for_mass(estimated, 0.8, estimated).tolist() == [2, 3]
+    assert blocks_for_mass(estimated, 1.0, estimated).tolist() == [3, 4]
+    # counted in the selection's order, by score: a short block scoring first holds little of the mass
+    scores = torch.tensor([[0.0, 0.0, 0.0, 1.0]])
+    assert blocks_for_mass(torch.tensor([[0.3, 0.3, 0.3, 0.1]]), 0.9, scores).tolist() == [4]
+    assert blocks_for_mass(torch.tensor([[0.3, 0.3, 0.3, 0.1]]), 0.35, scores).tolist() == [2]  # ties: lower first
+
+
+@example(n=19, window=2, block=5, b=3, p=0.9, seed=254)  # the short last block scores first (probed)
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(20, 120), window=st.integers(1, 9), block=st.integers(2, 9), b=st.integers(1, 6),
+       p=st.floats(0.05, 1.0), seed=st.integers(0, 2**16))  # fmt: skip
+def test_top_p_keeps_the_fewest_top_scored_blocks_reaching_p(n, window, block, b, p, seed):
+    """block-top-p's support, against the definition computed here: the distant blocks ranked by mean-pooled score
+    (ties to the lower block), their estimated shares ``len_j exp(s_j)`` normalised over the distant blocks, the
+    fewest leading ones whose shares reach ``p``, at most ``b``; anchor and window besides."""
+    generator = torch.Generator().manual_seed(seed)
+    queries, keys = torch.randn(4, 16, generator=generator) * 2, torch.randn(2, n, 16, generator=generator)
+    support = 1 + window + b * block
+    got = select_support(queries, keys, support=support, window=window, block_size=block, method=f"block-top-p:p={p}")
+    layout = BlockLayout(n=n, window=window, block_size=block)
+    if n <= support or layout.n_blocks == 0:
+        return
+    scores = mean_pooled_scores(group_mean_queries(queries, 2), block_centroids(keys, layout)).double()
+    lengths = layout.block_lengths(torch.arange(layout.n_blocks)).double()
+    for head in range(2):
+        estimated = lengths * torch.exp(scores[head] - scores[head].max())
+        shares = (estimated / estimated.sum()).tolist()
+        ranked = sorted(range(layout.n_blocks), key=lambda j: (-float(scores[head, j]), j))
+        kept, total = [], 0.0
+        for j in ranked[:b]:
+            if kept and total >= p:
+                break
+            kept.append(j)
+            total += shares[j]
+        distant = {int(pos) for pos in got[head].tolist() if 1 <= pos < layout.distant_end}
+        expected = {pos for j in kept for pos in range(1 + j * block, min(1 + (j + 1) * block, layout.distant_end))}
+        assert distant == expected, (head, kept)
 
 
 @settings(max_examples=40, deadline=None)

@@ -19,7 +19,8 @@ class StepView:
     """What one sparse decode step of one layer read; handed to a session's observers (e.g. the audit).
 
     ``query`` is ``(query_heads, d)``, ``keys``/``values`` ``(kv_heads, N, d)`` (the whole cache, read-only),
-    ``index``/``valid`` ``(kv_heads, S)`` the support (see :func:`~sparsedecode.layout.support_positions`),
+    ``index``/``valid`` ``(kv_heads, S)`` the support (see :func:`~sparsedecode.layout.support_positions`; its
+    blocks, like ``blocks``, ascending except from the Triton kernel, which gives the same set best first),
     ``output`` ``(query_heads, dv)`` the sparse attention output in float32.
     """
 

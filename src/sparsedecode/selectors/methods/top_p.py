@@ -23,11 +23,14 @@ if TYPE_CHECKING:
     import torch
 
 
-def blocks_for_mass(estimated: torch.Tensor, p: float) -> torch.Tensor:
-    """Per row of ``estimated`` ``(kv, n_blocks)`` non-negative masses: the fewest largest entries whose sum reaches
-    ``p`` of the row's total (at least one)."""
+def blocks_for_mass(estimated: torch.Tensor, p: float, scores: torch.Tensor) -> torch.Tensor:
+    """Per row of ``estimated`` ``(kv, n_blocks)`` non-negative masses: how many of the top-scored blocks (``scores``
+    descending, ties to the lower index: the order in which the selection keeps them) it takes, in that order, for
+    their masses to reach ``p`` of the row's total (at least one). Not the fewest largest masses: a short block (the
+    distant region's last) can score first and hold little."""
     shares = estimated / estimated.sum(dim=-1, keepdim=True)
-    ordered = shares.sort(dim=-1, descending=True).values
+    ranked = scores.argsort(dim=-1, descending=True, stable=True)
+    ordered = shares.gather(-1, ranked)
     before = ordered.cumsum(dim=-1) - ordered  # mass of the blocks ranked above each one
     return (before < p).sum(dim=-1).clamp(min=1)
 
@@ -60,4 +63,4 @@ class TopP(BlockSelector):
 
         lengths = layout.block_lengths(torch.arange(layout.n_blocks, device=scores.device)).to(scores.dtype)
         estimated = lengths * torch.exp(scores - scores.amax(dim=-1, keepdim=True))
-        return blocks_for_mass(estimated, float(self.p))
+        return blocks_for_mass(estimated, float(self.p), scores)
