@@ -506,6 +506,23 @@ def test_progress_off_a_terminal_is_one_line_per_stage_begun_and_ended():
     assert lines[1].startswith("sparse S=97 (run 1/1): 8/8 in ") and lines[1].endswith(" s")
 
 
+def test_progress_off_a_terminal_says_where_a_long_stage_is(monkeypatch):
+    """A stage under way longer than HEARTBEAT_S gets a line in between (compare-selectors ran 78 s silent)."""
+    import io
+
+    from sparsedecode.cli import display
+
+    clock = iter([0.0, 10.0, 31.0, 40.0, 62.0, 70.0])
+    monkeypatch.setattr("time.perf_counter", lambda: next(clock))
+    out = io.StringIO()
+    progress = display.progress_lines(out)
+    for done in range(6):
+        progress("runs", done, 5)
+    assert out.getvalue().splitlines() == [
+        "runs: 0/5 ...", "runs: 2/5 after 31 s ...", "runs: 4/5 after 62 s ...", "runs: 5/5 in 70.0 s"
+    ]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "cpuinfo, expected",
     [

@@ -30,6 +30,18 @@ def one_line(error: BaseException) -> str:
     return " ".join(text.split())
 
 
+USER_CODE_FAILURES = (Exception, SystemExit)
+"""What a user's code (a selector's file, constructor or methods) may raise that the library reports in one line
+naming it: ``sys.exit()`` there too, which would otherwise end a command silently, with status 0 for ``exit(0)``."""
+
+
+def failure(error: BaseException) -> str:
+    """A user's code's failure on one line: its type and message, or the ``sys.exit`` it called."""
+    if isinstance(error, SystemExit):
+        return f"called sys.exit({error.code!r})"
+    return f"{type(error).__name__}: {one_line(error)}"
+
+
 @contextlib.contextmanager
 def naming(path) -> Iterator[None]:
     """Give an ``OSError`` raised inside the block without a file name (``ENOSPC`` from a write, say) ``path``'s

@@ -12,7 +12,7 @@ from .backend import add_backend_args, check_backend_args, executor
 from .conditions import environment, plain_layers
 from .display import console, progress_bars
 from .loading import check_whole_blocks, load
-from .outputs import check_output_folder, inputs_of
+from .outputs import check_output_folder, check_replaced_alike, inputs_of
 from .parser import add_dense_layers_arg, add_model_args, layer_budget
 
 
@@ -81,6 +81,7 @@ def cmd_compare_selectors(args) -> int:
     check_backend_args(args)
     written = ("selectors.md", "selectors.csv", "selectors.json")
     check_output_folder(args.out, inputs=inputs_of(args), files=written, results="selectors.json")
+    check_replaced_alike(args.out, "selectors.json", _settings(args, chosen, None, machine=False))
     model, tokenizer = load(args)
     from ..experiments.corpus import check_context_fits
     from ..experiments.selector_comparison import ANSWER_TOKENS, compare_selectors
@@ -88,7 +89,7 @@ def cmd_compare_selectors(args) -> int:
 
     check_context_fits(model, args.context, max(args.tokens, ANSWER_TOKENS if args.retrieval else 0))
     shape = attention_shape(model.config)
-    with progress_bars() as progress, executor(args, progress) as execute:
+    with progress_bars(piped_lines=("prompts", "retrieval")) as progress, executor(args, progress) as execute:
         rows, runs, trials = compare_selectors(
             model,
             tokenizer,
@@ -129,7 +130,7 @@ def cmd_compare_selectors(args) -> int:
     return 0
 
 
-def _settings(args, chosen, execute) -> dict:
+def _settings(args, chosen, execute, *, machine: bool = True) -> dict:
     """What ``selectors.json`` records of the command: its arguments, the selectors, the machine and the backend."""
     settings = {
         key: getattr(args, key)
@@ -148,7 +149,8 @@ def _settings(args, chosen, execute) -> dict:
     }
     settings["selectors"] = list(chosen)
     settings.update({name: plain_layers(value) for name, value in layer_budget(args).items() if value})
-    settings["environment"] = environment()
+    if machine:
+        settings["environment"] = environment()
     if execute is not None:
         settings["backend"] = execute.description
     return settings

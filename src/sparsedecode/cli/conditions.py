@@ -20,8 +20,9 @@ def plain_layers(value):
     return {str(layer): support for layer, support in value} if value and isinstance(value[0], tuple) else list(value)
 
 
-def run_settings(args, command: str) -> dict:
-    """The settings a result file of ``command`` records beside its rows, the machine's environment included."""
+def run_settings(args, command: str, *, machine: bool = True) -> dict:
+    """The settings a result file of ``command`` records beside its rows, the machine's environment included (unless
+    not ``machine``: no torch imported, for comparing settings before any work)."""
     keys = ("model", "dtype", "corpus", "window", "block_size", "reuse", "selector", "tokens", "prompt_index")
     return {
         "command": command,
@@ -30,7 +31,7 @@ def run_settings(args, command: str) -> dict:
         "contexts": args.context,
         "supports": args.support,
         **{name: plain_layers(value) for name, value in layer_budget(args).items() if value},
-        "environment": environment(),
+        **({"environment": environment()} if machine else {}),
     }
 
 

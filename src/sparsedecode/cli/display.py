@@ -39,15 +39,19 @@ def run_hooks(progress, out, row_line):
 
 
 @contextlib.contextmanager
-def progress_bars(speed_estimate_period: float = 30.0, *, piped_lines: bool = False) -> Iterator:
+def progress_bars(speed_estimate_period: float = 30.0, *, piped_lines: bool | tuple[str, ...] = False) -> Iterator:
     """A ``progress(stage, done, total, note="")`` callback drawing one rich bar per stage (``note`` after it).
 
     The ETA of a bar comes from its progress over the last ``speed_estimate_period`` seconds. Where the console is
     not a terminal rich draws nothing; ``piped_lines``: then one line on stderr per stage begun and ended
-    (:func:`progress_lines`).
+    (:func:`progress_lines`), of the stages it names if it is a tuple (the outer ones of many short runs).
     """
     if piped_lines and not console.is_terminal:
-        yield progress_lines(sys.stderr)
+        lines = progress_lines(sys.stderr)
+        if piped_lines is True:
+            yield lines
+        else:
+            yield lambda stage, *rest, **note: lines(stage, *rest, **note) if stage in piped_lines else None
         return
     bars = Progress(
         TextColumn("{task.description:>16}"),
@@ -73,20 +77,31 @@ def progress_bars(speed_estimate_period: float = 30.0, *, piped_lines: bool = Fa
         yield update
 
 
+HEARTBEAT_S = 30.0
+"""Off a terminal, a stage still under way says where it is at most this often."""
+
+
 def progress_lines(out) -> Callable[..., None]:
     """A ``progress(stage, done, total, note="")`` callback writing one line to ``out`` when a stage begins and one
-    when it ends, with its seconds (for output that is not a terminal: a log, a pipe)."""
+    when it ends, with its seconds, and between them where it is after each :data:`HEARTBEAT_S` seconds (for output
+    that is not a terminal: a log, a pipe)."""
     import time
 
     begun: dict[str, float] = {}
+    said: dict[str, float] = {}
 
     def update(stage: str, done: int, total: int, note: str = "") -> None:
+        now = time.perf_counter()
         if stage not in begun:
-            begun[stage] = time.perf_counter()
+            begun[stage] = said[stage] = now
             print(f"{stage}: {done}/{total} ...", file=out, flush=True)
         if done >= total:
-            seconds = time.perf_counter() - begun.pop(stage)
+            seconds = now - begun.pop(stage)
+            said.pop(stage)
             print(f"{stage}: {total}/{total} in {seconds:.1f} s{' ' + note if note else ''}", file=out, flush=True)
+        elif now - said[stage] >= HEARTBEAT_S:
+            said[stage] = now
+            print(f"{stage}: {done}/{total} after {now - begun[stage]:.0f} s ...", file=out, flush=True)
 
     return update
 

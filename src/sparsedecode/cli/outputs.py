@@ -24,6 +24,7 @@ __all__ = [
     "remove_empty_made_folders",
     "check_output_file",
     "check_output_folder",
+    "check_replaced_alike",
     "check_writable_folder",
     "write_json",
 ]
@@ -136,6 +137,43 @@ def _check_not_input(path: Path, what: str, inputs: dict[str, str] | None) -> No
 MADE_FOLDERS: list[Path] = []
 """Folders an output check found missing (so the command may make them), deepest first: see
 :func:`remove_empty_made_folders`."""
+
+
+def _plain(value):
+    """``value`` as its JSON file holds it (tuples as lists, paths as text), for comparing with what was read."""
+    import json
+
+    return json.loads(json.dumps(value, default=str))
+
+
+def check_replaced_alike(folder: Path, marker: str, settings: dict, *, key: str = "settings",
+                         volatile: tuple[str, ...] = ("environment", "backend", "command")) -> None:  # fmt: skip
+    """A command that cannot resume writes its results afresh; where ``folder`` holds results of its kind
+    (``marker``) made with other settings (``key`` there; ``volatile`` entries, the machine and the like, aside),
+    refuse, so that no earlier results are replaced unasked and no folder mixes two runs' files. A rerun with the
+    same settings replaces them."""
+    import json
+
+    path = folder / marker
+    if not path.is_file():
+        return
+    try:
+        earlier = json.loads(path.read_text(encoding="utf-8")).get(key)
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        earlier = None
+    if not isinstance(earlier, dict):
+        raise SparseDecodeError(
+            f"--out {folder} holds a {marker} that cannot be read; give another folder, or remove it"
+        )
+    now = _plain(settings)
+    differ = [name for name in sorted({*earlier, *now}) if name not in volatile and earlier.get(name) != now.get(name)]
+    if differ:
+        name = differ[0]
+        raise SparseDecodeError(
+            f"--out {folder} holds {RESULTS[marker]} of other settings ({name}: {earlier.get(name)!r} there, "
+            f"{now.get(name)!r} now{', and more' if len(differ) > 1 else ''}); this command cannot add to it: give "
+            f"another folder, or remove {marker} to replace it"
+        )
 
 
 def remove_empty_made_folders() -> None:

@@ -10,7 +10,7 @@ from .arguments import float_list, int_list, path_arg, selector_arg
 from .conditions import conditions, run_settings
 from .display import console, layer_table, progress_bars
 from .loading import check_whole_blocks, load, prepare
-from .outputs import atomic_path, check_output_folder, inputs_of, write_json
+from .outputs import atomic_path, check_output_folder, check_replaced_alike, inputs_of, write_json
 from .parser import Parser, add_dense_layers_arg, add_model_args, add_prompt_args, layer_budget
 
 
@@ -74,6 +74,7 @@ def cmd_probe_mass(args) -> int:
     stems = [f"mass-c{c}-s{s}" for c in args.context for s in args.support]
     written = ("mass.json", *(f"{stem}{suffix}" for stem in stems for suffix in (".png", ".npz")))
     check_output_folder(args.out, inputs=inputs_of(args), files=written, results="mass.json")
+    check_replaced_alike(args.out, "mass.json", run_settings(args, "probe mass", machine=False))  # no stale heat maps beside it
     configs, model, _, prompts = prepare(args, audit=True)
     from ..decoding.loop import prefill
     from ..experiments.probes import mass_probe
@@ -83,7 +84,7 @@ def cmd_probe_mass(args) -> int:
     console.print(conditions(args))
     rows = []
     for context, ids in prompts.items():
-        with progress_bars() as progress:
+        with progress_bars(piped_lines=True) as progress:
             cache, logits = prefill(model, ids, progress=progress)
             first = int(logits.argmax())
             probes = [
@@ -166,6 +167,7 @@ def cmd_probe_retrieval(args) -> int:
     from ..experiments.retrieval import accuracy, run_retrieval
 
     check_output_folder(args.out, inputs=inputs_of(args), files=("retrieval.json",), results="retrieval.json")
+    check_replaced_alike(args.out, "retrieval.json", spec.to_dict(), key="spec")
     loaded = load(args)
     console.print(
         f"[bold]{args.model}[/] {args.dtype}; passkey retrieval, haystack {args.haystack}; contexts {args.context}; "
@@ -182,7 +184,7 @@ def cmd_probe_retrieval(args) -> int:
             + (f"; captured mass {mass:.3f}, needle read {trial['needle_read_mean']:.2f}" if mass is not None else "")
         )
 
-    with progress_bars(speed_estimate_period=3600.0) as progress:
+    with progress_bars(speed_estimate_period=3600.0, piped_lines=True) as progress:
         trials = run_retrieval(spec, loaded=loaded, progress=progress, on_trial=show)
     data = {
         "spec": spec.to_dict(),

@@ -36,7 +36,10 @@ def add_parsers(sub) -> None:
         help="compare: paired dense/sparse protocol; lossless: sparse drafts verified densely (output = dense)",
     )
     run.add_argument(
-        "--draft-tokens", type=int, default=None, help=f"draft length k for --mode lossless (default {DRAFT_TOKENS})"
+        "--draft-tokens",
+        type=int,
+        default=None,
+        help=f"draft length k for --mode lossless (default {DRAFT_TOKENS}, or --tokens - 1 if less)",
     )
     run.add_argument("--adaptive", action="store_true", help="adapt k from the recent acceptance (lossless)")
     run.add_argument(
@@ -189,8 +192,8 @@ def _audit_name(json_path, context: int, support: int) -> str:
 
 def cmd_run_lossless(args) -> int:
     check_output_file(args.json, "--json", inputs=inputs_of(args))
-    if args.draft_tokens is None:
-        args.draft_tokens = DRAFT_TOKENS
+    if args.draft_tokens is None:  # the default, within what --tokens leaves
+        args.draft_tokens = max(1, min(DRAFT_TOKENS, args.tokens - 1))
     if not 1 <= args.draft_tokens <= max(args.tokens - 1, 1):  # --tokens itself is checked by prepare
         raise SparseDecodeError(
             f"--draft-tokens must be between 1 and --tokens - 1 = {args.tokens - 1} (got {args.draft_tokens})"

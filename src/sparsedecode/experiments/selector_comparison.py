@@ -217,7 +217,13 @@ def compare_selectors(
     if execute is not None:
         made = dict(execute.run([*prompt_units, *trial_units], len(prompt_units) + len(trial_units)))
     else:
-        made = {unit: unit.run(model, tokenizer, progress=progress) for unit in prompt_units}
+        made = {}
+        for number, unit in enumerate(prompt_units):
+            if progress:
+                progress("prompts", number, len(prompt_units))
+            made[unit] = unit.run(model, tokenizer, progress=progress)
+        if progress and prompt_units:
+            progress("prompts", len(prompt_units), len(prompt_units))
         for number, unit in enumerate(trial_units, start=1):
             made[unit] = unit.run(model, tokenizer)
             if progress:

@@ -167,16 +167,33 @@ def selector_files(specs) -> dict[str, str]:
     return found
 
 
+def _adopt_corpus(spec: Spec, stored) -> Spec:
+    mine = getattr(spec, "corpus", None)
+    if not isinstance(stored, str) or not isinstance(mine, str) or stored == mine:
+        return spec
+    try:
+        same = Path(stored).expanduser().is_file() and Path(stored).expanduser().samefile(Path(mine).expanduser())
+    except OSError:
+        same = False
+    if not same:
+        return spec
+    adopted = type(spec).from_dict({**spec.to_dict(), "corpus": stored})
+    object.__setattr__(adopted, "_sources", spec.sources())
+    return adopted
+
+
 def adopt_stored(spec: Spec, meta: dict | None, directory) -> Spec:
     """``spec`` with each file selector that a folder (its description ``meta``) holds under another spelling named
     as the folder names it: the same class and parameters from the file at the same absolute path (a resume from
     another directory, ``../x/sel.py`` for ``sel.py``), or from a file of the same content. Its runs then continue
     the stored ones (the same keys); the spec carries the file's content for the stored name (:meth:`Spec.sources`),
     so nothing else in the process reads that name otherwise. A file at the stored path whose content changed is
-    refused (:func:`check_selector_files`)."""
+    refused (:func:`check_selector_files`). A corpus file the folder names by another path to the same file
+    (``./corp.txt`` for ``corp.txt``) is named as the folder names it too (its text is compared by hash besides)."""
     from ..selectors import resolve_selector
     from ..selectors.registry import file_cut, read_source
 
+    spec = _adopt_corpus(spec, ((meta or {}).get("spec") or {}).get("corpus"))
     stored_files, stored_paths = (meta or {}).get("selector_files") or {}, (meta or {}).get("selector_paths") or {}
     if not isinstance(stored_files, dict) or not isinstance(stored_paths, dict):
         return spec

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import SparseDecodeError, one_line
+from ..errors import USER_CODE_FAILURES, SparseDecodeError, failure, one_line
 from ..layout import BlockLayout
 from ..validate import finite_sum
 from .base import BlockSelector, Selector, library_code
@@ -110,10 +110,8 @@ def call_selector(selector: Selector, method, *inputs, layout=None):
         if "\n" not in str(error):
             raise
         raise SparseDecodeError(one_line(error)) from None  # one line, whatever the selector wrote
-    except Exception as error:  # a user's selector failing is one line naming it
-        raise SparseDecodeError(
-            f"selector {selector.spec()} failed in {method.__name__}: {type(error).__name__}: {one_line(error)}"
-        ) from None
+    except USER_CODE_FAILURES as error:  # a user's selector failing is one line naming it
+        raise SparseDecodeError(f"selector {selector.spec()} failed in {method.__name__}: {failure(error)}") from None
     if _versions(inputs) != before:
         raise SparseDecodeError(
             f"selector {selector.spec()} wrote into the tensors it was handed in {method.__name__} (an in-place "

@@ -21,7 +21,7 @@ import typing
 from importlib import metadata
 from pathlib import Path
 
-from ..errors import SparseDecodeError
+from ..errors import USER_CODE_FAILURES, SparseDecodeError, failure, one_line
 from .base import Selector, check_selector_class, set_spec_parser
 
 ENTRY_POINTS = "sparsedecode.selectors"
@@ -84,8 +84,8 @@ def _load_entry_points() -> None:
             continue
         try:
             register_selector(point.load(), name=point.name)
-        except Exception as error:  # a broken plug-in names itself instead of breaking every command
-            raise SparseDecodeError(f"selector entry point {point.name!r} ({point.value}): {error}") from None
+        except USER_CODE_FAILURES as error:  # a broken plug-in names itself instead of breaking every command
+            raise SparseDecodeError(f"selector entry point {point.name!r} ({point.value}): {failure(error)}") from None
 
 
 def selector_names() -> tuple[str, ...]:
@@ -156,7 +156,8 @@ def read_source(location: str) -> tuple[str, str]:
         return _PROVIDED[location]
     path = Path(location).expanduser()
     if not path.is_file():
-        raise SparseDecodeError(f"selector file {location!r} does not exist")
+        what = "is a folder, not a Python file" if path.is_dir() else "does not exist"
+        raise SparseDecodeError(f"selector file {location!r} {what}")
     try:
         data = path.read_bytes()
     except OSError as error:
@@ -179,11 +180,9 @@ def load_file_class(location: str, class_name: str) -> type[Selector]:
         sys.modules[module_name] = module  # dataclasses look their module up while building the class
         try:
             exec(compile(text, location, "exec"), module.__dict__)
-        except Exception as error:
+        except USER_CODE_FAILURES as error:
             del sys.modules[module_name]
-            raise SparseDecodeError(
-                f"selector file {location!r} failed to import: {type(error).__name__}: {error}"
-            ) from None
+            raise SparseDecodeError(f"selector file {location!r} failed to import: {failure(error)}") from None
         held = _FILES[key] = (text, module)
     module = held[1]
     cls = getattr(module, class_name, None)
@@ -312,7 +311,9 @@ def build(cls: type[Selector], params: dict) -> Selector:
     except SparseDecodeError:
         raise
     except (TypeError, ValueError) as error:
-        raise SparseDecodeError(f"selector {cls.selector_name()}: {error}") from None
+        raise SparseDecodeError(f"selector {cls.selector_name()}: {one_line(error)}") from None
+    except USER_CODE_FAILURES as error:  # anything else a user's constructor raises, or its sys.exit()
+        raise SparseDecodeError(f"selector {cls.selector_name()}: building it failed: {failure(error)}") from None
 
 
 def parse_selector(text: str) -> Selector:

@@ -1,0 +1,83 @@
+"""What a command does with what is already there: earlier results of other settings in its folder, a corpus named by
+another path, a selector that calls ``sys.exit``, a default that the other options rule out."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_bad_input import one_line_exit_2
+
+from sparsedecode import SparseConfig, compare
+from sparsedecode.cli import main
+from sparsedecode.errors import SparseDecodeError
+
+EXITS = """
+import sys
+
+import sparsedecode as sd
+
+
+class Exits(sd.BlockSelector):
+    def score_blocks(self, queries, keys, layout):
+        sys.exit(0)
+"""
+
+
+def test_a_selector_calling_sys_exit_is_one_line_not_a_silent_exit(tmp_path, tiny_model_dir, capsys):
+    """``sys.exit(0)`` inside a selector ended a command silently with status 0 (a folder half-written)."""
+    from conftest import prompt, tiny_model
+
+    (tmp_path / "exits.py").write_text(EXITS)
+    (tmp_path / "exits_on_import.py").write_text("import sys\nsys.exit(0)\n")
+    with pytest.raises(SparseDecodeError, match=r"failed in score_blocks: called sys.exit\(0\)"):
+        compare(
+            tiny_model("llama"), None, prompt(200), SparseConfig(support=97, selector=f"{tmp_path}/exits.py:Exits"), 3
+        )
+    model = ["--model", str(tiny_model_dir), "--context", "200", "--support", "97", "--tokens", "3"]
+    capsys.readouterr()
+    err = one_line_exit_2(["run", *model, "--selector", f"{tmp_path}/exits.py:Exits"], capsys)
+    assert "called sys.exit(0)" in err
+    err = one_line_exit_2(["run", *model, "--selector", f"{tmp_path}/exits_on_import.py:Exits"], capsys)
+    assert "failed to import: called sys.exit(0)" in err
+    err = one_line_exit_2(["run", *model, "--selector", f"{tmp_path}:Exits"], capsys)
+    assert "is a folder, not a Python file" in err or "unknown selector" in err
+
+
+@pytest.mark.parametrize("command", ["compare-selectors", "probe mass"])
+def test_earlier_results_of_other_settings_are_not_replaced_unasked(command, tmp_path, tiny_model_dir, capsys):
+    """A command that cannot resume replaces its folder's results only on a rerun of the same settings; other
+    settings are refused (compare-selectors replaced 22 runs silently; probe mass left the earlier heat maps beside
+    a mass.json that did not name them)."""
+    out = tmp_path / "out"
+    base = [*command.split(), "--model", str(tiny_model_dir), "--context", "200", "--tokens", "3", "--out", str(out)]
+    first = [*base, "--support", "97"] + (
+        ["--prompts", "1", "--selectors", "streaming"] if "compare" in command else []
+    )
+    assert main(first) == 0, capsys.readouterr().err
+    marker = out / ("selectors.json" if "compare" in command else "mass.json")
+    assert main(first) == 0, capsys.readouterr().err  # the same settings: replaced
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    other = [*first[: first.index("--support")], "--support", "113", *first[first.index("--support") + 2 :]]
+    capsys.readouterr()
+    err = one_line_exit_2(other, capsys)
+    assert "of other settings (support" in err and "remove" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before and marker.name in before
+
+
+def test_a_corpus_named_by_another_path_to_the_same_file_resumes(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corp.txt").write_text("The quick brown fox jumps over the lazy dog. " * 400)
+    args = ["sweep", "--model", str(tiny_model_dir), "--context", "200", "--prompts", "1", "--tokens", "3"]
+    assert main([*args, "--corpus", "corp.txt", "--support", "97", "--out", "sw"]) == 0, capsys.readouterr().err
+    assert main([*args, "--corpus", "./corp.txt", "--support", "97,113", "--out", "sw"]) == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "sw" / "sweep.json").read_text())["spec"]["corpus"] == "corp.txt"
+    assert len((tmp_path / "sw" / "runs.jsonl").read_text().splitlines()) == 2
+
+
+def test_lossless_drafts_what_the_tokens_leave_by_default(tmp_path, tiny_model_dir, capsys):
+    """The default draft length (4) within --tokens - 1: ``--tokens 2`` was refused for a value nobody gave."""
+    out = tmp_path / "run.json"
+    args = ["run", "--model", str(tiny_model_dir), "--context", "150", "--support", "97", "--mode", "lossless"]
+    assert main([*args, "--tokens", "2", "--json", str(out)]) == 0, capsys.readouterr().err
+    assert out.is_file()
