@@ -54,7 +54,10 @@ def add_op_parser(benches) -> None:
     op.add_argument("--dtype", default="float32", choices=DTYPES, help="keys, values and queries dtype")
     op.add_argument("--selector", type=selector_arg, default="mean-pooled")
     op.add_argument(
-        "--budget", type=positive_seconds, default=0.6, help="seconds of calls per timing, > 0 (at least 10 calls)"
+        "--budget",
+        type=positive_seconds,
+        default=0.6,
+        help="seconds of calls per timing, > 0 (at least 10 calls, at most 2000)",
     )
     op.add_argument(
         "--layers",

@@ -74,7 +74,7 @@ def cmd_probe_mass(args) -> int:
     stems = [f"mass-c{c}-s{s}" for c in args.context for s in args.support]
     written = ("mass.json", *(f"{stem}{suffix}" for stem in stems for suffix in (".png", ".npz")))
     check_output_folder(args.out, inputs=inputs_of(args), files=written, results="mass.json")
-    check_replaced_alike(args.out, "mass.json", run_settings(args, "probe mass", machine=False))  # no stale heat maps beside it
+    check_replaced_alike(args.out, "mass.json", run_settings(args, "probe mass", machine=False))  # no stale maps
     configs, model, _, prompts = prepare(args, audit=True)
     from ..decoding.loop import prefill
     from ..experiments.probes import mass_probe
