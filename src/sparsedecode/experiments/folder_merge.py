@@ -50,12 +50,15 @@ def merge_folders(kind: FolderKind, sources: list[Path], directory: Path) -> Mer
         for source, meta in metas:
             versions.add_meta(source, meta)
         for (source, _), own_spec in read_once(list(zip(metas, specs)), directory, own is not None):
-            own_keys = set(own_spec.keys())
+            own_keys, listed = set(own_spec.keys()), set()
             for row in kind.read_rows(source / RUNS_FILE):
                 versions.add_row(source, row)
                 key = kind.key_of(row)
                 if key not in own_keys:
                     raise SparseDecodeError(f"{source} holds a run {key} that is not part of {kind.runs_of}")
+                if key in listed:  # hand-edited: which of the two is the run?
+                    raise SparseDecodeError(f"{source} lists run {key} twice; keep one of them")
+                listed.add(key)
                 paired = kind.dense_of(key, row)
                 if paired is not None:
                     group, output = paired

@@ -18,7 +18,7 @@ from pathlib import Path
 from ..errors import SparseDecodeError
 from .corpus import load_text
 from .specs import Group, Spec, SweepSpec, adopt_stored
-from .sweep_rows import read_rows
+from .sweep_rows import check_run_keys, read_rows
 
 SPEC_FILE = "sweep.json"
 RUNS_FILE = "runs.jsonl"
@@ -193,4 +193,6 @@ def load_sweep(directory: Path) -> tuple[dict, list[dict]]:
     meta = read_meta(directory)
     if meta is None:
         raise SparseDecodeError(f"{directory} is not a sweep directory (no {SPEC_FILE})")
-    return meta, read_rows(directory / RUNS_FILE, check=False)  # a report names what a row lacks
+    rows = read_rows(directory / RUNS_FILE, check=False)  # a report names what a row lacks
+    check_run_keys(directory / RUNS_FILE, rows, SweepSpec.from_dict(meta["spec"]).keys())
+    return meta, rows

@@ -103,7 +103,7 @@ def _selector_lines(directory: Path, rows: list[dict]) -> list[str]:
         [
             f"`{c['selector']}`",
             f"{c['survived']}/{c['runs']}",
-            format_value(c["first_divergence_median"], 0),
+            format_value(c["first_divergence_median"], None),  # a median of two steps may end in .5
             format_value(c["teacher_forced_match_median"]),
             f"{c['delta_ppl_percent_median']:+.2f}",
             f"{c['conditions_within_tolerance']}/{c['conditions_min_support']}",
@@ -150,7 +150,7 @@ def _condition_lines(directory: Path, spec: SweepSpec, rows: list[dict], every_c
             *([str(c["reuse"])] if reuse else []),
             *([f"`{c['selector']}`"] if several else []),
             f"{c['survived']}/{c['runs']}",
-            format_range(c, "first_divergence", 0),
+            format_range(c, "first_divergence", None),
             format_range(c, "teacher_forced_match", 1),
             format_range(c, "delta_ppl_percent", 2, "+"),
             format_value(c["abs_delta_ppl_percent_median"], 2),

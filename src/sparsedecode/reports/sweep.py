@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..errors import SparseDecodeError
 from ..experiments.sweep import RUNS_FILE, SPEC_FILE, load_sweep
-from ..files import write_text_atomic
+from ..files import atomic_path, write_text_atomic
 from .findings import REFERENCE
 from .retrieval import retrieval_section
 from .selector_comparison import (
@@ -108,6 +108,12 @@ def read_retrieval(path: Path) -> dict:
         )
     if not all(isinstance(trial, dict) for trial in data["trials"]):
         raise SparseDecodeError(f"{path} holds a trial that is not a JSON object; rerun `sparsedecode retrieval`")
+    seen = set()
+    for number, trial in enumerate(data["trials"], start=1):  # a trial listed twice would count twice
+        key = tuple(repr(trial.get(name)) for name in ("context", "depth", "trial", "mode", "selector", "support"))
+        if key in seen:
+            raise SparseDecodeError(f"{path} lists trial {number} twice (same context, depth, trial and mode)")
+        seen.add(key)
     from ..protocol.results import upgrade_audit_fields
 
     return {**data, "trials": [upgrade_audit_fields(trial) for trial in data["trials"]]}
@@ -151,6 +157,7 @@ def write_report(directory: Path, *, retrieval: Path | None = None) -> Path:
     if retrieval is not None:
         data = read_retrieval(Path(retrieval))
     before = set(directory.iterdir())
+    kept = {path: path.read_bytes() for path in before if path.suffix in {".csv", ".png"} and path.is_file()}
     source = directory / RUNS_FILE
     try:
         if has_sweep:
@@ -162,6 +169,10 @@ def write_report(directory: Path, *, retrieval: Path | None = None) -> Path:
         for path in set(directory.iterdir()) - before:  # the CSVs and plots written so far: nothing half-done
             if path.is_file():
                 path.unlink()
+        for path, data in kept.items():  # and those of an earlier report, as they were
+            if not path.is_file() or path.read_bytes() != data:
+                with atomic_path(path) as tmp:
+                    tmp.write_bytes(data)
         if isinstance(error, SparseDecodeError) or not isinstance(error, _MALFORMED):
             raise
         raise SparseDecodeError(

@@ -15,8 +15,16 @@ from pathlib import Path
 from ..files import write_text_atomic
 
 
-def format_value(value, digits: int = 1) -> str:
-    """A table cell: ``-`` for a missing or NaN value, ``yes``/``no`` for a flag, floats to ``digits`` decimals."""
+def _number(value, digits: int | None, sign: str = "") -> str:
+    """``value`` to ``digits`` decimals; ``None``: a count or step as it is (a median of two counts may end in .5)."""
+    if digits is None:
+        digits = 0 if float(value).is_integer() else 1
+    return f"{value:{sign}.{digits}f}"
+
+
+def format_value(value, digits: int | None = 1) -> str:
+    """A table cell: ``-`` for a missing or NaN value, ``yes``/``no`` for a flag, floats to ``digits`` decimals
+    (``None``: whole numbers without decimals, others with one)."""
     if value is None:
         return "-"
     if isinstance(value, bool):
@@ -24,14 +32,14 @@ def format_value(value, digits: int = 1) -> str:
     if isinstance(value, float):
         if math.isnan(value):
             return "-"
-        return f"{value:.{digits}f}"
+        return _number(value, digits)
     return str(value)
 
 
-def format_range(entry: dict, name: str, digits: int = 1, sign: str = "") -> str:
+def format_range(entry: dict, name: str, digits: int | None = 1, sign: str = "") -> str:
     """``median [min, max]`` of the summary fields ``{name}_median``, ``{name}_min`` and ``{name}_max``."""
-    median, low, high = (entry[f"{name}_{part}"] for part in ("median", "min", "max"))
-    return f"{median:{sign}.{digits}f} [{low:{sign}.{digits}f}, {high:{sign}.{digits}f}]"
+    median, low, high = (_number(entry[f"{name}_{part}"], digits, sign) for part in ("median", "min", "max"))
+    return f"{median} [{low}, {high}]"
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
