@@ -343,7 +343,10 @@ def test_an_eval_report_says_only_what_its_rows_show(finished, tmp_path):
     assert "No run is stored yet" in report and "No dense run is stored yet" in report
     assert "in every cell" not in report and "Dense answers every sample fully" not in report
     assert "wherever dense answered fully" not in report
-    # the dense row of one task, only the sparse row of another
+    # the dense row of one task, only the sparse row of another (of the folder's grid: a row outside is refused)
+    meta = json.loads((folder / SPEC_FILE).read_text())
+    meta["spec"]["tasks"] = [*meta["spec"]["tasks"], "niah_single_noise"]
+    (folder / SPEC_FILE).write_text(json.dumps(meta))
     other = {**sparse, **right, "task": "niah_single_noise", "dense_score": 1.0}
     report = _report_of(folder, [{**dense, **right}, other])
     assert "in every cell." not in report and "Dense answers every sample fully" not in report

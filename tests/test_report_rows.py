@@ -39,6 +39,18 @@ def test_a_run_listed_twice_is_refused_by_report_resume_and_merge(swept, tmp_pat
     assert "twice" in one_line_exit_2(["merge", str(folder), "--out", str(tmp_path / "merged")], capsys)
 
 
+def test_an_evaluation_run_listed_twice_is_refused(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "eval"
+    args = ["eval", "--model", str(tiny_model_dir), "--tasks", "vt", "--context", "600", "--samples", "1"]
+    args += ["--support", "97", "--out", str(out)]
+    assert main(args) == 0, capsys.readouterr().err
+    runs = out / "runs.jsonl"
+    runs.write_text(runs.read_text() + runs.read_text().splitlines(keepends=True)[0])
+    capsys.readouterr()
+    assert "twice" in one_line_exit_2(["report", str(out)], capsys)
+    assert "twice" in one_line_exit_2(args, capsys)
+
+
 def test_a_run_outside_the_grid_is_refused_by_report(swept, tmp_path, capsys):
     folder = _copy(swept, tmp_path)
     runs = folder / "runs.jsonl"

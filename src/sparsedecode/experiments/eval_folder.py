@@ -9,7 +9,20 @@ from pathlib import Path
 
 from ..errors import SparseDecodeError
 from .eval_spec import DENSE, KEY_FIELDS, EvalSpec, RunKey
-from .fields import FLAG, INTEGER, INTEGERS, NUMBER, STRING, Fields, check_rows, integer, json_kind, or_null, strings
+from .fields import (
+    FLAG,
+    INTEGER,
+    INTEGERS,
+    NUMBER,
+    STRING,
+    Fields,
+    check_rows,
+    check_run_keys,
+    integer,
+    json_kind,
+    or_null,
+    strings,
+)
 from .ruler import GENERATOR_VERSION
 from .specs import adopt_stored
 from .sweep_folder import RUNS_FILE, Shard, check_growth
@@ -114,7 +127,9 @@ def check_folder(directory: Path, spec: EvalSpec, shard: Shard | None) -> list[s
     ``spec`` adds to the stored one."""
     meta = read_meta(directory)
     grown = [] if meta is None else check_meta(directory, meta, spec, None, shard)
-    read_rows(Path(directory) / RUNS_FILE)
+    rows = read_rows(Path(directory) / RUNS_FILE)
+    if meta is not None:
+        check_eval_keys(Path(directory) / RUNS_FILE, rows, meta)
     return grown
 
 
@@ -149,7 +164,14 @@ def load_eval(directory: Path) -> tuple[dict, list[dict]]:
     meta = read_meta(directory)
     if meta is None:
         raise SparseDecodeError(f"{directory} is not an evaluation folder (no {SPEC_FILE})")
-    return meta, read_rows(directory / RUNS_FILE)
+    rows = read_rows(directory / RUNS_FILE)
+    check_eval_keys(directory / RUNS_FILE, rows, meta)
+    return meta, rows
+
+
+def check_eval_keys(path: Path, rows: list[dict], meta: dict) -> None:
+    """No run of ``rows`` listed twice, none outside the grid of the folder's ``meta``."""
+    check_run_keys(path, rows, EvalSpec.from_dict(meta["spec"]).keys(), KEY_FIELDS, "its evaluation spec")
 
 
 def is_eval_folder(directory: Path) -> bool:

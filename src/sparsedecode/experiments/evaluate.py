@@ -40,6 +40,7 @@ from .eval_folder import (
     META_FIELDS,
     ROW_FIELDS,
     SPEC_FILE,
+    check_eval_keys,
     check_folder,
     check_meta,
     is_eval_folder,
@@ -121,7 +122,7 @@ def run_eval(
     directory = Path(directory)
     shard = shard or Shard()
     corpus = corpus_sha256(spec.corpus)
-    meta = read_meta(directory)
+    meta = stored_meta = read_meta(directory)
     if meta is not None:
         spec = adopt_stored(spec, meta, directory)  # its file selectors as the folder names them
         check_meta(directory, meta, spec, corpus, shard)  # before the model loads; again under the lock
@@ -148,6 +149,8 @@ def run_eval(
                 recorded = True
 
         rows = read_rows(runs, repair=True)
+        if stored_meta is not None:  # a run listed twice, or outside the stored grid, would count wrongly
+            check_eval_keys(runs, rows, stored_meta)
         stored = {key_of(row): row for row in rows}
         total = sum(len(spec.group_keys(g)) for g in groups)
         done_before = sum(key in stored for g in groups for key in spec.group_keys(g))

@@ -50,6 +50,7 @@ from .sweep_folder import (
     Shard,
     check_growth,
     check_meta,
+    check_sweep_keys,
     corpus_sha256,
     load_sweep,
     locked,
@@ -67,7 +68,6 @@ from .sweep_rows import (
     TIMING_FIELDS,
     TOKEN_FIELDS,
     append_row,
-    check_run_keys,
     key_of,
     make_row,
     parse_rows,
@@ -181,7 +181,7 @@ def run_sweep(
         upgrade_rows_file(runs)  # rows appended below must not join rows of another convention
         rows = read_rows(runs)
         if meta is not None:  # a run listed twice, or outside the stored grid, would count wrongly
-            check_run_keys(runs, rows, SweepSpec.from_dict(meta["spec"]).keys())
+            check_sweep_keys(runs, rows, meta)
         done = {key_of(row) for row in rows}
         groups = shard.groups(spec)
         total = sum(len(spec.group_keys(g)) for g in groups)

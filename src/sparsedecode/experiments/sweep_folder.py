@@ -17,8 +17,9 @@ from pathlib import Path
 
 from ..errors import SparseDecodeError
 from .corpus import load_text
-from .specs import Group, Spec, SweepSpec, adopt_stored
-from .sweep_rows import check_run_keys, read_rows
+from .fields import check_run_keys
+from .specs import KEY_FIELDS, Group, Spec, SweepSpec, adopt_stored
+from .sweep_rows import read_rows
 
 SPEC_FILE = "sweep.json"
 RUNS_FILE = "runs.jsonl"
@@ -194,5 +195,10 @@ def load_sweep(directory: Path) -> tuple[dict, list[dict]]:
     if meta is None:
         raise SparseDecodeError(f"{directory} is not a sweep directory (no {SPEC_FILE})")
     rows = read_rows(directory / RUNS_FILE, check=False)  # a report names what a row lacks
-    check_run_keys(directory / RUNS_FILE, rows, SweepSpec.from_dict(meta["spec"]).keys())
+    check_sweep_keys(directory / RUNS_FILE, rows, meta)
     return meta, rows
+
+
+def check_sweep_keys(path: Path, rows: list[dict], meta: dict) -> None:
+    """No run of ``rows`` listed twice, none outside the grid of the folder's ``meta``."""
+    check_run_keys(path, rows, SweepSpec.from_dict(meta["spec"]).keys(), KEY_FIELDS, "its sweep spec")

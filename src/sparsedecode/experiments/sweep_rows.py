@@ -19,26 +19,6 @@ def key_of(row: dict) -> RunKey:
     return tuple(row[name] for name in KEY_FIELDS)  # type: ignore[return-value]
 
 
-def check_run_keys(path: Path, rows: list[dict], keys, what: str = "its sweep spec") -> None:
-    """Refuse rows of ``path`` (a hand-edited ``runs.jsonl``) that would be counted wrongly: a run listed twice, or a
-    run outside ``keys`` (the runs of the folder's settings). Rows lacking a key field are left to the caller's
-    field check."""
-    keys, seen = set(keys), set()
-    for number, row in enumerate(rows, start=1):
-        if not all(name in row for name in KEY_FIELDS):
-            continue
-        try:
-            key = key_of(row)
-            listed, inside = key in seen, key in keys
-        except TypeError:  # a list where a value belongs: not hashable, not a run of the spec
-            key, listed, inside = tuple(row[name] for name in KEY_FIELDS), False, False
-        if listed:
-            raise SparseDecodeError(f"{path} lists run {key} twice (line {number} again): it would count twice")
-        if not inside:
-            raise SparseDecodeError(f"{path} holds a run {key} (line {number}) that is not part of {what}")
-        seen.add(key)
-
-
 RESULT_FIELDS = (
     "first_divergence",
     "survives",
