@@ -112,3 +112,66 @@ def test_cli_refuses_a_soft_capping_model_in_one_line_and_writes_nothing(tmp_pat
         args = ["eval", "--model", "tiny-gemma2", "--tasks", "vt", "--context", "600", "--samples", "1"]
         err = one_line_exit_2([*args, "--out", str(folder)], capsys)
         assert "soft-capping" in err and not folder.exists()
+
+
+def falcon_alibi():
+    from transformers import FalconConfig, FalconForCausalLM
+
+    torch.manual_seed(0)
+    config = FalconConfig(
+        vocab_size=96, hidden_size=64, num_attention_heads=4, num_hidden_layers=2, alibi=True, multi_query=True,
+        new_decoder_architecture=False, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    return FalconForCausalLM(config).eval().requires_grad_(False)
+
+
+def test_alibi_is_refused_from_the_config_and_from_the_mask():
+    """Falcon with ALiBi puts its bias into a float attention mask: the session's short dense forward and the sparse
+    step left it out (lossless tokens differed from dense; the compiled decoder failed with a traceback)."""
+    model = falcon_alibi()
+    ids, cfg = prompt(230), SparseConfig(support=97, window=32, block_size=8)
+    with pytest.raises(SparseDecodeError, match="ALiBi"):
+        generate(model, ids, cfg, 6, mode="lossless")
+    with pytest.raises(SparseDecodeError, match="ALiBi"):
+        generate(model, ids, None, 4, mode="dense", compile=True)
+    # the attention call's own check, for a model whose config does not say: a float mask holding a bias
+    from sparsedecode.session.hf import _biased
+
+    mask = torch.zeros(1, 1, 2, 5)
+    assert not _biased(mask) and not _biased(mask.masked_fill(torch.ones(1, 1, 2, 5, dtype=torch.bool), -torch.inf))
+    assert _biased(mask - torch.arange(5.0))  # a finite slope over the keys: ALiBi's bias
+    assert not _biased(torch.ones(1, 1, 2, 5, dtype=torch.bool))
+    assert not _biased(torch.full((1, 1, 2, 5), torch.finfo(torch.float32).min))
+
+
+def test_a_model_with_a_cache_of_its_own_kind_is_refused_in_one_line():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        "minimax", **SMALL, num_hidden_layers=2, num_local_experts=2, num_experts_per_tok=1,
+        layer_types=["linear_attention", "full_attention"],
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    with pytest.raises(SparseDecodeError, match="keeps a cache of its own kind"):
+        generate(model, prompt(120), None, 4, mode="dense")
+
+
+def test_a_module_holding_layer_idx_none_is_no_attention_layer():
+    """HunYuan's MLP holds ``layer_idx=None`` and a config: it was taken for an attention layer (int(None))."""
+    from conftest import tiny_family
+
+    from sparsedecode.validate import attention_modules
+
+    model = tiny_family("hunyuan_v1_dense")
+    assert len(attention_modules(model)) == model.config.num_hidden_layers
+    with sparse_decoding(model, SparseConfig(support=97)):
+        pass
+
+
+def test_a_short_forward_in_a_session_returns_what_sdpa_does():
+    """The session's exact short forward returned a transposed view; JetMoe calls ``.view()`` on the output."""
+    from sparsedecode.kernels.reference import dense_short_forward
+
+    query, key, value = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 10, 16), torch.randn(1, 2, 10, 16)
+    assert dense_short_forward(query, key, value, 10, None).is_contiguous()

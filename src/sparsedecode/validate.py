@@ -32,6 +32,12 @@ def check_model(model: object, where: str, *, generates: bool = True) -> None:
             f"{where}: {type(model).__name__} cannot generate text (no causal language-model head); load the model "
             "as a causal LM (sparsedecode.load_model, or AutoModelForCausalLM)"
         )
+    own_cache = getattr(type(model), "_supports_default_dynamic_cache", None)
+    if generates and callable(own_cache) and not own_cache():
+        raise SparseDecodeError(
+            f"{where}: {type(model).__name__} keeps a cache of its own kind (transformers gives it no DynamicCache), "
+            "and sparsedecode decodes over caches of the standard kind; this model cannot be decoded here"
+        )
 
 
 def check_count(value: object, name: str, minimum: int) -> None:
@@ -54,12 +60,15 @@ def max_positions(model: torch.nn.Module) -> int | None:
 
 def unsupported_attention(model: torch.nn.Module) -> str | None:
     """What of ``model``'s attention a sparse session cannot compute, or ``None``: logit soft-capping (Gemma 2's
-    ``attn_logit_softcapping``) or attention sinks (a ``sinks`` tensor on a module, as gpt-oss has). Read from the
-    config and the modules, before any forward; the attention function refuses the same from the forward's own
-    arguments (``softcap``, ``s_aux``) for anything this misses."""
+    ``attn_logit_softcapping``), ALiBi (a config's ``alibi``) or attention sinks (a ``sinks`` tensor on a module,
+    as gpt-oss has). Read from the config and the modules, before any forward; the attention function refuses the
+    same from the forward's own arguments (``softcap``, ``s_aux``, a mask holding a bias) for anything this
+    misses."""
     softcap = getattr(_text_config(model), "attn_logit_softcapping", None)
     if softcap is not None:
         return f"attention logit soft-capping (attn_logit_softcapping = {softcap})"
+    if getattr(_text_config(model), "alibi", False) is True:  # Falcon, MPT, BLOOM: a bias added to the mask
+        return "ALiBi's position bias (alibi = True; added to the attention mask)"
     for name, module in model.named_modules():
         if isinstance(getattr(module, "sinks", None), torch.Tensor):
             return f"attention sinks ({name}.sinks)"
@@ -159,6 +168,11 @@ def check_scores(scores: torch.Tensor) -> None:
 
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's attention layers, in order: the modules that carry a ``layer_idx`` and a ``config`` (what a
-    session hooks, what the compiled step replaces, what a per-layer budget counts)."""
-    return [module for module in model.modules() if hasattr(module, "layer_idx") and hasattr(module, "config")]
+    """The model's attention layers, in order: the modules that carry a ``layer_idx`` (an integer: an MLP holding
+    ``layer_idx=None`` is none) and a ``config`` (what a session hooks, what the compiled step replaces, what a
+    per-layer budget counts)."""
+    return [
+        module
+        for module in model.modules()
+        if isinstance(getattr(module, "layer_idx", None), int) and hasattr(module, "config")
+    ]

@@ -79,6 +79,11 @@ def check_compilable(model: torch.nn.Module, cfg: SparseConfig | None, what: str
             f"{what}: {cfg.selector.spec()} keeps the attention every position received, which the compiled step "
             "does not; decode it without compile"
         )
+    if getattr(model.config.get_text_config(decoder=True), "alibi", False):  # its bias is built over the cache's length
+        raise SparseDecodeError(
+            f"{what}: {type(model).__name__} adds ALiBi's position bias to its attention (not served by the compiled "
+            "step, nor by sparse decoding); decode it densely without compile"
+        )
     other = sorted(set(layer_types(model.config)) - {"full_attention"})
     if other:  # a sliding window's mask reads the cache's length as a number: every step would compile again
         raise SparseDecodeError(

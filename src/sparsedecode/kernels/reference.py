@@ -35,7 +35,7 @@ def dense_short_forward(
     logits.masked_fill_(future, float("-inf"))
     probs = torch.softmax(logits, dim=-1).view(kv_heads, group * q_len, n)
     out = torch.bmm(probs, values).view(query_heads, q_len, values.shape[-1])
-    return out.transpose(0, 1).unsqueeze(0).to(query.dtype)
+    return out.transpose(0, 1).unsqueeze(0).to(query.dtype).contiguous()  # as SDPA's: a model may .view() it
 
 
 def _gather_support(cache: torch.Tensor, blocks: torch.Tensor, layout: BlockLayout) -> torch.Tensor:

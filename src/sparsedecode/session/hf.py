@@ -61,7 +61,24 @@ def sparse_attention_forward(
             raise SparseDecodeError(
                 f"sparse decoding does not support {meaning} ({argument} in the attention call) yet"
             )
+    if _biased(attention_mask):
+        raise SparseDecodeError(
+            f"sparse decoding does not support an additive bias in the attention mask ({type(module).__name__}'s "
+            "mask holds finite values other than 0, as ALiBi's does): the sparse step and the session's dense "
+            "forwards would leave it out"
+        )
     return session_forward(session, state, module, query, key, value, attention_mask, dropout, scaling, kwargs)
+
+
+def _biased(mask) -> bool:
+    """Whether a float attention mask adds a bias where it lets a query attend (a position bias such as ALiBi): a
+    mask of 0 and -inf (or a boolean one) only allows or forbids. One row is read, the last query's: cheap at
+    every call, and a bias shows there as anywhere."""
+    if not isinstance(mask, torch.Tensor) or not mask.is_floating_point() or mask.numel() == 0:
+        return False
+    row = mask[..., -1, :]
+    low = torch.finfo(mask.dtype).min  # transformers' float masks forbid with the dtype's minimum, or -inf
+    return bool(((row != 0) & torch.isfinite(row) & (row != low)).any())
 
 
 _NAMES: set[str] = set()
