@@ -31,6 +31,8 @@ FAMILIES = {
     "starcoder2": {},  # biases
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "opt": {},  # learned positions
+    # a Mamba layer, then attention; counts each forward's positions from 0 unless given them (as generate does)
+    "bamba": {"attn_layer_indices": [1], "mamba_d_state": 16, "mamba_n_heads": 4, "mamba_d_head": 32},
     "gpt2": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 1024},
     "gptj": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 1024, "rotary_dim": 16},
     "deepseek_v3": {  # multi-head latent attention: keys of 24 dims, values of 16

@@ -90,12 +90,17 @@ def prefill(
     if mask is not None:
         check_left_padded(mask)
     cache = cache if cache is not None else DynamicCache(config=model.config)
-    length = ids.shape[1]
+    length, offset = ids.shape[1], cache_length(cache)
     pos = positions(mask) if mask is not None else None
     logits = None
     for start in range(0, length, chunk):
         stop = min(start + chunk, length)
-        padded = {} if mask is None else {"attention_mask": mask[:, :stop], "position_ids": pos[:, start:stop]}
+        if mask is None:  # positions given: a model may count each chunk from 0 without them (Bamba)
+            padded = {
+                "position_ids": torch.arange(offset + start, offset + stop, device=ids.device).expand(len(ids), -1)
+            }
+        else:
+            padded = {"attention_mask": mask[:, :stop], "position_ids": pos[:, start:stop]}
         with dense_forwards():  # a last chunk of one token too, inside a session
             out = model(input_ids=ids[:, start:stop], cache=cache, use_cache=True, logits_to_keep=1, **padded)
         logits = out.logits[:, -1].float()
@@ -110,8 +115,19 @@ def decode_one_token(model: torch.nn.Module, cache, tokens: torch.Tensor, *, mas
     """One step: feed ``tokens`` ``(B,)`` (one per sequence) and return the next logits ``(B, vocab)`` float32.
     With a left-padded batch, ``mask`` ``(B, L + 1)`` covers the cache and this token, ``position`` ``(B,)`` is each
     sequence's position of it."""
-    padded = {} if mask is None else {"attention_mask": mask, "position_ids": position[:, None]}
+    if mask is None:  # given, as transformers' generate gives them: a model may count from 0 without (Bamba)
+        padded = {"position_ids": torch.full((tokens.shape[0], 1), cache_length(cache), device=tokens.device)}
+    else:
+        padded = {"attention_mask": mask, "position_ids": position[:, None]}
     return model(input_ids=tokens[:, None], cache=cache, use_cache=True, **padded).logits[:, -1].float()
+
+
+def cache_length(cache) -> int:
+    """The positions ``cache`` holds: its longest layer's (a hybrid model's recurrent layers hold none)."""
+    layers = getattr(cache, "layers", None)
+    if layers:
+        return max(int(cache.get_seq_length(index)) for index in range(len(layers)))
+    return int(cache.get_seq_length())
 
 
 @torch.no_grad()

@@ -90,8 +90,14 @@ class SessionDrafter:
     def verify(self, ids: list[int]) -> list[int]:
         self.ids = torch.tensor([ids], device=self.device)
         with dense_forwards():
-            logits = self.model(input_ids=self.ids, cache=self.cache, use_cache=True).logits
+            logits = self.model(
+                input_ids=self.ids, cache=self.cache, use_cache=True, position_ids=self._at(len(ids))
+            ).logits
         return logits[0].argmax(dim=-1).tolist()
+
+    def _at(self, count: int) -> torch.Tensor:
+        """The position ids of ``count`` tokens fed after the kept ones (given: a model may count from 0 without)."""
+        return torch.arange(self.length, self.length + count, device=self.device).unsqueeze(0)
 
     def retain(self, fed: int, kept: int) -> None:
         if self.rewinds or kept == fed:
@@ -99,7 +105,8 @@ class SessionDrafter:
         else:  # sliding-window or recurrent layers cannot drop the rejected drafts: back to the round's start,
             restore(self.cache, self.start)  # then the accepted prefix again (dense, as the verification was: one
             with dense_forwards():  # token too, which the session would otherwise take for a decode step)
-                self.model(input_ids=self.ids[:, :kept], cache=self.cache, use_cache=True, logits_to_keep=1)
+                self.model(input_ids=self.ids[:, :kept], cache=self.cache, use_cache=True, logits_to_keep=1,
+                           position_ids=self._at(kept))  # fmt: skip
         self.length += kept
 
 

@@ -217,23 +217,29 @@ def compare_selectors(
     if execute is not None:
         made = dict(execute.run([*prompt_units, *trial_units], len(prompt_units) + len(trial_units)))
     else:
-        made = {}
-        for number, unit in enumerate(prompt_units):
-            if progress:
-                progress("prompts", number, len(prompt_units))
-            made[unit] = unit.run(model, tokenizer, progress=progress)
-        if progress and prompt_units:
-            progress("prompts", len(prompt_units), len(prompt_units))
-        for number, unit in enumerate(trial_units, start=1):
-            made[unit] = unit.run(model, tokenizer)
-            if progress:
-                progress("retrieval", number, len(trial_units))
+        made = _run_here(prompt_units, trial_units, model, tokenizer, progress)
     runs = [run for unit in prompt_units for run in made[unit]]
     runs.sort(key=lambda r: (contexts.index(r["context"]), r["prompt_index"]))  # batch-1 order (a stable sort)
     trials = [trial for unit in trial_units for trial in made[unit]]
     op_ms = _op_times(op_shape, contexts, supports, selectors) if op_shape else {}
     rows = summarize(runs, trials, contexts=contexts, supports=supports, selectors=selectors, op_ms=op_ms)
     return rows, runs, trials
+
+
+def _run_here(prompt_units, trial_units, model, tokenizer, progress) -> dict:
+    """Each unit's runs, in this process; ``progress`` hears of the prompts and passkey trials done."""
+    made = {}
+    for number, unit in enumerate(prompt_units):
+        if progress:
+            progress("prompts", number, len(prompt_units))
+        made[unit] = unit.run(model, tokenizer, progress=progress)
+    if progress and prompt_units:
+        progress("prompts", len(prompt_units), len(prompt_units))
+    for number, unit in enumerate(trial_units, start=1):
+        made[unit] = unit.run(model, tokenizer)
+        if progress:
+            progress("retrieval", number, len(trial_units))
+    return made
 
 
 def _describe(spec: str) -> tuple[bool | None, str]:

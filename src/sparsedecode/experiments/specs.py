@@ -172,10 +172,9 @@ def _adopt_corpus(spec: Spec, stored) -> Spec:
     if not isinstance(stored, str) or not isinstance(mine, str) or stored == mine:
         return spec
     try:
-        same = Path(stored).expanduser().is_file() and Path(stored).expanduser().samefile(Path(mine).expanduser())
-    except OSError:
-        same = False
-    if not same:
+        if not Path(stored).expanduser().samefile(Path(mine).expanduser()):
+            return spec
+    except OSError:  # either is no file: not the same
         return spec
     adopted = type(spec).from_dict({**spec.to_dict(), "corpus": stored})
     object.__setattr__(adopted, "_sources", spec.sources())
