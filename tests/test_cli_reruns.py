@@ -81,3 +81,34 @@ def test_lossless_drafts_what_the_tokens_leave_by_default(tmp_path, tiny_model_d
     args = ["run", "--model", str(tiny_model_dir), "--context", "150", "--support", "97", "--mode", "lossless"]
     assert main([*args, "--tokens", "2", "--json", str(out)]) == 0, capsys.readouterr().err
     assert out.is_file()
+
+
+def test_run_records_the_weights_and_dtype_that_ran(tmp_path, tiny_model_dir, capsys):
+    """``--weights bfloat16`` alone decodes in bfloat16: the settings said float32 (the default --dtype)."""
+    out = tmp_path / "run.json"
+    args = ["run", "--model", str(tiny_model_dir), "--context", "150", "--support", "97", "--tokens", "3"]
+    assert main([*args, "--weights", "bfloat16", "--json", str(out)]) == 0, capsys.readouterr().err
+    settings = json.loads(out.read_text())["settings"]
+    assert settings["dtype"] == "bfloat16" and settings["weights"] == "bfloat16"
+    assert settings["weights_loaded"] == "bfloat16"
+    assert main([*args, "--weights", "int8", "--json", str(out)]) == 0, capsys.readouterr().err
+    assert json.loads(out.read_text())["settings"]["weights_loaded"].startswith("int8")
+
+
+def test_quantized_weights_no_layer_takes_are_refused(tmp_path):
+    """A model whose every linear layer has inputs not in groups of 32 ran float weights recorded as int4."""
+    from conftest import char_tokenizer, tiny_model
+
+    from sparsedecode.models.catalog import load_model
+
+    folder = tmp_path / "odd"
+    tiny_model("llama", hidden_size=48, intermediate_size=80, head_dim=12).save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    with pytest.raises(SparseDecodeError, match="none of .* linear layers takes them"):
+        load_model(str(folder), weights="int4")
+
+
+def test_lossless_with_audit_is_refused_not_ignored(tiny_model_dir, capsys):
+    args = ["run", "--model", str(tiny_model_dir), "--context", "150", "--support", "97", "--tokens", "4"]
+    err = one_line_exit_2([*args, "--mode", "lossless", "--audit"], capsys)
+    assert "--audit applies to --mode compare only" in err

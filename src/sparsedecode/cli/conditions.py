@@ -28,6 +28,7 @@ def run_settings(args, command: str, *, machine: bool = True) -> dict:
         "command": command,
         **{key: getattr(args, key) for key in keys},
         **({"weights": args.weights} if getattr(args, "weights", None) else {}),
+        **({"weights_loaded": args.weights_loaded} if getattr(args, "weights_loaded", None) else {}),
         "contexts": args.context,
         "supports": args.support,
         **{name: plain_layers(value) for name, value in layer_budget(args).items() if value},

@@ -67,6 +67,11 @@ def load(args):
     with console.status(f"loading {args.model} ({weights or args.dtype})"):
         model, tokenizer = load_model(args.model, dtype=args.dtype, weights=weights)
     check_sparse_attention(model, args.model)
+    if weights is not None:  # what ran, for the settings a result records: float weights set the dtype too
+        from ..models.weights import FLOAT_WEIGHTS, weights_label
+
+        args.dtype = weights if weights in FLOAT_WEIGHTS else args.dtype
+        args.weights_loaded = weights_label(model)
     return model, tokenizer
 
 

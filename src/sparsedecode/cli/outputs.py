@@ -146,8 +146,12 @@ def _plain(value):
     return json.loads(json.dumps(value, default=str))
 
 
+VOLATILE = ("environment", "backend", "command", "weights_loaded")
+"""Settings that describe the machine or how a run went, not what it computes: left out of comparisons."""
+
+
 def check_replaced_alike(folder: Path, marker: str, settings: dict, *, key: str = "settings",
-                         volatile: tuple[str, ...] = ("environment", "backend", "command")) -> None:  # fmt: skip
+                         volatile: tuple[str, ...] = VOLATILE) -> None:  # fmt: skip
     """A command that cannot resume writes its results afresh; where ``folder`` holds results of its kind
     (``marker``) made with other settings (``key`` there; ``volatile`` entries, the machine and the like, aside),
     refuse, so that no earlier results are replaced unasked and no folder mixes two runs' files. A rerun with the

@@ -124,6 +124,8 @@ def _margin_line(result) -> str:
 
 def cmd_run(args) -> int:
     if args.mode == "lossless":
+        if args.audit:  # it would be ignored: lossless output is dense, its drafts are not compared step by step
+            raise SparseDecodeError("--audit applies to --mode compare only (the paired comparison's sparse steps)")
         return cmd_run_lossless(args)
     if args.draft_tokens is not None or args.adaptive:
         raise SparseDecodeError("--draft-tokens and --adaptive apply to --mode lossless only")

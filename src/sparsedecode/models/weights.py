@@ -64,6 +64,11 @@ def apply_weights(model: torch.nn.Module, weights: str | None, gguf: Path | None
         label = "gguf " + "+".join(sorted(kinds))
     else:
         counts = quantize_linears(model, weights)
+        if not counts[weights]:  # it would decode with float weights under the quantized name
+            raise SparseDecodeError(
+                f"weights {weights!r}: none of {spec}'s {counts['float']} linear layers takes them (a layer's inputs "
+                "must come in groups of 32)"
+            )
         label = weights
     model.sparsedecode_weights = label + (f" ({counts['float']} linear layers float)" if counts["float"] else "")
     model.sparsedecode_weight_counts = counts
