@@ -152,12 +152,19 @@ def check_config(config: object, where: str) -> None:
         raise SparseDecodeError(f"{where}: config must be a SparseConfig, got {name}{hint}")
 
 
+def _digits(text: str) -> bool:
+    """Whether ``text`` is a decimal number ``int()`` reads: ASCII digits (``"²".isdigit()`` is true too)."""
+    return text.isascii() and text.isdigit()
+
+
 def parse_layers(layers) -> tuple[int, ...]:
     """Layer indices as a sorted tuple of distinct non-negative integers, from a sequence of integers or a text
     ``"0,1"`` (an empty text or sequence: none)."""
+    if isinstance(layers, (bytes, bytearray)):  # iterated, bytes are their byte values: b"0" would be layer 48
+        raise SparseDecodeError(f"dense_layers: give layer indices or a text such as '0,1', got {layers!r}")
     if isinstance(layers, str):
         items = [item.strip() for item in layers.split(",") if item.strip()]
-        if not all(item.isdigit() for item in items):
+        if not all(_digits(item) for item in items):
             raise SparseDecodeError(f"dense_layers is a comma-separated list of layer indices, got {layers!r}")
         layers = [int(item) for item in items]
     try:
@@ -191,7 +198,7 @@ def parse_layer_supports(supports) -> tuple[tuple[int, int], ...]:
         pairs = []
         for item in (item.strip() for item in supports.split(",") if item.strip()):
             layer, colon, support = item.partition(":")
-            if not colon or not layer.strip().isdigit() or not support.strip().isdigit():
+            if not colon or not _digits(layer.strip()) or not _digits(support.strip()):
                 raise SparseDecodeError(f"layer_supports is LAYER:SUPPORT,... (for example 2:385,3:385), got {item!r}")
             pairs.append((int(layer), int(support)))
     elif isinstance(supports, dict):
@@ -206,7 +213,7 @@ def parse_layer_supports(supports) -> tuple[tuple[int, int], ...]:
         if len(pair) != 2:
             raise SparseDecodeError(f"layer_supports holds (layer, support) pairs, got {pair!r}")
         layer, support = pair
-        layer = int(layer) if isinstance(layer, str) and layer.isdigit() else layer
+        layer = int(layer) if isinstance(layer, str) and _digits(layer) else layer
         if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
             raise SparseDecodeError(f"layer_supports: a layer is an integer >= 0, got {layer!r}")
         checked.append((layer, support))

@@ -40,6 +40,13 @@ def check_model(model: object, where: str, *, generates: bool = True) -> None:
         )
 
 
+def check_callable(value: object, name: str, where: str) -> None:
+    """``value`` is ``None`` or something to call (a hook, a progress callback): refused at once, not after a
+    prefill."""
+    if value is not None and not callable(value):
+        raise SparseDecodeError(f"{where}: {name} must be callable or None, got {_name(value)}")
+
+
 def check_count(value: object, name: str, minimum: int) -> None:
     """``value`` is an ``int`` (not a bool, not a float) of at least ``minimum``."""
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
@@ -110,6 +117,7 @@ def check_prompt_ids(model: torch.nn.Module, ids: object, where: str) -> None:
         raise SparseDecodeError(f"{where}: prompt ids must be a tensor of int64 (torch.long) or int32, got {ids.dtype}")
     if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < 1:
         raise SparseDecodeError(f"{where}: expected prompt ids of shape (1, length >= 1), got {tuple(ids.shape)}")
+    check_has_values(ids, f"{where}: prompt ids")
     vocab = _vocab_size(model)
     low, high = int(ids.min()), int(ids.max())
     if low < 0 or (vocab is not None and high >= vocab):
@@ -138,11 +146,20 @@ def check_token_id(model: torch.nn.Module, value: object, name: str, where: str)
         )
 
 
+def check_has_values(tensor: torch.Tensor, name: str) -> None:
+    """``tensor`` holds values to read: a dense (strided) tensor, not one on the meta device."""
+    if tensor.device.type == "meta":
+        raise SparseDecodeError(f"{name} are on the meta device, which holds no values; give real tensors")
+    if tensor.layout != torch.strided:
+        raise SparseDecodeError(f"{name} are a {tensor.layout} tensor; give a dense one (.to_dense())")
+
+
 def check_finite(tensor: object, name: str) -> None:
     """``tensor`` is a floating-point tensor without NaN or infinite entries (reads all of it)."""
     if not isinstance(tensor, torch.Tensor) or not tensor.dtype.is_floating_point:
         got = f"a tensor of {tensor.dtype}" if isinstance(tensor, torch.Tensor) else _name(tensor)
         raise SparseDecodeError(f"{name} must be a floating-point torch tensor, got {got}")
+    check_has_values(tensor, name)
     if not bool(torch.isfinite(tensor).all()):
         raise SparseDecodeError(f"{name} hold NaN or infinite values; selection needs finite {name}")
 

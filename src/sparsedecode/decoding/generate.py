@@ -25,6 +25,7 @@ from ..errors import SparseDecodeError
 from ..session import dense_attention, prefill_history, sparse_decoding
 from ..session.kv_cache import GrowingCache
 from ..validate import (
+    check_callable,
     check_count,
     check_model,
     check_positions,
@@ -72,6 +73,7 @@ def generate(
     cost in ``compile_s``.
     """
     drafting = dict(draft_tokens=draft_tokens, adaptive=adaptive, max_draft_tokens=max_draft_tokens)
+    check_callable(progress, "progress", "generate")
     ids, mask, one = _generation_inputs(
         model, input_ids, cfg, max_new_tokens, mode, attention_mask, eos_token_id, tuple(drafting.values())
     )

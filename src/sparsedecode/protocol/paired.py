@@ -25,7 +25,7 @@ from ..decoding.loop import Progress, decode_tokens, left_pad, prefill
 from ..errors import SparseDecodeError
 from ..session import SparseSession, dense_attention, prefill_history, sparse_decoding
 from ..session.kv_cache import crop_cache
-from ..validate import check_model, check_positions, check_prompt_ids, check_sparse_attention
+from ..validate import check_callable, check_model, check_positions, check_prompt_ids, check_sparse_attention
 from .diagnostics import MassAudit
 from .results import BatchReference, CompareResult, DenseReference, assemble
 
@@ -152,6 +152,8 @@ def compare(
     """
     del tokenizer
     check_model(model, "compare")
+    check_callable(progress, "progress", "compare")
+    check_callable(session_hook, "session_hook", "compare")
     prompts, one = _prompts(model, prompt_ids, "compare")
     check_config(cfg, "compare")
     check_sparse_attention(model, "compare")

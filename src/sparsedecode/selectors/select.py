@@ -217,10 +217,10 @@ def select_support(
     check_finite(queries, "queries")
     check_finite(keys, "keys")
     shapes_ok = queries.dim() == 2 and keys.dim() == 3 and queries.shape[-1] == keys.shape[-1]
-    if not shapes_ok or keys.shape[0] == 0 or keys.shape[1] == 0 or queries.shape[0] % keys.shape[0]:
+    if not shapes_ok or 0 in keys.shape or 0 in queries.shape or queries.shape[0] % keys.shape[0]:
         raise SparseDecodeError(
-            f"expected queries (query_heads, d) and keys (kv_heads, N, d) with query_heads a multiple of "
-            f"kv_heads; got {tuple(queries.shape)} and {tuple(keys.shape)}"
+            f"expected queries (query_heads, d) and keys (kv_heads, N, d), none of them 0, with query_heads a "
+            f"multiple of kv_heads; got {tuple(queries.shape)} and {tuple(keys.shape)}"
         )
     kv_heads, n, d = keys.shape
     if history is not None:

@@ -1,0 +1,41 @@
+"""Unusual inputs to the library's entry points (found by probing): one line naming the problem, never a bare error
+from deep inside, never read as something else."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sparsedecode as sd
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: sd.SparseConfig(dense_layers="²"), "comma-separated list"),  # "²".isdigit() is true
+        (lambda: sd.SparseConfig(layer_supports={"²": 385}), "a layer is an integer"),
+        (lambda: sd.SparseConfig(dense_layers=b"0"), "give layer indices"),  # iterated: layer 48
+        (lambda: sd.select_support(torch.randn(4, 16, device="meta"), torch.randn(2, 300, 16), support=97), "meta"),
+        (lambda: sd.select_support(torch.randn(4, 0), torch.randn(2, 300, 0), support=97), "none of them 0"),
+        (
+            lambda: sd.select_support(torch.randn(0, 16), torch.randn(2, 300, 16), support=97, method="streaming"),
+            "none of them 0",
+        ),  # fmt: skip
+        (lambda: sd.select_support(torch.randn(4, 16).to_sparse(), torch.randn(2, 300, 16), support=97), "dense one"),
+    ],
+)
+def test_unusual_library_inputs_are_one_line(call, message):
+    """Found by probing: each of these raised a bare ValueError, RuntimeError or ZeroDivisionError, or was read as
+    something else (b"0" as layer 48, no query heads as supports for two KV heads)."""
+    with pytest.raises(sd.SparseDecodeError, match=message):
+        call()
+
+
+def test_a_hook_that_is_not_callable_is_refused_before_the_prefill():
+    from conftest import prompt, tiny_model
+
+    model, ids = tiny_model("llama"), prompt(120)
+    with pytest.raises(sd.SparseDecodeError, match="progress must be callable"):
+        sd.generate(model, ids, sd.SparseConfig(support=97), 4, progress=5)
+    with pytest.raises(sd.SparseDecodeError, match="session_hook must be callable"):
+        sd.compare(model, None, ids, sd.SparseConfig(support=97), 3, session_hook=5)
