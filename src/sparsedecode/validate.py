@@ -65,6 +65,11 @@ def max_positions(model: torch.nn.Module) -> int | None:
     return limit if isinstance(limit, int) and limit > 0 else None
 
 
+def uses_alibi(model: torch.nn.Module) -> bool:
+    """Whether ``model`` adds ALiBi's position bias to its attention mask (Falcon, MPT, BLOOM: a config's ``alibi``)."""
+    return getattr(_text_config(model), "alibi", False) is True
+
+
 def unsupported_attention(model: torch.nn.Module) -> str | None:
     """What of ``model``'s attention a sparse session cannot compute, or ``None``: logit soft-capping (Gemma 2's
     ``attn_logit_softcapping``), ALiBi (a config's ``alibi``) or attention sinks (a ``sinks`` tensor on a module,
@@ -74,7 +79,7 @@ def unsupported_attention(model: torch.nn.Module) -> str | None:
     softcap = getattr(_text_config(model), "attn_logit_softcapping", None)
     if softcap is not None:
         return f"attention logit soft-capping (attn_logit_softcapping = {softcap})"
-    if getattr(_text_config(model), "alibi", False) is True:  # Falcon, MPT, BLOOM: a bias added to the mask
+    if uses_alibi(model):
         return "ALiBi's position bias (alibi = True; added to the attention mask)"
     for name, module in model.named_modules():
         if isinstance(getattr(module, "sinks", None), torch.Tensor):

@@ -24,7 +24,7 @@ from ..errors import SparseDecodeError
 from ..models.catalog import attention_shape
 from ..step.device import fill_statistics
 from ..step.schedule import dense_forwards
-from ..validate import attention_modules
+from ..validate import attention_modules, uses_alibi
 from . import cpu as compile_cpu
 from .guards import drop_module_guards, model_fingerprint, weight_versions
 from .op import STATE, STATIC_ATTENTION, allocate, raise_kept, static_attention_forward, step_form
@@ -79,7 +79,7 @@ def check_compilable(model: torch.nn.Module, cfg: SparseConfig | None, what: str
             f"{what}: {cfg.selector.spec()} keeps the attention every position received, which the compiled step "
             "does not; decode it without compile"
         )
-    if getattr(model.config.get_text_config(decoder=True), "alibi", False):  # its bias is built over the cache's length
+    if uses_alibi(model):  # its bias is built over the cache's length
         raise SparseDecodeError(
             f"{what}: {type(model).__name__} adds ALiBi's position bias to its attention (not served by the compiled "
             "step, nor by sparse decoding); decode it densely without compile"

@@ -96,13 +96,13 @@ def prefill(
     for start in range(0, length, chunk):
         stop = min(start + chunk, length)
         if mask is None:  # positions given: a model may count each chunk from 0 without them (Bamba)
-            padded = {
+            where = {
                 "position_ids": torch.arange(offset + start, offset + stop, device=ids.device).expand(len(ids), -1)
             }
         else:
-            padded = {"attention_mask": mask[:, :stop], "position_ids": pos[:, start:stop]}
+            where = {"attention_mask": mask[:, :stop], "position_ids": pos[:, start:stop]}
         with dense_forwards():  # a last chunk of one token too, inside a session
-            out = model(input_ids=ids[:, start:stop], cache=cache, use_cache=True, logits_to_keep=1, **padded)
+            out = model(input_ids=ids[:, start:stop], cache=cache, use_cache=True, logits_to_keep=1, **where)
         logits = out.logits[:, -1].float()
         if progress:
             progress("prefill", stop, length)
@@ -116,10 +116,10 @@ def decode_one_token(model: torch.nn.Module, cache, tokens: torch.Tensor, *, mas
     With a left-padded batch, ``mask`` ``(B, L + 1)`` covers the cache and this token, ``position`` ``(B,)`` is each
     sequence's position of it."""
     if mask is None:  # given, as transformers' generate gives them: a model may count from 0 without (Bamba)
-        padded = {"position_ids": torch.full((tokens.shape[0], 1), cache_length(cache), device=tokens.device)}
+        where = {"position_ids": torch.full((tokens.shape[0], 1), cache_length(cache), device=tokens.device)}
     else:
-        padded = {"attention_mask": mask, "position_ids": position[:, None]}
-    return model(input_ids=tokens[:, None], cache=cache, use_cache=True, **padded).logits[:, -1].float()
+        where = {"attention_mask": mask, "position_ids": position[:, None]}
+    return model(input_ids=tokens[:, None], cache=cache, use_cache=True, **where).logits[:, -1].float()
 
 
 def cache_length(cache) -> int:

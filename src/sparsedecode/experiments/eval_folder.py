@@ -171,7 +171,7 @@ def load_eval(directory: Path) -> tuple[dict, list[dict]]:
 
 def check_eval_keys(path: Path, rows: list[dict], meta: dict) -> None:
     """No run of ``rows`` listed twice, none outside the grid of the folder's ``meta``."""
-    check_run_keys(path, rows, EvalSpec.from_dict(meta["spec"]).keys(), KEY_FIELDS, "its evaluation spec")
+    check_run_keys(path, rows, EvalSpec.from_dict(meta["spec"]).keys(), key_of, "its evaluation spec")
 
 
 def is_eval_folder(directory: Path) -> bool:

@@ -102,19 +102,20 @@ def check_rows(path, rows: list[dict], fields: Fields) -> list[dict]:
     return rows
 
 
-def check_run_keys(path, rows: list[dict], keys, key_fields: tuple[str, ...], what: str) -> None:
+def check_run_keys(path, rows: list[dict], keys, key_of: Callable[[dict], tuple], what: str) -> None:
     """Refuse rows of ``path`` (a hand-edited ``runs.jsonl``) that would be counted wrongly: a run listed twice, or a
-    run outside ``keys`` (the runs of the folder's settings). Rows lacking a key field are left to the caller's
-    field check. A key is a row's ``key_fields`` in order."""
+    run outside ``keys`` (the runs of the folder's settings; ``key_of`` a row's key). Rows lacking a key field are
+    left to the caller's field check."""
     keys, seen = set(keys), set()
     for number, row in enumerate(rows, start=1):
-        if not all(name in row for name in key_fields):
+        try:
+            key = key_of(row)
+        except KeyError:
             continue
         try:
-            key = tuple(row[name] for name in key_fields)
             listed, inside = key in seen, key in keys
         except TypeError:  # a list where a value belongs: not hashable, not a run of the spec
-            key, listed, inside = tuple(row[name] for name in key_fields), False, False
+            listed, inside = False, False
         if listed:
             raise SparseDecodeError(f"{path} lists run {key} twice (line {number} again): it would count twice")
         if not inside:

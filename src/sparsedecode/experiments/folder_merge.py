@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..errors import SparseDecodeError
 from ..files import write_json_atomic
+from .fields import check_run_keys
 from .merging import MergeOutcome, SelectorVersions, merge_run, merged_provenance, read_once, source_metas
 from .sweep_folder import RUNS_FILE, locked, union_spec
 
@@ -50,15 +51,11 @@ def merge_folders(kind: FolderKind, sources: list[Path], directory: Path) -> Mer
         for source, meta in metas:
             versions.add_meta(source, meta)
         for (source, _), own_spec in read_once(list(zip(metas, specs)), directory, own is not None):
-            own_keys, listed = set(own_spec.keys()), set()
-            for row in kind.read_rows(source / RUNS_FILE):
+            rows = kind.read_rows(source / RUNS_FILE)
+            check_run_keys(source / RUNS_FILE, rows, own_spec.keys(), kind.key_of, kind.runs_of)
+            for row in rows:
                 versions.add_row(source, row)
                 key = kind.key_of(row)
-                if key not in own_keys:
-                    raise SparseDecodeError(f"{source} holds a run {key} that is not part of {kind.runs_of}")
-                if key in listed:  # hand-edited: which of the two is the run?
-                    raise SparseDecodeError(f"{source} lists run {key} twice; keep one of them")
-                listed.add(key)
                 paired = kind.dense_of(key, row)
                 if paired is not None:
                     group, output = paired

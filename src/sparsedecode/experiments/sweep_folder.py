@@ -18,8 +18,8 @@ from pathlib import Path
 from ..errors import SparseDecodeError
 from .corpus import load_text
 from .fields import check_run_keys
-from .specs import KEY_FIELDS, Group, Spec, SweepSpec, adopt_stored
-from .sweep_rows import read_rows
+from .specs import Group, Spec, SweepSpec, adopt_stored
+from .sweep_rows import key_of, read_rows
 
 SPEC_FILE = "sweep.json"
 RUNS_FILE = "runs.jsonl"
@@ -201,4 +201,4 @@ def load_sweep(directory: Path) -> tuple[dict, list[dict]]:
 
 def check_sweep_keys(path: Path, rows: list[dict], meta: dict) -> None:
     """No run of ``rows`` listed twice, none outside the grid of the folder's ``meta``."""
-    check_run_keys(path, rows, SweepSpec.from_dict(meta["spec"]).keys(), KEY_FIELDS, "its sweep spec")
+    check_run_keys(path, rows, SweepSpec.from_dict(meta["spec"]).keys(), key_of, "its sweep spec")

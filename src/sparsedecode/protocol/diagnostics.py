@@ -189,6 +189,7 @@ class MassAudit:
     value_norms: dict[int, list[float]] = field(default_factory=dict)
     keys: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     """Per layer, each record's decode step: (positions read, how often the layer was audited there before)."""
+    _visits: dict[tuple[int, int], int] = field(default_factory=dict, repr=False)  # (layer, n): records so far
     sequence: int | None = None
     """In a batch, the one sequence audited (``None``: every step seen, right for batch 1)."""
 
@@ -196,8 +197,9 @@ class MassAudit:
         if self.sequence is not None and view.sequence != self.sequence:
             return
         n = view.layout.n
-        keys = self.keys.setdefault(view.layer, [])
-        keys.append((n, sum(1 for key in keys if key[0] == n)))  # a step repeated (a rewind) is another step
+        before = self._visits.get((view.layer, n), 0)  # a step repeated (a rewind) is another step
+        self._visits[view.layer, n] = before + 1
+        self.keys.setdefault(view.layer, []).append((n, before))
         self.records.setdefault(view.layer, []).append(audit_step(view))
         self.value_norms.setdefault(view.layer, []).append(float(view.values[:, :n].double().norm(dim=-1).max()))
 
