@@ -149,3 +149,32 @@ def test_cli_run_and_sweep_on_a_sliding_window_model(tmp_path, capsys):
     assert main(["sweep", *common, "--prompts", "1", "--out", str(tmp_path / "sweep")]) == 0
     assert len((tmp_path / "sweep" / "runs.jsonl").read_text().splitlines()) == 1
     capsys.readouterr()
+
+
+def test_a_sliding_layer_past_its_window_is_dense_over_it():
+    """Past its window, a sliding-window layer's cache and mask hold the window alone: the layer is dense over it
+    (docs/setup.md), as if named in ``dense_layers``, never a sparse step over the window's slots taken for
+    positions. Oracle: ``dense_layers`` = the sliding layers; before the window the layer is sparse like any other."""
+    model = tiny_family(
+        "qwen2", num_hidden_layers=3, use_sliding_window=True, sliding_window=40, max_window_layers=1,
+    )  # fmt: skip
+    assert model.config.layer_types[1:] == ["sliding_attention", "sliding_attention"]
+    cfg = SparseConfig(support=25, window=8, block_size=4)
+    oracle = SparseConfig(support=25, window=8, block_size=4, dense_layers=(1, 2))
+    past, inside = prompt(60, seed=2), prompt(30, seed=3)
+    tokens = 12
+    expected = generate(model, past, oracle, tokens, mode="sparse").tokens
+    assert generate(model, past, cfg, tokens, mode="sparse").tokens == expected
+    for cache in ({}, {"cache_implementation": "static"}):
+        with sparse_decoding(model, cfg) as session:
+            out = model.generate(past, max_new_tokens=tokens, do_sample=False, **cache)[0, 60:].tolist()
+        assert out == expected
+        assert (session.sparse_steps, session.dense_steps) == (tokens - 1, 2 * (tokens - 1))
+    # inside the window the sliding layers are sparse (its first 10 steps): not the dense-layers decoding
+    with sparse_decoding(model, cfg) as session:
+        model.generate(inside, max_new_tokens=tokens, do_sample=False)
+    assert session.sparse_steps == (tokens - 1) + 2 * 10
+    # a batch with one prompt past the window and one inside it: each as alone
+    together = generate(model, [past, inside], cfg, tokens, mode="sparse")
+    assert together[0].tokens == expected
+    assert together[1].tokens == generate(model, inside, cfg, tokens, mode="sparse").tokens

@@ -54,6 +54,24 @@ def row_extents(attention_mask: torch.Tensor | None, key: torch.Tensor, kwargs: 
     return int(end[0]), tuple(int(p) for p in first.tolist())
 
 
+def past_window(lengths: list[int], kwargs: dict) -> list[bool]:
+    """Which sequences a sliding-window layer (``kwargs["sliding_window"]``) sees through its window only, for
+    which its step is dense: those longer than the window. Such a layer's cache and mask hold the window alone
+    (``lengths``, read from the mask, stop at the window), so a sequence's length comes from its position ids;
+    without them a sequence that fills the window counts as past it."""
+    sliding = kwargs.get("sliding_window")
+    if sliding is None:
+        return [False] * len(lengths)
+    position_ids = kwargs.get("position_ids")
+    if isinstance(position_ids, torch.Tensor) and position_ids.numel():
+        last = position_ids[..., -1]
+        last = last.reshape(-1, last.shape[-1]).amax(dim=0) if last.dim() > 1 else last.reshape(-1)
+        if last.numel() in (1, len(lengths)):
+            whole = (last + 1).expand(len(lengths)).tolist()
+            return [w > sliding or w > m for w, m in zip(whole, lengths)]
+    return [m >= sliding for m in lengths]
+
+
 def _extents(session, attention_mask, key, q_len, kwargs) -> tuple[int, tuple[int, ...]]:
     """:func:`row_extents`, computed once per forward: every layer sees the same mask and position ids (held in
     ``session.extents``, so no other object takes their ids); without a mask n comes from the position ids, which a
@@ -108,11 +126,11 @@ def _decode(
     """A decode step of every row: one batched SDPA call where every row is dense (dense batched decoding,
     exactly), otherwise each dense row its own SDPA over its own slice and the sparse rows one sparse step."""
     cfg = session.config.for_layer(state.layer)
-    sliding = kwargs.get("sliding_window")
     h2o = cfg.selector.uses_history
     lengths = [n - pad for pad in pads]
     dense_layer = state.layer in cfg.dense_layers
-    dense_rows = [dense_layer or m <= cfg.effective_support or (sliding is not None and m > sliding) for m in lengths]
+    windowed = past_window(lengths, kwargs)
+    dense_rows = [dense_layer or m <= cfg.effective_support or w for m, w in zip(lengths, windowed)]
     all_dense = all(dense_rows)
     if all_dense:
         out = sdpa_attention_forward(
@@ -133,8 +151,9 @@ def _decode(
             row.note_all_distant(
                 key.shape[1], BlockLayout(n=m, window=cfg.window, block_size=cfg.block_size), key.device
             )
-        if h2o:
-            _remember_attention(row, k_i, m, functools.partial(group_attention, q_i[0, :, 0], k_i[0, :, :m], scale))
+        if h2o:  # past a sliding window the keys hold the window only: the history stops there
+            whole = m + 1 if windowed[i] else m
+            _remember_attention(row, k_i, whole, functools.partial(group_attention, q_i[0, :, 0], k_i[0, :, :m], scale))
         if not all_dense:
             out[i : i + 1] = sdpa_attention_forward(
                 module, q_i, k_i[:, :, :m], v_i[:, :, :m], None, dropout=dropout, scaling=scaling, **kwargs
