@@ -39,3 +39,28 @@ def test_a_hook_that_is_not_callable_is_refused_before_the_prefill():
         sd.generate(model, ids, sd.SparseConfig(support=97), 4, progress=5)
     with pytest.raises(sd.SparseDecodeError, match="session_hook must be callable"):
         sd.compare(model, None, ids, sd.SparseConfig(support=97), 3, session_hook=5)
+
+
+def test_a_reference_is_used_only_for_what_computed_it():
+    """Found by probing: one prompt's part of a batch's reference crashed ``compare`` with a bare RuntimeError and
+    cut the batch's cache to that prompt's length (later batch results wrong, no error); a reference of another
+    model was scored against silently."""
+    from conftest import prompt, tiny_model
+
+    model, cfg = tiny_model("llama"), sd.SparseConfig(support=97)
+    long, short = prompt(160, seed=1), prompt(130, seed=2)
+    batch = sd.dense_reference(model, [long, short], tokens=6)
+    before = sd.compare(model, None, [long, short], cfg, 6, reference=batch)
+    with pytest.raises(sd.SparseDecodeError, match="part of a BatchReference"):
+        sd.compare(model, None, short, cfg, 6, reference=batch.references[1])
+    after = sd.compare(model, None, [long, short], cfg, 6, reference=batch)  # the batch's cache left whole
+    assert [r.sparse_tokens for r in after] == [r.sparse_tokens for r in before]
+    alone = sd.dense_reference(model, short, tokens=6)
+    other = tiny_model("llama", seed=7)
+    with pytest.raises(sd.SparseDecodeError, match="computed by another model"):
+        sd.compare(other, None, short, cfg, 6, reference=alone)
+    with pytest.raises(sd.SparseDecodeError, match="computed by another model"):
+        sd.compare(other, None, [long, short], cfg, 6, reference=batch)
+    model.to(torch.bfloat16)
+    with pytest.raises(sd.SparseDecodeError, match="in another dtype"):
+        sd.compare(model, None, short, cfg, 6, reference=alone)

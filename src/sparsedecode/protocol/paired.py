@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -68,7 +69,8 @@ def dense_reference(
         cache, logits = prefill(model, ids, mask=mask, progress=progress)
         prefill_s = time.perf_counter() - started
         first = logits.argmax(dim=-1).tolist()
-        first_nll = (torch.logsumexp(logits, dim=-1) - logits.gather(1, torch.tensor(first)[:, None])[:, 0]).tolist()
+        chosen = logits.gather(1, torch.tensor(first, device=logits.device)[:, None])[:, 0]
+        first_nll = (torch.logsumexp(logits, dim=-1) - chosen).tolist()
         started = time.perf_counter()
         argmaxes, nll = decode_tokens(
             model,
@@ -83,10 +85,18 @@ def dense_reference(
         decode_s = time.perf_counter() - started
     crop_cache(cache, ids.shape[1])
     stacked = torch.stack(steps, dim=1) if steps else torch.zeros(len(prompts), 0, 0)
-    count = len(prompts)
+    count, made_by = len(prompts), (weakref.ref(model), _weights_dtype(model))
     references = [
         DenseReference(
-            p, [first[i], *argmaxes[i]], [first_nll[i], *nll[i]], cache, prefill_s / count, decode_s / count, stacked[i]
+            p,
+            [first[i], *argmaxes[i]],
+            [first_nll[i], *nll[i]],
+            cache,
+            prefill_s / count,
+            decode_s / count,
+            stacked[i],
+            made_by=made_by,
+            in_batch=not one,
         )
         for i, p in enumerate(prompts)
     ]
@@ -105,14 +115,29 @@ def _check_tokens(tokens: int) -> None:
         raise SparseDecodeError(f"tokens must be an integer >= 2 (got {tokens!r}): step 1 is shared with dense")
 
 
-def _check_reference(reference, prompts: list[torch.Tensor], one: bool, tokens: int) -> list[DenseReference]:
+def _weights_dtype(model: torch.nn.Module) -> torch.dtype | None:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+
+
+def _check_reference(model, reference, prompts: list[torch.Tensor], one: bool, tokens: int) -> list[DenseReference]:
     kind = DenseReference if one else BatchReference
     if not isinstance(reference, kind):
         what = (
             "one prompt's reference must be a DenseReference" if one else "a batch's reference must be a BatchReference"
         )
         raise SparseDecodeError(f"compare: {what}, got {type(reference).__name__}")
+    if one and reference.in_batch:
+        raise SparseDecodeError(
+            "compare: this DenseReference is one prompt's part of a BatchReference (its cache holds the whole "
+            "batch): pass the BatchReference with the batch's prompts, or dense_reference() of this prompt alone"
+        )
     refs = [reference] if one else reference.references
+    made_by = refs[0].made_by if refs else None
+    if made_by is not None and (made_by[0]() is not model or made_by[1] != _weights_dtype(model)):
+        raise SparseDecodeError(
+            "compare: the dense reference was computed by another model (or this model in another dtype): compute "
+            "it with dense_reference() of this model"
+        )
     if len(refs) != len(prompts) or not all(
         r.prompt_ids.shape == p.shape and torch.equal(r.prompt_ids, p) for r, p in zip(refs, prompts)
     ):
@@ -162,7 +187,7 @@ def compare(
         check_positions(model, int(p.shape[1]), tokens, "compare")
     if reference is None:
         reference = dense_reference(model, prompts[0] if one else prompts, tokens=tokens, progress=progress)
-    refs = _check_reference(reference, prompts, one, tokens)
+    refs = _check_reference(model, reference, prompts, one, tokens)
     cache, mask = reference.cache, None if one else reference.mask
     length = prompts[0].shape[1] if one else mask.shape[1]
     dense = [r.tokens[:tokens] for r in refs]

@@ -45,6 +45,9 @@ class DenseReference:
     decode_s: float
     logits: torch.Tensor = field(repr=False)
     h2o_history: dict[int, torch.Tensor] | None = field(default=None, repr=False)
+    # what computed it: the model (a weak reference) and its weights' dtype; and whether its cache is a batch's
+    made_by: tuple[Callable[[], object], torch.dtype] | None = field(default=None, repr=False, compare=False)
+    in_batch: bool = field(default=False, repr=False)
 
     @property
     def context(self) -> int:
