@@ -420,3 +420,26 @@ def test_the_c_kernel_attends_supports_per_query_head_as_torch_does(dtype):
     assert got.shape == (kv * group, d)
     torch.testing.assert_close(got.float(), expected.float(), rtol=0, atol=1e-5 if dtype == torch.float32 else 2e-2)
     assert not torch.allclose(got.float()[0], got.float()[1])  # the heads of a group read other blocks
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        BlockLayout(n=0, window=4, block_size=4),  # read position 0 of an empty cache: a segmentation fault
+        BlockLayout(n=8, window=2, block_size=0),  # a division by zero in the C code
+        BlockLayout(n=8, window=-4, block_size=4),  # a window past the end: writes past the positions buffer
+    ],
+)
+def test_a_layout_the_c_code_cannot_take_is_refused_before_it(layout):
+    """Found by probing: these ended the process (SIGSEGV, SIGFPE) or wrote past a buffer, called directly."""
+    q, keys = torch.randn(4, 16), torch.randn(2, max(layout.n, 1), 16)
+    blocks = torch.zeros(2, 1, dtype=torch.long)
+    with pytest.raises(SparseDecodeError, match="at least one"):
+        cpu.attend_support(q, keys, keys, blocks, layout, 0.25)
+    if layout.n == 0:  # a batch's row of no position is refused by its row table
+        return
+    batch_q = torch.randn(1, 4, 16)
+    with pytest.raises(SparseDecodeError, match="at least one"):
+        cpu_batch.sparse_step_batch(
+            batch_q, keys[None], keys[None], torch.empty(1, 4, 16), [], layout.window, layout.block_size, 0.25
+        )

@@ -125,3 +125,27 @@ def test_an_int8_product_of_any_group_count_gives_the_dequantized_product(inputs
     x = torch.randn(2, inputs)
     expected = quantized_activations(x) @ layer.dequantized().t()
     assert torch.allclose(layer.c_product(x), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_the_python_implementations_refuse_what_the_cpp_operators_refuse():
+    """Found by probing: where the C++ operators do not build, the Python ones handed any tensors to C (bfloat16
+    activations corrupted the heap, short ones read past them); an offset of another shape was taken."""
+    from sparsedecode.errors import SparseDecodeError
+    from sparsedecode.kernels.cpu import qlinear
+
+    int4, int8 = quantize_int4(torch.nn.Linear(64, 32)), quantize_int8(torch.nn.Linear(64, 32))
+    for x in (torch.ones(1, 64, dtype=torch.bfloat16), torch.ones(1, 32), torch.ones(64)):
+        with pytest.raises(SparseDecodeError, match="int4_linear"):
+            qlinear.q4_linear(x, int4.packed, int4.scale, int4.offset)
+        with pytest.raises(SparseDecodeError, match="int8_linear"):
+            qlinear.q8_linear(x, int8.q, int8.scale)
+    with pytest.raises(SparseDecodeError, match="int4_linear"):
+        qlinear.q4_linear(torch.ones(1, 64), int4.packed, int4.scale, int4.offset[:1])
+    with pytest.raises(SparseDecodeError, match="int8_linear"):
+        qlinear.q8_linear(torch.ones(1, 64), int8.q, int8.scale[:, :1].contiguous())
+    assert torch.equal(qlinear.q4_linear(torch.ones(2, 64), int4.packed, int4.scale, int4.offset), int4.c_product(
+        torch.ones(2, 64)))  # fmt: skip
+    with pytest.raises(SparseDecodeError, match="scales"):
+        Int4Linear(int4.packed, int4.scale, int4.offset[:1])
+    with pytest.raises(SparseDecodeError, match="groups of 32"):
+        quantize_int8(torch.nn.Linear(0, 4))

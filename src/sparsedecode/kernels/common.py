@@ -14,6 +14,11 @@ def check_inputs(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | Non
 
     A value head dim ``dv`` other than ``d`` is fine here (the torch path handles it; the kernels refuse it).
     """
+    if layout.n < 1 or layout.window < 1 or layout.block_size < 1:
+        raise SparseDecodeError(
+            f"a step needs at least one position, a window of at least one and blocks of at least one; got n = "
+            f"{layout.n}, window {layout.window}, block_size {layout.block_size}"
+        )
     q_shape, k_shape = q.shape, keys.shape
     v_shape = None if values is None else values.shape
     if len(q_shape) != 2 or len(k_shape) != 3 or (v_shape is not None and len(v_shape) != 3):

@@ -99,7 +99,7 @@ class QuantizedLinear(torch.nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, source: str):
         super().__init__()
-        if in_features % GROUP:
+        if in_features < GROUP or in_features % GROUP:
             raise SparseDecodeError(f"a quantized linear layer needs inputs in groups of {GROUP}, got {in_features}")
         self.in_features, self.out_features, self.source = in_features, out_features, source
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
@@ -144,7 +144,7 @@ class Int4Linear(QuantizedLinear):
     def __init__(self, packed, scale, offset, bias=None, source: str = "int4", scale_dtype=torch.float16):
         groups, half, outputs = packed.shape
         super().__init__(groups * GROUP, outputs, bias, source)
-        if half != GROUP // 2 or packed.dtype != torch.uint8 or scale.shape != (groups, outputs):
+        if half != GROUP // 2 or packed.dtype != torch.uint8 or not scale.shape == offset.shape == (groups, outputs):
             raise SparseDecodeError(f"Int4Linear: packed (K/32, 16, N) uint8 and scales (K/32, N), got {packed.shape}")
         _check_scale_dtype(scale_dtype)
         self.register_buffer("packed", packed.contiguous())
@@ -249,7 +249,7 @@ def quantize_linears(model: torch.nn.Module, weights: str) -> dict[str, int]:
     make = {"int4": quantize_int4, "int8": quantize_int8}[weights]
     counts = {weights: 0, "float": 0}
     for name, linear in linear_modules(model).items():
-        if linear.in_features % GROUP:
+        if linear.in_features < GROUP or linear.in_features % GROUP:
             counts["float"] += 1
             continue
         replace_module(model, name, make(linear))

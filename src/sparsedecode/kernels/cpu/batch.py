@@ -66,6 +66,8 @@ def run_step_batch(
     shapes, the dtype and every row are checked here."""
     batch, heads, d = q.shape
     kv_heads = keys.shape[1]
+    if window < 1 or block_size < 1:
+        raise SparseDecodeError(f"a window and blocks of at least one position; got {window} and {block_size}")
     if not (
         keys.shape[0] == values.shape[0] == batch
         and values.shape[1] == kv_heads

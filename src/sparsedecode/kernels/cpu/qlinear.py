@@ -14,6 +14,7 @@ import ctypes
 
 import torch
 
+from ...errors import SparseDecodeError
 from . import check_status, library, native
 from .functions import c_function
 
@@ -31,10 +32,28 @@ def available():
     return built
 
 
+def _check(what: str, x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, inputs: int, scales) -> None:
+    """What the C loop assumes, as the C++ operators check it (:mod:`.native`): ``x (rows, inputs)`` float32,
+    contiguous CPU weights of their dtype, scales (and offsets) of one float dtype with ``scales`` elements."""
+    fits = x.dim() == 2 and x.shape[1] == inputs and x.dtype == torch.float32 and x.is_cpu and inputs > 0
+    fits = fits and weight.is_cpu and weight.is_contiguous() and weight.dtype == dtype
+    for tensor, count in scales:
+        fits = fits and tensor.is_cpu and tensor.is_contiguous() and tensor.numel() == count
+        fits = fits and tensor.dtype == scales[0][0].dtype and tensor.dtype in (torch.float16, torch.float32)
+    if not fits:
+        raise SparseDecodeError(
+            f"{what}: activations (rows, {inputs}) float32 and contiguous CPU weights, scales float16 or float32 of "
+            f"the weight's groups; got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}"
+        )
+
+
 def q4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     """``x (rows, K)`` float32 (quantized per group of 32 here) times the int4 weight ``packed (K/32, 16, N)`` uint8,
     ``scale``, ``offset (K/32, N)`` float16 or float32: ``(rows, N)`` float32."""
+    if packed.dim() != 3 or packed.shape[1] != 16:
+        raise SparseDecodeError(f"int4_linear: packed (K/32, 16, N), got {tuple(packed.shape)}")
     groups, _, n = packed.shape
+    _check("int4_linear", x, packed, torch.uint8, groups * 32, [(scale, groups * n), (offset, groups * n)])
     x = x.contiguous()
     out = x.new_empty(x.shape[0], n)
     status = c_function("q4_linear", _Q4_ARGS)(
@@ -48,7 +67,12 @@ def q4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset
 def q8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x (rows, K)`` float32 (quantized per group of 32 here) times the int8 weight ``q (N, K/32, 32)``,
     ``scale (N, K/block)`` float16 or float32, ``block`` 32 or 16: ``(rows, N)`` float32."""
+    if q.dim() != 3 or q.shape[2] != 32 or scale.dim() != 2 or scale.shape[1] not in (q.shape[1], 2 * q.shape[1]):
+        raise SparseDecodeError(
+            f"int8_linear: q (N, K/32, 32) and scale (N, K/32 or K/16), got {tuple(q.shape)} and {tuple(scale.shape)}"
+        )
     n, groups, _ = q.shape
+    _check("int8_linear", x, q, torch.int8, groups * 32, [(scale, n * scale.shape[1])])
     x = x.contiguous()
     out = x.new_empty(x.shape[0], n)
     q8 = c_function("q8_linear", _Q8_ARGS)
