@@ -386,3 +386,118 @@ def test_run_and_bench_op_refuse_scores_on_the_meta_device_in_one_line(meta_file
             assert main([*command, "--selector", f"{meta_file}:{name}"]) == 2
             err = capsys.readouterr().err
             assert err.count("\n") == 1 and f"{name}: score_" in err and "device meta" in err, err
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.int8, torch.uint8])
+def test_budgets_of_any_integer_dtype_are_taken(dtype):
+    """Found by probing: a budget from ``.int()`` failed with a bare RuntimeError (the cap overflowed int32)."""
+
+    @dataclass(frozen=True)
+    class Budgeted(sd.BlockSelector):
+        def score_blocks(self, queries, keys, layout):
+            return -torch.arange(layout.n_blocks, dtype=torch.float64).expand(keys.shape[0], -1)
+
+        def budget(self, scores, layout):
+            return torch.tensor([2, 100]).to(dtype)
+
+    picked = select_support(torch.randn(4, 8), torch.randn(2, 400, 8), support=193, method=Budgeted())
+    assert len(picked[0]) == 1 + 2 * 16 + 64 and len(picked[1]) == 1 + 8 * 16 + 64
+
+
+def test_a_selector_editing_the_layout_it_is_handed_changes_nothing():
+    """Found by probing: the layout is frozen, but ``object.__setattr__`` wrote into the library's own: a support of
+    97 read 112 positions (the window read from the edited layout). A user's selector is handed a copy."""
+
+    @dataclass(frozen=True)
+    class Honest(sd.TokenSelector):
+        def score_positions(self, queries, keys, layout):
+            return torch.einsum("hd,hnd->hn", group_mean_queries(queries, keys.shape[0]), keys.float())
+
+    @dataclass(frozen=True)
+    class WidensWindow(Honest):
+        def score_positions(self, queries, keys, layout):
+            object.__setattr__(layout, "window", layout.window + 16)
+            object.__setattr__(layout, "n", layout.n - 40)
+            return super().score_positions(queries, keys, layout)
+
+    model, ids = tiny_model("llama"), prompt(300)
+    runs = [sd.generate(model, ids, SparseConfig(support=97, selector=s()), 8, mode="sparse") for s in (Honest,
+            WidensWindow)]  # fmt: skip
+    assert runs[0].tokens == runs[1].tokens
+    queries, keys = torch.randn(4, 16), torch.randn(2, 400, 16)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            select_support(queries, keys, support=97, method=Honest()),
+            select_support(queries, keys, support=97, method=WidensWindow()),
+        )
+    )
+
+
+SUBCLASSES = """
+from dataclasses import dataclass
+
+import torch
+
+import sparsedecode
+from sparsedecode.selectors.methods.mean_pooled import MeanPooled
+
+
+@dataclass(frozen=True)
+class MaxStatistics(MeanPooled):
+    statistics = ("max",)
+
+
+@dataclass(frozen=True)
+class Refuses(sparsedecode.BlockSelector):
+    def score_blocks(self, queries, keys, layout):
+        raise sparsedecode.SparseDecodeError("something is wrong")
+
+
+@dataclass(frozen=True)
+class Nested(sparsedecode.BlockSelector):
+    def score_blocks(self, queries, keys, layout):
+        return torch.nested.nested_tensor([torch.zeros(layout.n_blocks)] * keys.shape[0])
+
+
+@dataclass(frozen=True)
+class Base(sparsedecode.BlockSelector):
+    def score_blocks(self, queries, keys, layout):
+        return torch.zeros(keys.shape[0], layout.n_blocks) + SIGN
+
+
+SIGN = 1.0
+"""
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("MaxStatistics", "KeyError: 'mean'"),  # the kernel's mean-dot scoring read statistics it does not keep
+        ("Refuses", "something is wrong"),  # an error of its own, named
+        ("Nested", "nested tensor"),
+    ],
+)
+def test_a_users_selector_failing_is_one_line_naming_it(tmp_path, name, message):
+    path = tmp_path / "subclasses.py"
+    path.write_text(SUBCLASSES)
+    with pytest.raises(SparseDecodeError, match=message) as raised:
+        select_support(torch.randn(4, 16), torch.randn(2, 400, 16), support=97, method=f"{path}:{name}")
+    assert f"selector {path}:{name}" in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_twilights_base_from_a_file_is_named_parsed_and_told_apart(tmp_path):
+    """Found by probing: ``twilight:base=file.py:Class`` (what its own spec() writes) was read as the file
+    'twilight:base=file.py'; an edited base file kept the compiled decoders of the first (keyed by the base's name)."""
+    from sparsedecode.selectors.registry import parse_selector
+
+    path = tmp_path / "bases.py"
+    path.write_text(SUBCLASSES)
+    first = SparseConfig(support=97, selector=f"twilight:base={path}:Base")
+    assert parse_selector(first.selector.spec()).identity() == first.selector.identity()
+    record = first.selector.record()
+    assert record["base_sha256"] and record["selector"] == f"twilight:base={path}:Base"
+    path.write_text(SUBCLASSES.replace("SIGN = 1.0", "SIGN = -1.0"))
+    second = SparseConfig(support=97, selector=f"twilight:base={path}:Base")
+    assert repr(first) == repr(second) and first.identity() != second.identity()
+    assert second.selector.record()["base_sha256"] != record["base_sha256"]

@@ -120,8 +120,9 @@ class Selector:
         super().__init_subclass__(**kwargs)
         cls.source = None  # a subclass is not its parent's file (the file loader sets its own classes')
         overrides = "score_blocks" in cls.__dict__ or "score_positions" in cls.__dict__
-        if overrides and "kernel_scoring" not in cls.__dict__:
-            cls.kernel_scoring = None  # the kernels implement the parent's scores, not this class's
+        changes = overrides or "statistics" in cls.__dict__
+        if changes and "kernel_scoring" not in cls.__dict__:
+            cls.kernel_scoring = None  # the kernels implement the parent's scores over its statistics, not this class's
         for kind in cls.statistics:
             if kind not in STATISTICS:
                 raise SparseDecodeError(f"{cls.__name__}: unknown block statistic {kind!r}; known: {STATISTICS}")

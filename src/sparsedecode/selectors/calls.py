@@ -6,6 +6,8 @@ op, vLLM's pages, a built-in that calls another selector: Twilight's base) goes 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..errors import USER_CODE_FAILURES, SparseDecodeError, failure, one_line
@@ -25,6 +27,8 @@ def checked_scores(selector: Selector, scores, shape: tuple[int, int], what: str
     name = selector.spec()
     if not isinstance(scores, torch.Tensor):
         raise SparseDecodeError(f"selector {name}: {what} returned {type(scores).__name__}, not a tensor")
+    if scores.is_nested:
+        raise SparseDecodeError(f"selector {name}: {what} returned a nested tensor; return a dense one")
     if tuple(scores.shape) != shape:
         raise SparseDecodeError(f"selector {name}: {what} returned shape {tuple(scores.shape)}, expected {shape}")
     if scores.device != device:
@@ -101,15 +105,18 @@ def call_selector(selector: Selector, method, *inputs, layout=None):
     came from inputs it changed). A failure inside the selector is one line naming it too. The copies cost one pass
     over what the selector reads; built-ins, and the kernels' own scoring, are handed the tensors themselves.
     """
-    if not trusted(selector, method):
+    own = trusted(selector, method)
+    if not own:  # copies, the layout too (frozen, but object.__setattr__ writes into it)
         inputs = tuple(_copy(value) for value in inputs)
+        layout = dataclasses.replace(layout) if dataclasses.is_dataclass(layout) else layout
     before = _versions(inputs)
     try:
         result = method(*inputs, layout)
     except SparseDecodeError as error:
-        if "\n" not in str(error):
+        if own and "\n" not in str(error):
             raise
-        raise SparseDecodeError(one_line(error)) from None  # one line, whatever the selector wrote
+        named = "" if own else f"selector {selector.spec()} failed in {method.__name__}: "
+        raise SparseDecodeError(named + one_line(error)) from None  # one line, whatever the selector wrote
     except USER_CODE_FAILURES as error:  # a user's selector failing is one line naming it
         raise SparseDecodeError(f"selector {selector.spec()} failed in {method.__name__}: {failure(error)}") from None
     if _versions(inputs) != before:

@@ -220,7 +220,10 @@ def file_cut(text: str) -> int | None:
         class_name = text[cut + 1 :].partition(":")[0]
         if class_name.isidentifier() and "=" not in text[:cut]:
             return cut
-    return cuts[0] if cuts else None
+    head = text.partition(":")[0]
+    if "=" in text and not any(c in head for c in "=/\\") and not head.endswith(".py"):
+        return None  # 'NAME:key=path.py:Class': a registered selector whose parameter is a file spec
+    return cuts[0] if cuts else None  # a path holding '=', or one naming no class (refused as such)
 
 
 def _split(text: str) -> tuple[str, str]:

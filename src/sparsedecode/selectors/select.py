@@ -60,7 +60,7 @@ def _whole_counts(selector: BlockSelector, counts: torch.Tensor) -> torch.Tensor
     turn -3 and NaN into 0 blocks and 1.9 into 1 without a word)."""
     if counts.dtype == torch.bool or counts.is_complex():
         raise SparseDecodeError(f"selector {selector.spec()}: budget returned {counts.dtype} counts, not integers")
-    whole = counts if not counts.is_floating_point() else counts.double()
+    whole = counts.to(torch.int64) if not counts.is_floating_point() else counts.double()  # int32's clamp overflows
     if counts.is_floating_point() and not bool((torch.isfinite(whole) & (whole == whole.round())).all()):
         raise SparseDecodeError(
             f"selector {selector.spec()}: budget returned counts that are not whole numbers "

@@ -122,6 +122,18 @@ class Twilight(TokenSelector):
     def base_selector(self):
         return base_of(self.base)
 
+    def identity(self) -> tuple:
+        """Its own identity and its base's: a base named by a file is the class the file held when this selector
+        was made (an edited file is another base, whose compiled decoders are not this one's)."""
+        return (*super().identity(), self.base_selector.identity())
+
+    def record(self) -> dict:
+        """Its record; a base from a file adds the file's sha256 (``base_sha256``), so a folder notices an edit."""
+        out = super().record()
+        if self.base_selector.source:
+            out["base_sha256"] = self.base_selector.source[1]
+        return out
+
     @property
     def per_query_head(self) -> bool:
         return True
