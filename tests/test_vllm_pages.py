@@ -185,12 +185,41 @@ def test_pages_must_hold_whole_blocks():
         ('{"support": 97, "audit": true}', "audit"),
         ('{"support": 97, "colour": 1}', "colour"),
         ('{"budget": "/nonexistent/budget.json"}', "no such file"),
+        ('{"budget": 5}', "a budget file's path"),  # found by probing: a bare TypeError
+        ('{"support": 97, "kernel": "c"}', "kernel"),
     ],
 )
 def test_a_bad_spec_is_one_line(spec, message):
     with pytest.raises(SparseDecodeError, match=message) as error:
         configured({}, {"SPARSEDECODE_VLLM": spec})
     assert "\n" not in str(error.value)
+
+
+def test_a_null_spec_and_the_defaults_of_refused_fields():
+    """Found by probing: a null spec in vLLM's config decoded dense without a word; ``audit: false`` and
+    ``kernel: "auto"`` (the defaults, nothing asked) were refused."""
+    with pytest.raises(SparseDecodeError, match="is null"):
+        configured({"sparsedecode": None}, {})
+    assert configured({}, {"SPARSEDECODE_VLLM": '{"support": 97, "audit": false, "kernel": "auto"}'}).support == 97
+
+
+@pytest.mark.parametrize("selector", ["quest", "mean-pooled", "twilight"])
+def test_blocks_of_one_key_are_served(selector):
+    """Found by probing: with ``block_size`` 1 a block's piece holds no key, and min/max over none crashed the first
+    refresh of the page statistics."""
+    cfg = config_from_spec({"support": 40, "window": 7, "block_size": 1, "selector": selector})
+    pages = Pages(20)
+    stats = statistics_for(cfg, pages.cache)
+    keys, values, q = sequence(300, 3)
+    table = torch.randperm(20).int()
+    pages.write(table, keys[:, :290], values[:, :290], 0, stats)
+    for p in range(290, 300):
+        pages.write(table, keys[:, p : p + 1], values[:, p : p + 1], p, stats)
+    chosen, expected = reference(cfg, q, keys, values, D**-0.5)
+    index, valid = row_support(cfg, pages.cache, stats, q, table, row_layout(cfg, 300, 0, D**-0.5))
+    assert [i[v].sort().values.tolist() for i, v in zip(index, valid)] == [c.tolist() for c in chosen]
+    out = sparse_rows(cfg, pages.cache, stats, q[None], table[None], [300], layer=0, scale=D**-0.5)
+    torch.testing.assert_close(out[0], expected, rtol=1e-5, atol=1e-5)
 
 
 def test_the_spec_comes_from_vllms_config_first():

@@ -181,7 +181,11 @@ def parse_layers(layers) -> tuple[int, ...]:
 def check_named_layers(config: SparseConfig, modules) -> None:
     """Every layer ``config.dense_layers`` and ``config.layer_supports`` name is one of the model's attention
     ``modules`` (numbered by their ``layer_idx``)."""
-    layers = 1 + max((int(module.layer_idx) for module in modules), default=-1)
+    check_layer_indices(config, 1 + max((int(module.layer_idx) for module in modules), default=-1))
+
+
+def check_layer_indices(config: SparseConfig, layers: int) -> None:
+    """Every layer ``config.dense_layers`` and ``config.layer_supports`` name is below ``layers``."""
     for field, named in (("dense_layers", config.dense_layers), ("layer_supports", dict(config.layer_supports))):
         outside = [layer for layer in named if layer >= layers]
         if outside:

@@ -33,7 +33,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from ...config import SparseConfig
+from ...config import SparseConfig, check_layer_indices
 from ...errors import SparseDecodeError
 from .pages import PagedCache
 from .spec import configured
@@ -166,6 +166,9 @@ class SparseAttentionImpl(CPUAttentionBackendImpl):
         for what, present in refused.items():
             if present:
                 raise SparseDecodeError(f"the sparse vLLM backend does not serve attention with {what}")
+        layers = getattr(get_current_vllm_config().model_config.hf_text_config, "num_hidden_layers", None)
+        if isinstance(layers, int):  # layers the spec names that the model lacks: refused at start-up
+            check_layer_indices(self.config, layers)
 
     def layer_config(self, index: int) -> SparseConfig | None:
         """Layer ``index``'s configuration, ``None`` for a dense layer."""

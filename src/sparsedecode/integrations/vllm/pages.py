@@ -134,6 +134,8 @@ class PageStatistics:
             target = self.pieces[kind]
             if kind == "mean":
                 target[pages, :, chunk] = keys.sum(dim=1)
+            elif keys.shape[1] == 0:  # blocks of one key: the piece holds none, the block is its next key
+                target[pages, :, chunk] = float("inf") if kind == "min" else float("-inf")
             else:
                 target[pages, :, chunk] = keys.amin(dim=1) if kind == "min" else keys.amax(dim=1)
 

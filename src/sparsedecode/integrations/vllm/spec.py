@@ -29,6 +29,10 @@ KEY = "sparsedecode"
 def spec_text(additional_config, environ=None) -> object:
     """The spec as given (a dict from vLLM's additional config, or the environment's JSON text), ``None`` if none."""
     if isinstance(additional_config, dict) and KEY in additional_config:
+        if additional_config[KEY] is None:
+            raise SparseDecodeError(
+                f"additional_config's {KEY!r} is null: give a spec object, or leave the key out to decode dense"
+            )
         return additional_config[KEY]
     environ = os.environ if environ is None else environ
     return environ.get(ENV) or None
@@ -41,12 +45,14 @@ def config_from_spec(spec: object) -> SparseConfig:
         try:
             spec = json.loads(spec)
         except ValueError as error:
-            raise SparseDecodeError(f"{ENV} is not valid JSON ({error}): give an object such as "
+            raise SparseDecodeError(f"the sparsedecode spec is not valid JSON ({error}): give an object such as "
                                     '{"support": 193, "selector": "mean-pooled"}') from None  # fmt: skip
     if not isinstance(spec, dict):
         raise SparseDecodeError(f"the sparsedecode spec must be a JSON object of SparseConfig fields, got {spec!r}")
     fields = dict(spec)
     budget = fields.pop("budget", None)
+    if budget is not None and not isinstance(budget, str):
+        raise SparseDecodeError(f"spec field 'budget' is a budget file's path, got {budget!r}")
     if budget is not None:
         if "dense_layers" in fields or "layer_supports" in fields:
             raise SparseDecodeError("give the spec a budget file or dense_layers / layer_supports, not both")
@@ -57,7 +63,7 @@ def config_from_spec(spec: object) -> SparseConfig:
             fields[name] = value
     for name, refused in (("audit", "the audit reads dense attention at every step"),
                           ("kernel", "vLLM's pages are gathered in torch")):  # fmt: skip
-        if name in fields:
+        if name in fields and fields.pop(name) != getattr(SparseConfig, name):  # the default asks nothing
             raise SparseDecodeError(f"spec field {name!r} is not taken by the vLLM backend: {refused}")
     config = config_from_overrides(fields)
     check_servable(config)
