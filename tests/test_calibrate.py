@@ -89,6 +89,19 @@ def test_calibrate_finds_the_cheapest_feasible_supports_and_resumes(tiny_model_d
     assert "Held out: 2 prompts the search never saw" in markdown and "![trials](front.png)" in markdown
     assert all((out / name).stat().st_size > 0 for name in ("front.png", "supports.png", "trials.csv"))
     assert len((out / "trials.csv").read_text().splitlines()) == 1 + 6
+    # what the budget was chosen for travels with it (found by probing: used at another W or B, or on a model of
+    # another layer count, it ran without a word, the missing layers at --support)
+    written = json.loads((out / "budget.json").read_text())
+    assert (written["window"], written["block_size"], written["layers"]) == (64, 16, 2)
+    budget_run = ["run", "--model", str(tiny_model_dir), "--context", "300", "--support", "97", "--tokens", "3"]
+    capsys.readouterr()
+    assert main([*budget_run, "--window", "32", "--budget", str(out / "budget.json")]) == 2
+    assert "--window 32 differs from budget file" in capsys.readouterr().err
+    other = json.loads(written_text := (out / "budget.json").read_text()) | {"layers": 3}
+    (tmp_path / "three.json").write_text(json.dumps(other))
+    assert main([*budget_run, "--budget", str(tmp_path / "three.json")]) == 2
+    assert "made for a model of 3 attention layers" in capsys.readouterr().err
+    assert written_text == (out / "budget.json").read_text()
     built = []
     build = calibration_units.UnitsSpec.build
     monkeypatch.setattr(calibration_units.UnitsSpec, "build", lambda spec, *a, **k: built.append(spec.first) or
@@ -115,6 +128,20 @@ def test_calibrate_finds_the_cheapest_feasible_supports_and_resumes(tiny_model_d
     data = json.loads((tmp_path / "ordered" / "calibration.json").read_text())
     assert data["settings"]["prompt_indices"] == {"calibration": None, "held_out": None}
     assert "never saw (indices 3-4)" in (tmp_path / "ordered" / "calibration.md").read_text()
+
+
+def test_a_search_choosing_nothing_leaves_no_earlier_budget(tiny_model_dir, tmp_path, capsys):
+    """Found by probing: a search that met no target left an earlier search's budget.json and supports.png in the
+    folder, which --budget then ran as this folder's choice."""
+    out = tmp_path / "c"
+    out.mkdir()
+    (out / "budget.json").write_text('{"layer_supports": {"0": 1009, "1": 1009}}')
+    (out / "supports.png").write_bytes(b"an earlier plot")
+    args = ["calibrate", "--model", str(tiny_model_dir), "--context", "300", "--choices", "97,113"]
+    args += ["--target", "tf-match>=100", "--prompts", "2", "--held-out", "2", "--tokens", "6", "--out", str(out)]
+    assert main([*args, "--trials", "2"]) == 0, capsys.readouterr().err
+    assert json.loads((out / "calibration.json").read_text())["chosen"] is None
+    assert not (out / "budget.json").exists() and not (out / "supports.png").exists()
 
 
 def test_bad_calibrations_are_refused_in_one_line(tiny_model_dir, tmp_path, capsys, monkeypatch):

@@ -226,17 +226,31 @@ def parse_layer_supports(supports) -> tuple[tuple[int, int], ...]:
     return tuple(sorted(checked))
 
 
-BUDGET_FIELDS = ("dense_layers", "layer_supports", "reuse", "selector")
+BUDGET_FIELDS = ("dense_layers", "layer_supports", "reuse", "selector", "window", "block_size", "layers")
 """What a budget file (``--budget FILE``) holds: the per-layer part of a configuration (``dense_layers``,
 ``layer_supports``) and, where a calibration chose them, the reuse interval ``reuse`` and the ``selector`` (a spec
-string, its parameters included)."""
+string, its parameters included); what its supports are for: the ``window`` and ``block_size`` (a support is
+``1 + W + b*B``) and the model's attention ``layers`` (every one named: a model of another count is refused)."""
 
 
 def read_budget(path) -> dict:
-    """A budget file's fields: a JSON object of :data:`BUDGET_FIELDS` (``{"dense_layers": [0, 1],
-    "layer_supports": {"5": 385}, "reuse": 2, "selector": "block-top-p:p=0.9"}``), each checked as
-    :class:`SparseConfig` checks it. ``dense_layers`` and ``layer_supports`` are always in the result; ``reuse`` and
-    ``selector`` only where the file holds them (``selector`` as its canonical spec string)."""
+    """A budget file's configuration fields (:data:`BUDGET_FIELDS` but ``layers``, which
+    :func:`read_budget_layers` gives): ``{"dense_layers": [0, 1], "layer_supports": {"5": 385}, "reuse": 2,
+    "selector": "block-top-p:p=0.9", "window": 64, "block_size": 16}``, each checked as :class:`SparseConfig` checks
+    it, so ``SparseConfig(**read_budget(path))`` is the configuration it names. ``dense_layers`` and
+    ``layer_supports`` are always in the result; the others only where the file holds them (``selector`` as its
+    canonical spec string)."""
+    fields_ = _budget_file(path)
+    fields_.pop("layers", None)
+    return fields_
+
+
+def read_budget_layers(path) -> int | None:
+    """The number of attention layers a budget file was made for (``None`` where it does not say)."""
+    return _budget_file(path).get("layers")
+
+
+def _budget_file(path) -> dict:
     import json
     from pathlib import Path
 
@@ -268,6 +282,15 @@ def read_budget(path) -> dict:
         if not isinstance(data["selector"], str):
             raise SparseDecodeError(f"budget file {path}: selector is a spec string, got {data['selector']!r}")
         fields_["selector"] = resolve_selector(data["selector"]).spec()
+    for name in ("window", "block_size", "layers"):
+        if name in data:
+            value = data[name]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise SparseDecodeError(f"budget file {path}: {name} is an integer >= 1, got {value!r}")
+            fields_[name] = value
+    named = [*fields_["dense_layers"], *(layer for layer, _ in fields_["layer_supports"])]
+    if "layers" in fields_ and any(layer >= fields_["layers"] for layer in named):
+        raise SparseDecodeError(f"budget file {path} names layers past its own {fields_['layers']} layers")
     return fields_
 
 

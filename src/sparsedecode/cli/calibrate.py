@@ -311,10 +311,13 @@ def _write(args, search, study, best, held, indices) -> None:
     cfg = None if best is None else search.config(_base(args), best.params)
     if search.params:
         data["chosen_selector"] = None if cfg is None else cfg.selector.spec()
-    if cfg is not None:
+    if cfg is not None:  # with what it was chosen for: a command using it at another W, B or layer count refuses
         budget = {"layer_supports": {str(i): s for i, s in enumerate(chosen)}, "reuse": cfg.reuse,
-                  "selector": cfg.selector.spec()}  # fmt: skip
+                  "selector": cfg.selector.spec(), "window": cfg.window, "block_size": cfg.block_size,
+                  "layers": len(chosen)}  # fmt: skip
         write_json_atomic(args.out / "budget.json", budget)
+    else:  # nothing chosen: an earlier search's budget in this folder is not this one's choice
+        (args.out / "budget.json").unlink(missing_ok=True)
     write_json_atomic(args.out / "calibration.json", data)
     write_text_atomic(args.out / "calibration.md", write_calibration_report(args.out, data))
 

@@ -67,12 +67,29 @@ def load(args):
     with console.status(f"loading {args.model} ({weights or args.dtype})"):
         model, tokenizer = load_model(args.model, dtype=args.dtype, weights=weights)
     check_sparse_attention(model, args.model)
+    _check_budget_layers(args, model)
     if weights is not None:  # what ran, for the settings a result records: float weights set the dtype too
         from ..models.weights import FLOAT_WEIGHTS, weights_label
 
         args.dtype = weights if weights in FLOAT_WEIGHTS else args.dtype
         args.weights_loaded = weights_label(model)
     return model, tokenizer
+
+
+def _check_budget_layers(args, model) -> None:
+    """A budget file made for a model of another number of attention layers is refused: its layers would be other
+    layers, and the model's others would read ``--support``."""
+    if getattr(args, "budget_file", None) is None:
+        return
+    from ..config import read_budget_layers
+    from ..validate import attention_modules
+
+    made_for, layers = read_budget_layers(args.budget_file), len(attention_modules(model))
+    if made_for is not None and made_for != layers:
+        raise SparseDecodeError(
+            f"budget file {args.budget_file} was made for a model of {made_for} attention layers; {args.model} has "
+            f"{layers}"
+        )
 
 
 def quiet_transformers() -> None:

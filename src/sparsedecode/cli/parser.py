@@ -215,22 +215,25 @@ def layer_budget(args) -> dict:
 
 
 def apply_budget_file(args) -> None:
-    """A budget file's ``reuse`` and ``selector`` (a calibration's choice) become the command's ``--reuse`` and
-    ``--selector`` (``--selectors``, that one alone, where a command compares several) where the command line left
-    them at their defaults; given there with another value, or on a command that takes no such option, they are
-    refused in one line. A command without ``--budget`` is left as is."""
+    """A budget file's ``reuse`` and ``selector`` (a calibration's choice), ``window`` and ``block_size`` (what its
+    supports are for) become the command's ``--reuse``, ``--selector`` (``--selectors``, that one alone, where a
+    command compares several), ``--window`` and ``--block-size`` where the command line left them at their defaults;
+    given there with another value, or on a command that takes no such option (unless the value is its default),
+    they are refused in one line. A command without ``--budget`` is left as is."""
     from ..config import read_budget
 
     if getattr(args, "budget_file", None) is None:
         return
+    from ..config import SparseConfig
+
     budget = read_budget(args.budget_file)
-    for name in ("reuse", "selector"):
+    for name in ("reuse", "selector", "window", "block_size"):
         if name not in budget:
             continue
         value = budget[name]
         dest = "selectors" if name == "selector" and not hasattr(args, name) and hasattr(args, "selectors") else name
         if not hasattr(args, dest):
-            if name == "reuse" and value == 1:
+            if value == getattr(SparseConfig, name) and name != "selector":  # the command's fixed default
                 continue
             raise SparseDecodeError(f"budget file {args.budget_file} sets {name} {value}, which this command does not "
                                     "take; use a budget file without it")  # fmt: skip

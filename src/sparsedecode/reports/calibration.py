@@ -51,6 +51,8 @@ def write_calibration_report(directory: Path, data: dict) -> str:
                       label=LABELS[measure], higher=MEASURES[measure].op == ">=", title=title)  # fmt: skip
     if data["chosen"] is not None:
         layer_supports_bars(data["chosen"], directory / "supports.png", title=f"chosen supports: {title}")
+    else:  # nothing chosen: an earlier search's plot is not this one's
+        (directory / "supports.png").unlink(missing_ok=True)
     return calibration_markdown(data)
 
 
