@@ -454,3 +454,21 @@ def test_a_reference_left_mid_decode_by_an_interrupt_is_taken_back(batched):
         assert a.sparse_tokens == b.sparse_tokens and a.teacher_forced_match == b.teacher_forced_match
         # the same arithmetic gives the same NLLs; 1e-9 percent points is float64 round-off of exp and the ratio
         assert a.delta_ppl_percent == pytest.approx(b.delta_ppl_percent, abs=1e-9)
+
+
+def test_sessions_exited_out_of_order_leave_the_open_one_in_force():
+    """Found by probing: exiting a session by hand while one entered after it stayed open restored the mapping from
+    before the first, dropping the open session (its model decoded dense); exiting the second then revived the
+    first's layers."""
+    from sparsedecode.session.session import ACTIVE_SESSIONS
+
+    first_model, second_model = tiny_model("llama"), tiny_model("qwen2")
+    cfg, ids = SparseConfig(support=97), prompt(200)
+    first, second = sparse_decoding(first_model, cfg), sparse_decoding(second_model, cfg)
+    first.__enter__()
+    open_one = second.__enter__()
+    first.__exit__(None, None, None)
+    second_model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert open_one.sparse_steps == 5 * 2 and open_one.dense_steps == 0
+    second.__exit__(None, None, None)
+    assert not ACTIVE_SESSIONS.get()  # nothing of the closed sessions left in force

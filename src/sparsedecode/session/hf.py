@@ -155,14 +155,31 @@ def sparse_decoding(model: torch.nn.Module, config: SparseConfig | None = None, 
     _switch_on(model)
     hooks = [module.register_forward_pre_hook(session.look, with_kwargs=True) for module in modules]
     active = ACTIVE_SESSIONS.get() or {}
-    token = ACTIVE_SESSIONS.set({**active, **owned})
+    mine = {**active, **owned}
+    token = ACTIVE_SESSIONS.set(mine)
     try:
         yield session
     finally:
-        ACTIVE_SESSIONS.reset(token)
+        session.closed = True
+        _leave(token, mine, active, owned)
         for hook in hooks:
             hook.remove()
         _switch_off(model)
+
+
+def _leave(token, mine: dict, before: dict, owned: dict) -> None:
+    """A session's layers leave the sessions in force. Last in, first out: as they were before it. Exited out of
+    order (``__exit__`` called by hand; a session entered after it still open): only its own layers go, an open
+    session's that it covered come back, and no closed session's."""
+    current = ACTIVE_SESSIONS.get() or {}
+    if current is mine:
+        ACTIVE_SESSIONS.reset(token)
+        if all(not entry[0].closed for entry in (ACTIVE_SESSIONS.get() or {}).values()):
+            return
+        current = ACTIVE_SESSIONS.get() or {}
+    kept = {key: entry for key, entry in current.items() if owned.get(key) is not entry and not entry[0].closed}
+    kept.update({key: before[key] for key in owned if key not in kept and key in before and not before[key][0].closed})
+    ACTIVE_SESSIONS.set(kept or None)
 
 
 @contextlib.contextmanager

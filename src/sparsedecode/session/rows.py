@@ -41,8 +41,10 @@ def _check_history(selector, state: LayerState) -> None:
             "attention), so no history survives a step; use a block selector"
         )
     raise SparseDecodeError(
-        needs + "this session did not see the forwards that filled part of the cache: run the prefill inside the "
-        "sparse_decoding session, or give the session its history with session.adopt_history(cache, history)"
+        needs + "this session did not see the forwards that filled part of the cache, or the cache was reordered "
+        "(beam search reorders it at every step, a history it cannot follow): run the prefill inside the "
+        "sparse_decoding session, or give the session its history with session.adopt_history(cache, history); "
+        "beam search needs another selector"
     )
 
 

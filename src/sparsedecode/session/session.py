@@ -57,6 +57,8 @@ class SparseSession:
     sequence_steps: dict[int, list[int]] = field(default_factory=dict)
     """Per sequence of a batch: ``[sparse_steps, dense_steps]`` (the totals above count every sequence)."""
     extents: tuple | None = field(default=None, repr=False)
+    closed: bool = field(default=False, repr=False)
+    """Set when its ``with`` block ends; sessions exited out of order never bring back a closed one's layers."""
     plans: dict = field(default_factory=dict, repr=False)
     """The sparse step's kernel plans by kind of tensors (:func:`~sparsedecode.step.plan.plan_step`)."""
     plan: StepPlan | None = field(default=None, repr=False)
