@@ -81,6 +81,8 @@ def test_lossless_drafts_what_the_tokens_leave_by_default(tmp_path, tiny_model_d
     args = ["run", "--model", str(tiny_model_dir), "--context", "150", "--support", "97", "--mode", "lossless"]
     assert main([*args, "--tokens", "2", "--json", str(out)]) == 0, capsys.readouterr().err
     assert out.is_file()
+    # strict JSON (found by probing: the dense record's acceptance rates were written as NaN)
+    json.loads(out.read_text(), parse_constant=lambda name: pytest.fail(f"{name} in the JSON file"))
 
 
 def test_run_records_the_weights_and_dtype_that_ran(tmp_path, tiny_model_dir, capsys):

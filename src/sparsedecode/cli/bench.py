@@ -28,7 +28,11 @@ __all__ = [
 def add_parsers(sub) -> None:
     """``bench`` and its benchmarks ``op`` and ``e2e``, under the top-level subparsers ``sub``."""
     bench = sub.add_parser(
-        "bench", help="benchmarks: op (one decode-attention call), e2e (real model decoding), vllm (inside vLLM)"
+        "bench",
+        help="benchmarks: op (one decode-attention call), e2e (real model decoding), vllm (inside vLLM)",
+        epilog="examples:\n"
+        "  sparsedecode bench op --context 2048,32768 --support 193 --budget 0.2\n"
+        "  sparsedecode bench e2e --context 2048 --support 193 --tokens 16 --repeats 1 --compile",
     )
     benches = bench.add_subparsers(dest="bench", required=True, parser_class=Parser)
     add_op_parser(benches)

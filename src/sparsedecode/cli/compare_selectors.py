@@ -25,7 +25,8 @@ def add_parsers(sub) -> None:
         "captured mass and passkey retrieval; selectors.md, CSV and JSON in OUT.",
         epilog="examples:\n"
         "  sparsedecode compare-selectors --context 1024 --support 97,193 --prompts 1 --tokens 32\n"
-        "  sparsedecode compare-selectors --context 2048 --support 97,193 --audit --retrieval 5 --out runs/selectors",
+        "  sparsedecode compare-selectors --context 2048 --support 97,193 --audit --retrieval 5 "
+        "--out runs/selectors-audit",
     )
     add_model_args(selectors)
     selectors.add_argument("--corpus", default="python-docs")

@@ -15,7 +15,13 @@ from .parser import Parser, add_dense_layers_arg, add_model_args, add_prompt_arg
 
 
 def add_parsers(sub) -> None:
-    probe = sub.add_parser("probe", help="probes: mass (attention-mass decomposition), retrieval (passkey)")
+    probe = sub.add_parser(
+        "probe",
+        help="probes: mass (attention-mass decomposition), retrieval (passkey)",
+        epilog="examples:\n"
+        "  sparsedecode probe mass --context 2048 --support 97,193\n"
+        "  sparsedecode probe retrieval --context 1024 --depths 0,0.5,1 --trials 2 --support 97,193",
+    )
     probes = probe.add_subparsers(dest="probe", required=True, parser_class=Parser)
     mass = probes.add_parser(
         "mass",

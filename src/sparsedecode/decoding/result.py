@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 
@@ -37,10 +38,13 @@ class Generation:
         return sum(self.accepted) / drafted if drafted else float("nan")
 
     def to_dict(self) -> dict:
+        """JSON-ready: a rate with nothing to count (no verification, no decode time) is ``None``, as strict JSON
+        has no NaN."""
         data = asdict(self)
-        data.update(
+        rates = dict(
             decode_tokens_per_s=self.decode_tokens_per_s,
             mean_accepted=self.mean_accepted,
             acceptance_rate=self.acceptance_rate,
         )
+        data.update({name: None if math.isnan(value) else value for name, value in rates.items()})
         return data
