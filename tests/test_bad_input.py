@@ -263,6 +263,9 @@ def test_generate_checks_the_adaptive_draft_settings(model):
             generate(model, prompt(150), cfg, 8, adaptive="no")
         with pytest.raises(SparseDecodeError, match="max_draft_tokens \\(2\\) is below draft_tokens \\(4\\)"):
             generate(model, prompt(150), cfg, 8, adaptive=True, draft_tokens=4, max_draft_tokens=2)
+        for mode in ("sparse", "dense"):  # nothing drafts there: a draft length was ignored without a word
+            with pytest.raises(SparseDecodeError, match="draft_tokens, adaptive apply to mode='lossless' only"):
+                generate(model, [prompt(150), prompt(140)], cfg, 8, mode=mode, draft_tokens=2, adaptive=True)
 
 
 @pytest.mark.parametrize(

@@ -48,9 +48,9 @@ def generate(
     max_new_tokens: int,
     *,
     mode: str = "lossless",
-    draft_tokens: int = 4,
-    adaptive: bool = False,
-    max_draft_tokens: int = MAX_DRAFT_TOKENS,
+    draft_tokens: int | None = None,
+    adaptive: bool | None = None,
+    max_draft_tokens: int | None = None,
     progress: Progress | None = None,
     attention_mask: torch.Tensor | None = None,
     eos_token_id: int | None = None,
@@ -63,16 +63,25 @@ def generate(
     mask) give one per sequence, decoded together: each as it would be alone (its own support), a sequence that
     emits ``eos_token_id`` stopping there while the others go on; timings are the batch's, the same in every result.
 
-    ``mode="lossless"`` (one prompt) drafts ``draft_tokens`` tokens with sparse attention (``cfg``) and verifies them
-    with one dense forward; ``adaptive=True`` doubles ``k`` after a fully accepted draft (up to
-    ``max_draft_tokens``) and halves it when fewer than half were accepted. ``"dense"`` and ``"sparse"`` decode one
-    token per step (:func:`~sparsedecode.decoding.loop.decode_tokens`). All modes use an in-place
+    ``mode="lossless"`` (one prompt) drafts ``draft_tokens`` tokens (default 4) with sparse attention (``cfg``) and
+    verifies them with one dense forward; ``adaptive=True`` doubles ``k`` after a fully accepted draft (up to
+    ``max_draft_tokens``, default :data:`~sparsedecode.decoding.lossless.MAX_DRAFT_TOKENS`) and halves it when fewer
+    than half were accepted; the three are refused in the other modes, which draft nothing. ``"dense"`` and ``"sparse"``
+    decode one token per step (:func:`~sparsedecode.decoding.loop.decode_tokens`). All modes use an in-place
     :class:`~sparsedecode.session.kv_cache.GrowingCache`. With ``eos_token_id``, generation ends once that token is
     output (the tokens end with it), in every mode. ``compile=True`` (prompts of one length): the same tokens from a
     whole decode step compiled over a static cache (:mod:`sparsedecode.compiled.decoder`; lossless: its drafts), its
     cost in ``compile_s``.
     """
     drafting = dict(draft_tokens=draft_tokens, adaptive=adaptive, max_draft_tokens=max_draft_tokens)
+    given = [name for name, value in drafting.items() if value is not None]
+    if given and mode != "lossless":
+        raise SparseDecodeError(f"generate: {', '.join(given)} apply to mode='lossless' only, not mode={mode!r}")
+    drafting = dict(
+        draft_tokens=4 if draft_tokens is None else draft_tokens,
+        adaptive=False if adaptive is None else adaptive,
+        max_draft_tokens=MAX_DRAFT_TOKENS if max_draft_tokens is None else max_draft_tokens,
+    )
     check_callable(progress, "progress", "generate")
     ids, mask, one = _generation_inputs(
         model, input_ids, cfg, max_new_tokens, mode, attention_mask, eos_token_id, tuple(drafting.values())
