@@ -101,6 +101,9 @@ def test_calibrate_finds_the_cheapest_feasible_supports_and_resumes(tiny_model_d
     (tmp_path / "three.json").write_text(json.dumps(other))
     assert main([*budget_run, "--budget", str(tmp_path / "three.json")]) == 2
     assert "made for a model of 3 attention layers" in capsys.readouterr().err
+    two = [*budget_run[:-3], "97,113", *budget_run[-2:]]  # --support 97,113: both labels one configuration
+    assert main([*two, "--budget", str(out / "budget.json")]) == 2
+    assert "one configuration under 2 labels" in capsys.readouterr().err
     assert written_text == (out / "budget.json").read_text()
     built = []
     build = calibration_units.UnitsSpec.build

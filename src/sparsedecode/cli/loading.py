@@ -35,7 +35,25 @@ def _configs(args, audit: bool = False) -> list:
         for s in args.support
     ]
     check_whole_blocks(configs)
+    _check_one_support_per_budget(args)
     return configs
+
+
+def _check_one_support_per_budget(args) -> None:
+    """A budget file giving every one of its ``layers`` a support (or dense) leaves ``--support`` nothing to set:
+    several would be the same configuration under several labels."""
+    if getattr(args, "budget_file", None) is None or len(args.support) < 2:
+        return
+    from ..config import read_budget, read_budget_layers
+
+    layers, budget = read_budget_layers(args.budget_file), read_budget(args.budget_file)
+    named = {*budget["dense_layers"], *(layer for layer, _ in budget["layer_supports"])}
+    if layers is not None and named == set(range(layers)):
+        raise SparseDecodeError(
+            f"budget file {args.budget_file} sets every layer's support, so --support "
+            f"{','.join(map(str, args.support))} would run one configuration under {len(args.support)} labels: give "
+            "one --support"
+        )
 
 
 def check_whole_blocks(configs) -> None:
