@@ -542,6 +542,14 @@ def main() -> int:
     gpu = torch.cuda.get_device_name(0) if DEVICE == "cuda" else None
     summary: dict[str, object] = {"machine": environment(), "gpu": gpu}
     print(summary, flush=True)
+    failures: list[str] = []  # a failed stage, a case out of tolerance, tokens that differ: the exit status says so
+
+    def verdict() -> int:
+        print("FAILED: " + "; ".join(failures) if failures else "every stage and case ok", flush=True)
+        return 1 if failures else 0
+
+    def bad(name, rows) -> None:
+        failures.extend(f"{name}: a case not as expected" for r in rows if not r["ok"])
 
     def stage(name, fn):
         started = time.perf_counter()
@@ -550,6 +558,7 @@ def main() -> int:
             summary[name] = "ok"
             return value
         except Exception:  # a failed stage is reported and the next one still runs
+            failures.append(f"stage {name}")
             summary[name] = "failed: " + traceback.format_exc(limit=4)[-1500:]
             print(summary[name], flush=True)
             return None
@@ -561,40 +570,46 @@ def main() -> int:
         if graphs is not None:
             (out_dir / "op-gpu-graphs.json").write_text(json.dumps({"gpu": gpu, "rows": graphs}, indent=1))
         print(summary.get("graphs"))
-        return 0
+        return verdict()
     if "--compiled-only" in sys.argv:  # the compiled end-to-end stage alone
         stage("compiled e2e", lambda: compiled_e2e(out_dir))
         print(summary.get("compiled e2e"))
-        return 0
+        return verdict()
     if "--per-head-only" in sys.argv:  # supports per query head (published Quest) through the Triton kernel
         rows = stage("per-head", check_per_head) or []
         (out_dir / "per-head-check.json").write_text(json.dumps(rows, indent=1))
         for r in rows:
             print(("ok  " if r["ok"] else "BAD ") + json.dumps(r), flush=True)
         print(summary.get("per-head"), f"{sum(r['ok'] for r in rows)}/{len(rows)} cases within tolerance")
-        return 0
+        bad("per-head", rows)
+        return verdict()
     if "--paged-only" in sys.argv:  # vLLM's pages through the Triton page-list kernel
         rows = stage("paged", check_paged) or []
         (out_dir / "paged-check.json").write_text(json.dumps({"gpu": gpu, "rows": rows}, indent=1))
         print(summary.get("paged"), f"{sum(r['ok'] for r in rows)}/{len(rows)} cases within tolerance")
-        return 0
+        bad("paged", rows)
+        return verdict()
     if "--batch-only" in sys.argv:  # the batched end-to-end stage alone
         stage("batch e2e", lambda: batched_e2e(out_dir))
         print(summary.get("batch e2e"))
-        return 0
+        return verdict()
     kernel = stage("kernel", check_kernel)
     if kernel is not None:
         (out_dir / "kernel-check.json").write_text(json.dumps(kernel, indent=1))
         summary["kernel"] = f"{sum(r['ok'] for r in kernel)}/{len(kernel)} cases within tolerance"
+        bad("kernel", kernel)
         for r in kernel:
             print(("ok  " if r["ok"] else "BAD ") + json.dumps(r), flush=True)
     limits = stage("limits", check_limits)
     if limits is not None:
         (out_dir / "kernel-limits.json").write_text(json.dumps(limits, indent=1, default=str))
         summary["limits"] = f"{sum(r['ok'] for r in limits)}/{len(limits)} limit cases as expected"
+        bad("limits", limits)
     decoding = stage("decoding", check_decoding)
     if decoding is not None:
         summary["decoding"] = f"triton tokens == torch tokens: {decoding['tokens_equal']}"
+        if not decoding["tokens_equal"]:
+            failures.append("decoding: Triton's tokens differ from torch's")
 
     op_tables = []
     for shape in ("qwen2-0.5b", "llama3-8b"):
@@ -662,7 +677,7 @@ def main() -> int:
                 f"{r.decode_tokens_per_s:8.1f}  {r.speedup_vs_best_dense:5.2f}x  {r.tokens_equal_to_dense}/{r.tokens}"
                 f"  {r.prefill_s:.2f}"
             )
-    return 0
+    return verdict()
 
 
 if __name__ == "__main__":

@@ -264,7 +264,10 @@ def test_top_p_budget_is_the_fewest_blocks_reaching_p():
     estimated = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.1, 0.1, 0.7]])
     assert blocks_for_mass(estimated, 0.5, estimated).tolist() == [1, 1]
     assert blocks_for_mass(estimated, 0.8, estimated).tolist() == [2, 3]
-    assert blocks_for_mass(estimated, 1.0, estimated).tolist() == [3, 4]
+    # p = 1 keeps every block, even where the cumulative share rounds to 1 before the last (found by probing)
+    sharp = torch.tensor([[1.0, 1e-9, 1e-10, 1e-12]])
+    assert blocks_for_mass(sharp, 1.0, sharp).tolist() == [4]
+    assert blocks_for_mass(estimated, 1.0, estimated).tolist() == [4, 4]  # the whole budget, as documented
     # counted in the selection's order, by score: a short block scoring first holds little of the mass
     scores = torch.tensor([[0.0, 0.0, 0.0, 1.0]])
     assert blocks_for_mass(torch.tensor([[0.3, 0.3, 0.3, 0.1]]), 0.9, scores).tolist() == [4]

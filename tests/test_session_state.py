@@ -472,3 +472,17 @@ def test_sessions_exited_out_of_order_leave_the_open_one_in_force():
     assert open_one.sparse_steps == 5 * 2 and open_one.dense_steps == 0
     second.__exit__(None, None, None)
     assert not ACTIVE_SESSIONS.get()  # nothing of the closed sessions left in force
+
+
+def test_h2os_prefill_history_is_dense_to_the_prompts_last_token(monkeypatch):
+    """Found by probing: a prompt whose last prefill chunk held one token took that token for a sparse h2o step (N
+    past the recorder's support), so the history every h2o run adopts was not the dense prefill's."""
+    from sparsedecode.session import hf
+
+    model, ids = tiny_model("llama"), prompt(201)
+    monkeypatch.setattr(hf, "PREFILL_CHUNK", 4096)
+    whole = hf.prefill_history(model, ids)  # one forward
+    monkeypatch.setattr(hf, "PREFILL_CHUNK", 100)  # chunks of 100, 100 and 1
+    chunked = hf.prefill_history(model, ids)
+    for layer, history in whole.items():
+        torch.testing.assert_close(chunked[layer], history, rtol=1e-5, atol=1e-5)

@@ -73,15 +73,7 @@ def generate(
     whole decode step compiled over a static cache (:mod:`sparsedecode.compiled.decoder`; lossless: its drafts), its
     cost in ``compile_s``.
     """
-    drafting = dict(draft_tokens=draft_tokens, adaptive=adaptive, max_draft_tokens=max_draft_tokens)
-    given = [name for name, value in drafting.items() if value is not None]
-    if given and mode != "lossless":
-        raise SparseDecodeError(f"generate: {', '.join(given)} apply to mode='lossless' only, not mode={mode!r}")
-    drafting = dict(
-        draft_tokens=4 if draft_tokens is None else draft_tokens,
-        adaptive=False if adaptive is None else adaptive,
-        max_draft_tokens=MAX_DRAFT_TOKENS if max_draft_tokens is None else max_draft_tokens,
-    )
+    drafting = _drafting(mode, draft_tokens=draft_tokens, adaptive=adaptive, max_draft_tokens=max_draft_tokens)
     check_callable(progress, "progress", "generate")
     ids, mask, one = _generation_inputs(
         model, input_ids, cfg, max_new_tokens, mode, attention_mask, eos_token_id, tuple(drafting.values())
@@ -125,6 +117,15 @@ def generate(
     decode_s = time.perf_counter() - started
     generations = [Generation(mode, [head, *tail], prefill_s, decode_s) for head, tail in zip(first, rest)]
     return generations[0] if one else generations
+
+
+def _drafting(mode: str, **given) -> dict:
+    """The lossless settings, defaults filled in; any given in another mode (which drafts nothing) refused."""
+    named = [name for name, value in given.items() if value is not None]
+    if named and mode != "lossless":
+        raise SparseDecodeError(f"generate: {', '.join(named)} apply to mode='lossless' only, not mode={mode!r}")
+    defaults = dict(draft_tokens=4, adaptive=False, max_draft_tokens=MAX_DRAFT_TOKENS)
+    return {name: defaults[name] if value is None else value for name, value in given.items()}
 
 
 def _lossless(model, cache, ids, first, cfg, max_new_tokens, histories, eos_token_id, prefill_s, drafting):

@@ -149,7 +149,7 @@ def bench_op(
         device=device,
     )
     defaults = SparseConfig(selector=selector)  # window and block size: every support's, as in decoding
-    kernels = _kernels(kernels, defaults, selector, dtype, device)
+    kernels = _kernels(kernels, defaults, selector, dtype, device, dims[-1])
     timer = median_time if device == "cpu" else cuda_median_time
     llc = last_level_cache_bytes() if device == "cpu" else None
     bandwidth = read_bandwidth_gbs(device=device)
@@ -166,16 +166,18 @@ def bench_op(
     return rows, bandwidth
 
 
-def _kernels(kernels, defaults: SparseConfig, selector: str, dtype: torch.dtype, device: str) -> tuple[str, ...]:
+def _kernels(kernels, defaults: SparseConfig, selector: str, dtype: torch.dtype, device: str, d: int):
     """The kernels :func:`bench_op` times: ``kernels`` as given, else torch's operations beside the fused kernel the
-    device has; each checked as :class:`SparseConfig` checks it."""
+    device has, where it takes the head dim ``d`` and ``dtype``; each checked as :class:`SparseConfig` checks it."""
     if kernels is None and not defaults.kernels_serve:  # torch's operations serve them
         kernels = ("torch",)
     elif kernels is None:  # torch's operations beside the fused kernel the device has (the C one on the CPU)
         if device == "cpu":
             kernels = ("torch", "c") if dtype in cpu_kernel.DTYPES and cpu_kernel.library() is not None else ("torch",)
         else:
-            kernels = ("torch", "triton") if triton_attention.usable(torch.device(device), 16) else ("torch",)
+            fits = dtype in triton_attention.DTYPES and 16 <= d <= triton_attention.MAX_HEAD_DIM and not d & (d - 1)
+            usable = fits and triton_attention.usable(torch.device(device), 16)
+            kernels = ("torch", "triton") if usable else ("torch",)
     for kernel in kernels:  # an explicit fused kernel for a token-level selector is refused here, as SparseConfig does
         SparseConfig(selector=selector, kernel=kernel)
     return kernels

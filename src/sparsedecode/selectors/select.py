@@ -242,7 +242,7 @@ def select_support(
     else:
         cache = BlockStatistics(block_size, selector.cached_statistics())
         index, valid = support_of(choose_blocks(selector, blocks, cache, queries, keys, layout), layout)
-    return [index[h][valid[h]] for h in range(rows)]
+    return [index[h][valid[h]].sort().values for h in range(rows)]  # Triton's blocks come best first
 
 
 def step_layout(cfg, layout: BlockLayout, scale=None, salt=None) -> BlockLayout:
@@ -266,7 +266,8 @@ def select_blocks(cfg, cache: BlockStatistics, queries, keys, layout: BlockLayou
     if cfg.selector.token_level:
         raise SparseDecodeError(f"{cfg.selector.spec()!r} is not a block selector")
     step = step_layout(cfg, layout, scale, salt)
-    return choose_blocks(cfg.selector, cfg.blocks, cache, queries, keys, step, cfg.kernel).blocks
+    blocks = choose_blocks(cfg.selector, cfg.blocks, cache, queries, keys, step, cfg.kernel).blocks
+    return blocks.sort(dim=-1).values  # Triton's come best first
 
 
 def select_positions(cfg, queries, keys, layout: BlockLayout, *, scale=None, accumulated=None, salt=None):

@@ -16,6 +16,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from ..config import SparseConfig, check_config, check_named_layers, config_from_overrides
 from ..errors import SparseDecodeError
 from ..selectors.methods.h2o import H2O
+from ..step.schedule import dense_forwards
 from ..validate import attention_modules, check_model, check_sparse_attention
 from .forward import session_forward
 from .session import ACTIVE_SESSIONS, SparseSession
@@ -215,7 +216,7 @@ def prefill_history(model: torch.nn.Module, prompt_ids: torch.Tensor) -> dict[in
     """
     cache = DynamicCache(config=model.config)
     device = next(model.parameters()).device
-    with sparse_decoding(model, SparseConfig(selector=H2O())) as recorder:
+    with sparse_decoding(model, SparseConfig(selector=H2O())) as recorder, dense_forwards():  # a last chunk of one too
         for start in range(0, prompt_ids.shape[1], PREFILL_CHUNK):
             chunk = prompt_ids[:, start : start + PREFILL_CHUNK].to(device)
             model(input_ids=chunk, cache=cache, use_cache=True, logits_to_keep=1)

@@ -56,6 +56,7 @@ MAX_HEAD_DIM = 256
 MAX_TILE_BYTES = 16 * 1024
 """The largest ``block_size x head_dim`` tile of keys (or values) the attention kernel loads at once."""
 MAX_OFFSET = 2**31 - 1
+INTERPRETER_BFLOAT16 = "Triton's CPU interpreter multiplies bfloat16 wrongly (its tl.dot; CUDA is right): use float32"
 
 
 def triton_installed() -> bool:
@@ -96,6 +97,8 @@ def refusal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None, la
         return f"it takes float32, float16 or bfloat16, keys and values alike ({got.replace('torch.', '')})"
     if values is not None and values.shape[-1] != d:
         return f"it needs the value head dim equal to the key head dim (keys {d}, values {values.shape[-1]})"
+    if values is not None and keys.device.type == "cpu" and torch.bfloat16 in (q.dtype, dtype, values.dtype):
+        return INTERPRETER_BFLOAT16
     if keys.stride()[-1] != 1 or (values is not None and values.stride()[-1] != 1):
         strides = f"keys {keys.stride()[-1]}" + ("" if values is None else f", values {values.stride()[-1]}")
         return f"it reads each key and value row as contiguous elements (head-dim strides: {strides})"

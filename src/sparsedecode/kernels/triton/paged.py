@@ -24,7 +24,15 @@ import torch
 
 from ...errors import SparseDecodeError
 from ..common import largest_offset
-from .attention import DTYPES, MAX_HEAD_DIM, MAX_OFFSET, environment_refusal, on_device, triton_next_power_of_2
+from .attention import (
+    DTYPES,
+    INTERPRETER_BFLOAT16,
+    MAX_HEAD_DIM,
+    MAX_OFFSET,
+    environment_refusal,
+    on_device,
+    triton_next_power_of_2,
+)
 
 TILE = 16
 """Support positions per tile (``tl.dot`` needs at least 16 along every dimension)."""
@@ -41,6 +49,8 @@ def paged_refusal(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     if keys.dtype not in DTYPES or values.dtype != keys.dtype or queries.dtype not in DTYPES:
         got = f"query {queries.dtype}, keys {keys.dtype}, values {values.dtype}".replace("torch.", "")
         return f"it takes float32, float16 or bfloat16, keys and values alike ({got})"
+    if keys.device.type == "cpu" and torch.bfloat16 in (queries.dtype, keys.dtype, values.dtype):
+        return INTERPRETER_BFLOAT16
     if values.shape[-1] != d or queries.shape[-1] != d:
         return f"it needs one head dim for queries, keys and values (got {queries.shape[-1]}, {d}, {values.shape[-1]})"
     if max(largest_offset(keys), largest_offset(values)) > MAX_OFFSET:

@@ -32,6 +32,8 @@ def blocks_for_mass(estimated: torch.Tensor, p: float, scores: torch.Tensor) -> 
     ranked = scores.argsort(dim=-1, descending=True, stable=True)
     ordered = shares.gather(-1, ranked)
     before = ordered.cumsum(dim=-1) - ordered  # mass of the blocks ranked above each one
+    if p >= 1:  # every block: a cumulative share rounding to 1 before the last would cut the whole budget short
+        return before.new_ones(before.shape[:-1]).long() * before.shape[-1]
     return (before < p).sum(dim=-1).clamp(min=1)
 
 
