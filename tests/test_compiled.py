@@ -679,3 +679,42 @@ def test_the_guard_filter_keeps_tensor_guards_and_drops_module_attributes():
     module.factor = 3.0
     assert not torch.equal(step(x), module(x)), "dropped: the attribute's guard"
     assert model_fingerprint(module) != fingerprint
+
+
+def test_a_compiled_decoder_is_used_installed_by_one_thread_per_model(monkeypatch):
+    """Found by probing: a step outside ``installed()`` compiled a graph without the step's state that later
+    installed runs replayed (wrong tokens for good); a model installed in one thread was decoded by another with
+    the first one's step (wrong tokens in both); a model moved to bfloat16 reused its float32 decoder and cache."""
+    import threading
+
+    from sparsedecode.compiled import decoder as compiled
+
+    monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
+    model = tiny_model("llama")
+    ids, cfg = _prompt(3), SparseConfig(**SMALL_CFG)
+    decoder = CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + 8, backend="aot_eager")
+    with pytest.raises(SparseDecodeError, match="inside `with decoder.installed"):
+        decoder.step(torch.tensor([5]))
+    with pytest.raises(SparseDecodeError, match="inside `with decoder.installed"):
+        decoder.prefill(ids)
+    refused = []
+
+    def elsewhere():
+        try:
+            generate(model, ids, cfg, 4, mode="sparse")
+        except SparseDecodeError as error:
+            refused.append(str(error))
+
+    with decoder.installed():
+        decoder.prefill(ids)
+        thread = threading.Thread(target=elsewhere)
+        thread.start()
+        thread.join()
+    assert refused and "another thread is decoding this model compiled" in refused[0]
+    eager = generate(model, ids, cfg, 8, mode="sparse").tokens
+    assert generate(model, ids, cfg, 8, mode="sparse", compile=True).tokens == eager  # after all that
+    model.to(torch.bfloat16)
+    assert (
+        generate(model, ids, cfg, 8, mode="sparse", compile=True).tokens
+        == generate(model, ids, cfg, 8, mode="sparse").tokens
+    )

@@ -8,6 +8,7 @@ the call instead of deep inside transformers (an ``AttributeError``) or, worse, 
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
@@ -32,12 +33,52 @@ def check_model(model: object, where: str, *, generates: bool = True) -> None:
             f"{where}: {type(model).__name__} cannot generate text (no causal language-model head); load the model "
             "as a causal LM (sparsedecode.load_model, or AutoModelForCausalLM)"
         )
+    check_not_compiled_elsewhere(model, where)
     own_cache = getattr(type(model), "_supports_default_dynamic_cache", None)
     if generates and callable(own_cache) and not own_cache():
         raise SparseDecodeError(
             f"{where}: {type(model).__name__} keeps a cache of its own kind (transformers gives it no DynamicCache), "
             "and sparsedecode decodes over caches of the standard kind; this model cannot be decoded here"
         )
+
+
+_COMPILED_OWNERS: dict[int, list[int]] = {}
+"""Models installed for compiled decoding: ``id(model) -> [thread ident, installs]`` (the install swaps the model's
+attention for every thread, so no other thread may decode it meanwhile)."""
+_OWNERS_LOCK = threading.Lock()
+
+
+def claim_compiled(model: torch.nn.Module, where: str) -> None:
+    """This thread installs ``model`` for compiled decoding (again, nested, in the same thread is fine); refused in one
+    line while another thread decodes it compiled."""
+    with _OWNERS_LOCK:
+        owner = _COMPILED_OWNERS.setdefault(id(model), [threading.get_ident(), 0])
+        if owner[0] != threading.get_ident():
+            raise SparseDecodeError(_BUSY.format(where=where))
+        owner[1] += 1
+
+
+def release_compiled(model: torch.nn.Module) -> None:
+    with _OWNERS_LOCK:
+        owner = _COMPILED_OWNERS.get(id(model))
+        if owner is not None:
+            owner[1] -= 1
+            if owner[1] <= 0:
+                del _COMPILED_OWNERS[id(model)]
+
+
+def check_not_compiled_elsewhere(model: object, where: str) -> None:
+    """Refuse ``model`` while another thread has it installed for compiled decoding (its attention is swapped for
+    every thread then: decoding it here would run the other thread's step)."""
+    owner = _COMPILED_OWNERS.get(id(model))
+    if owner is not None and owner[0] != threading.get_ident():
+        raise SparseDecodeError(_BUSY.format(where=where))
+
+
+_BUSY = (
+    "{where}: another thread is decoding this model compiled (which swaps its attention for every thread): one "
+    "thread per model meanwhile; give each thread its own copy of the model (copy.deepcopy)"
+)
 
 
 def check_callable(value: object, name: str, where: str) -> None:

@@ -24,7 +24,7 @@ from ..errors import SparseDecodeError
 from ..models.catalog import attention_shape
 from ..step.device import fill_statistics
 from ..step.schedule import dense_forwards
-from ..validate import attention_modules, uses_alibi
+from ..validate import attention_modules, claim_compiled, release_compiled, uses_alibi
 from . import cpu as compile_cpu
 from .guards import drop_module_guards, model_fingerprint, weight_versions
 from .op import STATE, STATIC_ATTENTION, allocate, raise_kept, static_attention_forward, step_form
@@ -204,6 +204,7 @@ class CompiledDecoder:
         self.frozen, self.autotuned = compile_cpu.choices(model, self.device, backend, batch, bool(self._row_linears))
         self._compiled = self._compile()
         self._fingerprint = None
+        self._installs = 0
 
     def _fingerprinted(self):
         """What the compiled step assumes of the model and does not check at each step (None: nothing)."""
@@ -231,8 +232,16 @@ class CompiledDecoder:
     @contextlib.contextmanager
     def installed(self):
         """The model routes attention through the capturable step inside the block; restored afterwards."""
+        from ..session.hf import ATTENTION_NAME
+
         model = self.model
         previous = model.config._attn_implementation
+        if previous == ATTENTION_NAME:  # a session open here is refused before; one open in another thread
+            raise SparseDecodeError(
+                "compiled decoding: a sparse_decoding session (in another thread) has this model; give each thread "
+                "its own copy of the model (copy.deepcopy)"
+            )
+        claim_compiled(model, "compiled decoding")
         if previous != STATIC_ATTENTION:
             model.set_attn_implementation(STATIC_ATTENTION)
         for module, state in self.states.items():
@@ -242,9 +251,12 @@ class CompiledDecoder:
             linear.forward = forward  # the same object at every install: the compiled step's guards hold
         if self._warm and self._fingerprint is not None and self._fingerprinted() != self._fingerprint:
             self._compiled = self._compile()  # the model changed since the step was compiled: what guards saw
+        self._installs += 1
         try:
             yield self
         finally:
+            self._installs -= 1
+            release_compiled(model)
             for linear, _ in linears:
                 del linear.forward
             for module in self.states:
@@ -252,6 +264,12 @@ class CompiledDecoder:
                     delattr(module, STATE)
             if previous != STATIC_ATTENTION:
                 model.set_attn_implementation(previous)
+
+    def _check_installed(self, what: str) -> None:
+        """A step outside :meth:`installed` would compile another graph without the step's state (and, its module
+        guards dropped, replay it later): refused."""
+        if not self._installs:
+            raise SparseDecodeError(f"CompiledDecoder.{what} runs inside `with decoder.installed():`")
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, *, chunk: int = 1024, progress=None) -> torch.Tensor:
@@ -273,6 +291,7 @@ class CompiledDecoder:
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed ``tokens (batch,)`` at the next position; the next logits ``(batch, vocab)`` float32. The first call
         compiles (its time, the step included, is ``compile_s``)."""
+        self._check_installed("step")
         if self.position >= self.max_len:
             raise SparseDecodeError(f"the compiled decoder's cache of {self.max_len} positions is full")
         position = torch.full((self.batch, 1), self.position, dtype=torch.long, device=self.device)
@@ -298,6 +317,7 @@ class CompiledDecoder:
         verifies lossless drafts); the logits after each ``(batch, T, vocab)`` float32 (the last ``logits_to_keep``
         only, when given). Setting :attr:`position` back afterwards drops the last of them (their keys are written
         over later)."""
+        self._check_installed("extend")
         if ids.dim() != 2 or ids.shape[0] != self.batch or self.position + ids.shape[1] > self.max_len:
             raise SparseDecodeError(f"extend: ({self.batch}, T) ids fitting a cache of {self.max_len} positions")
         position = torch.arange(self.position, self.position + ids.shape[1], device=self.device).expand(self.batch, -1)
@@ -359,9 +379,11 @@ def decoder_for(model, cfg: SparseConfig | None, batch: int, length: int, backen
     if limit:
         size = max(min(size, int(limit)), length)
     kept = model.__dict__.setdefault("_sparsedecode_decoders", {})
-    key = (None if cfg is None else cfg.identity(), batch, size, backend)  # what the selector is, not its repr
+    weights = next(model.parameters())  # a model moved to another dtype or device: other decoders, another cache
+    where = (weights.dtype, weights.device)
+    key = (None if cfg is None else cfg.identity(), batch, size, backend, where)  # the selector itself, not its repr
     if key not in kept:
-        shared = next((d.cache for d in kept.values() if (d.batch, d.max_len) == (batch, size)), None)
+        shared = next((d.cache for k, d in kept.items() if (d.batch, d.max_len, k[-1]) == (batch, size, where)), None)
         while len(kept) >= KEPT:
             kept.pop(next(iter(kept)))
         kept[key] = CompiledDecoder(model, cfg, batch=batch, max_len=size, backend=backend, cache=shared)
