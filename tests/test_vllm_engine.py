@@ -28,7 +28,9 @@ def setup(smollm2):
     model, tokenizer = smollm2
     text = (ROOT / "README.md").read_text() + (ROOT / "docs" / "definitions.md").read_text()
     ids = tokenizer(text)["input_ids"]
-    prompts = [ids[:300] + ids[start : start + n] for start, n in ((1000, 400), (3000, 700), (5000, 150), (7000, 900))]
+    prompts = [ids[:300] + ids[start : start + n] for start, n in ((600, 400), (1100, 700), (1900, 150), (2200, 900))]
+    # four prompts of different lengths (450 to 1,200 tokens): offsets past the text gave two equal 300-token ones
+    assert sorted(len(p) for p in prompts) == [450, 700, 1000, 1200], [len(p) for p in prompts]
     return model, prompts
 
 
