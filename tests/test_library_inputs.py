@@ -15,6 +15,7 @@ import sparsedecode as sd
         (lambda: sd.SparseConfig(dense_layers="²"), "comma-separated list"),  # "²".isdigit() is true
         (lambda: sd.SparseConfig(layer_supports={"²": 385}), "a layer is an integer"),
         (lambda: sd.SparseConfig(dense_layers=b"0"), "give layer indices"),  # iterated: layer 48
+        (lambda: sd.SparseConfig(layer_supports=["12"]), r"pairs, got \('12',\)"),  # read as layer 1, support '2'
         (lambda: sd.select_support(torch.randn(4, 16, device="meta"), torch.randn(2, 300, 16), support=97), "meta"),
         (lambda: sd.select_support(torch.randn(4, 0), torch.randn(2, 300, 0), support=97), "none of them 0"),
         (

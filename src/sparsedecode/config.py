@@ -209,8 +209,8 @@ def parse_layer_supports(supports) -> tuple[tuple[int, int], ...]:
         pairs = list(supports.items())
     else:
         try:
-            pairs = [tuple(pair) for pair in supports]
-        except TypeError:
+            pairs = [tuple(pair) if not isinstance(pair, (str, bytes)) else (pair,) for pair in supports]
+        except TypeError:  # a string '12' is no pair: read as ('1', '2') it named layer 1 with support '2'
             raise SparseDecodeError(f"layer_supports maps layers to supports, got {supports!r}") from None
     checked = []
     for pair in pairs:
