@@ -486,3 +486,53 @@ def test_a_checkpoint_missing_weights_is_refused_not_initialised_at_random(tmp_p
     with pytest.raises(SparseDecodeError, match="the checkpoint lacks cls.predictions.* initialised at random"):
         models.load_model(str(tmp_path))
     assert models.load_tokenizer(str(tmp_path))("ab")["input_ids"], "the tokenizer alone reads no weights"
+
+
+def test_a_folder_naming_code_of_its_own_is_refused_and_its_code_never_runs(tmp_path: Path) -> None:
+    """Found by probing: transformers' default asked on stdin whether to run a folder's own code (``auto_map``), and
+    an answer of "y" imported its Python files."""
+    from conftest import char_tokenizer, tiny_model
+
+    folder, marker = tmp_path / "remote", tmp_path / "ran"
+    tiny_model("llama").save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="custom-llama", auto_map={"AutoConfig": "code.Config", "AutoModelForCausalLM": "code.M"})
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "code.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    with pytest.raises(SparseDecodeError, match="custom code"):
+        models.load_model(str(folder))
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("stored", [torch.int8, torch.bool])
+def test_float_weights_stored_as_integers_are_refused(tmp_path: Path, stored) -> None:
+    """Found by probing: transformers cast int8 or bool weights to float without a word (the model decoded
+    nonsense)."""
+    from conftest import char_tokenizer, tiny_model
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "odd"
+    tiny_model("llama").save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    weights = load_file(folder / "model.safetensors")
+    save_file({k: (v * 100).to(stored) for k, v in weights.items()}, folder / "model.safetensors", {"format": "pt"})
+    with pytest.raises(SparseDecodeError, match="stores .* as (I8|BOOL), where the model has a floating-point"):
+        models.load_model(str(folder))
+
+
+def test_the_kernel_cache_expands_a_home_folder(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sparsedecode.kernels import cpu
+
+    monkeypatch.setenv("SPARSEDECODE_CACHE", "~/somewhere")
+    assert cpu.cache_dir() == Path.home() / "somewhere" / "kernels"
+
+
+def test_a_perplexity_past_floats_is_infinite() -> None:
+    """Found by probing: a model giving huge logits ended ``run`` with an OverflowError traceback."""
+    from sparsedecode.protocol.results import DenseReference
+
+    def reference(nll):
+        return DenseReference(torch.ones(1, 3, dtype=torch.long), [1, 2, 3], nll, None, 0.0, 0.0, torch.zeros(0))
+
+    assert reference([5.0, 800.0, 900.0]).ppl == float("inf") and reference([5.0, 0.0, 0.0]).ppl == 1.0

@@ -69,8 +69,10 @@ def _load_pretrained(
 
     model = None
     if not tokenizer_only:
+        # trust_remote_code False: a folder whose config names code of its own (auto_map) is refused, never run
+        # (transformers' default asks on stdin, and an answer of "y" imports the folder's Python files)
         model, info = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation="sdpa", output_loading_info=True, **kwargs
+            path, dtype=dtype, attn_implementation="sdpa", output_loading_info=True, **kwargs, trust_remote_code=False
         )
         missing = sorted(info.get("missing_keys") or ())
         if missing:  # transformers initialises them at random and only warns: the outputs would mean nothing
@@ -79,8 +81,11 @@ def _load_pretrained(
                 f"cannot load {path} as a causal LM ({type(model).__name__}): the checkpoint lacks {missing[0]}{more}, "
                 "which would be initialised at random; is it a causal LM's checkpoint (not an encoder or base model)?"
             )
+        _check_stored_dtypes(path, model)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=kwargs.get("local_files_only", False))
+        tokenizer = AutoTokenizer.from_pretrained(
+            path, local_files_only=kwargs.get("local_files_only", False), trust_remote_code=False
+        )
     except Exception as e:  # the weights loaded: say that it is the tokenizer
         folder = Path(path)
         if folder.is_dir() and not any(any(folder.glob(pattern)) for pattern in TOKENIZER_FILES):
@@ -92,6 +97,30 @@ def _load_pretrained(
     if model is not None:
         model.eval().requires_grad_(False)
     return model, tokenizer
+
+
+_NOT_FLOAT = ("BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64")
+
+
+def _check_stored_dtypes(path: str | Path, model) -> None:
+    """A local folder's safetensors hold the model's weights in floating point: integers or booleans where the model
+    has a floating parameter (a corrupt or mislabelled checkpoint) are cast by transformers without a word, and the
+    model decodes nonsense. Quantized checkpoints (``quantization_config``) store integers by design: not checked."""
+    folder = Path(path)
+    if not folder.is_dir() or getattr(model.config, "quantization_config", None) is not None:
+        return
+    from safetensors import safe_open
+
+    floating = {name for name, p in model.named_parameters() if p.is_floating_point()}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as handle:
+            for key in handle.keys():
+                stored = handle.get_slice(key).get_dtype()
+                if stored in _NOT_FLOAT and any(name == key or name.endswith("." + key) for name in floating):
+                    raise SparseDecodeError(
+                        f"cannot load {path}: {file.name} stores {key} as {stored}, where the model has a "
+                        "floating-point parameter (a corrupt or mislabelled checkpoint)"
+                    )
 
 
 def _load_cached(

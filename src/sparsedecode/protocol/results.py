@@ -211,7 +211,11 @@ def upgrade_row(row: dict) -> dict:
 
 
 def _ppl(nll: list[float]) -> float:
-    return math.exp(sum(nll) / len(nll)) if nll else float("nan")
+    """exp of the mean NLL; ``inf`` where that overflows (a model giving huge logits)."""
+    if not nll:
+        return float("nan")
+    mean = sum(nll) / len(nll)
+    return math.exp(mean) if mean < 709.0 else float("inf")
 
 
 def assemble(

@@ -82,7 +82,7 @@ _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 def cache_dir() -> Path:
     root = os.environ.get("SPARSEDECODE_CACHE")
-    return (Path(root) if root else Path.home() / ".cache" / "sparsedecode") / "kernels"
+    return (Path(root).expanduser() if root else Path.home() / ".cache" / "sparsedecode") / "kernels"
 
 
 def _processor() -> str:
