@@ -536,3 +536,19 @@ def test_a_perplexity_past_floats_is_infinite() -> None:
         return DenseReference(torch.ones(1, 3, dtype=torch.long), [1, 2, 3], nll, None, 0.0, 0.0, torch.zeros(0))
 
     assert reference([5.0, 800.0, 900.0]).ppl == float("inf") and reference([5.0, 0.0, 0.0]).ppl == 1.0
+
+
+def test_a_killed_conversions_leftover_goes_at_the_next_one(tmp_path: Path) -> None:
+    """Found by probing: a conversion killed after writing its weights left a 517 MB ``.tmp-*`` folder for 6 hours.
+    A leftover names its machine and process: gone at once once that process has ended, kept while it runs."""
+    import os
+    import socket
+
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = tmp_path / f".tmp-{socket.gethostname()}-{int(ended.stdout)}-abcd1234"
+    alive = tmp_path / f".tmp-{socket.gethostname()}-{os.getpid()}-efgh5678"
+    elsewhere = tmp_path / ".tmp-another-machine-12-ijkl9012"
+    for folder in (dead, alive, elsewhere):
+        folder.mkdir()
+    model_cache._remove_stale_temps(tmp_path)
+    assert not dead.exists() and alive.exists() and elsewhere.exists()

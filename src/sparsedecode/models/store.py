@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -66,11 +67,31 @@ def remove_path(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def _temp_prefix() -> str:
+    """A work-in-progress name saying whose it is: this machine and process (see :func:`_remove_stale_temps`)."""
+    return f".tmp-{socket.gethostname()}-{os.getpid()}-"
+
+
+def _owner_gone(name: str) -> bool:
+    """Whether a ``.tmp-HOST-PID-*`` leftover's process, on this machine, has ended."""
+    host, _, rest = name.removeprefix(".tmp-").rpartition("-")[0].rpartition("-")
+    if host != socket.gethostname() or not rest.isdigit():
+        return False
+    try:
+        os.kill(int(rest), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        return False
+    return False
+
+
 def _remove_stale_temps(parent: Path) -> None:
-    """Delete ``.tmp-*`` leftovers of killed runs that are older than a few hours."""
+    """Delete ``.tmp-*`` leftovers of killed runs: at once where the process that made it (on this machine) has
+    ended, else once older than a few hours (another machine's, on a shared cache, or a name without its owner)."""
     for p in parent.glob(".tmp-*"):
         try:
-            if time.time() - p.stat().st_mtime > _STALE_TEMP_S:
+            if _owner_gone(p.name) or time.time() - p.stat().st_mtime > _STALE_TEMP_S:
                 remove_path(p)
         except OSError:
             pass
@@ -134,7 +155,7 @@ def ensure_gguf(source: ModelSource, progress: Progress | None = None) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(target.parent)
     h = hashlib.sha256()
-    fd, tmp_name = tempfile.mkstemp(prefix=".tmp-", suffix=".gguf", dir=target.parent)
+    fd, tmp_name = tempfile.mkstemp(prefix=_temp_prefix(), suffix=".gguf", dir=target.parent)
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb") as out:
@@ -263,7 +284,7 @@ def convert_gguf(gguf_path: Path, target: Path, source_sha256: str, progress: Pr
         progress("convert", 0, 1)
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(target.parent)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(), dir=target.parent))
     try:
         try:
             model, tokenizer = _load_gguf(gguf_path)
