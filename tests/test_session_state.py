@@ -9,6 +9,8 @@ centroid in another order: :func:`conftest.logits_tolerance` over the longest co
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from conftest import logits_tolerance, prompt, tiny_model
@@ -486,3 +488,31 @@ def test_h2os_prefill_history_is_dense_to_the_prompts_last_token(monkeypatch):
     chunked = hf.prefill_history(model, ids)
     for layer, history in whole.items():
         torch.testing.assert_close(chunked[layer], history, rtol=1e-5, atol=1e-5)
+
+
+def test_a_forward_the_session_does_not_see_drops_its_proof_under_inference_mode():
+    """Found by probing: under torch.inference_mode (no version counters) a crop and re-extension of a static cache
+    through dense_attention, to the same length with other tokens, kept the centroids of the overwritten keys."""
+    from transformers import StaticCache
+
+    from sparsedecode.session import dense_attention
+
+    model, cfg = tiny_model("llama"), SparseConfig(support=21, window=8, block_size=4)
+    ids, tokens = prompt(60), prompt(40, seed=5)
+
+    def step(cache, token):
+        return model(input_ids=token, cache=cache, use_cache=True).logits[:, -1]
+
+    with torch.inference_mode(), sparse_decoding(model, cfg):
+        cache = StaticCache(config=model.config, max_cache_len=128)
+        model(input_ids=ids, cache=cache, use_cache=True)
+        for i in range(4):
+            step(cache, tokens[:, i : i + 1])
+        cache.crop(-40)  # back to 24 positions
+        with dense_attention(model):
+            model(input_ids=tokens * 0 + 7, cache=cache, use_cache=True)  # back to 64 positions, other keys
+        fresh = copy.deepcopy(cache)
+        logits = step(cache, tokens[:, 20:21])
+    with torch.inference_mode(), sparse_decoding(model, cfg):
+        expected = step(fresh, tokens[:, 20:21])
+    assert torch.equal(logits, expected)
