@@ -129,3 +129,22 @@ def test_cli_probe_retrieval_then_report(tiny_model_dir, tmp_path, capsys):
     for name in ("retrieval_dense.png", "retrieval_s97.png", "mass_vs_retrieval.png", "retrieval_accuracy.csv"):
         assert (out / name).exists(), name
     assert "What these numbers do not establish" in report
+
+
+def test_trials_dense_by_construction_are_no_sparse_result(tiny_model_dir, tmp_path, capsys):
+    """Found by probing: at a context whose question and answer fit the support, the sparse trials took no sparse
+    step, yet counted in the support's trials and accuracy (a support dense at short contexts gained accuracy)."""
+    out = tmp_path / "retrieval"
+    args = ["probe", "retrieval", "--model", str(tiny_model_dir), "--context", "250,400", "--depths", "0"]
+    args += ["--trials", "1", "--support", "257", "--answer-tokens", "3", "--out", str(out)]
+    assert main(args) == 0, capsys.readouterr().err
+    trials = json.loads((out / "retrieval.json").read_text())["trials"]
+    sparse = [t for t in trials if t["mode"] == "sparse"]
+    assert sorted(t["sparse_steps"] > 0 for t in sparse) == [False, True]  # context 250 fits S = 257
+    (row,) = mass_vs_success(trials)
+    assert (row["trials"], row["dense_by_construction"]) == (1, 1)
+    marked = {t["context"]: t["dense_by_construction"] for t in accuracy(trials) if t["mode"] == "S=257"}
+    assert marked == {250: True, 400: False}
+    assert main(["report", str(out)]) == 0
+    report = (out / "report.md").read_text()
+    assert "(dense)" in report and "1 sparse trial(s) dense by construction" in report

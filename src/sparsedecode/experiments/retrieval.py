@@ -291,8 +291,14 @@ def mode_label(trial: dict) -> str:
     return "dense" if trial["mode"] == "dense" else f"S={trial['support']}"
 
 
+def dense_by_construction(trial: dict) -> bool:
+    """A sparse trial that never took a sparse step: its question and answer fit the support (a dense result)."""
+    return trial["mode"] == "sparse" and trial.get("sparse_steps") == 0
+
+
 def accuracy(trials: list[dict]) -> list[dict]:
-    """Exact-match accuracy per (context, depth, mode), sorted by mode (dense first), context, depth."""
+    """Exact-match accuracy per (context, depth, mode), sorted by mode (dense first), context, depth;
+    ``dense_by_construction``: a sparse cell whose every trial was dense by construction."""
     cells: dict[tuple, list[dict]] = {}
     for t in trials:
         cells.setdefault((t["support"] or 0, t["context"], t["depth"]), []).append(t)
@@ -305,6 +311,7 @@ def accuracy(trials: list[dict]) -> list[dict]:
             "trials": len(group),
             "correct": sum(t["correct"] for t in group),
             "accuracy": sum(t["correct"] for t in group) / len(group),
+            "dense_by_construction": all(dense_by_construction(t) for t in group) and group[0]["mode"] == "sparse",
         }
         for (_, context, depth), group in sorted(cells.items())
     ]
@@ -314,12 +321,17 @@ def mass_vs_success(trials: list[dict], *, high: float = 0.9) -> list[dict]:
     """Per support: does the selector's captured mass tell successful sparse trials from failed ones?
 
     ``high``: a captured-mass ratio at least this is "high"; ``failed_with_high_mass`` counts failures despite it,
-    ``failed_where_dense_succeeded`` the failures that are the selector's (dense found the passkey).
+    ``failed_where_dense_succeeded`` the failures that are the selector's (dense found the passkey). Trials dense by
+    construction are left out of every count (``dense_by_construction`` says how many); a support with no other
+    trial has no row.
     """
     dense = {(t["context"], t["depth"], t["trial"]): t["correct"] for t in trials if t["mode"] == "dense"}
     out = []
     for support in sorted({t["support"] for t in trials if t["mode"] == "sparse"}):
-        group = [t for t in trials if t["mode"] == "sparse" and t["support"] == support]
+        every = [t for t in trials if t["mode"] == "sparse" and t["support"] == support]
+        group = [t for t in every if not dense_by_construction(t)]
+        if not group:
+            continue
         audited = [t for t in group if t["captured_mass_ratio_mean"] is not None]
         good = [t["captured_mass_ratio_mean"] for t in audited if t["correct"]]
         bad = [t["captured_mass_ratio_mean"] for t in audited if not t["correct"]]
@@ -327,6 +339,7 @@ def mass_vs_success(trials: list[dict], *, high: float = 0.9) -> list[dict]:
             {
                 "support": support,
                 "trials": len(group),
+                "dense_by_construction": len(every) - len(group),
                 "audited": len(audited),
                 "accuracy": sum(t["correct"] for t in group) / len(group),
                 "captured_mass_correct_mean": float(np.mean(good)) if good else None,

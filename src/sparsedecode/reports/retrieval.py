@@ -62,14 +62,17 @@ def _accuracy_lines(directory: Path, spec: dict, trials: list[dict]) -> list[str
         rows = [
             [
                 str(c),
-                *[
-                    f"{cell[mode, c, d]['correct']}/{cell[mode, c, d]['trials']}" if (mode, c, d) in cell else "-"
-                    for d in depths
-                ],
+                *[_cell(cell[mode, c, d]) if (mode, c, d) in cell else "-" for d in depths],
             ]
             for c in contexts
         ]
         lines += [f"**{mode}**", "", markdown_table(["context", *[f"depth {d:g}" for d in depths]], rows), ""]
+    if any(row["dense_by_construction"] for row in table):
+        lines += [
+            "(dense): every trial of the cell was dense by construction (its question and answer fit the support), "
+            "a dense result; left out of the table below.",
+            "",
+        ]
     for mode in modes:
         matrix = np.array(
             [[cell[mode, c, d]["accuracy"] if (mode, c, d) in cell else np.nan for d in depths] for c in contexts]
@@ -106,10 +109,14 @@ MASS_HEADER = [
 """The columns of the captured-mass table, one row per support."""
 
 
+def _cell(row: dict) -> str:
+    return f"{row['correct']}/{row['trials']}" + (" (dense)" if row["dense_by_construction"] else "")
+
+
 def _mass_lines(directory: Path, spec: dict, trials: list[dict]) -> list[str]:
     """Whether the trials that missed the passkey had captured less attention mass (``mass_vs_retrieval.csv``, the
     per-trial ``retrieval_trials.csv`` and, for an audited probe, ``mass_vs_retrieval.png``)."""
-    from ..experiments.retrieval import mass_vs_success
+    from ..experiments.retrieval import dense_by_construction, mass_vs_success
     from . import plots
 
     mass = mass_vs_success(trials)
@@ -142,6 +149,9 @@ def _mass_lines(directory: Path, spec: dict, trials: list[dict]) -> list[str]:
         "CSV: [mass_vs_retrieval.csv](mass_vs_retrieval.csv), per trial: [retrieval_trials.csv](retrieval_trials.csv)",
         "",
     ]
+    left_out = sum(dense_by_construction(t) for t in trials)
+    if left_out:
+        lines += [f"{left_out} sparse trial(s) dense by construction (no sparse step) are left out of this table.", ""]
     older = sum(
         t.get("captured_mass_ratio_mean") is None and t.get("captured_mass_ratio_per_head_best_mean") is not None
         for t in trials
