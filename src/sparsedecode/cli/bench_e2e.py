@@ -259,7 +259,8 @@ def _print_e2e(args, rows) -> None:
     console.print(table)
     console.print(
         f"[dim]every mode runs {args.repeats} times (in order, then reversed) and reports the median; 'same tokens' = "
-        "leading tokens equal to dense greedy output; peak RSS is the process peak so far"
+        "leading tokens equal to dense greedy output, of the --tokens decoded after the prefill's; peak RSS is the "
+        "process peak so far"
         + (
             "; vs llama.cpp = the faster llama.cpp mode's decode time over the row's; MB/token = weights + attention "
             "reads at the mean context, bound = read bandwidth / MB per token; the engines decode the same model only "
