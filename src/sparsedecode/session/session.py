@@ -101,11 +101,11 @@ class SparseSession:
         if entry is not None and entry[0] is self:
             entry[1].look(_cache_argument(args, kwargs))
             return
-        # a forward this session does not see (dense_attention, a nested session) may write the cache: under
-        # torch.inference_mode no version counter shows the write, so nothing of this layer is taken as proven
+        # a forward this session does not see (dense_attention, a nested session) may write its cache: under
+        # torch.inference_mode no version counter would show the write
         state = self.layers.get(int(getattr(module, "layer_idx", 0) or 0))
         if state is not None:
-            state.mark = None
+            state.unseen_forward(_cache_argument(args, kwargs))
 
     def _states(self, sequence: int | None) -> list[LayerState]:
         states = [s for _, s in sorted(self.layers.items())]

@@ -177,6 +177,17 @@ class LayerState:
             self.unchanged = self.mark.unchanged_prefix(keys)
             self.rebuilt = (*keys.shape[:-2], keys.shape[-1]) != self.mark.outer
 
+    def unseen_forward(self, cache: object) -> None:
+        """A forward this state's session does not see runs on ``cache``: where it holds the marked keys, its writes
+        may go unproven (no version counter under ``torch.inference_mode``), so nothing is taken as proven. A forward
+        on another cache (a library call's own) leaves the state alone."""
+        layers = getattr(cache, "layers", None)
+        if self.mark is None or layers is None or self.layer >= len(layers):
+            return
+        keys = getattr(layers[self.layer], "keys", None)
+        if isinstance(keys, torch.Tensor) and keys.dim() == 4 and self.mark.unchanged_prefix(keys):
+            self.mark = None
+
     def begin(self, start: int, q_len: int) -> int:
         """A forward of ``q_len`` tokens at positions ``start ..`` begins: drop what may be stale (the schedule's
         :func:`~sparsedecode.step.schedule.after_write`, with ``intact`` proved as the class says).
