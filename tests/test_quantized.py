@@ -35,6 +35,7 @@ def _reader(tmp_path, tensors: dict[str, tuple[np.ndarray, Q]]):
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "tiny.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)  # as the aliases' GGUFs say
     for name, (weights, kind) in tensors.items():
         data = weights if weights.dtype == np.uint8 else gguf.quants.quantize(weights, kind)  # bytes: as given
         writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)
@@ -296,6 +297,8 @@ def test_an_exported_gguf_holds_the_models_own_layers_for_llama_cpp(tmp_path, we
                     assert torch.equal(getattr(loaded, buffer), getattr(module, buffer)), (name, buffer)
     written, original = gguf.GGUFReader(str(target)), gguf.GGUFReader(str(source))
     assert written.fields["general.architecture"].contents() == "llama"
+    wanted = gguf.LlamaFileType.MOSTLY_Q4_1 if weights == "int4" else gguf.LlamaFileType.MOSTLY_Q8_0
+    assert written.fields["general.file_type"].contents() == wanted  # the int8 copy said Q4_1 (found by probing)
     assert [t.name for t in written.tensors] == [t.name for t in original.tensors]
     for ours, theirs in zip(written.tensors, original.tensors, strict=True):  # rows in the source's order (q, k too)
         mine, source_values = (gguf.quants.dequantize(t.data, t.tensor_type) for t in (ours, theirs))

@@ -25,7 +25,7 @@ from .quantized import Int4Linear, Int8Linear, QuantizedLinear
 def export_gguf(model: torch.nn.Module, source: Path, target: Path) -> dict[str, int]:
     """Write ``target``: ``source`` with ``model``'s quantized linear layers in place of its tensors (module
     docstring); returns how many tensors each GGUF type took from the model."""
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
 
     reader = GGUFReader(str(source))
     names = {t.name for t in reader.tensors}
@@ -34,12 +34,17 @@ def export_gguf(model: torch.nn.Module, source: Path, target: Path) -> dict[str,
     text = model.config.get_text_config(decoder=True)
     heads = (text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
     writer = GGUFWriter(str(target), reader.fields["general.architecture"].contents())
+    kinds = {type(m) for m in layers.values()}  # the file's type: what its layers now are (the source's otherwise)
+    file_type = {Int4Linear: LlamaFileType.MOSTLY_Q4_1, Int8Linear: LlamaFileType.MOSTLY_Q8_0}.get(
+        next(iter(kinds)) if len(kinds) == 1 else None
+    )
     for field in reader.fields.values():
         if field.name == "general.architecture" or field.name.startswith("GGUF."):
             continue  # the writer's own
         kind = field.types[0]
         inner = field.types[-1] if kind == GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), kind, sub_type=inner)
+        value = int(file_type) if field.name == "general.file_type" and file_type is not None else field.contents()
+        writer.add_key_value(field.name, value, kind, sub_type=inner)
     counts: dict[str, int] = {}
 
     def put(name: str, layer, like) -> None:
