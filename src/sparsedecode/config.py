@@ -235,22 +235,19 @@ string, its parameters included); what its supports are for: the ``window`` and 
 
 def read_budget(path) -> dict:
     """A budget file's configuration fields (:data:`BUDGET_FIELDS` but ``layers``, which
-    :func:`read_budget_layers` gives): ``{"dense_layers": [0, 1], "layer_supports": {"5": 385}, "reuse": 2,
+    :func:`read_budget_file` gives too): ``{"dense_layers": [0, 1], "layer_supports": {"5": 385}, "reuse": 2,
     "selector": "block-top-p:p=0.9", "window": 64, "block_size": 16}``, each checked as :class:`SparseConfig` checks
     it, so ``SparseConfig(**read_budget(path))`` is the configuration it names. ``dense_layers`` and
     ``layer_supports`` are always in the result; the others only where the file holds them (``selector`` as its
     canonical spec string)."""
-    fields_ = _budget_file(path)
+    fields_ = read_budget_file(path)
     fields_.pop("layers", None)
     return fields_
 
 
-def read_budget_layers(path) -> int | None:
-    """The number of attention layers a budget file was made for (``None`` where it does not say)."""
-    return _budget_file(path).get("layers")
-
-
-def _budget_file(path) -> dict:
+def read_budget_file(path) -> dict:
+    """Every field of a budget file, checked: :func:`read_budget`'s and, where the file says it, ``layers``, the
+    number of attention layers it was made for."""
     import json
     from pathlib import Path
 

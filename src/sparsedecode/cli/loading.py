@@ -44,11 +44,11 @@ def _check_one_support_per_budget(args) -> None:
     several would be the same configuration under several labels."""
     if getattr(args, "budget_file", None) is None or len(args.support) < 2:
         return
-    from ..config import read_budget, read_budget_layers
+    from ..config import read_budget_file
 
-    layers, budget = read_budget_layers(args.budget_file), read_budget(args.budget_file)
+    budget = read_budget_file(args.budget_file)
     named = {*budget["dense_layers"], *(layer for layer, _ in budget["layer_supports"])}
-    if layers is not None and named == set(range(layers)):
+    if "layers" in budget and named == set(range(budget["layers"])):
         raise SparseDecodeError(
             f"budget file {args.budget_file} sets every layer's support, so --support "
             f"{','.join(map(str, args.support))} would run one configuration under {len(args.support)} labels: give "
@@ -99,10 +99,10 @@ def _check_budget_layers(args, model) -> None:
     layers, and the model's others would read ``--support``."""
     if getattr(args, "budget_file", None) is None:
         return
-    from ..config import read_budget_layers
+    from ..config import read_budget_file
     from ..validate import attention_modules
 
-    made_for, layers = read_budget_layers(args.budget_file), len(attention_modules(model))
+    made_for, layers = read_budget_file(args.budget_file).get("layers"), len(attention_modules(model))
     if made_for is not None and made_for != layers:
         raise SparseDecodeError(
             f"budget file {args.budget_file} was made for a model of {made_for} attention layers; {args.model} has "

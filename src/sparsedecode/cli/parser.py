@@ -221,12 +221,10 @@ def apply_budget_file(args) -> None:
     command compares several), ``--window`` and ``--block-size`` where the command line left them at their defaults;
     given there with another value, or on a command that takes no such option (unless the value is its default),
     they are refused in one line. A command without ``--budget`` is left as is."""
-    from ..config import read_budget
+    from ..config import SparseConfig, read_budget
 
     if getattr(args, "budget_file", None) is None:
         return
-    from ..config import SparseConfig
-
     budget = read_budget(args.budget_file)
     for name in ("reuse", "selector", "window", "block_size"):
         if name not in budget:
