@@ -175,7 +175,7 @@ def _kernels(kernels, defaults: SparseConfig, selector: str, dtype: torch.dtype,
         if device == "cpu":
             kernels = ("torch", "c") if dtype in cpu_kernel.DTYPES and cpu_kernel.library() is not None else ("torch",)
         else:
-            fits = dtype in triton_attention.DTYPES and 16 <= d <= triton_attention.MAX_HEAD_DIM and not d & (d - 1)
+            fits = dtype in triton_attention.DTYPES and triton_attention.head_dim_refusal(d) is None
             usable = fits and triton_attention.usable(torch.device(device), 16)
             kernels = ("torch", "triton") if usable else ("torch",)
     for kernel in kernels:  # an explicit fused kernel for a token-level selector is refused here, as SparseConfig does

@@ -56,7 +56,6 @@ MAX_HEAD_DIM = 256
 MAX_TILE_BYTES = 16 * 1024
 """The largest ``block_size x head_dim`` tile of keys (or values) the attention kernel loads at once."""
 MAX_OFFSET = 2**31 - 1
-INTERPRETER_BFLOAT16 = "Triton's CPU interpreter multiplies bfloat16 wrongly (its tl.dot; CUDA is right): use float32"
 
 
 def triton_installed() -> bool:
@@ -74,6 +73,21 @@ def environment_refusal(device: torch.device, block_size: int) -> str | None:
     return None
 
 
+def head_dim_refusal(d: int) -> str | None:
+    """Why the kernels' tiles cannot take a head dim of ``d``, or ``None``."""
+    if d < 16 or d & (d - 1) or d > MAX_HEAD_DIM:
+        return f"its tiles need a power-of-two head dim from 16 to {MAX_HEAD_DIM} (got {d})"
+    return None
+
+
+def interpreter_refusal(device: torch.device, *dtypes: torch.dtype) -> str | None:
+    """Why attention over tensors of ``dtypes`` on ``device`` cannot run, or ``None``: Triton's CPU interpreter
+    multiplies bfloat16 wrongly (its ``tl.dot``; CUDA is right)."""
+    if device.type == "cpu" and torch.bfloat16 in dtypes:
+        return "Triton's CPU interpreter multiplies bfloat16 wrongly (its tl.dot; CUDA is right): use float32"
+    return None
+
+
 def usable(device: torch.device, block_size: int) -> bool:
     """Whether the Triton path can run here at all: Triton installed, a CUDA device (or the interpreter on CPU),
     and a block size the kernels tile by. :func:`refusal` checks the tensors of a call too."""
@@ -85,20 +99,19 @@ def refusal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None, la
 
     Shapes are checked by :func:`~sparsedecode.kernels.check_inputs`; this is what the kernels add to them.
     """
-    reason = environment_refusal(keys.device, layout.block_size)
+    d = keys.shape[-1]
+    reason = environment_refusal(keys.device, layout.block_size) or head_dim_refusal(d)
     if reason is not None:
         return reason
-    d = keys.shape[-1]
-    if d < 16 or d & (d - 1) or d > MAX_HEAD_DIM:
-        return f"its tiles need a power-of-two head dim from 16 to {MAX_HEAD_DIM} (got {d})"
     dtype = keys.dtype
     if dtype not in DTYPES or q.dtype not in DTYPES or (values is not None and values.dtype != dtype):
         got = f"query {q.dtype}, keys {dtype}" + ("" if values is None else f", values {values.dtype}")
         return f"it takes float32, float16 or bfloat16, keys and values alike ({got.replace('torch.', '')})"
     if values is not None and values.shape[-1] != d:
         return f"it needs the value head dim equal to the key head dim (keys {d}, values {values.shape[-1]})"
-    if values is not None and keys.device.type == "cpu" and torch.bfloat16 in (q.dtype, dtype, values.dtype):
-        return INTERPRETER_BFLOAT16
+    reason = None if values is None else interpreter_refusal(keys.device, q.dtype, dtype, values.dtype)
+    if reason is not None:
+        return reason
     if keys.stride()[-1] != 1 or (values is not None and values.stride()[-1] != 1):
         strides = f"keys {keys.stride()[-1]}" + ("" if values is None else f", values {values.stride()[-1]}")
         return f"it reads each key and value row as contiguous elements (head-dim strides: {strides})"

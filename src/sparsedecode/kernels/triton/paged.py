@@ -26,10 +26,10 @@ from ...errors import SparseDecodeError
 from ..common import largest_offset
 from .attention import (
     DTYPES,
-    INTERPRETER_BFLOAT16,
-    MAX_HEAD_DIM,
     MAX_OFFSET,
     environment_refusal,
+    head_dim_refusal,
+    interpreter_refusal,
     on_device,
     triton_next_power_of_2,
 )
@@ -40,17 +40,16 @@ TILE = 16
 
 def paged_refusal(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> str | None:
     """Why :func:`paged_support_attention` cannot serve these tensors, or ``None``."""
-    reason = environment_refusal(keys.device, TILE)
+    d = keys.shape[-1]
+    reason = environment_refusal(keys.device, TILE) or head_dim_refusal(d)
     if reason is not None:
         return reason
-    d = keys.shape[-1]
-    if d < 16 or d & (d - 1) or d > MAX_HEAD_DIM:
-        return f"its tiles need a power-of-two head dim from 16 to {MAX_HEAD_DIM} (got {d})"
     if keys.dtype not in DTYPES or values.dtype != keys.dtype or queries.dtype not in DTYPES:
         got = f"query {queries.dtype}, keys {keys.dtype}, values {values.dtype}".replace("torch.", "")
         return f"it takes float32, float16 or bfloat16, keys and values alike ({got})"
-    if keys.device.type == "cpu" and torch.bfloat16 in (queries.dtype, keys.dtype, values.dtype):
-        return INTERPRETER_BFLOAT16
+    reason = interpreter_refusal(keys.device, queries.dtype, keys.dtype, values.dtype)
+    if reason is not None:
+        return reason
     if values.shape[-1] != d or queries.shape[-1] != d:
         return f"it needs one head dim for queries, keys and values (got {queries.shape[-1]}, {d}, {values.shape[-1]})"
     if max(largest_offset(keys), largest_offset(values)) > MAX_OFFSET:
