@@ -33,6 +33,10 @@ def _cache_argument(args: tuple, kwargs: dict) -> object | None:
     return next((arg for arg in args if isinstance(arg, Cache)), None)
 
 
+def _layer_of(module: torch.nn.Module) -> int:
+    return int(getattr(module, "layer_idx", 0) or 0)
+
+
 @dataclass
 class SparseSession:
     """One activation of sparse decoding on one model; see :func:`sparse_decoding`.
@@ -87,7 +91,7 @@ class SparseSession:
         }
 
     def layer_state(self, module: torch.nn.Module) -> LayerState:
-        layer = int(getattr(module, "layer_idx", 0) or 0)
+        layer = _layer_of(module)
         state = self.layers.get(layer)
         if state is None:
             kinds = self.config.selector.cached_statistics()
@@ -103,7 +107,7 @@ class SparseSession:
             return
         # a forward this session does not see (dense_attention, a nested session) may write its cache: under
         # torch.inference_mode no version counter would show the write
-        state = self.layers.get(int(getattr(module, "layer_idx", 0) or 0))
+        state = self.layers.get(_layer_of(module))
         if state is not None:
             state.unseen_forward(_cache_argument(args, kwargs))
 

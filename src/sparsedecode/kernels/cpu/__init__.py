@@ -81,6 +81,8 @@ _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
 def cache_dir() -> Path:
+    """``kernels`` under the cache root :func:`sparsedecode.models.store.cache_dir` names, read here as it reads it
+    (the kernels import nothing above the layout and the errors)."""
     root = os.environ.get("SPARSEDECODE_CACHE")
     return (Path(root).expanduser() if root else Path.home() / ".cache" / "sparsedecode") / "kernels"
 
