@@ -27,14 +27,16 @@ from ..step.schedule import dense_forwards
 from ..validate import attention_modules, claim_compiled, release_compiled, uses_alibi
 from . import cpu as compile_cpu
 from .guards import drop_module_guards, model_fingerprint, weight_versions
+from .native import NATIVE, NativeStep
 from .op import STATE, STATIC_ATTENTION, allocate, raise_kept, static_attention_forward, step_form
 
 _NOTHING = contextlib.nullcontext()
 CACHE_ROUND = 512
 """Cache sizes are rounded up to a multiple of this, so prompts of similar length share one compiled step."""
 DEFAULT_BACKEND = env.text("SPARSEDECODE_COMPILE_BACKEND", "inductor")
-"""``torch.compile``'s backend (``SPARSEDECODE_COMPILE_BACKEND``; ``aot_eager`` captures without code generation);
-checked by :func:`check_backend` before any work that compiles."""
+"""``torch.compile``'s backend (``SPARSEDECODE_COMPILE_BACKEND``; ``aot_eager`` captures without code generation;
+``native``: no ``torch.compile``, the whole step one C call, :mod:`sparsedecode.compiled.native`); checked by
+:func:`check_backend` before any work that compiles."""
 KEPT = 4
 """Decoders kept per model (each holds its compiled step; those of one batch and cache size share one cache)."""
 MODULE_GUARDS_PER_INSTALL = env.choice("SPARSEDECODE_MODULE_GUARDS", "install", ("install", "step")) == "install"
@@ -53,7 +55,7 @@ def check_backend(backend: str | None = None) -> str:
     """``backend`` (default :data:`DEFAULT_BACKEND`) if ``torch.compile`` knows it, else one line naming the known
     ones: asked before any work, not at the first compiled step after minutes of other rows."""
     name = backend or DEFAULT_BACKEND
-    if callable(name):
+    if callable(name) or name == NATIVE:
         return name
     from torch._dynamo import list_backends
     from torch._dynamo.backends.registry import lookup_backend
@@ -218,8 +220,10 @@ class CompiledDecoder:
         return compile_cpu.inductor_settings(self.autotuned, quiet=not self._warm) if self.frozen else _NOTHING
 
     def _compile(self):
-        """A new compiled step (nothing compiled yet: its first call compiles)."""
+        """A new compiled step (nothing compiled yet: its first call compiles; the native step builds its tables)."""
         self._warm = False
+        if self.backend == NATIVE:
+            return NativeStep(self)
         options = dict(self._options)  # torch.compile takes the guard filter out of the dict it is given
         return torch.compile(
             _own_method(self, "_forward"), fullgraph=True, backend=self.backend, dynamic=False, options=options
@@ -251,6 +255,8 @@ class CompiledDecoder:
             linear.forward = forward  # the same object at every install: the compiled step's guards hold
         if self._warm and self._fingerprint is not None and self._fingerprinted() != self._fingerprint:
             self._compiled = self._compile()  # the model changed since the step was compiled: what guards saw
+        if self.backend == NATIVE:
+            self._compiled.forget()  # its tables address the modules as they are now
         self._installs += 1
         try:
             yield self

@@ -102,7 +102,7 @@ class Prepared:
         arguments += [torch.get_num_threads(), self.code, n, *self.settings, *self.state]
         status = self.function(*arguments, 0)
         if status == NEEDS_STATISTICS:
-            self._complete(key, stats, n)
+            self.complete_statistics(key, stats, n)
             status = self.function(*arguments, 1)
         self.check(status)
 
@@ -112,7 +112,7 @@ class Prepared:
         if native.offer_step(self.native.buffer_info()[0]):
             _BY_ID[self.ident] = self
 
-    def _complete(self, key, stats, n: int) -> None:
+    def complete_statistics(self, key, stats, n: int) -> None:
         """The statistics of the blocks completed since the last call, of the rows selecting afresh now: an
         equal-length batch's in one pass, each row's numbers as its own BlockStatistics.update makes them."""
         cfg, block, batch, count = self.cfg, self.cfg.block_size, self.batch, self.count
@@ -141,19 +141,25 @@ def signature_of(config, layer, scale, query, key, value, stats, count, blocks, 
     )  # fmt: skip
 
 
+def serves(cfg, plan, q, *state) -> bool:
+    """Whether a :class:`Prepared` call serves a layer call of ``plan`` (:func:`~sparsedecode.step.plan.plan_step`):
+    mean-dot selection with a fixed budget in the C kernel, a contiguous query ``q`` and state tensors."""
+    selector = cfg.selector
+    return (
+        plan.one_call
+        and plan.select == "c"
+        and not selector.adaptive
+        and not selector.token_level
+        and selector.cached_statistics()[0] == "mean"
+        and q.is_contiguous()
+        and all(t.is_contiguous() for t in state)
+    )
+
+
 def prepare(signature, cfg, plan, q, key, value, stats, count, blocks, step, last, tally, scale) -> None:
     """Make the :class:`Prepared` call for ``signature`` (or note that it does not serve these tensors)."""
     if signature not in PREPARED:
-        selector = cfg.selector
-        serves_it = (
-            plan.one_call
-            and plan.select == "c"
-            and not selector.adaptive
-            and not selector.token_level
-            and selector.cached_statistics()[0] == "mean"
-            and q.is_contiguous()
-            and all(t.is_contiguous() for t in (count, blocks, step, last, tally))
-        )
+        serves_it = serves(cfg, plan, q, count, blocks, step, last, tally)
         if len(PREPARED) >= 1024:  # states of decoders long gone
             native.forget_steps()
             PREPARED.clear()
@@ -171,6 +177,6 @@ def prepared_host(key: torch.Tensor, stats: torch.Tensor, ident: int, n: int, st
     """The C++ kernel's call back for prepared call ``ident`` at context length ``n``: complete the statistics the C
     call asked for (``status`` NEEDS_STATISTICS), or raise the error of its ``status``."""
     if status == NEEDS_STATISTICS:
-        _BY_ID[ident]._complete(key, stats, n)
+        _BY_ID[ident].complete_statistics(key, stats, n)
     else:
         cpu.check_status(status)

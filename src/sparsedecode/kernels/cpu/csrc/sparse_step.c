@@ -4,7 +4,7 @@
  * Built at first use by sparsedecode/kernels/cpu/__init__.py (cc -O3 -march=native -fopenmp-simd -pthread), called
  * through ctypes. One translation unit in parts: numeric.h (e^x, element types), threads.h (work splitting),
  * select.h (selection), attend.h (attention), paged.h (selection and attention through vLLM's pages), qlinear.h
- * (quantized linear layers), and here the calls of a step.
+ * (quantized linear layers), here the calls of a step, and model.h (a whole model's decode step) after them.
  * It replaces ~20 small torch operations whose fixed per-call cost dominated below ~32K positions. Semantics are
  * those of sparsedecode.selectors (top_blocks: the b best, ties to the lowest block, ascending) and of
  * sparsedecode.session.attend_support (softmax over the support, all query heads of a GQA group sharing it).
@@ -244,3 +244,5 @@ int prepared_step(const void *q, const void *keys, int64_t k_stride_h, int64_t k
     tally[0] += n_rows, tally[2] += reads, tally[3] += heads;
     return 0;
 }
+
+#include "model.h"

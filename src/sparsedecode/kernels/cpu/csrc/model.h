@@ -1,0 +1,211 @@
+/* Included by sparse_step.c (one translation unit): the native decode step, a Llama-shaped model's whole decode
+ * step of one token per row in one call (sparsedecode/compiled/native.py builds its tables and says which models it
+ * serves): no graph, no guards, no operator dispatch between the products, which is what the compiled step spends
+ * beside them at a small model's decode step on a CPU.
+ *
+ * Per layer, for every row (batch rows of equal length, the current token at position n - 1):
+ *   h = rms_norm(x) * w1;  q, k, v = h Wq (+ b), h Wk (+ b), h Wv (+ b);  RoPE on q and k (cos, sin given per row);
+ *   k, v written into the layer's cache at n - 1;  a = attention(q, cache[0, n));  x += a Wo (+ b);
+ *   h = rms_norm(x) * w2;  x += (silu(h Wgate) * (h Wup)) Wdown
+ * then logits = (rms_norm(x) * w) Whead. A linear layer is float32 (N, K), int4 or int8 (qlinear.h, the
+ * activations quantized as there). rms_norm(x) = x / sqrt(mean(x^2) + eps); RoPE as transformers' rotate_half
+ * (dimension i < d/2 pairs with i + d/2). Attention: a layer without a sparse state, or one whose context fits its
+ * support (n <= support), attends over every position (anchor and a window of n - 1: attend_support); then a sparse
+ * layer's state moves as the schedule's dense step moves it (sparsedecode/step/schedule.py: after_write of one token,
+ * decode_step ending the chain, count_step of dense rows). Otherwise it is prepared_step over the layer's row table,
+ * which may return NEEDS_STATISTICS before attending: the call then stops with that status and the layer in
+ * *stopped; the caller completes the statistics and calls again from that layer with `resumed` (q, k and v are
+ * kept in the work buffer, the cache written already).
+ *
+ * Tables are int64 fields (pointers as integers; floats as the bits of a float32): the model's M_FIELDS, each
+ * layer's L_FIELDS, each linear layer's LIN_FIELDS. */
+
+enum { LIN_KIND, LIN_OUT, LIN_IN, LIN_WEIGHT, LIN_SCALE, LIN_OFFSET, LIN_BIAS, LIN_BLOCK, LIN_SCALE32, LIN_FIELDS };
+enum { LINEAR_F32 = 0, LINEAR_INT4 = 4, LINEAR_INT8 = 8 };
+enum { Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ, LINEARS };
+enum {
+    L_NORM1, L_EPS1, L_NORM2, L_EPS2, L_KEY, L_KEY_SB, L_KEY_SH, L_KEY_SN, L_VALUE, L_VALUE_SB, L_VALUE_SH,
+    L_VALUE_SN, L_SPARSE, L_TABLE, L_WINDOW, L_BLOCK, L_REUSE, L_EVERY, L_SPLIT, L_COUNT, L_STEP, L_LAST, L_TALLY,
+    L_SUPPORT, L_LINEAR, L_FIELDS = L_LINEAR + LINEARS * LIN_FIELDS
+};
+enum { M_LAYERS, M_BATCH, M_HIDDEN, M_HEADS, M_KV, M_D, M_INTER, M_SCALE, M_NORM, M_EPS, M_HEAD, M_FIELDS = M_HEAD + LIN_FIELDS };
+
+static inline float bits_to_float(int64_t bits) {
+    union { uint32_t u; float f; } v = {(uint32_t)bits};
+    return v.f;
+}
+
+static inline void *pointer(int64_t field) { return (void *)(intptr_t)field; }
+
+typedef struct {
+    const float *w, *x;
+    float *out;
+    int64_t rows, n, k;
+} f32_job;
+
+enum { F32_OUTPUTS = 16 };
+
+/* Outputs task * F32_OUTPUTS .. of every row: dot products of float32 rows, 8 lanes then summed. */
+static int f32_outputs(const void *arg, int64_t task) {
+    const f32_job *job = arg;
+    int64_t n0 = task * F32_OUTPUTS, n1 = n0 + F32_OUTPUTS < job->n ? n0 + F32_OUTPUTS : job->n, k = job->k;
+    for (int64_t r = 0; r < job->rows; r++) {
+        const float *x = job->x + r * k;
+        for (int64_t o = n0; o < n1; o++) {
+            const float *w = job->w + o * k;
+            v8 total = splat8(0.0f);
+            int64_t i = 0;
+            for (; i + 8 <= k; i += 8) total += load8(w + i) * load8(x + i);
+            float sum = sum8(total);
+            for (; i < k; i++) sum += w[i] * x[i];
+            job->out[r * job->n + o] = sum;
+        }
+    }
+    return 0;
+}
+
+/* out (rows, N) = x (rows, K) times the linear layer `f` (LIN_FIELDS), its bias added. */
+static int linear_rows(const int64_t *f, const float *x, float *out, int64_t rows, int64_t threads) {
+    int64_t n = f[LIN_OUT], k = f[LIN_IN], status = 0;
+    if (f[LIN_KIND] == LINEAR_INT4) {
+        status = q4_linear(pointer(f[LIN_WEIGHT]), pointer(f[LIN_SCALE]), pointer(f[LIN_OFFSET]), x, out, rows, n,
+                           k / 32, f[LIN_SCALE32], threads);
+    } else if (f[LIN_KIND] == LINEAR_INT8) {
+        status = q8_linear(pointer(f[LIN_WEIGHT]), pointer(f[LIN_SCALE]), x, out, rows, n, k / 32, f[LIN_BLOCK],
+                           f[LIN_SCALE32], threads);
+    } else {
+        f32_job job = {pointer(f[LIN_WEIGHT]), x, out, rows, n, k};
+        int64_t tasks = (n + F32_OUTPUTS - 1) / F32_OUTPUTS;
+        status = parallel(f32_outputs, &job, tasks, n * k < (1 << 16) ? 1 : threads, 0);
+    }
+    const float *bias = pointer(f[LIN_BIAS]);
+    if (!status && bias)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < n; i++) out[r * n + i] += bias[i];
+    return (int)status;
+}
+
+/* out (rows, size) = x / sqrt(mean(x^2) + eps) * weight, per row, in float32. */
+static void rms_norm(const float *x, const float *weight, float eps, float *out, int64_t rows, int64_t size) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *v = x + r * size;
+        float squares = 0.0f;
+        for (int64_t i = 0; i < size; i++) squares += v[i] * v[i];
+        float inverse = 1.0f / sqrtf(squares / (float)size + eps);
+        for (int64_t i = 0; i < size; i++) out[r * size + i] = weight[i] * (v[i] * inverse);
+    }
+}
+
+/* RoPE in place on x (rows, heads, d) with each row's cos and sin (rows, d): x * cos + rotate_half(x) * sin. */
+static void rope(float *x, const float *cos, const float *sin, int64_t rows, int64_t heads, int64_t d) {
+    int64_t half = d / 2;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < heads; h++) {
+            float *v = x + (r * heads + h) * d;
+            const float *c = cos + r * d, *s = sin + r * d;
+            for (int64_t i = 0; i < half; i++) {
+                float a = v[i], b = v[i + half];
+                v[i] = a * c[i] - b * s[i];
+                v[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+}
+
+/* The layer's attention of every row at context length n into att (rows, H, d): see the header. */
+static int layer_attention(const int64_t *m, const int64_t *f, const float *q, float *att, int64_t n, int64_t resumed,
+                           int64_t threads) {
+    int64_t rows = m[M_BATCH], kv = m[M_KV], d = m[M_D], group = m[M_HEADS] / kv;
+    float scale = bits_to_float(m[M_SCALE]);
+    const float *keys = pointer(f[L_KEY]), *values = pointer(f[L_VALUE]);
+    if (f[L_SPARSE] && n > f[L_SUPPORT])
+        return prepared_step(q, keys, f[L_KEY_SH], f[L_KEY_SN], values, f[L_VALUE_SH], f[L_VALUE_SN], att,
+                             pointer(f[L_TABLE]), rows, kv, group, d, f[L_WINDOW], f[L_BLOCK], scale, threads,
+                             DTYPE_F32, n, f[L_REUSE], f[L_EVERY], f[L_SPLIT], pointer(f[L_COUNT]),
+                             pointer(f[L_STEP]), pointer(f[L_LAST]), pointer(f[L_TALLY]), resumed);
+    for (int64_t r = 0; r < rows; r++) {
+        int status = attend_support(q + r * kv * group * d, keys + r * f[L_KEY_SB], f[L_KEY_SH], f[L_KEY_SN],
+                                    values + r * f[L_VALUE_SB], f[L_VALUE_SH], f[L_VALUE_SN], NULL, 0, kv, group, d, n,
+                                    1, 1, scale, threads, att + r * kv * group * d, DTYPE_F32);
+        if (status) return status;
+    }
+    if (f[L_SPARSE]) { /* the schedule's dense step: after_write of one token, then a chain ended, dense rows */
+        int64_t kept = n >= 2 ? (n - 2) / f[L_BLOCK] : 0, *count = pointer(f[L_COUNT]), *tally = pointer(f[L_TALLY]);
+        int64_t *step = pointer(f[L_STEP]), *last = pointer(f[L_LAST]);
+        for (int64_t r = 0; r < rows; r++) {
+            if (count[r] > kept) count[r] = kept;
+            step[r] = 0;
+            last[r] = n;
+        }
+        tally[1] += rows;
+    }
+    return 0;
+}
+
+/* k, v (rows, kv, d) written into the layer's cache at position p. */
+static void write_cache(const int64_t *m, const int64_t *f, const float *k, const float *v, int64_t p) {
+    int64_t rows = m[M_BATCH], kv = m[M_KV], d = m[M_D];
+    float *keys = pointer(f[L_KEY]), *values = pointer(f[L_VALUE]);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < kv; h++) {
+            memcpy(keys + r * f[L_KEY_SB] + h * f[L_KEY_SH] + p * f[L_KEY_SN], k + (r * kv + h) * d, sizeof(float) * d);
+            memcpy(values + r * f[L_VALUE_SB] + h * f[L_VALUE_SH] + p * f[L_VALUE_SN], v + (r * kv + h) * d,
+                   sizeof(float) * d);
+        }
+}
+
+static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+
+/* The work buffer's parts (floats): x (rows, hidden), the residual stream, kept between calls; h (rows, max(hidden,
+ * inter)); q and att (rows, H d); k and v (rows, kv d); gate and up (rows, inter); o (rows, hidden). */
+int64_t model_work_floats(const int64_t *m) {
+    int64_t rows = m[M_BATCH], hidden = m[M_HIDDEN], inter = m[M_INTER], qd = m[M_HEADS] * m[M_D];
+    int64_t wide = hidden > inter ? hidden : inter;
+    return rows * (2 * hidden + wide + 2 * qd + 2 * m[M_KV] * m[M_D] + 2 * inter);
+}
+
+/* One decode step at context length n (the current token at n - 1) from layer `first` on, x (the work buffer's
+ * first part) holding the token's embeddings at layer 0, or the residual stream at `first` when resumed; logits
+ * (rows, vocab). Returns 0, NEEDS_STATISTICS with the layer in *stopped, or another kernel status. */
+int model_step(const int64_t *m, const int64_t *layers, float *work, const float *cos, const float *sin, int64_t n,
+               int64_t first, int64_t resumed, int64_t threads, float *logits, int64_t *stopped) {
+    int64_t rows = m[M_BATCH], hidden = m[M_HIDDEN], inter = m[M_INTER], kv = m[M_KV], d = m[M_D];
+    int64_t qd = m[M_HEADS] * d, wide = hidden > inter ? hidden : inter;
+    float *x = work, *h = x + rows * hidden, *q = h + rows * wide, *att = q + rows * qd, *k = att + rows * qd;
+    float *v = k + rows * kv * d, *gate = v + rows * kv * d, *up = gate + rows * inter, *o = up + rows * inter;
+    for (int64_t l = first; l < m[M_LAYERS]; l++) {
+        const int64_t *f = layers + l * L_FIELDS, *lin = f + L_LINEAR;
+        int status = 0, again = resumed && l == first;
+        if (!again) {
+            rms_norm(x, pointer(f[L_NORM1]), bits_to_float(f[L_EPS1]), h, rows, hidden);
+            status = linear_rows(lin + Q_PROJ * LIN_FIELDS, h, q, rows, threads);
+            status = status ? status : linear_rows(lin + K_PROJ * LIN_FIELDS, h, k, rows, threads);
+            status = status ? status : linear_rows(lin + V_PROJ * LIN_FIELDS, h, v, rows, threads);
+            if (status) return status;
+            rope(q, cos, sin, rows, m[M_HEADS], d);
+            rope(k, cos, sin, rows, kv, d);
+            write_cache(m, f, k, v, n - 1);
+        }
+        status = layer_attention(m, f, q, att, n, again, threads);
+        if (status == NEEDS_STATISTICS) *stopped = l;
+        if (status) return status;
+        status = linear_rows(lin + O_PROJ * LIN_FIELDS, att, o, rows, threads);
+        if (status) return status;
+        for (int64_t i = 0; i < rows * hidden; i++) x[i] += o[i];
+        rms_norm(x, pointer(f[L_NORM2]), bits_to_float(f[L_EPS2]), h, rows, hidden);
+        status = linear_rows(lin + GATE_PROJ * LIN_FIELDS, h, gate, rows, threads);
+        status = status ? status : linear_rows(lin + UP_PROJ * LIN_FIELDS, h, up, rows, threads);
+        if (status) return status;
+        for (int64_t i = 0; i < rows * inter; i++) gate[i] = silu(gate[i]) * up[i];
+        status = linear_rows(lin + DOWN_PROJ * LIN_FIELDS, gate, o, rows, threads);
+        if (status) return status;
+        for (int64_t i = 0; i < rows * hidden; i++) x[i] += o[i];
+    }
+    rms_norm(x, pointer(m[M_NORM]), bits_to_float(m[M_EPS]), h, rows, hidden);
+    return linear_rows(m + M_HEAD, h, logits, rows, threads);
+}
+
+/* The table sizes this build uses (M_FIELDS, L_FIELDS, LIN_FIELDS): the caller checks its own against them. */
+int model_layout(int64_t *sizes) {
+    sizes[0] = M_FIELDS, sizes[1] = L_FIELDS, sizes[2] = LIN_FIELDS;
+    return 0;
+}

@@ -1,0 +1,157 @@
+"""The native decode step (sparsedecode.compiled.native, ``model_step`` in kernels/cpu/csrc/model.h): a whole decode
+step in one C call. It must give the static step's tokens, logits (to round-off) and state (counts, chosen blocks,
+reuse counters, tallies) on tiny Llama and Qwen2 models, float32 and quantized, dense and sparse, one row and two;
+a support of at least the context must decode exactly as its own dense decoding; what it does not compute is
+refused in one line before any decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import logits_tolerance, tiny_family, tiny_model
+
+from sparsedecode import SparseConfig
+from sparsedecode.compiled.decoder import CompiledDecoder, _seek, check_backend
+from sparsedecode.compiled.native import NATIVE
+from sparsedecode.decoding.loop import decode_tokens
+from sparsedecode.errors import SparseDecodeError
+from sparsedecode.kernels import cpu
+from sparsedecode.models.quantized import quantize_linears
+from sparsedecode.selectors import selector_names
+
+pytestmark = pytest.mark.skipif(cpu.library() is None, reason="the C kernel does not build here")
+
+STEPS = 40
+SMALL_CFG = dict(support=97, window=32, block_size=8)
+
+
+def _prompt(batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 90, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _run(model, cfg, ids, backend, steps=STEPS):
+    """Tokens, every step's logits and the final state of a decoder with ``backend`` (``"eager"``: the static
+    step's function uncompiled, the reference), prefilled with ``ids``."""
+    decoder = CompiledDecoder(model, cfg, batch=ids.shape[0], max_len=512, backend=backend)
+
+    def eager(tokens):
+        position = torch.full((decoder.batch, 1), decoder.position, dtype=torch.long)
+        _seek(decoder.cache, decoder.position)
+        decoder.position += 1
+        return decoder._forward(tokens.reshape(decoder.batch, 1), position)
+
+    seen = []
+    with decoder.installed():
+        first = decoder.prefill(ids).argmax(dim=-1).tolist()
+        step = eager if backend == "aot_eager" else decoder.step
+        out, _ = decode_tokens(model, None, first, steps, on_logits=lambda _, lg: seen.append(lg.clone()), step_fn=step)
+    state = {
+        i: [getattr(s, name).clone() for name in ("stats", "count", "blocks", "step", "last", "tally")]
+        for i, s in enumerate(decoder.states.values())
+    }
+    return [[f, *o] for f, o in zip(first, out)], torch.stack(seen), state
+
+
+def _model(arch: str, weights: str, **overrides):
+    model = tiny_model(arch, **overrides)
+    if weights != "float32":
+        quantize_linears(model, weights)
+    return model
+
+
+def _assert_same(reference, native, model, weights: str) -> None:
+    tokens, logits, state = reference
+    n_tokens, n_logits, n_state = native
+    assert n_tokens == tokens
+    # float32: the same model in other kernels (sums reordered); quantized: the activations' int8 rounding turns a
+    # last-bit difference into a step of one of 127 in a group's scale now and then
+    tolerance = logits_tolerance(logits, model, positions=512)
+    if weights != "float32":
+        tolerance = 0.02 * float(logits.abs().max())
+    assert float((n_logits - logits).abs().max()) <= tolerance
+    for layer, tensors in state.items():
+        for mine, theirs in zip(n_state[layer], tensors):
+            assert torch.equal(mine, theirs) or torch.allclose(mine, theirs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("weights", ["float32", "int4", "int8"])
+def test_native_step_gives_the_static_steps_tokens_logits_and_state(arch, weights):
+    model = _model(arch, weights)
+    cases = [(None, 2, 300), (SparseConfig(**SMALL_CFG), 2, 300), (SparseConfig(**SMALL_CFG, reuse=4), 1, 80)]
+    for cfg, batch, length in cases:  # the short prompt: dense steps (N <= S), then sparse ones
+        ids = _prompt(batch, length)
+        reference, native = _run(model, cfg, ids, "aot_eager"), _run(model, cfg, ids, NATIVE)
+        _assert_same(reference, native, model, weights)
+        if cfg is not None:
+            tally = native[2][0][-1]
+            assert tally[0] > 0 and (length > cfg.effective_support or tally[1] > 0)
+
+
+def test_native_step_of_odd_sizes():
+    """Sizes no vector width divides: head dim 18, an MLP of 50, a hidden size of 72 (the float32 product's tail,
+    the attention's remainder lanes)."""
+    model = _model("llama", "float32", hidden_size=72, intermediate_size=50, head_dim=18)
+    ids, cfg = _prompt(1, 300), SparseConfig(**SMALL_CFG)
+    _assert_same(_run(model, cfg, ids, "aot_eager"), _run(model, cfg, ids, NATIVE), model, "float32")
+
+
+@pytest.mark.parametrize("weights", ["float32", "int4"])
+def test_full_support_is_the_native_steps_own_dense_decoding(weights):
+    model = _model("llama", weights)
+    ids = _prompt(1, 300)
+    dense_tokens, dense_logits, _ = _run(model, None, ids, NATIVE)
+    full = SparseConfig(support=1 + 32 + 8 * 64, window=32, block_size=8)  # >= every context of a 512 cache
+    tokens, logits, state = _run(model, full, ids, NATIVE)
+    assert tokens == dense_tokens and torch.equal(logits, dense_logits)
+    assert int(state[0][-1][0]) == 0 and int(state[0][-1][1]) == STEPS  # every step dense, counted so
+
+
+def test_every_selector_is_served_as_the_static_step_or_refused_in_one_line():
+    model = tiny_model("llama")
+    ids = _prompt(1, 300)
+    served = []
+    for name in selector_names():
+        if name == "h2o":  # refused by every compiled decoder (tests/test_compiled.py)
+            continue
+        cfg = SparseConfig(**SMALL_CFG, selector=name)
+        try:
+            native = _run(model, cfg, ids, NATIVE, steps=12)
+        except SparseDecodeError as error:
+            assert "\n" not in str(error) and "native decode step" in str(error)
+            continue
+        _assert_same(_run(model, cfg, ids, "aot_eager", steps=12), native, model, "float32")
+        served.append(name)
+    assert SparseConfig().selector.spec() in served  # the default selector at least
+
+
+def test_what_it_does_not_compute_is_refused_before_decoding():
+    assert check_backend(NATIVE) == NATIVE
+    cfg = SparseConfig(**SMALL_CFG)
+    hooked = tiny_model("llama")
+    hooked.model.layers[1].mlp.register_forward_hook(lambda module, args, out: out * 2)
+    half = tiny_model("llama", dtype=torch.bfloat16)
+    other = tiny_family("gemma")
+    for model, words in ((hooked, "hook"), (half, "float32"), (other, "serves")):
+        with pytest.raises(SparseDecodeError, match=words) as caught:
+            CompiledDecoder(model, cfg, batch=1, max_len=512, backend=NATIVE)
+        assert "\n" not in str(caught.value)
+
+
+def test_modules_replaced_between_installs_are_read_at_the_next_install():
+    model = tiny_model("llama")
+    ids, cfg = _prompt(1, 300), SparseConfig(**SMALL_CFG)
+    decoder = CompiledDecoder(model, cfg, batch=1, max_len=512, backend=NATIVE)
+    with decoder.installed():
+        token = decoder.prefill(ids).argmax(-1)
+        before = decoder.step(token)
+    replaced = torch.nn.Linear(model.config.intermediate_size, model.config.hidden_size, bias=False)
+    model.model.layers[0].mlp.down_proj = replaced
+    reference = CompiledDecoder(model, cfg, batch=1, max_len=512, backend=NATIVE)
+    with reference.installed():
+        reference.prefill(ids)
+        expected = reference.step(token)
+    with decoder.installed():
+        decoder.prefill(ids)
+        after = decoder.step(token)
+    assert not torch.allclose(before, after) and torch.equal(after, expected)
