@@ -231,6 +231,25 @@ def test_bench_e2e_compile_with_lossless_adds_compiled_lossless_rows(monkeypatch
         assert static.compile_s == by_mode[("sparse", "static, compiled", None)].compile_s
 
 
+def test_bench_e2e_native_adds_the_native_steps_rows_beside_the_compiled_ones(monkeypatch):
+    """--native: dense, sparse and lossless rows over the same static cache with the native step, the compiled
+    rows' tokens (float32: the same model to round-off), their own build seconds; and a model the native step does
+    not compute refused before the prefill, in one line."""
+    from sparsedecode.compiled import decoder as compiled
+
+    monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
+    model = tiny_model("qwen2")
+    rows = bench_e2e(model, "tiny", prompt(200), (97,), tokens=8, repeats=1, lossless=(2,), compile=True, native=True)
+    by_mode = {(r.mode, r.cache, r.support): r for r in rows}
+    for mode, support in (("dense", None), ("sparse", 97), ("lossless", 97)):
+        native, static = by_mode[(mode, "static, native", support)], by_mode[(mode, "static, compiled", support)]
+        assert native.tokens_equal_to_dense == static.tokens_equal_to_dense and native.compile_s is not None
+    assert by_mode[("dense", "static, native", None)].tokens_equal_to_dense == 8
+    half = tiny_model("qwen2", dtype=torch.bfloat16)
+    with pytest.raises(SparseDecodeError, match="native decode step.*float32"):
+        bench_e2e(half, "tiny", prompt(200), (97,), tokens=4, repeats=1, native=True)
+
+
 FAKES = Path(__file__).parent / "fakes"
 
 
@@ -431,6 +450,7 @@ def test_bench_e2e_cli_refuses_repeats_below_one(tiny_model_dir, capsys):
     [
         (["--baseline", "llama.cpp"], "is not one"),  # a model folder has no GGUF it came from
         (["--baseline", "llama.cpp", "--batch", "1,2"], "--baseline runs batch 1 only"),
+        (["--native", "--batch", "1,2"], "--native runs batch 1 only"),
         (["--compile", "--batch", "1", "--selector", "h2o"], "bench e2e --batch --compile: h2o keeps the attention"),
         (["--compile", "--selector", "h2o"], "bench e2e --compile: h2o keeps the attention"),
         (["--dense-dtype", "bfloat16"], "--dense-dtype compares batched dense decoding in another dtype"),

@@ -95,6 +95,13 @@ def add_e2e_parser(benches) -> None:
         "fullgraph; compile seconds reported; with --batch, for every batch size; with --mode lossless, lossless "
         "rows drafting with the compiled step; default: off)",
     )
+    e2e.add_argument(
+        "--native",
+        action="store_true",
+        help="add the same modes with the native decode step: the whole step of a float32 or quantized Llama, Qwen2 "
+        "or Mistral model in one C call, no torch.compile (cache 'static, native'; one prompt, not --batch; "
+        "default: off)",
+    )
     e2e.set_defaults(handler=cmd_bench_e2e)
 
 
@@ -137,6 +144,7 @@ def cmd_bench_e2e(args) -> int:
                     repeats=args.repeats,
                     selector=args.selector,
                     compile=args.compile,
+                    native=args.native,
                     baseline=engines,
                     **layer_budget(args),
                 )
@@ -183,8 +191,10 @@ def _check_e2e_args(args) -> None:
     if args.batch is not None:
         if min(args.batch) < 1:
             raise SparseDecodeError("--batch values must be >= 1")
-        if args.baseline != "none":
-            raise SparseDecodeError("--baseline runs batch 1 only: drop --batch")
+        if args.baseline != "none" or args.native:
+            raise SparseDecodeError(
+                f"{'--baseline' if args.baseline != 'none' else '--native'} runs batch 1 only: drop --batch"
+            )
         if any(layer_budget(args).values()):
             raise SparseDecodeError("--dense-layers, --layer-supports and --budget run batch 1 only here: drop --batch")
         if args.mode == "lossless":

@@ -22,6 +22,13 @@ from ..session.kv_cache import crop_cache, growing_copy
 from .bench_measures import peak_rss_mb, read_bandwidth_gbs
 from .bench_vllm import leading_equal
 
+STATIC_MODES = (
+    ("static, compiled", None, lambda compile, native: compile),
+    ("static, native", "native", lambda compile, native: native),
+)
+"""The static-cache modes: a cache label, its decoders' backend (None: the compile backend), whether the
+arguments ``(compile, native)`` of :func:`bench_e2e` ask for it."""
+
 
 @dataclass
 class E2ERow:
@@ -65,6 +72,7 @@ def bench_e2e(
     progress: Progress | None = None,
     selector: str = "mean-pooled",
     compile: bool = False,
+    native: bool = False,
     baseline: dict | None = None,
     dense_layers: tuple[int, ...] = (),
     layer_supports: tuple[tuple[int, int], ...] = (),
@@ -79,8 +87,10 @@ def bench_e2e(
     Peak RSS is the process peak so far. ``kernel`` is the sparse attention kernel (``SparseConfig.kernel``;
     ``auto`` = the C kernel on the CPU (float32, bfloat16, float16), Triton on CUDA, else torch). ``compile`` adds
     dense and each sparse mode over a static cache with the decode step compiled (:mod:`sparsedecode.compiled.decoder`),
-    their compile time in ``compile_s``. ``baseline`` (``{label: LlamaCpp}``, :mod:`.baseline`) adds llama.cpp's dense
-    decoding of the same token ids, timed in the same rotation, and every row's ratio to it and bytes per token.
+    their compile time in ``compile_s``; ``native`` the same modes with the native step (one C call a step,
+    :mod:`sparsedecode.compiled.native`), cache ``static, native``. ``baseline`` (``{label: LlamaCpp}``,
+    :mod:`.baseline`) adds llama.cpp's dense decoding of the same token ids, timed in the same rotation, and every
+    row's ratio to it and bytes per token.
     ``dense_layers``, ``layer_supports``: the per-layer part of every sparse mode's configuration.
     """
     if isinstance(repeats, bool) or not isinstance(repeats, numbers.Integral) or repeats < 1:
@@ -88,11 +98,15 @@ def bench_e2e(
     config = partial(
         SparseConfig, kernel=kernel, selector=selector, dense_layers=dense_layers, layer_supports=layer_supports
     )
-    if compile:  # before the prefill
+    backends = {label: b for label, b, wanted in STATIC_MODES if wanted(compile, native)}
+    if backends:  # before the prefill
         from ..compiled.decoder import check_compilable
+        from ..compiled.native import check as check_native
 
         for cfg in (None, *(config(support=s) for s in supports)):
             check_compilable(model, cfg, "bench e2e --compile")
+            if native:
+                check_native(model, cfg, next(model.parameters()).device)
     started = time.perf_counter()
     dynamic, logits = prefill(model, prompt_ids, progress=progress)
     prefill_s = time.perf_counter() - started
@@ -103,11 +117,14 @@ def bench_e2e(
         model, dynamic, growing, context, first, tokens, supports, lossless, adaptive, config, progress
     )
     compile_s = {}
-    if compile:
+    if backends:
         cfgs = {None: None, **{s: config(support=s) for s in supports}}
-        compiled, compile_s = _compiled_modes(model, prompt_ids, first, cfgs, tokens, progress, lossless, adaptive)
-        modes.update({("dense" if s is None else "sparse", "static, compiled", s, None): compiled[s] for s in cfgs})
-        modes.update({("lossless", "static, compiled", s, k): compiled[s, k] for s in supports for k in lossless})
+        compiled, compile_s = _compiled_modes(
+            model, prompt_ids, first, cfgs, tokens, progress, lossless, adaptive, backends
+        )
+        for label in backends:
+            modes.update({("dense" if s is None else "sparse", label, s, None): compiled[label, s] for s in cfgs})
+            modes.update({("lossless", label, s, k): compiled[label, s, k] for s in supports for k in lossless})
     prefills: dict = {}
     if baseline:
         from .baseline import baseline_modes
@@ -199,8 +216,8 @@ def _e2e_rows(name, runs, context, tokens, prefill_s, rss, kernel, compile_s, ba
         kind, cache, support, k = mode
         decode_s = median_s[mode]
         extra = {"kernel": None if kind == "dense" else kernel, "runs": len(results)}
-        if cache == "static, compiled":
-            extra["compile_s"] = compile_s[support]
+        if (cache, support) in compile_s:
+            extra["compile_s"] = compile_s[cache, support]
         if kind == "lossless":
             g = results[0]  # greedy and deterministic: every run drafts and accepts the same
             out = g.tokens[1:]
@@ -243,20 +260,28 @@ def compiled_decode(model, decoder, context: int, heads: list[int], tokens: int,
         return time.perf_counter() - begun, outs
 
 
-def _compiled_modes(model, prompt_ids, first: int, cfgs: dict, tokens: int, progress, lossless=(), adaptive=False):
-    """:func:`bench_e2e`'s compiled modes: for each ``cfgs`` entry (a name and its config, ``None`` = dense) a
-    function ``timed(stage) -> (seconds, tokens)`` decoding ``tokens`` greedy tokens after ``first``, every mode from
-    one prefill of ``prompt_ids (1, P)`` into one shared cache; under ``(name, k)`` for each sparse entry and draft
-    length in ``lossless``, the lossless loop drafting with it (a :class:`~sparsedecode.decoding.generate.Generation`);
-    and each mode's compile seconds (measured here, before any timed run). The configs were checked compilable
-    before."""
+def _compiled_modes(
+    model, prompt_ids, first: int, cfgs: dict, tokens: int, progress, lossless=(), adaptive=False, backends=None
+):
+    """:func:`bench_e2e`'s compiled modes: for each of ``backends`` (``{cache label: backend}``, default the compile
+    backend's ``static, compiled``) and each ``cfgs`` entry (a name and its config, ``None`` = dense), under
+    ``(label, name)`` a function ``timed(stage) -> (seconds, tokens)`` decoding ``tokens`` greedy tokens after
+    ``first``, every mode from one prefill of ``prompt_ids (1, P)`` into one shared cache; under ``(label, name, k)``
+    for each sparse entry and draft length in ``lossless``, the lossless loop drafting with it (a
+    :class:`~sparsedecode.decoding.generate.Generation`); and each mode's compile seconds by ``(label, name)``
+    (measured here, before any timed run). The configs were checked compilable before."""
     from ..compiled.decoder import decoder_for
     from ..decoding.generate import Generation
     from ..decoding.lossless import MAX_DRAFT_TOKENS, StaticDrafter, lossless_loop
 
     context = int(prompt_ids.shape[1])
-    decoders = {name: decoder_for(model, cfg, 1, context + tokens + 1) for name, cfg in cfgs.items()}
-    prefilled = next(iter(decoders.values()))
+    backends = backends or {"static, compiled": None}
+    decoders = {
+        (label, name): decoder_for(model, cfg, 1, context + tokens + 1, backend)
+        for label, backend in backends.items()
+        for name, cfg in cfgs.items()
+    }
+    prefilled = next(iter(decoders.values()))  # every decoder of one size shares its cache
     with prefilled.installed():
         prefilled.prefill(prompt_ids, progress=progress)
     compile_s = {}
@@ -277,7 +302,7 @@ def _compiled_modes(model, prompt_ids, first: int, cfgs: dict, tokens: int, prog
                 adaptive=adaptive, max_draft_tokens=MAX_DRAFT_TOKENS, progress=progress, eos_token_id=None, stage=stage,
             )  # fmt: skip
 
-    functions = {name: partial(timed, decoder) for name, decoder in decoders.items()}
-    sparse = [name for name in decoders if name is not None]
-    functions.update({(name, k): partial(speculative, decoders[name], k) for name in sparse for k in lossless})
+    functions = {key: partial(timed, decoder) for key, decoder in decoders.items()}
+    sparse = [key for key in decoders if key[1] is not None]
+    functions.update({(*key, k): partial(speculative, decoders[key], k) for key in sparse for k in lossless})
     return functions, compile_s
