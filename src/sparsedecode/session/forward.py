@@ -19,23 +19,26 @@ from .rows import sparse_rows
 from .state import LayerState
 
 
-def _context_length(key: torch.Tensor, kwargs: dict) -> int:
+def _context_length(key: torch.Tensor, kwargs: dict, grows: bool) -> int:
     position_ids = kwargs.get("position_ids")
-    if isinstance(position_ids, torch.Tensor) and position_ids.numel():
+    if not grows and isinstance(position_ids, torch.Tensor) and position_ids.numel():
         return int(position_ids.reshape(-1)[-1]) + 1
     return key.shape[2]
 
 
-def row_extents(attention_mask: torch.Tensor | None, key: torch.Tensor, kwargs: dict) -> tuple[int, tuple[int, ...]]:
+def row_extents(
+    attention_mask: torch.Tensor | None, key: torch.Tensor, kwargs: dict, grows: bool = False
+) -> tuple[int, tuple[int, ...]]:
     """Where each sequence of a batch lies in the cache: ``(n, pads)``, sequence ``i`` at positions ``[pads[i], n)``.
 
     Read from the attention mask's last query row (it sees every real key of its sequence): each sequence must
     attend to one contiguous run of positions ending at the current token, i.e. the batch is left-padded. Without
-    a mask (no padding) every sequence starts at 0.
+    a mask (no padding) every sequence starts at 0 and ends at the key tensor's end where the cache ``grows``
+    (:attr:`~sparsedecode.session.state.LayerState.grows`), else after the last position id (a fixed-size cache).
     """
     batch = key.shape[0]
     if attention_mask is None:
-        return _context_length(key, kwargs), (0,) * batch
+        return _context_length(key, kwargs, grows), (0,) * batch
     last = attention_mask[..., -1, :] if attention_mask.dim() == 4 else attention_mask
     last = last.reshape(last.shape[0], -1)[:, -key.shape[2] :] if last.dim() > 2 else last
     valid = last if last.dtype == torch.bool else last == 0  # additive float masks: 0 where attended
@@ -72,15 +75,15 @@ def past_window(lengths: list[int], kwargs: dict) -> list[bool]:
     return [m >= sliding for m in lengths]
 
 
-def _extents(session, attention_mask, key, q_len, kwargs) -> tuple[int, tuple[int, ...]]:
+def _extents(session, attention_mask, key, q_len, kwargs, grows: bool) -> tuple[int, tuple[int, ...]]:
     """:func:`row_extents`, computed once per forward: every layer sees the same mask and position ids (held in
-    ``session.extents``, so no other object takes their ids); without a mask n comes from the position ids, which a
-    fixed-size cache needs to tell steps apart."""
+    ``session.extents``, so no other object takes their ids); without a mask n comes from a growing cache's keys,
+    else from the position ids, which a fixed-size cache needs to tell steps apart."""
     position_ids, extents = kwargs.get("position_ids"), session.extents
-    shape = (key.shape[2], q_len)
+    shape = (key.shape[2], q_len, grows)
     if extents is not None and extents[0] == shape and extents[1] is attention_mask and extents[2] is position_ids:
         return extents[3]
-    found = row_extents(attention_mask, key, kwargs)
+    found = row_extents(attention_mask, key, kwargs, grows)
     session.extents = (shape, attention_mask, position_ids, found)
     return found
 
@@ -179,7 +182,7 @@ def session_forward(session, state, module, query, key, value, attention_mask, d
     """
     q_len = query.shape[2]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    n, pads = _extents(session, attention_mask, key, q_len, kwargs)
+    n, pads = _extents(session, attention_mask, key, q_len, kwargs, state.grows)
     intact = state.begin(n - q_len, q_len)
     rows = state.rows_for(pads)
     if schedule.is_decode_step(q_len):

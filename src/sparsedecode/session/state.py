@@ -160,6 +160,10 @@ class LayerState:
     rebuilt: bool = False
     """The cache holds keys of another shape than the attention is handed (multi-head latent attention caches a
     latent and rebuilds the keys at every step): nothing derived from them survives a step."""
+    grows: bool = False
+    """The forward's cache layer holds exactly the positions written so far (a full-attention ``DynamicLayer``, such
+    as a :class:`~sparsedecode.session.kv_cache.GrowingCache`'s): its key tensor's length is the context N, whatever
+    the position ids say (restarted or shifted positions, multimodal RoPE); a fixed-size cache needs them."""
 
     def blocks_out(self, kv_heads: int, b: int) -> torch.Tensor:
         """A fresh ``(kv, b)`` int64 selection the C call writes into (see :mod:`sparsedecode.step.rows`)."""
@@ -170,6 +174,7 @@ class LayerState:
         """Pre-hook half: how much of what this state describes ``cache`` still holds, before it appends."""
         self.unchanged, self.rebuilt = 0, False
         layers = getattr(cache, "layers", None)
+        self.grows = layers is not None and self.layer < len(layers) and _grows(layers[self.layer])
         if self.mark is None or layers is None or self.layer >= len(layers):
             return
         keys = getattr(layers[self.layer], "keys", None)
@@ -299,3 +304,10 @@ class LayerState:
         """A dense step read every distant position ``[1, N - W)``."""
         self.reads = _with_columns(self.reads, kv_heads, layout.n, torch.bool, device)
         self.reads[:, 1 : layout.distant_end] = True
+
+
+def _grows(layer: object) -> bool:
+    """A cache layer whose key tensor holds exactly the positions written (see :attr:`LayerState.grows`)."""
+    from transformers.cache_utils import DynamicLayer
+
+    return isinstance(layer, DynamicLayer) and not getattr(layer, "is_sliding", False)
