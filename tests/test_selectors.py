@@ -185,3 +185,26 @@ def test_bad_shapes_are_rejected():
         select_support(torch.ones(3, 4), torch.ones(2, 10, 4), support=97)
     with pytest.raises(SparseDecodeError):
         select_support(torch.ones(4), torch.ones(2, 10, 4), support=97)
+
+
+def test_block_top_p_estimates_shares_at_the_attentions_own_scale():
+    """Two heads with the same attention, one by a scale multiplier (Granite's, Gemma 2's) and one by queries scaled
+    under 1/sqrt(d): block-top-p keeps the same blocks for both (its estimated shares are the attention's)."""
+    from sparsedecode.selectors.registry import parse_selector
+    from sparsedecode.selectors.select import choose_blocks
+    from sparsedecode.selectors.statistics import BlockStatistics
+
+    torch.manual_seed(0)
+    d, n, multiplier = 16, 400, 0.02
+    queries, keys = torch.randn(4, d) * 3, torch.randn(2, n, d) * 3
+    selector = parse_selector("block-top-p:p=0.5")
+
+    def kept(q, scale):
+        layout = BlockLayout(n=n, window=32, block_size=8, scale=scale)
+        cache = BlockStatistics(8, selector.cached_statistics())
+        choice = choose_blocks(selector, 20, cache, q, keys, layout)
+        return [row[mask].tolist() for row, mask in zip(choice.blocks, choice.budget_mask)]
+
+    by_multiplier = kept(queries, multiplier)
+    assert by_multiplier == kept(queries * multiplier * math.sqrt(d), d**-0.5)
+    assert by_multiplier != kept(queries, d**-0.5)  # the multiplier matters: a sharper or flatter estimate

@@ -42,11 +42,13 @@ def block_centroids(keys: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
     return torch.cat([full, tail], dim=1)
 
 
-def mean_pooled_scores(query_means: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
-    """``s_j = <q_h, c_j> / sqrt(d)``: ``(kv_heads, d), (kv_heads, n_blocks, d) -> (kv_heads, n_blocks)``."""
+def mean_pooled_scores(query_means: torch.Tensor, centroids: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """``s_j = <q_h, c_j> / sqrt(d)`` (times ``scale`` instead, where given): ``(kv_heads, d), (kv_heads, n_blocks,
+    d) -> (kv_heads, n_blocks)``."""
     d = query_means.shape[-1]
     # (kv, 1, d) @ (kv, d, n_blocks): a row-vector product, fast when the centroids are stored transposed
-    return torch.bmm(query_means.unsqueeze(1), centroids.transpose(1, 2)).squeeze(1).mul_(1 / math.sqrt(d))
+    factor = 1 / math.sqrt(d) if scale is None else scale
+    return torch.bmm(query_means.unsqueeze(1), centroids.transpose(1, 2)).squeeze(1).mul_(factor)
 
 
 def top_blocks(scores: torch.Tensor, b: int) -> torch.Tensor:

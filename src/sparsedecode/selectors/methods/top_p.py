@@ -55,10 +55,13 @@ class TopP(BlockSelector):
             raise SparseDecodeError(f"block-top-p: p must be a number in (0, 1], got {self.p!r}")
 
     def score_blocks(self, queries, keys, layout):
+        """Mean-pooled scores at the attention's own scale (``layout.scale``: a model's multiplier, such as Granite's
+        or Gemma 2's, makes its logits sharper or flatter than ``1/sqrt(d)`` would), so that the estimated shares
+        below are the attention's; ``1/sqrt(d)`` where the layout names no scale."""
         from ..ops import group_mean_queries, mean_pooled_scores
 
         means = keys["mean"]
-        return mean_pooled_scores(group_mean_queries(queries, means.shape[0]), means)
+        return mean_pooled_scores(group_mean_queries(queries, means.shape[0]), means, layout.scale)
 
     def budget(self, scores, layout):
         import torch
