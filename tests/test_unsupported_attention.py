@@ -93,6 +93,29 @@ def test_every_argument_that_changes_attention_is_refused(argument):
     assert out.shape == (1, 1, 4, 16)
 
 
+@pytest.mark.parametrize("kind", MODELS)
+def test_compiled_decoding_refuses_them_dense_too(kind, monkeypatch):
+    """A compiled decoder's dense step is SDPA over the static cache: it would leave them out as the sparse step
+    would. Refused before any forward, in every mode; the attention call refuses the arguments themselves (a decoder
+    adopting a cache prefilled elsewhere runs no prefill that would fail first)."""
+    from sparsedecode.compiled import decoder as compiled
+    from sparsedecode.compiled.op import static_attention_forward
+
+    monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
+    build, words = MODELS[kind]
+    model = build()
+    with NoForward(model):
+        for cfg, mode in ((None, "dense"), (SparseConfig(support=97), "sparse")):
+            with pytest.raises(SparseDecodeError, match=words) as caught:
+                generate(model, prompt(100), cfg, 4, mode=mode, compile=True)
+            assert "\n" not in str(caught.value) and (mode == "sparse" or "compiled step" in str(caught.value))
+    module = tiny_model("llama").model.layers[0].self_attn
+    q, k = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 150, 16)
+    for argument in attention.UNSUPPORTED_ARGUMENTS:
+        with pytest.raises(SparseDecodeError, match=f"{argument} in the attention call"):
+            static_attention_forward(module, q, k, k, None, position_ids=torch.tensor([[149]]), **{argument: 1.0})
+
+
 def test_models_without_them_are_accepted():
     assert unsupported_attention(tiny_model("llama")) is None
     assert unsupported_attention(tiny_model("qwen2")) is None

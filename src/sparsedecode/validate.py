@@ -128,6 +128,26 @@ def unsupported_attention(model: torch.nn.Module) -> str | None:
     return None
 
 
+UNSUPPORTED_ARGUMENTS = {
+    "softcap": "attention logit soft-capping",
+    "s_aux": "attention sinks",
+    "sinks": "attention sinks",
+    "position_bias": "an additive position bias",
+    "indices": "the model's own sparse-attention indices",
+    "block_indices": "the model's own block-sparse indices",
+}
+"""Arguments some models pass to their attention function that change its result and that SDPA (the session's
+dense forwards, a compiled decoder's) and the sparse step would leave out: refused at the first attention call of a
+session or a compiled decoder (:func:`check_attention_arguments`)."""
+
+
+def check_attention_arguments(kwargs: dict, what: str) -> None:
+    """Refuse an attention call handed one of :data:`UNSUPPORTED_ARGUMENTS` (one line naming it)."""
+    for argument, meaning in UNSUPPORTED_ARGUMENTS.items():
+        if kwargs.get(argument) is not None:
+            raise SparseDecodeError(f"{what} does not support {meaning} ({argument} in the attention call) yet")
+
+
 def check_sparse_attention(model: torch.nn.Module, where: str) -> None:
     """Refuse a model whose attention has what sparse sessions leave out (:func:`unsupported_attention`)."""
     reason = unsupported_attention(model)

@@ -24,7 +24,7 @@ from ..errors import SparseDecodeError
 from ..models.catalog import attention_shape
 from ..step.device import fill_statistics
 from ..step.schedule import dense_forwards
-from ..validate import attention_modules, claim_compiled, release_compiled, uses_alibi
+from ..validate import attention_modules, claim_compiled, release_compiled, unsupported_attention
 from . import cpu as compile_cpu
 from .guards import drop_module_guards, model_fingerprint, weight_versions
 from .native import NATIVE, NativeStep
@@ -81,10 +81,11 @@ def check_compilable(model: torch.nn.Module, cfg: SparseConfig | None, what: str
             f"{what}: {cfg.selector.spec()} keeps the attention every position received, which the compiled step "
             "does not; decode it without compile"
         )
-    if uses_alibi(model):  # its bias is built over the cache's length
+    unsupported = unsupported_attention(model)  # ALiBi's bias is built over the cache's length; the rest left out
+    if unsupported is not None:
         raise SparseDecodeError(
-            f"{what}: {type(model).__name__} adds ALiBi's position bias to its attention (not served by the compiled "
-            "step, nor by sparse decoding); decode it densely without compile"
+            f"{what}: {type(model).__name__}'s attention has {unsupported}, which the compiled step (dense too) does "
+            "not compute; decode it densely without compile"
         )
     other = sorted(set(layer_types(model.config)) - {"full_attention"})
     if other:  # a sliding window's mask reads the cache's length as a number: every step would compile again

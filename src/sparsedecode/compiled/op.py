@@ -42,6 +42,7 @@ from ..step import schedule
 from ..step.device import device_step, fill_statistics, serves
 from ..step.plan import plan_step
 from ..step.rows import TensorRow, attend_row, one_call, reads_per_kv_head, select_row
+from ..validate import check_attention_arguments
 from .prepared import PREPARED, centroids_of, prepare, prepared_host, signature_of
 
 STATIC_ATTENTION = "sparsedecode-static"
@@ -345,6 +346,7 @@ def static_attention_forward(
     """transformers attention function of the capturable step: multi-token forwards dense (SDPA with the mask),
     decode steps :func:`sparse_step` on the module's :class:`StepBuffers`; a module without one, or a
     sliding-window layer, dense."""
+    check_attention_arguments(kwargs, "compiled decoding")  # SDPA and the sparse step would leave them out
     state = getattr(module, STATE, None)
     position = kwargs.get("position_ids")
     if state is not None and position is None:

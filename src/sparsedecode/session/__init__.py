@@ -23,10 +23,10 @@ appends in place, rewinding); attention over a support is :mod:`sparsedecode.ker
 """
 
 from ..kernels.reference import attend_positions, attend_support, dense_short_forward
+from ..validate import UNSUPPORTED_ARGUMENTS
 from .hf import (
     ATTENTION_NAME,
     PREFILL_CHUNK,
-    UNSUPPORTED_ARGUMENTS,
     dense_attention,
     prefill_history,
     register,

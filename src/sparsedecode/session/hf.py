@@ -17,7 +17,7 @@ from ..config import SparseConfig, check_config, check_named_layers, config_from
 from ..errors import SparseDecodeError
 from ..selectors.methods.h2o import H2O
 from ..step.schedule import dense_forwards
-from ..validate import attention_modules, check_model, check_sparse_attention
+from ..validate import attention_modules, check_attention_arguments, check_model, check_sparse_attention
 from .forward import session_forward
 from .session import ACTIVE_SESSIONS, SparseSession
 
@@ -25,18 +25,6 @@ ATTENTION_NAME = "sparsedecode"
 
 _SWITCH_LOCK = threading.Lock()
 _MODEL_USERS: dict[int, tuple[int, str]] = {}
-
-
-UNSUPPORTED_ARGUMENTS = {
-    "softcap": "attention logit soft-capping",
-    "s_aux": "attention sinks",
-    "sinks": "attention sinks",
-    "position_bias": "an additive position bias",
-    "indices": "the model's own sparse-attention indices",
-    "block_indices": "the model's own block-sparse indices",
-}
-"""Arguments some models pass to their attention function that change its result and that SDPA (the session's
-dense forwards) and the sparse step would leave out: refused at the first attention call of a session."""
 
 
 def sparse_attention_forward(
@@ -57,11 +45,7 @@ def sparse_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     session, state = entry
-    for argument, meaning in UNSUPPORTED_ARGUMENTS.items():
-        if kwargs.get(argument) is not None:
-            raise SparseDecodeError(
-                f"sparse decoding does not support {meaning} ({argument} in the attention call) yet"
-            )
+    check_attention_arguments(kwargs, "sparse decoding")
     if _biased(attention_mask):
         raise SparseDecodeError(
             f"sparse decoding does not support an additive bias in the attention mask ({type(module).__name__}'s "
