@@ -126,6 +126,30 @@ def test_positions_past_the_model_are_refused_before_decoding(model):
     assert len(dense_reference(model, prompt(limit - 4), tokens=4).tokens) == 4
 
 
+@pytest.mark.parametrize(
+    "rope, limit",
+    [
+        (None, 128),
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}, 512),
+        ({"rope_type": "linear", "factor": 2.0}, 256),
+        ({"rope_type": "dynamic", "factor": 2.0}, None),
+    ],
+)
+def test_a_rope_scaling_that_extends_the_context_extends_the_limit(rope, limit):
+    """Qwen2.5's long-context setting keeps max_position_embeddings and adds YaRN: the model then serves factor
+    times the original positions (dynamic NTK: any length), and so do generate and compare."""
+    from sparsedecode.validate import max_positions
+
+    model = tiny_model("qwen2", max_position_embeddings=128, rope_scaling=rope)
+    assert max_positions(model) == limit
+    ids, cfg = prompt(200), SparseConfig(support=97)
+    if limit is None or limit >= 206:
+        assert len(generate(model, ids, cfg, 6, mode="sparse").tokens) == 6
+    else:
+        with NoForward(model), pytest.raises(SparseDecodeError, match=f"exceeds the model's {limit} positions"):
+            generate(model, ids, cfg, 6, mode="sparse")
+
+
 @pytest.mark.parametrize("tokens", [0, 1, 2.0, "8", True, None])
 def test_token_counts_must_be_integers(model, tokens):
     with NoForward(model), pytest.raises(SparseDecodeError, match="tokens must be an integer"):

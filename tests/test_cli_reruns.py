@@ -65,6 +65,57 @@ def test_earlier_results_of_other_settings_are_not_replaced_unasked(command, tmp
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before and marker.name in before
 
 
+def test_probe_mass_leaves_no_maps_without_the_mass_json_listing_them(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    """An interrupted probe mass left its first heat maps and no mass.json; a later run of other settings was then
+    accepted and the folder mixed two runs. Now the maps are written after every probe (an interrupt leaves the folder
+    as it was), removed if writing them fails, and a folder of maps without their mass.json is refused."""
+    from sparsedecode.cli import probe
+
+    out = tmp_path / "pm"
+    args = ["probe", "mass", "--model", str(tiny_model_dir), "--context", "200", "--tokens", "3", "--out", str(out)]
+    calls = []
+
+    def interrupted(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return original(*a, **k)
+
+    original = probe._write_maps
+    monkeypatch.setattr(probe, "_write_maps", interrupted)
+    assert main([*args, "--support", "97,113"]) == 130  # interrupted while writing the second map
+    assert len(calls) == 2
+    assert not out.exists() or not any(out.iterdir())  # the first support's maps removed again
+    monkeypatch.setattr(probe, "_write_maps", original)
+    out.mkdir(exist_ok=True)
+    (out / "mass-c200-s97.png").write_bytes(b"left by a run killed before its mass.json")
+    capsys.readouterr()
+    err = one_line_exit_2([*args, "--support", "113"], capsys)
+    assert "mass-c200-s97.png" in err and "no mass.json" in err
+    (out / "mass-c200-s97.png").unlink()
+    assert main([*args, "--support", "113"]) == 0, capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["mass-c200-s113.npz", "mass-c200-s113.png", "mass.json"]
+
+
+def test_a_sweep_or_evaluation_refuses_rows_of_other_weights_under_the_same_name(tmp_path, capsys, monkeypatch):
+    """A checkpoint folder replaced in place between two sweep runs merged rows of two models silently (only the
+    model's name was recorded); its weights' fingerprint is now recorded and compared."""
+    from conftest import char_tokenizer, tiny_model
+
+    monkeypatch.chdir(tmp_path)
+    tiny_model("llama").save_pretrained("ckpt")
+    char_tokenizer().save_pretrained("ckpt")
+    args = ["sweep", "--model", "ckpt", "--context", "200", "--tokens", "3", "--support", "97", "--out", "sw"]
+    assert main([*args, "--prompts", "1"]) == 0, capsys.readouterr().err
+    recorded = json.loads((tmp_path / "sw" / "sweep.json").read_text())["weights_sha256"]
+    tiny_model("llama", seed=5).save_pretrained("ckpt")  # another model under the same name
+    capsys.readouterr()
+    err = one_line_exit_2([*args, "--prompts", "2"], capsys)
+    assert "other weights" in err
+    assert json.loads((tmp_path / "sw" / "sweep.json").read_text())["weights_sha256"] == recorded
+    assert len((tmp_path / "sw" / "runs.jsonl").read_text().splitlines()) == 1
+
+
 def test_a_corpus_named_by_another_path_to_the_same_file_resumes(tmp_path, tiny_model_dir, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "corp.txt").write_text("The quick brown fox jumps over the lazy dog. " * 400)

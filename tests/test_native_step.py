@@ -132,10 +132,20 @@ def test_what_it_does_not_compute_is_refused_before_decoding():
     hooked.model.layers[1].mlp.register_forward_hook(lambda module, args, out: out * 2)
     half = tiny_model("llama", dtype=torch.bfloat16)
     other = tiny_family("gemma")
-    for model, words in ((hooked, "hook"), (half, "float32"), (other, "serves")):
+    windowed = tiny_family("mistral", sliding_window=128)
+    for model, words in ((hooked, "hook"), (half, "float32"), (other, "serves"), (windowed, "sliding window")):
         with pytest.raises(SparseDecodeError, match=words) as caught:
             CompiledDecoder(model, cfg, batch=1, max_len=512, backend=NATIVE)
         assert "\n" not in str(caught.value)
+    plain = tiny_model("llama")
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: out)
+    try:
+        with pytest.raises(SparseDecodeError, match="global module hook"):
+            CompiledDecoder(plain, cfg, batch=1, max_len=512, backend=NATIVE)
+    finally:
+        handle.remove()
+    CompiledDecoder(plain, cfg, batch=1, max_len=512, backend=NATIVE)  # served once the hook is gone
+    CompiledDecoder(tiny_family("mistral", sliding_window=None), cfg, batch=1, max_len=512, backend=NATIVE)
 
 
 def test_modules_replaced_between_installs_are_read_at_the_next_install():
@@ -155,3 +165,22 @@ def test_modules_replaced_between_installs_are_read_at_the_next_install():
         decoder.prefill(ids)
         after = decoder.step(token)
     assert not torch.allclose(before, after) and torch.equal(after, expected)
+
+
+def test_the_block_means_it_completes_are_the_keys_means():
+    """A layer keeping block means only completes them in the C call (complete_means): each equals the float64 mean
+    of its block's cached keys to float32 round-off, for every row and block the state counts."""
+    model = _model("qwen2", "float32")
+    ids = _prompt(2, 300)
+    decoder = CompiledDecoder(model, SparseConfig(**SMALL_CFG), batch=2, max_len=512, backend=NATIVE)
+    with decoder.installed():
+        first = decoder.prefill(ids).argmax(dim=-1).tolist()
+        decode_tokens(model, None, first, STEPS, step_fn=decoder.step)
+    for index, state in enumerate(decoder.states.values()):
+        keys = decoder.cache.layers[index].keys.double()
+        for row in range(2):
+            count = int(state.count[row])
+            assert count >= (300 - 32 - 1) // 8  # every prompt block, and those completed while decoding
+            blocks = keys[row, :, 1 : 1 + count * 8].reshape(keys.shape[1], count, 8, -1).mean(dim=2)
+            stored = state.stats[0, row, :, :, :count].transpose(1, 2).double()
+            assert torch.allclose(stored, blocks, rtol=1e-6, atol=1e-6)

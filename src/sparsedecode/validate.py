@@ -100,10 +100,32 @@ def _text_config(model: torch.nn.Module):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+EXTENDING_ROPE = ("linear", "yarn", "longrope", "llama3")
+"""RoPE scalings that extend a model's context by their ``factor`` over ``original_max_position_embeddings`` (the
+way Qwen2.5's long-context setting extends it without changing ``max_position_embeddings``); ``dynamic`` (NTK)
+scales for any length, so it sets no limit."""
+
+
 def max_positions(model: torch.nn.Module) -> int | None:
-    """The model's ``max_position_embeddings`` (``None`` when its config does not say)."""
-    limit = getattr(_text_config(model), "max_position_embeddings", None)
-    return limit if isinstance(limit, int) and limit > 0 else None
+    """How many positions the model serves (``None`` when its config does not say, or its RoPE scales for any
+    length): ``max_position_embeddings``, or where a RoPE scaling of :data:`EXTENDING_ROPE` is set, ``factor`` times
+    ``original_max_position_embeddings`` if that is more."""
+    text = _text_config(model)
+    limit = getattr(text, "max_position_embeddings", None)
+    if not (isinstance(limit, int) and limit > 0):
+        return None
+    parameters = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    kinds = (
+        parameters.values() if all(isinstance(p, dict) for p in parameters.values()) and parameters else [parameters]
+    )
+    for rope in kinds:  # one per layer type where the config holds several (Gemma 3's)
+        kind, factor = rope.get("rope_type", rope.get("type")), rope.get("factor")
+        if kind == "dynamic":
+            return None
+        if kind in EXTENDING_ROPE and isinstance(factor, (int, float)) and factor > 1:
+            original = rope.get("original_max_position_embeddings") or limit
+            limit = max(limit, int(original * factor))
+    return limit
 
 
 def uses_alibi(model: torch.nn.Module) -> bool:

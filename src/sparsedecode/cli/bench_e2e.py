@@ -36,9 +36,7 @@ def add_e2e_parser(benches) -> None:
     add_model_args(e2e)
     add_weights_arg(e2e)
     e2e.add_argument("--corpus", default="python-docs")
-    e2e.add_argument(
-        "--context", type=int_list, default=[8192], help="prompt length(s) in tokens (plus --tokens must fit the model)"
-    )
+    e2e.add_argument("--context", type=int_list, default=[8192], help="prompt length(s) (plus --tokens must fit)")
     e2e.add_argument("--support", type=int_list, default=[193])
     e2e.add_argument("--selector", type=selector_arg, default="mean-pooled")
     add_dense_layers_arg(e2e)
@@ -98,9 +96,8 @@ def add_e2e_parser(benches) -> None:
     e2e.add_argument(
         "--native",
         action="store_true",
-        help="add the same modes with the native decode step: the whole step of a float32 or quantized Llama, Qwen2 "
-        "or Mistral model in one C call, no torch.compile (cache 'static, native'; one prompt, not --batch; "
-        "default: off)",
+        help="add those modes with the native step: a Llama, Qwen2 or Mistral model's whole decode step in one C "
+        "call (cache 'static, native'; one prompt; default: off)",
     )
     e2e.set_defaults(handler=cmd_bench_e2e)
 

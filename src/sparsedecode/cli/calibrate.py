@@ -273,7 +273,9 @@ def _check_answer_room(model, args, tasks) -> None:
     from ..experiments.ruler_tasks import TASKS
 
     longest = args.answer_tokens or max(TASKS[t].max_new_tokens for t in tasks)
-    limit = getattr(model.config, "max_position_embeddings", None)
+    from ..validate import max_positions
+
+    limit = max_positions(model)
     if limit is not None and args.context + longest > limit:
         raise SparseDecodeError(f"--context {args.context} + {longest} answer tokens exceeds the model's {limit} "
                                 "positions; use a shorter --context or fewer --answer-tokens")  # fmt: skip

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from rich.table import Table
 
+from ..errors import SparseDecodeError
 from .arguments import float_list, int_list, path_arg, selector_arg
 from .conditions import conditions, run_settings
 from .display import console, layer_table, progress_bars
@@ -76,19 +77,46 @@ def add_parsers(sub) -> None:
     retrieval.set_defaults(handler=cmd_probe_retrieval)
 
 
+MAPS = ("mass-c*-s*.png", "mass-c*-s*.npz")
+"""A mass probe's heat maps and audits, which its ``mass.json`` lists."""
+
+
+def _check_no_unlisted_maps(folder: Path) -> None:
+    """Maps without the ``mass.json`` that lists them (a run killed before writing it, a removed ``mass.json``)
+    would sit beside this run's as if they were its own: refused."""
+    if folder.is_dir() and not (folder / "mass.json").exists():
+        orphans = sorted(path.name for pattern in MAPS for path in folder.glob(pattern))
+        if orphans:
+            raise SparseDecodeError(
+                f"--out {folder} holds {orphans[0]} (and {len(orphans) - 1} more) but no mass.json listing them: "
+                "maps of a run that did not finish; remove them, or give another folder"
+            )
+
+
 def cmd_probe_mass(args) -> int:
     stems = [f"mass-c{c}-s{s}" for c in args.context for s in args.support]
     written = ("mass.json", *(f"{stem}{suffix}" for stem in stems for suffix in (".png", ".npz")))
     check_output_folder(args.out, inputs=inputs_of(args), files=written, results="mass.json")
     check_replaced_alike(args.out, "mass.json", run_settings(args, "probe mass", machine=False))  # no stale maps
+    _check_no_unlisted_maps(args.out)
+    made: list[Path] = []
+    try:
+        return _probe_mass(args, made)
+    except BaseException:  # an error or an interrupt: no maps left without the mass.json listing them
+        for path in made:
+            path.unlink(missing_ok=True)
+        raise
+
+
+def _probe_mass(args, made: list[Path]) -> int:
+    """:func:`cmd_probe_mass`'s work once the folder is checked: every probe first, then the maps (each added to
+    ``made`` as it is written) and ``mass.json``, so that an interrupted probe leaves the folder as it was."""
     configs, model, _, prompts = prepare(args, audit=True)
     from ..decoding.loop import prefill
     from ..experiments.probes import mass_probe
-    from ..protocol.diagnostics import save_audit
-    from ..reports.plots import heatmap
 
     console.print(conditions(args))
-    rows = []
+    done = []
     for context, ids in prompts.items():
         with progress_bars(piped_lines=True) as progress:
             cache, logits = prefill(model, ids, progress=progress)
@@ -103,33 +131,37 @@ def cmd_probe_mass(args) -> int:
                 console.print(f"context {context}, S={support}: the support covers the context; nothing to audit")
                 continue
             console.print(layer_table(f"attention mass, context {context}, S={support}", probe.summary))
-            omitted = probe.per_head("omitted_mass")
-            stem = f"mass-c{context}-s{support}"
-            png = args.out / f"{stem}.png"
-            with atomic_path(png) as tmp:
-                heatmap(
-                    omitted,
-                    tmp,
-                    title=f"{args.model}: omitted attention mass ε, context {context}, S={support}\n"
-                    f"mean over {probe.summary['audited_steps']} sparse decode steps",
-                    xlabel="query head",
-                    ylabel="layer",
-                    colorbar="omitted mass ε",
-                    vmax=max(float(omitted.max()), 1e-6),
-                )
-            save_audit(args.out / f"{stem}.npz", probe.arrays)
-            rows.append(
-                {
-                    "context": context,
-                    "settings": probe.settings,
-                    "summary": probe.summary,
-                    "png": png.name,
-                    "seconds": probe.seconds,
-                }
-            )
-            console.print(f"wrote {png}")
+            done.append((context, probe))
+    rows = [_write_maps(args, context, probe, made) for context, probe in done]
     write_json(args.out / "mass.json", {"settings": run_settings(args, "probe mass"), "results": rows})
     return 0
+
+
+def _write_maps(args, context: int, probe, made: list[Path]) -> dict:
+    """One probe's heat map and audit arrays written; its row of ``mass.json``."""
+    from ..protocol.diagnostics import save_audit
+    from ..reports.plots import heatmap
+
+    support = probe.settings["support"]
+    omitted = probe.per_head("omitted_mass")
+    stem = f"mass-c{context}-s{support}"
+    png = args.out / f"{stem}.png"
+    made += [png, args.out / f"{stem}.npz"]
+    with atomic_path(png) as tmp:
+        heatmap(
+            omitted,
+            tmp,
+            title=f"{args.model}: omitted attention mass ε, context {context}, S={support}\n"
+            f"mean over {probe.summary['audited_steps']} sparse decode steps",
+            xlabel="query head",
+            ylabel="layer",
+            colorbar="omitted mass ε",
+            vmax=max(float(omitted.max()), 1e-6),
+        )
+    save_audit(args.out / f"{stem}.npz", probe.arrays)
+    console.print(f"wrote {png}")
+    return {"context": context, "settings": probe.settings, "summary": probe.summary, "png": png.name,
+            "seconds": probe.seconds}  # fmt: skip
 
 
 def _retrieval_command(args) -> str:

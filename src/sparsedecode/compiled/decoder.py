@@ -302,7 +302,8 @@ class CompiledDecoder:
         if self.position >= self.max_len:
             raise SparseDecodeError(f"the compiled decoder's cache of {self.max_len} positions is full")
         position = torch.full((self.batch, 1), self.position, dtype=torch.long, device=self.device)
-        _seek(self.cache, self.position)
+        if self.backend != NATIVE:  # the native step writes at the position itself (extend seeks before a forward)
+            _seek(self.cache, self.position)
         if not self._warm and self.frozen and not compile_cpu.room_to_freeze(self.model):
             self.frozen = self.autotuned = False  # memory taken since the decoder was made (another's compiling)
         started = time.perf_counter()

@@ -43,6 +43,12 @@ def _hooked(module: torch.nn.Module) -> bool:
     return any(hooks) or "forward" in vars(module)
 
 
+def _global_hooks() -> bool:
+    from torch.nn.modules import module as torch_module
+
+    return any(getattr(torch_module, name, None) for name in ("_global_forward_hooks", "_global_forward_pre_hooks"))
+
+
 def _linear_refusal(name: str, module) -> str | None:
     if type(module) in (Int4Linear, Int8Linear):
         return None
@@ -79,6 +85,14 @@ def refusal(model, device) -> str | None:
     if type(model).__name__ not in FAMILIES:
         return f"it serves {', '.join(FAMILIES)}, not {type(model).__name__}"
     config = model.config
+    types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    windowed = getattr(config, "sliding_window", None) is not None and (
+        type(model).__name__ != "Qwen2ForCausalLM" or getattr(config, "use_sliding_window", False)
+    )
+    if types != {"full_attention"} or windowed:
+        return "it serves models whose every layer attends fully (this one has a sliding window)"
+    if _global_hooks():
+        return "a global module hook is registered, which the C call would skip"
     if getattr(config, "hidden_act", None) != "silu" or getattr(config, "mlp_bias", False):
         return "it serves a SiLU-gated MLP without biases"
     if (getattr(config, "pretraining_tp", 1) or 1) != 1:
@@ -155,7 +169,7 @@ class NativeStep:
         kernel.check_layout()
         self.decoder = decoder
         self.tables = None
-        self.prepared: dict[int, Prepared] = {}
+        self.prepared: dict[int, tuple] = {}  # per layer: (what it addresses, its Prepared call)
         heads, kv, d, _ = attention_shape(decoder.model.config)
         keys = torch.empty(decoder.batch, kv, decoder.max_len, d)
         for state in decoder.states.values():  # refused now, not at the first step after a prefill
@@ -211,21 +225,26 @@ class NativeStep:
         """``sparse`` .. ``support``: a dense layer's zeros, a sparse layer's state and its prepared call."""
         state = self.decoder.states.get(module)
         if state is None:
-            return [0] * 12
+            return [0] * 13
         cfg = state.cfg
         support = cfg.effective_support
         table = 0
         if keys.shape[2] > support:  # some step of this cache is sparse: the prepared call serves it
-            q = self._query(heads, d)
-            plan = self._plan(state, q, keys)
-            prepared = Prepared(cfg, plan, q, keys, values, state.stats, *state_in_order(state), 1.0)
-            self.prepared[module.layer_idx] = prepared
+            addresses = tuple(t.data_ptr() for t in (keys, values, state.stats, *state_in_order(state)))
+            kept = self.prepared.get(module.layer_idx)
+            if kept is None or kept[0] != (addresses, keys.shape, values.shape):  # else: made at an earlier install
+                q = self._query(heads, d)
+                plan = self._plan(state, q, keys)
+                made = Prepared(cfg, plan, q, keys, values, state.stats, *state_in_order(state), 1.0)
+                self.prepared[module.layer_idx] = kept = ((addresses, keys.shape, values.shape), made)
+            prepared = kept[1]
             table = prepared.table
             reuse, every, split = prepared.settings
         else:
             reuse, every, split = cfg.reuse, int(bool(cfg.selector.reselects_every_step)), 0
         pointers = [t.data_ptr() for t in (state.count, state.step, state.last, state.tally)]
-        return [1, table, cfg.window, cfg.block_size, reuse, every, split, *pointers, support]
+        means = int(tuple(state.kinds) == ("mean",))  # the C call completes them itself
+        return [1, table, cfg.window, cfg.block_size, reuse, every, split, *pointers, support, means]
 
     @staticmethod
     def _plan(state, q: torch.Tensor, keys: torch.Tensor):
@@ -261,7 +280,7 @@ class NativeStep:
                 return logits.clone()
             first, resumed = int(stopped[0]), 1
             state = decoder.states[inner.layers[first].self_attn]
-            self.prepared[first].complete_statistics(decoder.cache.layers[first].keys, state.stats, n)
+            self.prepared[first][1].complete_statistics(decoder.cache.layers[first].keys, state.stats, n)
 
 
 def state_in_order(state) -> tuple:

@@ -100,13 +100,7 @@ def bench_e2e(
     )
     backends = {label: b for label, b, wanted in STATIC_MODES if wanted(compile, native)}
     if backends:  # before the prefill
-        from ..compiled.decoder import check_compilable
-        from ..compiled.native import check as check_native
-
-        for cfg in (None, *(config(support=s) for s in supports)):
-            check_compilable(model, cfg, "bench e2e --compile")
-            if native:
-                check_native(model, cfg, next(model.parameters()).device)
+        _check_static(model, [None, *(config(support=s) for s in supports)], native)
     started = time.perf_counter()
     dynamic, logits = prefill(model, prompt_ids, progress=progress)
     prefill_s = time.perf_counter() - started
@@ -140,6 +134,17 @@ def bench_e2e(
 
         annotate(rows, model, baseline, prefills, read_bandwidth_gbs())
     return rows
+
+
+def _check_static(model, cfgs: list, native: bool) -> None:
+    """Refuse, before the prefill, a configuration the compiled (and with ``native``, the native) step cannot run."""
+    from ..compiled.decoder import check_compilable
+    from ..compiled.native import check as check_native
+
+    for cfg in cfgs:
+        check_compilable(model, cfg, "bench e2e --compile")
+        if native:
+            check_native(model, cfg, next(model.parameters()).device)
 
 
 def _eager_modes(

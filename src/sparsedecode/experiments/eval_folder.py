@@ -36,7 +36,7 @@ def key_of(row: dict) -> RunKey:
     return tuple(row[name] for name in KEY_FIELDS)  # type: ignore[return-value]
 
 
-META_FIELDS = ("spec", "corpus_sha256", "generator_version", "shard", "sessions")
+META_FIELDS = ("spec", "corpus_sha256", "weights_sha256", "generator_version", "shard", "sessions")
 """The fields of ``eval.json``; only ``spec`` is required (files written before the others lack them)."""
 
 

@@ -35,6 +35,7 @@ from ..config import SparseConfig
 from ..decoding.loop import Progress
 from ..errors import SparseDecodeError
 from ..files import write_json_atomic
+from ..models.weights import weights_sha256
 from .environment import environment
 from .eval_folder import (
     META_FIELDS,
@@ -55,7 +56,7 @@ from .eval_spec import DENSE, KEY_FIELDS, EvalSpec, Group, RunKey
 from .ruler import GENERATOR_VERSION, Sample
 from .specs import adopt_stored, record_selector_files
 from .sweep import SweepOutcome
-from .sweep_folder import RUNS_FILE, Shard, corpus_sha256, locked, session_record
+from .sweep_folder import RUNS_FILE, Shard, check_weights_alike, corpus_sha256, locked, session_record
 from .sweep_rows import append_row, parse_rows
 from .work import Executor
 
@@ -92,7 +93,9 @@ __all__ = [  # this module's names, and those of the modules a sample's runs, th
 
 
 def check_context_fits(model, spec: EvalSpec) -> None:
-    limit = getattr(model.config, "max_position_embeddings", None)
+    from ..validate import max_positions
+
+    limit = max_positions(model)
     for context in spec.contexts:
         longest = max(spec.answer_budget(t) for t in spec.tasks)
         if limit is not None and context + longest > limit:
@@ -193,6 +196,7 @@ def _session_meta(directory: Path, spec: EvalSpec, corpus: str, shard: Shard, mo
         extended = check_meta(directory, meta, spec, corpus, shard)
         if extended:
             meta["spec"] = spec.to_dict()
+    check_weights_alike(directory, meta, weights_sha256(model), "evaluated")
     record_selector_files(directory, meta, spec)  # a changed file is refused
     session = session_record(shard, environment(model))
     if extended:

@@ -65,7 +65,9 @@ def merge_folders(kind: FolderKind, sources: list[Path], directory: Path) -> Mer
                                                 "(another thread count, version or machine?)")  # fmt: skip
                 duplicates += merge_run(merged, key, row, source, own_spec)
         first = metas[0][1]
-        meta = {"spec": spec.to_dict(), "corpus_sha256": corpus, **{name: first.get(name) for name in kind.shared},
+        weights = next((m["weights_sha256"] for _, m in metas if m.get("weights_sha256")), None)
+        meta = {"spec": spec.to_dict(), "corpus_sha256": corpus, "weights_sha256": weights,
+                **{name: first.get(name) for name in kind.shared},
                 **merged_provenance(metas, directory), **versions.record()}  # fmt: skip
         rows = sorted((row for row, _, _ in merged.values()), key=lambda row: order[kind.key_of(row)])
         write_json_atomic(directory / kind.spec_file, meta)
@@ -87,6 +89,8 @@ def _check_sources(kind: FolderKind, metas: list[tuple[Path, dict]], specs: list
             )
         if meta.get("corpus_sha256") not in (None, corpus):
             raise SparseDecodeError(f"cannot merge {source} with {first_dir}: their corpus texts differ")
+        if len({m["weights_sha256"] for _, m in metas if m.get("weights_sha256")}) > 1:
+            raise SparseDecodeError(f"cannot merge {source} with {first_dir}: their models' weights differ")
         for name, what in kind.shared.items():
             if meta.get(name) != first.get(name):
                 raise SparseDecodeError(f"cannot merge {source} with {first_dir}: their {what} differ")

@@ -268,7 +268,9 @@ def run_retrieval(
 
         loaded = load_model(spec.model, dtype=spec.dtype)
     model, tokenizer = loaded
-    limit = getattr(model.config, "max_position_embeddings", None)
+    from ..validate import max_positions
+
+    limit = max_positions(model)
     for context in spec.contexts:
         if limit is not None and context + spec.answer_tokens > limit:
             raise SparseDecodeError(f"context {context} + {spec.answer_tokens} answer tokens exceeds {limit} positions")

@@ -38,6 +38,7 @@ from pathlib import Path
 from ..decoding.loop import Progress
 from ..errors import SparseDecodeError
 from ..files import write_json_atomic
+from ..models.weights import weights_sha256
 from ..protocol.paired import compare, dense_reference
 from .corpus import check_context_fits, prompt_count, prompt_ids
 from .environment import environment
@@ -51,6 +52,7 @@ from .sweep_folder import (
     check_growth,
     check_meta,
     check_sweep_keys,
+    check_weights_alike,
     corpus_sha256,
     load_sweep,
     locked,
@@ -246,6 +248,7 @@ def _record_session(
         extended = check_meta(directory, meta, spec, corpus, shard)
         if extended:
             meta["spec"] = spec.to_dict()
+    check_weights_alike(directory, meta, weights_sha256(model), "swept")
     record_selector_files(directory, meta, spec)  # a changed file is refused
     session = session_record(shard, environment(model))
     if batch > 1:

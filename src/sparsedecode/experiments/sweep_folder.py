@@ -66,6 +66,20 @@ def corpus_sha256(name: str) -> str:
     return hashlib.sha256(load_text(name).encode("utf-8")).hexdigest()
 
 
+def check_weights_alike(directory: Path, meta: dict, weights: str | None, what: str) -> None:
+    """Refuse to add rows of a model whose :func:`~sparsedecode.models.weights.weights_sha256` is ``weights`` to a
+    folder whose rows came from other weights (``what``: "swept", "evaluated"); a folder written before the
+    fingerprint was recorded takes it."""
+    if weights is not None and meta.get("weights_sha256") not in (None, weights):
+        raise SparseDecodeError(
+            f"{directory} was {what} with other weights under the model name {meta['spec'].get('model')!r} "
+            "(their fingerprint differs: a checkpoint replaced in place?), so its rows would mix two models: use "
+            "another --out"
+        )
+    if weights is not None:
+        meta["weights_sha256"] = weights
+
+
 def read_meta(directory: Path) -> dict | None:
     """The parsed ``sweep.json`` of ``directory``, or ``None`` when there is none; a folder without one that holds
     another experiment's runs (an evaluation's ``eval.json``, or a ``runs.jsonl`` of its own) is refused, not

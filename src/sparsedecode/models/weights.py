@@ -98,3 +98,26 @@ def gguf_decode_bytes(path: Path) -> int:
     embedding = tensors.get("token_embd.weight")
     untied = "output.weight" in tensors and embedding is not None
     return path.stat().st_size - (int(embedding.n_bytes) if untied else 0)
+
+
+SAMPLED_VALUES = 4096
+"""Values of each tensor :func:`weights_sha256` reads (evenly spaced; all of a smaller one)."""
+
+
+def weights_sha256(model: torch.nn.Module) -> str:
+    """A fingerprint of what ``model`` computes with: sha256 over its state's names, dtypes, shapes and
+    :data:`SAMPLED_VALUES` evenly spaced values of each tensor (a second or two even for a large model). Results
+    folders record it, so that a resumed or merged run refuses rows of other weights under the same model name (a
+    checkpoint folder replaced in place); two checkpoints differing only between the sampled values would pass."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().reshape(-1)
+        step = max(flat.numel() // SAMPLED_VALUES, 1)
+        sample = flat[::step][:SAMPLED_VALUES].cpu().contiguous()
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}:".encode())
+        digest.update(sample.view(torch.uint8).numpy().tobytes() if sample.numel() else b"")
+    return digest.hexdigest()

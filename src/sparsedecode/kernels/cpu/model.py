@@ -16,6 +16,7 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 LAYER_FIELDS = (
     "norm1", "eps1", "norm2", "eps2", "key", "key_sb", "key_sh", "key_sn", "value", "value_sb", "value_sh", "value_sn",
     "sparse", "table", "window", "block", "reuse", "every", "split", "count", "step", "last", "tally", "support",
+    "means",
 )  # fmt: skip
 """A layer's fields, then its :data:`LINEARS` of :data:`LINEAR_FIELDS` each."""
 MODEL_FIELDS = ("layers", "batch", "hidden", "heads", "kv", "d", "inter", "scale", "norm", "eps")

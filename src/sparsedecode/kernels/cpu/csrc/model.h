@@ -13,8 +13,9 @@
  * support (n <= support), attends over every position (anchor and a window of n - 1: attend_support); then a sparse
  * layer's state moves as the schedule's dense step moves it (sparsedecode/step/schedule.py: after_write of one token,
  * decode_step ending the chain, count_step of dense rows). Otherwise it is prepared_step over the layer's row table,
- * which may return NEEDS_STATISTICS before attending: the call then stops with that status and the layer in
- * *stopped; the caller completes the statistics and calls again from that layer with `resumed` (q, k and v are
+ * which may return NEEDS_STATISTICS before attending: a layer keeping block means only (L_MEANS) completes them
+ * here (complete_means) and calls it again; for any other the call stops with that status and the layer in
+ * *stopped, the caller completes the statistics and calls again from that layer with `resumed` (q, k and v are
  * kept in the work buffer, the cache written already).
  *
  * Tables are int64 fields (pointers as integers; floats as the bits of a float32): the model's M_FIELDS, each
@@ -26,7 +27,7 @@ enum { Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ, LINEARS };
 enum {
     L_NORM1, L_EPS1, L_NORM2, L_EPS2, L_KEY, L_KEY_SB, L_KEY_SH, L_KEY_SN, L_VALUE, L_VALUE_SB, L_VALUE_SH,
     L_VALUE_SN, L_SPARSE, L_TABLE, L_WINDOW, L_BLOCK, L_REUSE, L_EVERY, L_SPLIT, L_COUNT, L_STEP, L_LAST, L_TALLY,
-    L_SUPPORT, L_LINEAR, L_FIELDS = L_LINEAR + LINEARS * LIN_FIELDS
+    L_SUPPORT, L_MEANS, L_LINEAR, L_FIELDS = L_LINEAR + LINEARS * LIN_FIELDS
 };
 enum { M_LAYERS, M_BATCH, M_HIDDEN, M_HEADS, M_KV, M_D, M_INTER, M_SCALE, M_NORM, M_EPS, M_HEAD, M_FIELDS = M_HEAD + LIN_FIELDS };
 
@@ -111,17 +112,48 @@ static void rope(float *x, const float *cos, const float *sin, int64_t rows, int
         }
 }
 
+/* The block means the prepared call asked for (NEEDS_STATISTICS), for a layer whose only statistic is the mean
+ * (L_MEANS): each row selecting afresh gets blocks count .. n_full - 1, block j the mean of its keys at positions
+ * 1 + jB .. (j + 1)B summed in order in float32 and divided by B, as selectors/statistics.py's reduce_blocks (a mean
+ * over the block's rows) makes them; written where the row table's centroids lie, (kv, d, capacity). */
+static void complete_means(const int64_t *m, const int64_t *f, int64_t n) {
+    int64_t rows = m[M_BATCH], kv = m[M_KV], d = m[M_D], block = f[L_BLOCK];
+    int64_t distant_end = n - f[L_WINDOW] > 1 ? n - f[L_WINDOW] : 1, n_full = (distant_end - 1) / block;
+    int64_t *count = pointer(f[L_COUNT]), *step = pointer(f[L_STEP]);
+    const row_t *table = pointer(f[L_TABLE]);
+    const float *keys = pointer(f[L_KEY]);
+    for (int64_t r = 0; r < rows; r++) {
+        if (!(f[L_EVERY] || step[r] % f[L_REUSE] == 0) || count[r] >= n_full) continue;
+        float *centroids = pointer(table[r].centroids), sums[d];
+        for (int64_t h = 0; h < kv; h++)
+            for (int64_t j = count[r]; j < n_full; j++) {
+                const float *key = keys + table[r].k + h * f[L_KEY_SH] + (1 + j * block) * f[L_KEY_SN];
+                for (int64_t i = 0; i < d; i++) sums[i] = 0.0f;
+                for (int64_t p = 0; p < block; p++) /* each dimension's sum in position order */
+                    for (int64_t i = 0; i < d; i++) sums[i] += key[p * f[L_KEY_SN] + i];
+                for (int64_t i = 0; i < d; i++)
+                    centroids[h * table[r].c_stride_h + i * table[r].c_stride_d + j] = sums[i] / (float)block;
+            }
+        count[r] = n_full;
+    }
+}
+
 /* The layer's attention of every row at context length n into att (rows, H, d): see the header. */
 static int layer_attention(const int64_t *m, const int64_t *f, const float *q, float *att, int64_t n, int64_t resumed,
                            int64_t threads) {
     int64_t rows = m[M_BATCH], kv = m[M_KV], d = m[M_D], group = m[M_HEADS] / kv;
     float scale = bits_to_float(m[M_SCALE]);
     const float *keys = pointer(f[L_KEY]), *values = pointer(f[L_VALUE]);
-    if (f[L_SPARSE] && n > f[L_SUPPORT])
-        return prepared_step(q, keys, f[L_KEY_SH], f[L_KEY_SN], values, f[L_VALUE_SH], f[L_VALUE_SN], att,
-                             pointer(f[L_TABLE]), rows, kv, group, d, f[L_WINDOW], f[L_BLOCK], scale, threads,
-                             DTYPE_F32, n, f[L_REUSE], f[L_EVERY], f[L_SPLIT], pointer(f[L_COUNT]),
-                             pointer(f[L_STEP]), pointer(f[L_LAST]), pointer(f[L_TALLY]), resumed);
+    if (f[L_SPARSE] && n > f[L_SUPPORT]) {
+        for (int again = 0;; again++) {
+            int status = prepared_step(q, keys, f[L_KEY_SH], f[L_KEY_SN], values, f[L_VALUE_SH], f[L_VALUE_SN], att,
+                                       pointer(f[L_TABLE]), rows, kv, group, d, f[L_WINDOW], f[L_BLOCK], scale,
+                                       threads, DTYPE_F32, n, f[L_REUSE], f[L_EVERY], f[L_SPLIT], pointer(f[L_COUNT]),
+                                       pointer(f[L_STEP]), pointer(f[L_LAST]), pointer(f[L_TALLY]), resumed || again);
+            if (status != NEEDS_STATISTICS || !f[L_MEANS] || again) return status;
+            complete_means(m, f, n); /* then the call again, its bookkeeping done */
+        }
+    }
     for (int64_t r = 0; r < rows; r++) {
         int status = attend_support(q + r * kv * group * d, keys + r * f[L_KEY_SB], f[L_KEY_SH], f[L_KEY_SN],
                                     values + r * f[L_VALUE_SB], f[L_VALUE_SH], f[L_VALUE_SN], NULL, 0, kv, group, d, n,
