@@ -143,8 +143,16 @@ def test_eval_prints_no_transformers_progress_bar(finished, tiny_model_dir, tmp_
 @pytest.mark.parametrize(
     "text, message",
     [
-        ("[]", "(expected a JSON object with fields spec, corpus_sha256, generator_version, shard, sessions, got a "),
-        ("null", "(expected a JSON object with fields spec, corpus_sha256, generator_version, shard, sessions, got nu"),
+        (
+            "[]",
+            "(expected a JSON object with fields spec, corpus_sha256, weights_sha256, generator_version, shard, "
+            "sessions, got a ",
+        ),
+        (
+            "null",
+            "(expected a JSON object with fields spec, corpus_sha256, weights_sha256, generator_version, shard, "
+            "sessions, got nu",
+        ),
         ("{}", "(lacks field 'spec')"),
         ('{"spec": []}', "(field 'spec' should be a JSON object of the evaluation's settings, got a list)"),
         ('{"spec": {}}', "(its spec lacks field 'model')"),

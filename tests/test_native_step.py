@@ -184,3 +184,56 @@ def test_the_block_means_it_completes_are_the_keys_means():
             blocks = keys[row, :, 1 : 1 + count * 8].reshape(keys.shape[1], count, 8, -1).mean(dim=2)
             stored = state.stats[0, row, :, :, :count].transpose(1, 2).double()
             assert torch.allclose(stored, blocks, rtol=1e-6, atol=1e-6)
+
+
+def test_what_it_reads_is_checked_before_decoding_and_followed_within_an_install(monkeypatch):
+    """Each case the native step computed wrongly or read freed memory for, in one line before any prefill now: a
+    cache shorter than the decoder, a layer norm in bfloat16 or strided, a forward replaced on a class, a layer of
+    another shape, a selector it does not serve; and weights replaced between two steps of one install are read."""
+    from transformers import StaticCache
+    from transformers.models.llama import modeling_llama
+
+    from sparsedecode.compiled.native import check
+
+    cfg = SparseConfig(**SMALL_CFG)
+    model = tiny_model("llama")
+    short = StaticCache(config=model.config, max_cache_len=128)
+    with pytest.raises(SparseDecodeError, match="cache holds 128 positions"):
+        CompiledDecoder(model, None, batch=1, max_len=512, backend=NATIVE, cache=short)
+    cases = {
+        "bfloat16": lambda m: m.model.layers[0].input_layernorm.to(torch.bfloat16),
+        "not contiguous": lambda m: setattr(
+            m.model.layers[1].post_attention_layernorm, "weight", torch.nn.Parameter(torch.ones(128)[::2])
+        ),
+        "shape": lambda m: setattr(m.model.layers[1].mlp, "gate_proj", torch.nn.Linear(64, 96, bias=False)),
+    }
+    for words, change in cases.items():
+        changed = tiny_model("llama")
+        change(changed)
+        with pytest.raises(SparseDecodeError, match=words) as caught:
+            CompiledDecoder(changed, cfg, batch=1, max_len=512, backend=NATIVE)
+        assert "\n" not in str(caught.value)
+    with pytest.raises(SparseDecodeError, match="quest is not one"):
+        check(model, SparseConfig(**SMALL_CFG, selector="quest"), "cpu")
+    original = modeling_llama.LlamaMLP.forward
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", lambda self, x: 2 * original(self, x))
+    with pytest.raises(SparseDecodeError, match="LlamaMLP.forward was replaced"):
+        CompiledDecoder(model, cfg, batch=1, max_len=512, backend=NATIVE)
+    monkeypatch.undo()
+
+    ids = _prompt(1, 300)
+    native = CompiledDecoder(model, cfg, batch=1, max_len=512, backend=NATIVE)
+    reference = tiny_model("llama")
+    edits = [
+        lambda m: setattr(m.model.layers[0].mlp.down_proj, "weight", torch.nn.Parameter(torch.ones(64, 128) / 100)),
+        lambda m: setattr(m.model.layers[1].input_layernorm.weight, "data", torch.full((64,), 0.5)),
+        lambda m: setattr(m.model.layers[1].post_attention_layernorm, "variance_epsilon", 0.25),
+    ]
+    with native.installed():
+        native.step(native.prefill(ids).argmax(-1))  # the tables built
+        for edit in edits:  # between two steps of one install
+            edit(model)
+            edit(reference)
+            got = native.step(native.prefill(ids).argmax(-1))
+            _, expected, _ = _run(reference, cfg, ids, "aot_eager", steps=1)
+            assert float((got - expected[0]).abs().max()) <= logits_tolerance(got, model, positions=512)

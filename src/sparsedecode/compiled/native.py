@@ -3,7 +3,8 @@
 (``model_step`` in ``kernels/cpu/csrc/model.h``) instead of a ``torch.compile`` graph: no graph, guards or operator
 dispatch between its products, which is what the compiled step spends beside them at a small model's step on a CPU.
 
-It serves what that C call computes, and refuses everything else in one line (:func:`refusal`): on the CPU, a
+It serves what that C call computes, and refuses everything else in one line before any decoding
+(:mod:`.native_check`): on the CPU, a
 float32 Llama, Qwen2 or Mistral model (their decoder layers: RMSNorm, attention with RoPE as ``rotate_half`` and
 optional q/k/v/o biases, a SiLU-gated MLP without biases) whose modules are the classes' own (no forward replaced,
 no hooks), each linear layer float32 or one of :mod:`sparsedecode.models.quantized`'s (GGUF's blocks read as
@@ -20,183 +21,115 @@ decodes exactly as this step's dense decoding (both attend over every position i
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from ..errors import SparseDecodeError
-from ..kernels import cpu
 from ..kernels.cpu import model as kernel
-from ..layout import BlockLayout
 from ..models.catalog import attention_shape
-from ..models.quantized import Int4Linear, Int8Linear
-from ..step.plan import plan_step
-from .prepared import Prepared, serves
+from .native_check import NATIVE, check, selector_refusal
+from .prepared import Prepared
 
-NATIVE = "native"
-"""The :class:`CompiledDecoder` backend naming this step."""
-FAMILIES = {"LlamaForCausalLM": "Llama", "Qwen2ForCausalLM": "Qwen2", "MistralForCausalLM": "Mistral"}
-"""The model classes served, each with the prefix of its parts' classes (``LlamaDecoderLayer``, ...)."""
+__all__ = ["NATIVE", "NativeStep", "check"]
 
 
-def _hooked(module: torch.nn.Module) -> bool:
-    """A hook or a forward of its own on ``module``: what the C call would skip."""
-    hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks)
-    return any(hooks) or "forward" in vars(module)
+def _linear_fields(module, address) -> list[int]:
+    """A linear layer's :data:`~sparsedecode.kernels.cpu.model.LINEAR_FIELDS`, each tensor's address taken by
+    ``address(module, name)``."""
+    from ..models.quantized import Int4Linear, Int8Linear
 
-
-def _global_hooks() -> bool:
-    from torch.nn.modules import module as torch_module
-
-    return any(getattr(torch_module, name, None) for name in ("_global_forward_hooks", "_global_forward_pre_hooks"))
-
-
-def _linear_refusal(name: str, module) -> str | None:
-    if type(module) in (Int4Linear, Int8Linear):
-        return None
-    if type(module) is not torch.nn.Linear:
-        return f"{name} is a {type(module).__name__}, neither torch's Linear nor one of the quantized layers"
-    if module.weight.dtype != torch.float32:
-        return f"{name}'s weight is {module.weight.dtype}, not float32"
-    return None
-
-
-def _parts(model) -> list[tuple[str, torch.nn.Module, str]]:
-    """Every module the C call replaces, with its name and the class it must be (``""``: a linear layer)."""
-    family, inner = FAMILIES[type(model).__name__], model.model
-    parts = [("the model", model, type(model).__name__), ("model.embed_tokens", inner.embed_tokens, "Embedding")]
-    parts += [("model.norm", inner.norm, f"{family}RMSNorm"), ("lm_head", model.lm_head, "")]
-    parts += [("model", inner, f"{family}Model"), ("model.rotary_emb", inner.rotary_emb, f"{family}RotaryEmbedding")]
-    for i, layer in enumerate(inner.layers):
-        at = f"model.layers.{i}"
-        parts += [(at, layer, f"{family}DecoderLayer"), (f"{at}.self_attn", layer.self_attn, f"{family}Attention")]
-        parts += [(f"{at}.mlp", layer.mlp, f"{family}MLP"), (f"{at}.mlp.act_fn", layer.mlp.act_fn, "SiLUActivation")]
-        norms = ("input_layernorm", "post_attention_layernorm")
-        parts += [(f"{at}.{n}", getattr(layer, n), f"{family}RMSNorm") for n in norms]
-        parts += [(f"{at}.self_attn.{n}", getattr(layer.self_attn, n), "") for n in kernel.LINEARS[:4]]
-        parts += [(f"{at}.mlp.{n}", getattr(layer.mlp, n), "") for n in kernel.LINEARS[4:]]
-    return parts
-
-
-def refusal(model, device) -> str | None:
-    """Why the native step cannot run ``model`` (None: it can); see the module."""
-    if torch.device(device).type != "cpu":
-        return f"it runs on the CPU (the model is on {device})"
-    if cpu.library() is None:
-        return f"the C kernel did not build here ({cpu.BUILD_ERROR})"
-    if type(model).__name__ not in FAMILIES:
-        return f"it serves {', '.join(FAMILIES)}, not {type(model).__name__}"
-    config = model.config
-    types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    windowed = getattr(config, "sliding_window", None) is not None and (
-        type(model).__name__ != "Qwen2ForCausalLM" or getattr(config, "use_sliding_window", False)
-    )
-    if types != {"full_attention"} or windowed:
-        return "it serves models whose every layer attends fully (this one has a sliding window)"
-    if _global_hooks():
-        return "a global module hook is registered, which the C call would skip"
-    if getattr(config, "hidden_act", None) != "silu" or getattr(config, "mlp_bias", False):
-        return "it serves a SiLU-gated MLP without biases"
-    if (getattr(config, "pretraining_tp", 1) or 1) != 1:
-        return "it does not serve pretraining_tp > 1"
-    try:
-        parts = _parts(model)
-    except AttributeError as error:
-        return f"the model lacks a part it reads ({error})"
-    for name, module, kind in parts:
-        if kind and type(module).__name__ != kind:
-            return f"{name} is a {type(module).__name__}, not the {kind} it computes"
-        if _hooked(module) or (not kind and any(map(_hooked, module.modules()))):
-            return f"{name} has a hook or a forward of its own, which the C call would skip"
-        reason = None if kind else _linear_refusal(name, module)
-        if reason:
-            return reason
-    floats = [model.model.embed_tokens.weight, model.model.norm.weight]
-    if any(t.dtype != torch.float32 for t in floats) or type(model.model.embed_tokens) is not torch.nn.Embedding:
-        return "it serves float32 models (embeddings and norms in float32)"
-    return None
-
-
-def check(model, cfg, device) -> None:
-    """One line saying why the native step cannot decode ``model`` with ``cfg`` (nothing when it can)."""
-    reason = refusal(model, device)
-    if reason:
-        raise SparseDecodeError(f"the native decode step (backend {NATIVE!r}): {reason}")
-
-
-def _linear_fields(module) -> list[int]:
-    """A linear layer's :data:`~sparsedecode.kernels.cpu.model.LINEAR_FIELDS`."""
-    bias = 0 if module.bias is None else module.bias.data_ptr()
+    bias = 0 if module.bias is None else address(module, "bias")
     if type(module) is Int4Linear:
         wide = int(module.scale.dtype == torch.float32)
-        return [4, module.out_features, module.in_features, module.packed.data_ptr(), module.scale.data_ptr(),
-                module.offset.data_ptr(), bias, 32, wide]  # fmt: skip
+        return [4, module.out_features, module.in_features, address(module, "packed"), address(module, "scale"),
+                address(module, "offset"), bias, 32, wide]  # fmt: skip
     if type(module) is Int8Linear:
         wide = int(module.scale.dtype == torch.float32)
-        return [8, module.out_features, module.in_features, module.q.data_ptr(), module.scale.data_ptr(), 0, bias,
+        return [8, module.out_features, module.in_features, address(module, "q"), address(module, "scale"), 0, bias,
                 module.block, wide]  # fmt: skip
-    weight = module.weight.detach()
-    if not weight.is_contiguous() or (module.bias is not None and module.bias.dtype != torch.float32):
-        raise SparseDecodeError("the native decode step: a float32 linear layer's weight must be contiguous")
-    return [0, module.out_features, module.in_features, weight.data_ptr(), 0, 0, bias, 0, 0]
-
-
-def _check_shapes(model, hidden: int, inter: int, heads: int, kv: int, d: int) -> None:
-    """Every weight the C call reads has the size the config gives (it addresses them by these numbers)."""
-    shapes = {"q_proj": (hidden, heads * d), "k_proj": (hidden, kv * d), "v_proj": (hidden, kv * d)}
-    shapes.update(o_proj=(heads * d, hidden), gate_proj=(hidden, inter), up_proj=(hidden, inter))
-    shapes.update(down_proj=(inter, hidden))
-    inner, wrong = model.model, []
-    for i, layer in enumerate(inner.layers):
-        for name, shape in shapes.items():
-            module = getattr(layer.self_attn if name in kernel.LINEARS[:4] else layer.mlp, name)
-            bias = module.bias
-            if (module.in_features, module.out_features) != shape or (bias is not None and bias.numel() != shape[1]):
-                wrong.append(f"model.layers.{i}.{name}")
-        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        wrong += [f"model.layers.{i} norms" for w in norms if w.numel() != hidden]
-    if model.lm_head.in_features != hidden or inner.embed_tokens.embedding_dim != hidden or d % 2:
-        wrong.append("the embeddings, the vocabulary projection or an odd head dim")
-    if wrong:
-        raise SparseDecodeError(f"the native decode step: {wrong[0]} does not have the config's shape")
+    return [0, module.out_features, module.in_features, address(module, "weight"), 0, 0, bias, 0, 0]
 
 
 class NativeStep:
     """The decoder's step as one C call (see the module): ``step(input_ids (batch, 1), position_ids (batch, 1))`` ->
-    logits ``(batch, vocab)`` float32, as the compiled step's. Its tables (addresses of the weights, the cache and
-    the state) are built at the first call after each :meth:`forget` (the decoder's every install)."""
+    logits ``(batch, vocab)`` float32, as the compiled step's. Its tables hold the addresses of the weights, the
+    cache and the state; they are built at the first call after each :meth:`forget` (the decoder's every install),
+    and again at any call that finds a module or tensor they address replaced (each step compares them: about a
+    tenth of a millisecond on SmolLM2), the tensors kept alive meanwhile."""
 
     def __init__(self, decoder):
-        check(decoder.model, decoder.cfg, decoder.device)
+        check(decoder.model, decoder.cfg, decoder.device, decoder.max_len)
         kernel.check_layout()
         self.decoder = decoder
         self.tables = None
         self.prepared: dict[int, tuple] = {}  # per layer: (what it addresses, its Prepared call)
-        heads, kv, d, _ = attention_shape(decoder.model.config)
-        keys = torch.empty(decoder.batch, kv, decoder.max_len, d)
-        for state in decoder.states.values():  # refused now, not at the first step after a prefill
-            self._plan(state, self._query(heads, d), keys)
+        self.watched: list[tuple] = []  # (container, name, object): what the tables read, as its owner holds it
+        self.addresses: tuple[list, list] = ([], [])  # the tensors the tables address, and their addresses
+        self.checked = False  # the model checked since the last install
+        capacity = min((getattr(layer, "max_cache_len", None) or decoder.max_len for layer in decoder.cache.layers),
+                       default=decoder.max_len)  # fmt: skip
+        if capacity < decoder.max_len:
+            raise SparseDecodeError(
+                f"the native decode step: the cache holds {capacity} positions, fewer than its {decoder.max_len}"
+            )
 
     def forget(self) -> None:
-        """Build the tables afresh at the next call (the model's modules may have been replaced since)."""
-        self.tables = None
+        """Check the model again at the next call (a hook or a class's forward may have changed since), and build the
+        tables afresh where what they address moved."""
+        self.checked = False
+
+    def _address(self, module: torch.nn.Module, name: str) -> int:
+        """The address of ``module``'s tensor ``name`` (a parameter or a buffer), watched from now on."""
+        container = module._parameters if name in module._parameters else module._buffers
+        tensor = container[name]
+        self.watched.append((container, name, tensor))
+        self.addresses[0].append(tensor)
+        self.addresses[1].append(tensor.data_ptr())
+        return tensor.data_ptr()
+
+    def _watch_modules(self, model) -> None:
+        """Every module the tables read, as its parent holds it (a module replaced there is seen)."""
+        inner = model.model
+        parents = [(model, "model"), (model, "lm_head"), (inner, "norm"), (inner, "embed_tokens")]
+        for i, layer in enumerate(inner.layers):
+            parents += [(inner.layers, str(i)), (layer, "self_attn"), (layer, "mlp"), (layer, "input_layernorm")]
+            parents += [(layer, "post_attention_layernorm"), *((layer.self_attn, n) for n in kernel.LINEARS[:4])]
+            parents += [(layer.mlp, n) for n in kernel.LINEARS[4:]]
+        self.watched += [(parent._modules, name, parent._modules[name]) for parent, name in parents]
+
+    @staticmethod
+    def _numbers(layer) -> list[tuple]:
+        """The numbers of a layer the tables hold (the norms' epsilons, the attention's scaling)."""
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        return [*((m, "variance_epsilon") for m in norms), (layer.self_attn, "scaling")]
+
+    def _moved(self) -> bool:
+        """Whether a module or tensor the tables address was replaced, or a tensor's storage swapped."""
+        containers, names, items = self.columns  # C-level loops over SmolLM2's 1,200 entries
+        if not all(map(operator.is_, map(dict.get, containers, names), items)):
+            return True
+        tensors, addresses = self.addresses
+        return list(map(torch.Tensor.data_ptr, tensors)) != addresses
 
     def _build(self):
         decoder, model = self.decoder, self.decoder.model
-        check(model, decoder.cfg, decoder.device)
+        self.watched, self.addresses = [], ([], [])
+        self._watch_modules(model)
         heads, kv, d, layers = attention_shape(model.config)
         batch, inner, text = decoder.batch, model.model, model.config.get_text_config(decoder=True)
-        scales = {float(layer.self_attn.scaling) for layer in inner.layers}
-        if len(scales) != 1:
-            raise SparseDecodeError("the native decode step: every layer's attention must share one scaling")
-        norm, hidden, inter = inner.norm, text.hidden_size, text.intermediate_size
-        _check_shapes(model, hidden, inter, heads, kv, d)
-        fields = [layers, batch, hidden, heads, kv, d, inter, kernel.float_bits(scales.pop())]
-        fields += [norm.weight.data_ptr(), kernel.float_bits(norm.variance_epsilon), *_linear_fields(model.lm_head)]
+        norm, scale = inner.norm, float(inner.layers[0].self_attn.scaling)
+        fields = [layers, batch, text.hidden_size, heads, kv, d, text.intermediate_size, kernel.float_bits(scale)]
+        fields += [self._address(norm, "weight"), kernel.float_bits(norm.variance_epsilon)]
+        self.watched.append((vars(norm), "variance_epsilon", norm.variance_epsilon))
+        fields += _linear_fields(model.lm_head, self._address)
         table = torch.tensor(fields, dtype=torch.int64)
         rows = [self._layer_fields(i, layer, heads, kv, d) for i, layer in enumerate(inner.layers)]
         layer_table = torch.tensor(rows, dtype=torch.int64)
         work = torch.zeros(kernel.work_floats(table.data_ptr()), dtype=torch.float32)
         logits = torch.empty(batch, model.lm_head.out_features, dtype=torch.float32)
         self.tables = (table, layer_table, work, logits, torch.zeros(2, batch, d), torch.zeros(1, dtype=torch.int64))
+        self.columns = tuple(map(list, zip(*self.watched)))
 
     def _query(self, heads: int, d: int) -> torch.Tensor:
         """The work buffer's query part, as the prepared calls address it (its offsets are the C call's)."""
@@ -212,17 +145,27 @@ class NativeStep:
         for t in (keys, values):
             if t.dtype != torch.float32 or t.stride(3) != 1 or tuple(t.shape) != (decoder.batch, kv, t.shape[2], d):
                 raise SparseDecodeError("the native decode step needs a float32 static cache of (batch, kv, L, d)")
+            if t.shape[2] < decoder.max_len:
+                raise SparseDecodeError(
+                    f"the native decode step: the cache holds {t.shape[2]} positions, fewer than {decoder.max_len}"
+                )
+        self.watched += [(vars(cache_layer), "keys", keys), (vars(cache_layer), "values", values)]
+        self.addresses[0].extend((keys, values))
+        self.addresses[1].extend((keys.data_ptr(), values.data_ptr()))
         norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
-        out = [norm1.weight.data_ptr(), kernel.float_bits(norm1.variance_epsilon)]
-        out += [norm2.weight.data_ptr(), kernel.float_bits(norm2.variance_epsilon)]
+        self.watched += [(vars(m), name, getattr(m, name)) for m, name in self._numbers(layer)]
+        out = [self._address(norm1, "weight"), kernel.float_bits(norm1.variance_epsilon)]
+        out += [self._address(norm2, "weight"), kernel.float_bits(norm2.variance_epsilon)]
         out += [keys.data_ptr(), *keys.stride()[:3], values.data_ptr(), *values.stride()[:3]]
         out += self._state_fields(layer.self_attn, keys, values, heads, d)
         for name in kernel.LINEARS:
-            out += _linear_fields(getattr(layer.self_attn if name in kernel.LINEARS[:4] else layer.mlp, name))
+            out += _linear_fields(
+                getattr(layer.self_attn if name in kernel.LINEARS[:4] else layer.mlp, name), self._address
+            )
         return out
 
     def _state_fields(self, module, keys, values, heads: int, d: int) -> list[int]:
-        """``sparse`` .. ``support``: a dense layer's zeros, a sparse layer's state and its prepared call."""
+        """``sparse`` .. ``means``: a dense layer's zeros, a sparse layer's state and its prepared call."""
         state = self.decoder.states.get(module)
         if state is None:
             return [0] * 13
@@ -234,7 +177,9 @@ class NativeStep:
             kept = self.prepared.get(module.layer_idx)
             if kept is None or kept[0] != (addresses, keys.shape, values.shape):  # else: made at an earlier install
                 q = self._query(heads, d)
-                plan = self._plan(state, q, keys)
+                plan, reason = selector_refusal(cfg, state_in_order(state), q, keys)
+                if reason:
+                    raise SparseDecodeError(f"the native decode step: {reason}")
                 made = Prepared(cfg, plan, q, keys, values, state.stats, *state_in_order(state), 1.0)
                 self.prepared[module.layer_idx] = kept = ((addresses, keys.shape, values.shape), made)
             prepared = kept[1]
@@ -246,25 +191,19 @@ class NativeStep:
         means = int(tuple(state.kinds) == ("mean",))  # the C call completes them itself
         return [1, table, cfg.window, cfg.block_size, reuse, every, split, *pointers, support, means]
 
-    @staticmethod
-    def _plan(state, q: torch.Tensor, keys: torch.Tensor):
-        """The step plan of ``state``'s layer over a cache like ``keys``, refused unless the prepared call serves it."""
-        cfg = state.cfg
-        layout = BlockLayout(n=keys.shape[2], window=cfg.window, block_size=cfg.block_size)
-        plan = plan_step(cfg, q[0], keys[0], keys[0], layout)
-        if not serves(cfg, plan, q, *state_in_order(state)):
-            raise SparseDecodeError(
-                "the native decode step serves selectors scored in the C kernel with a fixed budget (mean-pooled "
-                f"blocks); {cfg.selector.spec()} is not one (decode it with another compile backend)"
-            )
-        return plan
-
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        if self.tables is None:
+        if not self.checked:  # once per install: hooks, classes' forwards, the tensors' kinds
+            check(self.decoder.model, None, self.decoder.device)
+            self.checked = True
+        if self.tables is None or self._moved():
+            if self.tables is not None:
+                check(self.decoder.model, None, self.decoder.device)  # what replaced them is checked too
             self._build()
         table, layer_table, work, logits, rope, stopped = self.tables
         decoder, inner = self.decoder, self.decoder.model.model
         batch, n = decoder.batch, int(position_ids.reshape(-1)[-1]) + 1
+        if n > decoder.max_len:
+            raise SparseDecodeError(f"the native decode step: position {n - 1} lies past the cache's {decoder.max_len}")
         x = inner.embed_tokens(input_ids.reshape(batch, 1)).reshape(batch, -1)
         work[: x.numel()].copy_(x.reshape(-1))
         cos, sin = inner.rotary_emb(x, position_ids.reshape(batch, 1))
