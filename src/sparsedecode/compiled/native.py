@@ -26,6 +26,7 @@ import operator
 import torch
 
 from ..errors import SparseDecodeError
+from ..kernels.cpu import NEEDS_STATISTICS
 from ..kernels.cpu import model as kernel
 from ..models.catalog import attention_shape
 from .native_check import NATIVE, check, selector_refusal
@@ -39,16 +40,16 @@ def _linear_fields(module, address) -> list[int]:
     ``address(module, name)``."""
     from ..models.quantized import Int4Linear, Int8Linear
 
+    kinds, shape = kernel.KINDS, [module.out_features, module.in_features]
     bias = 0 if module.bias is None else address(module, "bias")
+    scale = getattr(module, "scale", None)  # a quantized layer's: float16, or float32 (a K-quant's products)
+    wide = int(scale is not None and scale.dtype == torch.float32)
     if type(module) is Int4Linear:
-        wide = int(module.scale.dtype == torch.float32)
-        return [4, module.out_features, module.in_features, address(module, "packed"), address(module, "scale"),
-                address(module, "offset"), bias, 32, wide]  # fmt: skip
+        weights = [address(module, "packed"), address(module, "scale"), address(module, "offset")]
+        return [kinds["int4"], *shape, *weights, bias, 32, wide]
     if type(module) is Int8Linear:
-        wide = int(module.scale.dtype == torch.float32)
-        return [8, module.out_features, module.in_features, address(module, "q"), address(module, "scale"), 0, bias,
-                module.block, wide]  # fmt: skip
-    return [0, module.out_features, module.in_features, address(module, "weight"), 0, 0, bias, 0, 0]
+        return [kinds["int8"], *shape, address(module, "q"), address(module, "scale"), 0, bias, module.block, wide]
+    return [kinds["float32"], *shape, address(module, "weight"), 0, 0, bias, 0, 0]
 
 
 class NativeStep:
@@ -202,8 +203,6 @@ class NativeStep:
         table, layer_table, work, logits, rope, stopped = self.tables
         decoder, inner = self.decoder, self.decoder.model.model
         batch, n = decoder.batch, int(position_ids.reshape(-1)[-1]) + 1
-        if n > decoder.max_len:
-            raise SparseDecodeError(f"the native decode step: position {n - 1} lies past the cache's {decoder.max_len}")
         x = inner.embed_tokens(input_ids.reshape(batch, 1)).reshape(batch, -1)
         work[: x.numel()].copy_(x.reshape(-1))
         cos, sin = inner.rotary_emb(x, position_ids.reshape(batch, 1))
@@ -215,7 +214,7 @@ class NativeStep:
                 table.data_ptr(), layer_table.data_ptr(), work.data_ptr(), rope[0].data_ptr(), rope[1].data_ptr(), n,
                 first, resumed, torch.get_num_threads(), logits.data_ptr(), stopped.data_ptr(),
             )  # fmt: skip
-            if status != kernel.NEEDS_STATISTICS:
+            if status != NEEDS_STATISTICS:
                 return logits.clone()
             first, resumed = int(stopped[0]), 1
             state = decoder.states[inner.layers[first].self_attn]

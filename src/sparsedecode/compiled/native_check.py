@@ -192,10 +192,8 @@ def check(model, cfg, device, length: int | None = None) -> None:
     reason = refusal(model, device)
     if reason is None and cfg is not None:
         heads, kv, d, layers = attention_shape(model.config)
-        for index in range(layers):
-            if index in cfg.dense_layers:
-                continue
-            layer = cfg.for_layer(index)
+        sparse = [cfg.for_layer(index) for index in range(layers) if index not in cfg.dense_layers]
+        for layer in {layer.identity(): layer for layer in sparse}.values():  # each configuration once
             n = length or layer.effective_support + 2 * layer.block_size
             state = [torch.zeros(1, dtype=torch.int64), torch.zeros(1, kv, max(layer.blocks, 1), dtype=torch.int64)]
             state += [torch.zeros(1, dtype=torch.int64) for _ in range(2)] + [torch.zeros(4, dtype=torch.int64)]

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ..kernels import cpu
-from ..kernels.cpu import native
+from ..kernels.cpu import NEEDS_STATISTICS, native
 from ..layout import BlockLayout
 from ..selectors.statistics import BlockStatistics, store_statistics
 
@@ -37,8 +37,6 @@ spin on after each kernel (SmolLM2 at 8K: 120 us a call on two threads, 74 us on
 awake when the call comes (SmolLM2 at 8K, bfloat16, compiled: batch 1 21.9 -> 20.4 ms a step, batch 8 42 -> 34 ms
 on two threads)."""
 SPLIT_WORK_SHARED = 1 << 16
-NEEDS_STATISTICS = 3
-"""``prepared_step``'s status when rows selecting afresh lack the statistics of blocks completed since."""
 
 PREPARED: dict[tuple, Prepared | None] = {}
 """Prepared calls by :func:`signature_of` (``None``: the general path serves those tensors)."""

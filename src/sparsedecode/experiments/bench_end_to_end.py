@@ -22,13 +22,6 @@ from ..session.kv_cache import crop_cache, growing_copy
 from .bench_measures import peak_rss_mb, read_bandwidth_gbs
 from .bench_vllm import leading_equal
 
-STATIC_MODES = (
-    ("static, compiled", None, lambda compile, native: compile),
-    ("static, native", "native", lambda compile, native: native),
-)
-"""The static-cache modes: a cache label, its decoders' backend (None: the compile backend), whether the
-arguments ``(compile, native)`` of :func:`bench_e2e` ask for it."""
-
 
 @dataclass
 class E2ERow:
@@ -98,7 +91,8 @@ def bench_e2e(
     config = partial(
         SparseConfig, kernel=kernel, selector=selector, dense_layers=dense_layers, layer_supports=layer_supports
     )
-    backends = {label: b for label, b, wanted in STATIC_MODES if wanted(compile, native)}
+    backends = {"static, compiled": None} if compile else {}  # cache label: the decoders' backend
+    backends.update({"static, native": "native"} if native else {})
     if backends:  # before the prefill
         _check_static(model, [None, *(config(support=s) for s in supports)], native)
     started = time.perf_counter()
@@ -142,7 +136,7 @@ def _check_static(model, cfgs: list, native: bool) -> None:
     from ..compiled.native import check as check_native
 
     for cfg in cfgs:
-        check_compilable(model, cfg, "bench e2e --compile")
+        check_compilable(model, cfg, "bench e2e --native" if native else "bench e2e --compile")
         if native:
             check_native(model, cfg, next(model.parameters()).device)
 

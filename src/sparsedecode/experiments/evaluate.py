@@ -36,6 +36,7 @@ from ..decoding.loop import Progress
 from ..errors import SparseDecodeError
 from ..files import write_json_atomic
 from ..models.weights import weights_sha256
+from ..validate import max_positions
 from .environment import environment
 from .eval_folder import (
     META_FIELDS,
@@ -93,8 +94,6 @@ __all__ = [  # this module's names, and those of the modules a sample's runs, th
 
 
 def check_context_fits(model, spec: EvalSpec) -> None:
-    from ..validate import max_positions
-
     limit = max_positions(model)
     for context in spec.contexts:
         longest = max(spec.answer_budget(t) for t in spec.tasks)

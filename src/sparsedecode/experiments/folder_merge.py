@@ -42,7 +42,7 @@ def merge_folders(kind: FolderKind, sources: list[Path], directory: Path) -> Mer
         if own is not None:
             metas.insert(0, (directory, own))
         specs = [kind.spec_from(meta["spec"]) for _, meta in metas]
-        corpus = _check_sources(kind, metas, specs)
+        corpus, weights = _check_sources(kind, metas, specs)
         spec = union_spec(specs)
         order = {key: i for i, key in enumerate(spec.keys())}
         merged: dict[tuple, tuple] = {}
@@ -65,7 +65,6 @@ def merge_folders(kind: FolderKind, sources: list[Path], directory: Path) -> Mer
                                                 "(another thread count, version or machine?)")  # fmt: skip
                 duplicates += merge_run(merged, key, row, source, own_spec)
         first = metas[0][1]
-        weights = next((m["weights_sha256"] for _, m in metas if m.get("weights_sha256")), None)
         meta = {"spec": spec.to_dict(), "corpus_sha256": corpus, "weights_sha256": weights,
                 **{name: first.get(name) for name in kind.shared},
                 **merged_provenance(metas, directory), **versions.record()}  # fmt: skip
@@ -75,11 +74,13 @@ def merge_folders(kind: FolderKind, sources: list[Path], directory: Path) -> Mer
     return MergeOutcome(directory, len(rows), duplicates, len(order) - len(rows))
 
 
-def _check_sources(kind: FolderKind, metas: list[tuple[Path, dict]], specs: list) -> str | None:
-    """Refuse folders whose settings differ outside the grid, whose corpus texts differ, or whose shared fields
-    differ; returns the corpus text's sha256 (``None`` where no folder recorded one)."""
+def _check_sources(kind: FolderKind, metas: list[tuple[Path, dict]], specs: list) -> tuple[str | None, str | None]:
+    """Refuse folders whose settings differ outside the grid, whose corpus texts or models' weights differ, or whose
+    shared fields differ; returns the corpus text's sha256 and the weights' fingerprint (each ``None`` where no
+    folder recorded one)."""
     first_dir, first = metas[0]
     corpus = next((meta["corpus_sha256"] for _, meta in metas if meta.get("corpus_sha256")), None)
+    weights = next((meta["weights_sha256"] for _, meta in metas if meta.get("weights_sha256")), None)
     for (source, meta), other in zip(metas, specs):
         outside = specs[0].differences_outside_grid(other)
         if outside:
@@ -89,9 +90,9 @@ def _check_sources(kind: FolderKind, metas: list[tuple[Path, dict]], specs: list
             )
         if meta.get("corpus_sha256") not in (None, corpus):
             raise SparseDecodeError(f"cannot merge {source} with {first_dir}: their corpus texts differ")
-        if len({m["weights_sha256"] for _, m in metas if m.get("weights_sha256")}) > 1:
+        if meta.get("weights_sha256") not in (None, weights):
             raise SparseDecodeError(f"cannot merge {source} with {first_dir}: their models' weights differ")
         for name, what in kind.shared.items():
             if meta.get(name) != first.get(name):
                 raise SparseDecodeError(f"cannot merge {source} with {first_dir}: their {what} differ")
-    return corpus
+    return corpus, weights

@@ -36,6 +36,7 @@ from ..errors import SparseDecodeError
 from ..protocol.diagnostics import MassAudit, summarize_audit
 from ..session import StepView, prefill_history, sparse_decoding
 from ..session.kv_cache import crop_cache
+from ..validate import max_positions
 from .corpus import FILLER, corpus_ids
 from .specs import RetrievalSpec
 
@@ -268,8 +269,6 @@ def run_retrieval(
 
         loaded = load_model(spec.model, dtype=spec.dtype)
     model, tokenizer = loaded
-    from ..validate import max_positions
-
     limit = max_positions(model)
     for context in spec.contexts:
         if limit is not None and context + spec.answer_tokens > limit:

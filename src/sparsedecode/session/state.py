@@ -8,6 +8,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from ..layout import BlockLayout
 from ..selectors.statistics import BlockStatistics
@@ -308,6 +309,4 @@ class LayerState:
 
 def _grows(layer: object) -> bool:
     """A cache layer whose key tensor holds exactly the positions written (see :attr:`LayerState.grows`)."""
-    from transformers.cache_utils import DynamicLayer
-
     return isinstance(layer, DynamicLayer) and not getattr(layer, "is_sliding", False)

@@ -8,7 +8,7 @@ import ctypes
 import struct
 
 from ...errors import SparseDecodeError
-from . import check_status
+from . import NEEDS_STATISTICS, check_status
 from .functions import c_function
 
 LINEAR_FIELDS = ("kind", "out", "in", "weight", "scale", "offset", "bias", "block", "scale32")
@@ -23,8 +23,6 @@ MODEL_FIELDS = ("layers", "batch", "hidden", "heads", "kv", "d", "inter", "scale
 """The model's fields, then the vocabulary projection's :data:`LINEAR_FIELDS`."""
 KINDS = {"float32": 0, "int4": 4, "int8": 8}
 """A linear layer's ``kind`` field by its weight format."""
-NEEDS_STATISTICS = 3
-"""``model_step``'s status when a layer's rows selecting afresh lack the statistics of blocks completed since."""
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _STEP_ARGS = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr]
