@@ -270,6 +270,29 @@ def test_a_non_finite_activation_makes_the_quantized_products_output_nan(weights
         assert torch.isnan(out[1]).all() and torch.isfinite(out[0]).all()
 
 
+def test_the_c_kernel_quantizes_activations_exactly_as_torch_does():
+    """csrc/qlinear.h's quantize_rows (eight values at a time with AVX2): an int8 identity layer (q one-hot, scale
+    1) outputs each activation as the kernel quantized it, xq * d, which must be torch's numbers bit for bit: ties
+    rounded to even, a group of zeros, a signed zero; NaN and infinity making their group NaN."""
+    from sparsedecode.models.quantized import c_kernel
+
+    assert c_kernel() is not None
+    size = 160
+    identity = Int8Linear(torch.eye(size, dtype=torch.int8).reshape(size, size // 32, 32), torch.ones(size, size // 32))
+    torch.manual_seed(3)
+    x = torch.randn(3, size) * torch.logspace(-3, 3, size)
+    x[0, :32] = torch.arange(32) - 15.5
+    x[0, 32:64] = torch.cat([torch.tensor([127.0]), torch.arange(31) * 0.5 - 7.5])  # inverse 1: ties at .5
+    x[1, :32] = 0.0
+    x[1, 5] = -0.0
+    expected, out = quantized_activations(x), identity.c_product(x)
+    assert torch.equal(out, expected)
+    assert torch.equal(out[0, 33:64], torch.round(x[0, 33:64]))  # ties to even: 0.5 -> 0, 1.5 -> 2, -2.5 -> -2
+    for bad in (float("nan"), float("inf")):  # a row's products all read its NaN group: the whole row is NaN
+        x[2, 100] = bad
+        assert torch.isnan(identity.c_product(x)[2]).all() and torch.isnan(quantized_activations(x)[2, 96:128]).all()
+
+
 @pytest.mark.parametrize("weights", ["int4", "int8"])
 def test_an_exported_gguf_holds_the_models_own_layers_for_llama_cpp(tmp_path, weights):
     """bench e2e --baseline llama.cpp with --weights int4/int8: the GGUF written holds our layers byte for byte (its

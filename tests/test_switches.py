@@ -17,6 +17,7 @@ from sparsedecode import env
 from sparsedecode.errors import SparseDecodeError
 
 SWITCHES = {
+    "SPARSEDECODE_HUGE_PAGES": ("sparsedecode.models.arena", "ENABLED", "huge"),  # first: the other modules import it
     "SPARSEDECODE_ROW_PRODUCTS": ("sparsedecode.compiled.cpu", "ROW_PRODUCTS", "y"),
     "SPARSEDECODE_ROW_CHUNK": ("sparsedecode.compiled.cpu", "ROW_CHUNK", "lots"),
     "SPARSEDECODE_FREEZE": ("sparsedecode.compiled.cpu", "FREEZE", "nonsense"),

@@ -81,13 +81,13 @@ def _tensor_refusal(name: str, module: torch.nn.Module, linear: bool) -> str | N
     quantized = type(module) in (Int4Linear, Int8Linear)
     if linear and not quantized and type(module) is not torch.nn.Linear:
         return f"{name} is a {type(module).__name__}, neither torch's Linear nor one of the quantized layers"
-    for attribute, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+    for attribute, tensor in [*module._parameters.items(), *module._buffers.items()]:  # its own, as registered
         if tensor is None or (quantized and attribute != "bias"):
             continue  # a quantized layer's packed weights and scales: checked by its constructor and the C++ op
         if tensor.dtype != torch.float32 or not tensor.is_contiguous() or tensor.device.type != "cpu":
             return f"{name}.{attribute} is {tensor.dtype}{'' if tensor.is_contiguous() else ', not contiguous'}: it " \
                 "serves float32 weights, biases and norms in contiguous CPU memory"  # fmt: skip
-    if quantized and not all(t.is_contiguous() for t in module.buffers(recurse=False) if t is not None):
+    if quantized and not all(t.is_contiguous() for t in module._buffers.values() if t is not None):
         return f"{name}'s quantized weights are not contiguous"
     return None
 

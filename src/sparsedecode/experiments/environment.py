@@ -52,11 +52,14 @@ def cpu_record(cpuinfo: str | None = None) -> dict:
 
 
 def environment(model: torch.nn.Module | None = None) -> dict:
-    """Library versions, the device the model's weights are on (``cpu`` without a model), threads, machine."""
+    """Library versions, the device the model's weights are on (``cpu`` without a model), threads, machine; the
+    kernel's transparent huge page mode and whether the model's weights lie in one buffer on them
+    (:mod:`sparsedecode.models.arena`)."""
     import numpy
     import transformers
 
     from .. import __version__
+    from ..models.arena import transparent_huge_pages
 
     device = "cpu"
     if model is not None:
@@ -77,4 +80,6 @@ def environment(model: torch.nn.Module | None = None) -> dict:
         "processor": platform.processor() or platform.machine(),
         **cpu_record(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "transparent_huge_pages": transparent_huge_pages(),
+        "weights_gathered": bool(getattr(model, "sparsedecode_gathered", 0)),
     }

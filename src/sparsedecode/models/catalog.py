@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 import torch
 
 from ..errors import SparseDecodeError
+from . import arena
 from .aliases import ALIASES, DEFAULT_MODEL
 from .store import (
     cache_dir,
@@ -162,7 +163,8 @@ def load_model(
     ``weights`` (:data:`~sparsedecode.models.weights.WEIGHTS`): a float dtype (as ``dtype``), ``gguf`` (the linear
     layers from the alias's or file's GGUF as they are stored: Q4_0/Q4_1 as int4, Q8_0 as int8), ``int4`` or ``int8``
     (quantized from the float weights; :mod:`sparsedecode.models.quantized`); recorded as
-    ``model.sparsedecode_weights``. The spec is stored on the model as ``model.sparsedecode_spec``.
+    ``model.sparsedecode_weights``. The spec is stored on the model as ``model.sparsedecode_spec``. On the CPU the
+    weights end in one buffer on huge pages (:func:`~sparsedecode.models.arena.gather_weights`).
     """
     from .weights import apply_weights, check_weights
 
@@ -170,6 +172,8 @@ def load_model(
     dtype, quantized = check_weights(weights, dtype)
     model, tokenizer = _load(spec, resolve_dtype(dtype), progress, tokenizer_only=False)
     apply_weights(model, quantized, gguf_source(spec, progress) if quantized == "gguf" else None, spec)
+    if arena.ENABLED and next(model.parameters()).device.type == "cpu":
+        arena.gather_weights(model)  # one buffer on huge pages: a CPU decode step streams it (models/arena.py)
     model.sparsedecode_spec = spec
     return model, tokenizer
 

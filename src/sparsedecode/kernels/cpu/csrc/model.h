@@ -65,15 +65,20 @@ static int f32_outputs(const void *arg, int64_t task) {
     return 0;
 }
 
-/* out (rows, N) = x (rows, K) times the linear layer `f` (LIN_FIELDS), its bias added. */
-static int linear_rows(const int64_t *f, const float *x, float *out, int64_t rows, int64_t threads) {
+/* Whether the linear layer `f` reads its input quantized (int4 or int8: qlinear.h). */
+static inline int reads_quantized(const int64_t *f) { return f[LIN_KIND] == LINEAR_INT4 || f[LIN_KIND] == LINEAR_INT8; }
+
+/* out (rows, N) = x (rows, K) times the linear layer `f` (LIN_FIELDS), its bias added; a quantized layer reads
+ * `act`, x's activations as quantize_for left them. */
+static int linear_rows(const int64_t *f, const float *x, const qact_t *act, float *out, int64_t rows,
+                       int64_t threads) {
     int64_t n = f[LIN_OUT], k = f[LIN_IN], status = 0;
     if (f[LIN_KIND] == LINEAR_INT4) {
-        status = q4_linear(pointer(f[LIN_WEIGHT]), pointer(f[LIN_SCALE]), pointer(f[LIN_OFFSET]), x, out, rows, n,
-                           k / 32, f[LIN_SCALE32], threads);
+        status = q4_product(pointer(f[LIN_WEIGHT]), pointer(f[LIN_SCALE]), pointer(f[LIN_OFFSET]), act, out, rows, n,
+                            k / 32, f[LIN_SCALE32], threads);
     } else if (f[LIN_KIND] == LINEAR_INT8) {
-        status = q8_linear(pointer(f[LIN_WEIGHT]), pointer(f[LIN_SCALE]), x, out, rows, n, k / 32, f[LIN_BLOCK],
-                           f[LIN_SCALE32], threads);
+        status = q8_product(pointer(f[LIN_WEIGHT]), pointer(f[LIN_SCALE]), act, out, rows, n, k / 32, f[LIN_BLOCK],
+                            f[LIN_SCALE32], threads);
     } else {
         f32_job job = {pointer(f[LIN_WEIGHT]), x, out, rows, n, k};
         int64_t tasks = (n + F32_OUTPUTS - 1) / F32_OUTPUTS;
@@ -84,6 +89,18 @@ static int linear_rows(const int64_t *f, const float *x, float *out, int64_t row
         for (int64_t r = 0; r < rows; r++)
             for (int64_t i = 0; i < n; i++) out[r * n + i] += bias[i];
     return (int)status;
+}
+
+/* x (rows, k) quantized once into the activations at `space` for the `count` linear layers from `lin` that read it
+ * (when any of them reads it quantized); the activations they read. */
+static qact_t quantize_for(const int64_t *lin, int count, const float *x, int64_t rows, int64_t k, void *space) {
+    qact_t act = qact_at(space, rows * (k / 32));
+    for (int i = 0; i < count; i++)
+        if (reads_quantized(lin + i * LIN_FIELDS)) {
+            quantize_into(&act, x, rows, k / 32);
+            break;
+        }
+    return act;
 }
 
 /* out (rows, size) = x / sqrt(mean(x^2) + eps) * weight, per row, in float32. */
@@ -124,15 +141,28 @@ static void complete_means(const int64_t *m, const int64_t *f, int64_t n) {
     const float *keys = pointer(f[L_KEY]);
     for (int64_t r = 0; r < rows; r++) {
         if (!(f[L_EVERY] || step[r] % f[L_REUSE] == 0) || count[r] >= n_full) continue;
-        float *centroids = pointer(table[r].centroids), sums[d];
+        float *centroids = pointer(table[r].centroids);
         for (int64_t h = 0; h < kv; h++)
             for (int64_t j = count[r]; j < n_full; j++) {
                 const float *key = keys + table[r].k + h * f[L_KEY_SH] + (1 + j * block) * f[L_KEY_SN];
-                for (int64_t i = 0; i < d; i++) sums[i] = 0.0f;
-                for (int64_t p = 0; p < block; p++) /* each dimension's sum in position order */
-                    for (int64_t i = 0; i < d; i++) sums[i] += key[p * f[L_KEY_SN] + i];
-                for (int64_t i = 0; i < d; i++)
-                    centroids[h * table[r].c_stride_h + i * table[r].c_stride_d + j] = sums[i] / (float)block;
+                float *out = centroids + h * table[r].c_stride_h + j;
+                int64_t i = 0, sn = f[L_KEY_SN], sd = table[r].c_stride_d;
+                while (i + 8 <= d) { /* up to 64 dimensions at a time, each summed in position order, the keys */
+                    int vectors = (int)((d - i) / 8 < 8 ? (d - i) / 8 : 8); /* read row by row */
+                    v8 sums[8] = {0};
+                    for (int64_t p = 0; p < block; p++)
+                        for (int c = 0; c < vectors; c++) sums[c] += load8(key + p * sn + i + 8 * c);
+                    for (int c = 0; c < vectors; c++) {
+                        v8 mean = sums[c] / splat8((float)block);
+                        for (int lane = 0; lane < 8; lane++) out[(i + 8 * c + lane) * sd] = mean[lane];
+                    }
+                    i += 8 * vectors;
+                }
+                for (; i < d; i++) {
+                    float sum = 0.0f;
+                    for (int64_t p = 0; p < block; p++) sum += key[p * sn + i];
+                    out[i * sd] = sum / (float)block;
+                }
             }
         count[r] = n_full;
     }
@@ -187,12 +217,20 @@ static void write_cache(const int64_t *m, const int64_t *f, const float *k, cons
 
 static inline float silu(float x) { return x / (1.0f + expf(-x)); }
 
+/* The widest input of a product (the hidden size, the MLP's, or the attention's H d). */
+static inline int64_t widest_input(const int64_t *m) {
+    int64_t hidden = m[M_HIDDEN], inter = m[M_INTER], qd = m[M_HEADS] * m[M_D];
+    int64_t wide = hidden > inter ? hidden : inter;
+    return wide > qd ? wide : qd;
+}
+
 /* The work buffer's parts (floats): x (rows, hidden), the residual stream, kept between calls; h (rows, max(hidden,
- * inter)); q and att (rows, H d); k and v (rows, kv d); gate and up (rows, inter); o (rows, hidden). */
+ * inter)); q and att (rows, H d); k and v (rows, kv d); gate and up (rows, inter); o (rows, hidden); then the
+ * quantized activations of the widest input (qact_t: 10 floats a group of 32). */
 int64_t model_work_floats(const int64_t *m) {
     int64_t rows = m[M_BATCH], hidden = m[M_HIDDEN], inter = m[M_INTER], qd = m[M_HEADS] * m[M_D];
-    int64_t wide = hidden > inter ? hidden : inter;
-    return rows * (2 * hidden + wide + 2 * qd + 2 * m[M_KV] * m[M_D] + 2 * inter);
+    int64_t wide = hidden > inter ? hidden : inter, groups = (widest_input(m) + 31) / 32;
+    return rows * (2 * hidden + wide + 2 * qd + 2 * m[M_KV] * m[M_D] + 2 * inter) + 10 * rows * groups;
 }
 
 /* One decode step at context length n (the current token at n - 1) from layer `first` on, x (the work buffer's
@@ -204,14 +242,17 @@ int model_step(const int64_t *m, const int64_t *layers, float *work, const float
     int64_t qd = m[M_HEADS] * d, wide = hidden > inter ? hidden : inter;
     float *x = work, *h = x + rows * hidden, *q = h + rows * wide, *att = q + rows * qd, *k = att + rows * qd;
     float *v = k + rows * kv * d, *gate = v + rows * kv * d, *up = gate + rows * inter, *o = up + rows * inter;
+    void *space = o + rows * hidden; /* the quantized activations */
+    qact_t act;
     for (int64_t l = first; l < m[M_LAYERS]; l++) {
         const int64_t *f = layers + l * L_FIELDS, *lin = f + L_LINEAR;
         int status = 0, again = resumed && l == first;
         if (!again) {
             rms_norm(x, pointer(f[L_NORM1]), bits_to_float(f[L_EPS1]), h, rows, hidden);
-            status = linear_rows(lin + Q_PROJ * LIN_FIELDS, h, q, rows, threads);
-            status = status ? status : linear_rows(lin + K_PROJ * LIN_FIELDS, h, k, rows, threads);
-            status = status ? status : linear_rows(lin + V_PROJ * LIN_FIELDS, h, v, rows, threads);
+            act = quantize_for(lin + Q_PROJ * LIN_FIELDS, 3, h, rows, hidden, space); /* q, k, v read one h */
+            status = linear_rows(lin + Q_PROJ * LIN_FIELDS, h, &act, q, rows, threads);
+            status = status ? status : linear_rows(lin + K_PROJ * LIN_FIELDS, h, &act, k, rows, threads);
+            status = status ? status : linear_rows(lin + V_PROJ * LIN_FIELDS, h, &act, v, rows, threads);
             if (status) return status;
             rope(q, cos, sin, rows, m[M_HEADS], d);
             rope(k, cos, sin, rows, kv, d);
@@ -220,20 +261,24 @@ int model_step(const int64_t *m, const int64_t *layers, float *work, const float
         status = layer_attention(m, f, q, att, n, again, threads);
         if (status == NEEDS_STATISTICS) *stopped = l;
         if (status) return status;
-        status = linear_rows(lin + O_PROJ * LIN_FIELDS, att, o, rows, threads);
+        act = quantize_for(lin + O_PROJ * LIN_FIELDS, 1, att, rows, qd, space);
+        status = linear_rows(lin + O_PROJ * LIN_FIELDS, att, &act, o, rows, threads);
         if (status) return status;
         for (int64_t i = 0; i < rows * hidden; i++) x[i] += o[i];
         rms_norm(x, pointer(f[L_NORM2]), bits_to_float(f[L_EPS2]), h, rows, hidden);
-        status = linear_rows(lin + GATE_PROJ * LIN_FIELDS, h, gate, rows, threads);
-        status = status ? status : linear_rows(lin + UP_PROJ * LIN_FIELDS, h, up, rows, threads);
+        act = quantize_for(lin + GATE_PROJ * LIN_FIELDS, 2, h, rows, hidden, space); /* gate and up read one h */
+        status = linear_rows(lin + GATE_PROJ * LIN_FIELDS, h, &act, gate, rows, threads);
+        status = status ? status : linear_rows(lin + UP_PROJ * LIN_FIELDS, h, &act, up, rows, threads);
         if (status) return status;
         for (int64_t i = 0; i < rows * inter; i++) gate[i] = silu(gate[i]) * up[i];
-        status = linear_rows(lin + DOWN_PROJ * LIN_FIELDS, gate, o, rows, threads);
+        act = quantize_for(lin + DOWN_PROJ * LIN_FIELDS, 1, gate, rows, inter, space);
+        status = linear_rows(lin + DOWN_PROJ * LIN_FIELDS, gate, &act, o, rows, threads);
         if (status) return status;
         for (int64_t i = 0; i < rows * hidden; i++) x[i] += o[i];
     }
     rms_norm(x, pointer(m[M_NORM]), bits_to_float(m[M_EPS]), h, rows, hidden);
-    return linear_rows(m + M_HEAD, h, logits, rows, threads);
+    act = quantize_for(m + M_HEAD, 1, h, rows, hidden, space);
+    return linear_rows(m + M_HEAD, h, &act, logits, rows, threads);
 }
 
 /* The table sizes this build uses (M_FIELDS, L_FIELDS, LIN_FIELDS): the caller checks its own against them. */

@@ -24,12 +24,16 @@
  * over threads by ranges of groups for int4 (each thread's part of the weight one contiguous stream; weights under
  * Q4_PART bytes stay on one thread) and by rows for int8. */
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 enum { Q4_SPAN = 2048, Q4_CHUNK = 32, Q4_AHEAD = 8, Q4_PART = 1 << 17, Q8_ROWS = 4, Q8_AHEAD = 2048, Q8_GROUPS = 64 };
 
 typedef struct {
     const uint8_t *weights;
     const void *scale, *offset; /* float16, or float32 with scale32 */
-    const int8_t *xq; /* (rows, 32 G) the quantized activations */
+    const int8_t *xq; /* (rows, 32 G) the quantized activations (qact_t) */
     const float *xd;  /* (rows, G) their scales d */
     const float *xs;  /* (rows, G) d * sum of the group's xq */
     float *out;
@@ -44,10 +48,44 @@ static inline float scale_at(const qjob_t *job, const void *p, int64_t i) {
     return job->scale32 ? ((const float *)p)[i] : half_to_float(((const uint16_t *)p)[i]);
 }
 
-/* x (rows, 32 groups) -> xq, xd, xs as the header says. */
+/* Group i's xq, xd and xs from its scale inputs: amax = max |v| (NaN when a value is NaN), total = sum of xq. */
+static inline void group_scales(float amax, int32_t total, int64_t i, float *xd, float *xs) {
+    xd[i] = amax <= 3.4028235e38f ? amax / 127.0f : NAN;
+    xs[i] = xd[i] * (float)total;
+}
+
+/* x (rows, 32 groups) -> xq, xd, xs as the header says; with AVX2 eight values at a time, the same operations on
+ * each value (x times 127 / amax, rounded to nearest even as rintf rounds), so the same numbers. */
 static void quantize_rows(const float *x, int64_t rows, int64_t groups, int8_t *xq, float *xd, float *xs) {
     for (int64_t i = 0; i < rows * groups; i++) {
         const float *v = x + i * 32;
+#if defined(__AVX2__)
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 a[4], top = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+        for (int c = 0; c < 4; c++) {
+            a[c] = _mm256_loadu_ps(v + 8 * c);
+            top = _mm256_max_ps(_mm256_andnot_ps(sign, a[c]), top);
+            odd = _mm256_or_ps(odd, _mm256_cmp_ps(a[c], a[c], _CMP_UNORD_Q));
+        }
+        __m128 half = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+        half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+        float amax = _mm_cvtss_f32(_mm_max_ss(half, _mm_shuffle_ps(half, half, 1)));
+        amax = _mm256_movemask_ps(odd) ? NAN : amax;
+        int finite = amax <= 3.4028235e38f;
+        __m256 inverse = _mm256_set1_ps(finite && amax > 0.0f ? 127.0f / amax : 0.0f);
+        __m256i q[4], total = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            q[c] = finite ? _mm256_cvtps_epi32(_mm256_mul_ps(a[c], inverse)) : _mm256_setzero_si256();
+            total = _mm256_add_epi32(total, q[c]);
+        }
+        __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)); /* lanes in order */
+        _mm256_storeu_si256((__m256i *)(xq + i * 32), bytes);
+        __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+        sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0x4e));
+        sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, 0xb1));
+        group_scales(amax, _mm_cvtsi128_si32(sum), i, xd, xs);
+#else
         float amax = 0.0f;
         for (int j = 0; j < 32; j++) amax = fabsf(v[j]) > amax || v[j] != v[j] ? fabsf(v[j]) : amax;
         int finite = amax <= 3.4028235e38f;
@@ -58,8 +96,8 @@ static void quantize_rows(const float *x, int64_t rows, int64_t groups, int8_t *
             xq[i * 32 + j] = q;
             total += q;
         }
-        xd[i] = finite ? amax / 127.0f : NAN;
-        xs[i] = xd[i] * (float)total;
+        group_scales(amax, total, i, xd, xs);
+#endif
     }
 }
 
@@ -90,7 +128,6 @@ static void q4_plain(const qjob_t *job, int64_t n0, int64_t count, int64_t g0, i
 }
 
 #if defined(__AVX2__)
-#include <immintrin.h>
 /* Scales i .. i + 7 of an array of the job's scales. */
 static inline __m256 scales8(const qjob_t *job, const void *p, int64_t i) {
     return job->scale32 ? _mm256_loadu_ps((const float *)p + i) : (__m256)half8((const uint16_t *)p + i);
@@ -238,48 +275,75 @@ static int q8_rows(const void *arg, int64_t part) {
     return 0;
 }
 
-/* The quantized activations of x (rows, 32 groups) in one allocation, job's xq, xd and xs pointing into it. */
-static void *quantized_activations(qjob_t *job, const float *x) {
-    int64_t values = job->rows * job->groups;
-    char *space = malloc((size_t)values * (32 + 2 * sizeof(float)));
-    if (!space) return NULL;
-    float *xd = (float *)space, *xs = xd + values;
-    int8_t *xq = (int8_t *)(xs + values);
-    quantize_rows(x, job->rows, job->groups, xq, xd, xs);
-    job->xq = xq;
-    job->xd = xd;
-    job->xs = xs;
-    return space;
+/* Activations as the products read them: xq (rows, 32 G), xd and xs (rows, G), quantized once for every product
+ * of the same x (the native step's q, k and v, or gate and up). */
+typedef struct {
+    int8_t *xq;
+    float *xd, *xs;
+} qact_t;
+
+/* Bytes of a qact_t's three arrays for `values` groups (rows * G), laid out by qact_at. */
+static inline size_t qact_bytes(int64_t values) { return (size_t)values * (32 + 2 * sizeof(float)); }
+
+/* The qact_t whose arrays lie in `space` (qact_bytes of `values` groups, 4-byte aligned). */
+static inline qact_t qact_at(void *space, int64_t values) {
+    float *xd = space, *xs = xd + values;
+    return (qact_t){(int8_t *)(xs + values), xd, xs};
 }
 
-/* out (rows, n) = x (rows, 32 groups) times the int4 weight (its activations quantized first). */
-int q4_linear(const uint8_t *packed, const void *scale, const void *offset, const float *x, float *out, int64_t rows,
-              int64_t n, int64_t groups, int64_t scale32, int64_t threads) {
+/* x (rows, 32 groups) quantized into act. */
+static void quantize_into(const qact_t *act, const float *x, int64_t rows, int64_t groups) {
+    quantize_rows(x, rows, groups, act->xq, act->xd, act->xs);
+}
+
+/* out (rows, n) = the quantized activations act (rows, 32 groups) times the int4 weight. */
+static int q4_product(const uint8_t *packed, const void *scale, const void *offset, const qact_t *act, float *out,
+                      int64_t rows, int64_t n, int64_t groups, int64_t scale32, int64_t threads) {
     int64_t parts = threads < 1 ? 1 : threads > groups ? groups : threads, size = groups * 16 * n;
     if (parts > 1 + size / Q4_PART) parts = 1 + size / Q4_PART; /* a small weight: a second thread costs more */
     int64_t span = n > Q4_SPAN ? Q4_SPAN : (n + Q4_CHUNK - 1) / Q4_CHUNK * Q4_CHUNK, tiles = (n + span - 1) / span;
     /* each thread sums its own range of groups over every output: a contiguous part of the packed weight, read as
      * one stream (split by outputs, each thread read every other piece of each row, at about half the rate) */
     float *partial = parts > 1 ? malloc((size_t)((parts - 1) * rows * n) * sizeof(float)) : NULL;
-    qjob_t job = {packed, scale, offset, NULL, NULL, NULL, out, rows, n, groups, span, 32, scale32, parts, partial};
-    void *space = parts > 1 && !partial ? NULL : quantized_activations(&job, x);
-    if (!space) return free(partial), -1;
+    if (parts > 1 && !partial) return -1;
+    qjob_t job = {packed, scale, offset, act->xq, act->xd, act->xs, out, rows, n, groups, span, 32, scale32, parts,
+                  partial};
     int status = parallel(q4_tile, &job, parts * tiles, parts, 0);
     for (int64_t p = 1; p < parts; p++)
         for (int64_t i = 0; i < rows * n; i++) out[i] += partial[(p - 1) * rows * n + i];
-    free(space);
     free(partial);
+    return status;
+}
+
+/* out (rows, n) = the quantized activations act (rows, 32 groups) times the int8 weight. */
+static int q8_product(const int8_t *q, const void *scale, const qact_t *act, float *out, int64_t rows, int64_t n,
+                      int64_t groups, int64_t block, int64_t scale32, int64_t threads) {
+    qjob_t job = {(const uint8_t *)q, scale, NULL, act->xq, act->xd, act->xs, out, rows, n, groups, 0, block, scale32,
+                  1, NULL};
+    int64_t parts = (n + Q8_ROWS - 1) / Q8_ROWS;
+    return parallel(q8_rows, &job, parts, threads < parts ? threads : parts, 0);
+}
+
+/* out (rows, n) = x (rows, 32 groups) times the int4 weight (its activations quantized first). */
+int q4_linear(const uint8_t *packed, const void *scale, const void *offset, const float *x, float *out, int64_t rows,
+              int64_t n, int64_t groups, int64_t scale32, int64_t threads) {
+    void *space = malloc(qact_bytes(rows * groups));
+    if (!space) return -1;
+    qact_t act = qact_at(space, rows * groups);
+    quantize_into(&act, x, rows, groups);
+    int status = q4_product(packed, scale, offset, &act, out, rows, n, groups, scale32, threads);
+    free(space);
     return status;
 }
 
 /* out (rows, n) = x (rows, 32 groups) times the int8 weight (its activations quantized first). */
 int q8_linear(const int8_t *q, const void *scale, const float *x, float *out, int64_t rows, int64_t n, int64_t groups,
               int64_t block, int64_t scale32, int64_t threads) {
-    qjob_t job = {(const uint8_t *)q, scale, NULL, NULL, NULL, NULL, out, rows, n, groups, 0, block, scale32, 1, NULL};
-    void *space = quantized_activations(&job, x);
+    void *space = malloc(qact_bytes(rows * groups));
     if (!space) return -1;
-    int64_t parts = (n + Q8_ROWS - 1) / Q8_ROWS;
-    int status = parallel(q8_rows, &job, parts, threads < parts ? threads : parts, 0);
+    qact_t act = qact_at(space, rows * groups);
+    quantize_into(&act, x, rows, groups);
+    int status = q8_product(q, scale, &act, out, rows, n, groups, block, scale32, threads);
     free(space);
     return status;
 }
