@@ -85,9 +85,8 @@ def test_huge_page_buffer_starts_on_a_page_and_is_writable():
 
 
 def test_load_model_gathers_a_cpu_model_unless_switched_off(tiny_model_dir, monkeypatch):
-    from sparsedecode.models.catalog import load_model
-
     from sparsedecode.experiments.environment import environment
+    from sparsedecode.models.catalog import load_model
 
     model, _ = load_model(str(tiny_model_dir))
     assert len({_storage_start(p) for p in model.parameters()}) == 1
@@ -96,3 +95,18 @@ def test_load_model_gathers_a_cpu_model_unless_switched_off(tiny_model_dir, monk
     model, _ = load_model(str(tiny_model_dir))
     assert len({_storage_start(p) for p in model.parameters()}) > 1
     assert not environment(model)["weights_gathered"]
+
+
+def test_without_memory_for_the_copy_or_a_posix_mapping_the_weights_stay_or_use_torchs_memory(monkeypatch):
+    model = tiny_model("llama")
+    starts = [p.data_ptr() for p in model.parameters()]
+
+    def no_room(nbytes):
+        raise MemoryError
+
+    monkeypatch.setattr(arena, "huge_page_buffer", no_room)
+    assert arena.gather_weights(model) == 0 and [p.data_ptr() for p in model.parameters()] == starts
+    monkeypatch.undo()
+    monkeypatch.delattr(arena.mmap, "MAP_ANONYMOUS")  # as on Windows
+    buffer = arena.huge_page_buffer(1000)
+    assert buffer.numel() == 1000 and buffer.dtype == torch.uint8

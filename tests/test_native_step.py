@@ -237,3 +237,29 @@ def test_what_it_reads_is_checked_before_decoding_and_followed_within_an_install
             got = native.step(native.prefill(ids).argmax(-1))
             _, expected, _ = _run(reference, cfg, ids, "aot_eager", steps=1)
             assert float((got - expected[0]).abs().max()) <= logits_tolerance(got, model, positions=512)
+
+
+def test_the_embedding_is_read_in_the_c_call_as_the_model_holds_it():
+    """The tokens' embedding rows are copied in the C call: an embedding table replaced within an install is read,
+    a max_norm set on it (renormalised lookups) is refused at the next step, and a token id outside the table is
+    an IndexError, as torch's lookup raises, with nothing decoded."""
+    cfg = SparseConfig(**SMALL_CFG)
+    model, reference = tiny_model("llama"), tiny_model("llama")
+    ids = _prompt(1, 300)
+    native = CompiledDecoder(model, cfg, batch=1, max_len=512, backend=NATIVE)
+    vocab = model.model.embed_tokens.num_embeddings
+    with native.installed():
+        native.step(native.prefill(ids).argmax(-1))
+        table = torch.randn(vocab, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
+        for m in (model, reference):
+            m.model.embed_tokens.weight.data = table.clone()
+        got = native.step(native.prefill(ids).argmax(-1))
+        _, expected, _ = _run(reference, cfg, ids, "aot_eager", steps=1)
+        assert float((got - expected[0]).abs().max()) <= logits_tolerance(got, model, positions=512)
+        position = native.position
+        with pytest.raises(IndexError, match="outside the embedding table"):
+            native.step(torch.tensor([vocab]))
+        assert native.position == position
+        model.model.embed_tokens.max_norm = 1.0
+        with pytest.raises(SparseDecodeError, match="max_norm"):
+            native.step(torch.tensor([3]))

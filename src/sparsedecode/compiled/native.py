@@ -65,8 +65,9 @@ class NativeStep:
         self.decoder = decoder
         self.tables = None
         self.prepared: dict[int, tuple] = {}  # per layer: (what it addresses, its Prepared call)
-        self.watched: list[tuple] = []  # (container, name, object): what the tables read, as its owner holds it
-        self.addresses: tuple[list, list] = ([], [])  # the tensors the tables address, and their addresses
+        self.watched: list[tuple] = []  # (container, name, object): the modules and numbers the tables read
+        self.tensors: list[tuple] = []  # (container, name, address): the tensors they address, as owners hold them
+        self.kept: list[torch.Tensor] = []  # those tensors, alive while addressed (no other can take an address)
         self.checked = False  # the model checked since the last install
         capacity = min((getattr(layer, "max_cache_len", None) or decoder.max_len for layer in decoder.cache.layers),
                        default=decoder.max_len)  # fmt: skip
@@ -82,11 +83,13 @@ class NativeStep:
 
     def _address(self, module: torch.nn.Module, name: str) -> int:
         """The address of ``module``'s tensor ``name`` (a parameter or a buffer), watched from now on."""
-        container = module._parameters if name in module._parameters else module._buffers
+        return self._watch_tensor(module._parameters if name in module._parameters else module._buffers, name)
+
+    def _watch_tensor(self, container: dict, name: str) -> int:
+        """The address of the tensor ``container[name]``, watched from now on."""
         tensor = container[name]
-        self.watched.append((container, name, tensor))
-        self.addresses[0].append(tensor)
-        self.addresses[1].append(tensor.data_ptr())
+        self.tensors.append((container, name, tensor.data_ptr()))
+        self.kept.append(tensor)
         return tensor.data_ptr()
 
     def _watch_modules(self, model) -> None:
@@ -106,23 +109,30 @@ class NativeStep:
         return [*((m, "variance_epsilon") for m in norms), (layer.self_attn, "scaling")]
 
     def _moved(self) -> bool:
-        """Whether a module or tensor the tables address was replaced, or a tensor's storage swapped."""
-        containers, names, items = self.columns  # C-level loops over SmolLM2's 1,200 entries
+        """Whether a module or number the tables read was replaced, or a tensor they address replaced or its storage
+        swapped (the tensor its owner holds now lies elsewhere: the tensors addressed are kept alive, so no other
+        can take their addresses)."""
+        containers, names, items = self.columns  # C-level loops: SmolLM2's 480 modules and numbers, 750 tensors
         if not all(map(operator.is_, map(dict.get, containers, names), items)):
             return True
-        tensors, addresses = self.addresses
-        return list(map(torch.Tensor.data_ptr, tensors)) != addresses
+        holders, keys, addresses = self.tensor_columns
+        try:
+            return list(map(torch.Tensor.data_ptr, map(dict.get, holders, keys))) != addresses
+        except TypeError:  # a tensor removed, or replaced by something else
+            return True
 
     def _build(self):
         decoder, model = self.decoder, self.decoder.model
-        self.watched, self.addresses = [], ([], [])
+        self.watched, self.tensors, self.kept = [], [], []
         self._watch_modules(model)
         heads, kv, d, layers = attention_shape(model.config)
         batch, inner, text = decoder.batch, model.model, model.config.get_text_config(decoder=True)
         norm, scale = inner.norm, float(inner.layers[0].self_attn.scaling)
         fields = [layers, batch, text.hidden_size, heads, kv, d, text.intermediate_size, kernel.float_bits(scale)]
         fields += [self._address(norm, "weight"), kernel.float_bits(norm.variance_epsilon)]
-        self.watched.append((vars(norm), "variance_epsilon", norm.variance_epsilon))
+        embed = inner.embed_tokens
+        fields += [self._address(embed, "weight"), embed.num_embeddings]
+        self.watched += [(vars(norm), "variance_epsilon", norm.variance_epsilon), (vars(embed), "max_norm", None)]
         fields += _linear_fields(model.lm_head, self._address)
         table = torch.tensor(fields, dtype=torch.int64)
         rows = [self._layer_fields(i, layer, heads, kv, d) for i, layer in enumerate(inner.layers)]
@@ -131,6 +141,7 @@ class NativeStep:
         logits = torch.empty(batch, model.lm_head.out_features, dtype=torch.float32)
         self.tables = (table, layer_table, work, logits, torch.zeros(2, batch, d), torch.zeros(1, dtype=torch.int64))
         self.columns = tuple(map(list, zip(*self.watched)))
+        self.tensor_columns = tuple(map(list, zip(*self.tensors)))
 
     def _query(self, heads: int, d: int) -> torch.Tensor:
         """The work buffer's query part, as the prepared calls address it (its offsets are the C call's)."""
@@ -150,9 +161,8 @@ class NativeStep:
                 raise SparseDecodeError(
                     f"the native decode step: the cache holds {t.shape[2]} positions, fewer than {decoder.max_len}"
                 )
-        self.watched += [(vars(cache_layer), "keys", keys), (vars(cache_layer), "values", values)]
-        self.addresses[0].extend((keys, values))
-        self.addresses[1].extend((keys.data_ptr(), values.data_ptr()))
+        self._watch_tensor(vars(cache_layer), "keys")
+        self._watch_tensor(vars(cache_layer), "values")
         norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
         self.watched += [(vars(m), name, getattr(m, name)) for m, name in self._numbers(layer)]
         out = [self._address(norm1, "weight"), kernel.float_bits(norm1.variance_epsilon)]
@@ -203,16 +213,15 @@ class NativeStep:
         table, layer_table, work, logits, rope, stopped = self.tables
         decoder, inner = self.decoder, self.decoder.model.model
         batch, n = decoder.batch, int(position_ids.reshape(-1)[-1]) + 1
-        x = inner.embed_tokens(input_ids.reshape(batch, 1)).reshape(batch, -1)
-        work[: x.numel()].copy_(x.reshape(-1))
-        cos, sin = inner.rotary_emb(x, position_ids.reshape(batch, 1))
+        tokens = input_ids.reshape(batch).to(torch.int64).contiguous()  # the C call reads their embeddings
+        cos, sin = inner.rotary_emb(work, position_ids.reshape(batch, 1))  # its x: float32 on the CPU
         rope[0].copy_(cos.reshape(batch, -1))
         rope[1].copy_(sin.reshape(batch, -1))
         first = resumed = 0
         while True:
             status = kernel.step(
-                table.data_ptr(), layer_table.data_ptr(), work.data_ptr(), rope[0].data_ptr(), rope[1].data_ptr(), n,
-                first, resumed, torch.get_num_threads(), logits.data_ptr(), stopped.data_ptr(),
+                table.data_ptr(), layer_table.data_ptr(), tokens.data_ptr(), work.data_ptr(), rope[0].data_ptr(),
+                rope[1].data_ptr(), n, first, resumed, torch.get_num_threads(), logits.data_ptr(), stopped.data_ptr(),
             )  # fmt: skip
             if status != NEEDS_STATISTICS:
                 return logits.clone()

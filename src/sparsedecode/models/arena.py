@@ -46,9 +46,13 @@ def transparent_huge_pages() -> str | None:
 
 def huge_page_buffer(nbytes: int) -> torch.Tensor:
     """``nbytes`` uint8 of fresh anonymous memory starting on a 2 MB boundary, advised for huge pages where the
-    platform has the advice (untouched until written, so the first writes fault huge pages in)."""
+    platform has the advice (untouched until written, so the first writes fault huge pages in); torch's own memory
+    where there is no anonymous mapping."""
     size = -(-max(nbytes, 1) // PAGE) * PAGE + PAGE  # one page more: the start is rounded up to a boundary
-    memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    private, anonymous = getattr(mmap, "MAP_PRIVATE", None), getattr(mmap, "MAP_ANONYMOUS", None)
+    if private is None or anonymous is None:  # not a POSIX mapping: torch's own memory, no advice
+        return torch.empty(nbytes, dtype=torch.uint8)
+    memory = mmap.mmap(-1, size, flags=private | anonymous)
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is not None:
         try:
@@ -71,7 +75,8 @@ def _movable(tensor: torch.Tensor, sharing: dict[int, int]) -> bool:
 
 def gather_weights(model: torch.nn.Module) -> int:
     """Copy ``model``'s parameters and buffers into one huge-page buffer in module order (module docstring); returns
-    the bytes moved (0: nothing to move), also kept as ``model.sparsedecode_gathered`` (result files record it)."""
+    the bytes moved (0: nothing to move, or no memory for the copy), also kept as ``model.sparsedecode_gathered``
+    (result files record it)."""
     seen: dict[int, torch.Tensor] = {}
     places: list[tuple[torch.nn.Module, str, bool]] = []  # (module, name, is a parameter), every registration
     for module in model.modules():
@@ -92,7 +97,10 @@ def gather_weights(model: torch.nn.Module) -> int:
         total += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
     if not movable:
         return 0
-    buffer = huge_page_buffer(total)
+    try:
+        buffer = huge_page_buffer(total)
+    except (OSError, MemoryError):  # no room for a second copy now: the weights stay where they are
+        return 0
     copies: dict[int, torch.Tensor] = {}
     with torch.no_grad():
         for tensor, offset in zip(movable, offsets):

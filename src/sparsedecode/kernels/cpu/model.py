@@ -19,13 +19,15 @@ LAYER_FIELDS = (
     "means",
 )  # fmt: skip
 """A layer's fields, then its :data:`LINEARS` of :data:`LINEAR_FIELDS` each."""
-MODEL_FIELDS = ("layers", "batch", "hidden", "heads", "kv", "d", "inter", "scale", "norm", "eps")
+MODEL_FIELDS = ("layers", "batch", "hidden", "heads", "kv", "d", "inter", "scale", "norm", "eps", "embed", "vocab")
 """The model's fields, then the vocabulary projection's :data:`LINEAR_FIELDS`."""
 KINDS = {"float32": 0, "int4": 4, "int8": 8}
 """A linear layer's ``kind`` field by its weight format."""
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-_STEP_ARGS = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr]
+_STEP_ARGS = [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr]
+BAD_TOKEN = 4
+"""``model_step``'s status for a token id outside the embedding table."""
 
 
 def float_bits(value: float) -> int:
@@ -49,13 +51,15 @@ def work_floats(model_table: int) -> int:
     return int(function(model_table))
 
 
-def step(model_table: int, layer_table: int, work: int, cos: int, sin: int, n: int, first: int, resumed: int,
-         threads: int, logits: int, stopped: int) -> int:  # fmt: skip
+def step(model_table: int, layer_table: int, tokens: int, work: int, cos: int, sin: int, n: int, first: int,
+         resumed: int, threads: int, logits: int, stopped: int) -> int:  # fmt: skip
     """``model_step`` (addresses as integers): 0, or :data:`NEEDS_STATISTICS` (the layer written at ``stopped``);
-    any other status raised."""
+    any other status raised (:data:`BAD_TOKEN` as torch's embedding raises it)."""
     status = c_function("model_step", _STEP_ARGS)(
-        model_table, layer_table, work, cos, sin, n, first, resumed, threads, logits, stopped
+        model_table, layer_table, tokens, work, cos, sin, n, first, resumed, threads, logits, stopped
     )
+    if status == BAD_TOKEN:
+        raise IndexError("the native decode step: a token id outside the embedding table")
     if status != NEEDS_STATISTICS:
         check_status(status)
     return status

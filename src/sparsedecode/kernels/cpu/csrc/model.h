@@ -3,7 +3,8 @@
  * serves): no graph, no guards, no operator dispatch between the products, which is what the compiled step spends
  * beside them at a small model's decode step on a CPU.
  *
- * Per layer, for every row (batch rows of equal length, the current token at position n - 1):
+ * Per layer, for every row (batch rows of equal length, the current token at position n - 1; x its embedding at
+ * the first layer):
  *   h = rms_norm(x) * w1;  q, k, v = h Wq (+ b), h Wk (+ b), h Wv (+ b);  RoPE on q and k (cos, sin given per row);
  *   k, v written into the layer's cache at n - 1;  a = attention(q, cache[0, n));  x += a Wo (+ b);
  *   h = rms_norm(x) * w2;  x += (silu(h Wgate) * (h Wup)) Wdown
@@ -29,7 +30,11 @@ enum {
     L_VALUE_SN, L_SPARSE, L_TABLE, L_WINDOW, L_BLOCK, L_REUSE, L_EVERY, L_SPLIT, L_COUNT, L_STEP, L_LAST, L_TALLY,
     L_SUPPORT, L_MEANS, L_LINEAR, L_FIELDS = L_LINEAR + LINEARS * LIN_FIELDS
 };
-enum { M_LAYERS, M_BATCH, M_HIDDEN, M_HEADS, M_KV, M_D, M_INTER, M_SCALE, M_NORM, M_EPS, M_HEAD, M_FIELDS = M_HEAD + LIN_FIELDS };
+enum {
+    M_LAYERS, M_BATCH, M_HIDDEN, M_HEADS, M_KV, M_D, M_INTER, M_SCALE, M_NORM, M_EPS, M_EMBED, M_VOCAB, M_HEAD,
+    M_FIELDS = M_HEAD + LIN_FIELDS
+};
+enum { BAD_TOKEN = 4 }; /* a status: a token id outside the embedding table (nothing written) */
 
 static inline float bits_to_float(int64_t bits) {
     union { uint32_t u; float f; } v = {(uint32_t)bits};
@@ -233,17 +238,25 @@ int64_t model_work_floats(const int64_t *m) {
     return rows * (2 * hidden + wide + 2 * qd + 2 * m[M_KV] * m[M_D] + 2 * inter) + 10 * rows * groups;
 }
 
-/* One decode step at context length n (the current token at n - 1) from layer `first` on, x (the work buffer's
- * first part) holding the token's embeddings at layer 0, or the residual stream at `first` when resumed; logits
- * (rows, vocab). Returns 0, NEEDS_STATISTICS with the layer in *stopped, or another kernel status. */
-int model_step(const int64_t *m, const int64_t *layers, float *work, const float *cos, const float *sin, int64_t n,
-               int64_t first, int64_t resumed, int64_t threads, float *logits, int64_t *stopped) {
+/* One decode step of tokens (rows) at context length n (the current token at n - 1) from layer `first` on: x (the
+ * work buffer's first part) takes the tokens' rows of the embedding table (M_EMBED, M_VOCAB rows of hidden
+ * float32), or holds the residual stream at `first` when resumed; logits (rows, vocab). Returns 0, NEEDS_STATISTICS
+ * with the layer in *stopped, BAD_TOKEN, or another kernel status. */
+int model_step(const int64_t *m, const int64_t *layers, const int64_t *tokens, float *work, const float *cos,
+               const float *sin, int64_t n, int64_t first, int64_t resumed, int64_t threads, float *logits,
+               int64_t *stopped) {
     int64_t rows = m[M_BATCH], hidden = m[M_HIDDEN], inter = m[M_INTER], kv = m[M_KV], d = m[M_D];
     int64_t qd = m[M_HEADS] * d, wide = hidden > inter ? hidden : inter;
     float *x = work, *h = x + rows * hidden, *q = h + rows * wide, *att = q + rows * qd, *k = att + rows * qd;
     float *v = k + rows * kv * d, *gate = v + rows * kv * d, *up = gate + rows * inter, *o = up + rows * inter;
     void *space = o + rows * hidden; /* the quantized activations */
     qact_t act;
+    if (!resumed) {
+        for (int64_t r = 0; r < rows; r++)
+            if (tokens[r] < 0 || tokens[r] >= m[M_VOCAB]) return BAD_TOKEN;
+        const float *table = pointer(m[M_EMBED]);
+        for (int64_t r = 0; r < rows; r++) memcpy(x + r * hidden, table + tokens[r] * hidden, sizeof(float) * hidden);
+    }
     for (int64_t l = first; l < m[M_LAYERS]; l++) {
         const int64_t *f = layers + l * L_FIELDS, *lin = f + L_LINEAR;
         int status = 0, again = resumed && l == first;

@@ -143,11 +143,8 @@ static void q4_chunks(const qjob_t *job, int64_t n0, int chunks, int64_t g0, int
         const int8_t *xq = job->xq + r * job->groups * 32;
         __m256 total[Q4_SPAN / 8];
         __m256i sums[Q4_SPAN / 8], pairs[Q4_SPAN / 16];
-        for (int v = 0; v < 4 * chunks; v++) total[v] = _mm256_setzero_ps();
         for (int64_t g = g0; g < g1; g++) {
-            for (int v = 0; v < 4 * chunks; v++) sums[v] = _mm256_setzero_si256();
             for (int64_t half = 0; half < 16; half += 8) {
-                for (int v = 0; v < 2 * chunks; v++) pairs[v] = _mm256_setzero_si256();
                 for (int64_t j = half; j < half + 8; j++) {
                     uint16_t both = (uint8_t)xq[g * 32 + j] | (uint16_t)((uint8_t)xq[g * 32 + 16 + j] << 8);
                     __m256i x = _mm256_set1_epi16((int16_t)both);
@@ -159,24 +156,26 @@ static void q4_chunks(const qjob_t *job, int64_t n0, int chunks, int64_t g0, int
                         __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
                         __m256i a = _mm256_maddubs_epi16(_mm256_unpacklo_epi8(low, high), x);
                         __m256i b = _mm256_maddubs_epi16(_mm256_unpackhi_epi8(low, high), x);
-                        pairs[2 * c] = _mm256_add_epi16(pairs[2 * c], a);
-                        pairs[2 * c + 1] = _mm256_add_epi16(pairs[2 * c + 1], b);
+                        /* the half's first row starts its sums: no array cleared beforehand */
+                        pairs[2 * c] = j == half ? a : _mm256_add_epi16(pairs[2 * c], a);
+                        pairs[2 * c + 1] = j == half ? b : _mm256_add_epi16(pairs[2 * c + 1], b);
                     }
                 }
                 for (int c = 0; c < chunks; c++) {
                     __m256i a = pairs[2 * c], b = pairs[2 * c + 1];
-                    __m256i *s = sums + 4 * c;
-                    s[0] = _mm256_add_epi32(s[0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(a)));
-                    s[1] = _mm256_add_epi32(s[1], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(b)));
-                    s[2] = _mm256_add_epi32(s[2], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(a, 1)));
-                    s[3] = _mm256_add_epi32(s[3], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(b, 1)));
+                    __m256i wide[4] = {_mm256_cvtepi16_epi32(_mm256_castsi256_si128(a)),
+                                       _mm256_cvtepi16_epi32(_mm256_castsi256_si128(b)),
+                                       _mm256_cvtepi16_epi32(_mm256_extracti128_si256(a, 1)),
+                                       _mm256_cvtepi16_epi32(_mm256_extracti128_si256(b, 1))};
+                    for (int i = 0; i < 4; i++) sums[4 * c + i] = half ? _mm256_add_epi32(sums[4 * c + i], wide[i]) : wide[i];
                 }
             }
             __m256 d = _mm256_set1_ps(job->xd[r * job->groups + g]), s = _mm256_set1_ps(job->xs[r * job->groups + g]);
             for (int v = 0; v < 4 * chunks; v++) {
                 int64_t at = g * n + n0 + 8 * v;
                 __m256 scaled = _mm256_mul_ps(scales8(job, job->scale, at), d);
-                __m256 shifted = _mm256_add_ps(total[v], _mm256_mul_ps(scales8(job, job->offset, at), s));
+                __m256 shifted = _mm256_mul_ps(scales8(job, job->offset, at), s);
+                shifted = g == g0 ? shifted : _mm256_add_ps(total[v], shifted);
                 total[v] = _mm256_add_ps(shifted, _mm256_mul_ps(_mm256_cvtepi32_ps(sums[v]), scaled));
             }
         }
