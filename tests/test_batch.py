@@ -325,6 +325,7 @@ def test_bench_e2e_batch_rows(tiny_model_dir, tmp_path):
     assert main([*args, "--batch", "1,3", "--repeats", "1", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["run"]["started_utc"].endswith("+00:00") and data["run"]["wall_s"] >= 0
+    assert data["machine"]["weights_gathered"] is True  # load_model put the weights on huge pages (models/arena.py)
     rows = data["rows"]
     assert {r["model"] for r in rows} == {tiny_model_dir.name}, "the model's name, not the path it was loaded from"
     assert [(r["batch"], r["mode"], r["support"]) for r in rows] == [

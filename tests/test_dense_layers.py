@@ -151,7 +151,8 @@ def test_sweep_eval_and_bench_e2e_take_dense_layers(tiny_model_dir, tmp_path, ca
     assert ratio in (tmp_path / "e" / "report.md").read_text()
     e2e = ["bench", "e2e", *model, "--context", "300", "--support", "97", "--tokens", "4", "--repeats", "1"]
     assert main([*e2e, "--dense-layers", "0", "--json", str(tmp_path / "b.json")]) == 0, capsys.readouterr().err
-    assert json.loads((tmp_path / "b.json").read_text())["dense_layers"] == [0]
+    written = json.loads((tmp_path / "b.json").read_text())
+    assert written["dense_layers"] == [0] and written["machine"]["weights_gathered"] is True
 
 
 def test_folders_written_before_the_published_methods_keep_their_variants():

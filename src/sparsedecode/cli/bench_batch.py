@@ -28,7 +28,8 @@ def bench_e2e_batch(args, clock: dict) -> int:
     rows = over_best_dense(rows)  # over both dtypes' dense rows where --dense-dtype added some
     _print_batches(args, rows)
     if args.json:
-        write_result(args.json, clock, selector=selector_record(args.selector), rows=[asdict(r) for r in rows])
+        selector = selector_record(args.selector)
+        write_result(args.json, clock, model=model, selector=selector, rows=[asdict(r) for r in rows])
     return 0
 
 

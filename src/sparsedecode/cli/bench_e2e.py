@@ -153,7 +153,7 @@ def cmd_bench_e2e(args) -> int:
     if args.json:
         layers = {name: plain_layers(value) for name, value in layer_budget(args).items() if value}
         selector = selector_record(args.selector)
-        write_result(args.json, clock, selector=selector, **layers, rows=[asdict(r) for r in rows])
+        write_result(args.json, clock, model=model, selector=selector, **layers, rows=[asdict(r) for r in rows])
     return 0
 
 

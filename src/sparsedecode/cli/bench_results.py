@@ -33,10 +33,10 @@ def selector_record(spec: str) -> dict:
     return resolve_selector(spec).record()
 
 
-def write_result(path, clock: dict, **fields) -> None:
-    """Write a bench result file: the machine, the run itself (when it started and how long the whole command took,
-    model loading and prefills included; the rows' timings are medians of what is measured, not this), then
-    ``fields``."""
+def write_result(path, clock: dict, *, model=None, **fields) -> None:
+    """Write a bench result file: the machine (with ``model``: where its weights lie too), the run itself (when it
+    started and how long the whole command took, model loading and prefills included; the rows' timings are
+    medians of what is measured, not this), then ``fields``."""
     run = {"started_utc": clock["started_utc"], "wall_s": round(time.monotonic() - clock["t0"], 1)}
-    write_json(path, {"machine": environment(), "run": run, **fields})
+    write_json(path, {"machine": environment(model), "run": run, **fields})
     console.print(f"wrote {path}")

@@ -8,11 +8,11 @@ from .parser import layer_budget
 __all__ = ["conditions", "environment", "plain_layers", "run_settings"]
 
 
-def environment() -> dict:
-    """Where numbers were measured: library versions, device, threads."""
+def environment(model=None) -> dict:
+    """Where numbers were measured: library versions, device, threads (with ``model``: where its weights lie)."""
     from ..experiments.environment import environment as measured_environment
 
-    return measured_environment()
+    return measured_environment(model)
 
 
 def plain_layers(value):
