@@ -263,3 +263,50 @@ def test_the_embedding_is_read_in_the_c_call_as_the_model_holds_it():
         model.model.embed_tokens.max_norm = 1.0
         with pytest.raises(SparseDecodeError, match="max_norm"):
             native.step(torch.tensor([3]))
+
+
+def test_rope_comes_from_the_models_rotary_module_by_table_or_per_step():
+    """A RoPE that depends on the position alone is read from a table the model's rotary module made for every
+    position (equal to its per-step output; rebuilt when inv_freq is edited in place within an install); a dynamic
+    one is the module's own at each step: both decode as the static step does."""
+    from sparsedecode.compiled.native import STATIC_ROPE
+
+    cfg = SparseConfig(**SMALL_CFG)
+    model = tiny_model("llama")
+    native = CompiledDecoder(model, cfg, batch=1, max_len=512, backend=NATIVE)
+    ids = _prompt(1, 300)
+    with native.installed():
+        native.step(native.prefill(ids).argmax(-1))
+        step = native._compiled
+        rotary = model.model.rotary_emb
+        assert rotary.rope_type in STATIC_ROPE and step.rope_table is not None
+        positions = torch.arange(512).reshape(1, -1)
+        for got, expected in zip(step.rope_table, rotary(torch.zeros(1), positions)):
+            assert torch.equal(got, expected[0])
+        reference = tiny_model("llama")
+        for m in (model, reference):
+            m.model.rotary_emb.inv_freq.mul_(0.5)  # in place: the same tensor, a new version
+        got = native.step(native.prefill(ids).argmax(-1))
+        _, expected, _ = _run(reference, cfg, ids, "aot_eager", steps=1)
+        assert float((got - expected[0]).abs().max()) <= logits_tolerance(got, model, positions=512)
+    dynamic = dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    reference = _run(_model("llama", "float32", max_position_embeddings=256, **dynamic), cfg, ids, "aot_eager", 8)
+    model = _model("llama", "float32", max_position_embeddings=256, **dynamic)  # its rotary module keeps a state
+    _assert_same(reference, _run(model, cfg, ids, NATIVE, steps=8), model, "float32")
+    assert int(model.model.rotary_emb.max_seq_len_cached) == 308  # called at each step, not for a table of 512
+
+
+def test_a_hook_added_between_installs_is_refused_at_the_next_install():
+    model = tiny_model("llama")
+    decoder = CompiledDecoder(model, SparseConfig(**SMALL_CFG), batch=1, max_len=512, backend=NATIVE)
+    with decoder.installed():
+        decoder.prefill(_prompt(1, 200))
+    attention = model.config._attn_implementation
+    handle = model.model.layers[0].mlp.register_forward_hook(lambda module, args, out: out)
+    with pytest.raises(SparseDecodeError, match="hook"):
+        with decoder.installed():
+            pass
+    assert model.config._attn_implementation == attention  # the install undone
+    handle.remove()
+    with decoder.installed():
+        decoder.step(torch.tensor([3]))

@@ -256,10 +256,10 @@ class CompiledDecoder:
             linear.forward = forward  # the same object at every install: the compiled step's guards hold
         if self._warm and self._fingerprint is not None and self._fingerprinted() != self._fingerprint:
             self._compiled = self._compile()  # the model changed since the step was compiled: what guards saw
-        if self.backend == NATIVE:
-            self._compiled.forget()  # its tables address the modules as they are now
         self._installs += 1
         try:
+            if self.backend == NATIVE:
+                self._compiled.installed()  # the model checked as it is now, as the compiled step's guards are
             yield self
         finally:
             self._installs -= 1

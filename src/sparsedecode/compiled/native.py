@@ -32,7 +32,11 @@ from ..models.catalog import attention_shape
 from .native_check import NATIVE, check, selector_refusal
 from .prepared import Prepared
 
-__all__ = ["NATIVE", "NativeStep", "check"]
+__all__ = ["NATIVE", "STATIC_ROPE", "NativeStep", "check"]
+
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+"""RoPE types whose cos and sin at a position do not depend on the sequence's length (``dynamic`` and ``longrope``
+change their frequencies past a length): the native step reads them from a table of every position."""
 
 
 def _linear_fields(module, address) -> list[int]:
@@ -55,20 +59,21 @@ def _linear_fields(module, address) -> list[int]:
 class NativeStep:
     """The decoder's step as one C call (see the module): ``step(input_ids (batch, 1), position_ids (batch, 1))`` ->
     logits ``(batch, vocab)`` float32, as the compiled step's. Its tables hold the addresses of the weights, the
-    cache and the state; they are built at the first call after each :meth:`forget` (the decoder's every install),
-    and again at any call that finds a module, tensor or number they address replaced (each step compares them:
-    about 0.2 ms on SmolLM2), the tensors kept alive meanwhile."""
+    cache and the state; they are built at the first call, and again at any call that finds a module, tensor or
+    number they address replaced (each step compares them: about 0.5 ms on SmolLM2 with its caches cold), the
+    tensors kept alive meanwhile. RoPE's cos and sin come from the model's rotary module: for every position of the
+    cache at once where they depend on the position alone (:data:`STATIC_ROPE`), rebuilt when its ``inv_freq`` is
+    replaced or edited; else at each step."""
 
     def __init__(self, decoder):
         check(decoder.model, decoder.cfg, decoder.device, decoder.max_len)
         kernel.check_layout()
         self.decoder = decoder
-        self.tables = None
+        self.tables = self.rope_table = None
         self.prepared: dict[int, tuple] = {}  # per layer: (what it addresses, its Prepared call)
         self.watched: list[tuple] = []  # (container, name, object): the modules and numbers the tables read
         self.tensors: list[tuple] = []  # (container, name, address): the tensors they address, as owners hold them
         self.kept: list[torch.Tensor] = []  # those tensors, alive while addressed (no other can take an address)
-        self.checked = False  # the model checked since the last install
         capacity = min((getattr(layer, "max_cache_len", None) or decoder.max_len for layer in decoder.cache.layers),
                        default=decoder.max_len)  # fmt: skip
         if capacity < decoder.max_len:
@@ -76,10 +81,11 @@ class NativeStep:
                 f"the native decode step: the cache holds {capacity} positions, fewer than its {decoder.max_len}"
             )
 
-    def forget(self) -> None:
-        """Check the model again at the next call (a hook or a class's forward may have changed since), and build the
-        tables afresh where what they address moved."""
-        self.checked = False
+    def installed(self) -> None:
+        """At each install of the decoder: the model checked again (a hook or a class's forward may have changed
+        since; the compiled step's guards are checked at each install too); the tables are built afresh at the next
+        call where what they address moved."""
+        check(self.decoder.model, None, self.decoder.device)
 
     def _address(self, module: torch.nn.Module, name: str) -> int:
         """The address of ``module``'s tensor ``name`` (a parameter or a buffer), watched from now on."""
@@ -96,6 +102,7 @@ class NativeStep:
         """Every module the tables read, as its parent holds it (a module replaced there is seen)."""
         inner = model.model
         parents = [(model, "model"), (model, "lm_head"), (inner, "norm"), (inner, "embed_tokens")]
+        parents.append((inner, "rotary_emb"))
         for i, layer in enumerate(inner.layers):
             parents += [(inner.layers, str(i)), (layer, "self_attn"), (layer, "mlp"), (layer, "input_layernorm")]
             parents += [(layer, "post_attention_layernorm"), *((layer.self_attn, n) for n in kernel.LINEARS[:4])]
@@ -117,9 +124,11 @@ class NativeStep:
             return True
         holders, keys, addresses = self.tensor_columns
         try:
-            return list(map(torch.Tensor.data_ptr, map(dict.get, holders, keys))) != addresses
+            if list(map(torch.Tensor.data_ptr, map(dict.get, holders, keys))) != addresses:
+                return True
         except TypeError:  # a tensor removed, or replaced by something else
             return True
+        return self.rope_table is not None and self.rope_version[0]._version != self.rope_version[1]
 
     def _build(self):
         decoder, model = self.decoder, self.decoder.model
@@ -140,8 +149,20 @@ class NativeStep:
         work = torch.zeros(kernel.work_floats(table.data_ptr()), dtype=torch.float32)
         logits = torch.empty(batch, model.lm_head.out_features, dtype=torch.float32)
         self.tables = (table, layer_table, work, logits, torch.zeros(2, batch, d), torch.zeros(1, dtype=torch.int64))
+        self.rope_table = self._rope_table(inner.rotary_emb, work)
         self.columns = tuple(map(list, zip(*self.watched)))
         self.tensor_columns = tuple(map(list, zip(*self.tensors)))
+
+    def _rope_table(self, rotary, work: torch.Tensor) -> tuple | None:
+        """cos and sin ``(max_len, d)`` of every position as ``rotary`` gives them, where they depend on the position
+        alone (its ``inv_freq`` and numbers watched; its edits in place seen by their version); else None."""
+        if getattr(rotary, "rope_type", None) not in STATIC_ROPE or "inv_freq" not in rotary._buffers:
+            return None
+        self._address(rotary, "inv_freq")
+        self.watched += [(vars(rotary), name, getattr(rotary, name)) for name in ("rope_type", "attention_scaling")]
+        self.rope_version = (rotary.inv_freq, rotary.inv_freq._version)
+        cos, sin = rotary(work, torch.arange(self.decoder.max_len).reshape(1, -1))
+        return cos.reshape(self.decoder.max_len, -1).contiguous(), sin.reshape(self.decoder.max_len, -1).contiguous()
 
     def _query(self, heads: int, d: int) -> torch.Tensor:
         """The work buffer's query part, as the prepared calls address it (its offsets are the C call's)."""
@@ -203,9 +224,6 @@ class NativeStep:
         return [1, table, cfg.window, cfg.block_size, reuse, every, split, *pointers, support, means]
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        if not self.checked:  # once per install: hooks, classes' forwards, the tensors' kinds
-            check(self.decoder.model, None, self.decoder.device)
-            self.checked = True
         if self.tables is None or self._moved():
             if self.tables is not None:
                 check(self.decoder.model, None, self.decoder.device)  # what replaced them is checked too
@@ -214,9 +232,14 @@ class NativeStep:
         decoder, inner = self.decoder, self.decoder.model.model
         batch, n = decoder.batch, int(position_ids.reshape(-1)[-1]) + 1
         tokens = input_ids.reshape(batch).to(torch.int64).contiguous()  # the C call reads their embeddings
-        cos, sin = inner.rotary_emb(work, position_ids.reshape(batch, 1))  # its x: float32 on the CPU
-        rope[0].copy_(cos.reshape(batch, -1))
-        rope[1].copy_(sin.reshape(batch, -1))
+        if self.rope_table is not None:
+            positions = position_ids.reshape(batch)
+            torch.index_select(self.rope_table[0], 0, positions, out=rope[0])
+            torch.index_select(self.rope_table[1], 0, positions, out=rope[1])
+        else:
+            cos, sin = inner.rotary_emb(work, position_ids.reshape(batch, 1))  # its x: float32 on the CPU
+            rope[0].copy_(cos.reshape(batch, -1))
+            rope[1].copy_(sin.reshape(batch, -1))
         first = resumed = 0
         while True:
             status = kernel.step(

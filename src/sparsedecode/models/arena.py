@@ -73,48 +73,49 @@ def _movable(tensor: torch.Tensor, sharing: dict[int, int]) -> bool:
     return storage.nbytes() == tensor.numel() * tensor.element_size() and sharing[storage.data_ptr()] == 1
 
 
-def gather_weights(model: torch.nn.Module) -> int:
-    """Copy ``model``'s parameters and buffers into one huge-page buffer in module order (module docstring); returns
-    the bytes moved (0: nothing to move, or no memory for the copy), also kept as ``model.sparsedecode_gathered``
-    (result files record it)."""
-    seen: dict[int, torch.Tensor] = {}
-    places: list[tuple[torch.nn.Module, str, bool]] = []  # (module, name, is a parameter), every registration
+def _registrations(model: torch.nn.Module) -> dict[int, tuple[torch.Tensor, list]]:
+    """Every distinct parameter and buffer of ``model`` by its id, in module order: the tensor and where it is
+    registered, ``[(module, name, is a parameter), ...]``."""
+    found: dict[int, tuple[torch.Tensor, list]] = {}
     for module in model.modules():
         for is_parameter, tensors in ((True, module._parameters), (False, module._buffers)):
             for name, tensor in tensors.items():
                 if tensor is not None:
-                    seen.setdefault(id(tensor), tensor)
-                    places.append((module, name, is_parameter))
+                    found.setdefault(id(tensor), (tensor, []))[1].append((module, name, is_parameter))
+    return found
+
+
+def gather_weights(model: torch.nn.Module) -> int:
+    """Copy ``model``'s parameters and buffers into one huge-page buffer in module order (module docstring); returns
+    the bytes moved (0: nothing to move, or no memory for the copy), also kept as ``model.sparsedecode_gathered``
+    (result files record it). Each tensor is replaced as soon as it is copied, so its old memory is freed as the
+    copy goes (where nothing else holds it): the peak is about one copy of the weights, not two."""
+    found = _registrations(model)
     sharing: dict[int, int] = {}
-    for tensor in seen.values():
+    for tensor, _ in found.values():
         if tensor.device.type == "cpu" and tensor.layout == torch.strided and tensor.numel():
             pointer = tensor.untyped_storage().data_ptr()
             sharing[pointer] = sharing.get(pointer, 0) + 1
-    movable = [t for t in seen.values() if t.numel() and _movable(t, sharing)]
-    offsets, total = [], 0
-    for tensor in movable:
-        offsets.append(total)
-        total += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
+    movable = [key for key, (t, _) in found.items() if t.numel() and _movable(t, sharing)]
+    total = sum(-(-found[key][0].nbytes // ALIGN) * ALIGN for key in movable)
     if not movable:
         return 0
     try:
         buffer = huge_page_buffer(total)
-    except (OSError, MemoryError):  # no room for a second copy now: the weights stay where they are
+    except (OSError, MemoryError):  # no room for the copy now: the weights stay where they are
         return 0
-    copies: dict[int, torch.Tensor] = {}
+    offset = 0
     with torch.no_grad():
-        for tensor, offset in zip(movable, offsets):
-            size = tensor.numel() * tensor.element_size()
-            copy = buffer[offset : offset + size].view(tensor.dtype).view(tensor.shape)
+        for key in movable:
+            tensor, places = found.pop(key)  # held here only until replaced
+            copy = buffer[offset : offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
             copy.copy_(tensor)
-            copies[id(tensor)] = copy
-        for module, name, is_parameter in places:
-            tensor = (module._parameters if is_parameter else module._buffers)[name]
-            if id(tensor) not in copies:
-                continue
-            if is_parameter:
-                tensor.data = copies[id(tensor)]  # the same Parameter object: tied weights stay tied
-            else:
-                module._buffers[name] = copies[id(tensor)]
+            offset += -(-tensor.nbytes // ALIGN) * ALIGN
+            for module, name, is_parameter in places:
+                if is_parameter:
+                    tensor.data = copy  # the same Parameter object: tied weights stay tied
+                else:
+                    module._buffers[name] = copy
+            del tensor
     model.sparsedecode_gathered = total
     return total
