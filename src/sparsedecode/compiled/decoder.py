@@ -27,6 +27,7 @@ from ..step.schedule import dense_forwards
 from ..validate import attention_modules, claim_compiled, release_compiled, unsupported_attention
 from . import cpu as compile_cpu
 from .guards import drop_module_guards, model_fingerprint, weight_versions
+from .memory import place_statistics, static_cache
 from .native import NATIVE, NativeStep
 from .op import STATE, STATIC_ATTENTION, allocate, raise_kept, static_attention_forward, step_form
 
@@ -162,13 +163,11 @@ class CompiledDecoder:
         mode: str | None = None,
         form: str | None = None,
     ):
-        from transformers import StaticCache
-
         register()
         backend = check_backend(backend)
         self.model, self.cfg, self.batch, self.max_len, self.backend = model, cfg, batch, max_len, backend
         self.device = next(model.parameters()).device
-        self.cache = cache if cache is not None else StaticCache(config=model.config, max_cache_len=max_len)
+        self.cache = cache if cache is not None else static_cache(model, max_len, batch, self.device)  # huge pages
         self.position = 0
         self.compile_s = 0.0
         self.states = {}
@@ -191,6 +190,7 @@ class CompiledDecoder:
                     form,
                     heads,
                 )
+            place_statistics(self.states, self.device)  # one buffer on huge pages (compiled/memory.py)
         self._row_linears = {}
         if compile_cpu.uses_row_products(model, self.device):
             self._row_linears = {

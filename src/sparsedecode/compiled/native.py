@@ -11,8 +11,11 @@ no hooks), each linear layer float32 or one of :mod:`sparsedecode.models.quantiz
 stored), dense, or sparse with a selector the prepared C call serves (mean-dot block selection with a fixed budget:
 :func:`~sparsedecode.compiled.prepared.serves`). Its selection, attention and state bookkeeping are the prepared
 call's (the step's schedule, written once in :mod:`sparsedecode.step.schedule`, mirrored there); RoPE's cos and sin
-come from the model's own rotary module at each step (any of its scalings). The prefill and every multi-token forward
-stay the model's own (eager, :meth:`CompiledDecoder.extend`), so do lossless drafts' verifications.
+come from the model's own rotary module (any of its scalings: a table of every position made once where they
+depend on the position alone, :data:`STATIC_ROPE`, else at each step); the token's embedding row is copied in the C
+call. The prefill and every multi-token forward stay the model's own (eager, :meth:`CompiledDecoder.extend`), so do
+lossless drafts' verifications. The weights are read where the model holds them: on huge pages in one buffer when
+:func:`~sparsedecode.models.catalog.load_model` loaded it (:mod:`sparsedecode.models.arena`).
 
 Its float32 arithmetic (norms, RoPE, sums) rounds otherwise than torch's kernels: logits agree with the compiled
 step's to round-off, greedy tokens until a near tie (tests/test_native_step.py). A support of at least the context
