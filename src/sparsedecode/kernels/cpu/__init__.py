@@ -233,10 +233,10 @@ def dtype_code(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None 
 
 
 NONFINITE = 2
+"""The status of a C call whose selection met a NaN or infinite score (``sparse_step.c``); -1 is out of memory."""
 NEEDS_STATISTICS = 3
 """``prepared_step``'s (and ``model_step``'s) status when rows selecting afresh lack the statistics of blocks
 completed since: the caller completes them and calls again."""
-"""The status of a C call whose selection met a NaN or infinite score (``sparse_step.c``); -1 is out of memory."""
 
 
 def check_status(status: int) -> None:
