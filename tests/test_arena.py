@@ -109,4 +109,4 @@ def test_without_memory_for_the_copy_or_a_posix_mapping_the_weights_stay_or_use_
     monkeypatch.undo()
     monkeypatch.delattr(arena.mmap, "MAP_ANONYMOUS")  # as on Windows
     buffer = arena.huge_page_buffer(1000)
-    assert buffer.numel() == 1000 and buffer.dtype == torch.uint8
+    assert buffer.numel() == 1000 and buffer.dtype == torch.uint8 and not buffer.any()  # zeros, as a fresh mapping

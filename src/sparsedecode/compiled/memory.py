@@ -23,23 +23,12 @@ def _on_huge_pages(device: torch.device) -> bool:
     return arena.ENABLED and torch.device(device).type == "cpu"
 
 
-def _carve(shapes: list[tuple], dtype: torch.dtype) -> list[torch.Tensor]:
-    """Zeroed tensors of ``shapes`` in one fresh huge-page buffer, each on a cache line."""
-    size = torch.empty((), dtype=dtype).element_size()
-    spans = [-(-torch.Size(shape).numel() * size // arena.ALIGN) * arena.ALIGN for shape in shapes]
-    buffer, out, at = arena.huge_page_buffer(sum(spans)), [], 0
-    for shape, span in zip(shapes, spans):
-        out.append(buffer[at : at + torch.Size(shape).numel() * size].view(dtype).view(shape))
-        at += span
-    return out
-
-
 def place_statistics(states: dict, device) -> None:
     """Every state's ``stats`` (fresh zeros) moved into one huge-page buffer, in layer order."""
     if not states or not _on_huge_pages(device):
         return
     ordered = sorted(states.values(), key=lambda state: state.layer)
-    for state, tensor in zip(ordered, _carve([tuple(s.stats.shape) for s in ordered], torch.float32)):
+    for state, tensor in zip(ordered, arena.carve([(s.stats.shape, s.stats.dtype) for s in ordered])):
         torch._dynamo.mark_static_address(tensor)  # as allocate marks what it makes
         state.stats = tensor
 
@@ -72,9 +61,8 @@ def static_cache(model, max_len: int, batch: int, device):
     if any(getattr(layer, "max_cache_len", None) != max_len for layer in cache.layers):
         return cache  # a sliding window's layer: transformers' own allocation
     kv, d = shape
-    layers, dtype = len(cache.layers), model.dtype
-    shape = (batch, kv, max_len, d)
-    tensors = _carve([shape] * (2 * layers), dtype)
+    dtype = model.dtype
+    tensors = arena.carve([((batch, kv, max_len, d), dtype)] * (2 * len(cache.layers)))
     empty = torch.empty(batch, kv, 0, d, dtype=dtype)
     for index, layer in enumerate(cache.layers):
         layer.lazy_initialization(empty, empty)  # its sizes and flags, then our tensors for its own zeros

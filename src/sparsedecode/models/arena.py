@@ -45,13 +45,13 @@ def transparent_huge_pages() -> str | None:
 
 
 def huge_page_buffer(nbytes: int) -> torch.Tensor:
-    """``nbytes`` uint8 of fresh anonymous memory starting on a 2 MB boundary, advised for huge pages where the
-    platform has the advice (untouched until written, so the first writes fault huge pages in); torch's own memory
-    where there is no anonymous mapping."""
+    """``nbytes`` uint8 of fresh anonymous memory (zeros) starting on a 2 MB boundary, advised for huge pages where
+    the platform has the advice (untouched until written, so the first writes fault huge pages in); torch's own
+    zeroed memory where there is no anonymous mapping."""
     size = -(-max(nbytes, 1) // PAGE) * PAGE + PAGE  # one page more: the start is rounded up to a boundary
     private, anonymous = getattr(mmap, "MAP_PRIVATE", None), getattr(mmap, "MAP_ANONYMOUS", None)
     if private is None or anonymous is None:  # not a POSIX mapping: torch's own memory, no advice
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return torch.zeros(nbytes, dtype=torch.uint8)
     memory = mmap.mmap(-1, size, flags=private | anonymous)
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is not None:
@@ -62,6 +62,22 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     whole = torch.frombuffer(memory, dtype=torch.uint8)  # keeps the mapping alive as long as any view of it
     start = (-whole.data_ptr()) % PAGE
     return whole[start : start + nbytes]
+
+
+def _span(nbytes: int) -> int:
+    """Bytes a tensor of ``nbytes`` takes in a buffer: rounded up to :data:`ALIGN`."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def carve(specs: list[tuple]) -> list[torch.Tensor]:
+    """Zeroed tensors of ``specs`` (``(shape, dtype)`` each), in order in one fresh :func:`huge_page_buffer`, each on
+    a cache line."""
+    sizes = [torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
+    buffer, out, at = huge_page_buffer(sum(map(_span, sizes))), [], 0
+    for (shape, dtype), size in zip(specs, sizes):
+        out.append(buffer[at : at + size].view(dtype).view(shape))
+        at += _span(size)
+    return out
 
 
 def _movable(tensor: torch.Tensor, sharing: dict[int, int]) -> bool:
@@ -97,20 +113,17 @@ def gather_weights(model: torch.nn.Module) -> int:
             pointer = tensor.untyped_storage().data_ptr()
             sharing[pointer] = sharing.get(pointer, 0) + 1
     movable = [key for key, (t, _) in found.items() if t.numel() and _movable(t, sharing)]
-    total = sum(-(-found[key][0].nbytes // ALIGN) * ALIGN for key in movable)
     if not movable:
         return 0
     try:
-        buffer = huge_page_buffer(total)
+        copies = carve([(found[key][0].shape, found[key][0].dtype) for key in movable])
     except (OSError, MemoryError):  # no room for the copy now: the weights stay where they are
         return 0
-    offset = 0
+    total = sum(_span(copy.nbytes) for copy in copies)
     with torch.no_grad():
-        for key in movable:
+        for key, copy in zip(movable, copies):
             tensor, places = found.pop(key)  # held here only until replaced
-            copy = buffer[offset : offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
             copy.copy_(tensor)
-            offset += -(-tensor.nbytes // ALIGN) * ALIGN
             for module, name, is_parameter in places:
                 if is_parameter:
                     tensor.data = copy  # the same Parameter object: tied weights stay tied
