@@ -186,6 +186,40 @@ def test_the_block_means_it_completes_are_the_keys_means():
             assert torch.allclose(stored, blocks, rtol=1e-6, atol=1e-6)
 
 
+def test_block_means_split_over_threads_are_one_threads_to_the_bit():
+    """complete_means splits the prompt's blocks over threads in ranges of 64 per row and KV head: at two threads
+    (a 700-token prompt: 82 blocks of 8 per head, two ranges each) the means, the tokens and the logits are one
+    thread's, bit for bit, and the means are the keys' own."""
+    model = _model("llama", "int4")
+    ids = _prompt(2, 700, seed=3)
+    runs = []
+    previous = torch.get_num_threads()
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            decoder = CompiledDecoder(model, SparseConfig(**SMALL_CFG), batch=2, max_len=760, backend=NATIVE)
+            with decoder.installed():
+                first = decoder.prefill(ids).argmax(dim=-1).tolist()
+                seen: list[torch.Tensor] = []
+                out, _ = decode_tokens(
+                    model, None, first, 4, on_logits=lambda _, lg, seen=seen: seen.append(lg.clone()),
+                    step_fn=decoder.step,
+                )  # fmt: skip
+        finally:
+            torch.set_num_threads(previous)
+        stats = [(s.stats.clone(), s.count.clone()) for s in decoder.states.values()]
+        runs.append((out, torch.stack(seen), stats, decoder))
+    (out1, logits1, stats1, _), (out2, logits2, stats2, decoder) = runs
+    assert out1 == out2 and torch.equal(logits1, logits2)
+    for index, ((a, count_a), (b, count_b)) in enumerate(zip(stats1, stats2)):
+        assert torch.equal(count_a, count_b) and torch.equal(a, b)
+        count = int(count_b[0])
+        assert count >= (700 - 32 - 1) // 8
+        keys = decoder.cache.layers[index].keys.double()
+        blocks = keys[:, :, 1 : 1 + count * 8].reshape(2, keys.shape[1], count, 8, -1).mean(dim=3)
+        assert torch.allclose(b[0, :, :, :, :count].transpose(2, 3).double(), blocks, rtol=1e-6, atol=1e-6)
+
+
 def test_what_it_reads_is_checked_before_decoding_and_followed_within_an_install(monkeypatch):
     """Each case the native step computed wrongly or read freed memory for, in one line before any prefill now: a
     cache shorter than the decoder, a layer norm in bfloat16 or strided, a forward replaced on a class, a layer of

@@ -137,40 +137,71 @@ static void rope(float *x, const float *cos, const float *sin, int64_t rows, int
 /* The block means the prepared call asked for (NEEDS_STATISTICS), for a layer whose only statistic is the mean
  * (L_MEANS): each row selecting afresh gets blocks count .. n_full - 1, block j the mean of its keys at positions
  * 1 + jB .. (j + 1)B summed in order in float32 and divided by B, as selectors/statistics.py's reduce_blocks (a mean
- * over the block's rows) makes them; written where the row table's centroids lie, (kv, d, capacity). */
-static void complete_means(const int64_t *m, const int64_t *f, int64_t n) {
-    int64_t rows = m[M_BATCH], kv = m[M_KV], d = m[M_D], block = f[L_BLOCK];
-    int64_t distant_end = n - f[L_WINDOW] > 1 ? n - f[L_WINDOW] : 1, n_full = (distant_end - 1) / block;
-    int64_t *count = pointer(f[L_COUNT]), *step = pointer(f[L_STEP]);
+ * over the block's rows) makes them; written where the row table's centroids lie, (kv, d, capacity). A task is a
+ * range of MEAN_BLOCKS blocks of one row's KV head (each block's sums are its own: any split gives the same bits). */
+enum { MEAN_BLOCKS = 64 };
+
+typedef struct {
+    const int64_t *m, *f;
+    int64_t n_full, ranges; /* ranges of MEAN_BLOCKS blocks per (row, KV head), from the lowest count missing */
+    int64_t from;
+} means_job;
+
+/* Whether row r selects afresh at this step and lacks block means. */
+static inline int lacks_means(const int64_t *f, int64_t r, int64_t n_full) {
+    const int64_t *count = pointer(f[L_COUNT]), *step = pointer(f[L_STEP]);
+    return (f[L_EVERY] || step[r] % f[L_REUSE] == 0) && count[r] < n_full;
+}
+
+static int mean_blocks(const void *arg, int64_t task) {
+    const means_job *job = arg;
+    const int64_t *f = job->f;
+    int64_t kv = job->m[M_KV], d = job->m[M_D], block = f[L_BLOCK], range = task % job->ranges;
+    int64_t r = task / job->ranges / kv, h = task / job->ranges % kv, count = ((const int64_t *)pointer(f[L_COUNT]))[r];
+    int64_t j0 = job->from + range * MEAN_BLOCKS, j1 = j0 + MEAN_BLOCKS < job->n_full ? j0 + MEAN_BLOCKS : job->n_full;
+    if (!lacks_means(f, r, job->n_full)) return 0;
     const row_t *table = pointer(f[L_TABLE]);
     const float *keys = pointer(f[L_KEY]);
-    for (int64_t r = 0; r < rows; r++) {
-        if (!(f[L_EVERY] || step[r] % f[L_REUSE] == 0) || count[r] >= n_full) continue;
-        float *centroids = pointer(table[r].centroids);
-        for (int64_t h = 0; h < kv; h++)
-            for (int64_t j = count[r]; j < n_full; j++) {
-                const float *key = keys + table[r].k + h * f[L_KEY_SH] + (1 + j * block) * f[L_KEY_SN];
-                float *out = centroids + h * table[r].c_stride_h + j;
-                int64_t i = 0, sn = f[L_KEY_SN], sd = table[r].c_stride_d;
-                while (i + 8 <= d) { /* up to 64 dimensions at a time, each summed in position order, the keys */
-                    int vectors = (int)((d - i) / 8 < 8 ? (d - i) / 8 : 8); /* read row by row */
-                    v8 sums[8] = {0};
-                    for (int64_t p = 0; p < block; p++)
-                        for (int c = 0; c < vectors; c++) sums[c] += load8(key + p * sn + i + 8 * c);
-                    for (int c = 0; c < vectors; c++) {
-                        v8 mean = sums[c] / splat8((float)block);
-                        for (int lane = 0; lane < 8; lane++) out[(i + 8 * c + lane) * sd] = mean[lane];
-                    }
-                    i += 8 * vectors;
-                }
-                for (; i < d; i++) {
-                    float sum = 0.0f;
-                    for (int64_t p = 0; p < block; p++) sum += key[p * sn + i];
-                    out[i * sd] = sum / (float)block;
-                }
+    float *centroids = pointer(table[r].centroids);
+    int64_t sn = f[L_KEY_SN], sd = table[r].c_stride_d;
+    for (int64_t j = j0 > count ? j0 : count; j < j1; j++) {
+        const float *key = keys + table[r].k + h * f[L_KEY_SH] + (1 + j * block) * sn;
+        float *out = centroids + h * table[r].c_stride_h + j;
+        int64_t i = 0;
+        while (i + 8 <= d) { /* up to 64 dimensions at a time, each summed in position order, keys row by row */
+            int vectors = (int)((d - i) / 8 < 8 ? (d - i) / 8 : 8);
+            v8 sums[8] = {0};
+            for (int64_t p = 0; p < block; p++)
+                for (int c = 0; c < vectors; c++) sums[c] += load8(key + p * sn + i + 8 * c);
+            for (int c = 0; c < vectors; c++) {
+                v8 mean = sums[c] / splat8((float)block);
+                for (int lane = 0; lane < 8; lane++) out[(i + 8 * c + lane) * sd] = mean[lane];
             }
-        count[r] = n_full;
+            i += 8 * vectors;
+        }
+        for (; i < d; i++) {
+            float sum = 0.0f;
+            for (int64_t p = 0; p < block; p++) sum += key[p * sn + i];
+            out[i * sd] = sum / (float)block;
+        }
     }
+    return 0;
+}
+
+/* Every row's missing block means (above), over up to `threads` threads. */
+static void complete_means(const int64_t *m, const int64_t *f, int64_t n, int64_t threads) {
+    int64_t rows = m[M_BATCH], kv = m[M_KV], block = f[L_BLOCK], *count = pointer(f[L_COUNT]);
+    int64_t distant_end = n - f[L_WINDOW] > 1 ? n - f[L_WINDOW] : 1, n_full = (distant_end - 1) / block;
+    int64_t from = n_full;
+    for (int64_t r = 0; r < rows; r++)
+        if (lacks_means(f, r, n_full) && count[r] < from) from = count[r];
+    if (from == n_full) return;
+    means_job job = {m, f, n_full, (n_full - from + MEAN_BLOCKS - 1) / MEAN_BLOCKS, from};
+    int64_t tasks = rows * kv * job.ranges, parts = threads < tasks ? threads : tasks;
+    if ((n_full - from) * rows * kv < MEAN_BLOCKS) parts = 1; /* a block or two (a step's new one): no second thread */
+    parallel(mean_blocks, &job, tasks, parts, 1);
+    for (int64_t r = 0; r < rows; r++)
+        if (lacks_means(f, r, n_full)) count[r] = n_full;
 }
 
 /* The layer's attention of every row at context length n into att (rows, H, d): see the header. */
@@ -186,7 +217,7 @@ static int layer_attention(const int64_t *m, const int64_t *f, const float *q, f
                                        threads, DTYPE_F32, n, f[L_REUSE], f[L_EVERY], f[L_SPLIT], pointer(f[L_COUNT]),
                                        pointer(f[L_STEP]), pointer(f[L_LAST]), pointer(f[L_TALLY]), resumed || again);
             if (status != NEEDS_STATISTICS || !f[L_MEANS] || again) return status;
-            complete_means(m, f, n); /* then the call again, its bookkeeping done */
+            complete_means(m, f, n, threads); /* then the call again, its bookkeeping done */
         }
     }
     for (int64_t r = 0; r < rows; r++) {
