@@ -88,6 +88,24 @@ def test_native_step_gives_the_static_steps_tokens_logits_and_state(arch, weight
             assert tally[0] > 0 and (length > cfg.effective_support or tally[1] > 0)
 
 
+@pytest.mark.parametrize("weights", ["float32", "int4", "int8"])
+def test_native_step_at_two_threads_splits_its_products_and_gives_the_static_steps_results(weights):
+    """Weights large enough to split over two threads (q of 512 x 512, an MLP of 1024: int4's groups in two slices,
+    int8's and float32's outputs in parts), q, k and v in one parallel region and gate and up in another, k and v
+    too small to split (GQA) beside q's parts; Qwen2's q/k/v biases added after: the static step's tokens, logits
+    and state."""
+    model = _model("qwen2", weights, hidden_size=512, intermediate_size=1024, num_attention_heads=8, head_dim=64,
+                   num_key_value_heads=2)  # fmt: skip
+    ids, cfg = _prompt(1, 300), SparseConfig(**SMALL_CFG)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        reference, native = _run(model, cfg, ids, "aot_eager", steps=12), _run(model, cfg, ids, NATIVE, steps=12)
+    finally:
+        torch.set_num_threads(previous)
+    _assert_same(reference, native, model, weights)
+
+
 def test_native_step_of_odd_sizes():
     """Sizes no vector width divides: head dim 18, an MLP of 50, a hidden size of 72 (the float32 product's tail,
     the attention's remainder lanes)."""

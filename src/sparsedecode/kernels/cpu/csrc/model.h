@@ -73,27 +73,88 @@ static int f32_outputs(const void *arg, int64_t task) {
 /* Whether the linear layer `f` reads its input quantized (int4 or int8: qlinear.h). */
 static inline int reads_quantized(const int64_t *f) { return f[LIN_KIND] == LINEAR_INT4 || f[LIN_KIND] == LINEAR_INT8; }
 
-/* out (rows, N) = x (rows, K) times the linear layer `f` (LIN_FIELDS), its bias added; a quantized layer reads
- * `act`, x's activations as quantize_for left them. */
-static int linear_rows(const int64_t *f, const float *x, const qact_t *act, float *out, int64_t rows,
-                       int64_t threads) {
-    int64_t n = f[LIN_OUT], k = f[LIN_IN], status = 0;
+/* A linear layer's product made into tasks (make_product), run in a parallel region of its own or in one with the
+ * other products of the same input (linear_rows: q, k and v; gate and up), then completed (finish_product). */
+typedef struct {
+    task_fn run;
+    union {
+        qjob_t q;
+        f32_job f;
+    } job;
+    int64_t tasks, parts;
+    const int64_t *lin;
+    float *out;
+} product_t;
+
+/* out (rows, N) = x (rows, K) times the linear layer `f` (LIN_FIELDS), as tasks in *p; a quantized layer reads
+ * `act`, x's activations as quantize_for left them. Returns 0, or -1 when memory ran out. */
+static int make_product(product_t *p, const int64_t *f, const float *x, const qact_t *act, float *out, int64_t rows,
+                        int64_t threads) {
+    int64_t n = f[LIN_OUT], k = f[LIN_IN];
+    p->lin = f, p->out = out;
     if (f[LIN_KIND] == LINEAR_INT4) {
-        status = q4_product(pointer(f[LIN_WEIGHT]), pointer(f[LIN_SCALE]), pointer(f[LIN_OFFSET]), act, out, rows, n,
-                            k / 32, f[LIN_SCALE32], threads);
-    } else if (f[LIN_KIND] == LINEAR_INT8) {
-        status = q8_product(pointer(f[LIN_WEIGHT]), pointer(f[LIN_SCALE]), act, out, rows, n, k / 32, f[LIN_BLOCK],
-                            f[LIN_SCALE32], threads);
-    } else {
-        f32_job job = {pointer(f[LIN_WEIGHT]), x, out, rows, n, k};
-        int64_t tasks = (n + F32_OUTPUTS - 1) / F32_OUTPUTS;
-        status = parallel(f32_outputs, &job, tasks, n * k < (1 << 16) ? 1 : threads, 0);
+        p->run = q4_tile;
+        return q4_job(&p->job.q, &p->tasks, &p->parts, pointer(f[LIN_WEIGHT]), pointer(f[LIN_SCALE]),
+                      pointer(f[LIN_OFFSET]), act, out, rows, n, k / 32, f[LIN_SCALE32], threads);
     }
-    const float *bias = pointer(f[LIN_BIAS]);
-    if (!status && bias)
+    if (f[LIN_KIND] == LINEAR_INT8) {
+        p->run = q8_rows;
+        q8_job(&p->job.q, &p->tasks, &p->parts, pointer(f[LIN_WEIGHT]), pointer(f[LIN_SCALE]), act, out, rows, n,
+               k / 32, f[LIN_BLOCK], f[LIN_SCALE32], threads);
+        return 0;
+    }
+    p->run = f32_outputs;
+    p->job.f = (f32_job){pointer(f[LIN_WEIGHT]), x, out, rows, n, k};
+    p->tasks = (n + F32_OUTPUTS - 1) / F32_OUTPUTS;
+    p->parts = n * k < (1 << 16) ? 1 : threads;
+    return 0;
+}
+
+/* The product's int4 partial sums added, then its bias. */
+static void finish_product(product_t *p, int64_t rows) {
+    int64_t n = p->lin[LIN_OUT];
+    if (p->run == q4_tile) q4_add_partials(&p->job.q);
+    const float *bias = pointer(p->lin[LIN_BIAS]);
+    if (bias)
         for (int64_t r = 0; r < rows; r++)
-            for (int64_t i = 0; i < n; i++) out[r * n + i] += bias[i];
-    return (int)status;
+            for (int64_t i = 0; i < n; i++) p->out[r * n + i] += bias[i];
+}
+
+typedef struct {
+    product_t *products;
+    int count;
+} products_job;
+
+/* Task `task` of the products in turn: a task of the product whose tasks it falls in. */
+static int product_task(const void *arg, int64_t task) {
+    const products_job *job = arg;
+    int i = 0;
+    for (; i < job->count - 1 && task >= job->products[i].tasks; i++) task -= job->products[i].tasks;
+    return job->products[i].run(&job->products[i].job, task);
+}
+
+/* outs[i] (rows, N_i) = x (rows, K) times the `count` (at most 3) linear layers from `lin` (LIN_FIELDS each), biases
+ * added; quantized layers read `act`. One parallel region for all of them: each product's tasks are those it runs
+ * alone (the same sums: the same bits), taken in order by the threads as they finish one, so that a product too
+ * small to split (k and v of a GQA model) runs beside another's part instead of leaving the other threads idle. */
+static int linear_rows(const int64_t *lin, int count, const float *x, const qact_t *act, float *const *outs,
+                       int64_t rows, int64_t threads) {
+    product_t products[3];
+    int64_t tasks = 0, parts = 1;
+    for (int i = 0; i < count; i++) {
+        if (make_product(&products[i], lin + i * LIN_FIELDS, x, act, outs[i], rows, threads)) {
+            while (i-- > 0) free(products[i].run == q4_tile ? products[i].job.q.partial : NULL);
+            return -1;
+        }
+        tasks += products[i].tasks;
+        parts = products[i].parts > parts ? products[i].parts : parts;
+    }
+    products_job job = {products, count};
+    if (parts > 1) parts = threads < tasks ? threads : tasks;
+    int status = count == 1 ? parallel(products[0].run, &products[0].job, tasks, products[0].parts, 0)
+                            : parallel(product_task, &job, tasks, parts, 1);
+    for (int i = 0; i < count; i++) finish_product(&products[i], rows);
+    return status;
 }
 
 /* x (rows, k) quantized once into the activations at `space` for the `count` linear layers from `lin` that read it
@@ -294,9 +355,8 @@ int model_step(const int64_t *m, const int64_t *layers, const int64_t *tokens, f
         if (!again) {
             rms_norm(x, pointer(f[L_NORM1]), bits_to_float(f[L_EPS1]), h, rows, hidden);
             act = quantize_for(lin + Q_PROJ * LIN_FIELDS, 3, h, rows, hidden, space); /* q, k, v read one h */
-            status = linear_rows(lin + Q_PROJ * LIN_FIELDS, h, &act, q, rows, threads);
-            status = status ? status : linear_rows(lin + K_PROJ * LIN_FIELDS, h, &act, k, rows, threads);
-            status = status ? status : linear_rows(lin + V_PROJ * LIN_FIELDS, h, &act, v, rows, threads);
+            float *const qkv[] = {q, k, v};
+            status = linear_rows(lin + Q_PROJ * LIN_FIELDS, 3, h, &act, qkv, rows, threads);
             if (status) return status;
             rope(q, cos, sin, rows, m[M_HEADS], d);
             rope(k, cos, sin, rows, kv, d);
@@ -306,23 +366,23 @@ int model_step(const int64_t *m, const int64_t *layers, const int64_t *tokens, f
         if (status == NEEDS_STATISTICS) *stopped = l;
         if (status) return status;
         act = quantize_for(lin + O_PROJ * LIN_FIELDS, 1, att, rows, qd, space);
-        status = linear_rows(lin + O_PROJ * LIN_FIELDS, att, &act, o, rows, threads);
+        status = linear_rows(lin + O_PROJ * LIN_FIELDS, 1, att, &act, &o, rows, threads);
         if (status) return status;
         for (int64_t i = 0; i < rows * hidden; i++) x[i] += o[i];
         rms_norm(x, pointer(f[L_NORM2]), bits_to_float(f[L_EPS2]), h, rows, hidden);
         act = quantize_for(lin + GATE_PROJ * LIN_FIELDS, 2, h, rows, hidden, space); /* gate and up read one h */
-        status = linear_rows(lin + GATE_PROJ * LIN_FIELDS, h, &act, gate, rows, threads);
-        status = status ? status : linear_rows(lin + UP_PROJ * LIN_FIELDS, h, &act, up, rows, threads);
+        float *const gate_up[] = {gate, up};
+        status = linear_rows(lin + GATE_PROJ * LIN_FIELDS, 2, h, &act, gate_up, rows, threads);
         if (status) return status;
         for (int64_t i = 0; i < rows * inter; i++) gate[i] = silu(gate[i]) * up[i];
         act = quantize_for(lin + DOWN_PROJ * LIN_FIELDS, 1, gate, rows, inter, space);
-        status = linear_rows(lin + DOWN_PROJ * LIN_FIELDS, gate, &act, o, rows, threads);
+        status = linear_rows(lin + DOWN_PROJ * LIN_FIELDS, 1, gate, &act, &o, rows, threads);
         if (status) return status;
         for (int64_t i = 0; i < rows * hidden; i++) x[i] += o[i];
     }
     rms_norm(x, pointer(m[M_NORM]), bits_to_float(m[M_EPS]), h, rows, hidden);
     act = quantize_for(m + M_HEAD, 1, h, rows, hidden, space);
-    return linear_rows(m + M_HEAD, h, &act, logits, rows, threads);
+    return linear_rows(m + M_HEAD, 1, h, &act, &logits, rows, threads);
 }
 
 /* The table sizes this build uses (M_FIELDS, L_FIELDS, LIN_FIELDS): the caller checks its own against them. */

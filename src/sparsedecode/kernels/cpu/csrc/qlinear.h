@@ -295,32 +295,63 @@ static void quantize_into(const qact_t *act, const float *x, int64_t rows, int64
     quantize_rows(x, rows, groups, act->xq, act->xd, act->xs);
 }
 
-/* out (rows, n) = the quantized activations act (rows, 32 groups) times the int4 weight. */
-static int q4_product(const uint8_t *packed, const void *scale, const void *offset, const qact_t *act, float *out,
-                      int64_t rows, int64_t n, int64_t groups, int64_t scale32, int64_t threads) {
-    int64_t parts = threads < 1 ? 1 : threads > groups ? groups : threads, size = groups * 16 * n;
-    if (parts > 1 + size / Q4_PART) parts = 1 + size / Q4_PART; /* a small weight: a second thread costs more */
+/* The int4 product of the quantized activations act (rows, 32 groups) into out (rows, n) as `*tasks` tasks of
+ * q4_tile for up to `*parts` threads, in *job; q4_add_partials then completes out. Returns 0, or -1 when memory ran
+ * out (nothing to complete). */
+static int q4_job(qjob_t *job, int64_t *tasks, int64_t *parts, const uint8_t *packed, const void *scale,
+                  const void *offset, const qact_t *act, float *out, int64_t rows, int64_t n, int64_t groups,
+                  int64_t scale32, int64_t threads) {
+    int64_t slices = threads < 1 ? 1 : threads > groups ? groups : threads, size = groups * 16 * n;
+    if (slices > 1 + size / Q4_PART) slices = 1 + size / Q4_PART; /* a small weight: a second thread costs more */
     int64_t span = n > Q4_SPAN ? Q4_SPAN : (n + Q4_CHUNK - 1) / Q4_CHUNK * Q4_CHUNK, tiles = (n + span - 1) / span;
     /* each thread sums its own range of groups over every output: a contiguous part of the packed weight, read as
      * one stream (split by outputs, each thread read every other piece of each row, at about half the rate) */
-    float *partial = parts > 1 ? malloc((size_t)((parts - 1) * rows * n) * sizeof(float)) : NULL;
-    if (parts > 1 && !partial) return -1;
-    qjob_t job = {packed, scale, offset, act->xq, act->xd, act->xs, out, rows, n, groups, span, 32, scale32, parts,
-                  partial};
-    int status = parallel(q4_tile, &job, parts * tiles, parts, 0);
-    for (int64_t p = 1; p < parts; p++)
-        for (int64_t i = 0; i < rows * n; i++) out[i] += partial[(p - 1) * rows * n + i];
-    free(partial);
+    float *partial = slices > 1 ? malloc((size_t)((slices - 1) * rows * n) * sizeof(float)) : NULL;
+    if (slices > 1 && !partial) return -1;
+    *job = (qjob_t){packed, scale, offset, act->xq, act->xd, act->xs, out, rows, n, groups, span, 32, scale32, slices,
+                    partial};
+    *tasks = slices * tiles, *parts = slices;
+    return 0;
+}
+
+/* out += the sums of slices 1 .. slices - 1 (in that order), once every task of q4_job's job has run. */
+static void q4_add_partials(qjob_t *job) {
+    int64_t size = job->rows * job->n;
+    for (int64_t p = 1; p < job->slices; p++)
+        for (int64_t i = 0; i < size; i++) job->out[i] += job->partial[(p - 1) * size + i];
+    free(job->partial);
+    job->partial = NULL;
+}
+
+/* out (rows, n) = the quantized activations act (rows, 32 groups) times the int4 weight. */
+static int q4_product(const uint8_t *packed, const void *scale, const void *offset, const qact_t *act, float *out,
+                      int64_t rows, int64_t n, int64_t groups, int64_t scale32, int64_t threads) {
+    qjob_t job;
+    int64_t tasks, parts;
+    if (q4_job(&job, &tasks, &parts, packed, scale, offset, act, out, rows, n, groups, scale32, threads)) return -1;
+    int status = parallel(q4_tile, &job, tasks, parts, 0);
+    q4_add_partials(&job);
     return status;
+}
+
+/* The int8 product of act into out (rows, n) as `*tasks` tasks of q8_rows (Q8_ROWS outputs each) for up to
+ * `*parts` threads, in *job. */
+static void q8_job(qjob_t *job, int64_t *tasks, int64_t *parts, const int8_t *q, const void *scale,
+                   const qact_t *act, float *out, int64_t rows, int64_t n, int64_t groups, int64_t block,
+                   int64_t scale32, int64_t threads) {
+    *job = (qjob_t){(const uint8_t *)q, scale, NULL, act->xq, act->xd, act->xs, out, rows, n, groups, 0, block,
+                    scale32, 1, NULL};
+    *tasks = (n + Q8_ROWS - 1) / Q8_ROWS;
+    *parts = threads < *tasks ? threads : *tasks;
 }
 
 /* out (rows, n) = the quantized activations act (rows, 32 groups) times the int8 weight. */
 static int q8_product(const int8_t *q, const void *scale, const qact_t *act, float *out, int64_t rows, int64_t n,
                       int64_t groups, int64_t block, int64_t scale32, int64_t threads) {
-    qjob_t job = {(const uint8_t *)q, scale, NULL, act->xq, act->xd, act->xs, out, rows, n, groups, 0, block, scale32,
-                  1, NULL};
-    int64_t parts = (n + Q8_ROWS - 1) / Q8_ROWS;
-    return parallel(q8_rows, &job, parts, threads < parts ? threads : parts, 0);
+    qjob_t job;
+    int64_t tasks, parts;
+    q8_job(&job, &tasks, &parts, q, scale, act, out, rows, n, groups, block, scale32, threads);
+    return parallel(q8_rows, &job, tasks, parts, 0);
 }
 
 /* out (rows, n) = x (rows, 32 groups) times the int4 weight (its activations quantized first). */
