@@ -125,34 +125,39 @@ typedef struct {
     int count;
 } products_job;
 
-/* Task `task` of the products in turn: a task of the product whose tasks it falls in. */
-static int product_task(const void *arg, int64_t task) {
+/* Part `part` of the products in turn: the tasks its product's part would run in a region of its own (contiguous
+ * ranges of them, part j of a product's P the j-th; int4's slices, int8's and float32's ranges of outputs). */
+static int product_part(const void *arg, int64_t part) {
     const products_job *job = arg;
     int i = 0;
-    for (; i < job->count - 1 && task >= job->products[i].tasks; i++) task -= job->products[i].tasks;
-    return job->products[i].run(&job->products[i].job, task);
+    for (; i < job->count - 1 && part >= job->products[i].parts; i++) part -= job->products[i].parts;
+    const product_t *p = &job->products[i];
+    int64_t first = p->tasks * part / p->parts, stop = p->tasks * (part + 1) / p->parts;
+    int status = 0;
+    for (int64_t t = first; t < stop && !status; t++) status = p->run(&p->job, t);
+    return status;
 }
 
 /* outs[i] (rows, N_i) = x (rows, K) times the `count` (at most 3) linear layers from `lin` (LIN_FIELDS each), biases
- * added; quantized layers read `act`. One parallel region for all of them: each product's tasks are those it runs
+ * added; quantized layers read `act`. One parallel region for all of them: each product in the parts it runs in
  * alone (the same sums: the same bits), taken in order by the threads as they finish one, so that a product too
  * small to split (k and v of a GQA model) runs beside another's part instead of leaving the other threads idle. */
 static int linear_rows(const int64_t *lin, int count, const float *x, const qact_t *act, float *const *outs,
                        int64_t rows, int64_t threads) {
     product_t products[3];
-    int64_t tasks = 0, parts = 1;
+    int64_t parts = 0, widest = 1;
     for (int i = 0; i < count; i++) {
         if (make_product(&products[i], lin + i * LIN_FIELDS, x, act, outs[i], rows, threads)) {
             while (i-- > 0) free(products[i].run == q4_tile ? products[i].job.q.partial : NULL);
             return -1;
         }
-        tasks += products[i].tasks;
-        parts = products[i].parts > parts ? products[i].parts : parts;
+        if (products[i].parts > products[i].tasks) products[i].parts = products[i].tasks;
+        parts += products[i].parts;
+        widest = products[i].parts > widest ? products[i].parts : widest;
     }
     products_job job = {products, count};
-    if (parts > 1) parts = threads < tasks ? threads : tasks;
-    int status = count == 1 ? parallel(products[0].run, &products[0].job, tasks, products[0].parts, 0)
-                            : parallel(product_task, &job, tasks, parts, 1);
+    int status = count == 1 ? parallel(products[0].run, &products[0].job, products[0].tasks, products[0].parts, 0)
+                            : parallel(product_part, &job, parts, widest > 1 ? threads : 1, 1);
     for (int i = 0; i < count; i++) finish_product(&products[i], rows);
     return status;
 }
