@@ -132,10 +132,9 @@ static int product_part(const void *arg, int64_t part) {
     int i = 0;
     for (; i < job->count - 1 && part >= job->products[i].parts; i++) part -= job->products[i].parts;
     const product_t *p = &job->products[i];
-    int64_t first = p->tasks * part / p->parts, stop = p->tasks * (part + 1) / p->parts;
-    int status = 0;
-    for (int64_t t = first; t < stop && !status; t++) status = p->run(&p->job, t);
-    return status;
+    part_t range = {p->run, &p->job, p->tasks * part / p->parts, p->tasks * (part + 1) / p->parts, NULL, 0};
+    run_part(&range); /* as `parallel` runs a static part */
+    return range.status;
 }
 
 /* outs[i] (rows, N_i) = x (rows, K) times the `count` (at most 3) linear layers from `lin` (LIN_FIELDS each), biases
