@@ -60,15 +60,31 @@ def _model(arch: str, weights: str, **overrides):
 
 
 def _assert_same(reference, native, model, weights: str) -> None:
+    """The native run decodes as the reference up to the first step the greedy certificate does not cover (the
+    reference's top-1/top-2 margin at most twice the native logits' difference: a near tie, where sums in another
+    order, or a quantized layer's int8 rounding of its activations, may pick the other token): each step's logits
+    within tolerance and the tokens they give equal until then; the state compared where every step is covered. At
+    least four steps are compared (a near tie is rare: the test cannot pass on none)."""
     tokens, logits, state = reference
     n_tokens, n_logits, n_state = native
-    assert n_tokens == tokens
     # float32: the same model in other kernels (sums reordered); quantized: the activations' int8 rounding turns a
     # last-bit difference into a step of one of 127 in a group's scale now and then
     tolerance = logits_tolerance(logits, model, positions=512)
     if weights != "float32":
         tolerance = 0.02 * float(logits.abs().max())
-    assert float((n_logits - logits).abs().max()) <= tolerance
+    covered = len(logits)  # logits[i] (batch, vocab) gives every row's token i + 1
+    for i, (mine, theirs) in enumerate(zip(n_logits, logits)):
+        difference = float((mine - theirs).abs().max())
+        assert difference <= tolerance
+        top = theirs.topk(2, dim=-1).values
+        if float((top[:, 0] - top[:, 1]).min()) <= 2 * difference:
+            covered = i
+            break
+    assert covered >= min(4, len(logits)), f"a near tie at step {covered}"
+    assert [row[: covered + 1] for row in n_tokens] == [row[: covered + 1] for row in tokens]
+    if covered < len(logits):
+        return
+    assert n_tokens == tokens
     for layer, tensors in state.items():
         for mine, theirs in zip(n_state[layer], tensors):
             assert torch.equal(mine, theirs) or torch.allclose(mine, theirs, rtol=0, atol=1e-5)
