@@ -17,6 +17,7 @@ from sparsedecode.decoding.loop import decode_tokens
 from sparsedecode.errors import SparseDecodeError
 from sparsedecode.kernels import cpu
 from sparsedecode.models.quantized import quantize_linears
+from sparsedecode.protocol.diagnostics import margin_certificate
 from sparsedecode.selectors import selector_names
 
 pytestmark = pytest.mark.skipif(cpu.library() is None, reason="the C kernel does not build here")
@@ -72,14 +73,11 @@ def _assert_same(reference, native, model, weights: str) -> None:
     tolerance = logits_tolerance(logits, model, positions=512)
     if weights != "float32":
         tolerance = 0.02 * float(logits.abs().max())
-    covered = len(logits)  # logits[i] (batch, vocab) gives every row's token i + 1
-    for i, (mine, theirs) in enumerate(zip(n_logits, logits)):
-        difference = float((mine - theirs).abs().max())
-        assert difference <= tolerance
-        top = theirs.topk(2, dim=-1).values
-        if float((top[:, 0] - top[:, 1]).min()) <= 2 * difference:
-            covered = i
-            break
+    # logits[i] (batch, vocab) gives every row's token i + 1; the project's certificate, row by row
+    certified = [margin_certificate(logits[:, r], n_logits[:, r])["certified"] for r in range(logits.shape[1])]
+    uncovered = [i for i in range(len(logits)) if not all(c[i] for c in certified)]
+    covered = uncovered[0] if uncovered else len(logits)
+    assert float((n_logits[: covered + 1] - logits[: covered + 1]).abs().max()) <= tolerance
     assert covered >= min(4, len(logits)), f"a near tie at step {covered}"
     assert [row[: covered + 1] for row in n_tokens] == [row[: covered + 1] for row in tokens]
     if covered < len(logits):
