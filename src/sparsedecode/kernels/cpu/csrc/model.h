@@ -316,8 +316,6 @@ static void write_cache(const int64_t *m, const int64_t *f, const float *k, cons
         }
 }
 
-static inline float silu(float x) { return x / (1.0f + expf(-x)); }
-
 /* The widest input of a product (the hidden size, the MLP's, or the attention's H d). */
 static inline int64_t widest_input(const int64_t *m) {
     int64_t hidden = m[M_HIDDEN], inter = m[M_INTER], qd = m[M_HEADS] * m[M_D];
@@ -378,7 +376,7 @@ int model_step(const int64_t *m, const int64_t *layers, const int64_t *tokens, f
         float *const gate_up[] = {gate, up};
         status = linear_rows(lin + GATE_PROJ * LIN_FIELDS, 2, h, &act, gate_up, rows, threads);
         if (status) return status;
-        for (int64_t i = 0; i < rows * inter; i++) gate[i] = silu(gate[i]) * up[i];
+        silu_times(gate, up, rows * inter);
         act = quantize_for(lin + DOWN_PROJ * LIN_FIELDS, 1, gate, rows, inter, space);
         status = linear_rows(lin + DOWN_PROJ * LIN_FIELDS, 1, gate, &act, &o, rows, threads);
         if (status) return status;
