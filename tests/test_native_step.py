@@ -89,7 +89,7 @@ def _assert_same(reference, native, model, weights: str) -> None:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("weights", ["float32", "int4", "int8"])
+@pytest.mark.parametrize("weights", ["float32", "int4", "int5", "int8"])
 def test_native_step_gives_the_static_steps_tokens_logits_and_state(arch, weights):
     model = _model(arch, weights)
     cases = [(None, 2, 300), (SparseConfig(**SMALL_CFG), 2, 300), (SparseConfig(**SMALL_CFG, reuse=4), 1, 80)]
@@ -102,7 +102,7 @@ def test_native_step_gives_the_static_steps_tokens_logits_and_state(arch, weight
             assert tally[0] > 0 and (length > cfg.effective_support or tally[1] > 0)
 
 
-@pytest.mark.parametrize("weights", ["float32", "int4", "int8"])
+@pytest.mark.parametrize("weights", ["float32", "int4", "int5", "int8"])
 def test_native_step_at_two_threads_splits_its_products_and_gives_the_static_steps_results(weights):
     """Weights large enough to split over two threads (q of 512 x 512, an MLP of 1024: int4's groups in two slices,
     int8's and float32's outputs in parts), q, k and v in one parallel region and gate and up in another, k and v

@@ -19,6 +19,7 @@ from sparsedecode.models.gguf_weights import load_gguf_linears, quantized_layer
 from sparsedecode.models.quantized import (
     FUSED_ROWS,
     Int4Linear,
+    Int5Linear,
     Int8Linear,
     quantize_linears,
     quantized_activations,
@@ -66,7 +67,9 @@ def test_a_gguf_tensor_loads_bit_for_bit_and_the_fused_product_equals_the_dequan
         weights = _k_quant_bytes(kind, 48, inputs)
     _, tensors = _reader(tmp_path, {"w": (weights, kind)})
     layer = quantized_layer(tensors["w"])
-    assert isinstance(layer, Int4Linear if kind in (Q.Q4_0, Q.Q4_1, Q.Q4_K) else Int8Linear)
+    assert isinstance(
+        layer, Int4Linear if kind in (Q.Q4_0, Q.Q4_1, Q.Q4_K) else Int5Linear if kind == Q.Q5_0 else Int8Linear
+    )
     expected = torch.from_numpy(gguf.quants.dequantize(tensors["w"].data, kind).reshape(48, inputs).copy())
     assert torch.equal(layer.dequantized(), expected)  # the GGUF's own values, not an approximation
     wide = kind in (Q.Q4_K, Q.Q6_K)  # scales d * sc: float32, exact
@@ -140,6 +143,26 @@ def test_a_models_linear_layers_load_from_its_gguf_and_refuse_another(tmp_path):
     other = tiny_model("llama", seed=1)
     with pytest.raises(SparseDecodeError, match="is not the GGUF this model was converted from"):
         load_gguf_linears(other, path)
+
+
+def test_q5_0_layers_load_as_int5_decode_as_converted_and_export_byte_for_byte(tmp_path):
+    """A GGUF of Q5_0 layers (Qwen2.5's attention and MLP): int5 layers (24 bytes per 32 weights where int8 took 34),
+    the converted model's dense tokens, and written back (export_gguf) as the source's Q5_0 bytes exactly."""
+    from sparsedecode.models.gguf_export import export_gguf
+
+    model = tiny_model("llama")
+    path = _tiny_gguf(tmp_path, model, kinds=(Q.Q5_0, Q.Q8_0))
+    dense_before = generate(model, _prompt(), None, 12, mode="dense").tokens
+    apply_weights(model, "gguf", path, "tiny.gguf")
+    assert model.sparsedecode_weight_counts == {"Q5_0": 12, "Q8_0": 3, "float": 0}
+    layer = model.model.layers[0].self_attn.q_proj
+    assert isinstance(layer, Int5Linear) and layer.stored_bytes() == layer.in_features * layer.out_features * 24 // 32
+    assert generate(model, _prompt(), None, 12, mode="dense").tokens == dense_before
+    target = tmp_path / "again.gguf"
+    assert export_gguf(model, path, target) == {"Q5_0": 12, "Q8_0": 3}
+    written, original = gguf.GGUFReader(str(target)), gguf.GGUFReader(str(path))
+    for ours, theirs in zip(written.tensors, original.tensors, strict=True):
+        assert ours.tensor_type == theirs.tensor_type and np.array_equal(ours.data, theirs.data), ours.name
 
 
 def _prompt(length: int = 150) -> torch.Tensor:
@@ -222,7 +245,7 @@ def test_the_c_kernel_built_for_older_cpus_gives_the_same_products(tmp_path, mar
 
     from sparsedecode.kernels import cpu
     from sparsedecode.kernels.cpu import qlinear
-    from sparsedecode.models.quantized import quantize_int4, quantize_int8
+    from sparsedecode.models.quantized import quantize_int4, quantize_int5, quantize_int8
 
     assert platform.machine() in ("x86_64", "AMD64"), "this check is for x86-64 hosts"
     flags = [f for f in cpu.FLAGS if f != "-march=native"] + [f"-march={march}"]
@@ -237,7 +260,7 @@ def test_the_c_kernel_built_for_older_cpus_gives_the_same_products(tmp_path, mar
     torch.manual_seed(7)
     linear = torch.nn.Linear(96, 2100, bias=False)  # two spans, the second a chunk of 32 and 20 outputs
     x = torch.randn(2, 96)
-    int4, int8 = quantize_int4(linear), quantize_int8(linear)
+    int4, int8, int5, wide32 = quantize_int4(linear), quantize_int8(linear), quantize_int5(linear), torch.float32
     wide4 = Int4Linear(int4.packed, int4.scale.float() * 1.0001, int4.offset.float(), scale_dtype=torch.float32)
     blocks16 = Int8Linear(int8.q, torch.rand(2100, 6) / 100, scale_dtype=torch.float32)  # Q6_K's form
     for layer in (int4, wide4):
@@ -247,6 +270,12 @@ def test_the_c_kernel_built_for_older_cpus_gives_the_same_products(tmp_path, mar
         assert older.q4_linear(*(t.data_ptr() for t in pointers), 2, 2100, 3, wide, 1) == 0
         expected = qlinear.q4_linear(x, layer.packed, layer.scale, layer.offset)
         assert torch.allclose(out, expected, rtol=1e-5, atol=1e-5)
+    older.q5_linear.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5
+    for layer in (int5, Int5Linear(int5.packed, int5.high, int5.scale.float(), int5.offset.float(), None, "", wide32)):
+        out = torch.empty(2, 2100)
+        pointers = (layer.packed, layer.high, layer.scale, layer.offset, x, out)
+        assert older.q5_linear(*(t.data_ptr() for t in pointers), 2, 2100, 3, int(layer.scale.dtype == wide32), 1) == 0
+        assert torch.allclose(out, quantized_activations(x) @ layer.dequantized().t(), rtol=1e-5, atol=1e-5)
     for layer, block in ((int8, 32), (blocks16, 16)):
         out = torch.empty(2, 2100)
         wide = int(layer.scale.dtype == torch.float32)

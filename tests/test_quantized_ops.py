@@ -14,9 +14,11 @@ import torch
 
 from sparsedecode.models.quantized import (
     Int4Linear,
+    Int5Linear,
     Int8Linear,
     c_kernel,
     quantize_int4,
+    quantize_int5,
     quantize_int8,
     quantized_activations,
 )
@@ -33,13 +35,17 @@ def threads():
 
 
 def _layers(inputs: int, outputs: int) -> list[torch.nn.Module]:
-    """An int4 and an int8 layer of each scale form (float16; float32, and for int8 blocks of 16 as Q6_K's)."""
+    """An int4, an int5 and an int8 layer of each scale form (float16; float32, and for int8 blocks of 16 as
+    Q6_K's)."""
     torch.manual_seed(inputs + outputs)
     linear = torch.nn.Linear(inputs, outputs, bias=False)
-    int4, int8 = quantize_int4(linear), quantize_int8(linear)
+    int4, int5, int8 = quantize_int4(linear), quantize_int5(linear), quantize_int8(linear)
     wide4 = Int4Linear(int4.packed, int4.scale.float() * 1.0001, int4.offset.float(), scale_dtype=torch.float32)
+    wide5 = Int5Linear(
+        int5.packed, int5.high, int5.scale.float() * 1.0001, int5.offset.float(), None, "", torch.float32
+    )
     blocks16 = Int8Linear(int8.q, torch.rand(outputs, inputs // 16) / 100, scale_dtype=torch.float32)
-    return [int4, wide4, int8, blocks16]
+    return [int4, wide4, int5, wide5, int8, blocks16]
 
 
 def _python_product(layer, x):
@@ -47,6 +53,8 @@ def _python_product(layer, x):
 
     if isinstance(layer, Int4Linear):
         return qlinear.q4_linear(x, layer.packed, layer.scale, layer.offset)
+    if isinstance(layer, Int5Linear):
+        return qlinear.q5_linear(x, layer.packed, layer.high, layer.scale, layer.offset)
     return qlinear.q8_linear(x, layer.q, layer.scale)
 
 
@@ -55,7 +63,7 @@ def test_the_cpp_operators_serve_here_with_the_python_implementations_numbers():
 
     assert c_kernel() is not None
     assert native.load(c_kernel()), native.BUILD_ERROR  # a C++ compiler and torch's stable headers are here
-    for name in (INT4, "sparsedecode_quantized::int8_linear"):
+    for name in (INT4, "sparsedecode_quantized::int5_linear", "sparsedecode_quantized::int8_linear"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU"), name
     for layer in _layers(96, 200):
         x = torch.randn(96, 3).t()  # not contiguous: the C++ kernel copies it
@@ -110,6 +118,31 @@ def test_an_int4_product_split_over_threads_gives_the_one_thread_product(threads
     for count in (2, 3, 5):
         threads(count)
         assert torch.allclose(layer.c_product(x), alone, rtol=1e-5, atol=1e-4), count
+
+
+@pytest.mark.parametrize("outputs", [64, 2100])
+def test_an_int5_product_at_its_largest_values_is_exact(outputs):
+    """Every weight at 31 and every activation at +127 or -127 (the largest 16-bit pair sums the AVX2 loop adds:
+    four rows of 2 * 31 * 127 fit in 16 bits, eight would not): the integer sums and their scaling (2^-10, the
+    activations' scale 1) are exact, so the outputs equal float64's product of the de-quantized values. Each group
+    has a scale of its own (a power of two), so that wrapped sums of two groups cannot cancel; the fifth bits differ
+    per output and input (a bit taken from the wrong input or output changes a sum)."""
+    assert c_kernel() is not None
+    inputs = 128
+    values = torch.full((outputs, inputs), 31, dtype=torch.uint8)
+    values[1::3] = 15  # outputs whose fifth bits are all 0
+    values[2::3] = 15
+    values[2::3, ::5] = 16  # and outputs whose fifth bit is set in every fifth input alone
+    scale = 2.0 ** -torch.arange(10.0, 14.0).expand(outputs, inputs // 32)
+    from sparsedecode.models.quantized import int5_from_values
+
+    layer = int5_from_values(values, scale, -16 * scale)
+    signs = torch.where(torch.arange(inputs) % 3 == 0, -1.0, 1.0)  # groups 2 and 3: mixed signs
+    signs[:32], signs[32:64] = 1.0, -1.0  # group 0 all +127, group 1 all -127: the largest sums of either sign
+    x = 127 * signs.reshape(1, inputs)  # the activations' scale d = 1
+    expected = (x.double() @ layer.dequantized().double().t()).float()
+    assert torch.equal(layer.c_product(x), expected)
+    assert torch.equal(layer.dequantized(), (values.float() - 16) * scale.repeat_interleave(32, 1))
 
 
 @pytest.mark.parametrize("inputs", [96, 320, 2336])

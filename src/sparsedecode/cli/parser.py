@@ -186,7 +186,8 @@ def add_weights_arg(parser: argparse.ArgumentParser) -> None:
         "--weights",
         default=None,
         choices=WEIGHTS,
-        help="gguf: the linear layers from the model's GGUF as stored (Q4_0/Q4_1/Q4_K as int4, Q8_0/Q5_0/Q6_K as int8: "
+        help="gguf: the linear layers from the model's GGUF as stored (Q4_0/Q4_1/Q4_K as int4, Q5_0 as int5, "
+        "Q8_0/Q6_K as int8: "
         "docs/compiled.md); "
         "int4, int8: quantized from the float weights (group-32 min-max / absmax, round to nearest); a float dtype: "
         "as --dtype (default: --dtype). Activations stay in --dtype",

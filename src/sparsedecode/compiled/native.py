@@ -45,18 +45,19 @@ change their frequencies past a length): the native step reads them from a table
 def _linear_fields(module, address) -> list[int]:
     """A linear layer's :data:`~sparsedecode.kernels.cpu.model.LINEAR_FIELDS`, each tensor's address taken by
     ``address(module, name)``."""
-    from ..models.quantized import Int4Linear, Int8Linear
+    from ..models.quantized import Int4Linear, Int5Linear, Int8Linear
 
     kinds, shape = kernel.KINDS, [module.out_features, module.in_features]
     bias = 0 if module.bias is None else address(module, "bias")
     scale = getattr(module, "scale", None)  # a quantized layer's: float16, or float32 (a K-quant's products)
     wide = int(scale is not None and scale.dtype == torch.float32)
-    if type(module) is Int4Linear:
+    if type(module) in (Int4Linear, Int5Linear):
         weights = [address(module, "packed"), address(module, "scale"), address(module, "offset")]
-        return [kinds["int4"], *shape, *weights, bias, 32, wide]
+        high = address(module, "high") if type(module) is Int5Linear else 0
+        return [kinds["int4"], *shape, *weights, bias, 32, wide, high]
     if type(module) is Int8Linear:
-        return [kinds["int8"], *shape, address(module, "q"), address(module, "scale"), 0, bias, module.block, wide]
-    return [kinds["float32"], *shape, address(module, "weight"), 0, 0, bias, 0, 0]
+        return [kinds["int8"], *shape, address(module, "q"), address(module, "scale"), 0, bias, module.block, wide, 0]
+    return [kinds["float32"], *shape, address(module, "weight"), 0, 0, bias, 0, 0, 0]
 
 
 class NativeStep:

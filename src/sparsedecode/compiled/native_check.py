@@ -76,9 +76,9 @@ def _replaced_forward(cls: type) -> bool:
 
 def _tensor_refusal(name: str, module: torch.nn.Module, linear: bool) -> str | None:
     """Every tensor of ``module`` the C call reads: float32 and contiguous (a quantized layer: its own formats)."""
-    from ..models.quantized import Int4Linear, Int8Linear
+    from ..models.quantized import Int4Linear, Int5Linear, Int8Linear
 
-    quantized = type(module) in (Int4Linear, Int8Linear)
+    quantized = type(module) in (Int4Linear, Int5Linear, Int8Linear)
     if linear and not quantized and type(module) is not torch.nn.Linear:
         return f"{name} is a {type(module).__name__}, neither torch's Linear nor one of the quantized layers"
     for attribute, tensor in [*module._parameters.items(), *module._buffers.items()]:  # its own, as registered

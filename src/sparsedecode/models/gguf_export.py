@@ -19,7 +19,7 @@ import torch
 
 from ..errors import SparseDecodeError
 from .gguf_weights import llama_rows, module_name
-from .quantized import Int4Linear, Int8Linear, QuantizedLinear
+from .quantized import Int4Linear, Int5Linear, Int8Linear, QuantizedLinear
 
 
 def export_gguf(model: torch.nn.Module, source: Path, target: Path) -> dict[str, int]:
@@ -93,6 +93,16 @@ def _blocks(layer: QuantizedLinear, source: torch.Tensor, heads: tuple[int, ...]
         scale, offset = _bytes(layer.scale.t()), _bytes(layer.offset.t())
         packed = layer.packed.permute(2, 0, 1).contiguous().numpy()  # (N, groups, 16)
         data, kind = np.concatenate([scale, offset, packed], axis=-1), Q.Q4_1
+    elif (
+        isinstance(layer, Int5Linear)
+        and layer.scale.dtype == torch.float16
+        and torch.equal(layer.offset, -16 * layer.scale)
+    ):  # Q5_0: d, the 32 fifth bits (bit j: input j), the low nibbles in Q4_0's order
+        values = layer.values().permute(2, 0, 1).to(torch.int64)  # (N, groups, 32)
+        bits = ((values >> 4) << torch.arange(32)).sum(-1).numpy().astype("<u4")  # (N, groups), in 0 .. 2^32 - 1
+        fifth = bits.view(np.uint8).reshape(*bits.shape, 4)
+        packed = layer.packed.permute(2, 0, 1).contiguous().numpy()
+        data, kind = np.concatenate([_bytes(layer.scale.t()), fifth, packed], axis=-1), Q.Q5_0
     elif isinstance(layer, Int8Linear) and layer.block == 32 and layer.scale.dtype == torch.float16:
         data, kind = np.concatenate([_bytes(layer.scale), layer.q.numpy().view(np.uint8)], axis=-1), Q.Q8_0
     else:

@@ -1,7 +1,8 @@
 """A model's linear layers loaded from the quantized tensors of the GGUF it was converted from, not de-quantized:
-Q4_0, Q4_1 and Q4_K as :class:`~.quantized.Int4Linear`, Q8_0, Q5_0 and Q6_K as :class:`~.quantized.Int8Linear`, each
-giving the GGUF's own values exactly (:mod:`.quantized`: Q4_0, Q4_1 and Q8_0 byte for byte; Q5_0 with its 5-bit
-values widened to a byte; the K-quants with their scales multiplied out in float32). Tensors of other types (F32,
+Q4_0, Q4_1 and Q4_K as :class:`~.quantized.Int4Linear`, Q5_0 as :class:`~.quantized.Int5Linear`, Q8_0 and Q6_K as
+:class:`~.quantized.Int8Linear`, each giving the GGUF's own values exactly (:mod:`.quantized`: Q4_0, Q4_1 and Q8_0
+byte for byte; Q5_0 with its fifth bits in a plane of their own and -16 d as the offset; the K-quants with their
+scales multiplied out in float32). Tensors of other types (F32,
 F16, Q5_1, the other K-quants) keep the float weights the conversion made of them, which are the GGUF's own values.
 
 Every layer taken is checked against the converted model's weight it replaces: its de-quantized values must equal
@@ -19,7 +20,16 @@ import numpy as np
 import torch
 
 from ..errors import SparseDecodeError
-from .quantized import GROUP, Int4Linear, Int8Linear, int4_from_nibbles, linear_modules, replace_module
+from .quantized import (
+    GROUP,
+    Int4Linear,
+    Int5Linear,
+    Int8Linear,
+    int4_from_nibbles,
+    int5_from_values,
+    linear_modules,
+    replace_module,
+)
 
 SUPER = 256
 """Weights per K-quant super-block."""
@@ -65,8 +75,11 @@ def quantized_layer(tensor, bias: torch.Tensor | None = None):
         blocks = _blocks(tensor, 6 + GROUP // 2)
         high = (np.ascontiguousarray(blocks[..., 2:6]).view(np.uint32) >> np.arange(GROUP, dtype=np.uint32)) & 1
         qs = blocks[..., 6:]
-        q = (np.concatenate([qs & 15, qs >> 4], axis=-1) | (high.astype(np.uint8) << 4)).astype(np.int8) - 16
-        return Int8Linear(torch.from_numpy(q), _half(blocks, 0), bias, source="GGUF Q5_0")
+        q = np.concatenate([qs & 15, qs >> 4], axis=-1) | (high.astype(np.uint8) << 4)  # (N, groups, 32)
+        d = _half(blocks, 0)
+        wide = bool((16 * d).abs().max() > 65504)  # -16 d beyond float16: both in float32
+        values = torch.from_numpy(q.reshape(q.shape[0], -1))
+        return int5_from_values(values, d, -16 * d, bias, "GGUF Q5_0", torch.float32 if wide else torch.float16)
     if kind == "Q8_0":
         blocks = _blocks(tensor, 2 + GROUP)
         q = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8))
@@ -131,6 +144,9 @@ def _reordered(layer, rows: torch.Tensor):
     if isinstance(layer, Int4Linear):
         packed, scale, offset = layer.packed[..., rows], layer.scale[:, rows], layer.offset[:, rows]
         return Int4Linear(packed, scale, offset, layer.bias, layer.source, scale.dtype)
+    if isinstance(layer, Int5Linear):
+        packed, high, scale, offset = layer.packed[..., rows], layer.high[..., rows], layer.scale, layer.offset
+        return Int5Linear(packed, high, scale[:, rows], offset[:, rows], layer.bias, layer.source, scale.dtype)
     return Int8Linear(layer.q[rows], layer.scale[rows], layer.bias, layer.source, layer.scale.dtype)
 
 

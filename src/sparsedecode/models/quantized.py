@@ -1,9 +1,9 @@
 """Weight-only quantized linear layers for the CPU: a decode step reads 4-bit or 8-bit weights, not float ones.
 
-Two formats, both in groups of :data:`GROUP` = 32 consecutive inputs of one output (GGUF's block), scales stored in
-float16 as GGUF stores them (so a layer holds exactly the bytes of its GGUF blocks: 20 per 32 weights for int4, 34
-for int8), or in float32 where a GGUF K-quant's scales are products (:data:`SCALE_DTYPES`); activations in float32
-(quantized to int8 for every product, below):
+Three formats, all in groups of :data:`GROUP` = 32 consecutive inputs of one output (GGUF's block), scales stored in
+float16 as GGUF stores them (so an int4 or int8 layer holds exactly the bytes of its GGUF blocks: 20 per 32 weights
+for int4, 34 for int8; int5 24 against Q5_0's 22), or in float32 where a GGUF K-quant's scales are products
+(:data:`SCALE_DTYPES`); activations in float32 (quantized to int8 for every product, below):
 
 - :class:`Int4Linear`: ``w = q * scale + offset`` with ``q`` in 0..15, two per byte as GGUF packs them (byte ``j`` of
   a group holds input ``j`` in its low nibble and input ``j + 16`` in its high one), the bytes stored group by group
@@ -13,9 +13,11 @@ for int8), or in float32 where a GGUF K-quant's scales are products (:data:`SCAL
   From float weights (:data:`METHODS` ``int4``): each group's minimum and maximum, ``scale = (max - min) / 15``,
   ``offset = min`` (both rounded to float16), ``q`` rounded to nearest (Q4_1's own method).
 - :class:`Int8Linear`: ``w = q * scale``, ``q`` in -127..127 stored ``(N, K / 32, 32)``, one scale per block of
-  32 (or 16) inputs and output. GGUF's Q8_0 (``q * d``) maps exactly, Q5_0 (``(q - 16) * d``, 5-bit ``q``) too, and
-  Q6_K (``d sc (q - 32)`` per sub-block of 16) with blocks of 16 and float32 ``scale = d sc``. From float weights:
+  32 (or 16) inputs and output. GGUF's Q8_0 (``q * d``) maps exactly, and Q6_K (``d sc (q - 32)`` per sub-block
+  of 16) with blocks of 16 and float32 ``scale = d sc``. From float weights:
   ``scale = max |w| / 127`` per group, ``q`` rounded to nearest (Q8_0's own method).
+- :class:`Int5Linear`: Int4Linear's nibbles and a plane of fifth bits, ``w = (nibble + 16 bit) * scale + offset``;
+  GGUF's Q5_0 (``(q - 16) * d``) maps exactly (``scale = d``, ``offset = -16 d``).
 
 Every product first quantizes the activations as llama.cpp does for its dot products (:func:`quantized_activations`:
 int8 per group of 32, the group's ``max |x| / 127`` as scale), so that the layer is one function whatever the number
@@ -201,6 +203,84 @@ class Int8Linear(QuantizedLinear):
         return (q * self.scale.float().unsqueeze(-1)).reshape(self.out_features, self.in_features)
 
 
+class Int5Linear(QuantizedLinear):
+    """:class:`Int4Linear`'s layout with a fifth bit per weight: ``w[n, 32 g + j] = (nibble + 16 bit) * scale[g, n] +
+    offset[g, n]``; ``packed`` as Int4Linear's, the bits in ``high (K/32, 4, N)`` uint8 (byte ``b`` holds in bit ``i``
+    the fifth bit of input ``4 b + i``, in bit ``4 + i`` that of input ``16 + 4 b + i``; ``csrc/qlinear4.h``). GGUF's
+    Q5_0 (``(q - 16) * d``, 5-bit ``q``) maps exactly: ``scale = d``, ``offset = -16 d`` (24 bytes per 32 weights
+    against Q5_0's 22, where int8 took 34)."""
+
+    format = "int5"
+
+    def __init__(self, packed, high, scale, offset, bias=None, source: str = "int5", scale_dtype=torch.float16):
+        groups, half, outputs = packed.shape
+        super().__init__(groups * GROUP, outputs, bias, source)
+        fits = half == GROUP // 2 and packed.dtype == high.dtype == torch.uint8
+        if not fits or high.shape != (groups, 4, outputs) or not scale.shape == offset.shape == (groups, outputs):
+            raise SparseDecodeError(
+                f"Int5Linear: packed (K/32, 16, N) and high (K/32, 4, N) uint8, scales (K/32, N); got "
+                f"{tuple(packed.shape)}, {tuple(high.shape)} and {tuple(scale.shape)}"
+            )
+        _check_scale_dtype(scale_dtype)
+        self.register_buffer("packed", packed.contiguous())
+        self.register_buffer("high", high.contiguous())
+        self.register_buffer("scale", scale.to(scale_dtype).contiguous())
+        self.register_buffer("offset", offset.to(scale_dtype).contiguous())
+
+    def values(self) -> torch.Tensor:
+        """The 5-bit values (0..31) ``(K/32, 32, N)`` uint8."""
+        groups, _, outputs = self.packed.shape
+        shifts = torch.arange(8, dtype=torch.uint8, device=self.high.device).reshape(1, 1, 8, 1)
+        bits = (self.high.unsqueeze(2) >> shifts) & 1  # (groups, 4, 8, N): bit i of byte b
+        fifth = torch.cat([bits[:, :, :4].reshape(groups, 16, outputs), bits[:, :, 4:].reshape(groups, 16, outputs)], 1)
+        return torch.cat([self.packed & 15, self.packed >> 4], dim=1) | (fifth << 4)
+
+    def c_product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.sparsedecode_quantized.int5_linear(x, self.packed, self.high, self.scale, self.offset)
+
+    def fused(self, x: torch.Tensor) -> torch.Tensor:
+        xg = x.reshape(-1, self.packed.shape[0], GROUP, 1)
+        dots = (self.values().float() * xg).sum(-2)  # (rows, groups, N)
+        return (dots * self.scale.float() + self.offset.float() * xg.sum(-2)).sum(-2)
+
+    def dequantized(self) -> torch.Tensor:
+        weight = self.values().float() * self.scale.float().unsqueeze(1) + self.offset.float().unsqueeze(1)
+        return weight.reshape(self.in_features, self.out_features).t()
+
+
+def int5_from_values(
+    values: torch.Tensor, scale, offset, bias=None, source: str = "int5", scale_dtype=torch.float16
+) -> Int5Linear:
+    """An :class:`Int5Linear` from ``values (N, K)`` (0..31) and per-group ``scale``, ``offset (N, K/32)``."""
+    outputs, inputs = values.shape
+    groups = values.to(torch.uint8).reshape(outputs, inputs // GROUP, GROUP)
+    nibbles = groups & 15
+    packed = nibbles[..., : GROUP // 2] | (nibbles[..., GROUP // 2 :] << 4)  # (N, groups, 16)
+    fifth = (groups >> 4).reshape(outputs, inputs // GROUP, 2, 4, 4).to(torch.int32)  # (N, groups, half, byte, bit)
+    weights = (1 << torch.arange(8, dtype=torch.int32)).reshape(2, 1, 4)
+    high = (fifth * weights).sum((-3, -1)).to(torch.uint8)  # (N, groups, 4)
+    return Int5Linear(packed.permute(1, 2, 0), high.permute(1, 2, 0), scale.t(), offset.t(), bias, source, scale_dtype)
+
+
+def quantize_int5(linear: torch.nn.Linear) -> Int5Linear:
+    """``linear`` as :class:`Int5Linear` by int4's method with 32 levels (min-max, round to nearest): the format's
+    own test layers (GGUF's Q5_0 is what a model loads it from)."""
+    values, scale, low = _min_max(linear, 31)
+    return int5_from_values(values, scale, low, linear.bias, "int5 min-max, 32 levels")
+
+
+def _min_max(linear: torch.nn.Linear, top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``linear``'s weight as values ``(N, K)`` in 0..top by each group's minimum and maximum, rounded to nearest,
+    with ``scale = (max - min) / top`` and the minimum ``(N, K/32)``, both rounded to float16."""
+    weight = linear.weight.detach().float()
+    groups = weight.reshape(weight.shape[0], -1, GROUP)
+    low, high = groups.amin(-1).half().float(), groups.amax(-1)
+    scale = ((high - low) / top).half().float()
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    values = ((groups - low.unsqueeze(-1)) / safe.unsqueeze(-1)).round().clamp(0, top)
+    return values.reshape(weight.shape), scale, low
+
+
 def int4_from_nibbles(
     nibbles: torch.Tensor, scale, offset, bias=None, source: str = "int4", scale_dtype=torch.float16
 ) -> Int4Linear:
@@ -213,13 +293,8 @@ def int4_from_nibbles(
 
 def quantize_int4(linear: torch.nn.Linear) -> Int4Linear:
     """``linear`` as :class:`Int4Linear` by :data:`METHODS` ``int4``."""
-    weight = linear.weight.detach().float()
-    groups = weight.reshape(weight.shape[0], -1, GROUP)
-    low, high = groups.amin(-1).half().float(), groups.amax(-1)
-    scale = ((high - low) / 15).half().float()
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    nibbles = ((groups - low.unsqueeze(-1)) / safe.unsqueeze(-1)).round().clamp(0, 15)
-    return int4_from_nibbles(nibbles.reshape(weight.shape), scale, low, linear.bias, "int4 " + METHODS["int4"])
+    nibbles, scale, low = _min_max(linear, 15)
+    return int4_from_nibbles(nibbles, scale, low, linear.bias, "int4 " + METHODS["int4"])
 
 
 def quantize_int8(linear: torch.nn.Linear) -> Int8Linear:
@@ -245,8 +320,9 @@ def replace_module(model: torch.nn.Module, name: str, module: torch.nn.Module) -
 
 def quantize_linears(model: torch.nn.Module, weights: str) -> dict[str, int]:
     """Every linear layer of ``model`` whose inputs come in groups of 32, quantized in place by ``weights``
-    (``int4`` or ``int8``, :data:`METHODS`); returns how many layers each format took (``float`` for those left)."""
-    make = {"int4": quantize_int4, "int8": quantize_int8}[weights]
+    (``int4`` or ``int8``, :data:`METHODS`; ``int5`` by :func:`quantize_int5`); returns how many layers each format
+    took (``float`` for those left)."""
+    make = {"int4": quantize_int4, "int5": quantize_int5, "int8": quantize_int8}[weights]
     counts = {weights: 0, "float": 0}
     for name, linear in linear_modules(model).items():
         if linear.in_features < GROUP or linear.in_features % GROUP:

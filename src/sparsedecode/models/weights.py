@@ -19,8 +19,8 @@ FLOAT_WEIGHTS = ("float32", "bfloat16", "float16")
 QUANTIZED_WEIGHTS = ("gguf", "int8", "int4")
 WEIGHTS = FLOAT_WEIGHTS + QUANTIZED_WEIGHTS
 """What ``weights`` may name: a float dtype (the same as ``dtype``), or a quantized form: ``gguf`` (the linear layers
-from the model's GGUF as they are stored: Q4_0, Q4_1 and Q4_K as int4, Q8_0, Q5_0 and Q6_K as int8, other types
-float), ``int4`` or ``int8`` (quantized from the float weights, :data:`~.quantized.METHODS`)."""
+from the model's GGUF as they are stored: Q4_0, Q4_1 and Q4_K as int4, Q5_0 as int5, Q8_0 and Q6_K as int8, other
+types float), ``int4`` or ``int8`` (quantized from the float weights, :data:`~.quantized.METHODS`)."""
 
 
 def check_weights(weights: str | None, dtype: str | torch.dtype) -> tuple[str | torch.dtype, str | None]:

@@ -11,7 +11,7 @@ from ...errors import SparseDecodeError
 from . import NEEDS_STATISTICS, check_status
 from .functions import c_function
 
-LINEAR_FIELDS = ("kind", "out", "in", "weight", "scale", "offset", "bias", "block", "scale32")
+LINEAR_FIELDS = ("kind", "out", "in", "weight", "scale", "offset", "bias", "block", "scale32", "high")
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LAYER_FIELDS = (
     "norm1", "eps1", "norm2", "eps2", "key", "key_sb", "key_sh", "key_sn", "value", "value_sb", "value_sh", "value_sn",
@@ -22,7 +22,8 @@ LAYER_FIELDS = (
 MODEL_FIELDS = ("layers", "batch", "hidden", "heads", "kv", "d", "inter", "scale", "norm", "eps", "embed", "vocab")
 """The model's fields, then the vocabulary projection's :data:`LINEAR_FIELDS`."""
 KINDS = {"float32": 0, "int4": 4, "int8": 8}
-"""A linear layer's ``kind`` field by its weight format."""
+"""A linear layer's ``kind`` field by its weight format (int5: int4's, with the address of its fifth bits in
+``high``, 0 for int4)."""
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _STEP_ARGS = [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr]

@@ -73,10 +73,10 @@ def load(library: ctypes.CDLL) -> bool:
             if not target.exists():
                 _build(compiler, target)
             shim = ctypes.CDLL(str(target))
-            shim.sparsedecode_set_products.argtypes = [ctypes.c_void_p] * 3
+            shim.sparsedecode_set_products.argtypes = [ctypes.c_void_p] * 4
             shim.sparsedecode_offer_step.argtypes = [ctypes.c_void_p]
             shim.sparsedecode_step_calls.restype = ctypes.c_int64
-            functions = (library.q4_linear, library.q8_linear, library.prepared_step)
+            functions = (library.q4_linear, library.q8_linear, library.prepared_step, library.q5_linear)
             shim.sparsedecode_set_products(*(ctypes.cast(f, ctypes.c_void_p) for f in functions))
             torch.ops.load_library(str(target))  # registers the CPU kernels
             _SHIM, _LOADED = shim, True

@@ -8,8 +8,8 @@
  *   h = rms_norm(x) * w1;  q, k, v = h Wq (+ b), h Wk (+ b), h Wv (+ b);  RoPE on q and k (cos, sin given per row);
  *   k, v written into the layer's cache at n - 1;  a = attention(q, cache[0, n));  x += a Wo (+ b);
  *   h = rms_norm(x) * w2;  x += (silu(h Wgate) * (h Wup)) Wdown
- * then logits = (rms_norm(x) * w) Whead. A linear layer is float32 (N, K), int4 or int8 (qlinear.h, the
- * activations quantized as there). rms_norm(x) = x / sqrt(mean(x^2) + eps); RoPE as transformers' rotate_half
+ * then logits = (rms_norm(x) * w) Whead. A linear layer is float32 (N, K), int4 (int5 with LIN_HIGH: qlinear4.h) or
+ * int8 (qlinear.h, the activations quantized as there). rms_norm(x) = x / sqrt(mean(x^2) + eps); RoPE as transformers' rotate_half
  * (dimension i < d/2 pairs with i + d/2). Attention: a layer without a sparse state, or one whose context fits its
  * support (n <= support), attends over every position (anchor and a window of n - 1: attend_support); then a sparse
  * layer's state moves as the schedule's dense step moves it (sparsedecode/step/schedule.py: after_write of one token,
@@ -22,7 +22,9 @@
  * Tables are int64 fields (pointers as integers; floats as the bits of a float32): the model's M_FIELDS, each
  * layer's L_FIELDS, each linear layer's LIN_FIELDS. */
 
-enum { LIN_KIND, LIN_OUT, LIN_IN, LIN_WEIGHT, LIN_SCALE, LIN_OFFSET, LIN_BIAS, LIN_BLOCK, LIN_SCALE32, LIN_FIELDS };
+enum {
+    LIN_KIND, LIN_OUT, LIN_IN, LIN_WEIGHT, LIN_SCALE, LIN_OFFSET, LIN_BIAS, LIN_BLOCK, LIN_SCALE32, LIN_HIGH, LIN_FIELDS
+};
 enum { LINEAR_F32 = 0, LINEAR_INT4 = 4, LINEAR_INT8 = 8 };
 enum { Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ, LINEARS };
 enum {
@@ -94,8 +96,9 @@ static int make_product(product_t *p, const int64_t *f, const float *x, const qa
     p->lin = f, p->out = out;
     if (f[LIN_KIND] == LINEAR_INT4) {
         p->run = q4_tile;
-        return q4_job(&p->job.q, &p->tasks, &p->parts, pointer(f[LIN_WEIGHT]), pointer(f[LIN_SCALE]),
-                      pointer(f[LIN_OFFSET]), act, out, rows, n, k / 32, f[LIN_SCALE32], threads);
+        return q4_job(&p->job.q, &p->tasks, &p->parts, pointer(f[LIN_WEIGHT]), pointer(f[LIN_HIGH]),
+                      pointer(f[LIN_SCALE]), pointer(f[LIN_OFFSET]), act, out, rows, n, k / 32, f[LIN_SCALE32],
+                      threads);
     }
     if (f[LIN_KIND] == LINEAR_INT8) {
         p->run = q8_rows;

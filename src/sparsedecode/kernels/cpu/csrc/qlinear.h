@@ -22,7 +22,8 @@
  * fits), widened to 32 bits; elsewhere the same sums in plain loops. int8 takes Q8_ROWS outputs at a time, each a sum
  * over 32 contiguous inputs per group (AVX2: |q| times xq with q's sign, multiply-added to 32 bits). Work is split
  * over threads by ranges of groups for int4 (each thread's part of the weight one contiguous stream; weights under
- * Q4_PART bytes stay on one thread) and by rows for int8. */
+ * Q4_PART bytes stay on one thread) and by rows for int8. The int4 products (and int5's, GGUF's Q5_0: int4 with a
+ * plane of fifth bits) are in qlinear4.h, included after this file. */
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -32,6 +33,7 @@ enum { Q4_SPAN = 2048, Q4_CHUNK = 32, Q4_AHEAD = 8, Q4_PART = 1 << 17, Q8_ROWS =
 
 typedef struct {
     const uint8_t *weights;
+    const uint8_t *high;        /* int5: (G, 4, N) the fifth bits (qlinear4.h); NULL for int4 and int8 */
     const void *scale, *offset; /* float16, or float32 with scale32 */
     const int8_t *xq; /* (rows, 32 G) the quantized activations (qact_t) */
     const float *xd;  /* (rows, G) their scales d */
@@ -101,105 +103,12 @@ static void quantize_rows(const float *x, int64_t rows, int64_t groups, int8_t *
     }
 }
 
-/* Outputs n0 .. n0 + count - 1 (count <= Q4_SPAN) of every row over groups g0 .. g1 - 1, into out (rows, n), in
- * plain loops: 32-bit sums per group, then the scales. */
-static void q4_plain(const qjob_t *job, int64_t n0, int64_t count, int64_t g0, int64_t g1, float *out) {
-    int64_t n = job->n;
-    for (int64_t r = 0; r < job->rows; r++) {
-        const int8_t *xq = job->xq + r * job->groups * 32;
-        float total[Q4_SPAN];
-        int32_t sums[Q4_SPAN];
-        for (int64_t i = 0; i < count; i++) total[i] = 0.0f;
-        for (int64_t g = g0; g < g1; g++) {
-            for (int64_t i = 0; i < count; i++) sums[i] = 0;
-            for (int64_t j = 0; j < 16; j++) {
-                int32_t low = xq[g * 32 + j], high = xq[g * 32 + 16 + j];
-                const uint8_t *row = job->weights + (g * 16 + j) * n + n0;
-                for (int64_t i = 0; i < count; i++) sums[i] += (row[i] & 15) * low + (row[i] >> 4) * high;
-            }
-            float d = job->xd[r * job->groups + g], s = job->xs[r * job->groups + g];
-            for (int64_t i = 0; i < count; i++) {
-                int64_t at = g * n + n0 + i;
-                total[i] += (float)sums[i] * (scale_at(job, job->scale, at) * d) + scale_at(job, job->offset, at) * s;
-            }
-        }
-        for (int64_t i = 0; i < count; i++) out[r * n + n0 + i] = total[i];
-    }
-}
-
 #if defined(__AVX2__)
 /* Scales i .. i + 7 of an array of the job's scales. */
 static inline __m256 scales8(const qjob_t *job, const void *p, int64_t i) {
     return job->scale32 ? _mm256_loadu_ps((const float *)p + i) : (__m256)half8((const uint16_t *)p + i);
 }
 
-/* Outputs n0 .. n0 + 32 chunks - 1 of every row over groups g0 .. g1 - 1, into out, with AVX2 (header). After
- * unpacking a lane's bytes, a 16-bit sum vector holds outputs 0-7 and 16-23 of its chunk (pairs[0]) or 8-15 and 24-31
- * (pairs[1]); widening puts them back in order. */
-static void q4_chunks(const qjob_t *job, int64_t n0, int chunks, int64_t g0, int64_t g1, float *out) {
-    int64_t n = job->n;
-    const __m256i nibble = _mm256_set1_epi8(15);
-    for (int64_t r = 0; r < job->rows; r++) {
-        const int8_t *xq = job->xq + r * job->groups * 32;
-        __m256 total[Q4_SPAN / 8];
-        __m256i sums[Q4_SPAN / 8], pairs[Q4_SPAN / 16];
-        for (int64_t g = g0; g < g1; g++) {
-            for (int64_t half = 0; half < 16; half += 8) {
-                for (int64_t j = half; j < half + 8; j++) {
-                    uint16_t both = (uint8_t)xq[g * 32 + j] | (uint16_t)((uint8_t)xq[g * 32 + 16 + j] << 8);
-                    __m256i x = _mm256_set1_epi16((int16_t)both);
-                    const uint8_t *row = job->weights + (g * 16 + j) * n + n0;
-                    for (int c = 0; c < chunks; c++) {
-                        if (!(c & 1)) _mm_prefetch((const char *)(row + Q4_AHEAD * n + Q4_CHUNK * c), _MM_HINT_T0);
-                        __m256i bytes = _mm256_loadu_si256((const __m256i *)(row + Q4_CHUNK * c));
-                        __m256i low = _mm256_and_si256(bytes, nibble);
-                        __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
-                        __m256i a = _mm256_maddubs_epi16(_mm256_unpacklo_epi8(low, high), x);
-                        __m256i b = _mm256_maddubs_epi16(_mm256_unpackhi_epi8(low, high), x);
-                        /* the half's first row starts its sums: no array cleared beforehand */
-                        pairs[2 * c] = j == half ? a : _mm256_add_epi16(pairs[2 * c], a);
-                        pairs[2 * c + 1] = j == half ? b : _mm256_add_epi16(pairs[2 * c + 1], b);
-                    }
-                }
-                for (int c = 0; c < chunks; c++) {
-                    __m256i a = pairs[2 * c], b = pairs[2 * c + 1];
-                    __m256i wide[4] = {_mm256_cvtepi16_epi32(_mm256_castsi256_si128(a)),
-                                       _mm256_cvtepi16_epi32(_mm256_castsi256_si128(b)),
-                                       _mm256_cvtepi16_epi32(_mm256_extracti128_si256(a, 1)),
-                                       _mm256_cvtepi16_epi32(_mm256_extracti128_si256(b, 1))};
-                    for (int i = 0; i < 4; i++) sums[4 * c + i] = half ? _mm256_add_epi32(sums[4 * c + i], wide[i]) : wide[i];
-                }
-            }
-            __m256 d = _mm256_set1_ps(job->xd[r * job->groups + g]), s = _mm256_set1_ps(job->xs[r * job->groups + g]);
-            for (int v = 0; v < 4 * chunks; v++) {
-                int64_t at = g * n + n0 + 8 * v;
-                __m256 scaled = _mm256_mul_ps(scales8(job, job->scale, at), d);
-                __m256 shifted = _mm256_mul_ps(scales8(job, job->offset, at), s);
-                shifted = g == g0 ? shifted : _mm256_add_ps(total[v], shifted);
-                total[v] = _mm256_add_ps(shifted, _mm256_mul_ps(_mm256_cvtepi32_ps(sums[v]), scaled));
-            }
-        }
-        for (int v = 0; v < 4 * chunks; v++) _mm256_storeu_ps(out + r * n + n0 + 8 * v, total[v]);
-    }
-}
-#endif
-
-/* Task = slice * tiles + tile: the outputs of one span over one slice's groups. */
-static int q4_tile(const void *arg, int64_t task) {
-    const qjob_t *job = arg;
-    int64_t tiles = (job->n + job->span - 1) / job->span, slice = task / tiles, tile = task % tiles;
-    int64_t g0 = job->groups * slice / job->slices, g1 = job->groups * (slice + 1) / job->slices;
-    float *out = slice ? job->partial + (slice - 1) * job->rows * job->n : job->out;
-    int64_t n0 = tile * job->span, left = job->n - n0 < job->span ? job->n - n0 : job->span, whole = 0;
-#if defined(__AVX2__)
-    whole = left / Q4_CHUNK * Q4_CHUNK;
-    if (whole) q4_chunks(job, n0, (int)(whole / Q4_CHUNK), g0, g1, out);
-#endif
-    if (left > whole) q4_plain(job, n0 + whole, left - whole, g0, g1, out);
-    return 0;
-}
-
-#if defined(__AVX2__)
 /* One group's 32 products of int8 weights w and activations x, summed in 8 lanes of 32 bits as floats. */
 static inline __m256 q8_dots(const int8_t *w, const int8_t *x) {
     __m256i wg = _mm256_loadu_si256((const __m256i *)w), xg = _mm256_loadu_si256((const __m256i *)x);
@@ -295,51 +204,12 @@ static void quantize_into(const qact_t *act, const float *x, int64_t rows, int64
     quantize_rows(x, rows, groups, act->xq, act->xd, act->xs);
 }
 
-/* The int4 product of the quantized activations act (rows, 32 groups) into out (rows, n) as `*tasks` tasks of
- * q4_tile for up to `*parts` threads, in *job; q4_add_partials then completes out. Returns 0, or -1 when memory ran
- * out (nothing to complete). */
-static int q4_job(qjob_t *job, int64_t *tasks, int64_t *parts, const uint8_t *packed, const void *scale,
-                  const void *offset, const qact_t *act, float *out, int64_t rows, int64_t n, int64_t groups,
-                  int64_t scale32, int64_t threads) {
-    int64_t slices = threads < 1 ? 1 : threads > groups ? groups : threads, size = groups * 16 * n;
-    if (slices > 1 + size / Q4_PART) slices = 1 + size / Q4_PART; /* a small weight: a second thread costs more */
-    int64_t span = n > Q4_SPAN ? Q4_SPAN : (n + Q4_CHUNK - 1) / Q4_CHUNK * Q4_CHUNK, tiles = (n + span - 1) / span;
-    /* each thread sums its own range of groups over every output: a contiguous part of the packed weight, read as
-     * one stream (split by outputs, each thread read every other piece of each row, at about half the rate) */
-    float *partial = slices > 1 ? malloc((size_t)((slices - 1) * rows * n) * sizeof(float)) : NULL;
-    if (slices > 1 && !partial) return -1;
-    *job = (qjob_t){packed, scale, offset, act->xq, act->xd, act->xs, out, rows, n, groups, span, 32, scale32, slices,
-                    partial};
-    *tasks = slices * tiles, *parts = slices;
-    return 0;
-}
-
-/* out += the sums of slices 1 .. slices - 1 (in that order), once every task of q4_job's job has run. */
-static void q4_add_partials(qjob_t *job) {
-    int64_t size = job->rows * job->n;
-    for (int64_t p = 1; p < job->slices; p++)
-        for (int64_t i = 0; i < size; i++) job->out[i] += job->partial[(p - 1) * size + i];
-    free(job->partial);
-    job->partial = NULL;
-}
-
-/* out (rows, n) = the quantized activations act (rows, 32 groups) times the int4 weight. */
-static int q4_product(const uint8_t *packed, const void *scale, const void *offset, const qact_t *act, float *out,
-                      int64_t rows, int64_t n, int64_t groups, int64_t scale32, int64_t threads) {
-    qjob_t job;
-    int64_t tasks, parts;
-    if (q4_job(&job, &tasks, &parts, packed, scale, offset, act, out, rows, n, groups, scale32, threads)) return -1;
-    int status = parallel(q4_tile, &job, tasks, parts, 0);
-    q4_add_partials(&job);
-    return status;
-}
-
 /* The int8 product of act into out (rows, n) as `*tasks` tasks of q8_rows (Q8_ROWS outputs each) for up to
  * `*parts` threads, in *job. */
 static void q8_job(qjob_t *job, int64_t *tasks, int64_t *parts, const int8_t *q, const void *scale,
                    const qact_t *act, float *out, int64_t rows, int64_t n, int64_t groups, int64_t block,
                    int64_t scale32, int64_t threads) {
-    *job = (qjob_t){(const uint8_t *)q, scale, NULL, act->xq, act->xd, act->xs, out, rows, n, groups, 0, block,
+    *job = (qjob_t){(const uint8_t *)q, NULL, scale, NULL, act->xq, act->xd, act->xs, out, rows, n, groups, 0, block,
                     scale32, 1, NULL};
     *tasks = (n + Q8_ROWS - 1) / Q8_ROWS;
     *parts = threads < *tasks ? threads : *tasks;
@@ -352,18 +222,6 @@ static int q8_product(const int8_t *q, const void *scale, const qact_t *act, flo
     int64_t tasks, parts;
     q8_job(&job, &tasks, &parts, q, scale, act, out, rows, n, groups, block, scale32, threads);
     return parallel(q8_rows, &job, tasks, parts, 0);
-}
-
-/* out (rows, n) = x (rows, 32 groups) times the int4 weight (its activations quantized first). */
-int q4_linear(const uint8_t *packed, const void *scale, const void *offset, const float *x, float *out, int64_t rows,
-              int64_t n, int64_t groups, int64_t scale32, int64_t threads) {
-    void *space = malloc(qact_bytes(rows * groups));
-    if (!space) return -1;
-    qact_t act = qact_at(space, rows * groups);
-    quantize_into(&act, x, rows, groups);
-    int status = q4_product(packed, scale, offset, &act, out, rows, n, groups, scale32, threads);
-    free(space);
-    return status;
 }
 
 /* out (rows, n) = x (rows, 32 groups) times the int8 weight (its activations quantized first). */

@@ -27,6 +27,8 @@ using torch::stable::Tensor;
 
 typedef int (*int4_product)(const uint8_t *, const void *, const void *, const float *, float *, int64_t, int64_t,
                             int64_t, int64_t, int64_t);
+typedef int (*int5_product)(const uint8_t *, const uint8_t *, const void *, const void *, const float *, float *,
+                            int64_t, int64_t, int64_t, int64_t, int64_t);
 typedef int (*int8_product)(const int8_t *, const void *, const float *, float *, int64_t, int64_t, int64_t, int64_t,
                             int64_t, int64_t);
 
@@ -36,10 +38,12 @@ typedef int (*prepared_call)(const void *, const void *, int64_t, int64_t, const
 
 static int4_product q4 = nullptr;
 static int8_product q8 = nullptr;
+static int5_product q5 = nullptr;
 static prepared_call prepared = nullptr;
 
-extern "C" void sparsedecode_set_products(void *int4, void *int8, void *step) {
+extern "C" void sparsedecode_set_products(void *int4, void *int8, void *step, void *int5) {
     q4 = reinterpret_cast<int4_product>(int4);
+    q5 = reinterpret_cast<int5_product>(int5);
     q8 = reinterpret_cast<int8_product>(int8);
     prepared = reinterpret_cast<prepared_call>(step);
 }
@@ -95,6 +99,26 @@ Tensor int4_linear(Tensor x, Tensor packed, Tensor scale, Tensor offset) {
     return out;
 }
 
+/* x (rows, K) times packed (K/32, 16, N) and high (K/32, 4, N) uint8 with scale and offset (K/32, N): (rows, N). */
+Tensor int5_linear(Tensor x, Tensor packed, Tensor high, Tensor scale, Tensor offset) {
+    STD_TORCH_CHECK(q5 != nullptr && packed.dim() == 3 && packed.size(1) == 16, "int5_linear: packed (K/32, 16, N)");
+    int64_t groups = packed.size(0), n = packed.size(2);
+    STD_TORCH_CHECK(high.dim() == 3 && high.size(0) == groups && high.size(1) == 4 && high.size(2) == n,
+                    "int5_linear: high (K/32, 4, N)");
+    Tensor input = activations(x, groups * 32);
+    check_weight(packed, ScalarType::Byte, "packed weights");
+    check_weight(high, ScalarType::Byte, "fifth bits");
+    int64_t wide = wide_scales(scale);
+    check_weight(offset, scale.scalar_type(), "offsets");
+    STD_TORCH_CHECK(scale.numel() == groups * n && offset.numel() == groups * n, "int5_linear: scales (K/32, N)");
+    Tensor out = output(input.size(0), n);
+    check_status(q5(static_cast<const uint8_t *>(packed.data_ptr()), static_cast<const uint8_t *>(high.data_ptr()),
+                    scale.data_ptr(), offset.data_ptr(), static_cast<const float *>(input.data_ptr()),
+                    static_cast<float *>(out.data_ptr()), input.size(0), n, groups, wide,
+                    torch::stable::get_num_threads()));
+    return out;
+}
+
 /* x (rows, K) times q (N, K/32, 32) int8 with scale (N, K/block), block 32 or 16: (rows, N) float32. */
 Tensor int8_linear(Tensor x, Tensor q, Tensor scale) {
     STD_TORCH_CHECK(q8 != nullptr && q.dim() == 3 && q.size(2) == 32, "int8_linear: q (N, K/32, 32)");
@@ -113,6 +137,7 @@ Tensor int8_linear(Tensor x, Tensor q, Tensor scale) {
 
 STABLE_TORCH_LIBRARY_IMPL(sparsedecode_quantized, CPU, m) {
     m.impl("int4_linear", TORCH_BOX(&int4_linear));
+    m.impl("int5_linear", TORCH_BOX(&int5_linear));
     m.impl("int8_linear", TORCH_BOX(&int8_linear));
 }
 
