@@ -169,15 +169,20 @@ def _prompt(length: int = 150) -> torch.Tensor:
     return torch.randint(0, 90, (1, length), generator=torch.Generator().manual_seed(3))
 
 
-@pytest.mark.parametrize("weights", ["gguf", "int4", "int8"])
+@pytest.mark.parametrize("weights", ["gguf", "gguf Q5_0", "int4", "int8"])
 def test_full_support_decodes_the_quantized_models_own_dense_tokens(tmp_path, weights, monkeypatch):
     """The exactness oracle within the quantized model: S covering the context reproduces its dense decoding, in the
-    session and in the compiled step (the fused products traced; aot_eager runs them as written)."""
+    session and in the compiled step (the fused products traced; aot_eager runs them as written). ``gguf``: Q4_1
+    and Q8_0 layers; ``gguf Q5_0``: Q5_0 (int5) and Q8_0."""
     from sparsedecode.compiled import decoder as compiled
 
     monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
     model = tiny_model("llama")
-    apply_weights(model, weights, _tiny_gguf(tmp_path, model) if weights == "gguf" else None, "tiny")
+    if weights.startswith("gguf"):
+        kinds = (Q.Q5_0, Q.Q8_0) if weights == "gguf Q5_0" else (Q.Q4_1, Q.Q8_0)
+        apply_weights(model, "gguf", _tiny_gguf(tmp_path, model, kinds), "tiny")
+    else:
+        apply_weights(model, weights, None, "tiny")
     ids, full = _prompt(), SparseConfig(support=193)
     dense = generate(model, ids, None, 16, mode="dense")
     compiled_dense = generate(model, ids, None, 16, mode="dense", compile=True)
