@@ -160,6 +160,12 @@ def test_q5_0_layers_load_as_int5_decode_as_converted_and_export_byte_for_byte(t
     assert generate(model, _prompt(), None, 12, mode="dense").tokens == dense_before
     target = tmp_path / "again.gguf"
     assert export_gguf(model, path, target) == {"Q5_0": 12, "Q8_0": 3}
+    huge = np.random.default_rng(1).standard_normal((8, 64)).astype(np.float32) * 2e5  # -16 d beyond float16
+    _, tensors = _reader(tmp_path / "huge", {"w": (huge, Q.Q5_0)})
+    wide = quantized_layer(tensors["w"])
+    assert wide.scale.dtype == torch.float32 and bool(((16 * wide.scale).abs() > 65504).any())
+    expected = gguf.quants.dequantize(tensors["w"].data, Q.Q5_0).reshape(8, 64)
+    assert torch.equal(wide.dequantized(), torch.from_numpy(expected.copy()))
     written, original = gguf.GGUFReader(str(target)), gguf.GGUFReader(str(path))
     for ours, theirs in zip(written.tensors, original.tensors, strict=True):
         assert ours.tensor_type == theirs.tensor_type and np.array_equal(ours.data, theirs.data), ours.name

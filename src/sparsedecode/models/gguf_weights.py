@@ -1,9 +1,9 @@
-"""A model's linear layers loaded from the quantized tensors of the GGUF it was converted from, not de-quantized:
-Q4_0, Q4_1 and Q4_K as :class:`~.quantized.Int4Linear`, Q5_0 as :class:`~.quantized.Int5Linear`, Q8_0 and Q6_K as
+"""A model's linear layers loaded from the quantized tensors of the GGUF it was converted from, not de-quantized: Q4_0,
+Q4_1 and Q4_K as :class:`~.quantized.Int4Linear`, Q5_0 as :class:`~.quantized.Int5Linear`, Q8_0 and Q6_K as
 :class:`~.quantized.Int8Linear`, each giving the GGUF's own values exactly (:mod:`.quantized`: Q4_0, Q4_1 and Q8_0
 byte for byte; Q5_0 with its fifth bits in a plane of their own and -16 d as the offset; the K-quants with their
-scales multiplied out in float32). Tensors of other types (F32,
-F16, Q5_1, the other K-quants) keep the float weights the conversion made of them, which are the GGUF's own values.
+scales multiplied out in float32). Tensors of other types (F32, F16, Q5_1, the other K-quants) keep the float weights
+the conversion made of them, which are the GGUF's own values.
 
 Every layer taken is checked against the converted model's weight it replaces: its de-quantized values must equal
 those (rounded to the model's dtype) element for element, so a wrong name, row order or byte layout is refused
