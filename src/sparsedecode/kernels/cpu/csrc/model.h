@@ -9,15 +9,15 @@
  *   k, v written into the layer's cache at n - 1;  a = attention(q, cache[0, n));  x += a Wo (+ b);
  *   h = rms_norm(x) * w2;  x += (silu(h Wgate) * (h Wup)) Wdown
  * then logits = (rms_norm(x) * w) Whead. A linear layer is float32 (N, K), int4 (int5 with LIN_HIGH: qlinear4.h) or
- * int8 (qlinear.h, the activations quantized as there). rms_norm(x) = x / sqrt(mean(x^2) + eps); RoPE as transformers' rotate_half
- * (dimension i < d/2 pairs with i + d/2). Attention: a layer without a sparse state, or one whose context fits its
- * support (n <= support), attends over every position (anchor and a window of n - 1: attend_support); then a sparse
- * layer's state moves as the schedule's dense step moves it (sparsedecode/step/schedule.py: after_write of one token,
- * decode_step ending the chain, count_step of dense rows). Otherwise it is prepared_step over the layer's row table,
- * which may return NEEDS_STATISTICS before attending: a layer keeping block means only (L_MEANS) completes them
- * here (complete_means) and calls it again; for any other the call stops with that status and the layer in
- * *stopped, the caller completes the statistics and calls again from that layer with `resumed` (q, k and v are
- * kept in the work buffer, the cache written already).
+ * int8 (qlinear.h, the activations quantized as there). rms_norm(x) = x / sqrt(mean(x^2) + eps); RoPE as transformers'
+ * rotate_half (dimension i < d/2 pairs with i + d/2). Attention: a layer without a sparse state, or one whose context
+ * fits its support (n <= support), attends over every position (anchor and a window of n - 1: attend_support); then a
+ * sparse layer's state moves as the schedule's dense step moves it (sparsedecode/step/schedule.py: after_write of one
+ * token, decode_step ending the chain, count_step of dense rows). Otherwise it is prepared_step over the layer's row
+ * table, which may return NEEDS_STATISTICS before attending: a layer keeping block means only (L_MEANS) completes them
+ * here (complete_means) and calls it again; for any other the call stops with that status and the layer in *stopped,
+ * the caller completes the statistics and calls again from that layer with `resumed` (q, k and v are kept in the work
+ * buffer, the cache written already).
  *
  * Tables are int64 fields (pointers as integers; floats as the bits of a float32): the model's M_FIELDS, each
  * layer's L_FIELDS, each linear layer's LIN_FIELDS. */

@@ -82,7 +82,8 @@ static inline __attribute__((always_inline)) void q4_chunks_as(const qjob_t *job
                                        _mm256_cvtepi16_epi32(_mm256_castsi256_si128(b)),
                                        _mm256_cvtepi16_epi32(_mm256_extracti128_si256(a, 1)),
                                        _mm256_cvtepi16_epi32(_mm256_extracti128_si256(b, 1))};
-                    for (int i = 0; i < 4; i++) sums[4 * c + i] = part ? _mm256_add_epi32(sums[4 * c + i], wide[i]) : wide[i];
+                    for (int i = 0; i < 4; i++)
+                        sums[4 * c + i] = part ? _mm256_add_epi32(sums[4 * c + i], wide[i]) : wide[i];
                 }
             }
             __m256 d = _mm256_set1_ps(job->xd[r * job->groups + g]), s = _mm256_set1_ps(job->xs[r * job->groups + g]);
@@ -135,8 +136,8 @@ static int q4_job(qjob_t *job, int64_t *tasks, int64_t *parts, const uint8_t *pa
      * one stream (split by outputs, each thread read every other piece of each row, at about half the rate) */
     float *partial = slices > 1 ? malloc((size_t)((slices - 1) * rows * n) * sizeof(float)) : NULL;
     if (slices > 1 && !partial) return -1;
-    *job = (qjob_t){packed, high, scale, offset, act->xq, act->xd, act->xs, out, rows, n, groups, span, 32, scale32, slices,
-                    partial};
+    *job = (qjob_t){packed, high, scale, offset, act->xq, act->xd, act->xs, out, rows, n, groups, span, 32, scale32,
+                    slices, partial};
     *tasks = slices * tiles, *parts = slices;
     return 0;
 }
