@@ -30,6 +30,7 @@ from .guards import drop_module_guards, model_fingerprint, weight_versions
 from .memory import place_statistics, static_cache
 from .native import NATIVE, NativeStep
 from .op import STATE, STATIC_ATTENTION, allocate, raise_kept, static_attention_forward, step_form
+from .prepared import prompt_statistics
 
 _NOTHING = contextlib.nullcontext()
 CACHE_ROUND = 512
@@ -176,20 +177,11 @@ class CompiledDecoder:
             form = step_form(cfg, self.device, form)
             modules = attention_modules(model)
             check_named_layers(cfg, modules)
+            shape = (batch, kv_heads, head_dim, max_len, self.device, form, heads)
             for module in modules:
                 if module.layer_idx in cfg.dense_layers:
                     continue  # a module without step buffers decodes dense
-                self.states[module] = allocate(
-                    cfg.for_layer(module.layer_idx),
-                    module.layer_idx,
-                    batch,
-                    kv_heads,
-                    head_dim,
-                    max_len,
-                    self.device,
-                    form,
-                    heads,
-                )
+                self.states[module] = allocate(cfg.for_layer(module.layer_idx), module.layer_idx, *shape)
             place_statistics(self.states, self.device)  # one buffer on huge pages (compiled/memory.py)
         self._row_linears = {}
         if compile_cpu.uses_row_products(model, self.device):
@@ -292,6 +284,9 @@ class CompiledDecoder:
             logits = self.extend(ids[:, start : start + chunk], logits_to_keep=1)[:, -1]
             if progress:
                 progress("prefill", self.position, length)
+        for state in self.states.values():  # the host-free forms' are filled by the forwards themselves
+            if not state.host_free:
+                prompt_statistics(state, self.cache.layers[state.layer].keys, length)
         return logits
 
     @torch.no_grad()
@@ -350,12 +345,14 @@ class CompiledDecoder:
     def resume(self, length: int) -> None:
         """The cache holds a prompt of ``length`` positions prefilled elsewhere (another decoder sharing it): decode
         from there, deriving nothing from earlier steps (the state is reset; the first step reads the prompt's
-        blocks afresh)."""
+        blocks afresh; their statistics are computed here, as a prefill's are)."""
         for state in self.states.values():
             state.reset()
+            keys = self.cache.layers[state.layer].keys
             if state.host_free:  # its statistics are filled by the forwards that write keys: fill the prompt's
-                keys = self.cache.layers[state.layer].keys
                 fill_statistics(state.stats, state.kinds, keys, 0, length, state.cfg.block_size)
+            else:
+                prompt_statistics(state, keys, length)
         self.position = length
 
     def load(self, caches, length: int) -> None:
