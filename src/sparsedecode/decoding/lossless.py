@@ -12,7 +12,7 @@ import torch
 
 from ..session.kv_cache import crop_cache, crop_rewinds, restore, snapshot
 from ..step.schedule import dense_forwards
-from .loop import Progress, decode_one_token
+from .loop import Progress, argmax_rows, decode_one_token
 
 MAX_DRAFT_TOKENS = 16
 """The longest draft an adaptive ``k`` grows to, unless told otherwise."""
@@ -82,7 +82,7 @@ class SessionDrafter:
         self.start = snapshot(self.cache)  # the round's start (copies only the layers crop cannot take back)
         drafts = []
         for _ in range(k):
-            token = int(decode_one_token(self.model, self.cache, torch.tensor([token], device=self.device))[0].argmax())
+            token = argmax_rows(decode_one_token(self.model, self.cache, torch.tensor([token], device=self.device))[0])
             drafts.append(token)
         restore(self.cache, self.start)
         return drafts
@@ -93,7 +93,7 @@ class SessionDrafter:
             logits = self.model(
                 input_ids=self.ids, cache=self.cache, use_cache=True, position_ids=self._at(len(ids))
             ).logits
-        return logits[0].argmax(dim=-1).tolist()
+        return argmax_rows(logits[0])
 
     def _at(self, count: int) -> torch.Tensor:
         """The position ids of ``count`` tokens fed after the kept ones (given: a model may count from 0 without)."""
@@ -122,13 +122,13 @@ class StaticDrafter:
     def draft(self, token: int, k: int) -> list[int]:
         start, drafts = self.decoder.position, []
         for _ in range(k):
-            token = int(self.decoder.step(torch.tensor([token], device=self.device))[0].argmax())
+            token = argmax_rows(self.decoder.step(torch.tensor([token], device=self.device))[0])
             drafts.append(token)
         self.decoder.position = start
         return drafts
 
     def verify(self, ids: list[int]) -> list[int]:
-        return self.decoder.extend(torch.tensor([ids], device=self.device))[0].argmax(dim=-1).tolist()
+        return argmax_rows(self.decoder.extend(torch.tensor([ids], device=self.device))[0])
 
     def retain(self, fed: int, kept: int) -> None:
         self.decoder.position -= fed - kept
