@@ -48,6 +48,7 @@ def generate_compiled(model, ids, mask, cfg, max_new_tokens: int, mode: str, eos
             progress=progress,
             stage=f"{mode} decode (compiled)",
             step_fn=decoder.step,
+            nll=False,
         )
         decode_s = time.perf_counter() - started
     return [

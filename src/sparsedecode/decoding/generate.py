@@ -113,6 +113,7 @@ def generate(
             stop=eos_token_id,
             progress=progress,
             stage=f"{mode} decode",
+            nll=False,
         )
     decode_s = time.perf_counter() - started
     generations = [Generation(mode, [head, *tail], prefill_s, decode_s) for head, tail in zip(first, rest)]

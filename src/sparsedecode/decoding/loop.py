@@ -43,6 +43,12 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
     return logits.argmax(dim=-1).tolist()
 
 
+def _nll(logits: torch.Tensor, targets: list[int]) -> list[float]:
+    """Each row's negative log-likelihood of its target under ``logits (B, vocab)``."""
+    target_ids = torch.tensor(targets, device=logits.device)
+    return (torch.logsumexp(logits, dim=-1) - logits.gather(1, target_ids[:, None])[:, 0]).tolist()
+
+
 def left_pad(prompts: Sequence[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack prompts (each ``(1, P_i)`` or ``(P_i,)``) left-padded with ``pad_id``: ``ids, mask``, both ``(B, P)``."""
     rows = [p.reshape(-1) for p in prompts]
@@ -154,9 +160,10 @@ def decode_tokens(
     progress: Progress | None = None,
     stage: str = "decode",
     step_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    nll: bool = True,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """``steps`` one-token steps from ``first`` (a token per sequence); per sequence, the argmax and the NLL of the
-    step's target at every step.
+    step's target at every step (with ``nll=False``, none: empty lists, no log-sum-exp over the vocabulary).
 
     The target of step ``s`` (``1 .. steps``), the token fed next, is ``teacher[i][s]`` while the sequence's teacher
     lasts (teacher forcing, or feeding known tokens such as a question), its own argmax afterwards (greedy). ``stop``
@@ -169,10 +176,8 @@ def decode_tokens(
     """
     device = next(model.parameters()).device
     batch = len(first)
-    stops = None
-    if callable(stop):
-        stopped = stop
-    else:
+    stopped, stops = stop, None
+    if not callable(stop):
         stops = set() if stop is None else {stop} if isinstance(stop, int) else set(stop)
 
         def stopped(greedy: list[int]) -> bool:
@@ -185,7 +190,7 @@ def decode_tokens(
     fed = [int(t) for t in first]
     tokens = torch.tensor(fed, device=device)
     argmaxes: list[list[int]] = [[] for _ in range(batch)]
-    nll: list[list[float]] = [[] for _ in range(batch)]
+    nlls: list[list[float]] = [[] for _ in range(batch)]
     head = [[] if forced[i] else [fed[i]] for i in range(batch)]  # without a teacher, first is a greedy token too
 
     def greedy(i: int) -> list[int]:
@@ -204,14 +209,14 @@ def decode_tokens(
             logits = decode_one_token(model, cache, tokens)
         best = argmax_rows(logits)
         targets = [forced[i][step] if step < len(forced[i]) else best[i] for i in range(batch)]
-        target_ids = torch.tensor(targets, device=device)
-        step_nll = (torch.logsumexp(logits, dim=-1) - logits.gather(1, target_ids[:, None])[:, 0]).tolist()
+        step_nll = _nll(logits, targets) if nll else None
         for i in range(batch):
             if done[i]:
                 targets[i] = fed[i]  # a stopped sequence is fed its stop token again; nothing is kept
                 continue
             argmaxes[i].append(best[i])
-            nll[i].append(step_nll[i])
+            if step_nll is not None:
+                nlls[i].append(step_nll[i])
             if step >= len(forced[i]):  # a greedy step (a set of stop ids needs only its token)
                 done[i] = best[i] in stops if stops is not None else stopped(greedy(i))
             fed[i] = targets[i]
@@ -220,4 +225,4 @@ def decode_tokens(
         tokens = torch.tensor(targets, device=device)
         if progress:
             progress(stage, step, steps)
-    return argmaxes, nll
+    return argmaxes, nlls

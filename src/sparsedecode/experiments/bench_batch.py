@@ -194,7 +194,7 @@ def _alone(model, modes, caches, firsts, context: int, tokens: int, context_for,
         for i, cache in enumerate(caches):
             with context_for(mode):
                 (out,), _ = decode_tokens(
-                    model, cache, [firsts[i]], tokens, progress=progress, stage=f"{mode[0]} alone"
+                    model, cache, [firsts[i]], tokens, progress=progress, stage=f"{mode[0]} alone", nll=False
                 )
             crop_cache(cache, context)
             outs.append(out)
@@ -219,7 +219,9 @@ def _measure_batch(
             begun = time.perf_counter()
             with context_for(mode):
                 padded = None if b == 1 else mask  # batch 1 runs as one prompt does
-                outs, _ = decode_tokens(model, stacked, firsts[:b], tokens, mask=padded, progress=progress, stage=stage)
+                outs, _ = decode_tokens(
+                    model, stacked, firsts[:b], tokens, mask=padded, progress=progress, stage=stage, nll=False
+                )
             times[mode].append(time.perf_counter() - begun)
             crop_cache(stacked, context)
             outputs[mode] = outs

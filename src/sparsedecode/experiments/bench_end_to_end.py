@@ -151,7 +151,7 @@ def _eager_modes(
 
     def timed(cache, stage: str) -> tuple[float, list[int]]:
         begun = time.perf_counter()
-        (out,), _ = decode_tokens(model, cache, [first], tokens, progress=progress, stage=stage)
+        (out,), _ = decode_tokens(model, cache, [first], tokens, progress=progress, stage=stage, nll=False)
         elapsed = time.perf_counter() - begun
         crop_cache(cache, context)
         return elapsed, out
@@ -255,7 +255,9 @@ def compiled_decode(model, decoder, context: int, heads: list[int], tokens: int,
     with decoder.installed():
         decoder.resume(context)
         begun = time.perf_counter()
-        outs, _ = decode_tokens(model, None, heads, tokens, progress=progress, stage=stage, step_fn=decoder.step)
+        outs, _ = decode_tokens(
+            model, None, heads, tokens, progress=progress, stage=stage, step_fn=decoder.step, nll=False
+        )
         return time.perf_counter() - begun, outs
 
 

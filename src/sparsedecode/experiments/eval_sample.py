@@ -64,7 +64,7 @@ def answer(model, tokenizer, sample: Sample, cache, cfg: SparseConfig | None, *,
         if cfg is not None and cfg.selector.uses_history:
             session.adopt_history(cache, history)
         steps = len(question) - 1 + sample.max_new_tokens  # feed the question, then decode the answer
-        (out,), _ = decode_tokens(model, cache, question[:1], steps, teacher=[question], stop=stop)
+        (out,), _ = decode_tokens(model, cache, question[:1], steps, teacher=[question], stop=stop, nll=False)
     generated = out[len(question) - 1 :]
     reason = "eos" if generated and generated[-1] in stop else "length"
     if reason == "eos":

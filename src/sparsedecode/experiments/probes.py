@@ -62,7 +62,9 @@ def mass_probe(
         if history is not None:
             session.adopt_history(cache, history)
         session.observers.append(audit)
-        (generated,), _ = decode_tokens(model, cache, [first], tokens - 1, progress=progress, stage="audited decode")
+        (generated,), _ = decode_tokens(
+            model, cache, [first], tokens - 1, progress=progress, stage="audited decode", nll=False
+        )
     crop_cache(cache, prompt_ids.shape[1])
     arrays = audit.arrays()
     return MassProbe(

@@ -175,7 +175,7 @@ def answer(
             if cfg.selector.uses_history:  # H2O keeps the attention history of the prefill
                 session.adopt_history(cache, history or prefill_history(model, prompt.ids[:, : prompt.question_start]))
         steps = len(question) - 1 + answer_tokens  # feed the question, then decode the answer
-        (out,), _ = decode_tokens(model, cache, question[:1], steps, teacher=[question])
+        (out,), _ = decode_tokens(model, cache, question[:1], steps, teacher=[question], nll=False)
         generated = out[len(question) - 1 :]
     decode_s = time.perf_counter() - started
     crop_cache(cache, prompt.question_start)

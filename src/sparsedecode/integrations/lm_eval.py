@@ -264,7 +264,13 @@ class SparseDecodeLM(HFLM):
         if fed:
             with sparse_decoding(self.model, self.sparse_config):
                 decode_tokens(
-                    self.model, cache, fed[:1], len(fed), teacher=[fed], on_logits=lambda _, x: scored.append(x[0])
+                    self.model,
+                    cache,
+                    fed[:1],
+                    len(fed),
+                    teacher=[fed],
+                    on_logits=lambda _, x: scored.append(x[0]),
+                    nll=False,
                 )
         last = torch.stack(scored[-len(continuation) :])
         targets = torch.tensor(continuation, device=last.device)
@@ -318,11 +324,13 @@ class SparseDecodeLM(HFLM):
             new = []
         elif fed:
             with sparse_decoding(self.model, self.sparse_config):
-                (out,), _ = decode_tokens(self.model, cache, fed[:1], len(fed) - 1 + budget, teacher=[fed], stop=done)
+                (out,), _ = decode_tokens(
+                    self.model, cache, fed[:1], len(fed) - 1 + budget, teacher=[fed], stop=done, nll=False
+                )
             new = out[len(fed) - 1 :]
         else:  # the first new token comes from the prefill
             first = int(logits[0].argmax())
             with sparse_decoding(self.model, self.sparse_config):
-                (out,), _ = decode_tokens(self.model, cache, [first], budget - 1, stop=done)
+                (out,), _ = decode_tokens(self.model, cache, [first], budget - 1, stop=done, nll=False)
             new = [first, *out]
         return torch.tensor([ids + new], device=context.device)

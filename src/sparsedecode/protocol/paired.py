@@ -242,7 +242,9 @@ def _free_run(model, cfg, cache, mask, dense, adopt, session_hook, progress, seq
         if session_hook:
             session_hook("free", session)
         first = [d[0] for d in dense]
-        free, _ = decode_tokens(model, cache, first, tokens - 1, mask=mask, progress=progress, stage="sparse decode")
+        free, _ = decode_tokens(
+            model, cache, first, tokens - 1, mask=mask, progress=progress, stage="sparse decode", nll=False
+        )
     seconds = time.perf_counter() - started
     totals = len(sequences) == 1  # one prompt, or a batch of one (which runs as one prompt does)
     stats = {
