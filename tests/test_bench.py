@@ -289,7 +289,8 @@ def test_bench_e2e_baseline_runs_llama_cpp_in_the_rotation(monkeypatch, tmp_path
     from sparsedecode.experiments.llama_engine import LlamaCpp
 
     log = fake_llama_cpp(monkeypatch, tmp_path)
-    monkeypatch.setattr(bench_end_to_end, "read_bandwidth_gbs", lambda *a, **k: 10.0)  # structure, not speed
+    reads = iter([10.0, 8.0])  # before the timed runs, then after: the bound takes the better (structure, not speed)
+    monkeypatch.setattr(bench_end_to_end, "read_bandwidth_gbs", lambda *a, **k: next(reads))
     gguf = _gguf_file(tmp_path / "model.gguf")
     engines = {LLAMA_CPP: LlamaCpp(gguf, 220, 2), LLAMA_CPP_FLASH: LlamaCpp(gguf, 220, 2, flash_attn=True)}
     ids = prompt(200)
@@ -316,6 +317,7 @@ def test_bench_e2e_baseline_runs_llama_cpp_in_the_rotation(monkeypatch, tmp_path
     dense = rows[0]
     assert sparse.bytes_per_token_mb < dense.bytes_per_token_mb
     assert dense.bound_tokens_per_s == pytest.approx(10e9 / (dense.bytes_per_token_mb * 1e6))
+    assert next(reads, None) is None  # both reads made
     assert notes(log, "prompt")[-1] == ids[0].tolist()  # llama.cpp was handed the same token ids
     made = notes(log, "made")
     assert [m["flash_attn"] for m in made] == [False, True]

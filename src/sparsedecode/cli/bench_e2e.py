@@ -270,8 +270,9 @@ def _print_e2e(args, rows) -> None:
         "process peak so far"
         + (
             "; vs llama.cpp = the faster llama.cpp mode's decode time over the row's; MB/token = weights + attention "
-            "reads at the mean context, bound = read bandwidth / MB per token; the engines decode the same model only "
-            "where their weights match (--weights gguf, int4, int8).[/]"
+            "reads at the mean context, bound = read bandwidth (the better of a read before the timed runs and one "
+            "after) / MB per token; the engines decode the same model only where their weights match (--weights gguf, "
+            "int4, int8).[/]"
             if baseline
             else ".[/]"
         )
