@@ -576,3 +576,23 @@ def test_the_machine_record_names_the_cpus_generation_and_flags(cpuinfo, expecte
 
     record = cpu_record(cpuinfo)
     assert (record["cpu_model"], record["cpu_id"], record["cpu_flags"]) == expected
+
+
+def test_the_machine_record_counts_cores_not_threads(tmp_path):
+    """Two CPUs on one core's two threads count one core; on two cores, two; an unreadable topology, None."""
+    from sparsedecode.experiments.environment import cpu_cores
+
+    def topology(cpu: int, package: int, core: int) -> None:
+        folder = tmp_path / f"cpu{cpu}" / "topology"
+        folder.mkdir(parents=True)
+        (folder / "physical_package_id").write_text(f"{package}\n")
+        (folder / "core_id").write_text(f"{core}\n")
+
+    topology(0, 0, 0)
+    topology(1, 0, 0)  # cpu1: cpu0's sibling
+    topology(2, 0, 1)
+    topology(3, 1, 0)  # core 0 of another package
+    assert cpu_cores([0, 1], tmp_path) == 1
+    assert cpu_cores([0, 2], tmp_path) == 2 and cpu_cores([0, 1, 2, 3], tmp_path) == 3
+    assert cpu_cores([0, 4], tmp_path) is None
+    assert cpu_cores() is None or 1 <= cpu_cores() <= (os.cpu_count() or 1)

@@ -51,6 +51,25 @@ def cpu_record(cpuinfo: str | None = None) -> dict:
     return {"cpu_model": model, "cpu_id": identity, "cpu_flags": [flag for flag in CPU_FLAGS if flag in present]}
 
 
+def cpu_cores(cpus=None, root: Path = Path("/sys/devices/system/cpu")) -> int | None:
+    """How many distinct cores the CPUs this process may run on (``cpus``, default its affinity) sit on, by Linux's
+    topology (package and core id): two threads of one core count once, so a "2-CPU" machine whose CPUs are one
+    core's two threads shows 1. A virtual machine reports its guest view. ``None`` where the topology is not
+    readable."""
+    if cpus is None:
+        cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 0)
+    cores = set()
+    for cpu in cpus:
+        topology = root / f"cpu{cpu}" / "topology"
+        try:
+            cores.add(
+                ((topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip())
+            )
+        except OSError:
+            return None
+    return len(cores) or None
+
+
 def environment(model: torch.nn.Module | None = None) -> dict:
     """Library versions, the device the model's weights are on (``cpu`` without a model), threads, machine; the
     kernel's transparent huge page mode and whether the model's weights lie in one buffer on them
@@ -76,6 +95,7 @@ def environment(model: torch.nn.Module | None = None) -> dict:
         "device": device,
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
+        "cpu_cores": cpu_cores(),
         "machine": platform.machine(),
         "processor": platform.processor() or platform.machine(),
         **cpu_record(),
