@@ -176,6 +176,13 @@ def test_the_python_implementations_refuse_what_the_cpp_operators_refuse():
         qlinear.q4_linear(torch.ones(1, 64), int4.packed, int4.scale, int4.offset[:1])
     with pytest.raises(SparseDecodeError, match="int8_linear"):
         qlinear.q8_linear(torch.ones(1, 64), int8.q, int8.scale[:, :1].contiguous())
+    int5 = quantize_int5(torch.nn.Linear(64, 32))
+    odd_planes = (int5.high.to(torch.int8), int5.high.transpose(0, 2).contiguous().transpose(0, 2))
+    for high in odd_planes:  # the fifth bits checked as the nibbles are: their dtype, contiguous
+        with pytest.raises(SparseDecodeError, match="int5_linear"):
+            qlinear.q5_linear(torch.ones(1, 64), int5.packed, high, int5.scale, int5.offset)
+    with pytest.raises(SparseDecodeError, match="int5_linear"):
+        qlinear.q5_linear(torch.ones(1, 64), int5.packed, int5.high, int5.scale, int5.offset[:1])
     assert torch.equal(qlinear.q4_linear(torch.ones(2, 64), int4.packed, int4.scale, int4.offset), int4.c_product(
         torch.ones(2, 64)))  # fmt: skip
     with pytest.raises(SparseDecodeError, match="scales"):

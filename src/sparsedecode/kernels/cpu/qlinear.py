@@ -33,11 +33,14 @@ def available():
     return built
 
 
-def _check(what: str, x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, inputs: int, scales) -> None:
+def _check(what: str, x: torch.Tensor, weights, dtype: torch.dtype, inputs: int, scales) -> None:
     """What the C loop assumes, as the C++ operators check it (:mod:`.native`): ``x (rows, inputs)`` float32,
-    contiguous CPU weights of their dtype, scales (and offsets) of one float dtype with ``scales`` elements."""
+    contiguous CPU ``weights`` (a tuple: int5's nibbles and fifth bits) of ``dtype``, scales (and offsets) of one
+    float dtype with ``scales`` elements."""
     fits = x.dim() == 2 and x.shape[1] == inputs and x.dtype == torch.float32 and x.is_cpu and inputs > 0
-    fits = fits and weight.is_cpu and weight.is_contiguous() and weight.dtype == dtype
+    for weight in weights:
+        fits = fits and weight.is_cpu and weight.is_contiguous() and weight.dtype == dtype
+    weight = weights[0]
     for tensor, count in scales:
         fits = fits and tensor.is_cpu and tensor.is_contiguous() and tensor.numel() == count
         fits = fits and tensor.dtype == scales[0][0].dtype and tensor.dtype in (torch.float16, torch.float32)
@@ -54,7 +57,7 @@ def q4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset
     if packed.dim() != 3 or packed.shape[1] != 16:
         raise SparseDecodeError(f"int4_linear: packed (K/32, 16, N), got {tuple(packed.shape)}")
     groups, _, n = packed.shape
-    _check("int4_linear", x, packed, torch.uint8, groups * 32, [(scale, groups * n), (offset, groups * n)])
+    _check("int4_linear", x, (packed,), torch.uint8, groups * 32, [(scale, groups * n), (offset, groups * n)])
     x = x.contiguous()
     out = x.new_empty(x.shape[0], n)
     status = c_function("q4_linear", _Q4_ARGS)(
@@ -75,8 +78,7 @@ def q5_linear(
             f"int5_linear: packed (K/32, 16, N) and high (K/32, 4, N), got {tuple(packed.shape)}, {tuple(high.shape)}"
         )
     groups, _, n = packed.shape
-    _check("int5_linear", x, packed, torch.uint8, groups * 32, [(scale, groups * n), (offset, groups * n)])
-    _check("int5_linear", x, high, torch.uint8, groups * 32, [(scale, groups * n)])
+    _check("int5_linear", x, (packed, high), torch.uint8, groups * 32, [(scale, groups * n), (offset, groups * n)])
     x = x.contiguous()
     out = x.new_empty(x.shape[0], n)
     status = c_function("q5_linear", _Q5_ARGS)(
@@ -95,7 +97,7 @@ def q8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
             f"int8_linear: q (N, K/32, 32) and scale (N, K/32 or K/16), got {tuple(q.shape)} and {tuple(scale.shape)}"
         )
     n, groups, _ = q.shape
-    _check("int8_linear", x, q, torch.int8, groups * 32, [(scale, n * scale.shape[1])])
+    _check("int8_linear", x, (q,), torch.int8, groups * 32, [(scale, n * scale.shape[1])])
     x = x.contiguous()
     out = x.new_empty(x.shape[0], n)
     q8 = c_function("q8_linear", _Q8_ARGS)
