@@ -191,6 +191,29 @@ def test_twilight_over_an_adaptive_base_decodes_and_refuses_token_bases():
         SparseConfig(selector="twilight:base=nothing")
 
 
+@pytest.mark.parametrize("scale", [1.0, 1e300])
+def test_twilights_base_scores_are_ranked_at_their_own_precision(scale):
+    """A base's float64 scores rank Twilight's candidates as they rank the base alone: steps float32 cannot resolve
+    (1e-12 around 1.0) are not ties, and finite scores past float32's range (1e300) are not refused as infinite."""
+    from sparsedecode.layout import BlockLayout
+
+    @dataclass(frozen=True)
+    class Fine(sd.BlockSelector):
+        scale: float = 1.0
+
+        def score_blocks(self, queries, keys, layout):
+            ramp = torch.arange(layout.n_blocks, dtype=torch.float64) * 1e-12  # the later a block, the higher
+            return ((1.0 + ramp) * self.scale).expand(keys.shape[0], -1)
+
+    sd.register_selector(Fine, name="fine-float64-base", replace=True)
+    queries, keys = torch.randn(4, 8), torch.randn(2, 400, 8)
+    twilight = Twilight(base=f"fine-float64-base:scale={scale!r}")
+    mask = twilight.candidates(queries, keys, BlockLayout(n=400, window=64, block_size=16, distant=97 - 1 - 64))
+    for head, alone in enumerate(select_support(queries, keys, support=97, method=Fine(scale=scale))):
+        assert mask[2 * head : 2 * head + 2].nonzero()[:, 1].unique().tolist() == alone.tolist()  # the last blocks
+    assert len(select_support(queries, keys, support=97, method=twilight)) == 4  # decodes: nothing refused
+
+
 def test_a_users_base_is_handed_copies():
     @dataclass(frozen=True)
     class ZeroesKeys(sd.BlockSelector):

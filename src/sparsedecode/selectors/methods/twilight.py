@@ -160,8 +160,9 @@ class Twilight(TokenSelector):
             reads = {kind: reduce_blocks(spans, kind, valid) for kind in base.statistics}
         else:
             reads = keys
-        # checked as every selector's scores are; a user's base handed copies
-        scores = scores_from(base, queries, reads, layout, keys.shape[0], keys.device).float()
+        # checked as every selector's scores are, and ranked as they are (float64 and integer scores at their own
+        # precision and range: a cast to float32 ties or overflows them); a user's base handed copies
+        scores = scores_from(base, queries, reads, layout, keys.shape[0], keys.device)
         chosen = top_blocks(scores, layout.distant // block)
         chosen = chosen if chosen.shape[0] == heads else chosen.repeat_interleave(heads // chosen.shape[0], dim=0)
         positions = 1 + chosen.unsqueeze(-1) * block + torch.arange(block, device=keys.device)
