@@ -196,6 +196,21 @@ def test_full_support_equals_dense_and_dense_compiles():
     assert full.tally()["sparse_steps"] == 0 and full.tally()["dense_steps"] == 16 * 2
 
 
+def test_full_support_is_the_compiled_dense_decoders_attention_to_the_bit_in_bfloat16():
+    """Found by probing: in bfloat16 the op's dense step (SDPA over ``[0, n)``) rounded otherwise than the compiled
+    dense decoder's (the whole static cache under its mask) and parted from its tokens at token 18 of 24 here; it
+    is now that decoder's computation, so full support is the compiled path's own dense decoding in every dtype."""
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    ids = _prompt(4, length=200)
+    full = CompiledDecoder(model, SparseConfig(support=577, window=64, block_size=8), batch=1, max_len=224,
+                           backend="aot_eager")  # fmt: skip
+    dense = CompiledDecoder(model, None, batch=1, max_len=224, backend="aot_eager")
+    tokens, logits = _static_run(full, ids, steps=8)
+    dense_tokens, dense_logits = _static_run(dense, ids, steps=8)
+    assert tokens == dense_tokens and torch.equal(logits, dense_logits)
+    assert full.tally()["sparse_steps"] == 0
+
+
 def test_a_long_lived_decoder_equals_fresh_ones_across_prompts_and_rollbacks(path):
     """One decoder over three prompts (the second shorter, so stale blocks would lie inside its context), then a
     rollback of 50 steps (past the window: blocks whose keys change) and other tokens: each the same as a fresh
@@ -307,7 +322,8 @@ def test_compile_refuses_sliding_window_layers():
     from conftest import SMALL
     from transformers import MistralConfig, MistralForCausalLM
 
-    from sparsedecode.compiled.decoder import check_compilable, layer_types
+    from sparsedecode.compiled.decoder import check_compilable
+    from sparsedecode.models.catalog import layer_types
 
     qwen = tiny_model("qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=1)
     assert "sliding_attention" in qwen.config.layer_types
@@ -531,6 +547,31 @@ def test_a_model_changed_between_installs_gets_a_step_compiled_for_it(monkeypatc
     monkeypatch.setattr(stale, "_fingerprint", "unchanged")
     monkeypatch.setattr(attention, "scaling", attention.scaling * 2)  # back to the first run's
     assert not torch.equal(_static_run(stale, ids, steps=8)[1], before[1]), "the halved scale's step, replayed"
+
+
+def _replace_attention(model, layer: int) -> None:
+    """Layer ``layer``'s attention replaced by another module of its class holding the same weights."""
+    old = model.model.layers[layer].self_attn
+    new = type(old)(model.config, layer_idx=old.layer_idx)
+    new.load_state_dict(old.state_dict())
+    model.model.layers[layer].self_attn = new.eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "native"])
+def test_an_attention_module_replaced_between_installs_keeps_its_layer_sparse(backend):
+    """Found by probing: a layer's attention replaced by an equal module of its class (the step's fingerprint cannot
+    tell them apart) between two installs takes over its layer's state (states are kept by layer index): its steps
+    stay sparse, the session's tokens. Keyed by the old module, the new one found no state and decoded dense."""
+    model = tiny_model("llama")
+    ids, cfg = _prompt(3), SparseConfig(**SMALL_CFG)
+    decoder = CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + 17, backend=backend)
+    before = _static_run(decoder, ids, steps=16)
+    _replace_attention(model, 1)
+    tally = decoder.tally()
+    after = _static_run(decoder, ids, steps=16)
+    assert after[0] == before[0] == _session_run(model, ids, cfg, steps=16)[0]
+    assert decoder.tally()["sparse_steps"] - tally["sparse_steps"] == tally["sparse_steps"]  # both layers sparse
+    assert not any(hasattr(m, "_sparsedecode_static") for m in model.modules())  # nothing left after the install
 
 
 def test_which_decoders_freeze_the_weights(monkeypatch):

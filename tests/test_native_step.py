@@ -157,6 +157,15 @@ def test_every_selector_is_served_as_the_static_step_or_refused_in_one_line():
     assert SparseConfig().selector.spec() in served  # the default selector at least
 
 
+def test_a_kernel_other_than_the_c_one_is_refused_by_its_name():
+    """kernel='torch' scores in torch: refused naming the kernel, not the (served) default selector."""
+    model = tiny_model("llama")
+    with pytest.raises(SparseDecodeError, match="not kernel='torch'") as caught:
+        CompiledDecoder(model, SparseConfig(**SMALL_CFG, kernel="torch"), batch=1, max_len=512, backend=NATIVE)
+    assert "mean-pooled is not one" not in str(caught.value) and "\n" not in str(caught.value)
+    CompiledDecoder(model, SparseConfig(**SMALL_CFG, kernel="c"), batch=1, max_len=512, backend=NATIVE)
+
+
 def test_what_it_does_not_compute_is_refused_before_decoding():
     assert check_backend(NATIVE) == NATIVE
     cfg = SparseConfig(**SMALL_CFG)

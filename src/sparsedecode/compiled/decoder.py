@@ -21,7 +21,7 @@ import torch
 from .. import env
 from ..config import SparseConfig, check_named_layers
 from ..errors import SparseDecodeError
-from ..models.catalog import attention_shape
+from ..models.catalog import attention_shape, layer_types
 from ..step.device import fill_statistics
 from ..step.schedule import dense_forwards
 from ..validate import attention_modules, claim_compiled, release_compiled, unsupported_attention
@@ -102,21 +102,6 @@ def check_compilable(model: torch.nn.Module, cfg: SparseConfig | None, what: str
         )
 
 
-def layer_types(config) -> list[str]:
-    """Each layer's kind as transformers' caches see it: a config's ``layer_types``, else inferred from its
-    ``sliding_window`` or ``attention_chunk_size`` (Mistral's sliding window has no ``layer_types``)."""
-    text = config.get_text_config(decoder=True)
-    try:
-        from transformers.cache_utils import get_layer_types_and_kwargs
-
-        return list(get_layer_types_and_kwargs(text)[0])
-    except (ImportError, AttributeError, TypeError):  # a transformers without it: what the config says
-        if getattr(text, "layer_types", None) is not None:
-            return list(text.layer_types)
-        window = getattr(text, "sliding_window", None) or getattr(text, "attention_chunk_size", None)
-        return ["sliding_attention" if window is not None else "full_attention"] * text.num_hidden_layers
-
-
 def _seek(cache, length: int) -> None:
     """Make a ``StaticCache`` write its next tokens at ``length`` (its layers append at their own counter)."""
     for layer in cache.layers:
@@ -171,7 +156,7 @@ class CompiledDecoder:
         self.cache = cache if cache is not None else static_cache(model, max_len, batch, self.device)  # huge pages
         self.position = 0
         self.compile_s = 0.0
-        self.states = {}
+        self.states, self._held = {}, set()  # the sparse layers' states by layer index; the modules holding them
         if cfg is not None:
             heads, kv_heads, head_dim, _ = attention_shape(model.config)
             form = step_form(cfg, self.device, form)
@@ -181,7 +166,7 @@ class CompiledDecoder:
             for module in modules:
                 if module.layer_idx in cfg.dense_layers:
                     continue  # a module without step buffers decodes dense
-                self.states[module] = allocate(cfg.for_layer(module.layer_idx), module.layer_idx, *shape)
+                self.states[module.layer_idx] = allocate(cfg.for_layer(module.layer_idx), module.layer_idx, *shape)
             place_statistics(self.states, self.device)  # one buffer on huge pages (compiled/memory.py)
         self._row_linears = {}
         if compile_cpu.uses_row_products(model, self.device):
@@ -241,8 +226,7 @@ class CompiledDecoder:
         claim_compiled(model, "compiled decoding")
         if previous != STATIC_ATTENTION:
             model.set_attn_implementation(STATIC_ATTENTION)
-        for module, state in self.states.items():
-            setattr(module, STATE, state)
+        self.hold_states()
         linears = [(m, f) for m, f in self._row_linears.items() if "forward" not in vars(m)]
         for linear, forward in linears:
             linear.forward = forward  # the same object at every install: the compiled step's guards hold
@@ -258,11 +242,21 @@ class CompiledDecoder:
             release_compiled(model)
             for linear, _ in linears:
                 del linear.forward
-            for module in self.states:
+            for module in self._held:
                 if hasattr(module, STATE):
                     delattr(module, STATE)
+            self._held.clear()
             if previous != STATIC_ATTENTION:
                 model.set_attn_implementation(previous)
+
+    def hold_states(self) -> None:
+        """Each sparse layer's state set on the attention module the model holds for that layer now (at every
+        install, and where the native step finds a module replaced within one): a module replaced since takes over
+        its layer's state, where keyed by the module it replaced it found none and decoded dense."""
+        for module in attention_modules(self.model):
+            if module.layer_idx in self.states:
+                setattr(module, STATE, self.states[module.layer_idx])
+                self._held.add(module)
 
     def _check_installed(self, what: str) -> None:
         """A step outside :meth:`installed` would compile another graph without the step's state (and, its module

@@ -136,6 +136,7 @@ class NativeStep:
 
     def _build(self):
         decoder, model = self.decoder, self.decoder.model
+        decoder.hold_states()  # an attention module replaced since: its layer's state is the new module's
         self.watched, self.tensors, self.kept = [], [], []
         self._watch_modules(model)
         heads, kv, d, layers = attention_shape(model.config)
@@ -202,7 +203,7 @@ class NativeStep:
 
     def _state_fields(self, module, keys, values, heads: int, d: int) -> list[int]:
         """``sparse`` .. ``means``: a dense layer's zeros, a sparse layer's state and its prepared call."""
-        state = self.decoder.states.get(module)
+        state = self.decoder.states.get(module.layer_idx)
         if state is None:
             return [0] * 13
         cfg = state.cfg
@@ -253,7 +254,7 @@ class NativeStep:
             if status != NEEDS_STATISTICS:
                 return logits.clone()
             first, resumed = int(stopped[0]), 1
-            state = decoder.states[inner.layers[first].self_attn]
+            state = decoder.states[first]
             self.prepared[first][1].complete_statistics(decoder.cache.layers[first].keys, state.stats, n)
 
 

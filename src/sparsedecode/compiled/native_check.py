@@ -177,6 +177,8 @@ def selector_refusal(cfg, state, q: torch.Tensor, keys: torch.Tensor):
     ``keys`` with ``state`` (a :class:`~sparsedecode.compiled.op.StepBuffers`, or dummies of its shapes)."""
     layout = BlockLayout(n=keys.shape[2], window=cfg.window, block_size=cfg.block_size)
     plan = plan_step(cfg, q[0], keys[0], keys[0], layout)
+    if cfg.kernel not in ("auto", "c"):  # what the plan scores in would otherwise read as the selector's fault
+        return None, f"it selects and attends in the C kernel, not kernel={cfg.kernel!r} (use 'auto' or 'c')"
     if not serves(cfg, plan, q, *state):
         return None, (
             "it serves selectors scored in the C kernel with a fixed budget (mean-pooled blocks); "

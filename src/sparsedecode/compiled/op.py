@@ -10,9 +10,8 @@ of the model carries a :class:`StepBuffers` (attribute :data:`STATE`), whose ten
   :class:`~sparsedecode.selectors.statistics.BlockStatistics` (the C kernel reads it in place); ``count (batch,)`` how
   many blocks hold values;
 * ``blocks`` / ``budget_mask (batch, kv, b)``: the block selection being reused (``budget_mask``: what an adaptive
-budget kept),
-  ``positions (batch, kv, distant)`` a token selector's; ``step (batch,)``: sparse steps of the current chain (the
-  reuse counter); ``last (batch,)``: the context length of the layer's last call;
+  budget kept), ``positions (batch, kv, distant)`` a token selector's; ``step (batch,)``: sparse steps of the current
+  chain (the reuse counter); ``last (batch,)``: the context length of the layer's last call;
 * ``tally (4,)`` int64: sparse row-steps, dense row-steps, positions read by sparse steps (summed over KV heads),
   KV heads of the sparse row-steps.
 
@@ -217,9 +216,7 @@ def sparse_step(
     if not sparse:
         step.copy_(after)
         schedule.count_step(tally, 0, batch, 0, kv_heads)
-        keys, values = key[:, :, :n], value[:, :, :n]
-        out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, scale=scale, enable_gqa=True)
-        return out.transpose(1, 2).contiguous()
+        return _dense_step(query, key, value, n, scale)
     layout = BlockLayout(
         n=n, window=cfg.window, block_size=cfg.block_size, layer=layer, scale=scale, seed=cfg.seed,
         distant=cfg.distant_positions,
@@ -254,6 +251,14 @@ def sparse_step(
     step.copy_(after)
     schedule.count_step(tally, batch, 0, read, kv_heads)
     return out
+
+
+def _dense_step(query, key, value, n: int, scale: float) -> torch.Tensor:
+    """The dense decoder's attention to the bit (full support is that path's dense decoding in every dtype): the
+    whole static cache masked to the ``n`` positions written (over ``[0, n)`` alone bfloat16 rounds otherwise)."""
+    written = (torch.arange(key.shape[2], device=key.device) < n).view(1, 1, 1, -1).expand(query.shape[0], 1, 1, -1)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    return sdpa(query, key, value, attn_mask=written, scale=scale, enable_gqa=True).transpose(1, 2).contiguous()
 
 
 def _fake(query, key, value, *state_and_settings):

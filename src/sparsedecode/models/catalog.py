@@ -332,3 +332,18 @@ def list_models() -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def layer_types(config) -> list[str]:
+    """Each layer's kind as transformers' caches see it: a config's ``layer_types``, else inferred from its
+    ``sliding_window`` or ``attention_chunk_size`` (Mistral's sliding window has no ``layer_types``)."""
+    text = config.get_text_config(decoder=True)
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        return list(get_layer_types_and_kwargs(text)[0])
+    except (ImportError, AttributeError, TypeError):  # a transformers without it: what the config says
+        if getattr(text, "layer_types", None) is not None:
+            return list(text.layer_types)
+        window = getattr(text, "sliding_window", None) or getattr(text, "attention_chunk_size", None)
+        return ["sliding_attention" if window is not None else "full_attention"] * text.num_hidden_layers
