@@ -198,3 +198,34 @@ def test_a_short_forward_in_a_session_returns_what_sdpa_does():
 
     query, key, value = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 10, 16), torch.randn(1, 2, 10, 16)
     assert dense_short_forward(query, key, value, 10, None).is_contiguous()
+
+
+SHARED_BLOCKS = {
+    # one attention module run at two depths, told its layer by its caller, holding layer_idx -1
+    "zamba2": dict(
+        num_hidden_layers=4, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], mamba_d_state=16,
+        mamba_headdim=16, n_mamba_heads=8, num_mem_blocks=1, use_shared_attention_adapter=False,
+        hybrid_layer_ids=[1, 3],
+    ),
+    # tied blocks holding layer_idx None: the session hooked none of them and decoded densely, saying nothing
+    "zamba": dict(num_hidden_layers=5, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=16, n_mamba_heads=2),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(SHARED_BLOCKS))
+def test_an_attention_block_shared_across_layers_is_refused_before_any_forward(family):
+    """Zamba 2's shared block kept one state for both its depths, found in the cache at layer -1 (the last): at 6
+    of 14 sparse steps of a tiny one the blocks read were not the top blocks of the step's own keys."""
+    from conftest import tiny_family
+
+    model = tiny_family(family, **SHARED_BLOCKS[family])
+    ids, cfg = prompt(200), SparseConfig(support=97)
+    with NoForward(model):
+        for call in (
+            lambda: sparse_decoding(model, cfg).__enter__(),
+            lambda: generate(model, ids, cfg, 4, mode="sparse"),
+            lambda: compare(model, None, ids, cfg, 4),
+        ):
+            with pytest.raises(SparseDecodeError, match="shared across layers") as caught:
+                call()
+            assert "\n" not in str(caught.value)

@@ -7,6 +7,8 @@ the call instead of deep inside transformers (an ``AttributeError``) or, worse, 
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import threading
 
@@ -170,13 +172,44 @@ def check_attention_arguments(kwargs: dict, what: str) -> None:
             raise SparseDecodeError(f"{what} does not support {meaning} ({argument} in the attention call) yet")
 
 
+@functools.cache
+def _told_its_layer(kind: type) -> bool:
+    """Whether modules of class ``kind`` take their layer as an argument of ``forward`` (``layer_idx``)."""
+    try:
+        return "layer_idx" in inspect.signature(kind.forward).parameters
+    except (TypeError, ValueError):  # no signature to read
+        return False
+
+
+def shared_attention(model: torch.nn.Module) -> str | None:
+    """A module of ``model`` that its caller tells which layer it is, or ``None``: it holds a config but no layer of
+    its own (``layer_idx`` None or negative) and its ``forward`` takes ``layer_idx``, as Zamba's attention block does
+    (one block run at several depths). A session keeps its state per attention module, found in the cache by the
+    module's own ``layer_idx``: such a block's depths would share one layer's block statistics (Zamba 2, whose block
+    holds -1) or not be hooked at all (Zamba, whose blocks hold None: silently dense)."""
+    for name, module in model.named_modules():
+        layer = getattr(module, "layer_idx", None)
+        own = isinstance(layer, int) and not isinstance(layer, bool) and layer >= 0
+        if not own and hasattr(module, "config") and _told_its_layer(type(module)):
+            return f"{name} ({type(module).__name__})"
+    return None
+
+
 def check_sparse_attention(model: torch.nn.Module, where: str) -> None:
-    """Refuse a model whose attention has what sparse sessions leave out (:func:`unsupported_attention`)."""
+    """Refuse a model whose attention has what sparse sessions leave out (:func:`unsupported_attention`), or whose
+    attention block is shared across layers (:func:`shared_attention`)."""
     reason = unsupported_attention(model)
     if reason is not None:
         raise SparseDecodeError(
             f"{where}: sparse decoding does not support {reason} yet: its sparse steps, and the dense forwards it "
             "runs inside a session (SDPA), would leave it out"
+        )
+    shared = shared_attention(model)
+    if shared is not None:
+        raise SparseDecodeError(
+            f"{where}: sparse decoding does not support an attention block shared across layers yet ({shared} is "
+            "told its layer by its caller): a session keeps its state per attention module, so the layers would "
+            "share one layer's block statistics, or go unhooked and stay dense"
         )
 
 
