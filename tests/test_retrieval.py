@@ -57,6 +57,17 @@ def test_passkeys_are_fixed_by_seed_and_trial():
     assert len({passkey(0, t) for t in range(20)}) > 15 and passkey(1, 0) != passkey(0, 0)
 
 
+def test_passkeys_longer_than_str_converts_are_whole():
+    """``--digits 100000`` was a traceback (str() of an int of more than 4300 digits); the digits are as before."""
+    import random
+
+    key = passkey(3, 2, digits=100_000)
+    assert len(key) == 100_000 and key[0] != "0" and key.isdigit()
+    value = random.Random("passkey-3-2").randint(10**99_999, 10**100_000 - 1)
+    assert int(key[-1000:]) == value % 10**1000 and key[:4] != "0000"
+    assert passkey(0, 1, digits=4300) == str(random.Random("passkey-0-1").randint(10**4299, 10**4300 - 1))
+
+
 def test_full_support_answers_like_dense_and_small_support_is_audited(loaded):
     model, tokenizer = loaded
     prompt = build_prompt(tokenizer, 400, 0.5, passkey(0, 0))

@@ -51,7 +51,17 @@ QUESTION = "\n\nWhat is the pass key? The pass key is"
 def passkey(seed: int, trial: int, digits: int = 5) -> str:
     """The passkey of one trial: ``digits`` random digits (no leading zero), fixed by ``(seed, trial)``."""
     rng = random.Random(f"passkey-{seed}-{trial}")
-    return str(rng.randint(10 ** (digits - 1), 10**digits - 1))
+    return _decimal(rng.randint(10 ** (digits - 1), 10**digits - 1))
+
+
+def _decimal(value: int, chunk: int = 1000) -> str:
+    """``str(value)`` of a non-negative integer of any length: ``str`` refuses one of more than 4300 digits
+    (``sys.get_int_max_str_digits``), which ``--digits`` may ask for; converted ``chunk`` digits at a time."""
+    parts = []
+    while value >= 10**chunk:
+        value, low = divmod(value, 10**chunk)
+        parts.append(f"{low:0{chunk}d}")
+    return str(value) + "".join(reversed(parts))
 
 
 @dataclass
