@@ -285,6 +285,19 @@ def test_module_entry_point_help_imports_no_torch():
     assert not {name.split(".")[0] for name in imported} & {"torch", "transformers"}
 
 
+@pytest.mark.parametrize("args", [["--help"], ["--bogus"], ["run", "--tasks"]])
+def test_lm_eval_help_and_usage_errors_import_no_torch(args):
+    """``lm-eval --help`` is lm-eval's own help: it took seconds, registering the model (torch, transformers) before
+    lm-eval's parser had looked at the arguments."""
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "sparsedecode", "lm-eval", *args], capture_output=True, text=True
+    )
+    assert proc.returncode == (0 if args == ["--help"] else 2), proc.stderr[-2000:]
+    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "lm_eval" in imported, "the import log was read"
+    assert not {name.split(".")[0] for name in imported} & {"torch", "transformers"}
+
+
 def test_file_system_error_through_the_module_entry_point(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "sparsedecode", "run", "--json", "/proc/sparsedecode/out.json"],

@@ -262,12 +262,14 @@ def run_lm_eval(argv: list[str]) -> int:
     spelt (no abbreviations), and a usage error, a malformed ``--model_args`` or a task lm-eval does not know is one
     line and exit status 2 (a :class:`SparseDecodeError`), not argparse's usage text or a traceback.
     """
-    from ..integrations.lm_eval import MODEL_NAME, register, sparse_settings
-
-    register()
-    from lm_eval._cli import HarnessCLI
-    from lm_eval.config.evaluate_config import EvaluatorConfig
-    from lm_eval.utils import setup_logging
+    try:
+        from lm_eval._cli import HarnessCLI
+        from lm_eval.config.evaluate_config import EvaluatorConfig
+        from lm_eval.utils import setup_logging
+    except ImportError:  # as the model's module says it (imported only once the arguments are parsed)
+        raise SparseDecodeError(
+            "the lm-evaluation-harness model needs lm-eval: pip install 'sparsedecode[eval]'"
+        ) from None
 
     setup_logging()
     cli = HarnessCLI()
@@ -288,6 +290,10 @@ def run_lm_eval(argv: list[str]) -> int:
             raise
         except (ValueError, TypeError) as error:  # a malformed key=value list: lm-eval's actions raise these
             raise SparseDecodeError(f"sparsedecode {LM_EVAL_COMMAND}: {_first_line(error)}") from None
+        # after parsing: the model imports torch and transformers, which --help and usage errors need not wait for
+        from ..integrations.lm_eval import MODEL_NAME, register, sparse_settings
+
+        register()
         if getattr(args, "model", None) == MODEL_NAME and isinstance(getattr(args, "model_args", None), dict):
             sparse_settings(**args.model_args)  # our model's arguments, before lm-eval starts (the model checks again)
         cli.execute(args)
