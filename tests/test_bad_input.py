@@ -694,6 +694,7 @@ def test_a_malformed_retrieval_json_is_one_line_naming_it(tmp_path, capsys, cont
     assert str(path) in str(error.value) and "\n" not in str(error.value)
     err = one_line_exit_2(["report", str(tmp_path)], capsys)
     assert str(path) in err
+    assert "rerun" not in err or "rerun `sparsedecode probe retrieval`" in err, "a command that exists"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["retrieval.json"], "nothing half-written"
 
 

@@ -99,15 +99,15 @@ def read_retrieval(path: Path) -> dict:
         raise SparseDecodeError(f"cannot read retrieval results {path}: {error.strerror or error}") from error
     except ValueError as error:  # invalid JSON or invalid UTF-8
         raise SparseDecodeError(
-            f"{path} is not valid JSON ({_problem(error)}); rerun `sparsedecode retrieval`"
+            f"{path} is not valid JSON ({_problem(error)}); rerun `sparsedecode probe retrieval`"
         ) from error
     if not isinstance(data, dict) or not isinstance(data.get("spec"), dict) or not isinstance(data.get("trials"), list):
         raise SparseDecodeError(
             f"{path} is not a retrieval result (expected an object with 'spec' and a list of 'trials'); "
-            "rerun `sparsedecode retrieval`"
+            "rerun `sparsedecode probe retrieval`"
         )
     if not all(isinstance(trial, dict) for trial in data["trials"]):
-        raise SparseDecodeError(f"{path} holds a trial that is not a JSON object; rerun `sparsedecode retrieval`")
+        raise SparseDecodeError(f"{path} holds a trial that is not a JSON object; rerun `sparsedecode probe retrieval`")
     seen = set()
     for number, trial in enumerate(data["trials"], start=1):  # a trial listed twice would count twice
         key = tuple(repr(trial.get(name)) for name in ("context", "depth", "trial", "mode", "selector", "support"))
