@@ -22,6 +22,10 @@ def test_targets_are_written_back_exactly_and_percentages_stay_in_range():
     for text in ("tf-match>=150", "tf-match>=-5", "task-accuracy>=100.5"):
         with pytest.raises(SparseDecodeError, match="is a percentage, between 0 and 100"):
             parse_target(text)
+    for text in ("dppl<=-100", "dppl<=-1000", "length-ratio<=-0.5"):  # a whole search ran for these, none could pass
+        with pytest.raises(SparseDecodeError, match="can never hold"):
+            parse_target(text)
+    assert [str(parse_target(t)) for t in ("dppl<=-99.5", "length-ratio<=0")] == ["dppl<=-99.5", "length-ratio<=0"]
 
 
 def _search(**changes):
