@@ -123,7 +123,13 @@ def test_a_finished_group_skips_its_dense_reference(loaded, tmp_path, monkeypatc
     assert outcome.done_before == 2 and outcome.ran == 2 and len(calls) == 1
 
 
-def test_sigkill_then_rerun_equals_an_uninterrupted_run(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGTERM])
+def test_a_kill_then_rerun_equals_an_uninterrupted_run(tiny_model_dir, tmp_path, stop):
+    """SIGKILL mid-sweep, or SIGTERM (what kill, timeout and SLURM send first), then a rerun: the rows of an
+    uninterrupted sweep. SIGTERM cleans up as Ctrl-C does: exit 143, one line, no lock file left (found by probing:
+    an empty .lock was left)."""
+    from sparsedecode.experiments.sweep_folder import LOCK_FILE
+
     args = [
         "sweep",
         "--model",
@@ -146,8 +152,9 @@ def test_sigkill_then_rerun_equals_an_uninterrupted_run(tiny_model_dir, tmp_path
     proc = subprocess.Popen(
         [sys.executable, "-m", "sparsedecode", *args, "--out", str(killed)],
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
         env=env,
+        text=True,
     )
     runs = killed / RUNS_FILE
     deadline = time.monotonic() + 90
@@ -155,8 +162,11 @@ def test_sigkill_then_rerun_equals_an_uninterrupted_run(tiny_model_dir, tmp_path
         if runs.exists() and runs.read_bytes().count(b"\n") >= 2:
             break
         time.sleep(0.005)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    os.kill(proc.pid, stop)
+    err = proc.communicate()[1]
+    if stop == signal.SIGTERM:
+        assert proc.returncode == 143 and err.strip() == "sparsedecode: terminated", err[-500:]
+        assert not (killed / LOCK_FILE).exists()
     before = len(rows_of(killed))
     total = 2 * 3 * 2
     assert 2 <= before < total, f"the kill should land mid-sweep ({before} of {total} rows)"

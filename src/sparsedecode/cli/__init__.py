@@ -16,7 +16,10 @@ imports the library when it runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
 
 from ..errors import SparseDecodeError, one_line
 from . import bench, calibrate, compare_selectors, models, probe, run, sweep
@@ -58,10 +61,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, ``timeout``, SLURM before its SIGKILL), raised where the command is, so that it cleans up as
+    after Ctrl-C (a sweep's lock file, half-made folders) and can be resumed."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated
+
+
+@contextlib.contextmanager
+def _sigterm_cleans_up():
+    """SIGTERM raises :class:`Terminated` while a command runs (in the main thread: where signals are handled)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; bad input (a :class:`SparseDecodeError`, or a file-system error) ends in one line, exit 2."""
+    """Run one command; bad input (a :class:`SparseDecodeError`, or a file-system error) ends in one line, exit 2;
+    Ctrl-C exits 130 and SIGTERM 143, each after the command's clean-up."""
     argv = sys.argv[1:] if argv is None else list(argv)
     MADE_FOLDERS.clear()  # of an earlier command in this process
+    with _sigterm_cleans_up():
+        return _main(argv)
+
+
+def _main(argv: list[str]) -> int:
     try:
         if argv[:1] == [evaluation.LM_EVAL_COMMAND]:  # lm-eval's own options pass through untouched
             return evaluation.run_lm_eval(argv[1:])
@@ -72,10 +103,11 @@ def main(argv: list[str] | None = None) -> int:
         remove_empty_made_folders()
         print(f"sparsedecode: error: {one_line(error)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         remove_empty_made_folders()
-        print("sparsedecode: interrupted", file=sys.stderr)
-        return 130
+        terminated = isinstance(stop, Terminated)
+        print(f"sparsedecode: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+        return 143 if terminated else 130
 
 
 if __name__ == "__main__":
