@@ -89,3 +89,11 @@ def test_a_run_without_a_sparse_step_is_dense_by_construction():
     row = {"context": 256, "tokens": 32, "support": 97, "effective_support": 97}
     assert not dense_by_construction({**row, "sparse_steps": 31})
     assert dense_by_construction({**row, "sparse_steps": 0})
+
+
+def test_a_run_with_a_sparse_layer_is_not_dense_by_construction():
+    """S covers context + T - 1, but a layer of a smaller support (--layer-supports 1:97) read sparsely: the run
+    was tested (its tokens may differ from dense), so it counts."""
+    row = {"context": 300, "tokens": 8, "support": 401, "effective_support": 401, "layer_supports": [[1, 97]]}
+    assert not dense_by_construction({**row, "sparse_steps": 7})
+    assert dense_by_construction({**row, "support": 97, "effective_support": 97, "sparse_steps": 0})

@@ -33,10 +33,12 @@ def dense_by_construction(entry: dict) -> bool:
     """Whether a run (or condition) never took a sparse step: its effective support ``S`` covers the
     ``context + T - 1`` positions the last decode step attends to (``S >= context + T - 1``), so every step is
     dense SDPA and the run equals dense decoding by construction; or a run that records no sparse step at all
-    (``sparse_steps`` 0: per-layer settings kept every layer dense). ``entry`` holds ``context``, ``tokens`` and
-    ``effective_support`` (or ``settings["effective_support"]``, or else ``support``)."""
-    if entry.get("sparse_steps", None) == 0:
-        return True
+    (``sparse_steps`` 0: per-layer settings kept every layer dense). A run that records its ``sparse_steps`` is
+    judged by them alone: a layer given a smaller support (``--layer-supports``) decodes sparsely where ``S`` covers
+    the context. ``entry`` holds ``context``, ``tokens`` and ``effective_support`` (or
+    ``settings["effective_support"]``, or else ``support``)."""
+    if entry.get("sparse_steps") is not None:
+        return entry["sparse_steps"] == 0
     support = entry.get("effective_support") or entry.get("settings", {}).get("effective_support") or entry["support"]
     return support >= entry["context"] + entry["tokens"] - 1
 
