@@ -259,6 +259,31 @@ def test_sweep_command_round_trips_non_defaults():
     assert "--block-size" not in command and "--selector" not in command and command.endswith("--out out")
     assert "--selector quest " in sweep_command(SweepSpec(model="m", selectors=("quest",)), "out")
     assert "--selectors h2o,quest " in sweep_command(SweepSpec(model="m", selectors=("h2o", "quest")), "out")
+    # per-layer settings change every number: the command that reproduces the folder names them
+    layered = SweepSpec(model="m", dense_layers=(0, 1), layer_supports=((5, 385),))
+    assert "--dense-layers 0,1 --layer-supports 5:385 --out out" in sweep_command(layered, "out")
+
+
+def test_retrieval_and_eval_commands_round_trip_non_defaults():
+    """The command a retrieval report or an evaluation report prints reproduces the spec it ran, every setting that
+    changes a result included (selector, reuse, passkey, per-layer settings)."""
+    import shlex
+
+    from sparsedecode.cli import build_parser
+    from sparsedecode.cli.probe import _check_retrieval_args, _retrieval_command
+    from sparsedecode.experiments.evaluate import EvalSpec
+    from sparsedecode.experiments.specs import RetrievalSpec
+    from sparsedecode.reports.evaluation import eval_command
+
+    spec = RetrievalSpec(
+        model="m", contexts=(300,), depths=(0.5,), trials=1, supports=(97,), reuse=2, selector="quest", digits=3,
+        answer_tokens=4, seed=5, dense_layers=(1,), layer_supports=((0, 113),),
+    )  # fmt: skip
+    command = _retrieval_command(spec, "out")
+    args = build_parser().parse_args(shlex.split(command)[1:])
+    assert _check_retrieval_args(args) == spec
+    layered = EvalSpec(model="m", dense_layers=(0,), layer_supports=((2, 385),))
+    assert "--dense-layers 0 --layer-supports 2:385 --out out" in eval_command(layered, "out")
 
 
 def test_report_cli_errors_are_one_line(tmp_path, capsys):

@@ -164,13 +164,23 @@ def _write_maps(args, context: int, probe, made: list[Path]) -> dict:
             "seconds": probe.seconds}  # fmt: skip
 
 
-def _retrieval_command(args) -> str:
-    return (
-        f"sparsedecode probe retrieval --model {args.model} --dtype {args.dtype} "
-        f"--context {','.join(map(str, args.context))} --depths {','.join(f'{d:g}' for d in args.depths)} "
-        f"--trials {args.trials} --support {','.join(map(str, args.support))} --haystack {args.haystack} "
-        f"--out {args.out}"
-    )
+def _retrieval_command(spec, out: Path) -> str:
+    """The ``sparsedecode probe retrieval`` command line that reproduces ``spec`` into ``out``."""
+    from ..experiments.specs import RetrievalSpec
+    from ..reports.tables import layer_flags
+
+    default = RetrievalSpec(model=spec.model)
+    parts = [
+        f"sparsedecode probe retrieval --model {spec.model} --dtype {spec.dtype} "
+        f"--context {','.join(map(str, spec.contexts))} --depths {','.join(f'{d:g}' for d in spec.depths)} "
+        f"--trials {spec.trials} --support {','.join(map(str, spec.supports))} --haystack {spec.haystack}"
+    ]
+    for name in ("window", "block_size", "reuse", "selector", "digits", "answer_tokens", "seed"):
+        if getattr(spec, name) != getattr(default, name):
+            parts.append(f"--{name.replace('_', '-')} {getattr(spec, name)}")
+    parts += layer_flags(spec.dense_layers, spec.layer_supports)
+    parts.append(f"--out {out}")
+    return " ".join(parts)
 
 
 def _check_retrieval_args(args):
@@ -226,7 +236,7 @@ def cmd_probe_retrieval(args) -> int:
         trials = run_retrieval(spec, loaded=loaded, progress=progress, on_trial=show)
     data = {
         "spec": spec.to_dict(),
-        "command": _retrieval_command(args),
+        "command": _retrieval_command(spec, args.out),
         "environment": measured_environment(loaded[0]),
         "trials": trials,
     }

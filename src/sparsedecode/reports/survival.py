@@ -14,7 +14,7 @@ from ..experiments import summary
 from ..experiments.sweep import SweepSpec
 from .environment import environment_lines
 from .findings import findings_lines
-from .tables import format_range, format_value, markdown_table, write_csv
+from .tables import format_range, format_value, layer_flags, markdown_table, write_csv
 
 
 def sweep_command(spec: SweepSpec, directory: Path) -> str:
@@ -39,6 +39,7 @@ def sweep_command(spec: SweepSpec, directory: Path) -> str:
         parts.append(f"--selectors {','.join(spec.selectors)}")
     elif spec.selectors != default.selectors:
         parts.append(f"--selector {spec.selectors[0]}")
+    parts += layer_flags(spec.dense_layers, spec.layer_supports)
     if spec.audit:
         parts.append("--audit")
     parts.append(f"--out {directory}")

@@ -42,6 +42,16 @@ def format_range(entry: dict, name: str, digits: int | None = 1, sign: str = "")
     return f"{median} [{low}, {high}]"
 
 
+def layer_flags(dense_layers, layer_supports) -> list[str]:
+    """The command-line flags that give a stored spec's per-layer settings (``--dense-layers 0,1``,
+    ``--layer-supports 5:385``; ``layer_supports`` as pairs or a dict), none where it has none."""
+    flags = [f"--dense-layers {','.join(map(str, dense_layers))}"] if dense_layers else []
+    if layer_supports:
+        pairs = layer_supports.items() if isinstance(layer_supports, dict) else layer_supports
+        flags.append(f"--layer-supports {','.join(f'{layer}:{support}' for layer, support in pairs)}")
+    return flags
+
+
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     """A Markdown table of ready-made cells, every column right-aligned (the columns are mostly numbers)."""
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" ---: " for _ in header) + "|"]
