@@ -222,6 +222,11 @@ def test_registration_and_refusals(model_dir):
 
     with pytest.raises(SparseDecodeError, match="greedily"):
         lm._model_generate(torch.tensor([[5, 6, 7]]), max_length=8, stop=[], do_sample=True)
+    short = SparseDecodeLM(pretrained=str(model_dir), support=97, device="cpu", max_length=16)
+    too_long = list(range(5, 22))  # max_length + 1 tokens: no context token left (found by probing: a tensor error)
+    with pytest.raises(SparseDecodeError, match="more than max_length"):
+        short._loglikelihood_tokens([(None, [3, 4], too_long)])
+    assert len(short._loglikelihood_tokens([(None, [3, 4], too_long[:-1])])) == 1  # max_length tokens: scored
     assert lm.get_model_info()["sparse_config"]["support"] == 97
 
 
