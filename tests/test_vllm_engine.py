@@ -58,6 +58,14 @@ def test_a_support_covering_every_position_is_vllms_own_dense_decoding(setup):
     assert [r["tokens"] for r in dense["together"]] == session_tokens(model, prompts, None)
 
 
+def test_a_covering_support_is_vllms_own_dense_decoding_in_bfloat16(setup):
+    """Found by probing: on a CPU with AMX, vLLM packs bfloat16 pages in AMX tiles, and every engine with a spec was
+    switched to the `vec` layout and kernels, so a covering support was not vLLM's dense decoding to the bit (the first
+    step's logprobs differed). An engine none of whose layers can decode sparsely keeps vLLM's own choice."""
+    model, prompts = setup
+    assert engine(model, prompts, None, dtype="bfloat16") == engine(model, prompts, {"support": 4097}, dtype="bfloat16")
+
+
 @pytest.mark.parametrize("spec", [{"support": 97}, {"support": 193, "selector": "quest"},
                                   {"support": 193, "selector": "sparq", "dense_layers": [0, 1]}])  # fmt: skip
 def test_sparse_tokens_are_the_session_paths_in_one_continuous_batch(setup, spec):
@@ -89,6 +97,21 @@ def test_a_bad_spec_is_refused_at_start_up_in_one_line(setup):
     ours = [line for line in done.stderr.splitlines() if line.startswith("sparsedecode:")]
     assert done.returncode == 2 and len(ours) == 1 and "h2o" in ours[0] and "history" in ours[0], done.stderr[-2000:]
     assert "Traceback" not in done.stderr
+
+
+def test_a_block_size_that_does_not_divide_the_pages_is_refused_at_start_up(setup):
+    """Found by probing: vLLM's CPU pages hold 128 positions, and a block size of 48 was refused only at the first
+    request's forward (the engine started, `vllm serve` answered /health, then its engine died in a traceback)."""
+    model, _ = setup
+    spec = {"support": 209, "block_size": 48}
+    code = (f"from vllm import LLM; LLM(model={model.name_or_path!r}, max_model_len=1024, enforce_eager=True, "
+            f"additional_config={{'sparsedecode': {spec!r}}}); print('STARTED')")  # fmt: skip
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # fmt: skip
+    env.pop("SPARSEDECODE_VLLM", None)
+    done = subprocess.run([str(VLLM_PYTHON), "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode != 0 and "STARTED" not in done.stdout, done.stdout[-2000:]
+    assert "pages hold 128 positions, not a multiple of the block size 48" in done.stderr, done.stderr[-2000:]
 
 
 def test_vllm_serve_with_the_plugin_answers_an_openai_client(setup):

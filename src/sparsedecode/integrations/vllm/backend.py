@@ -35,7 +35,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from ...config import SparseConfig, check_layer_indices
 from ...errors import SparseDecodeError
-from .pages import PagedCache
+from .pages import PagedCache, check_page_size
 from .spec import configured
 from .step import sparse_rows, statistics_for
 
@@ -73,8 +73,12 @@ class SparseMetadataBuilder(CPUAttentionMetadataBuilder):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        if configured(vllm_config.additional_config) is None or self.isa in READABLE:
-            return
+        config = configured(vllm_config.additional_config)
+        if config is not None:  # refused at start-up, not at the first request's forward
+            check_page_size(self.block_size, config.block_size)
+        max_len = vllm_config.model_config.max_model_len
+        if self.isa in READABLE or not any(ever_sparse(config, name, max_len) for name in layer_names):
+            return  # no layer of these ever decodes sparsely: vLLM's own layout, AMX included (dense to the bit)
         if self.isa != "amx":
             raise SparseDecodeError(
                 f"vLLM chose instruction set {self.isa!r} for its CPU attention, whose pages sparsedecode cannot read"
@@ -137,12 +141,32 @@ def dense_metadata(meta, rows, lengths, tokens, impl, isa: str):
                    slot_mapping=meta.slot_mapping[tokens], scheduler_metadata=scheduler)  # fmt: skip
 
 
+def layer_sparse(config: SparseConfig | None, index: int, max_len: int) -> SparseConfig | None:
+    """Layer ``index``'s configuration, ``None`` where it always decodes dense: no spec, a layer in ``dense_layers``,
+    or an effective support that covers the longest sequence the engine takes (``max_len``; no row is ever longer)."""
+    if config is None or index in config.dense_layers:
+        return None
+    cfg = config.for_layer(index)
+    return None if cfg.effective_support >= max_len else cfg
+
+
+def ever_sparse(config: SparseConfig | None, name: str, max_len: int) -> bool:
+    """Whether vLLM layer ``name`` may decode sparsely (one whose number cannot be told may)."""
+    number = _layer_number(name)
+    return config is not None and (number is None or layer_sparse(config, number, max_len) is not None)
+
+
+def _layer_number(name: str) -> int | None:
+    found = re.search(r"\.(\d+)\.", f".{name}.")
+    return None if found is None else int(found.group(1))
+
+
 def layer_index(name: str) -> int:
     """The layer number in a vLLM layer name (``model.layers.7.self_attn.attn`` -> 7)."""
-    found = re.search(r"\.(\d+)\.", f".{name}.")
-    if found is None:
+    number = _layer_number(name)
+    if number is None:
         raise SparseDecodeError(f"cannot tell the layer number of vLLM attention layer {name!r}")
-    return int(found.group(1))
+    return number
 
 
 class SparseAttentionImpl(CPUAttentionBackendImpl):
@@ -152,6 +176,7 @@ class SparseAttentionImpl(CPUAttentionBackendImpl):
         super().__init__(*args, **kwargs)
         self.config = _config() if self.attn_type == AttentionType.DECODER else None
         self.model_dtype = get_current_vllm_config().model_config.dtype
+        self.max_len = get_current_vllm_config().model_config.max_model_len
         self.paged: dict[int, tuple] = {}
         if self.config is None:
             return
@@ -171,8 +196,8 @@ class SparseAttentionImpl(CPUAttentionBackendImpl):
             check_layer_indices(self.config, layers)
 
     def layer_config(self, index: int) -> SparseConfig | None:
-        """Layer ``index``'s configuration, ``None`` for a dense layer."""
-        return None if index in self.config.dense_layers else self.config.for_layer(index)
+        """Layer ``index``'s configuration, ``None`` for a layer that always decodes dense (:func:`layer_sparse`)."""
+        return layer_sparse(self.config, index, self.max_len)
 
     def pages(self, kv_cache: torch.Tensor, cfg: SparseConfig, isa: str):
         """The layer's cache as :mod:`.pages` reads it and its page statistics (made at the first forward over it)."""

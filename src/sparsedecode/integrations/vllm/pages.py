@@ -89,17 +89,22 @@ class PagedCache:
         return self.keys[page, :, :, offset].permute(1, 0, 2)
 
 
+def check_page_size(page: int, block: int) -> None:
+    """One line if vLLM's pages of ``page`` positions do not hold whole blocks of ``block``."""
+    if page % block:
+        raise SparseDecodeError(
+            f"vLLM's pages hold {page} positions, not a multiple of the block size {block}: choose a block size "
+            f"that divides {page} (or a --block-size for vLLM that is a multiple of {block})"
+        )
+
+
 class PageStatistics:
     """Per physical page and chunk, the statistics of each chunk's piece (see the module): ``(pages, kv, P / B, d)``
     float32 per kind, for one layer's cache."""
 
     def __init__(self, cache: PagedCache, block: int, kinds: tuple[str, ...]) -> None:
         pages, kv_heads, d, page = cache.keys.shape
-        if page % block:
-            raise SparseDecodeError(
-                f"vLLM's pages hold {page} positions, not a multiple of the block size {block}: choose a block size "
-                f"that divides {page} (or a --block-size for vLLM that is a multiple of {block})"
-            )
+        check_page_size(page, block)
         self.cache, self.block, self.kinds = cache, block, kinds
         self.pieces = {kind: cache.keys.new_zeros(pages, kv_heads, page // block, d, dtype=torch.float32)
                        for kind in kinds}  # fmt: skip
