@@ -87,6 +87,18 @@ def test_a_gguf_tensor_loads_bit_for_bit_and_the_fused_product_equals_the_dequan
     assert torch.allclose(layer(rows)[:3], layer(rows[:3]), rtol=1e-5, atol=1e-5 * size)  # whatever the row count
 
 
+def test_a_q4_0_scale_whose_offset_passes_float16_loads_exactly(tmp_path):
+    """Q4_0's offset -8 d leaves float16's range for d above 8188 (as Q5_0's -16 d above 4094): held in float32, the
+    GGUF's own finite values, not -inf (which the load's check refused as another model's GGUF)."""
+    blocks = np.random.default_rng(0).integers(0, 256, (4, 3, 18), dtype=np.uint8)
+    blocks[..., :2] = np.full((4, 3), 10000, np.float16).view(np.uint8).reshape(4, 3, 2)
+    _, tensors = _reader(tmp_path, {"w": (blocks.reshape(4, -1), Q.Q4_0)})
+    layer = quantized_layer(tensors["w"])
+    expected = torch.from_numpy(gguf.quants.dequantize(tensors["w"].data, Q.Q4_0).reshape(4, 96).copy())
+    assert expected.isfinite().all()
+    assert torch.equal(layer.dequantized(), expected)
+
+
 @pytest.mark.parametrize("weights", ["int4", "int8"])
 def test_quantizing_float_weights_bounds_the_error_and_shrinks_the_bytes(weights):
     model = tiny_model("llama")

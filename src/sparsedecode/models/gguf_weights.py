@@ -89,10 +89,12 @@ def quantized_layer(tensor, bias: torch.Tensor | None = None):
         blocks = _blocks(tensor, head + GROUP // 2)
         d = _half(blocks, 0)
         offset = -8 * d if kind == "Q4_0" else _half(blocks, 2)
+        wide = bool(offset.abs().max() > 65504)  # Q4_0's -8 d beyond float16: both in float32
         packed = torch.from_numpy(np.ascontiguousarray(blocks[..., head:]))  # (N, groups, 16)
         low, high = packed & 15, packed >> 4
         nibbles = torch.cat([low, high], dim=-1).reshape(packed.shape[0], -1)
-        return int4_from_nibbles(nibbles, d, offset, bias, source=f"GGUF {kind}")
+        scale_dtype = torch.float32 if wide else torch.float16
+        return int4_from_nibbles(nibbles, d, offset, bias, f"GGUF {kind}", scale_dtype)
     raise SparseDecodeError(f"GGUF tensor {tensor.name} is {kind}; loaded as it is: {', '.join(MAPPED)}")
 
 
