@@ -209,3 +209,16 @@ def test_models_command_lists_aliases(capsys):
     assert main(["models"]) == 0
     out = capsys.readouterr().out
     assert "smollm2-135m" in out and "qwen2.5-coder-0.5b" in out
+
+
+def test_models_command_prints_each_path_whole(capsys, monkeypatch):
+    """Where stdout is no terminal the table is 132 columns wide: a long cache path is folded, not cut short."""
+    from sparsedecode.cli import main
+    from sparsedecode.models import catalog
+
+    path = "/a/rather/long/cache/folder/of/someone/elses/sparsedecode/models/local-0123456789abcdef"
+    row = {"alias": "local-0123456789abcdef", "description": "converted from x.gguf", "converted": True, "path": path}
+    monkeypatch.setattr(catalog, "list_models", lambda: [row])
+    assert main(["models"]) == 0
+    cells = [line.split("│")[-2].strip() for line in capsys.readouterr().out.splitlines() if line.count("│") == 6]
+    assert "".join(cells) == path

@@ -167,6 +167,61 @@ def test_invalid_gguf_file(cache: Path, tmp_path: Path) -> None:
     assert list((cache / "models").iterdir()) == []  # the temporary entry was cleaned up
 
 
+@pytest.mark.parametrize("broken", ["missing", "shape"])
+def test_a_gguf_lacking_a_tensor_or_of_another_shape_is_refused_naming_it(
+    cache: Path, tmp_path: Path, broken: str
+) -> None:
+    """transformers initialises a tensor the GGUF lacks at random and only warns (the conversion would store it), and
+    refuses one of another shape pointing at a report it does not show."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "holey.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in {
+        "block_count": 1,
+        "context_length": 128,
+        "embedding_length": 64,
+        "feed_forward_length": 128,
+        "attention.head_count": 4,
+        "attention.head_count_kv": 2,
+        "vocab_size": 96,
+    }.items():
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    shapes = {
+        "token_embd.weight": (96, 64),
+        "output_norm.weight": (64,),
+        "blk.0.attn_norm.weight": (64,),
+        "blk.0.ffn_norm.weight": (64,),
+        "blk.0.attn_q.weight": (64, 64),
+        "blk.0.attn_k.weight": (32, 64),
+        "blk.0.attn_v.weight": (32, 64),
+        "blk.0.ffn_gate.weight": (128, 64),
+        "blk.0.ffn_up.weight": (128, 64),
+        "blk.0.ffn_down.weight": (64, 128),
+        "blk.0.attn_output.weight": (64, 64),
+    }
+    if broken == "missing":
+        del shapes["blk.0.attn_output.weight"]
+    else:
+        shapes["blk.0.ffn_up.weight"] = (96, 64)
+    for name, shape in shapes.items():
+        writer.add_tensor(name, np.full(shape, 0.01, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    expected = {
+        "missing": r"lacks the tensor of model\.layers\.0\.self_attn\.o_proj\.weight",
+        "shape": r"model\.layers\.0\.mlp\.up_proj\.weight is \[96, 64\] where its metadata make it \[128, 64\]",
+    }[broken]
+    with pytest.raises(SparseDecodeError, match=expected) as err:
+        load_model(str(path))
+    assert "\n" not in str(err.value)
+    assert list((cache / "models").iterdir()) == []  # nothing converted
+
+
 def test_hub_failure_is_one_line(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def offline(path, dtype, **kwargs):
         raise OSError("We couldn't connect to the hub to load the files.\nCheck your internet connection.")
@@ -333,6 +388,34 @@ def test_local_gguf_pipeline(cache: Path, tmp_path: Path, fake_gguf_loader: dict
     local = [row for row in list_models() if row["alias"].startswith("local-")]
     assert len(local) == 1 and local[0]["converted"] and local[0]["sha256"] == sha
     assert local[0]["path"] == str(entry)
+
+
+def test_a_local_gguf_named_by_a_relative_path_is_listed_by_its_absolute_one(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_gguf_loader: dict
+) -> None:
+    (tmp_path / "my.gguf").write_bytes(b"stand-in for a gguf file")
+    monkeypatch.chdir(tmp_path)
+    load_model("my.gguf")
+    (row,) = [row for row in list_models() if row["alias"].startswith("local-")]
+    source = Path(row["description"].removeprefix("converted from "))
+    assert source.is_absolute() and source.samefile(tmp_path / "my.gguf")
+
+
+def test_a_converted_gguf_of_a_model_without_sdpa_attention_is_refused_in_one_line(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers converts a Mamba GGUF, then refuses to load it with SDPA attention: one line, not a traceback."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    def load(gguf_path: Path):
+        config = MambaConfig(vocab_size=96, hidden_size=16, state_size=4, num_hidden_layers=1, conv_kernel=2)
+        return MambaForCausalLM(config).eval(), tiny_model_and_tokenizer()[1]
+
+    monkeypatch.setattr(model_cache, "_load_gguf", load)
+    (tmp_path / "mamba.gguf").write_bytes(b"stand-in for a gguf file")
+    with pytest.raises(SparseDecodeError, match="MambaForCausalLM does not support") as err:
+        load_model(str(tmp_path / "mamba.gguf"))
+    assert "\n" not in str(err.value)
 
 
 def test_alias_pipeline_rebuilds_from_verified_gguf(

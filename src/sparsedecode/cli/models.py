@@ -22,8 +22,9 @@ def cmd_models(args) -> int:
     from ..models.catalog import list_models
 
     table = Table(title="models")
-    for name in ("alias", "description", "gguf cached", "converted", "path"):
+    for name in ("alias", "description", "gguf cached", "converted"):
         table.add_column(name)
+    table.add_column("path", overflow="fold")  # whole, over several lines where it must: an ellipsis says no "where"
     for row in list_models():
         table.add_row(
             row["alias"],

@@ -143,7 +143,12 @@ def _load_cached(
             )
             remove_path(target)
         convert_gguf(gguf(), target, source_sha256, progress)
-    return _load_pretrained(target, dtype, tokenizer_only=tokenizer_only, use_safetensors=True)
+    try:
+        return _load_pretrained(target, dtype, tokenizer_only=tokenizer_only, use_safetensors=True)
+    except SparseDecodeError:
+        raise
+    except Exception as e:  # a model transformers converts but cannot load as asked (Mamba: no SDPA attention)
+        raise SparseDecodeError(f"cannot load model {name} (converted into {target}): {first_line(e)}") from e
 
 
 def load_model(

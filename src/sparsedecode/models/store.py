@@ -243,8 +243,30 @@ def _load_gguf(gguf_path: Path) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with _gguf_read_once():
+        # a tensor missing or of another shape than the metadata make it: named here, where transformers would
+        # initialise a missing one at random and only warn, and refuse a mismatched one pointing at a report not shown
+        model, info = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent,
+            gguf_file=gguf_path.name,
+            dtype=torch.float32,
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,
+        )
+        missing = sorted(info.get("missing_keys") or ())
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise SparseDecodeError(
+                f"the file lacks the tensor of {missing[0]}{more} ({type(model).__name__}), which would be "
+                "initialised at random: a truncated conversion, or tensors of another architecture"
+            )
+        mismatched = sorted(info.get("mismatched_keys") or ())
+        if mismatched:
+            (name, stored, expected), more = mismatched[0], len(mismatched) - 1
+            raise SparseDecodeError(
+                f"the file's tensor of {name} is {list(stored)} where its metadata make it {list(expected)}"
+                + (f" (and {more} more)" if more else "")
+            )
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     return model, tokenizer
 
 
@@ -299,7 +321,7 @@ def convert_gguf(gguf_path: Path, target: Path, source_sha256: str, progress: Pr
         model.generation_config.save_pretrained(tmp)
         save_weights(model, tmp / "model.safetensors")
         tokenizer.save_pretrained(tmp)
-        _write_manifest(tmp, source_sha256, source=str(gguf_path))
+        _write_manifest(tmp, source_sha256, source=str(Path(gguf_path).absolute()))  # `models` lists it from anywhere
         remove_path(target)
         try:
             tmp.rename(target)
