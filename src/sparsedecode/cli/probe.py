@@ -167,7 +167,7 @@ def _write_maps(args, context: int, probe, made: list[Path]) -> dict:
 def _retrieval_command(spec, out: Path) -> str:
     """The ``sparsedecode probe retrieval`` command line that reproduces ``spec`` into ``out``."""
     from ..experiments.specs import RetrievalSpec
-    from ..reports.tables import layer_flags
+    from ..reports.tables import changed_flags
 
     default = RetrievalSpec(model=spec.model)
     parts = [
@@ -175,10 +175,9 @@ def _retrieval_command(spec, out: Path) -> str:
         f"--context {','.join(map(str, spec.contexts))} --depths {','.join(f'{d:g}' for d in spec.depths)} "
         f"--trials {spec.trials} --support {','.join(map(str, spec.supports))} --haystack {spec.haystack}"
     ]
-    for name in ("window", "block_size", "reuse", "selector", "digits", "answer_tokens", "seed"):
-        if getattr(spec, name) != getattr(default, name):
-            parts.append(f"--{name.replace('_', '-')} {getattr(spec, name)}")
-    parts += layer_flags(spec.dense_layers, spec.layer_supports)
+    parts += changed_flags(
+        spec, default, ("window", "block_size", "reuse", "selector", "digits", "answer_tokens", "seed")
+    )
     parts.append(f"--out {out}")
     return " ".join(parts)
 

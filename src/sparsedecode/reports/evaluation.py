@@ -19,7 +19,7 @@ from ..experiments.ruler import TASKS
 from ..files import write_text_atomic
 from .environment import environment_lines
 from .sweep import REPORT_FILE
-from .tables import layer_flags, markdown_table, write_csv
+from .tables import changed_flags, markdown_table, write_csv
 
 EXAMPLES = 20
 """Regressions shown in the Markdown (all of them are in ``regressions.csv``)."""
@@ -48,10 +48,9 @@ def eval_command(spec: EvalSpec, directory: Path) -> str:
         f"--selectors {','.join(spec.selectors)}",
         f"--support {','.join(map(str, spec.supports))}",
     ]
-    for name in ("window", "block_size", "reuse", "corpus", "template", "seed", "answer_tokens"):
-        if getattr(spec, name) != getattr(default, name):
-            parts.append(f"--{name.replace('_', '-')} {getattr(spec, name)}")
-    parts += layer_flags(spec.dense_layers, spec.layer_supports)
+    parts += changed_flags(
+        spec, default, ("window", "block_size", "reuse", "corpus", "template", "seed", "answer_tokens")
+    )
     parts.append(f"--out {directory}")
     return " ".join(parts)
 

@@ -52,6 +52,13 @@ def layer_flags(dense_layers, layer_supports) -> list[str]:
     return flags
 
 
+def changed_flags(spec, default, names) -> list[str]:
+    """A command's ``--name value`` for each of ``names`` where ``spec`` differs from ``default``, then the flags of its
+    per-layer settings (:func:`layer_flags`)."""
+    flags = [f"--{n.replace('_', '-')} {getattr(spec, n)}" for n in names if getattr(spec, n) != getattr(default, n)]
+    return flags + layer_flags(spec.dense_layers, spec.layer_supports)
+
+
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     """A Markdown table of ready-made cells, every column right-aligned (the columns are mostly numbers)."""
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" ---: " for _ in header) + "|"]
