@@ -167,12 +167,13 @@ def test_invalid_gguf_file(cache: Path, tmp_path: Path) -> None:
     assert list((cache / "models").iterdir()) == []  # the temporary entry was cleaned up
 
 
-@pytest.mark.parametrize("broken", ["missing", "shape"])
+@pytest.mark.parametrize("broken", ["missing", "shape", "extra"])
 def test_a_gguf_lacking_a_tensor_or_of_another_shape_is_refused_naming_it(
     cache: Path, tmp_path: Path, broken: str
 ) -> None:
     """transformers initialises a tensor the GGUF lacks at random and only warns (the conversion would store it), and
-    refuses one of another shape pointing at a report it does not show."""
+    refuses one of another shape pointing at a report it does not show; tensors of a layer past ``block_count`` it
+    leaves out, saying nothing."""
     import gguf
     import numpy as np
 
@@ -204,8 +205,10 @@ def test_a_gguf_lacking_a_tensor_or_of_another_shape_is_refused_naming_it(
     }
     if broken == "missing":
         del shapes["blk.0.attn_output.weight"]
-    else:
+    elif broken == "shape":
         shapes["blk.0.ffn_up.weight"] = (96, 64)
+    else:  # a second layer's tensors in a file whose block_count says 1
+        shapes.update({name.replace("blk.0.", "blk.1."): shape for name, shape in shapes.items() if "blk.0." in name})
     for name, shape in shapes.items():
         writer.add_tensor(name, np.full(shape, 0.01, dtype=np.float32))
     writer.write_header_to_file()
@@ -215,6 +218,7 @@ def test_a_gguf_lacking_a_tensor_or_of_another_shape_is_refused_naming_it(
     expected = {
         "missing": r"lacks the tensor of model\.layers\.0\.self_attn\.o_proj\.weight",
         "shape": r"model\.layers\.0\.mlp\.up_proj\.weight is \[96, 64\] where its metadata make it \[128, 64\]",
+        "extra": r"holds tensors of 2 layers \(blk\.0 to blk\.1\) where its metadata give LlamaForCausalLM 1",
     }[broken]
     with pytest.raises(SparseDecodeError, match=expected) as err:
         load_model(str(path))

@@ -266,8 +266,24 @@ def _load_gguf(gguf_path: Path) -> tuple[Any, Any]:
                 f"the file's tensor of {name} is {list(stored)} where its metadata make it {list(expected)}"
                 + (f" (and {more} more)" if more else "")
             )
+        _check_layers(gguf_path, model)
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     return model, tokenizer
+
+
+def _check_layers(gguf_path: Path, model) -> None:
+    """One line where the file holds tensors of more layers (``blk.N``) than its metadata give the model: transformers
+    leaves the rest out and says nothing."""
+    import gguf
+
+    blocks = [t.name.split(".")[1] for t in gguf.GGUFReader(gguf_path).tensors if t.name.startswith("blk.")]
+    held = 1 + max((int(b) for b in blocks if b.isdigit()), default=-1)
+    layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    if held > layers:
+        raise SparseDecodeError(
+            f"the file holds tensors of {held} layers (blk.0 to blk.{held - 1}) where its metadata give "
+            f"{type(model).__name__} {layers} (block_count): the others would be left out"
+        )
 
 
 @contextlib.contextmanager
