@@ -30,6 +30,7 @@ from .store import (
     ensure_gguf,
     file_sha256,
     first_line,
+    missing_keys,
     read_manifest,
     remove_path,
     verify_converted,
@@ -61,6 +62,16 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     raise SparseDecodeError(f"unsupported dtype {dtype!r}; choose one of: {', '.join(_DTYPES)}")
 
 
+def _load_refusing(path: str | Path, dtype: torch.dtype, where: str, **kwargs: Any) -> tuple[Any, Any]:
+    """:func:`_load_pretrained`, any error of transformers' or the reader's one line: ``cannot load model {where}``."""
+    try:
+        return _load_pretrained(path, dtype, **kwargs)
+    except SparseDecodeError:
+        raise
+    except Exception as e:
+        raise SparseDecodeError(f"cannot load model {where}: {first_line(e)}") from e
+
+
 def _load_pretrained(
     path: str | Path, dtype: torch.dtype, *, tokenizer_only: bool = False, **kwargs: Any
 ) -> tuple[Any, Any]:
@@ -75,11 +86,10 @@ def _load_pretrained(
         model, info = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation="sdpa", output_loading_info=True, **kwargs, trust_remote_code=False
         )
-        missing = sorted(info.get("missing_keys") or ())
+        missing = missing_keys(info)
         if missing:  # transformers initialises them at random and only warns: the outputs would mean nothing
-            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
             raise SparseDecodeError(
-                f"cannot load {path} as a causal LM ({type(model).__name__}): the checkpoint lacks {missing[0]}{more}, "
+                f"cannot load {path} as a causal LM ({type(model).__name__}): the checkpoint lacks {missing}, "
                 "which would be initialised at random; is it a causal LM's checkpoint (not an encoder or base model)?"
             )
         _check_stored_dtypes(path, model)
@@ -143,12 +153,9 @@ def _load_cached(
             )
             remove_path(target)
         convert_gguf(gguf(), target, source_sha256, progress)
-    try:
-        return _load_pretrained(target, dtype, tokenizer_only=tokenizer_only, use_safetensors=True)
-    except SparseDecodeError:
-        raise
-    except Exception as e:  # a model transformers converts but cannot load as asked (Mamba: no SDPA attention)
-        raise SparseDecodeError(f"cannot load model {name} (converted into {target}): {first_line(e)}") from e
+    # a model transformers converts but cannot load as asked (Mamba: no SDPA attention)
+    where = f"{name} (converted into {target})"
+    return _load_refusing(target, dtype, where, tokenizer_only=tokenizer_only, use_safetensors=True)
 
 
 def load_model(
@@ -224,12 +231,8 @@ def _load(spec: str, torch_dtype: torch.dtype, progress: Progress | None, *, tok
     if spec.endswith(".gguf"):
         raise SparseDecodeError(f"GGUF file {spec} not found: check the path")
     if spec.strip() and path.is_dir():  # "" would be the current directory
-        try:
-            return _load_pretrained(path, torch_dtype, tokenizer_only=tokenizer_only)
-        except SparseDecodeError:
-            raise
-        except Exception as e:  # corrupt weights fail in the reader (SafetensorError, struct.error, ...)
-            raise SparseDecodeError(f"cannot load model from directory {spec}: {first_line(e)}") from e
+        # corrupt weights fail in the reader (SafetensorError, struct.error, ...)
+        return _load_refusing(path, torch_dtype, f"from directory {spec}", tokenizer_only=tokenizer_only)
     if _HUB_ID.match(spec) and not path.exists():
         return _load_from_hub(spec, torch_dtype, tokenizer_only)
     missing = f" (no file or directory {path.absolute()})" if spec.strip() and not path.exists() else ""

@@ -252,11 +252,10 @@ def _load_gguf(gguf_path: Path) -> tuple[Any, Any]:
             output_loading_info=True,
             ignore_mismatched_sizes=True,
         )
-        missing = sorted(info.get("missing_keys") or ())
+        missing = missing_keys(info)
         if missing:
-            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
             raise SparseDecodeError(
-                f"the file lacks the tensor of {missing[0]}{more} ({type(model).__name__}), which would be "
+                f"the file lacks the tensor of {missing} ({type(model).__name__}), which would be "
                 "initialised at random: a truncated conversion, or tensors of another architecture"
             )
         mismatched = sorted(info.get("mismatched_keys") or ())
@@ -269,6 +268,15 @@ def _load_gguf(gguf_path: Path) -> tuple[Any, Any]:
         _check_layers(gguf_path, model)
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     return model, tokenizer
+
+
+def missing_keys(info: dict) -> str | None:
+    """The first of the weights ``from_pretrained``'s loading ``info`` reports missing, and how many more (``x and 3
+    more``); ``None`` where none is (transformers initialises them at random and only warns)."""
+    missing = sorted(info.get("missing_keys") or ())
+    if not missing:
+        return None
+    return missing[0] + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
 
 
 def _check_layers(gguf_path: Path, model) -> None:
