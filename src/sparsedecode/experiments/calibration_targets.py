@@ -116,11 +116,11 @@ def _exact(value: float) -> str:
 PERCENTS = ("tf-match", "task-accuracy")
 """The measures that are percentages of 0 to 100 (a target outside can never, or always, hold)."""
 FLOORS = {
-    "dppl": (-100.0, "a change of perplexity in percent, above -100 (a perplexity stays above 0)"),
-    "length-ratio": (0.0, "a ratio of token counts, at least 0"),
+    "dppl": (-100.0, False, "a change of perplexity in percent, above -100 (a perplexity stays above 0)"),
+    "length-ratio": (0.0, True, "a ratio of token counts, at least 0"),
 }
-"""The measures read against an upper limit that cannot go below a floor: a limit under it can never hold (and
-``dppl`` never reaches -100 itself)."""
+"""The measures read against an upper limit that cannot go below a floor (and whether the floor itself can be
+reached): a limit under it can never hold."""
 
 
 def _forms() -> str:
@@ -150,8 +150,8 @@ def parse_target(text: str) -> Target:
             break
         if name in PERCENTS and not relative and not 0 <= value <= 100:
             raise SparseDecodeError(f"target {text!r}: {name} is a percentage, between 0 and 100")
-        floor, what = FLOORS.get(name, (None, ""))
-        if floor is not None and not relative and (value < floor or (name == "dppl" and value == floor)):
+        floor, reached, what = FLOORS.get(name, (None, True, ""))
+        if floor is not None and not relative and (value < floor or (value == floor and not reached)):
             raise SparseDecodeError(f"target {text!r} can never hold: {name} is {what}")
         return Target(name, value, relative)
     raise SparseDecodeError(f"a target is one of {_forms()} (X a number), got {text!r}")
