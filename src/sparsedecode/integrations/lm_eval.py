@@ -291,7 +291,7 @@ class SparseDecodeLM(HFLM):
             if len(continuation) > self.max_length:  # lm-eval's hf model asserts it: no context token would be left
                 raise SparseDecodeError(
                     f"lm-eval sent a continuation of {len(continuation)} tokens to score, more than max_length "
-                    f"({self.max_length}) leaves room for with a token of context"
+                    f"({self.max_length}) holds beside a token of context"
                 )
             whole = (context + continuation)[-(self.max_length + 1) :]
             kept = whole[: len(whole) - len(continuation)]
