@@ -416,3 +416,37 @@ def test_bench_e2e_batch_names_quantized_weights(tiny_model_dir, tmp_path, capsy
     assert "int8 weights, float32 activations" in " ".join(capsys.readouterr().out.split())
     rows = json.loads(out.read_text())["rows"]
     assert {r["weights"] for r in rows} == {"int8"} and all(r["tokens_equal_to_batch1"] for r in rows)
+
+
+def test_bench_e2e_batch_checks_every_repeat_against_batch_one(monkeypatch):
+    """A batch whose tokens leave the batch-1 run in one repeat but not the last is not "equal to batch 1" (each
+    repeat's tokens are checked, not only the last one's), in the session's modes and the compiled ones."""
+    from sparsedecode.compiled import decoder as compiled
+    from sparsedecode.experiments import bench_batch
+    from sparsedecode.experiments.bench import bench_e2e_batch
+
+    monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
+    decode, compiled_decode, calls = bench_batch.decode_tokens, bench_batch.compiled_decode, {"eager": 0, "compiled": 0}
+
+    def off_once(outs: list[list[int]], kind: str, batched: bool) -> list[list[int]]:
+        if batched:
+            calls[kind] += 1
+            if calls[kind] == 1:  # the batch's first repeat of its first mode: one token changed
+                outs = [[*outs[0][:-1], outs[0][-1] + 1], *outs[1:]]
+        return outs
+
+    def decode_off(model, cache, firsts, *args, mask=None, **kwargs):
+        outs, rest = decode(model, cache, firsts, *args, mask=mask, **kwargs)
+        return off_once(outs, "eager", mask is not None and len(firsts) > 1), rest
+
+    def compiled_off(model, decoder, context, heads, *args):
+        seconds, outs = compiled_decode(model, decoder, context, heads, *args)
+        return seconds, off_once(outs, "compiled", len(heads) > 1)
+
+    monkeypatch.setattr(bench_batch, "decode_tokens", decode_off)
+    monkeypatch.setattr(bench_batch, "compiled_decode", compiled_off)
+    prompts = [prompt(300, seed=40 + i) for i in range(2)]
+    rows = bench_e2e_batch(tiny_model("llama"), "tiny", prompts, (1, 2), (97,), tokens=6, repeats=2, compile=True)
+    assert calls == {"eager": 4, "compiled": 4}, "each batched mode ran twice"
+    flagged = {(r.batch, r.mode, r.cache) for r in rows if not r.tokens_equal_to_batch1}
+    assert flagged == {(2, "dense", "growing"), (2, "dense", "static, compiled")}

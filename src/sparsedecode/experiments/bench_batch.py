@@ -117,9 +117,9 @@ def bench_e2e_batch(
     together from a stacked copy of their caches. Per batch size every mode (dense, then sparse per support) runs
     ``repeats`` times, in order and then reversed, and reports the median decode time of ``tokens`` greedy tokens
     for the whole batch: aggregate tokens/s is ``b * tokens / decode_s``, the step latency ``decode_s / tokens``.
-    ``tokens_equal_to_batch1``: every sequence's tokens equal its own batch-1 run in the same mode (each prompt is
-    run alone, in every mode, for that). Peak RSS is measured per batch size (the kernel's high-water mark is reset
-    before it, where Linux allows). ``compile`` adds every mode with the decode step compiled
+    ``tokens_equal_to_batch1``: in every repeat, every sequence's tokens equal its own batch-1 run in the same mode
+    (each prompt is run alone, in every mode, for that). Peak RSS is measured per batch size (the kernel's
+    high-water mark is reset before it, where Linux allows). ``compile`` adds every mode with the decode step compiled
     (:mod:`sparsedecode.compiled.decoder`, ``cache`` "static, compiled"), its rows and compile seconds beside the
     others'; "vs dense same batch" and "vs best dense" then divide by the faster dense mode.
     """
@@ -212,7 +212,7 @@ def _measure_batch(
     stacked = caches[0] if b == 1 else _stack_caches(model, caches[:b])
     mask = torch.ones(b, context, dtype=torch.long, device=device)
     times: dict[tuple, list[float]] = {mode: [] for mode in modes}
-    outputs: dict[tuple, list[list[int]]] = {}
+    outputs: dict[tuple, list[list[list[int]]]] = {mode: [] for mode in modes}  # every repeat's, each checked
     for repeat in range(repeats):
         for mode in modes if repeat % 2 == 0 else modes[::-1]:
             stage = f"batch {b}, {mode[0]}" + (f" S={mode[1]}" if mode[1] else "") + f" ({repeat + 1}/{repeats})"
@@ -224,13 +224,18 @@ def _measure_batch(
                 )
             times[mode].append(time.perf_counter() - begun)
             crop_cache(stacked, context)
-            outputs[mode] = outs
+            outputs[mode].append(outs)
     rss = current_peak_rss_mb()
     measured = {}
     for mode in modes:
-        equal = all(outputs[mode][i] == alone[mode][i] for i in range(b))
+        equal = _equal_to_alone(outputs[mode], alone[mode], b)
         measured[(b, *mode, "growing")] = dict(decode_s=statistics.median(times[mode]), equal=equal, rss=rss)
     return measured
+
+
+def _equal_to_alone(runs: list[list[list[int]]], alone: list[list[int]], b: int) -> bool:
+    """Whether every repeat of a batch of ``b`` decoded each sequence's tokens of its batch-1 run (``alone``)."""
+    return all(run[i] == alone[i] for run in runs for i in range(b))
 
 
 def _batch_rows(model, name: str, measured: dict, context: int, tokens: int, kernel: str, repeats: int):
@@ -301,15 +306,16 @@ def _compiled_batches(model, caches, firsts, batches, modes, config_of, tokens, 
         reset_peak_rss()
         decoders = {mode: loaded(mode, b, caches[:b]) for mode in modes}
         times: dict[tuple, list[float]] = {mode: [] for mode in modes}
-        outputs = {}
+        outputs: dict[tuple, list] = {mode: [] for mode in modes}
         for repeat in range(repeats):
             for mode in modes if repeat % 2 == 0 else modes[::-1]:
                 stage = f"batch {b}, {mode[0]} compiled" + (f" S={mode[1]}" if mode[1] else "")
-                seconds, outputs[mode] = decoded(decoders[mode], firsts[:b], f"{stage} ({repeat + 1}/{repeats})")
+                seconds, outs = decoded(decoders[mode], firsts[:b], f"{stage} ({repeat + 1}/{repeats})")
                 times[mode].append(seconds)
+                outputs[mode].append(outs)
         rss = current_peak_rss_mb()
         for mode in modes:
-            equal = all(outputs[mode][i] == alone[mode][i] for i in range(b))
+            equal = _equal_to_alone(outputs[mode], alone[mode], b)
             median = statistics.median(times[mode])
             compile_s = decoders[mode].compile_s
             measured[(b, *mode, "static, compiled")] = dict(decode_s=median, equal=equal, rss=rss, compile_s=compile_s)
