@@ -218,3 +218,20 @@ def test_sparq_scores_a_zero_query_head_zero_not_nan():
     assert torch.isfinite(group_sum_scores(queries, keys, 4)).all()
     queries[0] = 0  # a whole group of zero queries: every position scores 0
     assert torch.equal(group_sum_scores(queries, keys, 4)[0], torch.zeros(200))
+
+
+@pytest.mark.parametrize("method", ["sparq", "sparq:rank=64", "sparq:grouping=mean-query"])
+def test_sparq_ranks_equal_keys_by_the_tie_rule(method):
+    """Equal keys (a layer without RoPE repeating a token) score equally, so the lowest distant positions are kept. A
+    matrix product scored them: its tiles at the end of ``N`` rounded otherwise, and later positions won the tie."""
+    wrong = []
+    for trial in range(40):
+        kv_heads, group, d = [(1, 1, 16), (2, 3, 31), (1, 7, 64), (3, 1, 128)][trial % 4]
+        generator = torch.Generator().manual_seed(trial)
+        queries = torch.randn(kv_heads * group, d, generator=generator)
+        keys = torch.randn(kv_heads, 1, d, generator=generator).repeat(1, 100 + 7 * trial, 1)
+        n = keys.shape[1]
+        expected = [*range(0, 97 - 16), *range(n - 16, n)]
+        kept = select_support(queries, keys, support=97, window=16, block_size=16, method=method)
+        wrong += [trial for positions in kept if positions.tolist() != expected]
+    assert not wrong, f"{method}: equal keys not ranked lowest first in trials {sorted(set(wrong))}"

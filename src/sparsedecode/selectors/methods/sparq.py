@@ -26,6 +26,13 @@ if TYPE_CHECKING:
     import torch
 
 
+def position_dots(keys: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """``(kv, N, r), (kv, r) -> (kv, N)``: each position's dot product with its row's query, computed alike for every
+    position, so equal keys score equally and rank by the tie rule (a matrix product rounds some positions otherwise:
+    its tiles at the end of ``N`` sum in another order)."""
+    return (keys * query.unsqueeze(1)).sum(dim=-1)
+
+
 def top_channel_scores(query_means: torch.Tensor, keys: torch.Tensor, rank: int) -> torch.Tensor:
     """``(kv, d), (kv, N, d) -> (kv, N)``: dot products over each row's ``rank`` largest ``|q|`` channels (ties: the
     lowest channel first)."""
@@ -36,7 +43,7 @@ def top_channel_scores(query_means: torch.Tensor, keys: torch.Tensor, rank: int)
     order = torch.sort(magnitude, dim=-1, descending=True, stable=True).indices[:, :rank]
     q = query_means.gather(1, order)  # (kv, r)
     k = keys.float().gather(2, order.unsqueeze(1).expand(-1, keys.shape[1], -1))  # (kv, N, r)
-    return torch.bmm(k, q.unsqueeze(-1)).squeeze(-1)
+    return position_dots(k, q)
 
 
 def group_sum_scores(queries: torch.Tensor, keys: torch.Tensor, rank: int) -> torch.Tensor:
@@ -58,8 +65,11 @@ def group_sum_scores(queries: torch.Tensor, keys: torch.Tensor, rank: int) -> to
     scaled = q_part / (coverage * d).sqrt().unsqueeze(-1)
     q_part = torch.where((coverage > 0).unsqueeze(-1), scaled, torch.zeros_like(q_part))
     k_part = keys.float().gather(2, channels.unsqueeze(1).expand(-1, n, -1))  # (kv, N, r): the group's channels
-    logits = torch.bmm(q_part.view(kv_heads, group, rank), k_part.transpose(1, 2))  # (kv, G, N)
-    return logits.sum(dim=1)
+    q_part = q_part.view(kv_heads, group, rank)
+    scores = position_dots(k_part, q_part[:, 0])  # each query head's logits, summed over the group
+    for member in range(1, group):
+        scores += position_dots(k_part, q_part[:, member])
+    return scores
 
 
 GROUPINGS = ("group-sum", "mean-query")
