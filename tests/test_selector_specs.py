@@ -112,3 +112,16 @@ def test_lm_eval_command_line_refuses_a_cut_selector_in_one_line(selector_file, 
     code = main(["lm-eval", "--model", "sparsedecode", "--model_args", model_args, "--tasks", "arc_easy"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "separate a selector's parameters with ';'" in err, err
+
+
+def test_a_numpy_float_parameter_gives_a_spec_that_reads_back():
+    """A parameter swept with NumPy (``np.linspace`` gives ``float64``, whose ``repr`` is ``np.float64(0.5)``) is
+    written as the float it is: the spec a row stores reads back to the same selector."""
+    import numpy as np
+
+    from sparsedecode.selectors.methods.twilight import Twilight
+
+    for p in np.linspace(0.5, 0.9, 3):
+        selector = Twilight(p=p)
+        assert selector.spec() == f"twilight:p={float(p)!r}"
+        assert parse_selector(selector.spec()).params() == selector.params()

@@ -222,9 +222,11 @@ class Selector:
 
 
 def _format(value) -> str:
+    """A parameter as a spec writes it, so that the spec reads back: a float subclass (NumPy's ``float64``, whose
+    ``repr`` is ``np.float64(0.5)``) as the float it is."""
     if isinstance(value, bool):
         return "true" if value else "false"
-    return repr(value) if isinstance(value, float) else str(value)
+    return repr(float(value)) if isinstance(value, float) else str(value)
 
 
 @dataclass(frozen=True)
