@@ -326,3 +326,28 @@ def test_audit_step_matches_a_brute_force_loop(group, kv_heads, n, token_level, 
         for name, value in expected.items():
             got = stats[name].view(kv_heads, group)[h].numpy()
             assert np.allclose(got, value, rtol=1e-9, atol=1e-12), name  # float64 both ways: round-off ~1e-14
+
+
+def test_blocks_an_adaptive_budget_dropped_are_not_counted_as_chosen():
+    """block-top-p keeps ``b`` blocks in its selection but reads only those its budget keeps (the rest are masked out
+    of the support): recall and captured/best judge the blocks read, as ``mass_blocks`` and ``omitted_mass`` do."""
+    from sparsedecode.selectors.select import BlockChoice, support_of
+
+    g = torch.Generator().manual_seed(3)
+    n, window, block, d = 60, 8, 4, 8
+    layout = BlockLayout(n=n, window=window, block_size=block)
+    keys, values = torch.randn(1, n, d, generator=g) * 2, torch.randn(1, n, d, generator=g)
+    query = torch.randn(2, d, generator=g) * 2
+    probs = torch.softmax(query.double() @ keys[0].double().T * d**-0.5, dim=-1)  # (G, n)
+    units = [list(range(1 + j * block, min(1 + (j + 1) * block, layout.distant_end))) for j in range(layout.n_blocks)]
+    mass = torch.stack([probs[:, u].sum(-1) for u in units], dim=-1)  # (G, U)
+    best = mass.sum(0).argsort(descending=True)[:3].sort().values  # the group's best three blocks
+    blocks = best.unsqueeze(0)
+    budget_mask = torch.tensor([[True, False, True]])  # the budget drops the middle one: 2 of the 3 blocks read
+    index, valid = support_of(BlockChoice(blocks, budget_mask), layout)
+    stats = audit_step(StepView(0, 1, query, keys, values, index, valid, torch.zeros(2, d), d**-0.5, layout, blocks))
+    read = [int(best[0]), int(best[2])]
+    assert stats["selector_recall"].tolist() == pytest.approx([2 / 3, 2 / 3])
+    expected = float(mass[:, read].sum() / mass[:, best].sum())
+    assert stats["captured_mass_ratio"].tolist() == pytest.approx([expected, expected], rel=1e-12)
+    assert stats["mass_blocks"].tolist() == pytest.approx(mass[:, read].sum(-1).tolist(), rel=1e-12)

@@ -120,12 +120,10 @@ def _units(view: StepView, distant: torch.Tensor, kept: torch.Tensor) -> tuple[t
         )
     pad = layout.n_blocks * layout.block_size - length
     mass = torch.nn.functional.pad(distant, (0, pad)).view(kv_heads, group, layout.n_blocks, -1).sum(-1)
-    blocks = view.blocks.to(distant.device)
-    chosen = torch.zeros(blocks.shape[0], layout.n_blocks, dtype=torch.bool, device=distant.device)
-    chosen.scatter_(1, blocks, True)
-    if blocks.shape[0] == kv_heads * group and group > 1:  # a choice per query head
-        return mass, chosen.view(kv_heads, group, -1), blocks.shape[1]
-    return mass, chosen.unsqueeze(1).expand(-1, group, -1), blocks.shape[1]
+    # the blocks the step read, from its support: an adaptive budget's dropped blocks (in ``view.blocks``, masked
+    # out of the support) were not read, so they are not chosen; per KV head, or per query head for such a selector
+    read = torch.nn.functional.pad(kept[:, :, 1 : layout.distant_end], (0, pad))
+    return mass, read.view(kv_heads, group, layout.n_blocks, -1).any(-1), view.blocks.shape[1]
 
 
 def audit_step(view: StepView) -> dict[str, torch.Tensor]:
