@@ -216,3 +216,19 @@ def test_compare_selectors_writes_a_table_for_every_selector(tiny_model_dir, tmp
     markdown = (tmp_path / "selectors.md").read_text()
     assert "sparsedecode compare-selectors" in markdown and "| `quest` | practical |" in markdown
     assert (tmp_path / "selectors.csv").read_text().count("\n") == len(SELECTORS) + 1
+
+
+def test_probe_mass_heat_map_names_the_layers_it_shows(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """With --dense-layers 0 the map has one row, layer 1's; it was labelled by its row number (0) instead."""
+    from sparsedecode.reports import plots
+
+    drawn = []
+    real = plots.heatmap
+    monkeypatch.setattr(
+        plots, "heatmap", lambda matrix, path, **kw: drawn.append((matrix, kw)) or real(matrix, path, **kw)
+    )
+    args = ["probe", "mass", "--model", str(tiny_model_dir), "--context", "250", "--support", "97", "--tokens", "3"]
+    code, _, _ = run_cli([*args, "--dense-layers", "0", "--out", str(tmp_path)], capsys)
+    assert code == 0
+    ((matrix, kw),) = drawn
+    assert matrix.shape == (1, 4) and kw["yticks"] == ["1"]

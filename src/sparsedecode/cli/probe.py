@@ -155,6 +155,7 @@ def _write_maps(args, context: int, probe, made: list[Path]) -> dict:
             f"mean over {probe.summary['audited_steps']} sparse decode steps",
             xlabel="query head",
             ylabel="layer",
+            yticks=[str(layer) for layer in probe.arrays["layers"].tolist()],  # the audited ones (not dense layers)
             colorbar="omitted mass ε",
             vmax=max(float(omitted.max()), 1e-6),
         )
