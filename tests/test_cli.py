@@ -232,3 +232,13 @@ def test_probe_mass_heat_map_names_the_layers_it_shows(tiny_model_dir, tmp_path,
     assert code == 0
     ((matrix, kw),) = drawn
     assert matrix.shape == (1, 4) and kw["yticks"] == ["1"]
+
+
+def test_probe_mass_with_every_layer_dense_does_not_blame_the_support(tiny_model_dir, tmp_path, capsys):
+    """Every layer in --dense-layers: nothing is audited, and the support (97 of 250 positions) is not what covered
+    the context, as the message said."""
+    args = ["probe", "mass", "--model", str(tiny_model_dir), "--context", "250", "--support", "97", "--tokens", "3"]
+    code, stdout, _ = run_cli([*args, "--dense-layers", "0,1", "--out", str(tmp_path)], capsys)
+    assert code == 0 and "nothing to audit" in stdout
+    assert "the support covers the context" not in " ".join(stdout.split())
+    assert json.loads((tmp_path / "mass.json").read_text())["results"] == []

@@ -128,7 +128,10 @@ def _probe_mass(args, made: list[Path]) -> int:
         for probe in probes:
             support = probe.settings["support"]
             if not probe.summary.get("audited_steps"):
-                console.print(f"context {context}, S={support}: the support covers the context; nothing to audit")
+                console.print(
+                    f"context {context}, S={support}: nothing to audit: no layer decoded sparsely (each layer's "
+                    "support covers the context, or the layer is in --dense-layers)"
+                )
                 continue
             console.print(layer_table(f"attention mass, context {context}, S={support}", probe.summary))
             done.append((context, probe))
