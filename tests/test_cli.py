@@ -242,3 +242,29 @@ def test_probe_mass_with_every_layer_dense_does_not_blame_the_support(tiny_model
     assert code == 0 and "nothing to audit" in stdout
     assert "the support covers the context" not in " ".join(stdout.split())
     assert json.loads((tmp_path / "mass.json").read_text())["results"] == []
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["run", "--context", "150", "--support", "97", "--tokens", "4"],
+        ["probe", "mass", "--context", "150", "--support", "97", "--tokens", "4"],
+    ],
+)
+@pytest.mark.parametrize("flag", [("--dense-layers", "0,7"), ("--layer-supports", "9:193")])
+def test_layers_the_model_lacks_are_refused_before_any_prefill(
+    tiny_model_dir, tmp_path, capsys, monkeypatch, command, flag
+):
+    """``--dense-layers`` / ``--layer-supports`` naming a layer past the model's are refused as it loads, in one line,
+    before a prefill or a dense reference is spent (the session refused them only as it opened, after them)."""
+    from sparsedecode.decoding import loop
+
+    def no_prefill(*args, **kwargs):
+        raise AssertionError("a prefill ran before the layers were checked")
+
+    monkeypatch.setattr(loop, "prefill", no_prefill)
+    args = [*command, "--model", str(tiny_model_dir), *flag]
+    out = ["--out", str(tmp_path / "mass")] if command[0] == "probe" else ["--json", str(tmp_path / "r.json")]
+    code, _, err = run_cli([*args, *out], capsys)
+    assert code == 2 and err.count("\n") == 1 and "the model has 2 attention layers" in err, err
+    assert not any(tmp_path.iterdir())

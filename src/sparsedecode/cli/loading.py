@@ -86,6 +86,7 @@ def load(args):
         model, tokenizer = load_model(args.model, dtype=args.dtype, weights=weights)
     check_sparse_attention(model, args.model)
     _check_budget_layers(args, model)
+    _check_named_layers(args, model)
     if weights is not None:  # what ran, for the settings a result records: float weights set the dtype too
         from ..models.weights import FLOAT_WEIGHTS, weights_label
 
@@ -108,6 +109,18 @@ def _check_budget_layers(args, model) -> None:
             f"budget file {args.budget_file} was made for a model of {made_for} attention layers; {args.model} has "
             f"{layers}"
         )
+
+
+def _check_named_layers(args, model) -> None:
+    """``--dense-layers`` and ``--layer-supports`` naming a layer the model lacks are refused as the model loads,
+    before a prefill or a dense reference is spent (the session would refuse them only as it opens)."""
+    dense, supports = getattr(args, "dense_layers", ()) or (), getattr(args, "layer_supports", ()) or ()
+    if not dense and not supports:
+        return
+    from ..config import SparseConfig, check_named_layers
+    from ..validate import attention_modules
+
+    check_named_layers(SparseConfig(dense_layers=dense, layer_supports=supports), attention_modules(model))
 
 
 def quiet_transformers() -> None:
