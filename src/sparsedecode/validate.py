@@ -296,7 +296,7 @@ def finite_sum(tensor: torch.Tensor) -> bool:
         return True
     if tensor.dtype == torch.float64:
         return bool(torch.isfinite(tensor).all())
-    return math.isfinite(float(tensor.sum(dtype=torch.float64)))
+    return math.isfinite(float(tensor.detach().sum(dtype=torch.float64)))
 
 
 def check_scores(scores: torch.Tensor) -> None:

@@ -8,7 +8,7 @@ only, never on the selectors or the attention step, which call into it.
 from . import cpu
 from .common import check_inputs
 from .cpu import batch as cpu_batch
-from .dispatch import attend, attention_kernel, refusals, select_mean_pooled, selection_kernel
+from .dispatch import attend, attention_kernel, needs_gradient, refusals, select_mean_pooled, selection_kernel
 from .triton import attention as triton_attention
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "check_inputs",
     "cpu",
     "cpu_batch",
+    "needs_gradient",
     "refusals",
     "select_mean_pooled",
     "selection_kernel",

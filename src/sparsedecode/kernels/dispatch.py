@@ -25,7 +25,15 @@ NAMES = ("triton", "c")
 """The kernels besides torch, in the order ``auto`` tries them."""
 
 
+def needs_gradient(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd records a computation on ``tensors``: gradients are enabled and one of them requires one (a
+    model whose parameters require gradients, outside ``torch.no_grad``)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _refusal(name: str, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None, layout: BlockLayout):
+    if values is not None and needs_gradient(q, keys, values):  # a kernel's output would be cut from the graph
+        return "it computes no gradient, and autograd needs one here (decode under torch.no_grad() for the kernels)"
     if name == "c":
         return cpu.refusal(q, keys, values)
     return triton_attention.refusal(q, keys, values, layout)

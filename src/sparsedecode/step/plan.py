@@ -26,8 +26,8 @@ class StepPlan:
 
 
 def _signature(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> tuple | None:
-    """What the kernels' choice depends on for CPU tensors (dtypes, head counts and dims, row strides), or ``None``
-    where it also depends on the step (CUDA: Triton's limits grow with the cache)."""
+    """What the kernels' choice depends on for CPU tensors (dtypes, head counts and dims, row strides, whether autograd
+    records the step), or ``None`` where it also depends on the step (CUDA: Triton's limits grow with the cache)."""
     if not keys.is_cpu:
         return None
     return (
@@ -43,6 +43,7 @@ def _signature(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> tup
         values.shape[-1],
         keys.stride(-1),
         values.stride(-1),
+        kernels.needs_gradient(q, keys, values),
     )
 
 
