@@ -229,3 +229,22 @@ def test_an_attention_block_shared_across_layers_is_refused_before_any_forward(f
             with pytest.raises(SparseDecodeError, match="shared across layers") as caught:
                 call()
             assert "\n" not in str(caught.value)
+
+
+def test_attention_dropout_in_training_mode_is_refused_not_left_out():
+    """A model in training mode with ``attention_dropout > 0`` passes that dropout to its attention call: SDPA applies
+    it, but a session's sparse steps and short forwards did not, silently (two decode steps of the same cache gave
+    equal logits in a session and a short prefill was deterministic in it while random outside). Refused in one line
+    at the first forward of the session; in eval mode, and outside the session, nothing changes."""
+    model = tiny_model("llama", attention_dropout=0.5)
+    ids = prompt(60)
+    model.train()
+    with sparse_decoding(model, SparseConfig(support=33, window=8, block_size=8)):
+        with pytest.raises(SparseDecodeError, match=r"attention dropout.*model\.eval\(\)") as refused:
+            model(ids)
+    assert "\n" not in str(refused.value)
+    model(ids)  # outside the session: transformers' own dropout
+    model.eval()
+    with sparse_decoding(model, SparseConfig(support=33, window=8, block_size=8)):
+        inside = model(ids).logits
+    torch.testing.assert_close(inside, model(ids).logits)

@@ -46,6 +46,11 @@ def sparse_attention_forward(
         )
     session, state = entry
     check_attention_arguments(kwargs, "sparse decoding")
+    if dropout:
+        raise SparseDecodeError(
+            f"sparse decoding does not apply attention dropout ({type(module).__name__} is in training mode with "
+            f"dropout {dropout}; its sparse steps and short forwards would leave it out): call model.eval() first"
+        )
     if _biased(attention_mask):
         raise SparseDecodeError(
             f"sparse decoding does not support an additive bias in the attention mask ({type(module).__name__}'s "
