@@ -65,3 +65,17 @@ def test_a_reference_is_used_only_for_what_computed_it():
     model.to(torch.bfloat16)
     with pytest.raises(sd.SparseDecodeError, match="in another dtype"):
         sd.compare(model, None, short, cfg, 6, reference=alone)
+
+
+@pytest.mark.parametrize("block_size", [2**31 + 1, 2**62, 10**30])
+def test_a_block_size_past_any_cache_is_refused_in_one_line(block_size):
+    """Found probing huge values: ``SparseConfig(support=33, window=8, block_size=10**30)`` was accepted (``b = 0``),
+    then every sparse step on the torch path failed deep inside with a multi-line TypeError ("Overflow when unpacking
+    long long") or RuntimeError ("Stride calculation overflowed" at 2**62), and the C kernel was handed the size
+    truncated to 64 bits; ``select_support`` raised a bare OverflowError."""
+    with pytest.raises(sd.SparseDecodeError, match="block_size must be at most") as refused:
+        sd.SparseConfig(support=33, window=8, block_size=block_size)
+    assert "\n" not in str(refused.value)
+    with pytest.raises(sd.SparseDecodeError, match="block_size must be at most"):
+        sd.select_support(torch.randn(4, 16), torch.randn(2, 300, 16), support=33, window=8, block_size=block_size)
+    assert sd.SparseConfig(support=33, window=8, block_size=2**31).blocks == 0

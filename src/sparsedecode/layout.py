@@ -18,6 +18,11 @@ if TYPE_CHECKING:  # the checks below import no torch: naming a configuration st
     import torch
 
 
+MAX_BLOCK_SIZE = 2**31
+"""The largest block size: a block's positions are counted in int64 tensor shapes and strides (``blocks * B * d``),
+which a block of some 2**62 positions overflows even where no block is kept (``b = 0``)."""
+
+
 def check_budget(support: object, window: object, block_size: object) -> None:
     """A support of ``support`` positions with a window of ``window`` and blocks of ``block_size``: integers, a window
     holding at least the current token, blocks of at least one position, room for the anchor and the window
@@ -31,6 +36,10 @@ def check_budget(support: object, window: object, block_size: object) -> None:
         )
     if block_size < 1:
         raise SparseDecodeError(f"block_size must be >= 1, got {block_size}")
+    if block_size > MAX_BLOCK_SIZE:
+        raise SparseDecodeError(
+            f"block_size must be at most 2**31 positions (more than any cache holds), got {block_size}"
+        )
     if support < 1 + window:
         raise SparseDecodeError(
             f"support {support} is smaller than anchor + window = {1 + window}; "
