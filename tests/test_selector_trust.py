@@ -501,3 +501,39 @@ def test_twilights_base_from_a_file_is_named_parsed_and_told_apart(tmp_path):
     second = SparseConfig(support=97, selector=f"twilight:base={path}:Base")
     assert repr(first) == repr(second) and first.identity() != second.identity()
     assert second.selector.record()["base_sha256"] != record["base_sha256"]
+
+
+def test_a_selector_writing_into_the_scores_it_returned_changes_nothing():
+    """Found probing selectors that keep references: one that kept the scores ``score_blocks`` returned and negated
+    them in place in its ``budget`` (a reused buffer does the same) changed the scores the library ranked the chosen
+    blocks by between its top-b and the budget's mask, silently (other tokens than the same selector without the
+    write). The library keeps its own copy of what a user's selector returns."""
+
+    @dataclass(frozen=True)
+    class Budgeted(sd.BlockSelector):
+        statistics = ("mean",)
+
+        def score_blocks(self, queries, statistics, layout):
+            centroids = statistics["mean"]
+            return mean_pooled_scores(group_mean_queries(queries, centroids.shape[0]), centroids)
+
+        def budget(self, scores, layout):
+            return torch.full((scores.shape[0],), 2, dtype=torch.long)
+
+    @dataclass(frozen=True)
+    class RewritesItsScores(Budgeted):
+        def score_blocks(self, queries, statistics, layout):
+            self.__dict__["returned"] = scores = super().score_blocks(queries, statistics, layout)
+            return scores
+
+        def budget(self, scores, layout):
+            self.__dict__["returned"].mul_(-1)
+            return super().budget(scores, layout)
+
+    model, ids = tiny_model("llama"), prompt(150)
+    runs = [sd.generate(model, ids, SparseConfig(support=41, window=8, block_size=8, selector=s()), 10, mode="sparse")
+            for s in (Budgeted, RewritesItsScores)]  # fmt: skip
+    assert runs[0].tokens == runs[1].tokens
+    queries, keys = torch.randn(4, 16), torch.randn(2, 400, 16)
+    picked = [select_support(queries, keys, support=97, method=s()) for s in (Budgeted, RewritesItsScores)]
+    assert all(torch.equal(a, b) for a, b in zip(*picked))

@@ -100,7 +100,8 @@ def call_selector(selector: Selector, method, *inputs, layout=None):
     """``method(*inputs, layout)``, run so that the selector cannot change what other rows see.
 
     Code that is not the library's is handed copies of the tensors (queries, keys, block statistics, history, the
-    scores a budget reads): whatever it does to them stays its own. Every call's inputs are checked by their version
+    scores a budget reads), and the library keeps a copy of a tensor it returns: whatever it does to them stays its
+    own. Every call's inputs are checked by their version
     counters afterwards, and a selector that wrote into them in place is refused in one line naming it (its scores
     came from inputs it changed). A failure inside the selector is one line naming it too. The copies cost one pass
     over what the selector reads; built-ins, and the kernels' own scoring, are handed the tensors themselves.
@@ -124,6 +125,8 @@ def call_selector(selector: Selector, method, *inputs, layout=None):
             f"selector {selector.spec()} wrote into the tensors it was handed in {method.__name__} (an in-place "
             "operation such as mul_ or a slice assignment); a selector must only read its inputs: copy them first"
         )
+    if not own and isinstance(result, torch.Tensor) and result.layout == torch.strided and not result.is_nested:
+        result = _copy(result)  # the selector may keep what it returned and write into it later (in its budget)
     return result
 
 
