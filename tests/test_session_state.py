@@ -516,3 +516,28 @@ def test_a_forward_the_session_does_not_see_drops_its_proof_under_inference_mode
     with torch.inference_mode(), sparse_decoding(model, cfg):
         expected = step(fresh, tokens[:, 20:21])
     assert torch.equal(logits, expected)
+
+
+@pytest.mark.parametrize("selector", ["mean-pooled", "quest", "h2o"])
+def test_a_session_under_autograd_keeps_no_graph_in_its_state(selector):
+    """Found probing decoding with gradients enabled: the block statistics (centroids, Quest's minimum and maximum)
+    and H2O's history were computed from keys and attention that require gradients, so the session's state held the
+    autograd graph of the prefill and of every step (a forward's activations) as long as the session object lived,
+    and H2O's history chained every step's graph. Selection ranks by them and needs no gradient: the state holds
+    values only, and the tokens are those of the same session under ``torch.no_grad``."""
+    ids = prompt(150)
+    tokens = {}
+    for grad in (False, True):
+        model = tiny_model("llama").requires_grad_(True)
+        cfg = SparseConfig(support=33, window=8, block_size=8, selector=selector)
+        with torch.set_grad_enabled(grad), sparse_decoding(model, cfg) as session:
+            cache = DynamicCache(config=model.config)
+            logits = model(ids, cache=cache, use_cache=True).logits
+            tokens[grad] = []
+            for _ in range(3):
+                tokens[grad].append(int(logits[0, -1].argmax()))
+                logits = model(torch.tensor([[tokens[grad][-1]]]), cache=cache, use_cache=True).logits
+        assert session.sparse_steps > 0
+        held = [t for state in session.layers.values() for t in (*state.centroids._stats.values(), state.history)]
+        assert not any(t.requires_grad for t in held if t is not None)
+    assert tokens[True] == tokens[False]

@@ -55,9 +55,11 @@ def store_statistics(keys: torch.Tensor, first: int, stop: int, block: int, targ
     """Write the statistics of blocks ``first .. stop - 1`` of ``keys (..., N, d)`` into ``targets[kind][..., :,
     first:stop]`` (storage laid out ``(..., d, blocks)``): :func:`reduce_blocks` of :func:`block_span`, a few blocks
     at a time where the keys need a float32 copy (:data:`SPAN_FLOATS`); each block is reduced alone, so the numbers
-    do not depend on how the span is cut."""
+    do not depend on how the span is cut. Values only: statistics rank blocks, so they keep no autograd graph of the
+    keys (which would keep a whole forward's activations alive as long as the session)."""
     if stop <= first:
         return
+    keys = keys.detach()
     lead, d = keys.shape[:-2], keys.shape[-1]
     per_block = math.prod(lead) * block * d
     step, buffer = stop - first, None

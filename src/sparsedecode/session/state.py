@@ -268,16 +268,17 @@ class LayerState:
         return self.rows
 
     def add_attention(self, received: torch.Tensor) -> None:
-        """Add attention received by positions ``[0, m)`` ``(kv, m)`` to the H2O history."""
+        """Add attention received by positions ``[0, m)`` ``(kv, m)`` to the H2O history (its values only: a history
+        ranks positions, so it keeps no autograd graph of the forwards it came from)."""
         m = received.shape[1]
         self.history = _with_columns(self.history, received.shape[0], m, torch.float32, received.device)
-        self.history[:, :m] += received
+        self.history[:, :m] += received.detach()
 
     def add_attention_at(self, index: torch.Tensor, weights: torch.Tensor, n: int) -> None:
         """Add attention ``weights`` ``(kv, S)`` received by positions ``index`` ``(kv, S)``, all ``< n``, to the H2O
         history."""
         self.history = _with_columns(self.history, index.shape[0], n, torch.float32, index.device)
-        self.history.scatter_add_(1, index, weights.float())
+        self.history.scatter_add_(1, index, weights.detach().float())
 
     def history_until(self, n: int, kv_heads: int, device: torch.device | str) -> torch.Tensor:
         """The H2O history over positions ``[0, n)``: ``(kv, n)`` float32 (zeros where nothing was received)."""
