@@ -508,3 +508,24 @@ def test_the_lm_eval_model_takes_every_form_of_selector(user_file):
         assert cfg.selector_name == spec
     with pytest.raises(SparseDecodeError, match="has no parameter 'q'"):
         sparse_settings(**simple_parse_args_string("pretrained=x,support=97,selector=block-top-p:q=1"))
+
+
+@pytest.mark.parametrize("name", [" leading", "trailing ", "two words", "new\nline", "tab\tname"])
+def test_a_selector_name_with_white_space_is_refused_when_registered(name):
+    """Found probing register_selector: a name with white space was registered without a word, but a spec is read
+    stripped (" leading" was looked up as "leading": unknown selector), so the name could never be used and the spec
+    every row stores of it could not be read back; a newline split the one-line errors naming it."""
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Named(sd.BlockSelector):
+        def score_blocks(self, queries, keys, layout):
+            return torch.zeros(keys.shape[0], layout.n_blocks)
+
+    try:
+        with pytest.raises(SparseDecodeError, match="white space") as refused:
+            sd.register_selector(Named, name=name)
+        assert "\n" not in str(refused.value).replace(repr(name), "")
+        assert name not in registry._REGISTRY
+    finally:
+        registry._REGISTRY.pop(name, None)

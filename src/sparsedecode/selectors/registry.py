@@ -40,8 +40,11 @@ def register_selector(cls: type[Selector] | None = None, *, name: str | None = N
         check_selector_class(klass)
         _load_builtins()  # a built-in's name is taken even before anything looked one up
         key = name or klass.selector_name()
-        if not key or ":" in key or "," in key or "=" in key or key.endswith(".py"):
-            raise SparseDecodeError(f"selector name {key!r}: use letters, digits and dashes (no ':', ',', '=')")
+        # a space would be stripped from the spec that names it (" x" is looked up as "x"), a newline split its line
+        if not key or any(c in key for c in ":,=") or key.endswith(".py") or any(c.isspace() for c in key):
+            raise SparseDecodeError(
+                f"selector name {key!r}: use letters, digits and dashes (no ':', ',', '=' or white space)"
+            )
         if name is not None and not klass.__dict__.get("name"):  # a subclass's own, not its parent's
             klass.name = name
         held = _REGISTRY.get(key)
