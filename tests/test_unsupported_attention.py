@@ -248,3 +248,22 @@ def test_attention_dropout_in_training_mode_is_refused_not_left_out():
     with sparse_decoding(model, SparseConfig(support=33, window=8, block_size=8)):
         inside = model(ids).logits
     torch.testing.assert_close(inside, model(ids).logits)
+
+
+def test_a_copy_made_inside_a_session_is_named_as_such_when_compiled():
+    """A deep copy of a model made while a session is open keeps the session's attention switch (the copy is not the
+    session's model, so nothing switches it back): compiling it is refused naming that cause and the way out, not as
+    "inside a sparse_decoding session"; once its attention is put back it compiles."""
+    import copy
+
+    from sparsedecode.compiled import decoder as compiled
+
+    model = tiny_model("llama")
+    with sparse_decoding(model, SparseConfig(support=97)):
+        twin = copy.deepcopy(model)
+    assert twin.config._attn_implementation == "sparsedecode" and model.config._attn_implementation == "sdpa"
+    with pytest.raises(SparseDecodeError, match=r"no session holds it \(a copy made inside a session") as caught:
+        compiled.check_compilable(twin, SparseConfig(support=97), "generate")
+    assert "\n" not in str(caught.value)
+    twin.set_attn_implementation("sdpa")
+    compiled.check_compilable(twin, SparseConfig(support=97), "generate")

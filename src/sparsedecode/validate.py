@@ -79,7 +79,8 @@ def check_not_compiled_elsewhere(model: object, where: str) -> None:
 
 _BUSY = (
     "{where}: another thread is decoding this model compiled (which swaps its attention for every thread): one "
-    "thread per model meanwhile; give each thread its own copy of the model (copy.deepcopy)"
+    "thread per model meanwhile; give each thread its own copy of the model, made before (a copy made meanwhile keeps "
+    "the swapped attention)"
 )
 
 

@@ -77,6 +77,8 @@ def check_backend(backend: str | None = None) -> str:
 def check_compilable(model: torch.nn.Module, cfg: SparseConfig | None, what: str) -> None:
     """One line saying why ``cfg`` cannot decode compiled on ``model`` (nothing when it can), the compile backend
     included (:func:`check_backend`)."""
+    from ..session.hf import ATTENTION_NAME, held_by_session
+
     check_backend()
     if cfg is not None and cfg.selector.uses_history:
         raise SparseDecodeError(
@@ -95,7 +97,13 @@ def check_compilable(model: torch.nn.Module, cfg: SparseConfig | None, what: str
             f"{what}: compile serves models whose every layer attends fully ({type(model).__name__} has {other} "
             "layers); decode without compile"
         )
-    if getattr(model.config, "_attn_implementation", None) not in ("sdpa", "eager", STATIC_ATTENTION):
+    attention = getattr(model.config, "_attn_implementation", None)
+    if attention == ATTENTION_NAME and not held_by_session(model):
+        raise SparseDecodeError(
+            f"{what}: {type(model).__name__}'s attention is routed through sparsedecode, yet no session holds it (a "
+            "copy made inside a session keeps that): call model.set_attn_implementation('sdpa') (or 'eager') first"
+        )
+    if attention not in ("sdpa", "eager", STATIC_ATTENTION):
         raise SparseDecodeError(
             f"{what}: compile needs the model's own SDPA or eager attention (it has "
             f"{model.config._attn_implementation!r}; inside a sparse_decoding session, decode without compile)"
@@ -221,7 +229,7 @@ class CompiledDecoder:
         if previous == ATTENTION_NAME:  # a session open here is refused before; one open in another thread
             raise SparseDecodeError(
                 "compiled decoding: a sparse_decoding session (in another thread) has this model; give each thread "
-                "its own copy of the model (copy.deepcopy)"
+                "its own copy of the model, made before the session opened (a copy made inside one keeps its attention)"
             )
         claim_compiled(model, "compiled decoding")
         if previous != STATIC_ATTENTION:

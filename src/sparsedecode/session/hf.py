@@ -88,6 +88,13 @@ def register() -> None:
     register_attention(ATTENTION_NAME, sparse_attention_forward)
 
 
+def held_by_session(model: torch.nn.Module) -> bool:
+    """Whether a session (in any thread) has switched ``model``'s attention to this library's: a model whose attention
+    is this library's while none holds it is a copy made inside a session (``copy.deepcopy`` copies the switch)."""
+    with _SWITCH_LOCK:
+        return id(model) in _MODEL_USERS
+
+
 def _switch_on(model: torch.nn.Module) -> None:
     with _SWITCH_LOCK:
         users, previous = _MODEL_USERS.get(id(model), (0, model.config._attn_implementation))
