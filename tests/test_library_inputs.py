@@ -79,3 +79,22 @@ def test_a_block_size_past_any_cache_is_refused_in_one_line(block_size):
     with pytest.raises(sd.SparseDecodeError, match="block_size must be at most"):
         sd.select_support(torch.randn(4, 16), torch.randn(2, 300, 16), support=33, window=8, block_size=block_size)
     assert sd.SparseConfig(support=33, window=8, block_size=2**31).blocks == 0
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        sd.SparseConfig(),
+        sd.SparseConfig(support=193, selector="quest", reuse=2, dense_layers=(0,), layer_supports={1: 385}),
+        sd.SparseConfig(support=97, selector="twilight:p=0.5;base=mean-pooled", audit=True, kernel="torch"),
+        sd.SparseConfig(support=120, window=9, block_size=5, selector="sparq:rank=4", seed=3),
+    ],
+)
+def test_a_configs_record_reads_back_as_the_configuration(cfg):
+    """``SparseConfig.from_dict`` of ``to_dict()`` (a result's ``settings``, through JSON) is the configuration it
+    recorded: ``SparseConfig(**to_dict())`` fails on the entries that follow from the fields (a bare TypeError)."""
+    import json
+
+    assert sd.SparseConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    with pytest.raises(sd.SparseDecodeError, match="unknown SparseConfig field.*bogus"):
+        sd.SparseConfig.from_dict({**cfg.to_dict(), "bogus": 1})

@@ -143,11 +143,21 @@ class SparseConfig:
             "effective_support": self.effective_support,
         }
 
+    @classmethod
+    def from_dict(cls, settings: dict) -> SparseConfig:
+        """The configuration :meth:`to_dict` wrote (a result's ``settings``, read back from JSON): its fields, the
+        selector from its spec string; what follows from them (the selector's parameters and file digest, ``blocks``,
+        the effective support) is left out. An unknown key is named in one line."""
+        if not isinstance(settings, dict):
+            raise SparseDecodeError(f"SparseConfig.from_dict takes a dict, got {type(settings).__name__}")
+        derived = ("selector_params", "selector_sha256", "blocks", "effective_support")
+        return config_from_overrides({key: value for key, value in settings.items() if key not in derived})
+
 
 def check_config(config: object, where: str) -> None:
     """``config`` is a :class:`SparseConfig` (not a dict of its fields, not ``None``)."""
     if not isinstance(config, SparseConfig):
-        hint = "; build one with SparseConfig(**settings)" if isinstance(config, dict) else ""
+        hint = "; build one with SparseConfig(**fields) or SparseConfig.from_dict(settings)" if isinstance(config, dict) else ""
         name = "None" if config is None else type(config).__name__
         raise SparseDecodeError(f"{where}: config must be a SparseConfig, got {name}{hint}")
 
