@@ -157,7 +157,11 @@ class SparseConfig:
 def check_config(config: object, where: str) -> None:
     """``config`` is a :class:`SparseConfig` (not a dict of its fields, not ``None``)."""
     if not isinstance(config, SparseConfig):
-        hint = "; build one with SparseConfig(**fields) or SparseConfig.from_dict(settings)" if isinstance(config, dict) else ""
+        hint = (
+            "; build one with SparseConfig(**fields) or SparseConfig.from_dict(settings)"
+            if isinstance(config, dict)
+            else ""
+        )
         name = "None" if config is None else type(config).__name__
         raise SparseDecodeError(f"{where}: config must be a SparseConfig, got {name}{hint}")
 
