@@ -202,6 +202,7 @@ def cmd_eval(args, *, console, progress_bars) -> int:
         return 0
     from ..experiments.evaluate import check_folder, run_eval
     from ..experiments.sweep import Shard
+    from ..reports.tables import shell_word
 
     shard = Shard.parse(args.shard) if args.shard else None
     # another folder, bad files or changed settings: before the model; a grid that grows says so
@@ -221,7 +222,7 @@ def cmd_eval(args, *, console, progress_bars) -> int:
         )
     console.print(
         f"{outcome.ran} runs now, {outcome.done_before} before: {outcome.done_before + outcome.ran} of {outcome.total}"
-        f" in {args.out / 'runs.jsonl'}; `sparsedecode report {args.out}` summarises them"
+        f" in {args.out / 'runs.jsonl'}; `sparsedecode report {shell_word(args.out)}` summarises them"
     )
     return 0
 

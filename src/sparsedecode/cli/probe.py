@@ -171,18 +171,18 @@ def _write_maps(args, context: int, probe, made: list[Path]) -> dict:
 def _retrieval_command(spec, out: Path) -> str:
     """The ``sparsedecode probe retrieval`` command line that reproduces ``spec`` into ``out``."""
     from ..experiments.specs import RetrievalSpec
-    from ..reports.tables import changed_flags
+    from ..reports.tables import changed_flags, shell_word
 
     default = RetrievalSpec(model=spec.model)
     parts = [
-        f"sparsedecode probe retrieval --model {spec.model} --dtype {spec.dtype} "
+        f"sparsedecode probe retrieval --model {shell_word(spec.model)} --dtype {spec.dtype} "
         f"--context {','.join(map(str, spec.contexts))} --depths {','.join(f'{d:g}' for d in spec.depths)} "
-        f"--trials {spec.trials} --support {','.join(map(str, spec.supports))} --haystack {spec.haystack}"
+        f"--trials {spec.trials} --support {','.join(map(str, spec.supports))} --haystack {shell_word(spec.haystack)}"
     ]
     parts += changed_flags(
         spec, default, ("window", "block_size", "reuse", "selector", "digits", "answer_tokens", "seed")
     )
-    parts.append(f"--out {out}")
+    parts.append(f"--out {shell_word(out)}")
     return " ".join(parts)
 
 
@@ -216,6 +216,7 @@ def cmd_probe_retrieval(args) -> int:
     spec = _check_retrieval_args(args)
     from ..experiments.environment import environment as measured_environment
     from ..experiments.retrieval import accuracy, run_retrieval
+    from ..reports.tables import shell_word
 
     check_output_folder(args.out, inputs=inputs_of(args), files=("retrieval.json",), results="retrieval.json")
     check_replaced_alike(args.out, "retrieval.json", spec.to_dict(), key="spec")
@@ -250,5 +251,5 @@ def cmd_probe_retrieval(args) -> int:
     for row in accuracy(trials):
         table.add_row(row["mode"], str(row["context"]), f"{row['depth']:g}", f"{row['correct']}/{row['trials']}")
     console.print(table)
-    console.print(f"wrote {args.out / 'retrieval.json'}; `sparsedecode report {args.out}` renders it")
+    console.print(f"wrote {args.out / 'retrieval.json'}; `sparsedecode report {shell_word(args.out)}` renders it")
     return 0

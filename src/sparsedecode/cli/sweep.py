@@ -177,6 +177,7 @@ def _check_sweep_args(args):
 def cmd_sweep(args) -> int:
     spec = _check_sweep_args(args)
     from ..experiments.sweep import Shard, read_meta, run_sweep
+    from ..reports.tables import shell_word
 
     shard = Shard.parse(args.shard) if args.shard else None
     check_backend_args(args)
@@ -213,7 +214,7 @@ def cmd_sweep(args) -> int:
     elapsed = time.perf_counter() - clock
     console.print(
         f"{outcome.ran} runs now, {outcome.done_before} before: {outcome.done_before + outcome.ran} of {outcome.total}"
-        f" in {args.out / 'runs.jsonl'}; `sparsedecode report {args.out}` summarises them"
+        f" in {args.out / 'runs.jsonl'}; `sparsedecode report {shell_word(args.out)}` summarises them"
     )
     if outcome.ran and execute is None:  # with Ray the clock holds its start-up too
         console.print(

@@ -19,7 +19,7 @@ from ..experiments.ruler import TASKS
 from ..files import write_text_atomic
 from .environment import environment_lines
 from .sweep import REPORT_FILE
-from .tables import changed_flags, markdown_table, write_csv
+from .tables import changed_flags, markdown_table, shell_word, write_csv
 
 EXAMPLES = 20
 """Regressions shown in the Markdown (all of them are in ``regressions.csv``)."""
@@ -37,7 +37,7 @@ def _supports(spec) -> str:
 def eval_command(spec: EvalSpec, directory: Path) -> str:
     """The ``sparsedecode eval`` command line that reproduces ``spec`` into ``directory``."""
     default = EvalSpec(model=spec.model)
-    parts = ["sparsedecode eval", f"--model {spec.model}"]
+    parts = ["sparsedecode eval", f"--model {shell_word(spec.model)}"]
     if spec.dtype != default.dtype:
         parts.append(f"--dtype {spec.dtype}")
     if spec.tasks != default.tasks:
@@ -45,13 +45,13 @@ def eval_command(spec: EvalSpec, directory: Path) -> str:
     parts += [
         f"--context {','.join(map(str, spec.contexts))}",
         f"--samples {spec.samples}",
-        f"--selectors {','.join(spec.selectors)}",
+        f"--selectors {shell_word(','.join(spec.selectors))}",
         f"--support {','.join(map(str, spec.supports))}",
     ]
     parts += changed_flags(
         spec, default, ("window", "block_size", "reuse", "corpus", "template", "seed", "answer_tokens")
     )
-    parts.append(f"--out {directory}")
+    parts.append(f"--out {shell_word(directory)}")
     return " ".join(parts)
 
 
@@ -123,7 +123,7 @@ def _conditions_lines(directory: Path, meta: dict, spec: EvalSpec, rows: list[di
         )
         + " or end of sequence; score = share of expected answers found in the output (RULER's string_match_all)",
         *environment_lines(meta),
-        f"- reproduce: `{eval_command(spec, directory)}`, then `sparsedecode report {directory}`",
+        f"- reproduce: `{eval_command(spec, directory)}`, then `sparsedecode report {shell_word(directory)}`",
         "",
         "## Accuracy (mean score, %)",
         "",

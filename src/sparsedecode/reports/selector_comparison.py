@@ -15,6 +15,7 @@ from pathlib import Path
 from ..errors import SparseDecodeError
 from ..experiments.comparison_file import COMPARISON_FILE
 from ..files import write_json_atomic, write_text_atomic
+from .tables import shell_word
 
 SELECTORS_FILE = COMPARISON_FILE
 
@@ -72,10 +73,10 @@ def _selectors_command(settings: dict) -> str:
 
     selectors = settings["selectors"]
     return (
-        f"sparsedecode compare-selectors --model {settings['model']} --context "
+        f"sparsedecode compare-selectors --model {shell_word(settings['model'])} --context "
         f"{','.join(map(str, settings['context']))} --support {','.join(map(str, settings['support']))} --prompts "
         f"{settings['prompts']} --tokens {settings['tokens']}"
-        + ("" if list(selectors) == list(selector_names()) else f" --selectors {','.join(selectors)}")
+        + ("" if list(selectors) == list(selector_names()) else f" --selectors {shell_word(','.join(selectors))}")
         + (f" --dense-layers {','.join(map(str, settings['dense_layers']))}" if settings.get("dense_layers") else "")
         + (
             f" --layer-supports {','.join(f'{k}:{v}' for k, v in settings['layer_supports'].items())}"

@@ -14,17 +14,17 @@ from ..experiments import summary
 from ..experiments.sweep import SweepSpec
 from .environment import environment_lines
 from .findings import findings_lines
-from .tables import format_range, format_value, layer_flags, markdown_table, write_csv
+from .tables import format_range, format_value, layer_flags, markdown_table, shell_word, write_csv
 
 
 def sweep_command(spec: SweepSpec, directory: Path) -> str:
     """The ``sparsedecode sweep`` command line that reproduces ``spec`` into ``directory``."""
     default = SweepSpec(model=spec.model)
-    parts = ["sparsedecode sweep", f"--model {spec.model}"]
+    parts = ["sparsedecode sweep", f"--model {shell_word(spec.model)}"]
     if spec.dtype != default.dtype:
         parts.append(f"--dtype {spec.dtype}")
     if spec.corpus != default.corpus:
-        parts.append(f"--corpus {spec.corpus}")
+        parts.append(f"--corpus {shell_word(spec.corpus)}")
     parts += [
         f"--context {','.join(map(str, spec.contexts))}",
         f"--support {','.join(map(str, spec.supports))}",
@@ -36,13 +36,13 @@ def sweep_command(spec: SweepSpec, directory: Path) -> str:
         if getattr(spec, name) != getattr(default, name):
             parts.append(f"{flag} {getattr(spec, name)}")
     if len(spec.selectors) > 1:
-        parts.append(f"--selectors {','.join(spec.selectors)}")
+        parts.append(f"--selectors {shell_word(','.join(spec.selectors))}")
     elif spec.selectors != default.selectors:
-        parts.append(f"--selector {spec.selectors[0]}")
+        parts.append(f"--selector {shell_word(spec.selectors[0])}")
     parts += layer_flags(spec.dense_layers, spec.layer_supports)
     if spec.audit:
         parts.append("--audit")
-    parts.append(f"--out {directory}")
+    parts.append(f"--out {shell_word(directory)}")
     return " ".join(parts)
 
 
@@ -90,7 +90,7 @@ def _conditions_lines(directory: Path, meta: dict, spec: SweepSpec, rows: list[d
         "",
         "```sh",
         sweep_command(spec, directory),
-        f"sparsedecode report {directory}",
+        f"sparsedecode report {shell_word(directory)}",
         "```",
         "",
     ]

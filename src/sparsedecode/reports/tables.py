@@ -10,6 +10,7 @@ import csv
 import io
 import json
 import math
+import shlex
 from pathlib import Path
 
 from ..files import write_text_atomic
@@ -42,6 +43,12 @@ def format_range(entry: dict, name: str, digits: int | None = 1, sign: str = "")
     return f"{median} [{low}, {high}]"
 
 
+def shell_word(value) -> str:
+    """``value`` as one shell word, quoted only where it must be (a path with spaces, ``|`` or ``*``), so that a
+    printed command line runs as pasted."""
+    return shlex.quote(str(value))
+
+
 def layer_flags(dense_layers, layer_supports) -> list[str]:
     """The command-line flags that give a stored spec's per-layer settings (``--dense-layers 0,1``,
     ``--layer-supports 5:385``; ``layer_supports`` as pairs or a dict), none where it has none."""
@@ -55,7 +62,11 @@ def layer_flags(dense_layers, layer_supports) -> list[str]:
 def changed_flags(spec, default, names) -> list[str]:
     """A command's ``--name value`` for each of ``names`` where ``spec`` differs from ``default``, then the flags of its
     per-layer settings (:func:`layer_flags`)."""
-    flags = [f"--{n.replace('_', '-')} {getattr(spec, n)}" for n in names if getattr(spec, n) != getattr(default, n)]
+    flags = [
+        f"--{n.replace('_', '-')} {shell_word(getattr(spec, n))}"
+        for n in names
+        if getattr(spec, n) != getattr(default, n)
+    ]
     return flags + layer_flags(spec.dense_layers, spec.layer_supports)
 
 

@@ -1,0 +1,65 @@
+"""What reports and commands print of names they do not choose: paths and selector specs with spaces, ``|``,
+backticks or ``*`` give commands that run as pasted and Markdown tables that keep their columns."""
+
+from __future__ import annotations
+
+import shlex
+
+from sparsedecode.cli import build_parser
+
+ODD_MODEL = "/tmp/my models/tiny|1 ü"
+ODD_OUT = "runs/out dir*|x"
+
+SELECTOR_FILE = """
+from dataclasses import dataclass
+
+import sparsedecode
+
+
+@dataclass(frozen=True)
+class Cls(sparsedecode.BlockSelector):
+    tag: str = "a"
+
+    def score_blocks(self, queries, keys, layout):
+        return keys.new_zeros(keys.shape[0], layout.n_blocks)
+"""
+
+
+def odd_selector(tmp_path) -> str:
+    """A selector file in a folder whose name holds a space, a `|` and a backtick, as a selector spec."""
+    folder = tmp_path / "my sel|`x"
+    folder.mkdir()
+    (folder / "sel*1.py").write_text(SELECTOR_FILE)
+    return f"{folder}/sel*1.py:Cls"
+
+
+def test_printed_commands_are_shell_quoted(tmp_path):
+    """Every command a report prints to reproduce its folder parses back, as a shell would split it, to the same
+    model, selectors and output folder (it printed them unquoted: a path with a space split in two, a `|` piped)."""
+    from sparsedecode.cli.probe import _check_retrieval_args, _retrieval_command
+    from sparsedecode.experiments.evaluate import EvalSpec
+    from sparsedecode.experiments.specs import RetrievalSpec, SweepSpec
+    from sparsedecode.reports.evaluation import eval_command
+    from sparsedecode.reports.selector_comparison import _selectors_command
+    from sparsedecode.reports.survival import sweep_command
+
+    parser = build_parser()
+    selector = odd_selector(tmp_path)
+    sweep = SweepSpec(model=ODD_MODEL, corpus="my corpus.txt", contexts=(1024,), supports=(97,), selectors=(selector,))
+    args = parser.parse_args(shlex.split(sweep_command(sweep, ODD_OUT))[1:])
+    assert (args.model, args.corpus, str(args.out)) == (ODD_MODEL, "my corpus.txt", ODD_OUT)
+    assert args.selector == selector
+    several = SweepSpec(model=ODD_MODEL, contexts=(1024,), supports=(97,), selectors=(selector, "quest"))
+    assert parser.parse_args(shlex.split(sweep_command(several, ODD_OUT))[1:]).selectors == (selector, "quest")
+
+    evaluation = EvalSpec(model=ODD_MODEL, selectors=(selector,), corpus="my corpus.txt")
+    args = parser.parse_args(shlex.split(eval_command(evaluation, ODD_OUT))[1:])
+    assert (args.model, args.corpus, str(args.out), args.selectors) == (ODD_MODEL, "my corpus.txt", ODD_OUT, (selector,))
+
+    retrieval = RetrievalSpec(model=ODD_MODEL, contexts=(300,), supports=(97,), haystack="my hay.txt")
+    args = parser.parse_args(shlex.split(_retrieval_command(retrieval, ODD_OUT))[1:])
+    assert _check_retrieval_args(args) == retrieval and str(args.out) == ODD_OUT
+
+    settings = {"model": ODD_MODEL, "context": [1024], "support": [97], "prompts": 1, "tokens": 8}
+    args = parser.parse_args(shlex.split(_selectors_command({**settings, "selectors": [selector]}))[1:])
+    assert (args.model, args.selectors) == (ODD_MODEL, (selector,))
