@@ -54,7 +54,12 @@ def test_printed_commands_are_shell_quoted(tmp_path):
 
     evaluation = EvalSpec(model=ODD_MODEL, selectors=(selector,), corpus="my corpus.txt")
     args = parser.parse_args(shlex.split(eval_command(evaluation, ODD_OUT))[1:])
-    assert (args.model, args.corpus, str(args.out), args.selectors) == (ODD_MODEL, "my corpus.txt", ODD_OUT, (selector,))
+    assert (args.model, args.corpus, str(args.out), args.selectors) == (
+        ODD_MODEL,
+        "my corpus.txt",
+        ODD_OUT,
+        (selector,),
+    )
 
     retrieval = RetrievalSpec(model=ODD_MODEL, contexts=(300,), supports=(97,), haystack="my hay.txt")
     args = parser.parse_args(shlex.split(_retrieval_command(retrieval, ODD_OUT))[1:])
@@ -63,3 +68,54 @@ def test_printed_commands_are_shell_quoted(tmp_path):
     settings = {"model": ODD_MODEL, "context": [1024], "support": [97], "prompts": 1, "tokens": 8}
     args = parser.parse_args(shlex.split(_selectors_command({**settings, "selectors": [selector]}))[1:])
     assert (args.model, args.selectors) == (ODD_MODEL, (selector,))
+
+
+def odd_rows(selector: str) -> list[dict]:
+    """Rows of a two-selector sweep (context 1024, S = 97), one run per selector below 70% teacher-forced match."""
+    rows = []
+    for name in (selector, "quest"):
+        for prompt, (fd, tf, dppl) in enumerate([(2, 60.0, 150.0), (8, 95.0, 1.0)]):
+            rows.append(
+                {"context": 1024, "prompt_index": prompt, "support": 97, "effective_support": 97, "reuse": 1,
+                 "selector": name, "tokens": 8, "first_divergence": fd, "survives": False,
+                 "teacher_forced_match": tf, "delta_ppl_percent": dppl}
+            )  # fmt: skip
+    return rows
+
+
+def markdown_cells(text: str) -> list[list[str]]:
+    """The rendered cells of every table row in the Markdown ``text`` (markdown-it's GFM tables), code spans as
+    written."""
+    from markdown_it import MarkdownIt
+
+    rows, cells, inside = [], [], None
+    for token in MarkdownIt("commonmark").enable("table").parse(text):
+        if token.type == "tr_open":
+            cells = []
+        elif token.type == "inline" and cells is not None and inside:
+            cells.append("".join(child.content for child in token.children or []))
+        elif token.type in ("td_open", "th_open"):
+            inside = True
+        elif token.type in ("td_close", "th_close"):
+            inside = False
+        elif token.type == "tr_close":
+            rows.append(cells)
+    return rows
+
+
+def test_odd_selector_names_keep_the_report_tables_whole(tmp_path):
+    """A selector spec holding `|`, a backtick, `*` and spaces shows in every table of the sweep report as one cell
+    that reads as written (it split the cell at each `|`, the backtick ended the code span early)."""
+    from sparsedecode.experiments.specs import SweepSpec
+    from sparsedecode.reports.survival import sweep_section
+
+    selector = odd_selector(tmp_path) + ":tag=x|*y"
+    spec = SweepSpec(model=ODD_MODEL, contexts=(1024,), supports=(97,), selectors=(selector, "quest"), tokens=8)
+    text = "\n".join(sweep_section(tmp_path, {"spec": spec.to_dict()}, odd_rows(selector)))
+    rows = markdown_cells(text)
+    named = [row for row in rows if selector in row]
+    assert len(named) == 3, "the per-selector, per-condition and warning tables each name the selector once"
+    for row in named:
+        header = next(r for r in reversed(rows[: rows.index(row)]) if "selector" in r)
+        assert len(row) == len(header)
+    assert f"model {ODD_MODEL}," in text.replace("``", "").replace("`", "")

@@ -19,7 +19,7 @@ from ..experiments.ruler import TASKS
 from ..files import write_text_atomic
 from .environment import environment_lines
 from .sweep import REPORT_FILE
-from .tables import changed_flags, markdown_table, shell_word, write_csv
+from .tables import changed_flags, code, markdown_table, shell_word, write_csv
 
 EXAMPLES = 20
 """Regressions shown in the Markdown (all of them are in ``regressions.csv``)."""
@@ -60,7 +60,7 @@ def _percent(value: float | None) -> str:
 
 
 def _short(text: str, width: int = 60) -> str:
-    text = " ".join(text.split()).replace("|", "\\|")
+    text = " ".join(text.split())  # markdown_table escapes its `|`
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
@@ -123,7 +123,8 @@ def _conditions_lines(directory: Path, meta: dict, spec: EvalSpec, rows: list[di
         )
         + " or end of sequence; score = share of expected answers found in the output (RULER's string_match_all)",
         *environment_lines(meta),
-        f"- reproduce: `{eval_command(spec, directory)}`, then `sparsedecode report {shell_word(directory)}`",
+        f"- reproduce: {code(eval_command(spec, directory))}, then "
+        + code(f"sparsedecode report {shell_word(directory)}"),
         "",
         "## Accuracy (mean score, %)",
         "",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .tables import format_value, markdown_table, write_csv
+from .tables import code, format_value, markdown_table, write_csv
 
 
 def retrieval_section(directory: Path, data: dict) -> list[str]:
@@ -29,7 +29,7 @@ def _conditions_lines(spec: dict, env: dict, command: str | None) -> list[str]:
     lines = [
         f"# Passkey retrieval: {spec['model']}",
         "",
-        f"- model `{spec['model']}`, dtype {spec['dtype']}; haystack `{spec['haystack']}`; contexts "
+        f"- model {code(spec['model'])}, dtype {spec['dtype']}; haystack {code(spec['haystack'])}; contexts "
         f"{spec['contexts']}; depths {spec['depths']}; {spec['trials']} trial(s) per cell; {spec['digits']}-digit "
         f"passkeys (seed {spec['seed']}); {spec['answer_tokens']} answer tokens; supports {spec['supports']}, "
         f"W = {spec['window']}, B = {spec['block_size']}, R = {spec['reuse']}, selector {spec['selector']}",

@@ -15,7 +15,7 @@ from pathlib import Path
 from ..errors import SparseDecodeError
 from ..experiments.comparison_file import COMPARISON_FILE
 from ..files import write_json_atomic, write_text_atomic
-from .tables import shell_word
+from .tables import code, shell_word, table_cell
 
 SELECTORS_FILE = COMPARISON_FILE
 
@@ -95,7 +95,7 @@ def _parts_lines(settings: dict) -> list[str]:
     if not parts:
         return []
     described = "; ".join(
-        f"{', '.join(f'`{name}`' for name in part['selectors'])} at revision "
+        f"{', '.join(code(name) for name in part['selectors'])} at revision "
         f"{(part.get('environment') or {}).get('revision')} (batch {part.get('batch', 1)}"
         + (", op ms re-measured" if part.get("op_ms_remeasured") else "")
         + ")"
@@ -113,7 +113,7 @@ def _table_lines(rows: list[dict]) -> list[str]:
     return [
         "| " + " | ".join(SELECTOR_HEADERS) + " |",
         "|" + "---|" * len(SELECTOR_HEADERS),
-        *("| " + " | ".join(cells) + " |" for cells in selector_cells(rows)),
+        *("| " + " | ".join(map(table_cell, cells)) + " |" for cells in selector_cells(rows)),
     ]
 
 
@@ -133,7 +133,7 @@ def selector_markdown(data: dict) -> str:
     out = [
         f"# Selectors under one budget: {settings['model']}",
         "",
-        f"Produced by `{_selectors_command(settings)}` ({settings['dtype']}, {env.get('device', 'cpu')}, "
+        f"Produced by {code(_selectors_command(settings))} ({settings['dtype']}, {env.get('device', 'cpu')}, "
         f"{env.get('threads')} threads, corpus {settings['corpus']}, torch {env.get('torch')}, transformers "
         f"{env.get('transformers')}).",
         "",
@@ -156,7 +156,7 @@ def selector_markdown(data: dict) -> str:
             "chosen short last block; more: a support per query head, a KV head reading the union of its query "
             "heads' positions): "
             + "; ".join(
-                f"`{r['selector']}` at S = {r['support']}: mean {r['support_read_mean']:.1f}, min "
+                f"{code(r['selector'])} at S = {r['support']}: mean {r['support_read_mean']:.1f}, min "
                 f"{r['support_read_min']}, max {r['support_read_max']}"
                 for r in fewer
             )
@@ -179,7 +179,7 @@ def selector_markdown(data: dict) -> str:
         "| selector | kind | reads |",
         "|---|---|---|",
         *(
-            f"| `{name}` | {_kind(practical)} | {what} |"
+            f"| {table_cell(code(name))} | {_kind(practical)} | {table_cell(what)} |"
             for name, (practical, what) in {r["selector"]: (r["practical"], r["reads"]) for r in rows}.items()
         ),
         "",

@@ -14,7 +14,7 @@ from ..experiments import summary
 from ..experiments.sweep import SweepSpec
 from .environment import environment_lines
 from .findings import findings_lines
-from .tables import format_range, format_value, layer_flags, markdown_table, shell_word, write_csv
+from .tables import code, format_range, format_value, layer_flags, markdown_table, shell_word, write_csv
 
 
 def sweep_command(spec: SweepSpec, directory: Path) -> str:
@@ -78,7 +78,7 @@ def _conditions_lines(directory: Path, meta: dict, spec: SweepSpec, rows: list[d
         "",
         "## Conditions",
         "",
-        f"- model `{spec.model}`, dtype {spec.dtype}; corpus `{spec.corpus}` (text sha256 "
+        f"- model {code(spec.model)}, dtype {spec.dtype}; corpus {code(spec.corpus)} (text sha256 "
         f"`{(meta.get('corpus_sha256') or '?')[:16]}…`), prompts = non-overlapping prefixes 0..{spec.prompts - 1} "
         f"(stride context + T + {spec.gap})",
         f"- contexts {list(spec.contexts)}; supports S {list(spec.supports)}; reuse R {list(spec.reuse)}; "
@@ -102,7 +102,7 @@ def _selector_lines(directory: Path, rows: list[dict]) -> list[str]:
     selectors = summary.by_selector(rows)
     table = [
         [
-            f"`{c['selector']}`",
+            code(c["selector"]),
             f"{c['survived']}/{c['runs']}",
             format_value(c["first_divergence_median"], None),  # a median of two steps may end in .5
             format_value(c["teacher_forced_match_median"]),
@@ -149,7 +149,7 @@ def _condition_lines(directory: Path, spec: SweepSpec, rows: list[dict], every_c
             str(c["context"]),
             str(c["support"]),
             *([str(c["reuse"])] if reuse else []),
-            *([f"`{c['selector']}`"] if several else []),
+            *([code(c["selector"])] if several else []),
             f"{c['survived']}/{c['runs']}",
             format_range(c, "first_divergence", None),
             format_range(c, "teacher_forced_match", 1),
@@ -180,7 +180,7 @@ def _dense_table(dense: list[dict], *, reuse: bool, several: bool) -> str:
             str(c["support"]),
             str(c["effective_support"]),
             *([str(c["reuse"])] if reuse else []),
-            *([f"`{c['selector']}`"] if several else []),
+            *([code(c["selector"])] if several else []),
             f"{c['survived']}/{c['runs']}",
             f"{c['delta_ppl_percent_median']:+.2f}",
         ]
@@ -203,7 +203,7 @@ def _warning_lines(directory: Path, spec: SweepSpec, rows: list[dict]) -> list[s
                 str(w["prompt_index"]),
                 str(w["support"]),
                 str(w["reuse"]),
-                *([f"`{w['selector']}`"] if several else []),
+                *([code(w["selector"])] if several else []),
                 format_value(w["teacher_forced_match"]),
                 f"{w['delta_ppl_percent']:+.2f}",
                 str(w["first_divergence"]),

@@ -10,6 +10,7 @@ import csv
 import io
 import json
 import math
+import re
 import shlex
 from pathlib import Path
 
@@ -70,10 +71,25 @@ def changed_flags(spec, default, names) -> list[str]:
     return flags + layer_flags(spec.dense_layers, spec.layer_supports)
 
 
+def code(text) -> str:
+    """``text`` as one Markdown code span on one line, whatever backticks it holds (a fence longer than any run of
+    them inside), so a user's path or selector spec shows as written."""
+    text = " ".join(str(text).splitlines())
+    fence = "`" * (max((len(run) for run in re.findall("`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def table_cell(text: str) -> str:
+    """A Markdown table cell of ``text``: on one line, its ``|`` escaped so that it does not end the cell."""
+    return " ".join(str(text).splitlines()).replace("|", "\\|")
+
+
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    """A Markdown table of ready-made cells, every column right-aligned (the columns are mostly numbers)."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" ---: " for _ in header) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    """A Markdown table of ready-made cells (:func:`table_cell` applied), every column right-aligned (the columns
+    are mostly numbers)."""
+    lines = ["| " + " | ".join(map(table_cell, header)) + " |", "|" + "|".join(" ---: " for _ in header) + "|"]
+    lines += ["| " + " | ".join(map(table_cell, row)) + " |" for row in rows]
     return "\n".join(lines)
 
 
