@@ -119,3 +119,25 @@ def test_odd_selector_names_keep_the_report_tables_whole(tmp_path):
         header = next(r for r in reversed(rows[: rows.index(row)]) if "selector" in r)
         assert len(row) == len(header)
     assert f"model {ODD_MODEL}," in text.replace("``", "").replace("`", "")
+
+
+def test_report_leaves_no_plot_of_an_earlier_report(tiny_model_dir, tmp_path, capsys):
+    """A folder reported with one retrieval result and then another (or none) keeps no heat map of the first: they
+    were left behind and listed under Files, beside results the report no longer shows. Files of the user's own
+    stay."""
+    from sparsedecode.cli import main
+
+    for support in ("97", "113"):
+        args = ["probe", "retrieval", "--model", str(tiny_model_dir), "--context", "300", "--depths", "0"]
+        args += ["--trials", "1", "--support", support, "--answer-tokens", "2", "--out", str(tmp_path / support)]
+        assert main(args) == 0, capsys.readouterr().err
+    shown = tmp_path / "shown"
+    shown.mkdir()
+    (shown / "notes.csv").write_text("mine\n")
+    assert main(["report", str(shown), "--retrieval", str(tmp_path / "97")]) == 0
+    assert (shown / "retrieval_s97.png").is_file()
+    assert main(["report", str(shown), "--retrieval", str(tmp_path / "113")]) == 0
+    assert (shown / "retrieval_s113.png").is_file() and not (shown / "retrieval_s97.png").exists()
+    files = next(line for line in (shown / "report.md").read_text().splitlines() if line.startswith("Files:"))
+    assert "retrieval_s113.png" in files and "retrieval_s97.png" not in files and "notes.csv" not in files
+    assert (shown / "notes.csv").read_text() == "mine\n"

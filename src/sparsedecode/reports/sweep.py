@@ -15,6 +15,7 @@ tables of :mod:`.tables`. Their public names are importable from here too, where
 
 from __future__ import annotations
 
+import fnmatch
 import json
 from pathlib import Path
 
@@ -119,6 +120,23 @@ def read_retrieval(path: Path) -> dict:
     return {**data, "trials": [upgrade_audit_fields(trial) for trial in data["trials"]]}
 
 
+OUTPUTS = (
+    "conditions.csv", "runs.csv", "warning_runs.csv", "selectors.csv", "match_vs_delta_ppl.png",
+    "delta_ppl_by_support.png", "first_divergence.png", "retrieval_accuracy.csv", "mass_vs_retrieval.csv",
+    "retrieval_trials.csv", "mass_vs_retrieval.png", "retrieval_*.png",
+)  # fmt: skip
+"""The CSVs and plots a report writes (patterns): one an earlier report wrote that this one does not is removed."""
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    """What tells a file rewritten (every write renames a new file into place): its inode and modification time."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
+
+
 _MALFORMED = (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError)
 """What rendering rows that lack a field or hold a value of the wrong type raises."""
 
@@ -158,6 +176,7 @@ def write_report(directory: Path, *, retrieval: Path | None = None) -> Path:
         data = read_retrieval(Path(retrieval))
     before = set(directory.iterdir())
     kept = {path: path.read_bytes() for path in before if path.suffix in {".csv", ".png"} and path.is_file()}
+    stamps = {path: _stamp(path) for path in kept}
     source = directory / RUNS_FILE
     try:
         if has_sweep:
@@ -181,7 +200,11 @@ def write_report(directory: Path, *, retrieval: Path | None = None) -> Path:
         ) from error
     caveats = CAVEATS + (SWEEP_CAVEATS if has_sweep else []) + (RETRIEVAL_CAVEATS if retrieval is not None else [])
     out += ["# What these numbers do not establish", "", *[f"- {line}" for line in caveats], ""]
-    files = sorted(p.name for p in directory.iterdir() if p.suffix in {".csv", ".png"} or p.name in (RUNS_FILE,))
+    written = {p for p in directory.iterdir() if p.suffix in {".csv", ".png"} and _stamp(p) != stamps.get(p)}
+    for path in set(kept) - written:  # an earlier report's, of results no longer shown (other retrieval supports)
+        if any(fnmatch.fnmatchcase(path.name, pattern) for pattern in OUTPUTS):
+            path.unlink()
+    files = sorted([p.name for p in written] + [RUNS_FILE] * (directory / RUNS_FILE).exists())
     out += ["Files: " + ", ".join(f"[{name}]({name})" for name in files), ""]
     path = directory / REPORT_FILE
     write_text_atomic(path, "\n".join(out))
