@@ -141,3 +141,23 @@ def test_report_leaves_no_plot_of_an_earlier_report(tiny_model_dir, tmp_path, ca
     files = next(line for line in (shown / "report.md").read_text().splitlines() if line.startswith("Files:"))
     assert "retrieval_s113.png" in files and "retrieval_s97.png" not in files and "notes.csv" not in files
     assert (shown / "notes.csv").read_text() == "mine\n"
+
+
+def test_reports_are_written_in_utf8_whatever_the_locale(tmp_path):
+    """Under a locale whose encoding is not UTF-8 (here ASCII, with Python's UTF-8 coercion off), writing a report
+    or CSV holding `Δ` raised UnicodeEncodeError, a traceback (and a Latin-1 locale wrote bytes every reader, which
+    reads UTF-8, refuses)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import sparsedecode
+
+    target = tmp_path / "report.md"
+    code = r"import sys; from sparsedecode.files import write_text_atomic as w; w(sys.argv[1], '\u0394 \u00fc\u2026')"
+    env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0", "PYTHONIOENCODING": "utf-8"}
+    env["PYTHONPATH"] = str(Path(sparsedecode.__file__).parents[1])
+    done = subprocess.run([sys.executable, "-c", code, str(target)], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert target.read_text(encoding="utf-8") == "Δ ü…"

@@ -45,8 +45,9 @@ def atomic_path(path: Path) -> Iterator[Path]:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through :func:`atomic_path`, flushed to disk before the rename."""
-    with atomic_path(path) as tmp, open(tmp, "w", newline="") as handle:
+    """Write ``text`` to ``path`` in UTF-8 (as every reader reads it, whatever the locale) through
+    :func:`atomic_path`, flushed to disk before the rename."""
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8", newline="") as handle:
         handle.write(text)
         handle.flush()
         os.fsync(handle.fileno())
