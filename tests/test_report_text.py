@@ -161,3 +161,21 @@ def test_reports_are_written_in_utf8_whatever_the_locale(tmp_path):
     done = subprocess.run([sys.executable, "-c", code, str(target)], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert target.read_text(encoding="utf-8") == "Δ ü…"
+
+
+def test_a_shard_folders_command_names_its_shard(tmp_path):
+    """The report of a shard folder (``--shard 1/2``) printed a command without ``--shard``, which that folder
+    refuses ("holds shard 1/2 of this sweep, not 1/1"); it names the shard now, and an unsharded folder's does not."""
+    from sparsedecode.experiments.evaluate import EvalSpec
+    from sparsedecode.experiments.specs import SweepSpec
+    from sparsedecode.reports.evaluation import eval_command
+    from sparsedecode.reports.survival import sweep_section
+
+    spec = SweepSpec(model="m", contexts=(1024,), supports=(97,), selectors=("mean-pooled", "quest"), tokens=8)
+    for shard, expected in (("1/2", "1/2"), ("1/1", None), (None, None)):
+        meta = {"spec": spec.to_dict(), **({"shard": shard} if shard else {})}
+        lines = sweep_section(tmp_path, meta, odd_rows("mean-pooled")[:2])
+        command = next(line for line in lines if line.startswith("sparsedecode sweep"))
+        assert build_parser().parse_args(shlex.split(command)[1:]).shard == expected
+    command = eval_command(EvalSpec(model="m"), "out", "2/3")
+    assert build_parser().parse_args(shlex.split(command)[1:]).shard == "2/3"

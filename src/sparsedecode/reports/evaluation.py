@@ -34,8 +34,9 @@ def _supports(spec) -> str:
         return ", ".join(map(str, spec.supports))
 
 
-def eval_command(spec: EvalSpec, directory: Path) -> str:
-    """The ``sparsedecode eval`` command line that reproduces ``spec`` into ``directory``."""
+def eval_command(spec: EvalSpec, directory: Path, shard: str | None = None) -> str:
+    """The ``sparsedecode eval`` command line that reproduces ``spec`` into ``directory`` (with ``--shard``, for a
+    folder that holds one shard: the folder takes no other)."""
     default = EvalSpec(model=spec.model)
     parts = ["sparsedecode eval", f"--model {shell_word(spec.model)}"]
     if spec.dtype != default.dtype:
@@ -51,6 +52,8 @@ def eval_command(spec: EvalSpec, directory: Path) -> str:
     parts += changed_flags(
         spec, default, ("window", "block_size", "reuse", "corpus", "template", "seed", "answer_tokens")
     )
+    if shard and shard != "1/1":
+        parts.append(f"--shard {shard}")
     parts.append(f"--out {shell_word(directory)}")
     return " ".join(parts)
 
@@ -123,7 +126,7 @@ def _conditions_lines(directory: Path, meta: dict, spec: EvalSpec, rows: list[di
         )
         + " or end of sequence; score = share of expected answers found in the output (RULER's string_match_all)",
         *environment_lines(meta),
-        f"- reproduce: {code(eval_command(spec, directory))}, then "
+        f"- reproduce: {code(eval_command(spec, directory, meta.get('shard')))}, then "
         + code(f"sparsedecode report {shell_word(directory)}"),
         "",
         "## Accuracy (mean score, %)",

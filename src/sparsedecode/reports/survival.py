@@ -17,8 +17,9 @@ from .findings import findings_lines
 from .tables import code, format_range, format_value, layer_flags, markdown_table, shell_word, write_csv
 
 
-def sweep_command(spec: SweepSpec, directory: Path) -> str:
-    """The ``sparsedecode sweep`` command line that reproduces ``spec`` into ``directory``."""
+def sweep_command(spec: SweepSpec, directory: Path, shard: str | None = None) -> str:
+    """The ``sparsedecode sweep`` command line that reproduces ``spec`` into ``directory`` (with ``--shard``, for a
+    folder that holds one shard: the folder takes no other)."""
     default = SweepSpec(model=spec.model)
     parts = ["sparsedecode sweep", f"--model {shell_word(spec.model)}"]
     if spec.dtype != default.dtype:
@@ -42,6 +43,8 @@ def sweep_command(spec: SweepSpec, directory: Path) -> str:
     parts += layer_flags(spec.dense_layers, spec.layer_supports)
     if spec.audit:
         parts.append("--audit")
+    if shard and shard != "1/1":
+        parts.append(f"--shard {shard}")
     parts.append(f"--out {shell_word(directory)}")
     return " ".join(parts)
 
@@ -89,7 +92,7 @@ def _conditions_lines(directory: Path, meta: dict, spec: SweepSpec, rows: list[d
         "Command:",
         "",
         "```sh",
-        sweep_command(spec, directory),
+        sweep_command(spec, directory, meta.get("shard")),
         f"sparsedecode report {shell_word(directory)}",
         "```",
         "",
