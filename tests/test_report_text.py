@@ -179,3 +179,16 @@ def test_a_shard_folders_command_names_its_shard(tmp_path):
         assert build_parser().parse_args(shlex.split(command)[1:]).shard == expected
     command = eval_command(EvalSpec(model="m"), "out", "2/3")
     assert build_parser().parse_args(shlex.split(command)[1:]).shard == "2/3"
+
+
+def test_selector_comparison_command_names_its_dtype_and_corpus():
+    """selectors.md's "Produced by" command left out a dtype and corpus other than the defaults: pasted, it compared
+    float32 on python-docs instead of what the table holds."""
+    from sparsedecode.reports.selector_comparison import _selectors_command
+
+    settings = {"model": "m", "context": [1024], "support": [97], "prompts": 1, "tokens": 8, "selectors": ["quest"]}
+    odd = {**settings, "dtype": "bfloat16", "corpus": "my corpus.txt"}
+    args = build_parser().parse_args(shlex.split(_selectors_command(odd))[1:])
+    assert (args.dtype, args.corpus) == ("bfloat16", "my corpus.txt")
+    plain = _selectors_command({**settings, "dtype": "float32", "corpus": "python-docs"})
+    assert "--dtype" not in plain and "--corpus" not in plain

@@ -68,12 +68,21 @@ def dense_retrieval_lines(rows: list[dict]) -> list[str]:
 
 
 def _selectors_command(settings: dict) -> str:
-    """The ``sparsedecode compare-selectors`` command line that reproduces ``settings``."""
+    """The ``sparsedecode compare-selectors`` command line that reproduces ``settings`` (a dtype or corpus other than
+    the default included)."""
+    from ..experiments.corpus import DEFAULT_CORPUS
     from ..selectors import selector_names
 
     selectors = settings["selectors"]
     return (
-        f"sparsedecode compare-selectors --model {shell_word(settings['model'])} --context "
+        f"sparsedecode compare-selectors --model {shell_word(settings['model'])}"
+        + (f" --dtype {settings['dtype']}" if settings.get("dtype", "float32") != "float32" else "")
+        + (
+            f" --corpus {shell_word(settings['corpus'])}"
+            if settings.get("corpus", DEFAULT_CORPUS) != DEFAULT_CORPUS
+            else ""
+        )
+        + " --context "
         f"{','.join(map(str, settings['context']))} --support {','.join(map(str, settings['support']))} --prompts "
         f"{settings['prompts']} --tokens {settings['tokens']}"
         + ("" if list(selectors) == list(selector_names()) else f" --selectors {shell_word(','.join(selectors))}")
