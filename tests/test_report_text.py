@@ -192,3 +192,19 @@ def test_selector_comparison_command_names_its_dtype_and_corpus():
     assert (args.dtype, args.corpus) == ("bfloat16", "my corpus.txt")
     plain = _selectors_command({**settings, "dtype": "float32", "corpus": "python-docs"})
     assert "--dtype" not in plain and "--corpus" not in plain
+
+
+def test_a_selector_without_sparse_runs_shows_no_nan(tmp_path):
+    """In a sweep of several selectors whose runs are all dense by construction, the per-selector table printed the
+    median ΔPPL of no run as `+nan` (its other medians as `-`); a range of no value likewise."""
+    from sparsedecode.experiments.specs import SweepSpec
+    from sparsedecode.reports.survival import sweep_section
+    from sparsedecode.reports.tables import format_range
+
+    spec = SweepSpec(model="m", contexts=(1024,), supports=(97,), selectors=("mean-pooled", "quest"), tokens=8)
+    rows = [{**row, "sparse_steps": 0} for row in odd_rows("mean-pooled")]
+    text = "\n".join(sweep_section(tmp_path, {"spec": spec.to_dict()}, rows))
+    assert "nan" not in text.lower()
+    assert "| `quest` | 0/0 | - | - | - | 0/0 | 0 |" in text
+    nan = float("nan")
+    assert format_range({"x_median": nan, "x_min": nan, "x_max": nan}, "x", 2, "+") == "- [-, -]"

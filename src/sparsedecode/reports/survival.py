@@ -109,7 +109,7 @@ def _selector_lines(directory: Path, rows: list[dict]) -> list[str]:
             f"{c['survived']}/{c['runs']}",
             format_value(c["first_divergence_median"], None),  # a median of two steps may end in .5
             format_value(c["teacher_forced_match_median"]),
-            f"{c['delta_ppl_percent_median']:+.2f}",
+            format_value(c["delta_ppl_percent_median"], 2, "+"),
             f"{c['conditions_within_tolerance']}/{c['conditions_min_support']}",
             str(c["warning_runs"]),
         ]

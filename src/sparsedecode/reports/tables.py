@@ -18,23 +18,24 @@ from ..files import write_text_atomic
 
 
 def _number(value, digits: int | None, sign: str = "") -> str:
-    """``value`` to ``digits`` decimals; ``None``: a count or step as it is (a median of two counts may end in .5)."""
+    """``value`` to ``digits`` decimals; ``None``: a count or step as it is (a median of two counts may end in .5).
+    NaN (the median of no run) is ``-``."""
+    if isinstance(value, float) and math.isnan(value):
+        return "-"
     if digits is None:
         digits = 0 if float(value).is_integer() else 1
     return f"{value:{sign}.{digits}f}"
 
 
-def format_value(value, digits: int | None = 1) -> str:
+def format_value(value, digits: int | None = 1, sign: str = "") -> str:
     """A table cell: ``-`` for a missing or NaN value, ``yes``/``no`` for a flag, floats to ``digits`` decimals
-    (``None``: whole numbers without decimals, others with one)."""
+    (``None``: whole numbers without decimals, others with one; ``sign`` ``"+"``: a sign on every number)."""
     if value is None:
         return "-"
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, float):
-        if math.isnan(value):
-            return "-"
-        return _number(value, digits)
+        return _number(value, digits, sign)
     return str(value)
 
 
