@@ -208,3 +208,18 @@ def test_a_selector_without_sparse_runs_shows_no_nan(tmp_path):
     assert "| `quest` | 0/0 | - | - | - | 0/0 | 0 |" in text
     nan = float("nan")
     assert format_range({"x_median": nan, "x_min": nan, "x_max": nan}, "x", 2, "+") == "- [-, -]"
+
+
+def test_paths_with_brackets_print_as_written(tiny_model_dir, tmp_path, capsys):
+    """An --out holding `[/]` made the sweep end in a rich MarkupError traceback after its runs, and `[red]` vanished
+    from the paths printed (`wrote rkx/report.md`): paths print as written now."""
+    from sparsedecode.cli import main
+
+    for name in ("a[/]b", "c[red]d"):
+        out = tmp_path / name
+        args = ["sweep", "--model", str(tiny_model_dir), "--context", "128", "--support", "97", "--prompts", "1"]
+        assert main([*args, "--tokens", "4", "--out", str(out)]) == 0, capsys.readouterr().err
+        printed = " ".join(capsys.readouterr().out.split())  # lines wrap at the console's width
+        assert f"`sparsedecode report {shlex.quote(str(out))}` summarises them" in printed
+        assert main(["report", str(out)]) == 0
+        assert f"wrote {out / 'report.md'}" in " ".join(capsys.readouterr().out.split())

@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .conditions import environment
-from .display import console
+from .display import console, plain
 from .outputs import write_json
 
 __all__ = ["recorded_model", "selector_record", "start_clock", "write_result"]
@@ -39,4 +39,4 @@ def write_result(path, clock: dict, *, model=None, **fields) -> None:
     medians of what is measured, not this), then ``fields``."""
     run = {"started_utc": clock["started_utc"], "wall_s": round(time.monotonic() - clock["t0"], 1)}
     write_json(path, {"machine": environment(model), "run": run, **fields})
-    console.print(f"wrote {path}")
+    console.print(f"wrote {plain(path)}")

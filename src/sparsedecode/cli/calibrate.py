@@ -12,7 +12,7 @@ from ..errors import SparseDecodeError
 from .arguments import int_list, path_arg, selector_arg
 from .backend import add_backend_args, check_backend_args, executor
 from .conditions import environment
-from .display import console, progress_bars
+from .display import console, plain, progress_bars
 from .loading import check_whole_blocks, load
 from .outputs import check_output_folder, inputs_of
 from .parser import add_model_args
@@ -339,7 +339,7 @@ def _print(args, best, held) -> None:
             met += "; at the bound: " + ", ".join("yes" if ok else "no" for ok in row["targets_met_at_bound"].values())
         table.add_row(row["configuration"], f"{row['cost']:.1f}", *cells(row), met)
     console.print(table)
-    console.print(f"wrote {args.out / 'calibration.md'}, calibration.json" + (", budget.json" if best else ""))
+    console.print(f"wrote {plain(args.out / 'calibration.md')}, calibration.json" + (", budget.json" if best else ""))
     if best is not None and ("reuse" in best.params or any(k.startswith("param_") for k in best.params)):
         chosen = {k.removeprefix("param_"): v for k, v in best.params.items() if k == "reuse" or k.startswith("param_")}
         console.print(f"chosen with the supports: {', '.join(f'{k}={v}' for k, v in chosen.items())} (budget.json "

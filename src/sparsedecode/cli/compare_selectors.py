@@ -10,7 +10,7 @@ from ..errors import SparseDecodeError
 from .arguments import int_list, path_arg, selector_list
 from .backend import add_backend_args, check_backend_args, executor
 from .conditions import environment, plain_layers
-from .display import console, progress_bars
+from .display import console, plain, progress_bars
 from .loading import check_whole_blocks, load
 from .outputs import check_output_folder, check_replaced_alike, inputs_of
 from .parser import add_dense_layers_arg, add_model_args, layer_budget
@@ -127,7 +127,7 @@ def cmd_compare_selectors(args) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     settings = _settings(args, chosen, execute)
     write_selector_comparison(args.out, {"settings": settings, "summary": summary, "runs": runs, "retrieval": trials})
-    console.print(f"wrote {args.out / 'selectors.md'}, selectors.csv, selectors.json")
+    console.print(f"wrote {plain(args.out / 'selectors.md')}, selectors.csv, selectors.json")
     return 0
 
 

@@ -3,6 +3,7 @@ here), as printed above a command's tables and written into its result files."""
 
 from __future__ import annotations
 
+from .display import plain
 from .parser import layer_budget
 
 __all__ = ["conditions", "environment", "plain_layers", "run_settings"]
@@ -74,8 +75,8 @@ def conditions(args) -> str:
     import torch
 
     return (
-        f"[bold]{args.model}[/] {args.dtype}{_weights(args)} on cpu, {torch.get_num_threads()} threads; corpus "
-        f"{args.corpus}, "
+        f"[bold]{plain(args.model)}[/] {args.dtype}{_weights(args)} on cpu, {torch.get_num_threads()} threads; corpus "
+        f"{plain(args.corpus)}, "
         f"prompt {args.prompt_index}; T = {args.tokens}; W = {args.window}, B = {args.block_size}, "
-        f"R = {args.reuse}, selector {args.selector}; {_kernel_in_use(args.dtype, args.selector)}"
+        f"R = {args.reuse}, selector {plain(args.selector)}; {_kernel_in_use(args.dtype, args.selector)}"
     )

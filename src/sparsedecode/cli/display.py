@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable, Iterator
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -17,9 +18,15 @@ from rich.progress import (
 )
 from rich.table import Table
 
-__all__ = ["console", "layer_table", "progress_bars", "progress_lines", "run_hooks"]
+__all__ = ["console", "layer_table", "plain", "progress_bars", "progress_lines", "run_hooks"]
 
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 132)
+
+
+def plain(value) -> str:
+    """``value`` (a path, a model or selector name the user gave) as console text that shows as written: a ``[`` in
+    it is not taken for rich markup (``[/]`` in a path raised an error, ``[red]`` vanished)."""
+    return escape(str(value))
 
 
 def run_hooks(progress, out, row_line):
@@ -28,7 +35,7 @@ def run_hooks(progress, out, row_line):
 
     def started(done: int, total: int) -> None:
         if done:
-            console.print(f"resuming {out}: {done} of {total} runs already done")
+            console.print(f"resuming {plain(out)}: {done} of {total} runs already done")
         progress("runs", done, total)
 
     def finished(row: dict, done: int, total: int) -> None:

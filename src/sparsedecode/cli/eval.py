@@ -20,7 +20,7 @@ from pathlib import Path
 from ..errors import SparseDecodeError
 from .arguments import comma_list, path_arg, selector_list, shard_arg
 from .backend import add_backend_args, check_backend_args, executor
-from .display import run_hooks
+from .display import plain, run_hooks
 from .loading import check_whole_blocks, load, quiet_transformers
 from .outputs import check_output_folder, inputs_of
 from .parser import add_dense_layers_arg, layer_budget
@@ -210,7 +210,7 @@ def cmd_eval(args, *, console, progress_bars) -> int:
         console.print(line)
     loaded = load(args)
     console.print(
-        f"[bold]{args.model}[/] {args.dtype}; tasks {', '.join(spec.tasks)}; contexts {list(spec.contexts)}; "
+        f"[bold]{plain(args.model)}[/] {args.dtype}; tasks {', '.join(spec.tasks)}; contexts {list(spec.contexts)}; "
         f"{spec.samples} samples; selectors {', '.join(spec.selectors)}; supports {list(spec.supports)}; "
         f"W = {spec.window}, B = {spec.block_size}, R = {spec.reuse}" + (f"; shard {shard}" if shard else "")
     )
@@ -222,7 +222,7 @@ def cmd_eval(args, *, console, progress_bars) -> int:
         )
     console.print(
         f"{outcome.ran} runs now, {outcome.done_before} before: {outcome.done_before + outcome.ran} of {outcome.total}"
-        f" in {args.out / 'runs.jsonl'}; `sparsedecode report {shell_word(args.out)}` summarises them"
+        f" in {plain(args.out / 'runs.jsonl')}; `sparsedecode report {plain(shell_word(args.out))}` summarises them"
     )
     return 0
 
@@ -239,8 +239,8 @@ def cmd_merge_eval(args, *, console) -> int:
 
     outcome = merge_evals(args.sources, args.out)
     console.print(
-        f"merged {len(args.sources)} folder(s) into {args.out}: {outcome.rows} runs, {outcome.duplicates} duplicate(s) "
-        f"dropped, {outcome.missing} run(s) of the grid still missing"
+        f"merged {len(args.sources)} folder(s) into {plain(args.out)}: {outcome.rows} runs, {outcome.duplicates} "
+        f"duplicate(s) dropped, {outcome.missing} run(s) of the grid still missing"
     )
     return 0
 
@@ -249,9 +249,9 @@ def cmd_report_eval(args, *, console) -> int:
     """``sparsedecode report`` of an evaluation folder (``args.directory``)."""
     from ..reports.evaluation import write_eval_report
 
-    with console.status(f"writing the report for {args.directory}"):
+    with console.status(f"writing the report for {plain(args.directory)}"):
         path = write_eval_report(args.directory)
-    console.print(f"wrote {path}")
+    console.print(f"wrote {plain(path)}")
     return 0
 
 

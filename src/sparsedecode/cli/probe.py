@@ -9,7 +9,7 @@ from rich.table import Table
 from ..errors import SparseDecodeError
 from .arguments import float_list, int_list, path_arg, selector_arg
 from .conditions import conditions, run_settings
-from .display import console, layer_table, progress_bars
+from .display import console, layer_table, plain, progress_bars
 from .loading import check_whole_blocks, load, prepare
 from .outputs import atomic_path, check_output_folder, check_replaced_alike, inputs_of, write_json
 from .parser import Parser, add_dense_layers_arg, add_model_args, add_prompt_args, layer_budget
@@ -163,7 +163,7 @@ def _write_maps(args, context: int, probe, made: list[Path]) -> dict:
             vmax=max(float(omitted.max()), 1e-6),
         )
     save_audit(args.out / f"{stem}.npz", probe.arrays)
-    console.print(f"wrote {png}")
+    console.print(f"wrote {plain(png)}")
     return {"context": context, "settings": probe.settings, "summary": probe.summary, "png": png.name,
             "seconds": probe.seconds}  # fmt: skip
 
@@ -222,8 +222,8 @@ def cmd_probe_retrieval(args) -> int:
     check_replaced_alike(args.out, "retrieval.json", spec.to_dict(), key="spec")
     loaded = load(args)
     console.print(
-        f"[bold]{args.model}[/] {args.dtype}; passkey retrieval, haystack {args.haystack}; contexts {args.context}; "
-        f"depths {args.depths}; {args.trials} trials; supports {args.support}"
+        f"[bold]{plain(args.model)}[/] {args.dtype}; passkey retrieval, haystack {plain(args.haystack)}; "
+        f"contexts {args.context}; depths {args.depths}; {args.trials} trials; supports {args.support}"
     )
 
     def show(trial: dict) -> None:
@@ -251,5 +251,7 @@ def cmd_probe_retrieval(args) -> int:
     for row in accuracy(trials):
         table.add_row(row["mode"], str(row["context"]), f"{row['depth']:g}", f"{row['correct']}/{row['trials']}")
     console.print(table)
-    console.print(f"wrote {args.out / 'retrieval.json'}; `sparsedecode report {shell_word(args.out)}` renders it")
+    console.print(
+        f"wrote {plain(args.out / 'retrieval.json')}; `sparsedecode report {plain(shell_word(args.out))}` renders it"
+    )
     return 0

@@ -8,7 +8,7 @@ from rich.text import Text
 from ..errors import SparseDecodeError
 from .arguments import file_arg
 from .conditions import conditions, run_settings
-from .display import console, layer_table, progress_bars
+from .display import console, layer_table, plain, progress_bars
 from .loading import prepare
 from .outputs import check_output_file, inputs_of, write_json
 from .parser import DRAFT_TOKENS, add_model_args, add_prompt_args, add_weights_arg
@@ -183,7 +183,7 @@ def cmd_run(args) -> int:
                 save_audit(args.json.with_name(name), result.audit_arrays)
                 result.audit["arrays"] = name
         write_json(args.json, {"settings": settings, "results": [r.to_dict() for r in results]})
-        console.print(f"wrote {args.json}")
+        console.print(f"wrote {plain(args.json)}")
     return 0
 
 
@@ -265,5 +265,5 @@ def cmd_run_lossless(args) -> int:
             "adaptive": args.adaptive,
         }
         write_json(args.json, {"settings": settings, "results": results})
-        console.print(f"wrote {args.json}")
+        console.print(f"wrote {plain(args.json)}")
     return 0

@@ -7,7 +7,7 @@ import time
 from ..errors import SparseDecodeError
 from .arguments import int_list, path_arg, selector_arg, selector_list, shard_arg
 from .backend import add_backend_args, check_backend_args, executor
-from .display import console, progress_bars, run_hooks
+from .display import console, plain, progress_bars, run_hooks
 from .loading import check_whole_blocks, load
 from .outputs import check_output_folder, check_writable_folder, inputs_of
 from .parser import add_dense_layers_arg, add_model_args, layer_budget
@@ -190,9 +190,9 @@ def cmd_sweep(args) -> int:
             console.print(line)
     loaded = load(args)
     console.print(
-        f"[bold]{args.model}[/] {args.dtype}; corpus {args.corpus}; contexts {args.context}; supports {args.support}; "
-        f"R {args.reuse}; {args.prompts} prompts; T = {args.tokens}; W = {args.window}, B = {args.block_size}; "
-        f"selector(s) {', '.join(spec.selectors)}"
+        f"[bold]{plain(args.model)}[/] {args.dtype}; corpus {plain(args.corpus)}; contexts {args.context}; "
+        f"supports {args.support}; R {args.reuse}; {args.prompts} prompts; T = {args.tokens}; W = {args.window}, "
+        f"B = {args.block_size}; selector(s) {plain(', '.join(spec.selectors))}"
         + (f"; shard {shard}" if shard else "")
         + (f"; batch {args.batch}" if args.batch > 1 else "")
     )
@@ -214,7 +214,7 @@ def cmd_sweep(args) -> int:
     elapsed = time.perf_counter() - clock
     console.print(
         f"{outcome.ran} runs now, {outcome.done_before} before: {outcome.done_before + outcome.ran} of {outcome.total}"
-        f" in {args.out / 'runs.jsonl'}; `sparsedecode report {shell_word(args.out)}` summarises them"
+        f" in {plain(args.out / 'runs.jsonl')}; `sparsedecode report {plain(shell_word(args.out))}` summarises them"
     )
     if outcome.ran and execute is None:  # with Ray the clock holds its start-up too
         console.print(
@@ -232,7 +232,7 @@ def _merge_comparisons(args) -> int:
     data = merge_comparisons(args.sources)  # everything checked and built before anything is written
     path = write_selector_comparison(args.out, data)
     console.print(
-        f"merged {len(args.sources)} comparison(s) into {path}: {len(data['settings']['selectors'])} selectors, "
+        f"merged {len(args.sources)} comparison(s) into {plain(path)}: {len(data['settings']['selectors'])} selectors, "
         f"{len(data['runs'])} runs, {len(data['retrieval'])} retrieval rows"
     )
     return 0
@@ -251,8 +251,8 @@ def cmd_merge(args) -> int:
     check_output_folder(args.out, files=("sweep.json", "runs.jsonl"), results="sweep.json")
     outcome = merge_sweeps(args.sources, args.out)
     console.print(
-        f"merged {len(args.sources)} folder(s) into {args.out}: {outcome.rows} runs, {outcome.duplicates} duplicate(s) "
-        f"dropped, {outcome.missing} run(s) of the grid still missing"
+        f"merged {len(args.sources)} folder(s) into {plain(args.out)}: {outcome.rows} runs, {outcome.duplicates} "
+        f"duplicate(s) dropped, {outcome.missing} run(s) of the grid still missing"
     )
     return 0
 
@@ -271,7 +271,7 @@ def cmd_report(args) -> int:
         return cmd_report_eval(args, console=console)
     from ..reports.sweep import write_report
 
-    with console.status(f"writing the report for {args.directory}"):
+    with console.status(f"writing the report for {plain(args.directory)}"):
         path = write_report(args.directory, retrieval=args.retrieval)
-    console.print(f"wrote {path}")
+    console.print(f"wrote {plain(path)}")
     return 0
