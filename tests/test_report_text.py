@@ -223,3 +223,24 @@ def test_paths_with_brackets_print_as_written(tiny_model_dir, tmp_path, capsys):
         assert f"`sparsedecode report {shlex.quote(str(out))}` summarises them" in printed
         assert main(["report", str(out)]) == 0
         assert f"wrote {out / 'report.md'}" in " ".join(capsys.readouterr().out.split())
+
+
+def test_row_lines_show_model_output_and_selectors_as_written():
+    """The line a sweep or an evaluation prints per finished run went through rich markup: a model answer or a
+    selector parameter holding `[/]` raised MarkupError mid-run (a traceback, the command dead), `[red]` vanished."""
+    import io
+
+    from rich.console import Console
+
+    from sparsedecode.cli.eval import _row_line as eval_line
+    from sparsedecode.cli.sweep import _row_line as sweep_line
+
+    row = {"task": "vt", "context": 500, "sample": 0, "selector": "mean-pooled", "support": 97, "correct": False,
+           "score": 0.0, "output": "x [/] y [red]z", "run_s": 0.1}  # fmt: skip
+    sweep_row = {"context": 128, "prompt_index": 0, "selector": "f.py:C:tag=[/]", "support": 97, "reuse": 1,
+                 "survives": True, "first_divergence": 8, "teacher_forced_match": 100.0, "delta_ppl_percent": 0.0,
+                 "run_s": 0.1, "sparse_s": 0.1}  # fmt: skip
+    for line, written in ((eval_line(row), "'x [/] y [red]z'"), (sweep_line(sweep_row), "f.py:C:tag=[/]")):
+        shown = io.StringIO()
+        Console(file=shown, width=300).print(line)
+        assert written in shown.getvalue()

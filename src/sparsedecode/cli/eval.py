@@ -143,7 +143,8 @@ def _row_line(row: dict) -> str:
     mark = "[green]correct[/]" if row["correct"] else f"score {row['score']:.2f}"
     return (
         f"{row['task']}, context {row['context']}, sample {row['sample']}, "
-        f"{mode_label(row['selector'], row['support'])}: {mark}; {row['output'][:60]!r} ({row['run_s']:.1f} s)"
+        f"{plain(mode_label(row['selector'], row['support']))}: {mark}; {plain(repr(row['output'][:60]))} "
+        f"({row['run_s']:.1f} s)"
     )
 
 

@@ -232,7 +232,7 @@ def cmd_probe_retrieval(args) -> int:
         console.print(
             f"context {trial['context']}, depth {trial['depth']:g}, trial {trial['trial']}, {mode}: "
             + ("[green]found[/]" if trial["correct"] else "[red]missed[/]")
-            + f" {trial['passkey']} in {trial['answer']!r}"
+            + f" {trial['passkey']} in {plain(repr(trial['answer']))}"
             + (f"; captured mass {mass:.3f}, needle read {trial['needle_read_mean']:.2f}" if mass is not None else "")
         )
 

@@ -156,7 +156,7 @@ def _sweep_selectors(args) -> tuple[str, ...]:
 def _row_line(row: dict) -> str:
     fate = "[green]survives[/]" if row["survives"] else f"first divergence at step {row['first_divergence']}"
     return (
-        f"context {row['context']}, prompt {row['prompt_index']}, {row['selector']}, S={row['support']}, "
+        f"context {row['context']}, prompt {row['prompt_index']}, {plain(row['selector'])}, S={row['support']}, "
         f"R={row['reuse']}: {fate}; "
         f"TF match {row['teacher_forced_match']:.1f}%, ΔPPL {row['delta_ppl_percent']:+.2f}% ({row['run_s']:.1f} s)"
     )
