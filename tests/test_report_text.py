@@ -244,3 +244,16 @@ def test_row_lines_show_model_output_and_selectors_as_written():
         shown = io.StringIO()
         Console(file=shown, width=300).print(line)
         assert written in shown.getvalue()
+
+
+def test_compare_selectors_table_shows_a_bracketed_selector(tiny_model_dir, tmp_path, capsys):
+    """compare-selectors printed its table through rich markup: a selector parameter holding `[/]` raised
+    MarkupError after every run was done and before anything was written, losing the whole comparison."""
+    from sparsedecode.cli import main
+
+    selector = odd_selector(tmp_path) + ":tag=[/]y"
+    out = tmp_path / "compared"
+    args = ["compare-selectors", "--model", str(tiny_model_dir), "--context", "128", "--support", "97"]
+    args += ["--prompts", "1", "--tokens", "4", "--selectors", f"{selector},quest", "--out", str(out)]
+    assert main(args) == 0, capsys.readouterr().err
+    assert (out / "selectors.json").is_file() and "quest" in capsys.readouterr().out

@@ -112,13 +112,13 @@ def cmd_compare_selectors(args) -> int:
 
     summary = [asdict(r) for r in rows]
     table = Table(
-        title=f"selectors under one budget: {args.model} {args.dtype} cpu, {args.prompts} prompts of "
-        f"{args.corpus}, T = {args.tokens}"
+        title=f"selectors under one budget: {plain(args.model)} {args.dtype} cpu, {args.prompts} prompts of "
+        f"{plain(args.corpus)}, T = {args.tokens}"
     )
     for name in SELECTOR_HEADERS:
         table.add_column(name, justify="right")
     for row, cells in zip(summary, selector_cells(summary)):
-        table.add_row(*cells, style="dim" if row["dense_by_construction"] else None)
+        table.add_row(*map(plain, cells), style="dim" if row["dense_by_construction"] else None)
     console.print(table)
     if any(row["dense_by_construction"] for row in summary):
         console.print("[dim]dim rows: dense by construction (effective S >= context + T - 1), they compare nothing[/]")
