@@ -103,6 +103,9 @@ def test_a_budget_file_carries_dense_layers_and_layer_supports(tmp_path):
             SparseConfig(support=97, **read_budget(path))
     with pytest.raises(SparseDecodeError, match="no such file"):
         read_budget(tmp_path / "missing.json")
+    path.write_bytes(b'\xff\xfe{"dense_layers": [1]}')  # UTF-16's mark: read as UTF-8, a bare UnicodeDecodeError
+    with pytest.raises(SparseDecodeError, match="not UTF-8 text"):
+        read_budget(path)
 
 
 def test_the_command_line_takes_layer_supports_or_a_budget_file(tiny_model_dir, tmp_path, capsys):

@@ -266,11 +266,13 @@ def read_budget_file(path) -> dict:
     from pathlib import Path
 
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise SparseDecodeError(f"budget file {path}: no such file") from None
     except OSError as error:
         raise SparseDecodeError(f"budget file {path}: {error.strerror or error}") from None
+    except UnicodeDecodeError:
+        raise SparseDecodeError(f"budget file {path}: not UTF-8 text (a budget file is JSON)") from None
     try:
         data = json.loads(text)
     except ValueError as error:

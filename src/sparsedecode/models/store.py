@@ -196,13 +196,13 @@ def _write_manifest(directory: Path, source_sha256: str, source: str) -> None:
         if p.is_file() and p.name != MANIFEST
     }
     manifest = {"format": FORMAT, "source": source, "source_sha256": source_sha256, "files": files}
-    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
 
 
 def read_manifest(directory: Path) -> dict[str, Any] | None:
     """The parsed manifest of a converted entry, or None if it is missing or unreadable."""
     try:
-        manifest = json.loads((Path(directory) / MANIFEST).read_text())
+        manifest = json.loads((Path(directory) / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     return manifest if isinstance(manifest, dict) and isinstance(manifest.get("files"), dict) else None
