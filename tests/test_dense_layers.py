@@ -11,6 +11,8 @@ from test_compiled import PROMPT, SMALL_CFG, _prompt, _session_run, _static_run
 
 from sparsedecode import SparseConfig, SparseDecodeError, compare, sparse_decoding
 from sparsedecode.compiled.decoder import CompiledDecoder
+from sparsedecode.decoding.loop import decode_tokens, prefill
+from sparsedecode.session.kv_cache import GrowingCache
 
 
 def _layers_seen(model, ids, cfg, steps=12):
@@ -167,3 +169,18 @@ def test_folders_written_before_the_published_methods_keep_their_variants():
     assert new.selectors == ("quest",) and new.dense_layers == ()
     assert EvalSpec.from_dict({"model": "m", "selectors": ["quest"]}).selectors == ("quest:grouping=mean-query",)
     assert RetrievalSpec.from_dict({"model": "m", "selector": "sparq"}).selector == "sparq:grouping=mean-query"
+
+
+def test_the_compiled_decoders_tally_counts_the_named_layers_steps_dense_as_a_session_does():
+    """Found by probing: ``CompiledDecoder.tally()`` left out the steps of ``dense_layers`` (layers without step
+    state), so its ``dense_steps`` read 0 where the session's counters on the same configuration counted them."""
+    model = tiny_model("llama")
+    ids = _prompt(5)
+    cfg = SparseConfig(**SMALL_CFG, dense_layers=(0,))
+    with sparse_decoding(model, cfg) as session:
+        cache, logits = prefill(model, ids, cache=GrowingCache(config=model.config))
+        decode_tokens(model, cache, logits.argmax(dim=-1).tolist(), 8)
+    decoder = CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + 9, backend="aot_eager")
+    _static_run(decoder, ids, steps=8)
+    tally = decoder.tally()
+    assert (tally["sparse_steps"], tally["dense_steps"]) == (session.sparse_steps, session.dense_steps) == (8, 8)

@@ -141,7 +141,8 @@ class CompiledDecoder:
     ``fullgraph=True``; ``mode="reduce-overhead"`` replays it from a CUDA graph on CUDA).
 
     Use it inside :meth:`installed`: :meth:`prefill` (dense, in chunks, eager) then :meth:`step` per token.
-    ``tally()`` sums the layers' counts: sparse and dense row-steps, positions read by sparse steps. ``form`` says
+    ``tally()`` sums the layers' counts: sparse and dense row-steps (``dense_layers``' steps dense, as a session counts
+    them), positions read by sparse steps. ``form`` says
     how the sparse step runs (:data:`~sparsedecode.compiled.op.FORMS`; by default the host's prepared C call on
     the CPU, the host-free step on CUDA where it serves the selector)."""
 
@@ -165,6 +166,8 @@ class CompiledDecoder:
         self.position = 0
         self.compile_s = 0.0
         self.states, self._held = {}, set()  # the sparse layers' states by layer index; the modules holding them
+        self._dense_layers = 0 if cfg is None else len(cfg.dense_layers)  # no state: their steps counted here
+        self._dense_steps = 0
         if cfg is not None:
             heads, kv_heads, head_dim, _ = attention_shape(model.config)
             form = step_form(cfg, self.device, form)
@@ -310,6 +313,7 @@ class CompiledDecoder:
             except RuntimeError as error:
                 raise_kept(error)  # an error of the sparse step's Python part, kept by its C++ kernel
                 raise
+        self._dense_steps += self.batch * self._dense_layers  # a session counts dense_layers' steps as dense
         if not self._warm:
             self._warm, self.compile_s = True, time.perf_counter() - started
             self._fingerprint = self._fingerprinted()
@@ -348,6 +352,7 @@ class CompiledDecoder:
         """The cache holds a prompt of ``length`` positions prefilled elsewhere (another decoder sharing it): decode
         from there, deriving nothing from earlier steps (the state is reset; the first step reads the prompt's
         blocks afresh; their statistics are computed here, as a prefill's are)."""
+        self._dense_steps = 0
         for state in self.states.values():
             state.reset()
             keys = self.cache.layers[state.layer].keys
@@ -374,6 +379,7 @@ class CompiledDecoder:
         for state in self.states.values():
             totals += state.tally.cpu()
         sparse, dense, read, heads = totals.tolist()
+        dense += self._dense_steps
         return {"sparse_steps": sparse, "dense_steps": dense, "positions_read": read, "kv_head_steps": heads}
 
 
