@@ -384,6 +384,7 @@ def test_bench_e2e_batch_compile_adds_compiled_rows_that_equal_batch_one(monkeyp
     ]  # fmt: skip
     assert all(r.tokens_equal_to_batch1 for r in rows)
     assert all((r.compile_s is not None) == (r.cache == static) for r in rows)
+    assert all(r.compile_backend == ("aot_eager" if r.cache == static else None) for r in rows)  # what compiled it
     best = max(r.aggregate_tokens_per_s for r in rows if r.mode == "dense")
     for r in rows:
         same_batch = max(d.aggregate_tokens_per_s for d in rows if d.mode == "dense" and d.batch == r.batch)

@@ -245,6 +245,9 @@ def test_bench_e2e_native_adds_the_native_steps_rows_beside_the_compiled_ones(mo
         native, static = by_mode[(mode, "static, native", support)], by_mode[(mode, "static, compiled", support)]
         assert native.tokens_equal_to_dense == static.tokens_equal_to_dense and native.compile_s is not None
     assert by_mode[("dense", "static, native", None)].tokens_equal_to_dense == 8
+    # found by probing: nothing in a row said which backend compiled it (aot_eager generates no code: no speed)
+    backends = {r.cache: r.compile_backend for r in rows}
+    assert backends == {"dynamic": None, "growing": None, "static, compiled": "aot_eager", "static, native": "native"}
     half = tiny_model("qwen2", dtype=torch.bfloat16)
     with pytest.raises(SparseDecodeError, match="native decode step.*float32"):
         bench_e2e(half, "tiny", prompt(200), (97,), tokens=4, repeats=1, native=True)

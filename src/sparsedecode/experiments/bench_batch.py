@@ -74,6 +74,8 @@ class BatchRow:
     """The model's dtype in this row."""
     weights: str | None = None
     """The weights this row decodes with (:func:`~sparsedecode.models.weights.weights_label`)."""
+    compile_backend: str | None = None
+    """A compiled row's backend (``inductor``; ``aot_eager`` captures without generating code: no speed to report)."""
 
 
 def over_best_dense(rows: list[BatchRow]) -> list[BatchRow]:
@@ -272,6 +274,7 @@ def _batch_rows(model, name: str, measured: dict, context: int, tokens: int, ker
                 m.get("compile_s"),
                 dtype,
                 weights_label(model),
+                m.get("compile_backend"),
             )
         )
     return rows
@@ -318,5 +321,7 @@ def _compiled_batches(model, caches, firsts, batches, modes, config_of, tokens, 
             equal = _equal_to_alone(outputs[mode], alone[mode], b)
             median = statistics.median(times[mode])
             compile_s = decoders[mode].compile_s
-            measured[(b, *mode, "static, compiled")] = dict(decode_s=median, equal=equal, rss=rss, compile_s=compile_s)
+            measured[(b, *mode, "static, compiled")] = dict(
+                decode_s=median, equal=equal, rss=rss, compile_s=compile_s, compile_backend=decoders[mode].backend
+            )
     return measured

@@ -49,6 +49,7 @@ class E2ERow:
     bytes_per_token_mb: float | None = None  # with a baseline: weights + attention reads per token (MB)
     bound_tokens_per_s: float | None = None  # with a baseline: read bandwidth / bytes per token
     weights: str | None = None  # the weights the row decodes with (models.weights: "float32", "gguf Q4_1+Q8_0", ...)
+    compile_backend: str | None = None  # compiled and native rows: the decoder's backend (inductor, aot_eager, native)
 
 
 def bench_e2e(
@@ -121,7 +122,7 @@ def bench_e2e(
     bandwidth = read_bandwidth_gbs() if baseline else 0.0  # the best of a read before the timed runs and one after:
     runs = _rotate(modes, repeats)  # a shared machine's neighbours lower either (a bound is the quiet machine's)
     rss = peak_rss_mb()
-    rows = _e2e_rows(name, runs, context, tokens, prefill_s, rss, kernel, compile_s, baseline)
+    rows = _e2e_rows(name, runs, context, tokens, prefill_s, rss, kernel, compile_s, baseline, backends)
     for row in rows:
         row.weights = weights_label(model)  # llama.cpp's rows get their GGUF's in annotate
     if baseline:
@@ -199,9 +200,11 @@ def _rotate(modes: dict, repeats: int) -> dict[tuple, list]:
     return runs
 
 
-def _e2e_rows(name, runs, context, tokens, prefill_s, rss, kernel, compile_s, baseline) -> list[E2ERow]:
+def _e2e_rows(name, runs, context, tokens, prefill_s, rss, kernel, compile_s, baseline, backends) -> list[E2ERow]:
     """One row per mode from its runs: median seconds, the speedup over our fastest dense mode, and the tokens
-    equal to dense's (on the dynamic cache) before the first that differs."""
+    equal to dense's (on the dynamic cache) before the first that differs; a compiled row its backend (``backends``:
+    by cache label, ``None`` the compile backend's default)."""
+    from ..compiled import decoder as compiled_decoder
 
     def seconds(result) -> float:
         return result[0] if isinstance(result, tuple) else result.decode_s
@@ -218,6 +221,7 @@ def _e2e_rows(name, runs, context, tokens, prefill_s, rss, kernel, compile_s, ba
         extra = {"kernel": None if kind == "dense" else kernel, "runs": len(results)}
         if (cache, support) in compile_s:
             extra["compile_s"] = compile_s[cache, support]
+            extra["compile_backend"] = backends.get(cache) or compiled_decoder.DEFAULT_BACKEND
         if kind == "lossless":
             g = results[0]  # greedy and deterministic: every run drafts and accepts the same
             out = g.tokens[1:]
