@@ -404,6 +404,9 @@ def test_outputs_that_clash_are_refused_before_the_model_loads(args, made, messa
         (["bench", "e2e", "--adaptive"], "apply to --mode lossless only"),
         (["bench", "e2e", "--draft-tokens", "2"], "apply to --mode lossless only"),
         (["bench", "e2e", "--mode", "lossless", "--draft-tokens", "2,1000", "--tokens", "4"], "between 1 and"),
+        # an adaptive k grows up to 16: generate refused a longer one only after the model and the dense run
+        (["run", "--mode", "lossless", "--adaptive", "--draft-tokens", "20", "--tokens", "40"], "grows k up to 16"),
+        (["bench", "e2e", "--mode", "lossless", "--adaptive", "--draft-tokens", "4,20"], "grows k up to 16"),
         (["run", "--corpus", ""], "corpus name is empty"),
         (["run", "--corpus", "{f}/missing.txt"], "unknown corpus"),
         (["run", "--prompt-index", "-1"], "--prompt-index must be >= 0"),

@@ -16,7 +16,15 @@ from .conditions import plain_layers
 from .display import console, progress_bars
 from .loading import check_prompt_source, check_whole_blocks, load
 from .outputs import check_output_file, inputs_of
-from .parser import DRAFT_TOKENS, DTYPES, add_dense_layers_arg, add_model_args, add_weights_arg, layer_budget
+from .parser import (
+    DRAFT_TOKENS,
+    DTYPES,
+    add_dense_layers_arg,
+    add_model_args,
+    add_weights_arg,
+    check_adaptive_draft,
+    layer_budget,
+)
 
 __all__ = ["add_e2e_parser", "cmd_bench_e2e"]
 
@@ -172,6 +180,7 @@ def _check_e2e_args(args) -> None:
         raise SparseDecodeError(
             f"--draft-tokens values must be between 1 and --tokens - 1 = {args.tokens - 1} (got {args.draft_tokens})"
         )
+    check_adaptive_draft(args.draft_tokens, args.adaptive)
     if args.repeats < 1:
         raise SparseDecodeError(f"--repeats must be >= 1 (got {args.repeats})")
     check_whole_blocks([SparseConfig(support=s, selector=args.selector) for s in args.support])

@@ -23,6 +23,7 @@ from .arguments import (
 __all__ = [
     "DEFAULT_MODEL",
     "DRAFT_TOKENS",
+    "check_adaptive_draft",
     "DTYPES",
     "SHARED_HELP",
     "HelpFormatter",
@@ -87,6 +88,19 @@ class Store(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         setattr(namespace, self.dest, values)
         setattr(namespace, GIVEN, {*getattr(namespace, GIVEN, ()), self.dest})
+
+
+def check_adaptive_draft(draft_tokens: list[int], adaptive: bool) -> None:
+    """With ``--adaptive``, every ``--draft-tokens`` value is at most the longest draft an adaptive ``k`` grows to
+    (:data:`~sparsedecode.decoding.lossless.MAX_DRAFT_TOKENS`): ``generate`` refuses a longer one only after the model
+    loaded and the dense run, and a longer ``k`` would shrink after a fully accepted draft."""
+    from ..decoding.lossless import MAX_DRAFT_TOKENS
+
+    if adaptive and max(draft_tokens) > MAX_DRAFT_TOKENS:
+        raise SparseDecodeError(
+            f"--adaptive grows k up to {MAX_DRAFT_TOKENS}: give --draft-tokens {MAX_DRAFT_TOKENS} or less (got "
+            f"{max(draft_tokens)}), or drop --adaptive"
+        )
 
 
 def given(args, dest: str) -> bool:

@@ -11,7 +11,7 @@ from .conditions import conditions, run_settings
 from .display import console, layer_table, plain, progress_bars
 from .loading import prepare
 from .outputs import check_output_file, inputs_of, write_json
-from .parser import DRAFT_TOKENS, add_model_args, add_prompt_args, add_weights_arg
+from .parser import DRAFT_TOKENS, add_model_args, add_prompt_args, add_weights_arg, check_adaptive_draft
 
 
 def add_parsers(sub) -> None:
@@ -200,6 +200,7 @@ def cmd_run_lossless(args) -> int:
         raise SparseDecodeError(
             f"--draft-tokens must be between 1 and --tokens - 1 = {args.tokens - 1} (got {args.draft_tokens})"
         )
+    check_adaptive_draft([args.draft_tokens], args.adaptive)
     configs, model, tokenizer, prompts = prepare(args)
     from ..decoding.generate import compare_lossless, generate
 
