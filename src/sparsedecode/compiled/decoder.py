@@ -77,7 +77,7 @@ def check_backend(backend: str | None = None) -> str:
 def check_compilable(model: torch.nn.Module, cfg: SparseConfig | None, what: str) -> None:
     """One line saying why ``cfg`` cannot decode compiled on ``model`` (nothing when it can), the compile backend
     included (:func:`check_backend`)."""
-    from ..session.hf import ATTENTION_NAME, held_by_session
+    from ..session.hf import check_switch_held
 
     check_backend()
     if cfg is not None and cfg.selector.uses_history:
@@ -97,13 +97,8 @@ def check_compilable(model: torch.nn.Module, cfg: SparseConfig | None, what: str
             f"{what}: compile serves models whose every layer attends fully ({type(model).__name__} has {other} "
             "layers); decode without compile"
         )
-    attention = getattr(model.config, "_attn_implementation", None)
-    if attention == ATTENTION_NAME and not held_by_session(model):
-        raise SparseDecodeError(
-            f"{what}: {type(model).__name__}'s attention is routed through sparsedecode, yet no session holds it (a "
-            "copy made inside a session keeps that): call model.set_attn_implementation('sdpa') (or 'eager') first"
-        )
-    if attention not in ("sdpa", "eager", STATIC_ATTENTION):
+    check_switch_held(model, what)
+    if getattr(model.config, "_attn_implementation", None) not in ("sdpa", "eager", STATIC_ATTENTION):
         raise SparseDecodeError(
             f"{what}: compile needs the model's own SDPA or eager attention (it has "
             f"{model.config._attn_implementation!r}; inside a sparse_decoding session, decode without compile)"

@@ -88,11 +88,16 @@ def register() -> None:
     register_attention(ATTENTION_NAME, sparse_attention_forward)
 
 
-def held_by_session(model: torch.nn.Module) -> bool:
-    """Whether a session (in any thread) has switched ``model``'s attention to this library's: a model whose attention
-    is this library's while none holds it is a copy made inside a session (``copy.deepcopy`` copies the switch)."""
+def check_switch_held(model: torch.nn.Module, what: str) -> None:
+    """Refuse ``model`` when its attention is this library's while no session (in any thread) holds it: a copy made
+    inside a session (``copy.deepcopy`` copies the switch, and nothing switches the copy back)."""
     with _SWITCH_LOCK:
-        return id(model) in _MODEL_USERS
+        held = id(model) in _MODEL_USERS
+    if getattr(model.config, "_attn_implementation", None) == ATTENTION_NAME and not held:
+        raise SparseDecodeError(
+            f"{what}: {type(model).__name__}'s attention is routed through sparsedecode, yet no session holds it (a "
+            "copy made inside a session keeps that): call model.set_attn_implementation('sdpa') (or 'eager') first"
+        )
 
 
 def _switch_on(model: torch.nn.Module) -> None:
