@@ -158,7 +158,7 @@ def check_config(config: object, where: str) -> None:
     """``config`` is a :class:`SparseConfig` (not a dict of its fields, not ``None``)."""
     if not isinstance(config, SparseConfig):
         hint = (
-            "; build one with SparseConfig(**fields) or SparseConfig.from_dict(settings)"
+            "; build one with SparseConfig(**settings) (or SparseConfig.from_dict, from a result's recorded settings)"
             if isinstance(config, dict)
             else ""
         )
