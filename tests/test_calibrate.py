@@ -62,6 +62,29 @@ def test_a_hopeless_trial_is_one_no_later_unit_can_save():
     assert 1.0 <= low <= 4.0 <= high <= 10.0 and calibrate.bootstrap_interval([7.0]) == (7.0, 7.0)
 
 
+def test_a_target_against_dense_is_judged_at_the_bound_of_the_paired_difference():
+    """Found by probing: with --feasible bound, a target against dense compared the low end of the configuration's
+    own accuracy with dense's mean, so a configuration answering exactly as dense on every sample missed
+    ``task-accuracy>=dense`` (and ``>=dense-5``) at the bound whenever dense's scores varied."""
+    from sparsedecode.experiments.calibration_targets import constraints, interval_row, judged_at_bound, summary
+
+    targets = [calibrate.parse_target("task-accuracy>=dense"), calibrate.parse_target("task-accuracy>=dense-5")]
+    scores = [1.0, 0.0, 1.0, 0.5, 1.0, 0.0, 1.0, 1.0]
+    as_dense = {"tasks": [{"score": s, "dense_score": s, "output_tokens": 3, "dense_tokens": 3} for s in scores]}
+    row = interval_row(targets, as_dense, bound=True)
+    assert row["targets_met_at_bound"] == {"task-accuracy>=dense": True, "task-accuracy>=dense-5": True}
+    assert row["task-accuracy - dense"] == {"mean": 0.0, "low": 0.0, "high": 0.0}
+    values = summary(targets, as_dense)
+    assert all(c <= 0 for c in constraints(targets, judged_at_bound(targets, row, values)))  # what the search judges
+    worse = {"tasks": [dict(r, score=r["score"] * 0.9) for r in as_dense["tasks"]]}  # 10% of each answer lost
+    row = interval_row(targets, worse, bound=True)
+    assert row["task-accuracy - dense"]["low"] < row["task-accuracy - dense"]["mean"] < 0
+    assert row["targets_met"] == {"task-accuracy>=dense": False, "task-accuracy>=dense-5": False}
+    assert not any(row["targets_met_at_bound"].values())
+    lenient = [calibrate.parse_target("task-accuracy>=dense-20")]
+    assert interval_row(lenient, worse, bound=True)["targets_met_at_bound"] == {"task-accuracy>=dense-20": True}
+
+
 def test_calibrate_finds_the_cheapest_feasible_supports_and_resumes(tiny_model_dir, tmp_path, capsys, monkeypatch):
     out = tmp_path / "c"
     args = ["calibrate", "--model", str(tiny_model_dir), "--context", "300", "--choices", "97,1009"]

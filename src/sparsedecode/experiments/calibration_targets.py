@@ -195,13 +195,22 @@ def bootstrap_interval(
 
 def interval_row(targets: list[Target], rows: dict[str, list[dict]], *, bound: bool = False) -> dict:
     """Every measure the rows hold as ``{mean, low, high}`` (the value over all units and its 95% bootstrap
-    interval; for ``length-ratio`` the ratio of sums), the dense values relative targets need, and whether each
-    target holds (``targets_met``; with ``bound``, also at the interval's safe end: ``targets_met_at_bound``)."""
+    interval; for ``length-ratio`` the ratio of sums), the dense values relative targets need, for each of those
+    the interval of the paired difference from dense (``"<measure> - dense"``: resampling units, each with its dense
+    value), and whether each target holds (``targets_met``; with ``bound``, also at the interval's safe end:
+    ``targets_met_at_bound``)."""
     out: dict = {}
     for name, m in MEASURES.items():
         if rows.get(m.kind):
             low, high = bootstrap_interval(rows[m.kind], statistic=m.statistic)
             out[name] = {"mean": m.statistic(rows[m.kind]), "low": low, "high": high}
+    for name in dict.fromkeys(t.measure for t in targets if t.relative and rows.get(t.kind)):
+
+        def difference(units: list[dict], name: str = name) -> float:
+            return MEASURES[name].statistic(units) - dense_value(name, units)
+
+        low, high = bootstrap_interval(rows[MEASURES[name].kind], statistic=difference)
+        out[f"{name} - dense"] = {"mean": difference(rows[MEASURES[name].kind]), "low": low, "high": high}
     values = summary(targets, rows)
     for key, value in values.items():
         if key.startswith("dense "):
@@ -216,5 +225,14 @@ def interval_row(targets: list[Target], rows: dict[str, list[dict]], *, bound: b
 def judged_at_bound(targets: list[Target], interval: dict, values: dict) -> dict:
     """``values`` with each target's measure at the safe end of its 95% bootstrap interval in ``interval`` (an
     :func:`interval_row`; the low end for a ``>=`` target, the high end for ``<=``): what ``feasible="bound"`` judges
-    a trial by, so that a trial whose few units happened to favour it is not chosen for its mean."""
-    return values | {t.measure: interval[t.measure]["low" if t.op == ">=" else "high"] for t in targets}
+    a trial by, so that a trial whose few units happened to favour it is not chosen for its mean. A target against
+    dense is judged at the safe end of the paired difference from dense (dense's value plus that end), as it reads:
+    the units that favour dense favour the configuration as much, so one answering as dense on every unit meets
+    ``>=dense`` at the bound (found by probing: its own low end against dense's mean refused it)."""
+    safe = {t.measure: "low" if t.op == ">=" else "high" for t in targets}
+    return values | {
+        t.measure: values[f"dense {t.measure}"] + interval[f"{t.measure} - dense"][safe[t.measure]]
+        if t.relative
+        else interval[t.measure][safe[t.measure]]
+        for t in targets
+    }
