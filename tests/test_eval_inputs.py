@@ -415,3 +415,22 @@ def test_eval_folders_of_different_grids_merge_into_their_union(finished, tiny_m
     assert main([*eval_args(tiny_model_dir, outside), "--seed", "1"]) == 0
     err = one_line_exit_2(["merge", str(finished), str(outside), "--out", str(tmp_path / "m2")], capsys)
     assert "their settings differ outside the grid (seed: 0 vs 1" in err and not (tmp_path / "m2").exists()
+
+
+@pytest.mark.usefixtures("no_model_load")
+def test_several_supports_beside_a_budget_setting_every_layer_are_refused(tiny_model_dir, tmp_path, capsys):
+    """Found by probing: ``eval`` and ``sweep`` with ``--budget`` naming every layer and ``--support 97,113`` ran the
+    same configuration under two labels (identical answers in two columns), which ``run`` refuses."""
+    from sparsedecode.cli import main
+
+    budget = tmp_path / "budget.json"
+    budget.write_text(json.dumps({"layer_supports": {"0": 97, "1": 113}, "layers": 2}))
+    common = ["--model", str(tiny_model_dir), "--support", "97,113", "--budget", str(budget)]
+    for command in (
+        ["eval", *common, "--tasks", "vt", "--context", "600", "--samples", "1", "--out", str(tmp_path / "e")],
+        ["sweep", *common, "--context", "300", "--tokens", "4", "--prompts", "1", "--out", str(tmp_path / "s")],
+    ):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "would run one configuration under 2 labels" in err, err
+    assert not (tmp_path / "e").exists() and not (tmp_path / "s").exists()

@@ -21,7 +21,7 @@ from ..errors import SparseDecodeError
 from .arguments import comma_list, path_arg, selector_list, shard_arg
 from .backend import add_backend_args, check_backend_args, executor
 from .display import plain, run_hooks
-from .loading import check_whole_blocks, load, quiet_transformers
+from .loading import check_one_support_per_budget, check_whole_blocks, load, quiet_transformers
 from .outputs import check_output_folder, inputs_of
 from .parser import add_dense_layers_arg, layer_budget
 
@@ -157,6 +157,7 @@ def _check_eval_args(args):
 
     spec = eval_spec(args)
     check_whole_blocks(spec.configs())
+    check_one_support_per_budget(args)  # found by probing: several ran one configuration under several labels
     if (args.out is None) == (args.export is None):
         raise SparseDecodeError("give --out DIR to run the evaluation or --export DIR to write lm-eval tasks")
     if args.export is not None:

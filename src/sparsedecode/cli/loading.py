@@ -35,13 +35,13 @@ def _configs(args, audit: bool = False) -> list:
         for s in args.support
     ]
     check_whole_blocks(configs)
-    _check_one_support_per_budget(args)
+    check_one_support_per_budget(args)
     return configs
 
 
-def _check_one_support_per_budget(args) -> None:
+def check_one_support_per_budget(args) -> None:
     """A budget file giving every one of its ``layers`` a support (or dense) leaves ``--support`` nothing to set:
-    several would be the same configuration under several labels."""
+    several would be the same configuration under several labels (``run``, ``probe``, ``sweep`` and ``eval``)."""
     if getattr(args, "budget_file", None) is None or len(args.support) < 2:
         return
     from ..config import read_budget_file

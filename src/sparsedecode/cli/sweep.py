@@ -8,7 +8,7 @@ from ..errors import SparseDecodeError
 from .arguments import int_list, path_arg, selector_arg, selector_list, shard_arg
 from .backend import add_backend_args, check_backend_args, executor
 from .display import console, plain, progress_bars, run_hooks
-from .loading import check_whole_blocks, load
+from .loading import check_one_support_per_budget, check_whole_blocks, load
 from .outputs import check_output_folder, check_writable_folder, inputs_of
 from .parser import add_dense_layers_arg, add_model_args, layer_budget
 
@@ -171,6 +171,7 @@ def _check_sweep_args(args):
         raise SparseDecodeError("--batch applies to --backend local: with ray every (context, prompt) group is a unit")
     spec = _sweep_spec(args)
     check_whole_blocks(spec.configs())
+    check_one_support_per_budget(args)  # found by probing: several ran one configuration under several labels
     return spec
 
 
