@@ -327,6 +327,35 @@ def test_rounds_of_trials_resume_to_the_uninterrupted_search(tmp_path, monkeypat
         calibrate.open_study(tmp_path / "whole.db", single)
 
 
+def test_a_round_stopped_while_its_trials_are_told_resumes_to_the_uninterrupted_search(tmp_path, monkeypatch):
+    """Found by probing: a stop after some of a round's trials were told (the told ones finished, the rest running)
+    proposed the rest again after their round-mates had finished, so the resumed search drew other trials than one
+    never stopped; they are now measured with the parameters they were proposed with."""
+    monkeypatch.setattr(calibrate, "measure", _fake_measure)
+    search = calibrate.Search(
+        model="fake", selector="mean-pooled", context=4096, tokens=8, prompts=2, choices=(97, 193, 385, 769),
+        targets=("tf-match>=90",), layers=6, seed=3, batch=3,
+    )  # fmt: skip
+    base, units = SparseConfig(support=97), calibrate.Units(prompts=[{}, {}], references=[None, None])
+    whole = calibrate.open_study(tmp_path / "whole.db", search)
+    calibrate.run_search(None, None, base, search, whole, 16, execute=_Rounds(3, units))
+    told, stopped = calibrate.conclude, calibrate.open_study(tmp_path / "stopped.db", search)
+
+    def stop_mid_round(study, *args):
+        if len(calibrate.finished(study)) >= 9 and len(calibrate.finished(study)) % 3:
+            raise KeyboardInterrupt  # a round partly told
+        told(study, *args)
+
+    monkeypatch.setattr(calibrate, "conclude", stop_mid_round)
+    with pytest.raises(KeyboardInterrupt):
+        calibrate.run_search(None, None, base, search, stopped, 16, execute=_Rounds(3, units))
+    assert len(calibrate.finished(stopped)) % 3, "the stop should leave a round partly told"
+    monkeypatch.setattr(calibrate, "conclude", told)
+    resumed = calibrate.open_study(tmp_path / "stopped.db", search)
+    calibrate.run_search(None, None, base, search, resumed, 16, execute=_Rounds(3, units))
+    assert _search_trials(resumed) == _search_trials(whole)
+
+
 def _finished_and_running(db: Path) -> tuple[int, int]:
     try:
         with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=0.1) as connection:

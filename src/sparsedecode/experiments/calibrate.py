@@ -29,7 +29,16 @@ from pathlib import Path
 
 from ..config import SparseConfig
 from ..errors import SparseDecodeError, one_line
-from .calibration_study import abandon_unfinished, best_feasible, finished, repeat_of, sampler_seed, tell, tell_repeat
+from .calibration_study import (
+    abandon_unfinished,
+    best_feasible,
+    finished,
+    repeat_of,
+    sampler_seed,
+    tell,
+    tell_repeat,
+    unfinished_round,
+)
 from .calibration_targets import (
     CORPUS,
     Target,
@@ -295,8 +304,25 @@ def propose(study, search: Search, done: int, count: int) -> list:
         if number < len(uniform):  # the uniform supports first: known points the sampler learns from
             fixed = dict.fromkeys(search.names(), uniform[number])
             study.enqueue_trial(fixed | ({"reuse": min(search.reuses)} if search.reuses else {}))
-        trial = study.ask()
-        asked.append((trial, suggest(trial, search)))
+        asked.append(_asked(study, search, done))
+    return asked
+
+
+def _asked(study, search: Search, round_: int) -> tuple:
+    """The next trial asked of the study (an enqueued one first), marked with its round (the finished trials before
+    it), and its parameters."""
+    trial = study.ask()
+    trial.set_user_attr("round", round_)
+    return trial, suggest(trial, search)
+
+
+def finish_round(study, search: Search, round_: int, leftover: list[dict]) -> list:
+    """The trials of a round a stopped search left partly told (:func:`.calibration_study.unfinished_round`), asked
+    again with the parameters they were proposed with, as :func:`propose` returns them."""
+    asked = []
+    for params in leftover:
+        study.enqueue_trial(params)
+        asked.append(_asked(study, search, round_))
     return asked
 
 
@@ -336,9 +362,14 @@ def run_search(model, units: Units, base: SparseConfig, search: Search, study, t
     import optuna
 
     targets = [parse_target(text) for text in search.targets]
+    round_, leftover = unfinished_round(study)  # a round stopped while its trials were told: the rest as proposed
     abandon_unfinished(study)
     while (done := len(finished(study))) < trials:
-        asked = propose(study, search, done, min(search.batch, trials - done))
+        count = min(search.batch, trials - done)
+        asked = (
+            finish_round(study, search, round_, leftover[:count]) if leftover else propose(study, search, done, count)
+        )
+        leftover = []
         repeats = [repeat_of(study, params) for _, params in asked]  # TPE proposes measured configurations again
         configs = [search.config(base, params) for _, params in asked]
         new = [(trial, cfg) for (trial, _), cfg, earlier in zip(asked, configs, repeats) if earlier is None]

@@ -43,6 +43,22 @@ def abandon_unfinished(study) -> list[int]:
     return running + waiting
 
 
+def unfinished_round(study) -> tuple[int | None, list[dict]]:
+    """The round a stopped search left partly told (``round`` attribute, see :func:`.calibrate.propose`): its number
+    and the parameters of its trials left running, in the order asked; ``(None, [])`` when no round was (a round
+    stopped before any of its trials was told is proposed again whole). Read before :func:`abandon_unfinished`: its
+    trials must be measured as proposed, since proposing them again after their round-mates finished would draw
+    others than the uninterrupted search did (found by probing: a stop while a round was being told)."""
+    import optuna
+
+    running = [t for t in study.trials if t.state == optuna.trial.TrialState.RUNNING and "round" in t.user_attrs]
+    told = {t.user_attrs.get("round") for t in finished(study)}
+    rounds = sorted({t.user_attrs["round"] for t in running} & told)
+    if not rounds:
+        return None, []
+    return rounds[0], [t.params for t in running if t.user_attrs["round"] == rounds[0]]
+
+
 def best_feasible(study):
     """The cheapest complete trial whose every target held (the first of equal cost), or ``None``."""
     import optuna
