@@ -419,8 +419,9 @@ def test_eval_folders_of_different_grids_merge_into_their_union(finished, tiny_m
 
 @pytest.mark.usefixtures("no_model_load")
 def test_several_supports_beside_a_budget_setting_every_layer_are_refused(tiny_model_dir, tmp_path, capsys):
-    """Found by probing: ``eval`` and ``sweep`` with ``--budget`` naming every layer and ``--support 97,113`` ran the
-    same configuration under two labels (identical answers in two columns), which ``run`` refuses."""
+    """Found by probing: ``eval``, ``sweep``, ``compare-selectors`` and ``bench e2e`` with ``--budget`` naming every
+    layer and ``--support 97,113`` ran the same configuration under two labels (identical answers in two columns),
+    which ``run`` refuses."""
     from sparsedecode.cli import main
 
     budget = tmp_path / "budget.json"
@@ -429,6 +430,8 @@ def test_several_supports_beside_a_budget_setting_every_layer_are_refused(tiny_m
     for command in (
         ["eval", *common, "--tasks", "vt", "--context", "600", "--samples", "1", "--out", str(tmp_path / "e")],
         ["sweep", *common, "--context", "300", "--tokens", "4", "--prompts", "1", "--out", str(tmp_path / "s")],
+        ["compare-selectors", *common, "--context", "300", "--tokens", "4", "--prompts", "1"],
+        ["bench", "e2e", *common, "--context", "300", "--tokens", "4"],
     ):
         assert main(command) == 2
         err = capsys.readouterr().err

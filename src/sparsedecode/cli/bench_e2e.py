@@ -14,7 +14,7 @@ from .bench_batch import bench_e2e_batch
 from .bench_results import recorded_model, selector_record, start_clock, write_result
 from .conditions import plain_layers
 from .display import console, progress_bars
-from .loading import check_prompt_source, check_whole_blocks, load
+from .loading import check_one_support_per_budget, check_prompt_source, check_whole_blocks, load
 from .outputs import check_output_file, inputs_of
 from .parser import (
     DRAFT_TOKENS,
@@ -184,6 +184,7 @@ def _check_e2e_args(args) -> None:
     if args.repeats < 1:
         raise SparseDecodeError(f"--repeats must be >= 1 (got {args.repeats})")
     check_whole_blocks([SparseConfig(support=s, selector=args.selector) for s in args.support])
+    check_one_support_per_budget(args)
     check_prompt_source(args)
     if args.compile:  # the backend (SPARSEDECODE_COMPILE_BACKEND) and switches, before the model loads
         from ..compiled.decoder import check_backend

@@ -11,7 +11,7 @@ from .arguments import int_list, path_arg, selector_list
 from .backend import add_backend_args, check_backend_args, executor
 from .conditions import environment, plain_layers
 from .display import console, plain, progress_bars
-from .loading import check_whole_blocks, load
+from .loading import check_one_support_per_budget, check_whole_blocks, load
 from .outputs import check_output_folder, check_replaced_alike, inputs_of
 from .parser import add_dense_layers_arg, add_model_args, layer_budget
 
@@ -73,6 +73,7 @@ def cmd_compare_selectors(args) -> int:
 
     chosen = args.selectors
     check_whole_blocks([SparseConfig(support=s, selector=selector) for selector in chosen for s in args.support])
+    check_one_support_per_budget(args)  # found by probing: the default 97,193 ran one configuration twice
     if args.tokens < 2 or args.prompts < 1:
         raise SparseDecodeError("--tokens must be >= 2 and --prompts >= 1")
     if args.batch < 1:

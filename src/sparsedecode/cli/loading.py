@@ -41,7 +41,7 @@ def _configs(args, audit: bool = False) -> list:
 
 def check_one_support_per_budget(args) -> None:
     """A budget file giving every one of its ``layers`` a support (or dense) leaves ``--support`` nothing to set:
-    several would be the same configuration under several labels (``run``, ``probe``, ``sweep`` and ``eval``)."""
+    several would be the same configuration under several labels (in every command taking both)."""
     if getattr(args, "budget_file", None) is None or len(args.support) < 2:
         return
     from ..config import read_budget_file
