@@ -82,3 +82,27 @@ def test_per_layer_supports_on_the_command_line_are_whole_blocks(tiny_model_dir,
     run = ["run", "--model", str(tiny_model_dir), "--context", "200", "--support", "97", "--tokens", "2"]
     assert main([*run, "--layer-supports", "0:100,1:97"]) == 2
     assert "layer 0's support 100 is not 1 + W + b*B" in capsys.readouterr().err
+
+
+def test_supports_decoding_sparse_in_part_of_the_steps_are_refused_where_reads_are_measured(
+    tiny_model_dir, tmp_path, capsys
+):
+    """Found by probing: quest's cost is what its sparse layers read, measured over all of them together; a layer at
+    321 with context 300 and 64 tokens decodes sparse once a step passes 321, and its reads were counted as the other
+    layers' (cost 193.7 for 97,97,97,321 where those 97-layers read 121 each: 165.75)."""
+    base = [
+        "calibrate",
+        "--model",
+        str(tiny_model_dir),
+        "--context",
+        "300",
+        "--tokens",
+        "64",
+        "--target",
+        "tf-match>=50",
+    ]
+    for selector, choices in (("quest", "97,321"), ("block-top-p", "97,305,1009"), ("quest", "97,353")):
+        assert main([*base, "--selector", selector, "--choices", choices, "--out", str(tmp_path / "c")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "decodes sparse in part of the steps only" in err, err
+    assert not (tmp_path / "c").exists()

@@ -153,12 +153,30 @@ def _check(args) -> None:
 
     args.search_param = check_param_search(_base(args), dict(args.search_param),
                                            [parse_target(t) for t in args.target])  # fmt: skip
+    _check_measured_choices(args)
     check_backend_args(args)
     check_output_folder(args.out, inputs=inputs_of(args), files=WRITTEN, results="calibration.json")
     try:
         import optuna  # noqa: F401
     except ImportError:
         raise SparseDecodeError("calibrate searches with Optuna, which is not installed: pip install optuna") from None
+
+
+def _check_measured_choices(args) -> None:
+    """A selector whose reads vary is costed by what its sparse layers read, measured over all of them together
+    (:func:`~sparsedecode.experiments.calibrate.measured_cost`): a support from ``--context`` to ``--context +
+    --tokens`` decodes sparse in part of the steps only, and its reads there would be counted as the other layers'
+    (found by probing: quest's 97-layers cost 158 positions beside a layer at 321, at context 300 and 64 tokens)."""
+    from ..experiments.calibrate import reads_vary
+
+    partial = [s for s in args.choices if args.context <= s < args.context + args.tokens]
+    if partial and reads_vary(_base(args)):
+        raise SparseDecodeError(
+            f"--choices {','.join(map(str, partial))}: a support from --context {args.context} to --context + "
+            f"--tokens ({args.context + args.tokens}) decodes sparse in part of the steps only, and "
+            f"{args.selector}'s cost is measured over its sparse layers together; use supports below the context or "
+            "past the last step"
+        )
 
 
 def _tasks(text: str) -> tuple[str, ...]:
