@@ -209,6 +209,10 @@ def test_cli_spells_library_defaults_the_same():
     assert bench.SHAPES == tuple(sorted(experiments_bench.SHAPES))
     assert bench.DEFAULT_CONTEXTS == experiments_bench.DEFAULT_CONTEXTS
     assert bench.DEFAULT_SUPPORTS == experiments_bench.DEFAULT_SUPPORTS
+    from sparsedecode.cli import parser
+    from sparsedecode.decoding import lossless
+
+    assert parser.MAX_DRAFT_TOKENS == lossless.MAX_DRAFT_TOKENS
 
 
 HELP_AND_ERRORS = """

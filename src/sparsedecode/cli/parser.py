@@ -40,6 +40,9 @@ __all__ = [
 DTYPES = ("float32", "bfloat16", "float16")
 DRAFT_TOKENS = 4
 """``--draft-tokens`` of run and bench e2e under ``--mode lossless`` when not given (``generate``'s default)."""
+MAX_DRAFT_TOKENS = 16
+"""The library's :data:`~sparsedecode.decoding.lossless.MAX_DRAFT_TOKENS`, spelled here so that checking the command
+line imports no torch (a test keeps the two equal)."""
 DEFAULT_MODEL = "smollm2-135m"
 """:data:`sparsedecode.models.catalog.DEFAULT_MODEL`, spelled out so that building the parser imports no torch (a test
 keeps the two equal)."""
@@ -94,8 +97,6 @@ def check_adaptive_draft(draft_tokens: list[int], adaptive: bool) -> None:
     """With ``--adaptive``, every ``--draft-tokens`` value is at most the longest draft an adaptive ``k`` grows to
     (:data:`~sparsedecode.decoding.lossless.MAX_DRAFT_TOKENS`): ``generate`` refuses a longer one only after the model
     loaded and the dense run, and a longer ``k`` would shrink after a fully accepted draft."""
-    from ..decoding.lossless import MAX_DRAFT_TOKENS
-
     if adaptive and max(draft_tokens) > MAX_DRAFT_TOKENS:
         raise SparseDecodeError(
             f"--adaptive grows k up to {MAX_DRAFT_TOKENS}: give --draft-tokens {MAX_DRAFT_TOKENS} or less (got "
