@@ -35,6 +35,18 @@ FAMILIES = {
     "bamba": {"attn_layer_indices": [1], "mamba_d_state": 16, "mamba_n_heads": 4, "mamba_d_head": 32},
     "gpt2": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 1024},
     "gptj": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 1024, "rotary_dim": 16},
+    "gemma3n_text": {  # its last 2 layers read the cache of earlier ones: DummyLayer cache entries, with no length
+        "num_hidden_layers": 4,
+        "num_kv_shared_layers": 2,
+        "sliding_window": 512,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "laurel_rank": 8,
+        "altup_num_inputs": 2,
+        "hidden_size_per_layer_input": 8,
+        "vocab_size_per_layer_input": 96,
+        "activation_sparsity_pattern": [0.0] * 4,
+        "intermediate_size": [128] * 4,
+    },
     "deepseek_v3": {  # multi-head latent attention: keys of 24 dims, values of 16
         "num_key_value_heads": 4,
         "q_lora_rank": None,

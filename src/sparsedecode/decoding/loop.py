@@ -139,10 +139,11 @@ def decode_one_token(model: torch.nn.Module, cache, tokens: torch.Tensor, *, mas
 
 
 def cache_length(cache) -> int:
-    """The positions ``cache`` holds: its longest layer's (a hybrid model's recurrent layers hold none)."""
+    """The positions ``cache`` holds: its longest layer's (a hybrid model's recurrent layers hold none, and a layer
+    that reads another's cache, as Gemma 3n's KV-shared layers do, is a ``DummyLayer`` with no length at all)."""
     layers = getattr(cache, "layers", None)
     if layers:
-        return max(int(cache.get_seq_length(index)) for index in range(len(layers)))
+        return max((int(layer.get_seq_length()) for layer in layers if hasattr(layer, "get_seq_length")), default=0)
     return int(cache.get_seq_length())
 
 
