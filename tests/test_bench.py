@@ -287,6 +287,37 @@ def _gguf_file(path: Path) -> Path:
     return path
 
 
+@pytest.mark.parametrize("budget", [{"dense_layers": (0,)}, {"layer_supports": ((1, 81),)}])
+def test_bench_e2e_bytes_per_token_follow_the_dense_layers_and_per_layer_supports(monkeypatch, tmp_path, budget):
+    """A sparse row's MB/token counts what each layer reads: a dense layer every key and value, a layer with a support
+    of its own that support (found recomputing MB/token by hand: every layer was counted at the row's support)."""
+    from sparsedecode.experiments.baseline import LLAMA_CPP
+    from sparsedecode.experiments.llama_engine import LlamaCpp
+    from sparsedecode.models.quantized import weight_bytes
+
+    fake_llama_cpp(monkeypatch, tmp_path)
+    monkeypatch.setattr(bench_end_to_end, "read_bandwidth_gbs", lambda *a, **k: 10.0)
+    model = tiny_model("qwen2", layers=3)
+    engines = {LLAMA_CPP: LlamaCpp(_gguf_file(tmp_path / "model.gguf"), 220, 1)}
+    rows = bench_e2e(model, "tiny", prompt(200), (97,), tokens=4, repeats=1, baseline=engines, **budget)
+    for engine in engines.values():
+        engine.close()
+    sparse = next(r for r in rows if r.mode == "sparse")
+    n, kv_heads, d = 200 + 4 // 2, 2, 16  # the run's mean context; tiny_model's KV heads and head dim
+    dense_layer = 2 * kv_heads * n * d * 4  # every key and value, float32
+
+    def sparse_layer(support):  # the support's keys and values, and a float32 mean of the keys per block of 16
+        return 2 * kv_heads * support * d * 4 + kv_heads * (n // 16) * d * 4
+
+    layers = (
+        [dense_layer, sparse_layer(97), sparse_layer(97)]
+        if "dense_layers" in budget
+        else [sparse_layer(97), sparse_layer(81), sparse_layer(97)]
+    )
+    assert sparse.bytes_per_token_mb * 1e6 == pytest.approx(weight_bytes(model) + sum(layers), abs=1)
+    assert sparse.bound_tokens_per_s == pytest.approx(10e9 / (weight_bytes(model) + sum(layers)))
+
+
 def test_bench_e2e_baseline_runs_llama_cpp_in_the_rotation(monkeypatch, tmp_path):
     from sparsedecode.experiments.baseline import LLAMA_CPP, LLAMA_CPP_FLASH
     from sparsedecode.experiments.llama_engine import LlamaCpp

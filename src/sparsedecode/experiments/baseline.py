@@ -73,12 +73,29 @@ def baseline_modes(
     return {("dense", label, None, None): (lambda stage, label=label: run(label, stage)) for label in engines}
 
 
-def annotate(rows: list, model: torch.nn.Module, engines: dict[str, LlamaCpp], prefills: dict, bandwidth_gbs: float):
+def step_attention_bytes(config, n: int, supports: list[int | None], element: int, block_size: int = 16) -> int:
+    """:func:`attention_bytes` of a step whose layers attend as ``supports`` says, one entry per layer (``None``: the
+    layer attends densely), as :meth:`~sparsedecode.config.SparseConfig.supports_by_layer` gives them."""
+    layers = len(supports)
+    return sum(attention_bytes(config, n, s, element, block_size) // layers for s in supports)
+
+
+def annotate(
+    rows: list,
+    model: torch.nn.Module,
+    engines: dict[str, LlamaCpp],
+    prefills: dict,
+    bandwidth_gbs: float,
+    configs: dict | None = None,
+):
     """Each row's ratio to llama.cpp's faster dense mode (``vs_llama_cpp``: its decode seconds over the row's), the
     bytes a token reads (weights + attention at the run's mean context) and the bound that puts on tokens/s;
-    llama.cpp's rows get their own prefill time and their GGUF's weight types (``weights``)."""
+    llama.cpp's rows get their own prefill time and their GGUF's weight types (``weights``). ``configs``: each
+    support's :class:`~sparsedecode.config.SparseConfig`, whose dense layers and per-layer supports a sparse row's
+    attention reads follow (without it, every layer reads the row's support)."""
     import statistics
 
+    from ..models.catalog import attention_shape
     from ..models.quantized import weight_bytes
     from ..models.weights import gguf_decode_bytes, gguf_types
 
@@ -91,6 +108,10 @@ def annotate(rows: list, model: torch.nn.Module, engines: dict[str, LlamaCpp], p
             row.prefill_s = statistics.median(prefills[row.cache])
             row.weights = gguf_types(engines[row.cache].path)
             read = gguf_decode_bytes(engines[row.cache].path) + attention_bytes(model.config, n, None, 2)
+        elif row.mode == "sparse" and (configs or {}).get(row.support) is not None:
+            cfg = configs[row.support]
+            layers = cfg.supports_by_layer(attention_shape(model.config)[3])
+            read = weights + step_attention_bytes(model.config, n, layers, element, cfg.block_size)
         else:
             read = weights + attention_bytes(model.config, n, row.support if row.mode == "sparse" else None, element)
         row.bytes_per_token_mb = read / 1e6

@@ -128,7 +128,8 @@ def bench_e2e(
     if baseline:
         from .baseline import annotate
 
-        annotate(rows, model, baseline, prefills, max(bandwidth, read_bandwidth_gbs()))
+        configs = {s: config(support=s) for s in supports}  # dense layers and per-layer supports: their own reads
+        annotate(rows, model, baseline, prefills, max(bandwidth, read_bandwidth_gbs()), configs)
     return rows
 
 
