@@ -95,3 +95,14 @@ def test_h2o_says_why_latent_attention_keeps_no_history():
     with pytest.raises(SparseDecodeError, match="rebuilt from its cache at every step"):
         compare(model, None, prompt(260), SparseConfig(support=97, selector="h2o"), 6)
     assert compare(model, None, prompt(260), SparseConfig(support=97, selector="quest"), 6).sparse_steps > 0
+
+
+def test_h2o_says_why_a_kv_shared_layer_keeps_no_history():
+    """Gemma 3n's last layers read earlier layers' caches (a placeholder with no length in their own place): H2O's
+    history of their own cached positions cannot be adopted, refused in one line (it was an AttributeError from
+    inside transformers); a block selector decodes them."""
+    model = family_model("gemma3n_text")
+    with pytest.raises(SparseDecodeError, match="reads another layer's cache") as caught:
+        compare(model, None, prompt(260), SparseConfig(support=97, selector="h2o"), 6)
+    assert "\n" not in str(caught.value)
+    assert compare(model, None, prompt(260), SparseConfig(support=97, selector="quest"), 6).sparse_steps > 0

@@ -147,9 +147,9 @@ class SparseSession:
         """
         for layer, received in history.items():
             state = self.layers.get(layer)
-            length = seq_length(cache, layer)
             if state is None:
                 continue
+            length = self._history_length(cache, layer)
             if received.shape[1] != length:
                 raise SparseDecodeError(
                     f"layer {layer}: the history covers {received.shape[1]} positions, the cache holds {length}"
@@ -158,6 +158,16 @@ class SparseSession:
             state.forget()
             state.history = received.to(device=keys.device, dtype=torch.float32).clone()
             state.end(keys, length)
+
+    def _history_length(self, cache: Cache, layer: int) -> int:
+        """The positions layer ``layer``'s own cache holds, which a history adopted for it must cover; a layer that
+        reads another layer's cache (Gemma 3n's KV-shared layers hold a placeholder with no length) is refused."""
+        if not hasattr(cache.layers[layer], "get_seq_length"):
+            raise SparseDecodeError(
+                f"{self.config.selector.spec()} keeps the attention each layer's cached positions received, and layer "
+                f"{layer} reads another layer's cache (a KV-shared layer), which it cannot follow; use a block selector"
+            )
+        return seq_length(cache, layer)
 
     def adopt_batch_history(self, cache: Cache, histories: list[dict[int, torch.Tensor]], pads: list[int]) -> None:
         """:meth:`adopt_history` for a left-padded batch: ``histories[i]`` is sequence ``i``'s (its own positions,
@@ -169,8 +179,8 @@ class SparseSession:
         for layer, state in self.layers.items():
             if not all(layer in h for h in histories):
                 continue
+            length = self._history_length(cache, layer)
             keys = cache.layers[layer].keys
-            length = seq_length(cache, layer)
             state.forget()
             rows = state.batch_rows(pads)
             for i, (row, pad) in enumerate(zip(rows, pads)):
