@@ -630,3 +630,25 @@ def test_the_machine_record_counts_cores_not_threads(tmp_path):
     assert cpu_cores([0, 2], tmp_path) == 2 and cpu_cores([0, 1, 2, 3], tmp_path) == 3
     assert cpu_cores([0, 4], tmp_path) is None
     assert cpu_cores() is None or 1 <= cpu_cores() <= (os.cpu_count() or 1)
+
+
+def test_llama_cpp_whose_prefill_chose_another_token_has_no_token_the_same(monkeypatch, tmp_path):
+    """llama.cpp's "same tokens" counts from its prefill's token: one that differs from ours leaves none the same,
+    even where its later tokens happen to be ours (they compared its tokens after its own first token with ours after
+    ours, and counted them all)."""
+    from sparsedecode.decoding.loop import decode_tokens, prefill
+    from sparsedecode.experiments.baseline import LLAMA_CPP
+    from sparsedecode.experiments.llama_engine import LlamaCpp
+
+    fake_llama_cpp(monkeypatch, tmp_path)
+    monkeypatch.setattr(bench_end_to_end, "read_bandwidth_gbs", lambda *a, **k: 10.0)
+    model, ids = tiny_model("qwen2"), prompt(200)
+    cache, logits = prefill(model, ids)
+    first = int(logits.argmax())
+    (ours,), _ = decode_tokens(model, cache, [first], 4, nll=False)
+    for head, same in ((first, 4), ((first + 1) % 96, 0)):
+        monkeypatch.setenv("FAKE_LLAMA_CPP_TOKENS", ",".join(map(str, [head, *ours])))
+        engines = {LLAMA_CPP: LlamaCpp(_gguf_file(tmp_path / "model.gguf"), 220, 1)}
+        rows = bench_e2e(model, "tiny", ids, (97,), tokens=4, repeats=1, baseline=engines)
+        engines[LLAMA_CPP].close()
+        assert next(r for r in rows if r.cache == LLAMA_CPP).tokens_equal_to_dense == same

@@ -53,11 +53,13 @@ LLAMA_CPP_FLASH = "llama.cpp, flash attention"
 
 
 def baseline_modes(
-    engines: dict[str, LlamaCpp], prompt_ids: torch.Tensor, tokens: int, prefills: dict, progress=None
+    engines: dict[str, LlamaCpp], prompt_ids: torch.Tensor, tokens: int, prefills: dict, progress=None, first=None
 ) -> dict:
     """``bench_e2e`` modes for llama.cpp engines (``{cache label: engine}``): each a function ``(stage) ->
     (decode seconds, tokens)``; every run's prefill seconds go to ``prefills[label]``; ``progress(stage, done,
-    total)`` hears when each run (llama.cpp's prefill and tokens) begins and ends."""
+    total)`` hears when each run (llama.cpp's prefill and tokens) begins and ends. The tokens are those after the
+    prefill's, as our modes give them; where llama.cpp's prefill chose another token than ours (``first``), none
+    (no token of its run is then the same as ours)."""
     prompt = [int(t) for t in prompt_ids.reshape(-1).tolist()]
 
     def run(label: str, stage: str):
@@ -68,7 +70,7 @@ def baseline_modes(
         if progress:
             progress(stage, tokens, tokens)
         prefills.setdefault(label, []).append(prefill_s)
-        return decode_s, out
+        return decode_s, out[1:] if first is None or out[0] == first else []
 
     return {("dense", label, None, None): (lambda stage, label=label: run(label, stage)) for label in engines}
 

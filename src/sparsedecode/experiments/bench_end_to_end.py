@@ -118,7 +118,7 @@ def bench_e2e(
     if baseline:
         from .baseline import baseline_modes
 
-        modes.update(baseline_modes(baseline, prompt_ids, tokens, prefills, progress))
+        modes.update(baseline_modes(baseline, prompt_ids, tokens, prefills, progress, first))
     bandwidth = read_bandwidth_gbs() if baseline else 0.0  # the best of a read before the timed runs and one after:
     runs = _rotate(modes, repeats)  # a shared machine's neighbours lower either (a bound is the quiet machine's)
     rss = peak_rss_mb()

@@ -86,8 +86,8 @@ class LlamaCpp:
 
     def decode(self, prompt: list[int], tokens: int) -> tuple[float, float, list[int]]:
         """``(prefill_s, decode_s, tokens)``: the prompt evaluated from an empty cache, then ``tokens`` greedy
-        steps; token 0 comes from the prefill, as in our modes, and ``decode_s`` times the ``tokens`` steps after
-        it (the last one's logits included)."""
+        steps; token 0 (in ``tokens``, then the ``tokens`` steps' own) comes from the prefill, as in our modes, and
+        ``decode_s`` times the ``tokens`` steps after it (the last one's logits included)."""
         self._pipe.send((list(prompt), tokens))
         return self._answer()
 
@@ -133,5 +133,5 @@ def _serve(pipe, settings) -> None:
         for _ in range(tokens):
             model.eval([out[-1]])
             out.append(int(model.sample(temp=0.0)))
-        pipe.send((prefill_s, time.perf_counter() - started, out[1:]))
+        pipe.send((prefill_s, time.perf_counter() - started, out))
     pipe.close()

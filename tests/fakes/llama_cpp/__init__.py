@@ -4,6 +4,7 @@ real package. ``FAKE_LLAMA_CPP`` says how it behaves (the environment reaches th
 
 - ``greedy`` (the default): a model whose greedy next token is the last token + 1, with the methods the baseline
   calls (reset, eval, sample); what it is made with and handed goes, as JSON lines, to ``FAKE_LLAMA_CPP_LOG``;
+  ``FAKE_LLAMA_CPP_TOKENS`` (``a,b,c``) makes it sample those tokens in turn instead, the first from the prefill;
 - ``illegal``: loading dies of an illegal instruction, as a build for another CPU does;
 - ``broken``: loading raises, as it does on a file that is not a GGUF.
 """
@@ -38,8 +39,13 @@ class Llama:
     def eval(self, tokens):
         if len(tokens) > 1:
             self._note(prompt=list(tokens))
+            self.prompt_length = len(tokens)
         self.tokens += list(tokens)
 
     def sample(self, temp):
         assert temp == 0.0  # greedy
+        scripted = os.environ.get("FAKE_LLAMA_CPP_TOKENS")  # "a,b,c": the tokens it samples in turn, from the prefill
+        if scripted:
+            told = [int(t) for t in scripted.split(",")]
+            return told[min(len(self.tokens) - self.prompt_length, len(told) - 1)]
         return (self.tokens[-1] + 1) % 96
