@@ -297,13 +297,18 @@ class _Rounds:
         yield from reversed(results)
 
 
-def test_rounds_of_trials_resume_to_the_uninterrupted_search(tmp_path, monkeypatch):
-    monkeypatch.setattr(calibrate, "measure", _fake_measure)  # the local search's, for the batch of one below
+def _round_search():
+    """A fake search in rounds of three trials: ``(search, base config, units)``."""
     search = calibrate.Search(
         model="fake", selector="mean-pooled", context=4096, tokens=8, prompts=2, choices=(97, 193, 385, 769),
         targets=("tf-match>=90",), layers=6, seed=3, batch=3,
     )  # fmt: skip
-    base, units = SparseConfig(support=97), calibrate.Units(prompts=[{}, {}], references=[None, None])
+    return search, SparseConfig(support=97), calibrate.Units(prompts=[{}, {}], references=[None, None])
+
+
+def test_rounds_of_trials_resume_to_the_uninterrupted_search(tmp_path, monkeypatch):
+    monkeypatch.setattr(calibrate, "measure", _fake_measure)  # the local search's, for the batch of one below
+    search, base, units = _round_search()
     whole = calibrate.open_study(tmp_path / "whole.db", search)
     best = calibrate.run_search(None, None, base, search, whole, 16, execute=_Rounds(3, units))
     trials = _search_trials(whole)
@@ -332,11 +337,7 @@ def test_a_round_stopped_while_its_trials_are_told_resumes_to_the_uninterrupted_
     proposed the rest again after their round-mates had finished, so the resumed search drew other trials than one
     never stopped; they are now measured with the parameters they were proposed with."""
     monkeypatch.setattr(calibrate, "measure", _fake_measure)
-    search = calibrate.Search(
-        model="fake", selector="mean-pooled", context=4096, tokens=8, prompts=2, choices=(97, 193, 385, 769),
-        targets=("tf-match>=90",), layers=6, seed=3, batch=3,
-    )  # fmt: skip
-    base, units = SparseConfig(support=97), calibrate.Units(prompts=[{}, {}], references=[None, None])
+    search, base, units = _round_search()
     whole = calibrate.open_study(tmp_path / "whole.db", search)
     calibrate.run_search(None, None, base, search, whole, 16, execute=_Rounds(3, units))
     told, stopped = calibrate.conclude, calibrate.open_study(tmp_path / "stopped.db", search)
