@@ -86,6 +86,33 @@ def test_full_support_answers_like_dense_and_small_support_is_audited(loaded):
     assert again["answer_ids"] == dense["answer_ids"], "deterministic"
 
 
+class _Answers:
+    """The char tokenizer, except that every decoded answer reads ``text``."""
+
+    def __init__(self, tokenizer, text: str):
+        self.tokenizer, self.text = tokenizer, text
+
+    def decode(self, ids, **kwargs) -> str:
+        return self.text
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+@pytest.mark.parametrize(
+    ("text", "correct"),
+    [(" 40213. Remember", True), ("key:40213", True), (" 402135.", False), (" 140213", False), (" 040213", False)],
+)
+def test_a_passkey_inside_a_longer_number_is_no_success(loaded, text, correct):
+    """An answer of another, longer number that holds the passkey's digits (``402135`` for ``40213``) was counted a
+    success (a bare substring test); the passkey must stand as a whole number."""
+    model, tokenizer = loaded
+    prompt = build_prompt(tokenizer, 300, 0.5, "40213")
+    cache, _ = prefill(model, prompt.ids[:, : prompt.question_start])
+    result = answer(model, _Answers(tokenizer, text), prompt, cache, None, answer_tokens=2)
+    assert result["answer"] == text and result["correct"] is correct
+
+
 def test_run_retrieval_grid_and_summaries(loaded):
     spec = RetrievalSpec(model="tiny", contexts=(300,), depths=(0.0, 1.0), trials=2, supports=(97,), answer_tokens=4)
     trials = run_retrieval(spec, loaded=loaded)

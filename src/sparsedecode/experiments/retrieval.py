@@ -8,8 +8,8 @@ The haystack is repeated filler sentences (the classic passkey task) or corpus t
 prompt token, question included. Everything before the question is prefilled densely; the question is then fed
 one token at a time, each a decode step under the attention mode being tested (dense, or sparse inside
 :func:`~sparsedecode.session.sparse_decoding`), as in Quest's passkey protocol, so the selector decides what
-the question reads; then a few answer tokens are decoded greedily. A trial succeeds when the passkey digits
-appear in the decoded answer (exact substring match).
+the question reads; then a few answer tokens are decoded greedily. A trial succeeds when the passkey appears in the
+decoded answer as a whole number (:func:`found`: an exact substring not inside a longer run of digits).
 
 Each sparse trial also records what the selector did while answering: the omitted-mass audit of
 :class:`~sparsedecode.protocol.diagnostics.MassAudit` (captured-mass ratio and selector recall against the best set
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,6 +53,12 @@ def passkey(seed: int, trial: int, digits: int = 5) -> str:
     """The passkey of one trial: ``digits`` random digits (no leading zero), fixed by ``(seed, trial)``."""
     rng = random.Random(f"passkey-{seed}-{trial}")
     return _decimal(rng.randint(10 ** (digits - 1), 10**digits - 1))
+
+
+def found(key: str, text: str) -> bool:
+    """Whether ``text`` holds the passkey ``key`` as a whole number: ``key`` with no digit right before or after it
+    (``402135`` or ``140213`` is another number, not the passkey ``40213``)."""
+    return re.search(rf"(?<!\d){re.escape(key)}(?!\d)", text) is not None
 
 
 def _decimal(value: int, chunk: int = 1000) -> str:
@@ -198,7 +205,7 @@ def answer(
         "effective_support": None if cfg is None else cfg.effective_support,
         "answer_ids": generated,
         "answer": text,
-        "correct": prompt.passkey in text,
+        "correct": found(prompt.passkey, text),
         "sparse_steps": 0 if session is None else session.sparse_steps,
         "captured_mass_ratio_mean": audit_summary.get("captured_mass_ratio_mean"),
         "omitted_mass_mean": audit_summary.get("omitted_mass_mean"),
