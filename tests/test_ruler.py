@@ -175,3 +175,15 @@ def test_fit_and_answers_with_the_real_tokenizer(smollm2):
             if task.startswith("niah") or task == "vt":
                 assert all(answer in before for answer in sample.answers)
             assert "<|im_start|>assistant" in _split(sample, tokenizer)[1]
+
+
+def test_no_common_word_lies_inside_another_word_of_the_prompt(tokenizer):
+    """Scoring finds an answer as a substring of the output, so a common word inside a rare word of the list (the
+    common ``select``, the rare ``selects``) or inside the prompt's own words (``list``) was found in a wrong answer
+    or an echo of the question; such words are never drawn as common words."""
+    for index in range(12):
+        sample = build_sample(tokenizer, "cwe", CONTEXT, index, seed=1)
+        items = set(re.findall(r"\d+\. ([a-z]+)", _before_question(sample, tokenizer)))
+        prose = re.sub(r"\d+\. [a-z]+", " ", sample.text.lower())  # the prompt without its list
+        for common in sample.answers:
+            assert not [w for w in items if common in w and w != common] and common not in prose, (index, common)

@@ -57,7 +57,7 @@ __all__ = [  # this module's names, and the tasks' names its callers import from
     "score",
 ]
 
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 """Bumped whenever the same arguments would give other samples; stored with every evaluation."""
 TOLERANCE = 0.01
 """A sample's token count lies in ``[(1 - TOLERANCE) * context, context]``."""

@@ -236,12 +236,23 @@ def vocabulary(corpus: str) -> tuple[str, ...]:
     return tuple(sorted(words - STOPWORDS))
 
 
+@lru_cache(maxsize=4)
+def _answerable(corpus: str, text: str) -> frozenset[str]:
+    """The words of :func:`vocabulary` that can be common words: scoring finds an answer as a substring of the output,
+    so none may lie inside another vocabulary word (an output listing the rare ``selects`` would find the common
+    ``select``) or inside the task's own ``text`` (an answer echoing "in the list" would find ``list``)."""
+    words = vocabulary(corpus)
+    inside = {w[i:j] for w in words for i in range(len(w)) for j in range(i + 4, len(w) + 1) if j - i < len(w)}
+    return frozenset(w for w in words if w not in inside and w not in text)
+
+
 def _numbered(words: list[str]) -> str:
     return " ".join(f"{i + 1}. {w}" for i, w in enumerate(words))
 
 
 def _cwe() -> Callable[[random.Random, str], Render]:
     """RULER's cwe: 10 common words (up to 30 times each) among rarer words (3 times each, the last possibly fewer).
+    No common word lies inside another word of the vocabulary or of the task's text (:func:`_answerable`).
 
     The common words' frequency is fixed per sample from the context's capacity (at most two thirds of the list, at
     most 30, at least 5),
@@ -251,10 +262,14 @@ def _cwe() -> Callable[[random.Random, str], Render]:
     def prepare(rng: random.Random, corpus: str) -> Render:
         words = list(vocabulary(corpus))
         rng.shuffle(words)
-        common, rare = words[:CWE_COMMON], words[CWE_COMMON:]
-        seed = rng.random()
         question = f"Question: What are the {CWE_COMMON} most common words in the above list?"
         prefix = f"Answer: The top {CWE_COMMON} words that appear most often in the list are:"
+        answerable = _answerable(corpus, " ".join((CWE_INTRO, question, prefix)).lower())
+        common = [w for w in words if w in answerable][:CWE_COMMON]
+        if len(common) < CWE_COMMON:
+            raise SparseDecodeError(f"corpus {corpus} has too few distinct words for cwe; use a bigger corpus")
+        rare = [w for w in words if w not in common]
+        seed = rng.random()
 
         def render(units: int) -> Parts:
             needed = -(-units // CWE_RARE_FREQ)
