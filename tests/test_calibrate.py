@@ -694,3 +694,24 @@ def test_a_study_made_before_a_setting_existed_resumes_with_its_default(tmp_path
     calibrate.open_study(tmp_path / "old.db", search)  # resumed
     with pytest.raises(SparseDecodeError, match="feasible differ"):
         calibrate.open_study(tmp_path / "old.db", dataclasses.replace(search, feasible="bound"))
+
+
+def test_a_task_study_of_an_older_task_generator_is_not_resumed(tmp_path):
+    """A search over task samples records the generators' version: a study made before it was recorded (version 1,
+    whose cwe samples differ) is refused rather than resumed with other samples; one without task targets resumes."""
+    from sparsedecode.experiments.ruler import GENERATOR_VERSION
+
+    common = dict(model="fake", selector="mean-pooled", context=4096, tokens=8, prompts=2, choices=(97, 193),
+                  layers=2)  # fmt: skip
+    tasks = calibrate.Search(**common, targets=("task-accuracy>=90",), tasks=("cwe",), generator=GENERATOR_VERSION)
+    corpus = calibrate.Search(**common, targets=("tf-match>=90",))
+    for search, resumes in ((tasks, False), (corpus, True)):
+        path = tmp_path / f"{search.targets[0][:4]}.db"
+        study = calibrate.open_study(path, search)
+        older = {k: v for k, v in search.record().items() if k != "generator"}  # as a study made before it recorded
+        study.set_user_attr("search", older)
+        if resumes:
+            calibrate.open_study(path, search)
+        else:
+            with pytest.raises(SparseDecodeError, match=r"other settings \(generator differ\)"):
+                calibrate.open_study(path, search)

@@ -207,6 +207,7 @@ def cmd_calibrate(args) -> int:
 
         check_end(model, tokenizer)
     base = _base(args)
+    from ..experiments.ruler import GENERATOR_VERSION
     from ..experiments.sweep_folder import locked
 
     with locked(args.out):  # one search per study: a trial left running is one a killed search left
@@ -218,7 +219,7 @@ def cmd_calibrate(args) -> int:
                 reuses=tuple(args.search_reuse or ()), params=args.search_param,
                 batch=1 if execute is None else execute.description["workers"],
                 feasible=args.feasible, groups=args.groups, split=args.split, corpus=str(args.corpus),
-                dtype=args.dtype,
+                dtype=args.dtype, generator=GENERATOR_VERSION if tasks else None,
             )  # fmt: skip
             fresh = not (args.out / "study.db").exists()
             study = search_module.open_study(args.out / "study.db", search)

@@ -191,6 +191,7 @@ class Search:
     sampler: str = SAMPLER
     corpus: str = "python-docs"  # the corpus as given (--corpus): another draws other prompts
     dtype: str = "float32"  # the model's dtype (--dtype)
+    generator: int | None = None  # with task targets, the task generators' version (ruler.GENERATOR_VERSION)
 
     def record(self) -> dict:
         data = dataclasses.asdict(self)
@@ -263,7 +264,8 @@ def open_study(path: Path, search: Search):
     if stored is None:
         study.set_user_attr("search", wanted)
         stored = wanted
-    stored = {**_added_later(), **stored}  # a setting added after the study was made: it had the default
+    # a setting added after the study was made had its default; task samples, the generators' version 1
+    stored = {**_added_later(), "generator": 1 if stored.get("tasks") else None, **stored}
     if stored != wanted:
         differ = [k for k in {**stored, **wanted} if stored.get(k) != wanted.get(k)]
         raise SparseDecodeError(
