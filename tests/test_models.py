@@ -358,6 +358,26 @@ def test_verify_converted_detects_corruption(tmp_path: Path, corrupt) -> None:
     assert not verify_converted(entry)
 
 
+@pytest.mark.parametrize("where", ["../outside.bin", "absolute", "sub/../../outside.bin"])
+def test_a_manifest_naming_a_file_outside_its_entry_is_refused_unread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """Found by probing: a hand-edited manifest listing ``../x`` or an absolute path had that file's size checked
+    and, where it matched, the whole file hashed: a file outside the cache read."""
+    entry = fake_entry(tmp_path / "entry")
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"x" * 64)
+    name = str(outside) if where == "absolute" else where
+    manifest = json.loads((entry / "manifest.json").read_text())
+    manifest["files"][name] = {"size": 64, "sha256": hashlib.sha256(b"x" * 64).hexdigest()}
+    (entry / "manifest.json").write_text(json.dumps(manifest))
+    read = []
+    hashing = model_cache.file_sha256
+    monkeypatch.setattr(model_cache, "file_sha256", lambda path: read.append(Path(path).resolve()) or hashing(path))
+    assert not verify_converted(entry)
+    assert outside.resolve() not in read
+
+
 def test_an_entry_of_an_older_format_is_converted_again(tmp_path: Path) -> None:
     """Format 1 stored a tied embedding as ``lm_head.weight`` only (vLLM then loads no input embedding)."""
     entry = fake_entry(tmp_path / "entry")

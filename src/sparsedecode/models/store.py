@@ -218,7 +218,8 @@ def verify_converted(directory: Path, source_sha256: str | None = None, *, check
 
     Checks that the manifest exists, names ``config.json`` and ``model.safetensors``, and that every listed
     file exists with the recorded size and (unless ``check_hashes`` is False) sha256. If ``source_sha256``
-    is given, the entry must have been converted from that GGUF.
+    is given, the entry must have been converted from that GGUF. A listed name that is not a plain file name (``..``,
+    a path, an absolute path) fails the check without reading it.
     """
     directory = Path(directory)
     manifest = read_manifest(directory)
@@ -232,6 +233,8 @@ def verify_converted(directory: Path, source_sha256: str | None = None, *, check
     if manifest.get("format") != FORMAT:
         return False
     for name, meta in files.items():
+        if name in ("", ".", "..") or Path(name).name != name:  # a hand-edited name: never read outside the entry
+            return False
         path = directory / name
         try:
             if not path.is_file() or path.stat().st_size != meta["size"]:
