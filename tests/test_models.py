@@ -461,6 +461,30 @@ def test_a_converted_gguf_of_a_model_without_sdpa_attention_is_refused_in_one_li
     assert "\n" not in str(err.value)
 
 
+def test_a_conversion_keeps_the_entry_another_process_finished_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by probing: of two processes converting the same model at once, the one finishing second deleted the
+    first one's complete entry (which that process was loading) to rename its own into place."""
+    gguf, target = tmp_path / "m.gguf", tmp_path / "models" / "m"
+    gguf.write_bytes(b"gguf")
+    kept: dict = {}
+
+    def load(path: Path):
+        if not kept:  # while this conversion runs, "another process" converts the same file and starts reading it
+            kept["first"] = True
+            model_cache.convert_gguf(gguf, target, "ab" * 32)
+            kept["inode"] = (target / "model.safetensors").stat().st_ino
+        return tiny_model_and_tokenizer()
+
+    monkeypatch.setattr(model_cache, "_load_gguf", load)
+    stages = []
+    model_cache.convert_gguf(gguf, target, "ab" * 32, lambda stage, done, total: stages.append((stage, done)))
+    assert (target / "model.safetensors").stat().st_ino == kept["inode"]  # the first entry, never removed
+    assert verify_converted(target, "ab" * 32) and stages[-1] == ("convert", 1)
+    assert sorted(p.name for p in target.parent.iterdir()) == ["m"]  # the second one's work is gone
+
+
 def test_alias_pipeline_rebuilds_from_verified_gguf(
     cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_pip: dict, fake_gguf_loader: dict
 ) -> None:

@@ -332,7 +332,8 @@ def convert_gguf(gguf_path: Path, target: Path, source_sha256: str, progress: Pr
     """Convert ``gguf_path`` into a float32 safetensors entry at ``target``, atomically.
 
     The entry is built in a temporary sibling directory, the manifest written last, and the directory renamed
-    into place, so an interrupted conversion never leaves a half-written entry under ``target``.
+    into place, so an interrupted conversion never leaves a half-written entry under ``target``. An intact entry
+    another process put there meanwhile is kept (it may be loading it), and this conversion dropped.
     """
     if progress:
         progress("convert", 0, 1)
@@ -354,12 +355,13 @@ def convert_gguf(gguf_path: Path, target: Path, source_sha256: str, progress: Pr
         save_weights(model, tmp / "model.safetensors")
         tokenizer.save_pretrained(tmp)
         _write_manifest(tmp, source_sha256, source=str(Path(gguf_path).absolute()))  # `models` lists it from anywhere
-        remove_path(target)
-        try:
-            tmp.rename(target)
-        except OSError:  # another process finished the same entry first
-            if not verify_converted(target, source_sha256):
-                raise
+        if not verify_converted(target, source_sha256):  # else another process finished it, and may be reading it
+            remove_path(target)
+            try:
+                tmp.rename(target)
+            except OSError:  # another process finished the same entry first
+                if not verify_converted(target, source_sha256):
+                    raise
     finally:
         remove_path(tmp)
     if progress:
