@@ -173,7 +173,9 @@ def build_sample(
         raise SparseDecodeError(f"context must be a positive integer, got {context!r}")
     spec = TASKS[task]
     fmt = prompt_format(tokenizer, template)
-    rng = random.Random(f"sparsedecode-ruler-v{GENERATOR_VERSION}-{seed}-{task}-{context}-{index}")
+    # seeded as in version 1: a new version changes what a task draws, not the seeds, so tasks it left alone keep
+    # their samples (version 2 changed cwe's alone)
+    rng = random.Random(f"sparsedecode-ruler-v1-{seed}-{task}-{context}-{index}")
     render = spec.prepare(rng, corpus)
 
     def length(units: int) -> int:
