@@ -161,8 +161,7 @@ class CompiledDecoder:
         self.position = 0
         self.compile_s = 0.0
         self.states, self._held = {}, set()  # the sparse layers' states by layer index; the modules holding them
-        self._dense_layers = 0 if cfg is None else len(cfg.dense_layers)  # no state: their steps counted here
-        self._dense_steps = 0
+        self._dense_steps = 0  # dense_layers' row-steps (they hold no state to count them)
         if cfg is not None:
             heads, kv_heads, head_dim, _ = attention_shape(model.config)
             form = step_form(cfg, self.device, form)
@@ -308,7 +307,8 @@ class CompiledDecoder:
             except RuntimeError as error:
                 raise_kept(error)  # an error of the sparse step's Python part, kept by its C++ kernel
                 raise
-        self._dense_steps += self.batch * self._dense_layers  # a session counts dense_layers' steps as dense
+        if self.cfg is not None:  # a session counts dense_layers' steps as dense
+            self._dense_steps += self.batch * len(self.cfg.dense_layers)
         if not self._warm:
             self._warm, self.compile_s = True, time.perf_counter() - started
             self._fingerprint = self._fingerprinted()

@@ -19,7 +19,7 @@ from ..experiments.ruler import TASKS
 from ..files import write_text_atomic
 from .environment import environment_lines
 from .sweep import REPORT_FILE
-from .tables import changed_flags, code, markdown_table, shell_word, write_csv
+from .tables import changed_flags, code, markdown_table, shard_flags, shell_word, write_csv
 
 EXAMPLES = 20
 """Regressions shown in the Markdown (all of them are in ``regressions.csv``)."""
@@ -52,8 +52,7 @@ def eval_command(spec: EvalSpec, directory: Path, shard: str | None = None) -> s
     parts += changed_flags(
         spec, default, ("window", "block_size", "reuse", "corpus", "template", "seed", "answer_tokens")
     )
-    if shard and shard != "1/1":
-        parts.append(f"--shard {shard}")
+    parts += shard_flags(shard)
     parts.append(f"--out {shell_word(directory)}")
     return " ".join(parts)
 

@@ -14,7 +14,7 @@ from ..experiments import summary
 from ..experiments.sweep import SweepSpec
 from .environment import environment_lines
 from .findings import findings_lines
-from .tables import code, format_range, format_value, layer_flags, markdown_table, shell_word, write_csv
+from .tables import code, format_range, format_value, layer_flags, markdown_table, shard_flags, shell_word, write_csv
 
 
 def sweep_command(spec: SweepSpec, directory: Path, shard: str | None = None) -> str:
@@ -43,8 +43,7 @@ def sweep_command(spec: SweepSpec, directory: Path, shard: str | None = None) ->
     parts += layer_flags(spec.dense_layers, spec.layer_supports)
     if spec.audit:
         parts.append("--audit")
-    if shard and shard != "1/1":
-        parts.append(f"--shard {shard}")
+    parts += shard_flags(shard)
     parts.append(f"--out {shell_word(directory)}")
     return " ".join(parts)
 

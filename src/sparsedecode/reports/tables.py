@@ -51,6 +51,11 @@ def shell_word(value) -> str:
     return shlex.quote(str(value))
 
 
+def shard_flags(shard: str | None) -> list[str]:
+    """``--shard i/n`` for a folder that holds one shard of a grid (it takes no other), none for a whole one."""
+    return [f"--shard {shard}"] if shard and shard != "1/1" else []
+
+
 def layer_flags(dense_layers, layer_supports) -> list[str]:
     """The command-line flags that give a stored spec's per-layer settings (``--dense-layers 0,1``,
     ``--layer-supports 5:385``; ``layer_supports`` as pairs or a dict), none where it has none."""
