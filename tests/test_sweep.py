@@ -549,3 +549,24 @@ def test_the_library_refuses_a_folder_holding_another_experiments_runs(loaded, t
         with pytest.raises(SparseDecodeError, match="holds runs that are not a sweep's"):
             act()
     assert sorted(p.name for p in folder.iterdir()) == [name]
+
+
+def test_an_interrupt_at_a_rows_fsync_keeps_the_whole_row_and_a_failed_fsync_undoes_it(tmp_path, monkeypatch):
+    """SIGTERM (a KeyboardInterrupt here) arriving in ``fsync`` after the whole line was written undid that row, so a
+    sweep killed there lost a finished run (the kill-and-rerun test saw 1 row where it had waited for 2); an fsync
+    that fails (the row may not be on disk) still undoes it."""
+    from sparsedecode.experiments import sweep_rows
+
+    path = tmp_path / RUNS_FILE
+    sweep_rows.append_row(path, {"run": 0})
+    for error, kept in ((KeyboardInterrupt(), True), (OSError(5, "Input/output error"), False)):
+
+        def failing(fd, error=error):
+            raise error
+
+        monkeypatch.setattr(sweep_rows.os, "fsync", failing)
+        with pytest.raises(type(error)):
+            sweep_rows.append_row(path, {"run": 1})
+        monkeypatch.undo()
+        assert [row["run"] for row in sweep_rows.parse_rows(path)] == ([0, 1] if kept else [0])
+        path.write_text('{"run":0}\n')

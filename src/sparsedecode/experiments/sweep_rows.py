@@ -155,7 +155,8 @@ def parse_rows(path: Path, *, repair: bool = False) -> list[dict]:
 
 
 def append_row(path: Path, row: dict) -> None:
-    """Append one row as a single ``os.write`` of the whole line, then ``fsync``; undone on failure."""
+    """Append one row as a single ``os.write`` of the whole line, then ``fsync``; undone on failure, but for an
+    interrupt (Ctrl-C, SIGTERM) arriving once the whole line is written: that row is done, and kept."""
     data = (json.dumps(row, separators=(",", ":")) + "\n").encode()
     with naming(path):
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -166,8 +167,9 @@ def append_row(path: Path, row: dict) -> None:
                 while view:
                     view = view[os.write(fd, view) :]
                 os.fsync(fd)
-            except BaseException:
-                os.ftruncate(fd, start)
+            except BaseException as error:
+                if view or not isinstance(error, KeyboardInterrupt):  # a row not whole, or not on disk (a failed fsync)
+                    os.ftruncate(fd, start)
                 raise
         finally:
             os.close(fd)
