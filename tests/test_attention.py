@@ -51,6 +51,8 @@ class Oracle:
             window=self.cfg.window,
             block_size=self.cfg.block_size,
             method=self.cfg.selector,
+            scale=view.scaling,
+            layer=view.layer,
         )
         group = view.query.shape[0] // keys.shape[0]
         refresh = (view.step - 1) % self.cfg.reuse == 0
@@ -109,6 +111,24 @@ def test_sparse_step_matches_masked_dense_oracle(arch, reuse):
     assert not torch.allclose(logits, dense_logits, atol=1e-4), "S=97 of 250 positions must change the logits"
     assert oracle.refreshes == 2 * len(range(0, 70, reuse)) and oracle.changed > 0, "selections move over time"
     assert all(s.centroids.computed == s.centroids.count for s in session.layers.values()), "each block once"
+
+
+@pytest.mark.parametrize(
+    "selector", ["oracle-blocks", "oracle-tokens", "block-top-p:p=0.5", "twilight", "random-blocks"]
+)
+def test_select_support_reproduces_a_session_whose_model_scales_otherwise(selector):
+    """A model whose attention scales by other than 1/sqrt(d) (Gemma 3's query_pre_attn_scalar, Granite's
+    multiplier): `select_support` with the module's `scaling` (and the layer, which random-blocks salts its draws
+    with) chooses what the session chose at every refresh."""
+    model = tiny_model("llama")
+    for layer in model.model.layers:
+        layer.self_attn.scaling = 0.6  # 1/sqrt(16) = 0.25: a flatter or sharper softmax reorders block masses
+    cfg = SparseConfig(support=97, selector=selector)
+    oracle = Oracle(cfg)
+    with sparse_decoding(model, cfg) as session:
+        session.observers.append(oracle)
+        greedy_loop(model, prompt(300), 12)
+    assert oracle.steps == session.sparse_steps == 12 * 2 and oracle.max_error_ratio < 1
 
 
 def test_centroid_cache_survives_new_prompts_and_crops(arch):

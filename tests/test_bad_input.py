@@ -722,3 +722,18 @@ def test_a_malformed_sweep_folder_is_one_line_naming_the_file(tmp_path, capsys, 
     assert "\n" not in str(error.value)
     one_line_exit_2(["report", str(folder)], capsys)
     assert sorted(p.name for p in folder.iterdir()) == [RUNS_FILE, SPEC_FILE], "nothing half-written"
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"scale": 0.0}, "scale must be a positive finite number"),
+        ({"scale": float("nan")}, "scale must be a positive finite number"),
+        ({"scale": "0.25"}, "scale must be a positive finite number"),
+        ({"layer": -1}, "layer must be a whole number"),
+        ({"layer": 1.0}, "layer must be a whole number"),
+    ],
+)
+def test_select_support_refuses_a_bad_scale_or_layer(kwargs, message):
+    with pytest.raises(SparseDecodeError, match=message):
+        select_support(torch.randn(4, 8), torch.randn(2, 300, 8), support=97, **kwargs)

@@ -9,6 +9,8 @@ public one-call form.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -185,6 +187,8 @@ def select_support(
     method: str | Selector = "mean-pooled",
     seed: int = 0,
     history: torch.Tensor | None = None,
+    scale: float | None = None,
+    layer: int = 0,
 ) -> list[torch.Tensor]:
     """Positions each KV head (each query head, for a selector with a support per query head) reads at one decode
     step.
@@ -196,9 +200,13 @@ def select_support(
             :attr:`SparseConfig.effective_support`).
         window, block_size: ``W`` and ``B``.
         method: a registered selector name, a spec string (``"block-top-p:p=0.8"``, ``"path.py:Class"``) or a selector
-            instance (``"mean-pooled"`` by default). The scale of attention-reading selectors is ``1/sqrt(d)``.
+            instance (``"mean-pooled"`` by default).
         seed: the session's seed (random-blocks draws with it).
         history: ``(kv_heads, N)`` attention each position received at earlier steps; ``h2o`` needs it.
+        scale: the attention's scale for selectors that score with it (``1/sqrt(d)`` when None); a model that scales
+            otherwise (Gemma 3's ``query_pre_attn_scalar``, Granite's multiplier) needs its own to reproduce a
+            session's choice (the attention module's ``scaling``).
+        layer: the layer index a session's step would salt its draws with (random-blocks), 0 by default.
 
     Returns:
         One sorted 1-D ``LongTensor`` per KV head (per query head for a selector with a support per query head):
@@ -213,6 +221,7 @@ def select_support(
     """
     check_budget(support, window, block_size)
     check_seed(seed)
+    _check_scale_and_layer(scale, layer)
     selector = resolve_selector(method)
     check_finite(queries, "queries")
     check_finite(keys, "keys")
@@ -235,7 +244,10 @@ def select_support(
     if n <= (support if selector.token_level else 1 + window + blocks * block_size):
         return [torch.arange(n, device=keys.device) for _ in range(rows)]
     distant = support - 1 - window if selector.token_level else blocks * block_size
-    layout = BlockLayout(n=n, window=window, block_size=block_size, scale=d**-0.5, seed=seed, distant=distant)
+    scale = d**-0.5 if scale is None else float(scale)
+    layout = BlockLayout(
+        n=n, window=window, block_size=block_size, layer=layer, scale=scale, seed=seed, distant=distant
+    )
     if selector.token_level:
         choice = choose_position_set(selector, support - 1 - window, queries, keys, layout, history=history)
         index, valid = token_support(choice, layout)
@@ -243,6 +255,15 @@ def select_support(
         cache = BlockStatistics(block_size, selector.cached_statistics())
         index, valid = support_of(choose_blocks(selector, blocks, cache, queries, keys, layout), layout)
     return [index[h][valid[h]].sort().values for h in range(rows)]  # Triton's blocks come best first
+
+
+def _check_scale_and_layer(scale, layer) -> None:
+    if scale is not None:
+        ok = isinstance(scale, numbers.Real) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0
+        if not ok:
+            raise SparseDecodeError(f"scale must be a positive finite number or None; got {scale!r}")
+    if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+        raise SparseDecodeError(f"layer must be a whole number >= 0; got {layer!r}")
 
 
 def step_layout(cfg, layout: BlockLayout, scale=None, salt=None) -> BlockLayout:
