@@ -103,3 +103,12 @@ def test_first_divergence_convention_and_the_migration_of_old_rows():
             upgrade_row(bad)
     with pytest.raises(SparseDecodeError, match="newer version"):
         upgrade_row({**new, "first_divergence_convention": 3})
+
+
+def test_an_old_row_whose_token_ids_are_not_lists_is_refused_in_one_line():
+    """A row of convention 1 is migrated from its token ids; ids that are not lists (a hand-edited ``null``) are one
+    line naming the row's problem, not a TypeError from inside the migration (found by an independent reference)."""
+    row = {"first_divergence": 2, "survives": False, "dense_tokens": [5, 6, 7], "sparse_tokens": [5, 9, 7]}
+    for name, value in (("dense_tokens", None), ("sparse_tokens", None), ("dense_tokens", 5)):
+        with pytest.raises(SparseDecodeError, match="lacks its token ids"):
+            upgrade_row({**row, name: value})

@@ -196,7 +196,7 @@ def upgrade_row(row: dict) -> dict:
         raise SparseDecodeError(
             f"a row has first_divergence_convention {convention!r}, unknown here: written by a newer version?"
         )
-    if "dense_tokens" not in row or "sparse_tokens" not in row:
+    if not all(isinstance(row.get(name), list) for name in ("dense_tokens", "sparse_tokens")):
         raise SparseDecodeError("a row of the old first_divergence convention lacks its token ids: cannot migrate")
     value = first_divergence(row["dense_tokens"], row["sparse_tokens"])
     tokens = len(row["dense_tokens"])
