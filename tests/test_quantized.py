@@ -120,6 +120,28 @@ def test_quantizing_float_weights_bounds_the_error_and_shrinks_the_bytes(weights
     assert weight_bytes(model) < float_bytes / (6 if weights == "int4" else 3.5)  # 20 and 34 bytes per 32 weights
 
 
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_weights_beyond_the_float16_scales_are_refused_not_decoded_as_nan(weights):
+    """int4 keeps each group's minimum in float16, int8 its largest / 127: a weight of -1e5 (int4) or 1e7 (int8)
+    made a stored scale or minimum infinite and every output reading the group NaN, silently; a NaN weight likewise.
+    Found by checking quantization from float weights against a float64 reference at huge magnitudes."""
+    model = tiny_model("llama")
+    layer = model.model.layers[0].mlp.down_proj
+    with torch.no_grad():
+        layer.weight[3, 5] = -1e5 if weights == "int4" else 1e7
+    with pytest.raises(SparseDecodeError, match=r"model.layers.0.mlp.down_proj: a weight of magnitude 1e\+0[57] "):
+        quantize_linears(model, weights)
+    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear  # the model left as it was
+    with torch.no_grad():
+        layer.weight[3, 5] = float("nan")
+    with pytest.raises(SparseDecodeError, match="down_proj: a NaN weight"):
+        quantize_linears(model, weights)
+    with torch.no_grad():
+        layer.weight[3, 5] = -6e4 if weights == "int4" else 8e6  # within the float16 scales' range: taken, finite
+    assert quantize_linears(model, weights) == {weights: 15, "float": 0}
+    assert bool(model.model.layers[0].mlp.down_proj.dequantized().isfinite().all())
+
+
 def _tiny_gguf(tmp_path, model, kinds=(Q.Q4_1, Q.Q8_0)):
     """A GGUF of ``model``'s linear layers (llama.cpp's names and query/key row order), and the model's weights set
     to what transformers' conversion of it gives (the de-quantized values, query and key rows reordered back)."""

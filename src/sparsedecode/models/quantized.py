@@ -276,9 +276,23 @@ def _min_max(linear: torch.nn.Linear, top: int) -> tuple[torch.Tensor, torch.Ten
     groups = weight.reshape(weight.shape[0], -1, GROUP)
     low, high = groups.amin(-1).half().float(), groups.amax(-1)
     scale = ((high - low) / top).half().float()
+    _check_half(weight, scale, low)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     values = ((groups - low.unsqueeze(-1)) / safe.unsqueeze(-1)).round().clamp(0, top)
     return values.reshape(weight.shape), scale, low
+
+
+def _check_half(weight: torch.Tensor, *stored: torch.Tensor) -> None:
+    """Refuse float weights whose groups' float16 scales or minimums (``stored``) are not finite: a weight beyond
+    float16's range (a minimum past 65504, an int8 group's largest past 127 times that), NaN or infinite, which would
+    make every output reading the group NaN."""
+    if not all(bool(t.isfinite().all()) for t in stored):
+        largest = float(weight.abs().amax())
+        what = "a NaN weight" if largest != largest else f"a weight of magnitude {largest:.4g}"
+        raise SparseDecodeError(
+            f"{what} does not fit the float16 scales (and int4's minimums) of its group, at most 65504 in magnitude: "
+            "keep this model's float weights"
+        )
 
 
 def int4_from_nibbles(
@@ -302,6 +316,7 @@ def quantize_int8(linear: torch.nn.Linear) -> Int8Linear:
     weight = linear.weight.detach().float()
     groups = weight.reshape(weight.shape[0], -1, GROUP)
     scale = (groups.abs().amax(-1) / 127).half().float()
+    _check_half(weight, scale)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = (groups / safe.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
     return Int8Linear(q, scale, linear.bias, "int8 " + METHODS["int8"])
@@ -323,14 +338,17 @@ def quantize_linears(model: torch.nn.Module, weights: str) -> dict[str, int]:
     (``int4`` or ``int8``, :data:`METHODS`; ``int5`` by :func:`quantize_int5`); returns how many layers each format
     took (``float`` for those left)."""
     make = {"int4": quantize_int4, "int5": quantize_int5, "int8": quantize_int8}[weights]
-    counts = {weights: 0, "float": 0}
-    for name, linear in linear_modules(model).items():
-        if linear.in_features < GROUP or linear.in_features % GROUP:
-            counts["float"] += 1
-            continue
-        replace_module(model, name, make(linear))
-        counts[weights] += 1
-    return counts
+    linears = linear_modules(model)
+    made = {}  # every layer made before any is replaced: a refused one leaves the model as it was
+    for name, linear in linears.items():
+        if linear.in_features >= GROUP and linear.in_features % GROUP == 0:
+            try:
+                made[name] = make(linear)
+            except SparseDecodeError as error:
+                raise SparseDecodeError(f"weights {weights!r}: {name}: {error}") from None
+    for name, layer in made.items():
+        replace_module(model, name, layer)
+    return {weights: len(made), "float": len(linears) - len(made)}
 
 
 def is_quantized(model: torch.nn.Module) -> bool:
