@@ -261,6 +261,22 @@ def test_weights_choices_are_checked():
         apply_weights(tiny_model("llama"), "gguf", None, "some/folder")
 
 
+def test_gguf_weights_for_a_model_without_a_gguf_are_refused_before_it_loads(tiny_model_dir, monkeypatch):
+    """``weights="gguf"`` (``--weights gguf``) for a local folder or a hub id was refused only after the model had
+    loaded: a hub id was downloaded first. Found by probing bad ``--weights`` input."""
+    from sparsedecode.models import catalog
+
+    def loads(*args, **kwargs):
+        raise AssertionError("the model was loaded before the refusal")
+
+    monkeypatch.setattr(catalog, "_load", loads)
+    for spec in (str(tiny_model_dir), "some-owner/some-model"):
+        with pytest.raises(SparseDecodeError, match="not a built-in alias or a local .gguf"):
+            catalog.load_model(spec, weights="gguf")
+    with pytest.raises(AssertionError, match="loaded"):  # a .gguf path goes on to the load, which names it if missing
+        catalog.load_model("missing.gguf", weights="gguf")
+
+
 @pytest.mark.parametrize("weights", ["int4", "int8"])
 @pytest.mark.parametrize(("rows", "outputs"), [(1, 100), (3, 64), (8, 200), (2, 2100)])
 def test_the_c_kernel_gives_the_dequantized_product(weights, rows, outputs):

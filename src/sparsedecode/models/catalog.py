@@ -173,17 +173,21 @@ def load_model(
     converted once and cached (see the module docstring).
     ``progress(stage, done, total)`` is called for the ``download``, ``extract`` and ``convert`` stages.
     ``weights`` (:data:`~sparsedecode.models.weights.WEIGHTS`): a float dtype (as ``dtype``), ``gguf`` (the linear
-    layers from the alias's or file's GGUF as they are stored: Q4_0/Q4_1 as int4, Q8_0 as int8), ``int4`` or ``int8``
+    layers from the alias's or file's GGUF as they are stored: Q4_0/Q4_1/Q4_K as int4, Q5_0 as int5, Q8_0/Q6_K as
+    int8; refused before the model loads for a spec that is neither), ``int4`` or ``int8``
     (quantized from the float weights; :mod:`sparsedecode.models.quantized`); recorded as
     ``model.sparsedecode_weights``. The spec is stored on the model as ``model.sparsedecode_spec``. On the CPU the
     weights end in one buffer on huge pages (:func:`~sparsedecode.models.arena.gather_weights`).
     """
-    from .weights import apply_weights, check_weights
+    from .weights import apply_weights, check_gguf_source, check_weights
 
     spec = _spec(spec, "load_model")
     dtype, quantized = check_weights(weights, dtype)
+    gguf = gguf_source(spec, progress) if quantized == "gguf" else None
+    if not spec.endswith(".gguf"):  # before the model loads (a hub id's download); a .gguf not found: _load says so
+        check_gguf_source(quantized, gguf, spec)
     model, tokenizer = _load(spec, resolve_dtype(dtype), progress, tokenizer_only=False)
-    apply_weights(model, quantized, gguf_source(spec, progress) if quantized == "gguf" else None, spec)
+    apply_weights(model, quantized, gguf, spec)
     if arena.ENABLED and next(model.parameters()).device.type == "cpu":
         arena.gather_weights(model)  # one buffer on huge pages: a CPU decode step streams it (models/arena.py)
     model.sparsedecode_spec = spec

@@ -39,6 +39,16 @@ def check_weights(weights: str | None, dtype: str | torch.dtype) -> tuple[str | 
     return dtype, weights
 
 
+def check_gguf_source(weights: str | None, gguf: Path | None, spec: str) -> None:
+    """Refuse ``weights="gguf"`` for a model ``spec`` that was not converted from a GGUF (``gguf`` is ``None``):
+    :func:`~.catalog.load_model` asks before it loads the model, so the refusal costs no load (a hub download)."""
+    if weights == "gguf" and gguf is None:
+        raise SparseDecodeError(
+            f"weights 'gguf' reads the GGUF a model was converted from; {spec!r} is not a built-in alias or a "
+            "local .gguf file (choose int4 or int8 to quantize its float weights)"
+        )
+
+
 def apply_weights(model: torch.nn.Module, weights: str | None, gguf: Path | None, spec: str) -> None:
     """Turn ``model``'s linear layers into ``weights`` (a quantized form, or ``None`` for none) and record the label
     (module docstring); ``gguf``: the GGUF file ``spec`` was converted from, if any (``weights="gguf"`` needs it)."""
@@ -47,12 +57,8 @@ def apply_weights(model: torch.nn.Module, weights: str | None, gguf: Path | None
     if weights is None:
         model.sparsedecode_weights = str(next(model.parameters()).dtype).removeprefix("torch.")
         return
+    check_gguf_source(weights, gguf, spec)
     if weights == "gguf":
-        if gguf is None:
-            raise SparseDecodeError(
-                f"weights 'gguf' reads the GGUF a model was converted from; {spec!r} is not a built-in alias or a "
-                "local .gguf file (choose int4 or int8 to quantize its float weights)"
-            )
         from .gguf_weights import MAPPED, load_gguf_linears
 
         counts = load_gguf_linears(model, gguf)
