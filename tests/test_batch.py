@@ -368,6 +368,29 @@ def test_bench_e2e_batch_dense_dtype_adds_dense_rows_and_takes_the_best_dense_ov
     assert max(r["speedup_vs_best_dense"] for r in rows) >= 1.0
 
 
+def test_bench_e2e_batch_dense_dtype_beside_float_weights_decodes_in_the_dense_dtype(tiny_model_dir, tmp_path, capsys):
+    """A float ``--weights`` is the dtype the model decodes in: ``--weights bfloat16 --dense-dtype float32`` was
+    refused as the same dtype as ``--dtype float32``, ``--weights float32 --dense-dtype bfloat16`` failed as
+    disagreeing dtypes after the whole first run (the second model kept ``--weights float32``), and ``--weights
+    bfloat16 --dense-dtype bfloat16`` repeated the bfloat16 rows as its dense dtype's. Found by probing ``--weights``
+    through ``bench e2e``."""
+    from test_bad_input import one_line_exit_2
+
+    from sparsedecode.cli import main
+
+    out = tmp_path / "batch.json"
+    args = ["bench", "e2e", "--model", str(tiny_model_dir), "--context", "300", "--support", "97", "--tokens", "4"]
+    args += ["--batch", "1", "--repeats", "1"]
+    for weights, dense in (("bfloat16", "float32"), ("float32", "bfloat16")):
+        assert main([*args, "--weights", weights, "--dense-dtype", dense, "--json", str(out)]) == 0
+        rows = json.loads(out.read_text())["rows"]
+        assert [(r["dtype"], r["mode"]) for r in rows] == [(weights, "dense"), (weights, "sparse"), (dense, "dense")]
+        assert [r["weights"] for r in rows] == [weights, weights, dense]
+    capsys.readouterr()
+    err = one_line_exit_2([*args, "--weights", "bfloat16", "--dense-dtype", "bfloat16"], capsys)
+    assert "a dtype other than --weights bfloat16" in err
+
+
 def test_bench_e2e_batch_compile_adds_compiled_rows_that_equal_batch_one(monkeypatch):
     """``bench e2e --batch --compile``: every batch size again with the compiled step, from copies of the same
     prefilled caches; each batch's tokens equal each prompt's compiled batch-1 run, ratios against the faster dense."""

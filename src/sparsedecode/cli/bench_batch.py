@@ -56,12 +56,17 @@ def _run_batches(args, model, tokenizer) -> list:
     only, that model loaded when its turn comes)."""
     from ..experiments.bench import bench_e2e_batch as measure_batches
     from ..experiments.corpus import prompt_ids
+    from ..models.weights import FLOAT_WEIGHTS
 
     largest = max(args.batch)
     rows = []
     runs = [(args.dtype, tuple(args.support))] + ([(args.dense_dtype, ())] if args.dense_dtype else [])
+    # a float --weights was the dtype (load set args.dtype to it): the --dense-dtype model is that dtype's floats
+    dense = {"weights": None} if getattr(args, "weights", None) in FLOAT_WEIGHTS else {}
     for dtype, supports in runs:  # --dense-dtype: dense only, after every --dtype run, loaded when its turn comes
-        run_model = model if dtype == args.dtype else load(argparse.Namespace(**{**vars(args), "dtype": dtype}))[0]
+        run_model = (
+            model if dtype == args.dtype else load(argparse.Namespace(**{**vars(args), "dtype": dtype, **dense}))[0]
+        )
         for context in args.context:
             prompts = [
                 prompt_ids(tokenizer, args.corpus, context, args.prompt_index + i, args.tokens) for i in range(largest)

@@ -190,11 +190,16 @@ def _check_e2e_args(args) -> None:
         from ..compiled.decoder import check_backend
 
         check_backend()
-    if args.dense_dtype is not None and (args.batch is None or args.dense_dtype == args.dtype):
-        raise SparseDecodeError(
-            "--dense-dtype compares batched dense decoding in another dtype: give --batch and a dtype other than "
-            f"--dtype {args.dtype}"
-        )
+    if args.dense_dtype is not None:
+        from ..models.weights import FLOAT_WEIGHTS
+
+        weights = getattr(args, "weights", None)  # a float --weights is the dtype the model decodes in
+        named, dtype = ("--weights", weights) if weights in FLOAT_WEIGHTS else ("--dtype", args.dtype)
+        if args.batch is None or args.dense_dtype == dtype:
+            raise SparseDecodeError(
+                "--dense-dtype compares batched dense decoding in another dtype: give --batch and a dtype other than "
+                f"{named} {dtype}"
+            )
     if args.batch is not None:
         if min(args.batch) < 1:
             raise SparseDecodeError("--batch values must be >= 1")
