@@ -384,6 +384,28 @@ def test_the_c_kernel_quantizes_activations_exactly_as_torch_does():
         assert torch.isnan(identity.c_product(x)[2]).all() and torch.isnan(quantized_activations(x)[2, 96:128]).all()
 
 
+def test_a_group_of_activations_too_small_for_127_over_its_largest_is_taken_as_zeros():
+    """``127 / max |x|`` overflows float32 for a group whose largest magnitude is below ~3.7e-37: torch's form (a
+    prefill's product, a step without the C kernel) gave NaN for every output, the C kernel -128 for every value (so
+    a layer was two functions of its input). Both take such a group as zeros now. Found probing tiny magnitudes."""
+    from sparsedecode.models.quantized import c_kernel, quantize_int4, quantize_int8
+
+    assert c_kernel() is not None
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 40, bias=False)
+    x = torch.randn(2, 64)
+    x[:, :32] *= 1e-38
+    zeros = x.clone()
+    zeros[:, :32] = 0.0
+    assert torch.equal(quantized_activations(x), quantized_activations(zeros))
+    for make in (quantize_int4, quantize_int8):
+        layer = make(linear)
+        assert torch.equal(layer.c_product(x), layer.c_product(zeros))
+        prefill = layer(x.repeat(5, 1))  # more rows than a step: torch's product
+        assert bool(prefill.isfinite().all())
+        assert torch.allclose(prefill[:2], layer(x), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("weights", ["int4", "int8"])
 def test_an_exported_gguf_holds_the_models_own_layers_for_llama_cpp(tmp_path, weights):
     """bench e2e --baseline llama.cpp with --weights int4/int8: the GGUF written holds our layers byte for byte (its

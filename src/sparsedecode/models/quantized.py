@@ -66,12 +66,14 @@ def c_kernel():
 
 def quantized_activations(x: torch.Tensor) -> torch.Tensor:
     """``x (rows, K)`` float32 as every quantized product reads it: per group of :data:`GROUP` inputs,
-    ``d = max |x| / 127`` and ``round(x * (127 / max |x|))`` (to nearest, ties to even; 0 for a group of zeros)
-    times ``d``; NaN for a group holding a NaN or an infinity. The C kernel computes the same numbers."""
+    ``d = max |x| / 127`` and ``round(x * (127 / max |x|))`` (to nearest, ties to even; 0 for a group of zeros, and
+    for one whose ``127 / max |x|`` overflows float32: ``max |x|`` below about 3.7e-37) times ``d``; NaN for a group
+    holding a NaN or an infinity. The C kernel computes the same numbers."""
     groups = x.reshape(x.shape[0], -1, GROUP)
     top = groups.abs().amax(-1, keepdim=True)
     finite = top <= torch.finfo(torch.float32).max
-    inverse = torch.where(finite & (top > 0), 127.0 / top, torch.zeros_like(top))
+    inverse = 127.0 / top  # infinite for a group of zeros or of values that small
+    inverse = torch.where(finite & (inverse <= torch.finfo(torch.float32).max), inverse, torch.zeros_like(top))
     scale = torch.where(finite, top / 127.0, torch.full_like(top, float("nan")))
     return (torch.round(groups * inverse) * scale).reshape(x.shape)
 

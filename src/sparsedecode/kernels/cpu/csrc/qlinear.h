@@ -9,7 +9,8 @@
  *
  * The activations x (rows, 32 G) float32 are first quantized as llama.cpp quantizes them for its dot products: per
  * group of 32, d = max |x| / 127 and xq = rint(x * (127 / max |x|)) in -127..127 (d = 0 and xq = 0 for a group of
- * zeros; d NaN for one holding a NaN or an infinity, so that the output is NaN as a float product's would be). A
+ * zeros; xq = 0 for one whose 127 / max |x| overflows, max |x| below ~3.7e-37; d NaN for one holding a NaN or an
+ * infinity, so that the output is NaN as a float product's would be). A
  * group's dot product of integers is then exact in 32-bit integers, and the output (rows, N) float32 is
  *   int4: sum over g of (scale * d) * sum_j nibble * xq + offset * (d * sum_j xq)
  *   int8: sum over g of (scale * d) * sum_j q * xq,
@@ -74,7 +75,8 @@ static void quantize_rows(const float *x, int64_t rows, int64_t groups, int8_t *
         float amax = _mm_cvtss_f32(_mm_max_ss(half, _mm_shuffle_ps(half, half, 1)));
         amax = _mm256_movemask_ps(odd) ? NAN : amax;
         int finite = amax <= 3.4028235e38f;
-        __m256 inverse = _mm256_set1_ps(finite && amax > 0.0f ? 127.0f / amax : 0.0f);
+        float ratio = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+        __m256 inverse = _mm256_set1_ps(ratio <= 3.4028235e38f ? ratio : 0.0f); /* overflowed: the group as zeros */
         __m256i q[4], total = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
             q[c] = finite ? _mm256_cvtps_epi32(_mm256_mul_ps(a[c], inverse)) : _mm256_setzero_si256();
@@ -92,6 +94,7 @@ static void quantize_rows(const float *x, int64_t rows, int64_t groups, int8_t *
         for (int j = 0; j < 32; j++) amax = fabsf(v[j]) > amax || v[j] != v[j] ? fabsf(v[j]) : amax;
         int finite = amax <= 3.4028235e38f;
         float inverse = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+        inverse = inverse <= 3.4028235e38f ? inverse : 0.0f; /* overflowed: the group as zeros */
         int32_t total = 0;
         for (int j = 0; j < 32; j++) {
             int8_t q = finite ? (int8_t)rintf(v[j] * inverse) : 0;
