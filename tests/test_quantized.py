@@ -259,6 +259,9 @@ def test_weights_choices_are_checked():
         check_weights("q4", "float32")
     with pytest.raises(SparseDecodeError, match="not a built-in alias or a local .gguf"):
         apply_weights(tiny_model("llama"), "gguf", None, "some/folder")
+    for other in ("bfloat16", "q4", "int5"):  # a float dtype, a typo, a form only a GGUF's Q5_0 gives
+        with pytest.raises(SparseDecodeError, match="weights must be None or one of gguf, int8, int4"):
+            apply_weights(tiny_model("llama"), other, None, "tiny")
 
 
 def test_gguf_weights_for_a_model_without_a_gguf_are_refused_before_it_loads(tiny_model_dir, monkeypatch):

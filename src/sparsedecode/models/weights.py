@@ -57,6 +57,11 @@ def apply_weights(model: torch.nn.Module, weights: str | None, gguf: Path | None
     if weights is None:
         model.sparsedecode_weights = str(next(model.parameters()).dtype).removeprefix("torch.")
         return
+    if weights not in QUANTIZED_WEIGHTS:
+        raise SparseDecodeError(
+            f"weights must be None or one of {', '.join(QUANTIZED_WEIGHTS)} (a float one is the model's dtype); "
+            f"got {weights!r}"
+        )
     check_gguf_source(weights, gguf, spec)
     if weights == "gguf":
         from .gguf_weights import MAPPED, load_gguf_linears
