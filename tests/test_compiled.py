@@ -157,6 +157,31 @@ def test_a_users_selector_compiles_too():
     assert tokens == eager_tokens
 
 
+@pytest.mark.parametrize(
+    "selector, support, form",
+    [
+        ("mean-pooled", 40, "prepared"),
+        ("mean-pooled", 40, "general"),
+        ("mean-pooled", 40, "device"),
+        (MaxKeyBlocks(), 40, "prepared"),
+        ("streaming", 33, "prepared"),
+    ],
+)
+def test_a_support_without_distant_positions_reads_the_anchor_and_the_window(selector, support, form):
+    """A support too small for one distant block (``b = 0``: 40 < 1 + 32 + 8) or position (``S = 1 + W``) reads the
+    anchor and the window alone, compiled as in the session: the step's state had room for one block (one position),
+    which the C call filled with a block no one asked for, and an empty selection could not be copied into."""
+    model = tiny_model("llama")
+    ids, cfg = _prompt(4), SparseConfig(support=support, window=32, block_size=8, selector=selector)
+    eager_tokens, eager_logits = _session_run(model, ids, cfg, steps=8)
+    decoder = CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + 9, backend="aot_eager", form=form)
+    tokens, logits = _static_run(decoder, ids, steps=8, compiled=False)
+    assert tokens == eager_tokens
+    assert torch.allclose(logits, eager_logits, rtol=0, atol=logits_tolerance(eager_logits, model, positions=PROMPT))
+    tally = decoder.tally()
+    assert tally["positions_read"] == tally["kv_head_steps"] * (1 + cfg.window) > 0
+
+
 @pytest.mark.parametrize("length", [150, 129])  # 129: a last chunk of one token, dense like the others
 @pytest.mark.parametrize("sparse", [False, True])
 def test_a_prefill_reads_only_the_positions_written(sparse, length):

@@ -138,8 +138,8 @@ def allocate(
     support per query head."""
     kinds = cfg.selector.cached_statistics()
     capacity = max(max_len // cfg.block_size + 1, 1)
-    b = max(cfg.blocks, 1)
-    distant = max(cfg.distant_positions, 1) if cfg.selector.token_level else 1
+    b = cfg.blocks  # 0 where the support holds no whole block: the C call reads b from these tensors' width
+    distant = cfg.distant_positions if cfg.selector.token_level else 1
     rows = support_rows(cfg.selector, query_heads or kv_heads, kv_heads)
     long = dict(dtype=torch.int64, device=device)
     state = StepBuffers(

@@ -103,7 +103,7 @@ def _attend(cfg, query, key, value, blocks, n, scale) -> tuple[torch.Tensor, tor
     kv, block = key.shape[1], cfg.block_size
     distant_end = (n - cfg.window).clamp(min=1)
     offsets = torch.arange(block, device=key.device)
-    distant = (1 + blocks[..., None] * block + offsets).reshape(batch, kv, -1)
+    distant = (1 + blocks[..., None] * block + offsets).reshape(batch, kv, blocks.shape[-1] * block)  # b may be 0
     window = distant_end[:, None] + torch.arange(cfg.window, device=key.device)  # (batch, W)
     index = torch.cat(
         [torch.zeros(batch, kv, 1, dtype=torch.long, device=key.device), distant, window[:, None].expand(-1, kv, -1)],
