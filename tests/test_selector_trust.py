@@ -220,6 +220,36 @@ def test_a_builtin_name_cannot_be_taken_even_before_any_lookup():
     assert out.split() == ["4", "True"]
 
 
+def test_a_retired_builtin_name_cannot_be_taken(monkeypatch):
+    """``top-p`` was a built-in's name: stored rows naming it are read as ``block-top-p``'s, so a user's selector
+    registered under it (in code or by entry point) would have its rows read as another method's."""
+    from sparsedecode.protocol.results import upgrade_selector
+    from sparsedecode.selectors import registry
+
+    @dataclass(frozen=True)
+    class Mine(sd.BlockSelector):
+        def score_blocks(self, queries, keys, layout):
+            return torch.zeros(keys.shape[0], layout.n_blocks)
+
+    assert upgrade_selector({"selector": "top-p"})["selector"] == "block-top-p"  # what its rows would become
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))  # nothing registered here outlives the test
+    for replace in (False, True):
+        with pytest.raises(SparseDecodeError, match="selector name 'top-p' was a built-in's") as raised:
+            sd.register_selector(Mine, name="top-p", replace=replace)
+        assert "\n" not in str(raised.value)
+
+    class Point:  # a pip-installed package's entry point under that name is left out, as one under a built-in's
+        name, value = "top-p", "pkg:Mine"
+
+        def load(self):
+            return Mine
+
+    monkeypatch.setattr(registry.metadata, "entry_points", lambda group: [Point()])
+    monkeypatch.setattr(registry, "_ENTRY_POINTS_LOADED", False)
+    with pytest.raises(SparseDecodeError, match="top-p is now block-top-p"):
+        registry.selector_class("top-p")
+
+
 def test_a_file_reexporting_a_builtin_leaves_the_builtins_origin(tmp_path):
     path = tmp_path / "again.py"
     path.write_text(

@@ -47,6 +47,11 @@ def register_selector(cls: type[Selector] | None = None, *, name: str | None = N
             )
         if name is not None and not klass.__dict__.get("name"):  # a subclass's own, not its parent's
             klass.name = name
+        if key in RETIRED:  # stored rows that name it are read as the built-in it was (protocol.results)
+            raise SparseDecodeError(
+                f"selector name {key!r} was a built-in's: stored rows that name it are read as that built-in's, so "
+                "it cannot be taken; register yours under another name"
+            )
         held = _REGISTRY.get(key)
         if held is not None and held is not klass and key in _BUILTIN_NAMES:
             raise SparseDecodeError(
@@ -83,7 +88,7 @@ def _load_entry_points() -> None:
         return
     _ENTRY_POINTS_LOADED = True
     for point in metadata.entry_points(group=ENTRY_POINTS):
-        if point.name in _REGISTRY:
+        if point.name in _REGISTRY or point.name in RETIRED:  # a built-in's name, now or before
             continue
         try:
             register_selector(point.load(), name=point.name)
