@@ -250,6 +250,29 @@ def test_a_retired_builtin_name_cannot_be_taken(monkeypatch):
         registry.selector_class("top-p")
 
 
+def test_a_refused_registration_leaves_the_class_its_name(monkeypatch):
+    """A name refused (a built-in's, or one taken) is not given to the class: it stays named as itself, and a name it
+    is then registered under is the one its rows carry (it kept the refused one, so rows of a class registered as
+    ``mine`` after ``quest`` was refused named it ``quest`` and were read as the built-in's)."""
+    from sparsedecode.selectors import registry
+
+    @dataclass(frozen=True)
+    class Mine(sd.BlockSelector):
+        def score_blocks(self, queries, keys, layout):
+            return torch.zeros(keys.shape[0], layout.n_blocks)
+
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))  # nothing registered here outlives the test
+    for refused in ("quest", "top-p"):
+        with pytest.raises(SparseDecodeError, match="built-in's"):
+            sd.register_selector(Mine, name=refused)
+        assert Mine().spec() == "Mine"
+    sd.register_selector(Mine, name="mine-after-refusals")
+    assert (
+        Mine().spec() == "mine-after-refusals"
+        and registry.parse_selector("mine-after-refusals").spec() == Mine().spec()
+    )
+
+
 def test_a_file_reexporting_a_builtin_leaves_the_builtins_origin(tmp_path):
     path = tmp_path / "again.py"
     path.write_text(

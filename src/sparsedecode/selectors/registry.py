@@ -45,8 +45,6 @@ def register_selector(cls: type[Selector] | None = None, *, name: str | None = N
             raise SparseDecodeError(
                 f"selector name {key!r}: use letters, digits and dashes (no ':', ',', '=' or white space)"
             )
-        if name is not None and not klass.__dict__.get("name"):  # a subclass's own, not its parent's
-            klass.name = name
         if key in RETIRED:  # stored rows that name it are read as the built-in it was (protocol.results)
             raise SparseDecodeError(
                 f"selector name {key!r} was a built-in's: stored rows that name it are read as that built-in's, so "
@@ -60,6 +58,8 @@ def register_selector(cls: type[Selector] | None = None, *, name: str | None = N
             )
         if held is not None and held is not klass and not replace:
             raise SparseDecodeError(f"selector name {key!r} is taken by {held.__module__}.{held.__qualname__}")
+        if name is not None and not klass.__dict__.get("name"):  # a subclass's own, not its parent's; once taken
+            klass.name = name
         _REGISTRY[key] = klass
         return klass
 
