@@ -125,3 +125,50 @@ def test_a_numpy_float_parameter_gives_a_spec_that_reads_back():
         selector = Twilight(p=p)
         assert selector.spec() == f"twilight:p={float(p)!r}"
         assert parse_selector(selector.spec()).params() == selector.params()
+
+
+PROJECTED = """
+from dataclasses import dataclass, field
+
+import torch
+
+import sparsedecode
+from sparsedecode.selectors import group_mean_queries
+
+
+@dataclass(frozen=True)
+class Projected(sparsedecode.BlockSelector):
+    projection: torch.Tensor = field(default_factory=lambda: torch.eye(16))
+    scale: float = 1.0
+
+    def score_blocks(self, queries, keys, layout):
+        q = group_mean_queries(queries, keys.shape[0]) @ self.projection
+        return torch.einsum("hd,hbd->hb", q, keys[:, : layout.n_blocks].float() @ self.projection) * self.scale
+"""
+
+
+def test_a_tensor_parameter_with_a_default_runs_and_is_written_on_one_line(tmp_path, tiny_model_dir, capsys):
+    """A selector whose parameter is a tensor with a default (a fixed projection) is usable by every command: its
+    spec compared the tensor with its default by ``!=``, whose element-by-element answer has no truth value (a
+    traceback from every command), and a changed one printed a tensor over several lines into its spec (error
+    messages name a selector by it) and into the row's parameters, which JSON cannot hold."""
+    import json
+
+    import torch
+
+    from sparsedecode import SparseConfig
+    from sparsedecode.cli import main
+
+    path = tmp_path / "projected.py"
+    path.write_text(PROJECTED)
+    default = parse_selector(f"{path}:Projected")
+    assert default.spec() == f"{path}:Projected"
+    changed = type(default)(projection=torch.eye(16).flip(0) * 3, scale=2.0)
+    assert "\n" not in changed.spec() and changed.spec().startswith(f"{path}:Projected:projection=tensor([[0., 0.,")
+    json.dumps(SparseConfig(selector=changed).to_dict())
+    out = tmp_path / "run.json"
+    args = ["run", "--model", str(tiny_model_dir), "--context", "150", "--support", "97", "--tokens", "3"]
+    assert main([*args, "--selector", f"{path}:Projected:scale=2", "--json", str(out)]) == 0, capsys.readouterr()
+    settings = json.loads(out.read_text())["results"][0]["settings"]
+    assert settings["selector"] == f"{path}:Projected:scale=2.0"
+    assert settings["selector_params"]["projection"].startswith("tensor([[1., 0.,")

@@ -158,7 +158,7 @@ class Selector:
             if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
                 default = f.default_factory()  # type: ignore[misc]
             value = getattr(self, f.name)
-            if default is dataclasses.MISSING or value != default or type(value) is not type(default):
+            if default is dataclasses.MISSING or not _same(value, default):
                 changed[f.name] = value
         return changed
 
@@ -173,7 +173,8 @@ class Selector:
 
     def record(self) -> dict:
         """What a result file stores of the selector: its spec, parameters and, for a file, the file's sha256."""
-        out = {"selector": self.spec(), "selector_params": self.params()}
+        params = {k: v if _identity_of(v)[0] != "object" else _format(v) for k, v in self.params().items()}
+        out = {"selector": self.spec(), "selector_params": params}  # a tensor's as its text: JSON holds no tensor
         if self.source:
             out["selector_sha256"] = self.source[1]
         return out
@@ -221,12 +222,31 @@ class Selector:
         return "the keys it is handed"
 
 
+def _same(value, default) -> bool:
+    """Whether a parameter holds its default: of its type and equal to it; a tensor or an array (whose ``==`` compares
+    element by element) of its shape and dtype, every element equal."""
+    if type(value) is not type(default):
+        return False
+    try:
+        return bool(value == default)
+    except Exception:  # noqa: BLE001 - no single truth: element by element, or not known to be the default
+        pass
+    try:
+        alike = value.shape == default.shape and value.dtype == default.dtype
+        return bool(alike and (value == default).all())
+    except Exception:  # noqa: BLE001
+        return value is default
+
+
 def _format(value) -> str:
     """A parameter as a spec writes it, so that the spec reads back: a float subclass (NumPy's ``float64``, whose
-    ``repr`` is ``np.float64(0.5)``) as the float it is."""
+    ``repr`` is ``np.float64(0.5)``) as the float it is; a value no spec can give (a tensor) on one line, as error
+    messages name the selector by its spec."""
     if isinstance(value, bool):
         return "true" if value else "false"
-    return repr(float(value)) if isinstance(value, float) else str(value)
+    if isinstance(value, float):
+        return repr(float(value))
+    return value if isinstance(value, str) else " ".join(str(value).split())
 
 
 @dataclass(frozen=True)

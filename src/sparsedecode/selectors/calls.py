@@ -20,11 +20,21 @@ SCORE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, tor
 ``topk``, and unsigned or boolean scores are no scores)."""
 
 
+class _Spec:
+    """A selector's spec, made when it is formatted."""
+
+    def __init__(self, selector: Selector):
+        self.selector = selector
+
+    def __format__(self, spec: str) -> str:
+        return format(self.selector.spec(), spec)
+
+
 def checked_scores(selector: Selector, scores, shape: tuple[int, int], what: str, device: torch.device) -> torch.Tensor:
     """The selector's scores, checked: a tensor of ``shape`` on ``device``, numbers, finite. Half-precision scores
     are widened to float32; float32, float64 and integer scores are ranked as they are (a cast to float32 would tie
     float64 scores that differ below its precision and overflow large finite ones)."""
-    name = selector.spec()
+    name = _Spec(selector)  # written only into an error: a parameter's text (a tensor's) costs at every step
     if not isinstance(scores, torch.Tensor):
         raise SparseDecodeError(f"selector {name}: {what} returned {type(scores).__name__}, not a tensor")
     if scores.is_nested:
