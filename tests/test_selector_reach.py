@@ -238,3 +238,25 @@ def test_a_fresh_process_makes_twilight_with_a_builtin_base_before_the_registry(
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "mean-pooled", done.stderr[-800:]
+
+
+def test_a_mean_pooled_subclass_with_a_support_per_query_head_is_one_line():
+    """A subclass of mean-pooled that declares ``per_query_head`` but keeps its parent's scores (one row per KV head):
+    ``select_support`` scored it in the kernels, which choose per KV head, and failed with an IndexError reading a
+    support per query head from them; it is scored in torch as a decode step scores it, and its scores' shape is one
+    line naming it."""
+    from sparsedecode.selectors.methods.mean_pooled import MeanPooled
+
+    @dataclass(frozen=True)
+    class PerHeadMean(MeanPooled):
+        @property
+        def per_query_head(self):
+            return True
+
+    message = r"selector PerHeadMean: score_blocks returned shape \(2, 21\), expected \(4, 21\)"
+    with pytest.raises(SparseDecodeError, match=message) as raised:
+        select_support(torch.randn(4, 16), torch.randn(2, 400, 16), support=97, method=PerHeadMean())
+    assert "\n" not in str(raised.value)
+    model, ids = tiny_model("llama"), prompt(300)
+    with pytest.raises(SparseDecodeError, match=r"selector PerHeadMean: score_blocks returned shape \(2, 15\)"):
+        sd.generate(model, ids, SparseConfig(support=97, selector=PerHeadMean()), max_new_tokens=2, mode="sparse")

@@ -107,8 +107,8 @@ def choose_blocks(
     is asked to check the scores' finiteness the torch path checks, except the C kernel, which does.
     """
     chosen = "torch"
-    if selector.kernel_scoring == "mean-dot" and not selector.adaptive:
-        chosen = kernels.selection_kernel(kernel, queries, keys, layout)
+    if selector.kernel_scoring == "mean-dot" and not selector.adaptive and not selector.per_query_head:
+        chosen = kernels.selection_kernel(kernel, queries, keys, layout)  # one support per KV head, as plan_step
     return choose_planned_blocks(selector, budget, cache, queries, keys, layout, chosen)
 
 
