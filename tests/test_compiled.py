@@ -182,6 +182,17 @@ def test_a_support_without_distant_positions_reads_the_anchor_and_the_window(sel
     assert tally["positions_read"] == tally["kv_head_steps"] * (1 + cfg.window) > 0
 
 
+@pytest.mark.parametrize("support", [40, 33])
+def test_the_native_step_refuses_a_support_without_a_distant_block(support):
+    """The native step's C call selects and reads at least one block: given none (b = 0) it read a block no one
+    asked for (silently other tokens) and, once the step's state had the support's width, crashed the process."""
+    model = tiny_model("llama")
+    cfg = SparseConfig(support=support, window=32, block_size=8)
+    with pytest.raises(SparseDecodeError, match="holds none"):
+        decoder = CompiledDecoder(model, cfg, batch=1, max_len=PROMPT + 9, backend="native")
+        _static_run(decoder, _prompt(4), steps=8)
+
+
 @pytest.mark.parametrize("length", [150, 129])  # 129: a last chunk of one token, dense like the others
 @pytest.mark.parametrize("sparse", [False, True])
 def test_a_prefill_reads_only_the_positions_written(sparse, length):

@@ -175,6 +175,11 @@ def _shape_refusal(model) -> str | None:
 def selector_refusal(cfg, state, q: torch.Tensor, keys: torch.Tensor):
     """``(plan, None)``, or ``(None, why)`` when the prepared call does not serve ``cfg``'s layer over a cache like
     ``keys`` with ``state`` (a :class:`~sparsedecode.compiled.op.StepBuffers`, or dummies of its shapes)."""
+    if not cfg.selector.token_level and cfg.blocks == 0:  # its C step selects and reads at least one block
+        return None, (
+            f"it reads at least one distant block, and a support of {cfg.support} holds none (below 1 + W + B = "
+            f"{1 + cfg.window + cfg.block_size}): decode it with another compile backend"
+        )
     layout = BlockLayout(n=keys.shape[2], window=cfg.window, block_size=cfg.block_size)
     plan = plan_step(cfg, q[0], keys[0], keys[0], layout)
     if cfg.kernel not in ("auto", "c"):  # what the plan scores in would otherwise read as the selector's fault
