@@ -385,3 +385,27 @@ def test_a_hook_added_between_installs_is_refused_at_the_next_install():
     handle.remove()
     with decoder.installed():
         decoder.step(torch.tensor([3]))
+
+
+def test_a_weight_of_another_shape_than_its_modules_sizes_is_refused():
+    """Found by probing: a vocabulary grown by assigning longer ``lm_head`` and embedding weights (torch's forward reads
+    a weight's own shape, so the model decodes the new tokens) was addressed by the modules' stale ``out_features`` and
+    ``num_embeddings``: the native step's logits kept the old vocabulary and a new token id was an IndexError (a
+    shorter weight would have been read past its end). Refused in one line now, at construction and within an
+    install."""
+    cfg = SparseConfig(**SMALL_CFG)
+    for part in ("lm_head", "model.embed_tokens"):
+        model = tiny_model("llama")
+        module = model.get_submodule(part)
+        module.weight = torch.nn.Parameter(torch.cat([module.weight, module.weight[:8]]), requires_grad=False)
+        with pytest.raises(SparseDecodeError, match=rf"{part}.weight is \(104, 64\), not the \(96, 64\)") as caught:
+            CompiledDecoder(model, cfg, batch=1, max_len=512, backend=NATIVE)
+        assert "\n" not in str(caught.value)
+    model = tiny_model("llama")
+    native = CompiledDecoder(model, cfg, batch=1, max_len=512, backend=NATIVE)
+    with native.installed():
+        token = native.prefill(_prompt(1, 300)).argmax(-1)
+        assert native.step(token).shape == (1, 96)
+        model.lm_head.weight.data = torch.cat([model.lm_head.weight, model.lm_head.weight[:8]])
+        with pytest.raises(SparseDecodeError, match="lm_head.weight is"):
+            native.step(token)

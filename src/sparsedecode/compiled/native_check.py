@@ -81,6 +81,10 @@ def _tensor_refusal(name: str, module: torch.nn.Module, linear: bool) -> str | N
     quantized = type(module) in (Int4Linear, Int5Linear, Int8Linear)
     if linear and not quantized and type(module) is not torch.nn.Linear:
         return f"{name} is a {type(module).__name__}, neither torch's Linear nor one of the quantized layers"
+    sizes = {torch.nn.Linear: ("out_features", "in_features"), torch.nn.Embedding: ("num_embeddings", "embedding_dim")}
+    named = sizes.get(type(module))  # the C call addresses the weight by these numbers, torch's forward by its shape
+    if named and tuple(module.weight.shape) != (shape := tuple(getattr(module, n) for n in named)):
+        return f"{name}.weight is {tuple(module.weight.shape)}, not the {shape} its {' and '.join(named)} give"
     for attribute, tensor in [*module._parameters.items(), *module._buffers.items()]:  # its own, as registered
         if tensor is None or (quantized and attribute != "bias"):
             continue  # a quantized layer's packed weights and scales: checked by its constructor and the C++ op
