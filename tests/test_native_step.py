@@ -409,3 +409,24 @@ def test_a_weight_of_another_shape_than_its_modules_sizes_is_refused():
         model.lm_head.weight.data = torch.cat([model.lm_head.weight, model.lm_head.weight[:8]])
         with pytest.raises(SparseDecodeError, match="lm_head.weight is"):
             native.step(token)
+
+
+def test_a_model_holding_other_layers_than_its_config_is_refused():
+    """Found by probing: layers pruned by slicing ``model.model.layers`` with the config's ``num_hidden_layers`` left
+    as it was (transformers' forward decodes ``layers[:num_hidden_layers]``) made the C call read its layer table past
+    its end (a segmentation fault at the first step); the same list replaced within an install went unseen (the old
+    layers decoded). Refused in one line now, at construction and at the next step."""
+    cfg = SparseConfig(**SMALL_CFG)
+    model = tiny_model("llama", layers=3)
+    model.model.layers = model.model.layers[:2]
+    with pytest.raises(SparseDecodeError, match="holds 2 decoder layers, not the config's 3") as caught:
+        CompiledDecoder(model, cfg, batch=1, max_len=512, backend=NATIVE)
+    assert "\n" not in str(caught.value)
+    model = tiny_model("llama", layers=3)
+    native = CompiledDecoder(model, cfg, batch=1, max_len=512, backend=NATIVE)
+    with native.installed():
+        token = native.prefill(_prompt(1, 300)).argmax(-1)
+        native.step(token)
+        model.model.layers = model.model.layers[:2]
+        with pytest.raises(SparseDecodeError, match="holds 2 decoder layers"):
+            native.step(token)

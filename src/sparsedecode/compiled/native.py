@@ -106,7 +106,7 @@ class NativeStep:
         """Every module the tables read, as its parent holds it (a module replaced there is seen)."""
         inner = model.model
         parents = [(model, "model"), (model, "lm_head"), (inner, "norm"), (inner, "embed_tokens")]
-        parents.append((inner, "rotary_emb"))
+        parents += [(inner, "rotary_emb"), (inner, "layers")]  # a layer list replaced (layers pruned) is seen too
         for i, layer in enumerate(inner.layers):
             parents += [(inner.layers, str(i)), (layer, "self_attn"), (layer, "mlp"), (layer, "input_layernorm")]
             parents += [(layer, "post_attention_layernorm"), *((layer.self_attn, n) for n in kernel.LINEARS[:4])]

@@ -151,13 +151,16 @@ def refusal(model, device) -> str | None:
 def _shape_refusal(model) -> str | None:
     """Every weight the C call reads has the size the config gives (it addresses them by these numbers), and every
     layer's attention one scaling."""
-    heads, kv, d, _ = attention_shape(model.config)
+    heads, kv, d, layers = attention_shape(model.config)
     text = model.config.get_text_config(decoder=True)
     hidden, inter = text.hidden_size, text.intermediate_size
     shapes = {"q_proj": (hidden, heads * d), "k_proj": (hidden, kv * d), "v_proj": (hidden, kv * d)}
     shapes.update(o_proj=(heads * d, hidden), gate_proj=(hidden, inter), up_proj=(hidden, inter))
     shapes.update(down_proj=(inter, hidden))
     inner = model.model
+    if len(inner.layers) != layers:  # the C call reads a table of the config's count of layers
+        held = len(inner.layers)
+        return f"model.model.layers holds {held} decoder layers, not the config's {layers} (num_hidden_layers)"
     for i, layer in enumerate(inner.layers):
         for name, shape in shapes.items():
             module = getattr(layer.self_attn if name in kernel.LINEARS[:4] else layer.mlp, name)
