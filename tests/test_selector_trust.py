@@ -273,6 +273,28 @@ def test_a_refused_registration_leaves_the_class_its_name(monkeypatch):
     )
 
 
+@pytest.mark.parametrize("own", ["mean-pooled", "top-p", "quest"])
+def test_an_unregistered_class_named_as_a_builtin_is_refused(own):
+    """A user's class that calls itself by a built-in's name (an attribute, or its class name) without registering
+    wrote that name as its spec, so its rows read back as the built-in's (SparseConfig.from_dict rebuilt the
+    built-in); passed as itself (instance or class) it is now refused in one line, as registering the name is."""
+
+    @dataclass(frozen=True)
+    class Mine(sd.BlockSelector):
+        def score_blocks(self, queries, keys, layout):
+            return torch.zeros(keys.shape[0], layout.n_blocks)
+
+    Mine.name = own
+    Bare = type(own, (Mine,), {"name": ""})  # named by its class name alone
+    for selector in (Mine(), Mine, Bare):
+        with pytest.raises(SparseDecodeError, match="a built-in selector's name"):
+            SparseConfig(support=97, selector=selector)
+        with pytest.raises(SparseDecodeError, match="a built-in selector's name"):
+            select_support(torch.randn(4, 8), torch.randn(2, 300, 8), support=97, method=selector)
+    Mine.name = "mine-unregistered"
+    assert SparseConfig(support=97, selector=Mine()).selector.spec() == "mine-unregistered"
+
+
 def test_a_file_reexporting_a_builtin_leaves_the_builtins_origin(tmp_path):
     path = tmp_path / "again.py"
     path.write_text(

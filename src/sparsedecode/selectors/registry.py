@@ -22,7 +22,7 @@ from importlib import metadata
 from pathlib import Path
 
 from ..errors import USER_CODE_FAILURES, SparseDecodeError, failure, one_line
-from .base import Selector, check_selector_class, set_spec_parser
+from .base import Selector, check_selector_class, library_code, set_spec_parser
 
 ENTRY_POINTS = "sparsedecode.selectors"
 _REGISTRY: dict[str, type[Selector]] = {}
@@ -356,11 +356,24 @@ def parameter_names(text: str) -> tuple[str, ...] | None:
 def resolve_selector(selector) -> Selector:
     """A selector instance from a spec string, a selector class (default parameters) or an instance."""
     if isinstance(selector, Selector):
-        check_selector_class(type(selector))
+        _check_own_name(check_selector_class(type(selector)))
         return selector
     if isinstance(selector, type):
-        return build(check_selector_class(selector), {})
+        return build(_check_own_name(check_selector_class(selector)), {})
     return parse_selector(selector)
+
+
+def _check_own_name(cls: type[Selector]) -> type[Selector]:
+    """A user's class passed as itself may not answer with a built-in's name (registering one is refused): its rows
+    would be read back as the built-in's."""
+    _load_builtins()
+    name = cls.selector_name()
+    if not library_code(cls) and not getattr(cls, "source", None) and (name in _BUILTIN_NAMES or name in RETIRED):
+        raise SparseDecodeError(
+            f"selector class {cls.__module__}.{cls.__qualname__} is named {name!r}, a built-in selector's name: its "
+            "rows would read as the built-in's; give it a name of its own (name = '...')"
+        )
+    return cls
 
 
 def split_selector_list(text: str) -> list[str]:
