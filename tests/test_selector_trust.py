@@ -295,6 +295,19 @@ def test_an_unregistered_class_named_as_a_builtin_is_refused(own):
     assert SparseConfig(support=97, selector=Mine()).selector.spec() == "mine-unregistered"
 
 
+def test_a_name_that_is_no_string_is_refused_in_one_line():
+    @dataclass(frozen=True)
+    class Numbered(sd.BlockSelector):
+        name = 3  # a TypeError traceback from the name's checks
+
+        def score_blocks(self, queries, keys, layout):
+            return torch.zeros(keys.shape[0], layout.n_blocks)
+
+    for call in (lambda: sd.register_selector(Numbered), lambda: sd.register_selector(Numbered, name=("a",))):
+        with pytest.raises(SparseDecodeError, match="a name is a string"):
+            call()
+
+
 def test_a_file_reexporting_a_builtin_leaves_the_builtins_origin(tmp_path):
     path = tmp_path / "again.py"
     path.write_text(

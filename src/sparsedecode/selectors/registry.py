@@ -40,6 +40,8 @@ def register_selector(cls: type[Selector] | None = None, *, name: str | None = N
         check_selector_class(klass)
         _load_builtins()  # a built-in's name is taken even before anything looked one up
         key = name or klass.selector_name()
+        if not isinstance(key, str):
+            raise SparseDecodeError(f"selector name {key!r}: a name is a string of letters, digits and dashes")
         # a space would be stripped from the spec that names it (" x" is looked up as "x"), a newline split its line
         if not key or any(c in key for c in ":,=") or key.endswith(".py") or any(c.isspace() for c in key):
             raise SparseDecodeError(
