@@ -62,6 +62,18 @@ def test_conditions_count_survivors_and_ranges():
     assert table[1]["abs_delta_ppl_percent_median"] == 2.0
 
 
+def test_a_nan_delta_ppl_gives_the_same_summary_in_any_order():
+    """A run whose delta-PPL is NaN (both perplexities infinite) made a condition's median, minimum and maximum, and
+    the overview's largest delta-PPL, depend on the rows' order (a sort with a NaN); now NaN in any order."""
+    rows = [row(2048, 0, 193, 3, 60.0, float("nan")), row(2048, 1, 193, 9, 90.0, 1.0), row(2048, 2, 193, 5, 80.0, 2.0)]
+    results = []
+    for order in (rows, rows[::-1], rows[1:] + rows[:1]):
+        condition = summary.conditions(order)[0]
+        keys = ("delta_ppl_percent_median", "delta_ppl_percent_min", "delta_ppl_percent_max")
+        results.append(json.dumps([condition[k] for k in keys] + [summary.overview(order)["max_delta_ppl_percent"]]))
+    assert results == [json.dumps([float("nan")] * 4)] * 3
+
+
 def test_within_tolerance_and_warning_runs():
     tolerance = summary.within_tolerance(ROWS)
     assert tolerance["conditions"] == 2 and tolerance["within"] == 1  # (2048, 193): median |ΔPPL| 2; (8192, 193): 8

@@ -48,15 +48,25 @@ def tested(rows: Iterable[dict]) -> list[dict]:
     return [r for r in rows if not dense_by_construction(r)]
 
 
+def _unmeasured(values: list[float]) -> bool:
+    """No values, or one of them NaN (a delta-PPL of two infinite perplexities): sorting with a NaN depends on the
+    order, so a median, minimum or maximum over it is NaN whatever the rows' order."""
+    return not values or any(v != v for v in values)
+
+
 def _median(values: list[float]) -> float:
-    return float(statistics.median(values)) if values else float("nan")
+    return float("nan") if _unmeasured(values) else float(statistics.median(values))
+
+
+def _extreme(values: list[float], pick) -> float:
+    return float("nan") if _unmeasured(values) else pick(values)
 
 
 def _stats(values: list[float], prefix: str) -> dict:
     return {
         f"{prefix}_median": _median(values),
-        f"{prefix}_min": min(values) if values else float("nan"),
-        f"{prefix}_max": max(values) if values else float("nan"),
+        f"{prefix}_min": _extreme(values, min),
+        f"{prefix}_max": _extreme(values, max),
     }
 
 
@@ -190,5 +200,5 @@ def overview(rows: list[dict], *, threshold: float = WARNING_MATCH_PERCENT) -> d
         "warning_runs_prompts": sorted({(w["context"], w["prompt_index"]) for w in warnings}),
         "warning_runs_above_100_percent": sum(w["delta_ppl_percent"] > 100 for w in warnings),
         "runs_above_100_percent": sum(r["delta_ppl_percent"] > 100 for r in rows),
-        "max_delta_ppl_percent": max((r["delta_ppl_percent"] for r in rows), default=float("nan")),
+        "max_delta_ppl_percent": _extreme([r["delta_ppl_percent"] for r in rows], max),
     }

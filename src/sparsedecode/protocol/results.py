@@ -211,10 +211,12 @@ def upgrade_row(row: dict) -> dict:
 
 
 def _ppl(nll: list[float]) -> float:
-    """exp of the mean NLL; ``inf`` where that overflows (a model giving huge logits)."""
+    """exp of the mean NLL; ``inf`` where that overflows (a model giving huge logits); NaN where an NLL is NaN."""
     if not nll:
         return float("nan")
     mean = sum(nll) / len(nll)
+    if math.isnan(mean):
+        return float("nan")
     return math.exp(mean) if mean < 709.0 else float("inf")
 
 
