@@ -541,3 +541,19 @@ def test_a_session_under_autograd_keeps_no_graph_in_its_state(selector):
         held = [t for state in session.layers.values() for t in (*state.centroids._stats.values(), state.history)]
         assert not any(t.requires_grad for t in held if t is not None)
     assert tokens[True] == tokens[False]
+
+
+def test_a_cropped_growing_cache_keeps_its_proof_under_inference_mode():
+    """Found by probing: under torch.inference_mode a view keeps no ``_base``, so a GrowingCache cropped (as lossless
+    drafting crops it every round) was taken for other memory and the layers' state (block statistics, H2O's history)
+    was dropped; its views name their buffer, so the positions the crop keeps are proven unchanged, as under no_grad."""
+    model, ids = tiny_model("llama"), prompt(150)
+    with torch.inference_mode(), sparse_decoding(model, SparseConfig(support=97)) as session:
+        cache = GrowingCache(config=model.config)
+        model(input_ids=ids, cache=cache, use_cache=True)
+        for position in range(150, 153):
+            model(input_ids=ids[:, :1], cache=cache, use_cache=True, position_ids=torch.tensor([[position]]))
+        crop_cache(cache, 151)
+        state = session.layers[0]
+        state.look(cache)
+        assert state.unchanged == 151

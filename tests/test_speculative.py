@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import prompt, tiny_model
 
 from sparsedecode import SparseConfig, SparseDecodeError
@@ -43,3 +44,16 @@ def test_bad_arguments():
         generate(model, prompt(10), SparseConfig(), 5, mode="fast")
     with pytest.raises(SparseDecodeError):
         generate(model, prompt(10), SparseConfig(), 5, draft_tokens=0)
+
+
+def test_lossless_under_inference_mode_drafts_as_under_no_grad():
+    """Found by probing: under torch.inference_mode a view keeps no ``_base``, so a session could not prove a
+    GrowingCache cropped after a verification unchanged: every round dropped each layer's state, and H2O, its history
+    gone, refused to draft (a SparseDecodeError telling to run the prefill inside the session)."""
+    model, ids = tiny_model("llama"), prompt(150, seed=3)
+    cfg = SparseConfig(support=97, selector="h2o")
+    expected = generate(model, ids, cfg, 30, draft_tokens=3)
+    with torch.inference_mode():
+        lossless = generate(model, ids, cfg, 30, draft_tokens=3)
+    assert lossless.tokens == expected.tokens == generate(model, ids, None, 30, mode="dense").tokens
+    assert lossless.accepted == expected.accepted

@@ -21,6 +21,16 @@ from transformers.cache_utils import DynamicLayer, StaticLayer
 
 from ..errors import SparseDecodeError
 
+VIEW_ROOT = "_sparsedecode_root"
+"""The attribute a :class:`GrowingLayer`'s key and value views carry naming their buffer: under
+``torch.inference_mode`` a view keeps no ``_base``, and a session proves a cropped view unchanged by its buffer
+(:class:`~sparsedecode.session.state.KeyMark`)."""
+
+
+def _name_root(layer: GrowingLayer) -> None:
+    setattr(layer.keys, VIEW_ROOT, layer._keys_buffer)
+    setattr(layer.values, VIEW_ROOT, layer._values_buffer)
+
 
 class GrowingLayer(DynamicLayer):
     """A ``DynamicLayer`` whose keys/values are views into buffers grown by doubling (minimum 256 positions)."""
@@ -59,7 +69,13 @@ class GrowingLayer(DynamicLayer):
         self._values_buffer[..., filled:needed, :] = value_states
         self.keys = self._keys_buffer[..., :needed, :]
         self.values = self._values_buffer[..., :needed, :]
+        _name_root(self)
         return self.keys, self.values
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        if self.is_initialized and self._owns_views():
+            _name_root(self)
 
     def reset(self) -> None:
         super().reset()

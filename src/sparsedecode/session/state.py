@@ -13,6 +13,7 @@ from transformers.cache_utils import DynamicLayer
 from ..layout import BlockLayout
 from ..selectors.statistics import BlockStatistics
 from ..step import schedule
+from .kv_cache import VIEW_ROOT
 
 
 @dataclass
@@ -60,7 +61,11 @@ def _version(tensor: torch.Tensor) -> int | None:
 
 
 def _root(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor._base if tensor._base is not None else tensor
+    """The tensor owning ``tensor``'s memory: its ``_base``; under ``torch.inference_mode``, whose views keep none, the
+    buffer a :class:`~sparsedecode.session.kv_cache.GrowingLayer` view names (else the tensor itself)."""
+    if tensor._base is not None:
+        return tensor._base
+    return getattr(tensor, VIEW_ROOT, tensor)
 
 
 @dataclass
@@ -92,7 +97,9 @@ class KeyMark:
         ``keys`` must live in the marked memory (same owner, offset, strides and non-sequence shape), so its
         position ``p < min(len, length)`` is the same memory as the marked position ``p``; and no write may have
         touched that memory since (the version counter is shared by a tensor and all its views). Tensors without
-        a version counter (``torch.inference_mode``) must be the very tensor object marked.
+        a version counter (``torch.inference_mode``) must be the very tensor object marked, or a view of the same
+        named buffer (a ``GrowingCache`` cropped, as lossless drafting crops every round), taken as unwritten by the
+        class's assumption for that mode.
         """
         root = self.root()
         if root is None or _root(keys) is not root or keys.storage_offset() != self.offset:
@@ -100,7 +107,10 @@ class KeyMark:
         if keys.stride() != self.stride or (*keys.shape[:-2], keys.shape[-1]) != self.outer:
             return 0
         version = _version(keys)
-        if version is None or self.version is None:
+        if version is None and self.version is None:
+            if keys is not self.tensor() and getattr(keys, VIEW_ROOT, None) is None:
+                return 0
+        elif version is None or self.version is None:
             if keys is not self.tensor():
                 return 0
         elif version != self.version:
