@@ -737,3 +737,25 @@ def test_a_malformed_sweep_folder_is_one_line_naming_the_file(tmp_path, capsys, 
 def test_select_support_refuses_a_bad_scale_or_layer(kwargs, message):
     with pytest.raises(SparseDecodeError, match=message):
         select_support(torch.randn(4, 8), torch.randn(2, 300, 8), support=97, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(dense_layers=(5,)), "dense_layers names layer 5; the model has 2 attention layers"),
+        (dict(layer_supports=((7, 129),)), "layer_supports names layer 7; the model has 2 attention layers"),
+    ],
+)
+def test_a_layer_the_model_lacks_is_refused_before_the_prefill(model, fields, message):
+    """Found by probing: generate refused a dense_layers or layer_supports entry naming a layer the model lacks only
+    as its session opened, after the dense prefill, and compare after the whole dense reference."""
+    cfg = SparseConfig(support=97, **fields)
+    calls = (
+        lambda: generate(model, prompt(150), cfg, 8, mode="sparse"),
+        lambda: generate(model, prompt(150), cfg, 8),
+        lambda: generate(model, [prompt(150), prompt(120)], cfg, 8, mode="sparse"),
+        lambda: compare(model, None, prompt(150), cfg, 8),
+    )
+    for call in calls:
+        with NoForward(model), pytest.raises(SparseDecodeError, match=message):
+            call()

@@ -20,11 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import SparseConfig, check_config
+from ..config import SparseConfig, check_config, check_named_layers
 from ..errors import SparseDecodeError
 from ..session import dense_attention, prefill_history, sparse_decoding
 from ..session.kv_cache import GrowingCache
 from ..validate import (
+    attention_modules,
     check_callable,
     check_count,
     check_model,
@@ -169,6 +170,8 @@ def _generation_inputs(model, input_ids, cfg, max_new_tokens, mode, attention_ma
         check_sparse_attention(model, "generate")
     if cfg is not None:
         check_config(cfg, "generate")
+    if mode != "dense":  # before the prefill, not as the session opens after it
+        check_named_layers(cfg, attention_modules(model))
     if one:
         _check_drafting(*drafting)
     check_token_id(model, eos_token_id, "eos_token_id", "generate")

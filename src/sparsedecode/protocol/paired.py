@@ -21,12 +21,19 @@ from collections.abc import Callable
 
 import torch
 
-from ..config import SparseConfig, check_config
+from ..config import SparseConfig, check_config, check_named_layers
 from ..decoding.loop import Progress, decode_tokens, left_pad, prefill
 from ..errors import SparseDecodeError
 from ..session import SparseSession, dense_attention, prefill_history, sparse_decoding
 from ..session.kv_cache import crop_cache
-from ..validate import check_callable, check_model, check_positions, check_prompt_ids, check_sparse_attention
+from ..validate import (
+    attention_modules,
+    check_callable,
+    check_model,
+    check_positions,
+    check_prompt_ids,
+    check_sparse_attention,
+)
 from .diagnostics import MassAudit
 from .results import BatchReference, CompareResult, DenseReference, assemble
 
@@ -182,6 +189,7 @@ def compare(
     prompts, one = _prompts(model, prompt_ids, "compare")
     check_config(cfg, "compare")
     check_sparse_attention(model, "compare")
+    check_named_layers(cfg, attention_modules(model))  # before the dense reference, not as the session opens
     _check_tokens(tokens)
     for p in prompts:
         check_positions(model, int(p.shape[1]), tokens, "compare")
