@@ -189,6 +189,32 @@ def test_a_hand_edited_comparison_is_one_line_in_merge_and_report(comparisons, t
     assert {path.name: path.read_bytes() for path in edited.iterdir()} == before, "nothing half-written"
 
 
+def _third_comparison(tiny_model_dir, folder, monkeypatch):
+    """A comparison of the settings of ``comparisons`` and a selector neither of them ran."""
+    monkeypatch.setattr(bench_operator, "read_bandwidth_gbs", lambda *a, **k: 12.5)
+    args = ["compare-selectors", "--model", str(tiny_model_dir), "--context", "150", "--support", "97"]
+    assert main([*args, "--prompts", "1", "--tokens", "4", "--selectors", "random-blocks", "--out", str(folder)]) == 0
+    return json.loads((folder / "selectors.json").read_text())
+
+
+def test_a_comparison_merged_into_a_folder_of_another_keeps_that_ones_selectors(
+    comparisons, tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    """``merge A B --out C``, C holding a comparison of another selector, replaced C's comparison by A's and B's: its
+    runs were lost unasked (found by probing merges into existing folders). C's comparison is merged too now, as a
+    sweep or evaluation merge keeps the rows of its --out."""
+    third = tmp_path / "c"
+    held = _third_comparison(tiny_model_dir, third, monkeypatch)
+    assert main(["merge", str(comparisons / "a"), str(comparisons / "b"), "--out", str(third)]) == 0
+    assert "merged 3 comparison(s)" in capsys.readouterr().out
+    merged = json.loads((third / "selectors.json").read_text())
+    assert merged["settings"]["selectors"] == ["random-blocks", "quest", "streaming"]
+    kept = [run["sparse_tokens"] for run in merged["runs"] if run["selector"] == "random-blocks"]
+    assert kept == [run["sparse_tokens"] for run in held["runs"]]
+    assert main(["merge", str(comparisons / "a"), "--out", str(third)]) == 2  # quest is in --out already
+    assert "already in an earlier folder" in capsys.readouterr().err
+
+
 # ---- the same family in sweep folders: a row without a field is one line in merge and resume ----
 
 

@@ -78,7 +78,8 @@ def _add_merge_parser(sub) -> None:
         description="Combine sweep (or evaluation) folders of the same settings, or of grids that differ only in "
         "contexts, prompts, supports, reuse or selectors, into one folder; duplicates are dropped. Selector "
         "comparison folders (compare-selectors) of the same settings and different selectors merge into one "
-        "comparison (their dense references must agree); --out may be one of them.",
+        "comparison (their dense references must agree); --out may be one of them, and a comparison already in "
+        "--out is merged too.",
         epilog="examples (the second after `sparsedecode sweep --help`'s second example):\n"
         "  sparsedecode sweep --context 1024 --support 97,193 --prompts 2 --tokens 32 --shard 2/2 --out runs/small-2\n"
         "  sparsedecode merge runs/small-1 runs/small-2 --out runs/small-merged",
@@ -226,14 +227,17 @@ def cmd_sweep(args) -> int:
 
 
 def _merge_comparisons(args) -> int:
-    from ..experiments.comparison_merge import merge_comparisons
+    from ..experiments.comparison_merge import is_comparison_folder, merge_comparisons
     from ..reports.sweep import write_selector_comparison
 
     check_output_folder(args.out, files=("selectors.md", "selectors.csv", "selectors.json"), results="selectors.json")
-    data = merge_comparisons(args.sources)  # everything checked and built before anything is written
+    sources = list(args.sources)
+    if is_comparison_folder(args.out) and args.out.resolve() not in {source.resolve() for source in sources}:
+        sources.insert(0, args.out)  # kept, not replaced unasked: as a sweep merge keeps the rows of its --out
+    data = merge_comparisons(sources)  # everything checked and built before anything is written
     path = write_selector_comparison(args.out, data)
     console.print(
-        f"merged {len(args.sources)} comparison(s) into {plain(path)}: {len(data['settings']['selectors'])} selectors, "
+        f"merged {len(sources)} comparison(s) into {plain(path)}: {len(data['settings']['selectors'])} selectors, "
         f"{len(data['runs'])} runs, {len(data['retrieval'])} retrieval rows"
     )
     return 0
