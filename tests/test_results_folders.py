@@ -215,6 +215,22 @@ def test_a_comparison_merged_into_a_folder_of_another_keeps_that_ones_selectors(
     assert "already in an earlier folder" in capsys.readouterr().err
 
 
+def test_merging_a_merged_comparison_keeps_the_parts_it_was_merged_from(
+    comparisons, tiny_model_dir, tmp_path, monkeypatch
+):
+    """A merged comparison merged again became one part with its first folder's environment: the selectors of its
+    other folders were said to have run at the first one's revision (the committed comparisons, merged twice, say so
+    of block-top-p, sparq and sink-streaming). Its parts are kept as they were now."""
+    _third_comparison(tiny_model_dir, tmp_path / "c", monkeypatch)
+    assert main(["merge", str(comparisons / "a"), str(comparisons / "b"), "--out", str(tmp_path / "ab")]) == 0
+    first = json.loads((tmp_path / "ab" / "selectors.json").read_text())["settings"]["parts"]
+    assert main(["merge", str(tmp_path / "ab"), str(tmp_path / "c"), "--out", str(tmp_path / "abc")]) == 0
+    parts = json.loads((tmp_path / "abc" / "selectors.json").read_text())["settings"]["parts"]
+    assert [part["selectors"] for part in parts] == [["quest"], ["streaming"], ["random-blocks"]]
+    assert parts[:2] == first
+    assert "`quest` at revision" in (tmp_path / "abc" / "selectors.md").read_text()
+
+
 # ---- the same family in sweep folders: a row without a field is one line in merge and resume ----
 
 

@@ -5,8 +5,9 @@ rerunning the others.
 
 The folders must have decoded the same prompts to the same dense continuations and answered the same passkey
 trials densely alike (checked run by run): a selector's row is only comparable against the dense reference the
-others had. Each folder's selectors and environment are kept in ``settings["parts"]``; the operator times are each
-folder's own (measured in its process) until ``scripts/retime_selector_ops.py`` measures them together.
+others had. Each folder's selectors and environment are kept in ``settings["parts"]`` (a merged folder's own parts, as
+they were); the operator times are each folder's own (measured in its process) until
+``scripts/retime_selector_ops.py`` measures them together.
 """
 
 from __future__ import annotations
@@ -45,6 +46,20 @@ def _agree(seen: dict, key: tuple, value, folder: Path, first: Path, what: str) 
         )
 
 
+def _parts_of(settings: dict) -> list[dict]:
+    """What a folder of these ``settings`` adds to a merged comparison's ``parts``: one part (its selectors, batch,
+    environment), or a merged folder's own parts, so that merging it again keeps where each of its selectors ran
+    (each part marked re-measured where the folder's op times were re-measured after its merge)."""
+    if isinstance(settings.get("parts"), list) and settings["parts"]:
+        remeasured = settings.get("op_ms_remeasured")
+        return [{**part, "op_ms_remeasured": remeasured} if remeasured else part for part in settings["parts"]]
+    part = {"selectors": settings["selectors"], "batch": settings.get("batch", 1)}
+    part["environment"] = settings.get("environment")
+    if settings.get("op_ms_remeasured"):
+        part["op_ms_remeasured"] = settings["op_ms_remeasured"]
+    return [part]
+
+
 def merge_comparisons(folders: list[Path]) -> dict:
     """One comparison document (``selectors.json``'s content, summary rebuilt) of ``folders``' runs and trials."""
     if len(folders) < 2:
@@ -81,11 +96,7 @@ def merge_comparisons(folders: list[Path]) -> dict:
             trials.append(trial)
         runs += data["runs"]
         summary += data["summary"]
-        part = {"selectors": these["selectors"], "batch": these.get("batch", 1)}
-        part["environment"] = these.get("environment")
-        if these.get("op_ms_remeasured"):
-            part["op_ms_remeasured"] = these["op_ms_remeasured"]
-        parts.append(part)
+        parts += _parts_of(these)
     contexts = list(settings["context"])
     runs.sort(key=lambda r: (contexts.index(r["context"]), r["prompt_index"]))  # stable: selectors in folder order
     trials.sort(key=lambda t: (contexts.index(t["context"]), t["trial"]))
