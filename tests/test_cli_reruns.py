@@ -65,6 +65,30 @@ def test_earlier_results_of_other_settings_are_not_replaced_unasked(command, tmp
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before and marker.name in before
 
 
+def test_a_merged_or_retimed_comparison_is_replaced_by_a_rerun_of_its_settings(tmp_path, tiny_model_dir, capsys):
+    """A merged comparison holds its ``parts`` and ``scripts/retime_selector_ops.py`` adds ``op_ms_remeasured``: a rerun
+    of the very settings was refused naming them, their environments in the line (hundreds of characters), and a
+    rerun of other selectors named ``parts`` rather than the selectors (found by probing reruns into merged folders).
+    They say how the comparison was made, not what it compares."""
+    import json
+
+    base = ["compare-selectors", "--model", str(tiny_model_dir), "--context", "200", "--support", "97"]
+    base += ["--prompts", "1", "--tokens", "3"]
+    a, b, merged = tmp_path / "a", tmp_path / "b", tmp_path / "m"
+    assert main([*base, "--selectors", "streaming", "--out", str(a)]) == 0
+    assert main([*base, "--selectors", "random-blocks", "--out", str(b)]) == 0
+    assert main(["merge", str(a), str(b), "--out", str(merged)]) == 0
+    capsys.readouterr()
+    err = one_line_exit_2([*base, "--selectors", "streaming", "--out", str(merged)], capsys)
+    assert "of other settings (selectors: ['streaming', 'random-blocks'] there, ['streaming'] now)" in err, err
+    data = json.loads((merged / "selectors.json").read_text())
+    data["settings"]["op_ms_remeasured"] = {"by": "scripts/retime_selector_ops.py", "environment": {"threads": 2}}
+    (merged / "selectors.json").write_text(json.dumps(data))
+    assert main([*base, "--selectors", "streaming,random-blocks", "--out", str(merged)]) == 0, capsys.readouterr().err
+    settings = json.loads((merged / "selectors.json").read_text())["settings"]
+    assert "parts" not in settings and "op_ms_remeasured" not in settings
+
+
 def test_probe_mass_leaves_no_maps_without_the_mass_json_listing_them(tmp_path, tiny_model_dir, capsys, monkeypatch):
     """An interrupted probe mass left its first heat maps and no mass.json; a later run of other settings was then
     accepted and the folder mixed two runs. Now the maps are written after every probe (an interrupt leaves the folder

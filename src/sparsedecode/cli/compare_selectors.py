@@ -12,8 +12,13 @@ from .backend import add_backend_args, check_backend_args, executor
 from .conditions import environment, plain_layers
 from .display import console, plain, progress_bars
 from .loading import check_one_support_per_budget, check_whole_blocks, load
-from .outputs import check_output_folder, check_replaced_alike, inputs_of
+from .outputs import VOLATILE, check_output_folder, check_replaced_alike, inputs_of
 from .parser import add_dense_layers_arg, add_model_args, layer_budget
+
+HOW_MADE = (*VOLATILE, "parts", "op_ms_remeasured")
+"""Settings of ``selectors.json`` that say how a comparison was made, not what it compares: the folders a ``merge``
+joined (``parts``) and a re-measurement of its op times (``scripts/retime_selector_ops.py``). A rerun of the same
+settings replaces such a comparison, as any other; a rerun of other settings is refused naming the one that differs."""
 
 
 def add_parsers(sub) -> None:
@@ -83,7 +88,7 @@ def cmd_compare_selectors(args) -> int:
     check_backend_args(args)
     written = ("selectors.md", "selectors.csv", "selectors.json")
     check_output_folder(args.out, inputs=inputs_of(args), files=written, results="selectors.json")
-    check_replaced_alike(args.out, "selectors.json", _settings(args, chosen, None, machine=False))
+    check_replaced_alike(args.out, "selectors.json", _settings(args, chosen, None, machine=False), volatile=HOW_MADE)
     model, tokenizer = load(args)
     from ..experiments.corpus import check_context_fits
     from ..experiments.selector_comparison import ANSWER_TOKENS, compare_selectors
