@@ -121,6 +121,33 @@ def test_probe_mass_leaves_no_maps_without_the_mass_json_listing_them(tmp_path, 
     assert sorted(p.name for p in out.iterdir()) == ["mass-c200-s113.npz", "mass-c200-s113.png", "mass.json"]
 
 
+def test_an_interrupted_rerun_of_probe_mass_keeps_the_maps_its_mass_json_lists(tmp_path, tiny_model_dir, monkeypatch):
+    """A rerun of the same settings interrupted while writing its maps removed the maps it had rewritten, which the
+    earlier mass.json still listed: the folder named heat maps it no longer held (found reading its clean-up).
+    A rerun's maps replace the listed ones, so they stay."""
+    import json
+
+    from sparsedecode.cli import probe
+
+    out = tmp_path / "pm"
+    args = ["probe", "mass", "--model", str(tiny_model_dir), "--context", "200", "--tokens", "3", "--out", str(out)]
+    args += ["--support", "97,113"]
+    assert main(args) == 0
+    original, calls = probe._write_maps, []
+
+    def interrupted(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return original(*a, **k)
+
+    monkeypatch.setattr(probe, "_write_maps", interrupted)
+    assert main(args) == 130  # interrupted while writing the second map
+    listed = [row["png"] for row in json.loads((out / "mass.json").read_text())["results"]]
+    assert listed == ["mass-c200-s97.png", "mass-c200-s113.png"]
+    assert all((out / name).is_file() and (out / name).with_suffix(".npz").is_file() for name in listed)
+
+
 def test_a_sweep_or_evaluation_refuses_rows_of_other_weights_under_the_same_name(tmp_path, capsys, monkeypatch):
     """A checkpoint folder replaced in place between two sweep runs merged rows of two models silently (only the
     model's name was recorded); its weights' fingerprint is now recorded and compared."""

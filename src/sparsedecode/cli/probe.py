@@ -99,11 +99,12 @@ def cmd_probe_mass(args) -> int:
     check_output_folder(args.out, inputs=inputs_of(args), files=written, results="mass.json")
     check_replaced_alike(args.out, "mass.json", run_settings(args, "probe mass", machine=False))  # no stale maps
     _check_no_unlisted_maps(args.out)
+    replacing = (args.out / "mass.json").is_file()  # a rerun of the same settings: the same maps, rewritten
     made: list[Path] = []
     try:
         return _probe_mass(args, made)
     except BaseException:  # an error or an interrupt: no maps left without the mass.json listing them
-        for path in made:
+        for path in made if not replacing else ():  # (a rerun's replace the maps the earlier mass.json lists)
             path.unlink(missing_ok=True)
         raise
 
