@@ -195,6 +195,21 @@ def test_report_says_how_much_of_the_grid_a_partial_sweep_covers(sweep_dir, tmp_
     assert "3 of the 8 runs of the grid" in text and "missing runs were not measured" in text
 
 
+def test_the_retrieval_command_keeps_every_digit_of_a_depth():
+    """The command a retrieval report prints wrote depths to six digits (``f"{d:g}"``): ``--depths 0.1234567`` came
+    back as 0.123457, another probe, which its folder then refused as other settings (found reading it)."""
+    import shlex
+
+    from sparsedecode.cli import build_parser
+    from sparsedecode.cli.probe import _check_retrieval_args, _retrieval_command
+    from sparsedecode.experiments.specs import RetrievalSpec
+
+    spec = RetrievalSpec(model="m", contexts=(300,), depths=(0.0, 0.1234567, 0.5, 1.0), trials=1, supports=(97,))
+    command = _retrieval_command(spec, "out")
+    assert "--depths 0,0.1234567,0.5,1 " in command
+    assert _check_retrieval_args(build_parser().parse_args(shlex.split(command)[1:])) == spec
+
+
 def test_by_selector_totals_and_tolerance_per_selector():
     rows = ROWS + [{**r, "selector": "streaming", "delta_ppl_percent": 2 * r["delta_ppl_percent"]} for r in ROWS[3:]]
     table = summary.by_selector(rows)

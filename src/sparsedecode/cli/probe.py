@@ -169,6 +169,13 @@ def _write_maps(args, context: int, probe, made: list[Path]) -> dict:
             "seconds": probe.seconds}  # fmt: skip
 
 
+def _depth(depth: float) -> str:
+    """A depth as ``--depths`` takes it back: short (``0.5``, ``1``) where that is the same number, else every digit
+    (``f"{d:g}"`` keeps six: 0.1234567 would come back as another depth)."""
+    short = f"{depth:g}"
+    return short if float(short) == depth else repr(float(depth))
+
+
 def _retrieval_command(spec, out: Path) -> str:
     """The ``sparsedecode probe retrieval`` command line that reproduces ``spec`` into ``out``."""
     from ..experiments.specs import RetrievalSpec
@@ -177,7 +184,7 @@ def _retrieval_command(spec, out: Path) -> str:
     default = RetrievalSpec(model=spec.model)
     parts = [
         f"sparsedecode probe retrieval --model {shell_word(spec.model)} --dtype {spec.dtype} "
-        f"--context {','.join(map(str, spec.contexts))} --depths {','.join(f'{d:g}' for d in spec.depths)} "
+        f"--context {','.join(map(str, spec.contexts))} --depths {','.join(map(_depth, spec.depths))} "
         f"--trials {spec.trials} --support {','.join(map(str, spec.supports))} --haystack {shell_word(spec.haystack)}"
     ]
     parts += changed_flags(
