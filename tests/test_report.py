@@ -195,6 +195,30 @@ def test_report_says_how_much_of_the_grid_a_partial_sweep_covers(sweep_dir, tmp_
     assert "3 of the 8 runs of the grid" in text and "missing runs were not measured" in text
 
 
+def test_an_interrupted_report_leaves_the_earlier_report_as_it_was(sweep_dir, tmp_path, monkeypatch):
+    """A report of a folder whose runs had grown, interrupted (Ctrl-C, SIGTERM) while drawing its plots, left its new
+    tables beside the earlier report.md and plots (an error restored them; an interrupt did not). Found reading
+    write_report. Now an interrupt restores them as an error does, and the command exits 130."""
+    from sparsedecode.reports import plots
+
+    folder = tmp_path / "grown"
+    folder.mkdir()
+    (folder / "sweep.json").write_bytes((sweep_dir / "sweep.json").read_bytes())
+    lines = (sweep_dir / RUNS_FILE).read_text().splitlines(keepends=True)
+    (folder / RUNS_FILE).write_text("".join(lines[:3]))
+    assert main(["report", str(folder)]) == 0
+    before = {path.name: path.read_bytes() for path in folder.iterdir()}
+    (folder / RUNS_FILE).write_text("".join(lines))  # the sweep resumed: every run now
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(plots, "first_divergence_histogram", interrupted)
+    assert main(["report", str(folder)]) == 130
+    after = {path.name: path.read_bytes() for path in folder.iterdir() if path.name != RUNS_FILE}
+    assert after == {name: data for name, data in before.items() if name != RUNS_FILE}
+
+
 def test_the_retrieval_command_keeps_every_digit_of_a_depth():
     """The command a retrieval report prints wrote depths to six digits (``f"{d:g}"``): ``--depths 0.1234567`` came
     back as 0.123457, another probe, which its folder then refused as other settings (found reading it)."""

@@ -184,7 +184,7 @@ def write_report(directory: Path, *, retrieval: Path | None = None) -> Path:
         if retrieval is not None:
             source = Path(retrieval)
             out += retrieval_section(directory, data)
-    except Exception as error:
+    except BaseException as error:  # an interrupt too (Ctrl-C, SIGTERM): no report.md beside another report's tables
         for path in set(directory.iterdir()) - before:  # the CSVs and plots written so far: nothing half-done
             if path.is_file():
                 path.unlink()
