@@ -265,6 +265,29 @@ def test_report_renders_an_eval_folder(loaded, tmp_path):
     assert accuracy[0].startswith("task,context,selector,support,samples,score,correct") and len(accuracy) == 1 + 6
 
 
+def test_an_interrupted_eval_report_leaves_the_earlier_report_as_it_was(loaded, tmp_path, monkeypatch):
+    """An evaluation report wrote its CSVs, then drew its heat map: an error or an interrupt there left the new
+    tables beside the earlier report.md and plot. Now the folder is as it was (as the sweep's report does)."""
+    from sparsedecode.reports import plots
+    from sparsedecode.reports.evaluation import write_eval_report
+
+    folder = tmp_path / "e"
+    run_eval(small_spec(tasks=TWO_TASKS, samples=1), folder, loaded=loaded)
+    rows = (folder / RUNS_FILE).read_text().splitlines(keepends=True)
+    (folder / RUNS_FILE).write_text("".join(rows[: len(rows) // 2]))
+    write_eval_report(folder)
+    before = {path.name: path.read_bytes() for path in folder.iterdir() if path.name != RUNS_FILE}
+    (folder / RUNS_FILE).write_text("".join(rows))  # the evaluation resumed: every run now
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(plots, "heatmap", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_eval_report(folder)
+    assert {path.name: path.read_bytes() for path in folder.iterdir() if path.name != RUNS_FILE} == before
+
+
 def test_cli_runs_export_merge_and_report_of_eval_folders(model_dir, tmp_path, capsys):
     """`sparsedecode eval`, and `merge` / `report` branching to evaluation folders, through the real CLI."""
     from sparsedecode.cli import main

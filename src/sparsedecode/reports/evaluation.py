@@ -19,7 +19,7 @@ from ..experiments.ruler import TASKS
 from ..files import write_text_atomic
 from .environment import environment_lines
 from .sweep import REPORT_FILE
-from .tables import changed_flags, code, markdown_table, shard_flags, shell_word, write_csv
+from .tables import changed_flags, code, markdown_table, restored_on_failure, shard_flags, shell_word, write_csv
 
 EXAMPLES = 20
 """Regressions shown in the Markdown (all of them are in ``regressions.csv``)."""
@@ -74,21 +74,21 @@ def write_eval_report(directory: Path) -> Path:
     accuracy = summary.accuracy(rows)
     paired = summary.paired(rows)
     regressions = summary.regressions(rows)
-    write_csv(directory / "accuracy.csv", accuracy)
-    write_csv(directory / "paired.csv", paired)
-    write_csv(directory / "regressions.csv", regressions)
-
-    table, matrix = _accuracy_table(rows, accuracy)
-    out = [
-        *_conditions_lines(directory, meta, spec, rows),
-        *table,
-        *_paired_lines(paired),
-        *_dense_fails_lines(rows),
-        *_dense_imperfect_lines(rows),
-        *_regression_lines(regressions, paired),
-        *_heatmap_lines(directory, spec, rows, matrix),
-        *_caveat_lines(spec),
-    ]
+    with restored_on_failure(directory):  # a failure or an interrupt leaves the folder's earlier report whole
+        write_csv(directory / "accuracy.csv", accuracy)
+        write_csv(directory / "paired.csv", paired)
+        write_csv(directory / "regressions.csv", regressions)
+        table, matrix = _accuracy_table(rows, accuracy)
+        out = [
+            *_conditions_lines(directory, meta, spec, rows),
+            *table,
+            *_paired_lines(paired),
+            *_dense_fails_lines(rows),
+            *_dense_imperfect_lines(rows),
+            *_regression_lines(regressions, paired),
+            *_heatmap_lines(directory, spec, rows, matrix),
+            *_caveat_lines(spec),
+        ]
     path = directory / REPORT_FILE
     write_text_atomic(path, "\n".join(out))
     return path

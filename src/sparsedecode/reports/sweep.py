@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..errors import SparseDecodeError
 from ..experiments.sweep import RUNS_FILE, SPEC_FILE, load_sweep
-from ..files import atomic_path, write_text_atomic
+from ..files import write_text_atomic
 from .findings import REFERENCE
 from .retrieval import retrieval_section
 from .selector_comparison import (
@@ -33,7 +33,7 @@ from .selector_comparison import (
     write_selector_comparison,
 )
 from .survival import sweep_command, sweep_section
-from .tables import write_csv
+from .tables import restored_on_failure, write_csv
 
 __all__ = [
     "CAVEATS",
@@ -174,24 +174,16 @@ def write_report(directory: Path, *, retrieval: Path | None = None) -> Path:
         meta, rows = load_sweep(directory)
     if retrieval is not None:
         data = read_retrieval(Path(retrieval))
-    before = set(directory.iterdir())
-    kept = {path: path.read_bytes() for path in before if path.suffix in {".csv", ".png"} and path.is_file()}
-    stamps = {path: _stamp(path) for path in kept}
     source = directory / RUNS_FILE
     try:
-        if has_sweep:
-            out += sweep_section(directory, meta, rows)
-        if retrieval is not None:
-            source = Path(retrieval)
-            out += retrieval_section(directory, data)
-    except BaseException as error:  # an interrupt too (Ctrl-C, SIGTERM): no report.md beside another report's tables
-        for path in set(directory.iterdir()) - before:  # the CSVs and plots written so far: nothing half-done
-            if path.is_file():
-                path.unlink()
-        for path, data in kept.items():  # and those of an earlier report, as they were
-            if not path.is_file() or path.read_bytes() != data:
-                with atomic_path(path) as tmp:
-                    tmp.write_bytes(data)
+        with restored_on_failure(directory) as kept:
+            stamps = {path: _stamp(path) for path in kept}
+            if has_sweep:
+                out += sweep_section(directory, meta, rows)
+            if retrieval is not None:
+                source = Path(retrieval)
+                out += retrieval_section(directory, data)
+    except BaseException as error:  # the folder is as it was (an interrupt too)
         if isinstance(error, SparseDecodeError) or not isinstance(error, _MALFORMED):
             raise
         raise SparseDecodeError(

@@ -6,15 +6,17 @@ table and a CSV of result rows, shared by the sweep, retrieval and evaluation re
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 import math
 import re
 import shlex
+from collections.abc import Iterator
 from pathlib import Path
 
-from ..files import write_text_atomic
+from ..files import atomic_path, write_text_atomic
 
 
 def _number(value, digits: int | None, sign: str = "") -> str:
@@ -111,3 +113,22 @@ def write_csv(path: Path, rows: list[dict]) -> Path:
         writer.writerow({k: json.dumps(v) if isinstance(v, (list, tuple, dict)) else v for k, v in row.items()})
     write_text_atomic(path, text.getvalue())
     return path
+
+
+@contextlib.contextmanager
+def restored_on_failure(directory: Path) -> Iterator[dict[Path, bytes]]:
+    """Yields the folder's CSVs and plots as they were; when the block raises (an interrupt too: Ctrl-C, SIGTERM) the
+    files written since are removed and those put back, so no report's tables stand beside another report.md."""
+    before = set(directory.iterdir())
+    kept = {path: path.read_bytes() for path in before if path.suffix in {".csv", ".png"} and path.is_file()}
+    try:
+        yield kept
+    except BaseException:
+        for path in set(directory.iterdir()) - before:  # the CSVs and plots written so far: nothing half-done
+            if path.is_file():
+                path.unlink()
+        for path, data in kept.items():  # and those of an earlier report, as they were
+            if not path.is_file() or path.read_bytes() != data:
+                with atomic_path(path) as tmp:
+                    tmp.write_bytes(data)
+        raise
