@@ -474,3 +474,17 @@ def test_bench_e2e_batch_checks_every_repeat_against_batch_one(monkeypatch):
     assert calls == {"eager": 4, "compiled": 4}, "each batched mode ran twice"
     flagged = {(r.batch, r.mode, r.cache) for r in rows if not r.tokens_equal_to_batch1}
     assert flagged == {(2, "dense", "growing"), (2, "dense", "static, compiled")}
+
+
+def test_h2o_in_a_padded_batch_on_a_sliding_window_model_names_the_cause():
+    """Found by probing: a sliding-window layer's cache shifts by the padded batch's length, so a shorter row's H2O
+    history no longer lines up with it; the refusal told to run the prefill inside the session (which it was) and
+    now names this cause and the way out. Each prompt alone decodes."""
+    from conftest import tiny_family
+
+    model = tiny_family("mistral", sliding_window=128)
+    cfg = SparseConfig(support=97, selector="h2o")
+    prompts = [prompt(100, seed=4), prompt(90, seed=5)]
+    assert all(len(sd.generate(model, p, cfg, 30, mode="sparse").tokens) == 30 for p in prompts)
+    with pytest.raises(SparseDecodeError, match="sliding-window layer shifted a padded batch's cache"):
+        sd.generate(model, prompts, cfg, 30, mode="sparse")

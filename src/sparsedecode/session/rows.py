@@ -42,7 +42,8 @@ def _check_history(selector, state: LayerState) -> None:
         )
     raise SparseDecodeError(
         needs + "this session did not see the forwards that filled part of the cache, or the cache was reordered "
-        "(beam search reorders it at every step, a history it cannot follow): run the prefill inside the "
+        "(beam search reorders it at every step, a history it cannot follow), or a sliding-window layer shifted a "
+        "padded batch's cache (decode its prompts one at a time): run the prefill inside the "
         "sparse_decoding session, or give the session its history with session.adopt_history(cache, history); "
         "beam search needs another selector"
     )
