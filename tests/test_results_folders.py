@@ -212,7 +212,10 @@ def test_a_comparison_merged_into_a_folder_of_another_keeps_that_ones_selectors(
     kept = [run["sparse_tokens"] for run in merged["runs"] if run["selector"] == "random-blocks"]
     assert kept == [run["sparse_tokens"] for run in held["runs"]]
     assert main(["merge", str(comparisons / "a"), "--out", str(third)]) == 2  # quest is in --out already
-    assert "already in an earlier folder" in capsys.readouterr().err
+    assert f"already in --out {third}, which a merge keeps (give another --out" in capsys.readouterr().err
+    before = (third / "selectors.json").read_bytes()  # merging the same sources into it again: refused, named so
+    assert main(["merge", str(comparisons / "a"), str(comparisons / "b"), "--out", str(third)]) == 2
+    assert "which a merge keeps" in capsys.readouterr().err and (third / "selectors.json").read_bytes() == before
 
 
 def test_merging_a_merged_comparison_keeps_the_parts_it_was_merged_from(

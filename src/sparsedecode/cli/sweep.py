@@ -231,10 +231,11 @@ def _merge_comparisons(args) -> int:
     from ..reports.sweep import write_selector_comparison
 
     check_output_folder(args.out, files=("selectors.md", "selectors.csv", "selectors.json"), results="selectors.json")
-    sources = list(args.sources)
+    sources, kept = list(args.sources), None
     if is_comparison_folder(args.out) and args.out.resolve() not in {source.resolve() for source in sources}:
         sources.insert(0, args.out)  # kept, not replaced unasked: as a sweep merge keeps the rows of its --out
-    data = merge_comparisons(sources)  # everything checked and built before anything is written
+        kept = args.out
+    data = merge_comparisons(sources, out=kept)  # everything checked and built before anything is written
     path = write_selector_comparison(args.out, data)
     console.print(
         f"merged {len(sources)} comparison(s) into {plain(path)}: {len(data['settings']['selectors'])} selectors, "

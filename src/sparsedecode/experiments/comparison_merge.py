@@ -60,8 +60,9 @@ def _parts_of(settings: dict) -> list[dict]:
     return [part]
 
 
-def merge_comparisons(folders: list[Path]) -> dict:
-    """One comparison document (``selectors.json``'s content, summary rebuilt) of ``folders``' runs and trials."""
+def merge_comparisons(folders: list[Path], *, out: Path | None = None) -> dict:
+    """One comparison document (``selectors.json``'s content, summary rebuilt) of ``folders``' runs and trials;
+    ``out``: the first folder when it is the merge's ``--out``, kept rather than replaced (named so in a refusal)."""
     if len(folders) < 2:
         raise SparseDecodeError("give at least two selector comparison folders to merge")
     docs = [(Path(folder), named_as_today(read_comparison(folder))) for folder in folders]  # each checked whole first
@@ -78,9 +79,13 @@ def merge_comparisons(folders: list[Path]) -> dict:
             )
         again = [name for name in these["selectors"] if name in selectors]
         if again:
+            held = [name for name in again if out is not None and name in docs[0][1]["settings"]["selectors"]]
+            where = (
+                f"--out {out}, which a merge keeps (give another --out, or remove it)" if held else "an earlier folder"
+            )
             raise SparseDecodeError(
-                f"{folder}: selector(s) {', '.join(again)} are already in an earlier folder; "
-                "merge comparisons of different selectors"
+                f"{folder}: selector(s) {', '.join(again)} are already in {where}; merge comparisons of different "
+                "selectors"
             )
         selectors += these["selectors"]
         for run in data["runs"]:
