@@ -625,3 +625,18 @@ def test_a_selector_writing_into_the_scores_it_returned_changes_nothing():
     queries, keys = torch.randn(4, 16), torch.randn(2, 400, 16)
     picked = [select_support(queries, keys, support=97, method=s()) for s in (Budgeted, RewritesItsScores)]
     assert all(torch.equal(a, b) for a, b in zip(*picked))
+
+
+@pytest.mark.parametrize("rule, statistics", [("mean-dot", ("min", "max")), ("max-dot", ("mean",))])
+def test_a_kernel_scoring_the_kernels_cannot_serve_is_refused_in_one_line(rule, statistics):
+    """A class claiming the kernels' mean-dot scoring over statistics without block means (or a rule the kernels do
+    not know) reached the C kernel, which failed with a message about centroid storage naming no selector."""
+
+    @dataclass(frozen=True)
+    class Claims(sd.BlockSelector):
+        def score_blocks(self, queries, stats, layout):
+            return stats[self.statistics[0]].sum(-1)
+
+    Claims.statistics, Claims.kernel_scoring = statistics, rule
+    with pytest.raises(SparseDecodeError, match="selector class Claims: kernel_scoring"):
+        select_support(torch.randn(4, 8), torch.randn(2, 300, 8), support=97, method=Claims())

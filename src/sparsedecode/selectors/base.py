@@ -329,4 +329,10 @@ def check_selector_class(cls: object) -> type[Selector]:
         raise SparseDecodeError(f"selector class {cls.__name__}: uses_history is for token selectors")
     if cls.statistics and issubclass(cls, TokenSelector):
         raise SparseDecodeError(f"selector class {cls.__name__}: statistics are for block selectors")
+    if cls.kernel_scoring is not None and (cls.kernel_scoring != "mean-dot" or "mean" not in cls.statistics):
+        raise SparseDecodeError(
+            f"selector class {cls.__name__}: kernel_scoring {cls.kernel_scoring!r} is not a rule the kernels know "
+            "over its statistics (only 'mean-dot', over statistics holding 'mean'); leave it None to be scored by "
+            "its own score_blocks"
+        )
     return cls
