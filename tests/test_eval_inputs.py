@@ -333,6 +333,11 @@ def test_a_folder_listed_twice_counts_its_rows_as_duplicates(finished, tmp_path,
 def test_report_on_a_folder_without_results_names_every_kind(tmp_path, capsys):
     err = one_line_exit_2(["report", str(tmp_path)], capsys)
     assert "holds neither a sweep (sweep.json), an evaluation (eval.json), retrieval results" in err
+    assert "probe mass" not in err
+    (tmp_path / "mass.json").write_text("{}")  # a probe mass folder: said so, not only what it lacks
+    assert "a probe mass folder: its mass.json and heat maps are its results" in one_line_exit_2(
+        ["report", str(tmp_path)], capsys
+    )
 
 
 def _report_of(folder: Path, rows: list[dict]) -> str:

@@ -165,9 +165,11 @@ def write_report(directory: Path, *, retrieval: Path | None = None) -> Path:
     if not has_sweep and retrieval is None and (directory / SELECTORS_FILE).exists():
         return write_selector_comparison(directory)
     if not has_sweep and retrieval is None:
+        mass = " (a probe mass folder: its mass.json and heat maps are its results, which report does not render)"
         raise SparseDecodeError(
             f"{directory} holds neither a sweep ({SPEC_FILE}), an evaluation (eval.json), retrieval results "
             f"({RETRIEVAL_FILE}) nor a selector comparison ({SELECTORS_FILE})"
+            + (mass if (directory / "mass.json").is_file() else "")
         )
     out: list[str] = []
     if has_sweep:  # read and check every input before writing anything
