@@ -353,6 +353,8 @@ def test_unknown_arguments_are_named_with_their_command(argv, named, capsys):
         (["probe", "mass", "--context", "300", "--support", "97", "--out", "{f}"], "mass-c300-s97.png/", "a folder"),
         (["probe", "retrieval", "--out", "{f}"], "retrieval.json/", "it is a folder"),
         (["sweep", "--out", "{f}"], "runs.jsonl/", "it is a folder"),
+        (["sweep", "--out", "{f}"], ".lock/", "it is a folder"),  # was refused only once the model had loaded
+        (["eval", "--out", "{f}"], ".lock/", "it is a folder"),
         (["report", "{f}"], "report.md/", "is not a regular file"),
         (
             ["run", "--audit", "--context", "300", "--support", "97", "--json", "{f}/o.json"],

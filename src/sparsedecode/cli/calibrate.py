@@ -14,10 +14,19 @@ from .backend import add_backend_args, check_backend_args, executor
 from .conditions import environment
 from .display import console, plain, progress_bars
 from .loading import check_whole_blocks, load
-from .outputs import check_output_folder, inputs_of
+from .outputs import LOCK, check_output_folder, inputs_of
 from .parser import add_model_args
 
-WRITTEN = ("study.db", "budget.json", "calibration.json", "calibration.md", "trials.csv", "front.png", "supports.png")
+WRITTEN = (
+    "study.db",
+    "budget.json",
+    "calibration.json",
+    "calibration.md",
+    "trials.csv",
+    "front.png",
+    "supports.png",
+    LOCK,
+)
 
 
 def target_arg(text: str):
