@@ -17,7 +17,11 @@ from pathlib import Path
 
 from .errors import naming
 
-__all__ = ["atomic_path", "write_json_atomic", "write_target", "write_text_atomic"]
+__all__ = ["LOCK_FILE", "atomic_path", "write_json_atomic", "write_target", "write_text_atomic"]
+
+LOCK_FILE = ".lock"
+"""The file a results folder's one writer holds locked (:func:`sparsedecode.experiments.sweep_folder.locked`);
+named here, where the command line's checks read it without importing torch."""
 
 
 def write_target(path: Path) -> Path:

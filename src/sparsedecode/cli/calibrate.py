@@ -9,12 +9,13 @@ import sys
 from rich.table import Table
 
 from ..errors import SparseDecodeError
+from ..files import LOCK_FILE
 from .arguments import int_list, path_arg, selector_arg
 from .backend import add_backend_args, check_backend_args, executor
 from .conditions import environment
 from .display import console, plain, progress_bars
 from .loading import check_whole_blocks, load
-from .outputs import LOCK, check_output_folder, inputs_of
+from .outputs import check_output_folder, inputs_of
 from .parser import add_model_args
 
 WRITTEN = (
@@ -25,7 +26,7 @@ WRITTEN = (
     "trials.csv",
     "front.png",
     "supports.png",
-    LOCK,
+    LOCK_FILE,
 )
 
 

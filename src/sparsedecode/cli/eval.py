@@ -18,11 +18,12 @@ import sys
 from pathlib import Path
 
 from ..errors import SparseDecodeError
+from ..files import LOCK_FILE
 from .arguments import comma_list, path_arg, selector_list, shard_arg
 from .backend import add_backend_args, check_backend_args, executor
 from .display import plain, run_hooks
 from .loading import check_one_support_per_budget, check_whole_blocks, load, quiet_transformers
-from .outputs import LOCK, check_output_folder, inputs_of
+from .outputs import check_output_folder, inputs_of
 from .parser import add_dense_layers_arg, layer_budget
 
 LM_EVAL_COMMAND = "lm-eval"
@@ -174,7 +175,7 @@ def _check_eval_args(args):
     else:
         check_backend_args(args)
         check_output_folder(
-            args.out, inputs=inputs_of(args), files=("eval.json", "runs.jsonl", LOCK), results="eval.json"
+            args.out, inputs=inputs_of(args), files=("eval.json", "runs.jsonl", LOCK_FILE), results="eval.json"
         )
     check_corpus(spec.corpus)
     return spec

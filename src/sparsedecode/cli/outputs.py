@@ -18,7 +18,6 @@ from ..files import atomic_path, write_target
 from ..files import write_json_atomic as write_json
 
 __all__ = [
-    "LOCK",
     "atomic_path",
     "MADE_FOLDERS",
     "inputs_of",
@@ -29,10 +28,6 @@ __all__ = [
     "check_writable_folder",
     "write_json",
 ]
-
-LOCK = ".lock"
-"""The lock file a folder's one writer holds (``experiments.sweep_folder.LOCK_FILE``, named here without importing
-it: no torch on argument errors); a folder of that name is refused with the files the command writes."""
 
 
 def inputs_of(args) -> dict[str, str]:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import time
 
 from ..errors import SparseDecodeError
+from ..files import LOCK_FILE
 from .arguments import int_list, path_arg, selector_arg, selector_list, shard_arg
 from .backend import add_backend_args, check_backend_args, executor
 from .display import console, plain, progress_bars, run_hooks
 from .loading import check_one_support_per_budget, check_whole_blocks, load
-from .outputs import LOCK, check_output_folder, check_writable_folder, inputs_of
+from .outputs import check_output_folder, check_writable_folder, inputs_of
 from .parser import add_dense_layers_arg, add_model_args, layer_budget
 
 
@@ -184,7 +185,7 @@ def cmd_sweep(args) -> int:
     shard = Shard.parse(args.shard) if args.shard else None
     check_backend_args(args)
     check_output_folder(
-        args.out, inputs=inputs_of(args), files=("sweep.json", "runs.jsonl", LOCK), results="sweep.json"
+        args.out, inputs=inputs_of(args), files=("sweep.json", "runs.jsonl", LOCK_FILE), results="sweep.json"
     )
     meta = read_meta(args.out)  # another experiment's folder is refused here, before the model
     if meta is not None:  # refuse a changed spec before spending time on the model
@@ -252,11 +253,11 @@ def cmd_merge(args) -> int:
     from .eval import cmd_merge_eval, is_eval_folder
 
     if args.sources and is_eval_folder(args.sources[0]):
-        check_output_folder(args.out, files=("eval.json", "runs.jsonl", LOCK), results="eval.json")
+        check_output_folder(args.out, files=("eval.json", "runs.jsonl", LOCK_FILE), results="eval.json")
         return cmd_merge_eval(args, console=console)
     if args.sources and is_comparison_folder(args.sources[0]):
         return _merge_comparisons(args)
-    check_output_folder(args.out, files=("sweep.json", "runs.jsonl", LOCK), results="sweep.json")
+    check_output_folder(args.out, files=("sweep.json", "runs.jsonl", LOCK_FILE), results="sweep.json")
     outcome = merge_sweeps(args.sources, args.out)
     console.print(
         f"merged {len(args.sources)} folder(s) into {plain(args.out)}: {outcome.rows} runs, {outcome.duplicates} "

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SparseDecodeError
+from ..files import LOCK_FILE
 from .corpus import load_text
 from .fields import check_run_keys
 from .specs import Group, Spec, SweepSpec, adopt_stored
@@ -23,7 +24,6 @@ from .sweep_rows import key_of, read_rows
 
 SPEC_FILE = "sweep.json"
 RUNS_FILE = "runs.jsonl"
-LOCK_FILE = ".lock"
 
 
 def union_spec(specs: list[Spec]) -> Spec:
