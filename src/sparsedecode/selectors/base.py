@@ -196,6 +196,12 @@ class Selector:
         return query_heads if self.per_query_head else kv_heads
 
     @property
+    def kernel_scored(self) -> bool:
+        """Whether the kernels choose its blocks themselves: their ``mean-dot`` scoring (``kernel_scoring``), a fixed
+        budget and one support per KV head (an eager, planned or paged step alike; otherwise scored in torch)."""
+        return self.kernel_scoring == "mean-dot" and not self.adaptive and not self.per_query_head
+
+    @property
     def practical(self) -> bool:
         """Whether one could deploy it: every selector but those that read every key (the references)."""
         return not self.reads_every_key

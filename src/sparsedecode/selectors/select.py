@@ -107,8 +107,8 @@ def choose_blocks(
     is asked to check the scores' finiteness the torch path checks, except the C kernel, which does.
     """
     chosen = "torch"
-    if selector.kernel_scoring == "mean-dot" and not selector.adaptive and not selector.per_query_head:
-        chosen = kernels.selection_kernel(kernel, queries, keys, layout)  # one support per KV head, as plan_step
+    if selector.kernel_scored:
+        chosen = kernels.selection_kernel(kernel, queries, keys, layout)
     return choose_planned_blocks(selector, budget, cache, queries, keys, layout, chosen)
 
 
@@ -117,7 +117,7 @@ def choose_planned_blocks(
 ) -> BlockChoice:
     """:func:`choose_blocks` with the selection kernel already chosen (``"c"``, ``"triton"``; ``"torch"``, the only
     one for a selector the kernels do not score): what a planned step calls."""
-    if chosen != "torch" and selector.kernel_scoring == "mean-dot" and not selector.adaptive:
+    if chosen != "torch" and selector.kernel_scored:
         centroids = cache.update_all(keys, layout.n_full)["mean"]
         return BlockChoice(kernels.select_mean_pooled(chosen, queries, keys, centroids, layout, budget))
     return blocks_from(selector, budget, block_scores(selector, cache, queries, keys, layout), layout)

@@ -71,7 +71,7 @@ def _plan(cfg: SparseConfig, q: torch.Tensor, keys: torch.Tensor, values: torch.
     if selector.per_query_head:  # scored in torch; the kernel attends once per member of a KV group (reference.py)
         return StepPlan("torch" if selector.adaptive else attend, "torch", False)
     select = "torch"
-    if selector.kernel_scoring == "mean-dot" and not selector.adaptive:
+    if selector.kernel_scored:
         # the C kernel attending serves these tensors, so it serves their selection (which needs less of them)
         select = "c" if attend == "c" else kernels.selection_kernel(cfg.kernel, q, keys, layout)
     return StepPlan(attend, select, attend == "c" and not selector.adaptive)

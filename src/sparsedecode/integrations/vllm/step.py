@@ -84,8 +84,7 @@ def batched(cfg: SparseConfig, stats: PageStatistics | None) -> bool:
     (``mean-dot``, the mean-pooled selector's, over the pages' mean statistics), a fixed budget, one support per KV
     head. The blocks are those of :func:`row_support` (a test compares them)."""
     selector = cfg.selector
-    return (selector.kernel_scoring == "mean-dot" and not selector.adaptive and not selector.per_query_head
-            and not selector.token_level and stats is not None and "mean" in stats.pieces)  # fmt: skip
+    return selector.kernel_scored and not selector.token_level and stats is not None and "mean" in stats.pieces
 
 
 def mean_dot_blocks(cfg: SparseConfig, stats: PageStatistics, queries, tables, lengths) -> torch.Tensor:
