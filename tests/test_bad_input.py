@@ -730,8 +730,8 @@ def test_a_malformed_sweep_folder_is_one_line_naming_the_file(tmp_path, capsys, 
         ({"scale": 0.0}, "scale must be a positive finite number"),
         ({"scale": float("nan")}, "scale must be a positive finite number"),
         ({"scale": "0.25"}, "scale must be a positive finite number"),
-        ({"layer": -1}, "layer must be a whole number"),
-        ({"layer": 1.0}, "layer must be a whole number"),
+        ({"layer": -1}, "layer must be an integer >= 0"),
+        ({"layer": 1.0}, "layer must be an integer >= 0"),
     ],
 )
 def test_select_support_refuses_a_bad_scale_or_layer(kwargs, message):

@@ -18,7 +18,7 @@ import torch
 from .. import kernels
 from ..errors import SparseDecodeError
 from ..layout import BlockLayout, budget_blocks, check_budget, check_seed, support_positions
-from ..validate import check_finite
+from ..validate import check_count, check_finite
 from .base import BlockSelector, Selector, TokenSelector
 from .calls import call_selector, checked_scores, scores_from, support_rows
 from .ops import token_index, top_blocks, top_positions
@@ -262,8 +262,7 @@ def _check_scale_and_layer(scale, layer) -> None:
         ok = isinstance(scale, numbers.Real) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0
         if not ok:
             raise SparseDecodeError(f"scale must be a positive finite number or None; got {scale!r}")
-    if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
-        raise SparseDecodeError(f"layer must be a whole number >= 0; got {layer!r}")
+    check_count(layer, "layer", 0)
 
 
 def step_layout(cfg, layout: BlockLayout, scale=None, salt=None) -> BlockLayout:
