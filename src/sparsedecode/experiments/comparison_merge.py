@@ -79,7 +79,7 @@ def merge_comparisons(folders: list[Path], *, out: Path | None = None) -> dict:
             )
         again = [name for name in these["selectors"] if name in selectors]
         if again:
-            held = [name for name in again if out is not None and name in docs[0][1]["settings"]["selectors"]]
+            held = out is not None and any(name in docs[0][1]["settings"]["selectors"] for name in again)
             where = (
                 f"--out {out}, which a merge keeps (give another --out, or remove it)" if held else "an earlier folder"
             )
