@@ -76,7 +76,7 @@ def test_a_nan_delta_ppl_gives_the_same_summary_in_any_order():
 
 def test_within_tolerance_and_warning_runs():
     tolerance = summary.within_tolerance(ROWS)
-    assert tolerance["conditions"] == 2 and tolerance["within"] == 1  # (2048, 193): median |ΔPPL| 2; (8192, 193): 8
+    assert tolerance["conditions"] == 2 and tolerance["within"] == 1  # (2048, 193): median ΔPPL +1; (8192, 193): +8
     assert tolerance["within_conditions"] == [(2048, 193, 1, "mean-pooled")]
     assert tolerance["outside_conditions"] == [(8192, 193, 1, "mean-pooled")]
     warnings = summary.warning_runs(ROWS)
@@ -90,6 +90,17 @@ def test_within_tolerance_and_warning_runs():
         (2048, 0),
         (8192, 0),
     ]
+
+
+def test_within_five_percent_is_the_median_of_the_signed_changes():
+    """The reference study counts conditions whose median ΔPPL is within 5% of dense (the band the plot draws around
+    the medians); the count used the median of |ΔPPL|, which calls -8, +1, +9 outside (its median size is 8)."""
+    mixed = [row(4096, p, 385, 10, 90.0, d) for p, d in enumerate((-8.0, 1.0, 9.0))]
+    shifted = [row(4096, p, 769, 10, 90.0, d) for p, d in enumerate((-9.0, -6.0, 7.0))]
+    tolerance = summary.within_tolerance(mixed + shifted)
+    assert tolerance["within_conditions"] == [(4096, 385, 1, "mean-pooled")]
+    assert tolerance["outside_conditions"] == [(4096, 769, 1, "mean-pooled")]
+    assert summary.conditions(mixed)[0]["abs_delta_ppl_percent_median"] == 8.0
 
 
 def test_conditions_dense_by_construction_are_left_out_of_every_count():

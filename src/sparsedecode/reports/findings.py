@@ -40,7 +40,7 @@ def findings_lines(spec: SweepSpec, rows: list[dict], dense: list[dict]) -> list
         f"decoding for all {spec.tokens} tokens (reference: 0 of 60); median first divergence "
         f"{format_value(overview['first_divergence_median'])} (runs that never diverge count as {spec.tokens}).",
         f"- **Perplexity**: {tolerance['within']} of the {tolerance['conditions']} conditions with S >= 193 have a "
-        f"median |ΔPPL| of at most 5% (reference: 7 of 9); largest ΔPPL of any run "
+        f"median ΔPPL within ±5% (reference: 7 of 9); largest ΔPPL of any run "
         f"{format_value(overview['max_delta_ppl_percent'], 2)}%.",
         f"- **Warning regime**: {overview['warning_runs']} run(s) have teacher-forced match below 70%, from "
         f"{len(overview['warning_runs_prompts'])} (context, prompt) pair(s); "

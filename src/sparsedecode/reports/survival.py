@@ -121,7 +121,7 @@ def _selector_lines(directory: Path, rows: list[dict]) -> list[str]:
         "",
         "All runs of each selector (every context, prompt, support and reuse interval) that take a sparse step, "
         "against the same dense references. Medians over runs; within 5% counts the selector's conditions with "
-        "S >= 193 whose median |ΔPPL| is at most 5%.",
+        "S >= 193 whose median ΔPPL lies within ±5%.",
         "",
         markdown_table(header + ["within 5% (S >= 193)", "TF < 70%"], table),
         "",
