@@ -310,6 +310,24 @@ def test_generate_compile_gives_generate_tokens_and_reuses_the_compiled_step(mon
     assert dense.tokens == generate(model, ids, None, 12, mode="dense").tokens
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "native"])
+def test_the_warm_up_step_is_not_counted(backend, monkeypatch):
+    """generate(compile=True) compiles with one step at the first decode position, which the decode writes again:
+    the tally counted it (30 sparse steps a layer for 29 taken), and dense_layers' steps as dense ones too."""
+    from sparsedecode.compiled import decoder as compiled
+
+    monkeypatch.setattr(compiled, "DEFAULT_BACKEND", backend)
+    model = tiny_model("llama")
+    ids, cfg = _prompt(6), SparseConfig(**SMALL_CFG, dense_layers=(0,) if backend == "aot_eager" else ())
+    generate(model, ids, cfg, 30, mode="sparse", compile=True)
+    tally = compiled.decoder_for(model, cfg, 1, PROMPT + 30).tally()
+    layers = model.config.num_hidden_layers
+    assert (tally["sparse_steps"], tally["dense_steps"]) == (
+        29 * (layers - len(cfg.dense_layers)),
+        29 * len(cfg.dense_layers),
+    )
+
+
 def test_lossless_compiled_equals_dense_and_the_sessions_lossless(path, monkeypatch):
     """Lossless with compile=True: the compiled sparse step drafts, the decoder's dense multi-token forward verifies,
     rejected drafts are dropped by moving the position back. Its tokens are dense greedy decoding's, and it drafts

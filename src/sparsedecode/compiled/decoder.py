@@ -137,9 +137,8 @@ class CompiledDecoder:
 
     Use it inside :meth:`installed`: :meth:`prefill` (dense, in chunks, eager) then :meth:`step` per token.
     ``tally()`` sums the layers' counts: sparse and dense row-steps (``dense_layers``' steps dense, as a session counts
-    them), positions read by sparse steps. ``form`` says
-    how the sparse step runs (:data:`~sparsedecode.compiled.op.FORMS`; by default the host's prepared C call on
-    the CPU, the host-free step on CUDA where it serves the selector)."""
+    them), positions read by sparse steps. ``form``: how the sparse step runs (:data:`~sparsedecode.compiled.op.FORMS`;
+    by default the host's prepared C call on the CPU, the host-free step on CUDA where it serves the selector)."""
 
     def __init__(
         self,
@@ -336,11 +335,14 @@ class CompiledDecoder:
 
     def warm_up(self, tokens: torch.Tensor) -> float:
         """Compile now if not yet (one step at the next position, which the next :meth:`step` writes again): the
-        seconds it took, 0 when the step was compiled already."""
+        seconds it took, 0 when the step was compiled already. The step it took is not counted in :meth:`tally`."""
         if self._warm:
             return 0.0
+        counted, dense_steps = [state.tally.clone() for state in self.states.values()], self._dense_steps
         self.step(tokens)
-        self.position -= 1
+        for state, before in zip(self.states.values(), counted):
+            state.tally.copy_(before)
+        self.position, self._dense_steps = self.position - 1, dense_steps
         return self.compile_s
 
     def resume(self, length: int) -> None:
