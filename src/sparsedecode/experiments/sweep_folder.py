@@ -171,7 +171,7 @@ def locked(directory: Path) -> Iterator[None]:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / LOCK_FILE
     busy = f"another process is writing into {directory}; wait for it or use another --out"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -159,7 +159,7 @@ def append_row(path: Path, row: dict) -> None:
     interrupt (Ctrl-C, SIGTERM) arriving once the whole line is written: that row is done, and kept."""
     data = (json.dumps(row, separators=(",", ":")) + "\n").encode()
     with naming(path):
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         try:
             start = os.lseek(fd, 0, os.SEEK_END)
             try:

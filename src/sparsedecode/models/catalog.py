@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 import torch
 
 from ..errors import SparseDecodeError
+from ..files import remove_path
 from . import arena
 from .aliases import ALIASES, DEFAULT_MODEL
 from .store import (
@@ -32,7 +33,6 @@ from .store import (
     first_line,
     missing_keys,
     read_manifest,
-    remove_path,
     verify_converted,
 )
 

@@ -19,7 +19,6 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import SparseDecodeError
+from ..files import open_modes, remove_path
 
 if TYPE_CHECKING:
     from .aliases import ModelSource
@@ -58,14 +58,6 @@ def file_sha256(path: Path) -> str:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()
-
-
-def remove_path(path: Path) -> None:
-    """Remove a file or directory tree if it exists."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
 
 
 def _temp_prefix() -> str:
@@ -179,6 +171,7 @@ def ensure_gguf(source: ModelSource, progress: Progress | None = None) -> Path:
                 f"checksum mismatch for {source.alias} ({source.gguf_name}): expected {source.sha256[:12]}, "
                 f"got {got[:12]}; the file was removed, try again later or use another model"
             )
+        open_modes(tmp)
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
@@ -356,6 +349,7 @@ def convert_gguf(gguf_path: Path, target: Path, source_sha256: str, progress: Pr
         save_weights(model, tmp / "model.safetensors")
         tokenizer.save_pretrained(tmp)
         _write_manifest(tmp, source_sha256, source=str(Path(gguf_path).absolute()))  # `models` lists it from anywhere
+        open_modes(tmp)
         if not verify_converted(target, source_sha256):  # else another process finished it, and may be reading it
             remove_path(target)
             try:
