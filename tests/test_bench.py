@@ -191,6 +191,36 @@ def test_bench_e2e_times_every_mode_as_often_as_dense(monkeypatch):
         bench_e2e(tiny_model("qwen2"), "tiny", prompt(200), (97,), tokens=4, repeats=0)
 
 
+def test_bench_e2e_decodes_h2o_from_the_prompts_history_alone_and_in_batches(monkeypatch):
+    """h2o ranks positions by the attention they received, the prompt's included. ``bench e2e`` (and ``--batch``)
+    prefill outside any session, so, as ``compare`` and ``generate`` do, they record that history with one more dense
+    prefill and hand it over: the sparse run decodes ``generate``'s tokens. It had none: every h2o run stopped at its
+    first sparse step, telling the user to run the prefill inside a session (found probing H2O's prefill history)."""
+    from sparsedecode import generate
+
+    sparse_runs = []
+    greedy = bench_end_to_end.decode_tokens
+
+    def recorded(*args, **kwargs):
+        out = greedy(*args, **kwargs)
+        if kwargs["stage"].startswith("sparse"):
+            sparse_runs.append(out[0][0])
+        return out
+
+    monkeypatch.setattr(bench_end_to_end, "decode_tokens", recorded)
+    model, ids = tiny_model("llama"), prompt(200)
+    rows = bench_e2e(model, "tiny", ids, (97,), tokens=6, lossless=(2,), repeats=1, selector="h2o")
+    assert [(r.mode, r.support) for r in rows][2:] == [("sparse", 97), ("lossless", 97)]
+    assert rows[3].tokens_equal_to_dense == 6  # lossless: dense's tokens
+    assert sparse_runs == [generate(model, ids, SparseConfig(support=97, selector="h2o"), 7, mode="sparse").tokens[1:]]
+    prompts = [prompt(200, seed=seed) for seed in (1, 2)]
+    batched = bench_batch.bench_e2e_batch(model, "tiny", prompts, (1, 2), (97,), tokens=4, repeats=1, selector="h2o")
+    assert [(r.mode, r.batch, r.tokens_equal_to_batch1) for r in batched if r.mode == "sparse"] == [
+        ("sparse", 1, True),
+        ("sparse", 2, True),
+    ]
+
+
 def test_bench_e2e_compile_adds_compiled_modes_with_dense_tokens(monkeypatch):
     from sparsedecode.compiled import decoder as compiled
 

@@ -19,7 +19,7 @@ from ..decoding.loop import Progress, decode_tokens, prefill
 from ..errors import SparseDecodeError
 from ..memory import available_memory_bytes
 from ..models.weights import weights_label
-from ..session import sparse_decoding
+from ..session import prefill_history, sparse_decoding
 from ..session.kv_cache import GrowingCache, crop_cache, crop_rewinds
 from .bench_end_to_end import compiled_decode
 from .bench_measures import current_peak_rss_mb, kv_cache_bytes, reset_peak_rss
@@ -138,10 +138,14 @@ def bench_e2e_batch(
             check_compilable(model, config_of(mode), "bench e2e --batch --compile")
     prompts = prompts[: max(batches)]
     caches, firsts = _prefill_each(model, prompts, progress)
+    uses_history = SparseConfig(selector=selector).selector.uses_history  # h2o: each prompt's history, untimed
+    histories = [prefill_history(model, ids) for ids in prompts] if uses_history else None
 
-    def context_for(mode):
+    def context_for(mode, cache, rows: list[int]):
         cfg = config_of(mode)
-        return contextlib.nullcontext() if cfg is None else sparse_decoding(model, cfg)
+        if cfg is None:
+            return contextlib.nullcontext()
+        return _session(model, cfg, cache, None if histories is None else [histories[i] for i in rows])
 
     alone = _alone(model, modes, caches, firsts, context, tokens, context_for, progress)
     measured: dict[tuple, dict] = {}
@@ -175,6 +179,16 @@ def _check_batch_args(model: torch.nn.Module, prompts: list[torch.Tensor], batch
     return context
 
 
+@contextlib.contextmanager
+def _session(model, cfg: SparseConfig, cache, histories):
+    """A sparse session over ``cache`` (its rows the prompts of ``histories``, unpadded), handed each prompt's H2O
+    history where the selector ranks by it (:meth:`~sparsedecode.session.SparseSession.adopt_batch_history`)."""
+    with sparse_decoding(model, cfg) as session:
+        if histories is not None:
+            session.adopt_batch_history(cache, histories, [0] * len(histories))
+        yield session
+
+
 def _prefill_each(model, prompts: list[torch.Tensor], progress) -> tuple[list[GrowingCache], list[int]]:
     """Each prompt prefilled alone (dense) into an in-place cache: the caches and each prompt's first token."""
     caches, firsts = [], []
@@ -194,7 +208,7 @@ def _alone(model, modes, caches, firsts, context: int, tokens: int, context_for,
     for mode in modes:  # every prompt alone, every mode: what the batches must reproduce
         outs = []
         for i, cache in enumerate(caches):
-            with context_for(mode):
+            with context_for(mode, cache, [i]):
                 (out,), _ = decode_tokens(
                     model, cache, [firsts[i]], tokens, progress=progress, stage=f"{mode[0]} alone", nll=False
                 )
@@ -219,7 +233,7 @@ def _measure_batch(
         for mode in modes if repeat % 2 == 0 else modes[::-1]:
             stage = f"batch {b}, {mode[0]}" + (f" S={mode[1]}" if mode[1] else "") + f" ({repeat + 1}/{repeats})"
             begun = time.perf_counter()
-            with context_for(mode):
+            with context_for(mode, stacked, list(range(b))):
                 padded = None if b == 1 else mask  # batch 1 runs as one prompt does
                 outs, _ = decode_tokens(
                     model, stacked, firsts[:b], tokens, mask=padded, progress=progress, stage=stage, nll=False

@@ -17,7 +17,7 @@ from ..decoding.generate import lossless_decode
 from ..decoding.loop import Progress, decode_tokens, prefill
 from ..errors import SparseDecodeError
 from ..models.weights import weights_label
-from ..session import sparse_decoding
+from ..session import prefill_history, sparse_decoding
 from ..session.kv_cache import crop_cache, growing_copy
 from .bench_measures import peak_rss_mb, read_bandwidth_gbs
 from .bench_vllm import leading_equal
@@ -103,7 +103,7 @@ def bench_e2e(
     first = int(logits.argmax())
     context = int(prompt_ids.shape[1])
     modes = _eager_modes(
-        model, dynamic, growing, context, first, tokens, supports, lossless, adaptive, config, progress
+        model, dynamic, growing, prompt_ids, first, tokens, supports, lossless, adaptive, config, progress
     )
     compile_s = {}
     if backends:
@@ -145,12 +145,17 @@ def _check_static(model, cfgs: list, native: bool) -> None:
 
 
 def _eager_modes(
-    model, dynamic, growing, context, first, tokens, supports, lossless, adaptive, config, progress
+    model, dynamic, growing, prompt_ids, first, tokens, supports, lossless, adaptive, config, progress
 ) -> dict:
     """:func:`bench_e2e`'s modes on transformers' caches, each a function ``(stage) -> (seconds, tokens)`` (the
     lossless ones return a :class:`~sparsedecode.decoding.generate.Generation`) under its key ``(kind, cache,
     support, draft length)``: dense on the ``dynamic`` and the ``growing`` cache, sparse per support, lossless per
-    support and draft length; each crops its cache back to the prompt's ``context`` positions after it."""
+    support and draft length; each crops its cache back to the prompt's positions after it. A selector ranking by
+    the attention positions received (``h2o``) is handed the prompt's history, recorded here by one more dense
+    prefill (:func:`~sparsedecode.session.prefill_history`, not timed), as ``compare`` and ``generate`` hand it."""
+    context = int(prompt_ids.shape[1])
+    uses_history = bool(supports) and config(support=supports[0]).selector.uses_history
+    history = prefill_history(model, prompt_ids) if uses_history else None
 
     def timed(cache, stage: str) -> tuple[float, list[int]]:
         begun = time.perf_counter()
@@ -160,7 +165,9 @@ def _eager_modes(
         return elapsed, out
 
     def sparse(support: int, stage: str) -> tuple[float, list[int]]:
-        with sparse_decoding(model, config(support=support)):
+        with sparse_decoding(model, config(support=support)) as session:
+            if history is not None:
+                session.adopt_history(growing, history)
             return timed(growing, stage)
 
     def speculative(support: int, k: int, stage: str):
@@ -174,6 +181,7 @@ def _eager_modes(
             draft_tokens=k,
             adaptive=adaptive,
             progress=progress,
+            history=history,
         )
         crop_cache(growing, context)
         return generation
