@@ -347,3 +347,30 @@ def test_bad_lm_eval_arguments_are_one_line_and_exit_2(model_dir, tasks_dir, tmp
     assert code == 2 and "Traceback" not in err, err
     assert errors == [errors[0]] and errors[0].startswith("sparsedecode: error: ") and message in errors[0], err
     assert err.endswith(errors[0] + "\n") and not (tmp_path / "out").exists()
+
+
+def test_h2o_scores_and_generates_from_the_prefills_history(model_dir):
+    """h2o ranks positions by the attention they received, the prompt's included. The model class prefills outside
+    any session, so it records that history (one more dense prefill, as ``compare`` does) and hands it to the
+    sparse session: the log-probabilities equal those of a session that ran the prefill itself. It had none: every
+    h2o request stopped at its first sparse step (found probing H2O's prefill history)."""
+    import torch
+    from transformers import DynamicCache
+
+    from sparsedecode import SparseConfig, sparse_decoding
+    from sparsedecode.integrations.lm_eval import SparseDecodeLM
+
+    lm = SparseDecodeLM(pretrained=str(model_dir), support=97, device="cpu", selector="h2o", sparse_tail=8)
+    context, continuation = [3 + (7 * i) % 80 for i in range(150)], [5, 6, 7, 8]
+    (got, _), (again, _) = lm._loglikelihood_tokens([(None, context, continuation)] * 2)  # the second reuses it
+    fed, cache, scored = context[-8:] + continuation[:-1], DynamicCache(config=lm.model.config), []
+    with torch.no_grad(), sparse_decoding(lm.model, SparseConfig(support=97, selector="h2o")) as session:
+        lm.model(input_ids=torch.tensor([context[:-8]]), cache=cache, use_cache=True)  # the session records it
+        for token in fed:
+            scored.append(lm.model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1])
+    assert session.sparse_steps > 0
+    logits = torch.stack(scored[-len(continuation) :]).float()
+    expected = float(torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(continuation)[:, None]).sum())
+    assert got == pytest.approx(expected, abs=1e-4) and again == got
+    out = lm._model_generate(torch.tensor([context]), max_length=len(context) + 3, stop=[])
+    assert out.shape == (1, len(context) + 3)

@@ -41,6 +41,7 @@ This module imports lm-eval; the library never imports this module.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -48,7 +49,7 @@ import torch
 from ..config import SparseConfig
 from ..decoding.loop import decode_tokens, prefill
 from ..errors import SparseDecodeError
-from ..session import sparse_decoding
+from ..session import prefill_history, sparse_decoding
 from ..session.kv_cache import crop_cache
 
 try:
@@ -241,17 +242,30 @@ class SparseDecodeLM(HFLM):
         """``(cache, logits)``: a cache holding exactly ``ids`` (dense prefill) and the float32 logits after its last
         position (``None`` for no ids); reused, cropped back, when the previous call prefilled the same ids."""
         if self._reuse is not None and self._reuse[0] == tuple(ids):
-            _, cache, logits = self._reuse
+            _, cache, logits, _ = self._reuse
             crop_cache(cache, len(ids))
             return cache, logits
+        history = None
         if ids:
             cache, logits = prefill(self.model, torch.tensor([ids], device=self.device))
+            if self.sparse_config.selector.uses_history:  # h2o: the prefill's attention, which the session needs
+                history = prefill_history(self.model, torch.tensor([ids], device=self.device))
         else:
             from transformers import DynamicCache
 
             cache, logits = DynamicCache(config=self.model.config), None
-        self._reuse = (tuple(ids), cache, logits)
+        self._reuse = (tuple(ids), cache, logits, history)
         return cache, logits
+
+    @contextlib.contextmanager
+    def _sparse(self, cache):
+        """The sparse session over ``cache`` as :meth:`_prefilled` left it, handed the prefill's H2O history where the
+        selector ranks by it (the prefill ran outside the session)."""
+        with sparse_decoding(self.model, self.sparse_config) as session:
+            history = self._reuse[3] if self._reuse is not None and self._reuse[1] is cache else None
+            if history is not None:
+                session.adopt_history(cache, history)
+            yield session
 
     @torch.no_grad()
     def _score(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
@@ -262,7 +276,7 @@ class SparseDecodeLM(HFLM):
         scored = [logits[0]] if whole else []
         fed = context[split:] + continuation[:-1]  # teacher-forced: each step's logits score the next token
         if fed:
-            with sparse_decoding(self.model, self.sparse_config):
+            with self._sparse(cache):
                 decode_tokens(
                     self.model,
                     cache,
@@ -328,14 +342,14 @@ class SparseDecodeLM(HFLM):
         if budget <= 0:
             new = []
         elif fed:
-            with sparse_decoding(self.model, self.sparse_config):
+            with self._sparse(cache):
                 (out,), _ = decode_tokens(
                     self.model, cache, fed[:1], len(fed) - 1 + budget, teacher=[fed], stop=done, nll=False
                 )
             new = out[len(fed) - 1 :]
         else:  # the first new token comes from the prefill
             first = int(logits[0].argmax())
-            with sparse_decoding(self.model, self.sparse_config):
+            with self._sparse(cache):
                 (out,), _ = decode_tokens(self.model, cache, [first], budget - 1, stop=done, nll=False)
             new = [first, *out]
         return torch.tensor([ids + new], device=context.device)
