@@ -172,3 +172,27 @@ def test_a_tensor_parameter_with_a_default_runs_and_is_written_on_one_line(tmp_p
     settings = json.loads(out.read_text())["results"][0]["settings"]
     assert settings["selector"] == f"{path}:Projected:scale=2.0"
     assert settings["selector_params"]["projection"].startswith("tensor([[1., 0.,")
+
+
+def test_twilight_names_its_base_as_the_base_names_itself(tmp_path):
+    """One Twilight is one selector: its base is stored as the base's own spec writes it, so two ways of writing the
+    same base (a default given, a number written otherwise) are one spec in rows, folders and merges, as
+    ``block-top-p:p=0.90`` and ``block-top-p:p=0.9`` are. They were two: ``twilight:base=quest:grouping=per-head``
+    ran beside ``twilight`` as another selector (found by probing spec round trips)."""
+    from sparsedecode.experiments.specs import canonical_selectors
+    from sparsedecode.selectors.methods.twilight import Twilight
+
+    same = ["twilight", "twilight:base=quest:grouping=per-head", "twilight:base=quest"]
+    assert set(canonical_selectors(same)) == {"twilight"}
+    assert Twilight(base="quest:grouping=per-head") == Twilight() and Twilight(base="quest ").base == "quest"
+    tuned = ["twilight:base=block-top-p:p=0.50", "twilight:base=block-top-p:p=.5", "twilight:p=0.5;base=mean-pooled"]
+    assert canonical_selectors(tuned) == ("twilight:base=block-top-p:p=0.5",) * 2 + ("twilight:p=0.5,base=mean-pooled",)
+    for spec in (*same, *tuned, "twilight:base=quest:grouping=mean-query"):
+        written = parse_selector(spec).spec()
+        assert parse_selector(written).spec() == written and parse_selector(written) == parse_selector(spec)
+    path = tmp_path / "base.py"
+    path.write_text(
+        "from dataclasses import dataclass\nimport sparsedecode\nfrom sparsedecode.selectors.methods.mean_pooled "
+        "import MeanPooled\n\n@dataclass(frozen=True)\nclass Base(MeanPooled):\n    pass\n"
+    )
+    assert parse_selector(f"twilight:base={path}:Base").spec() == f"twilight:base={path}:Base"  # a file's path kept

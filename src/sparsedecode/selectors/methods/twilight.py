@@ -62,6 +62,20 @@ def base_of(spec: str):
     return base
 
 
+def canonical_base(spec: str, base) -> str:
+    """``base``'s spec as its own ``spec()`` writes it (``quest:grouping=per-head`` is ``quest``,
+    ``block-top-p:p=0.90`` is ``block-top-p:p=0.9``), so that one Twilight is one selector in every row, folder and
+    merge; ``spec`` as given where that spec does not name the same selector again."""
+    written = base.spec()
+    if written == spec:
+        return spec
+    try:
+        again = base_of(written)
+    except SparseDecodeError:  # a spec no twilight spec can carry (a base of several parameters), kept as given
+        return spec
+    return written if again.identity() == base.identity() else spec
+
+
 EPS = 1e-5
 """The bisection's stopping width, absolute, as in Twilight's kernel."""
 
@@ -116,7 +130,8 @@ class Twilight(TokenSelector):
             raise SparseDecodeError(f"twilight: bits must be an integer in [1, 16], got {self.bits!r}")
         if not isinstance(self.base, str):
             raise SparseDecodeError(f"twilight: base is a block selector's spec (a name), got {self.base!r}")
-        base_of(self.base)  # a base that is no block selector is refused when the selector is made
+        base = base_of(self.base)  # a base that is no block selector is refused when the selector is made
+        object.__setattr__(self, "base", canonical_base(self.base, base))
 
     @cached_property
     def base_selector(self):
