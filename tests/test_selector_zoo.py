@@ -106,6 +106,16 @@ def test_streaming_keeps_the_anchor_and_the_last_positions(problem):
         assert positions.tolist() == [0, *range(n - support + 1, n)]
 
 
+@pytest.mark.parametrize(("method", "sinks"), [("streaming", 1), ("sink-streaming", 4)])
+def test_streaming_keeps_the_last_positions_past_float32s_integers(method, sinks):
+    """Recency is a position's index: past 2**24 positions float32 rounds neighbouring indices to one value, and the
+    tie rule kept an earlier position instead of the newest (found by probing contexts past 2**24); integer scores
+    keep exactly the sinks and the last ``S - sinks`` positions."""
+    n = 2**24 + 1001
+    kept = select_support(torch.ones(1, 2), torch.zeros(1, n, 2), support=97, window=16, block_size=16, method=method)
+    assert kept[0].tolist() == [*range(sinks), *range(n - 97 + sinks, n)]
+
+
 def test_random_blocks_are_seeded():
     q, k = torch.randn(4, 8), torch.randn(2, 400, 8)
     a = select_support(q, k, support=97, method="random-blocks", seed=1)

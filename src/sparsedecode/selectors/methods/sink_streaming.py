@@ -34,6 +34,6 @@ class SinkStreaming(TokenSelector):
         import torch
 
         n = layout.n
-        scores = torch.arange(n, dtype=torch.float32, device=keys.device)
-        scores[1 : min(self.sinks, n)] = 2.0 * n  # finite, above every recency score
+        scores = torch.arange(n, dtype=torch.int64, device=keys.device)  # integers: float32 ties past 2**24
+        scores[1 : min(self.sinks, n)] = n  # above every recency score
         return scores.expand(keys.shape[0], -1)

@@ -17,10 +17,11 @@ if TYPE_CHECKING:
 
 
 def recency(kv_heads: int, n: int, device) -> torch.Tensor:
-    """Scores ``(kv, n)``: each position its own index (the latest rank highest)."""
+    """Scores ``(kv, n)``: each position its own index (the latest rank highest), as integers: float32 indices tie
+    past 2**24 positions, where the tie rule would keep an earlier position instead of a later one."""
     import torch
 
-    return torch.arange(n, dtype=torch.float32, device=device).expand(kv_heads, -1)
+    return torch.arange(n, dtype=torch.int64, device=device).expand(kv_heads, -1)
 
 
 @dataclass(frozen=True)
