@@ -541,6 +541,16 @@ def test_bench_e2e_cli_says_how_to_install_llama_cpp(monkeypatch, capsys):
     assert "needs llama-cpp-python" in err and "CMAKE_ARGS" in err
 
 
+def test_bytes_accounting_of_a_support_per_query_head():
+    """Per-head quest attends each query head over its own S positions (G kernel calls a KV head): its support K/V
+    were counted once per KV head, as mean-query quest's, so its bytes and bandwidth were understated G-fold there."""
+    per_head, mean_query = (
+        SparseConfig(support=193, selector=f"quest:grouping={g}") for g in ("per-head", "mean-query")
+    )
+    (_, heads), (_, shared) = (op_bytes(cfg, 131072, 2, 14, 64, 4) for cfg in (per_head, mean_query))
+    assert heads - shared == 2 * (14 - 2) * 193 * 64 * 4
+
+
 def test_bytes_accounting_of_two_byte_elements():
     """bfloat16 or float16 caches: keys, values, the tail block's keys and the query at 2 bytes an element, the
     float32 centroids at 4 (the cache keeps them in float32 whatever the keys' dtype)."""

@@ -150,13 +150,15 @@ def op_bytes(cfg: SparseConfig, n: int, kv_heads: int, query_heads: int, d: int,
     Selection reads: float32 block statistics and the tail keys for a selector handed statistics (one per
     statistic: mean-pooled one, quest two); a float32 history (one value per position) for one handed a history (H2O);
     otherwise its share of every key (:meth:`~sparsedecode.selectors.Selector.key_fraction`: all of it for the
-    oracles, none for random blocks and streaming).
+    oracles, none for random blocks and streaming). Support K/V: one support per KV head, or per query head for a
+    selector choosing one per query head (per-head ``quest``, ``twilight``: attended once per member of a group, each
+    call reading its own ``S`` positions).
     """
     layout = BlockLayout(n=n, window=cfg.window, block_size=cfg.block_size)
     query = query_heads * d * element
     dense = 2 * kv_heads * n * d * element + query
-    support = 2 * kv_heads * cfg.effective_support * d * element
     selector = cfg.selector
+    support = 2 * selector.rows(query_heads, kv_heads) * cfg.effective_support * d * element
     if selector.statistics:
         tail = (layout.distant_end - 1 - layout.n_full * cfg.block_size) * kv_heads * d * element
         statistics = kv_heads * layout.n_full * len(selector.statistics) * d * 4
