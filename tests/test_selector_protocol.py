@@ -181,14 +181,16 @@ def test_register_selector_as_a_decorator_and_by_entry_point(monkeypatch):
         class Point:  # what importlib.metadata yields for a pip-installed package's entry point
             name, value = "test-entry-blocks", "pkg:FirstBlocks"
 
-            def load(self):
-                return FirstBlocks
+            def load(self):  # a class of its own: a class is registered under one name, the one its rows carry
+                return EntryBlocks
+
+        EntryBlocks = type("EntryBlocks", (FirstBlocks,), {"name": ""})
 
         monkeypatch.setattr(
             registry.metadata, "entry_points", lambda group: [Point()] if group == registry.ENTRY_POINTS else []
         )
         monkeypatch.setattr(registry, "_ENTRY_POINTS_LOADED", False)
-        assert type(resolve_selector("test-entry-blocks")) is FirstBlocks
+        assert type(resolve_selector("test-entry-blocks")) is EntryBlocks
     finally:
         registry._REGISTRY.pop("test-first-blocks", None)
         registry._REGISTRY.pop("test-entry-blocks", None)

@@ -273,6 +273,31 @@ def test_a_refused_registration_leaves_the_class_its_name(monkeypatch):
     )
 
 
+def test_a_class_is_registered_under_its_own_name_alone(monkeypatch):
+    """A class naming itself ``mine`` registered as ``other`` wrote ``mine`` as its spec, which did not read back
+    (or read back as another class); so did a class registered twice under two names (the first became its own)."""
+    from sparsedecode.selectors import registry
+
+    @dataclass(frozen=True)
+    class Mine(sd.BlockSelector):
+        name = "mine-own-name"
+
+        def score_blocks(self, queries, keys, layout):
+            return torch.zeros(keys.shape[0], layout.n_blocks)
+
+    Unnamed = type("Unnamed", (Mine,), {"name": ""})
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))  # nothing registered here outlives the test
+    with pytest.raises(SparseDecodeError, match="names itself 'mine-own-name'"):
+        sd.register_selector(Mine, name="mine-other-name")
+    assert "mine-other-name" not in registry._REGISTRY
+    sd.register_selector(Mine, name="mine-own-name")
+    sd.register_selector(Unnamed, name="unnamed-first")
+    with pytest.raises(SparseDecodeError, match="names itself 'unnamed-first'"):
+        sd.register_selector(Unnamed, name="unnamed-second")
+    for selector in (Mine(), Unnamed()):
+        assert registry.parse_selector(selector.spec()) == selector
+
+
 @pytest.mark.parametrize("own", ["mean-pooled", "top-p", "quest"])
 def test_an_unregistered_class_named_as_a_builtin_is_refused(own):
     """A user's class that calls itself by a built-in's name (an attribute, or its class name) without registering

@@ -47,6 +47,12 @@ def register_selector(cls: type[Selector] | None = None, *, name: str | None = N
             raise SparseDecodeError(
                 f"selector name {key!r}: use letters, digits and dashes (no ':', ',', '=' or white space)"
             )
+        own = klass.__dict__.get("name")
+        if name is not None and own and own != name:  # its specs would name ``own``, which reads back as another
+            raise SparseDecodeError(
+                f"selector class {klass.__qualname__} names itself {own!r}: register it under that name (its rows "
+                f"carry it), not {name!r}"
+            )
         if key in RETIRED:  # stored rows that name it are read as the built-in it was (protocol.results)
             raise SparseDecodeError(
                 f"selector name {key!r} was a built-in's: stored rows that name it are read as that built-in's, so "
