@@ -374,3 +374,36 @@ def test_h2o_scores_and_generates_from_the_prefills_history(model_dir):
     assert got == pytest.approx(expected, abs=1e-4) and again == got
     out = lm._model_generate(torch.tensor([context]), max_length=len(context) + 3, stop=[])
     assert out.shape == (1, len(context) + 3)
+
+
+def test_generation_settings_greedy_decoding_does_not_apply_are_refused_not_ignored(model_dir):
+    """Found by probing: a task's ``repetition_penalty`` or ``num_beams`` (which lm-eval's hf model applies) were
+    dropped without a word, so full support answered otherwise than hf; so was the model's own generation config."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from sparsedecode.integrations.lm_eval import SparseDecodeLM
+
+    hf = HFLM(pretrained=str(model_dir), dtype="float32", device="cpu", batch_size=1)
+    lm = SparseDecodeLM(pretrained=str(model_dir), support=100001, device="cpu")
+
+    def request(**kwargs):
+        return [Instance("generate_until", {}, ("The sky is", {"until": ["\n\n"], "max_gen_toks": 12, **kwargs}), 0)]
+
+    greedy = hf.generate_until(request(), disable_tqdm=True)
+    assert lm.generate_until(request(), disable_tqdm=True) == greedy
+    same = {"top_k": 5, "top_p": 0.5, "repetition_penalty": 1.0, "num_beams": 1, "do_sample": False}
+    assert lm.generate_until(request(**same), disable_tqdm=True) == greedy, "settings greedy decoding ignores"
+    for setting in ({"repetition_penalty": 1.5}, {"num_beams": 3}):
+        assert hf.generate_until(request(**setting), disable_tqdm=True) != greedy, setting
+        with pytest.raises(SparseDecodeError, match=f"generation setting {next(iter(setting))}="):
+            lm.generate_until(request(**setting), disable_tqdm=True)
+    with pytest.raises(SparseDecodeError, match="temperature 0"):
+        lm.generate_until(request(temperature=0.7), disable_tqdm=True)  # lm-eval samples at a temperature
+    lm.model.generation_config.repetition_penalty = 1.3
+    try:
+        with pytest.raises(SparseDecodeError, match="generation_config sets repetition_penalty=1.3.*--gen_kwargs"):
+            lm.generate_until(request(), disable_tqdm=True)
+        assert lm.generate_until(request(repetition_penalty=1.0), disable_tqdm=True) == greedy
+    finally:
+        lm.model.generation_config.repetition_penalty = None

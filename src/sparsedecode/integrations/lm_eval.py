@@ -12,7 +12,8 @@ handling, tokenisation, chat templates, stop sequences and post-processing) with
 
 * ``generate_until``: dense prefill of the context except its last ``sparse_tail`` tokens, which are then fed one at
   a time under sparse attention; then greedy decoding, every step sparse, until a stop sequence, an end-of-sequence
-  token or ``max_gen_toks``. Greedy only: ``do_sample=True`` is refused.
+  token or ``max_gen_toks``. Greedy only: ``do_sample=True`` is refused, and so is a setting ``hf`` would apply
+  to greedy decoding (``repetition_penalty``, ``num_beams``, ..., the task's or the model's generation config's).
 * ``loglikelihood``: dense prefill of the context except its last ``sparse_tail`` tokens; those and the continuation
   are fed one token at a time under sparse attention, and the continuation is scored from the logits of those
   steps. With ``sparse_tail=0`` the first continuation token is scored from the dense prefill, the rest from sparse
@@ -177,6 +178,46 @@ def _device(requested: str | None) -> torch.device:
     return torch.device(chosen)
 
 
+SAMPLING_ONLY = ("temperature", "top_p", "top_k", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
+"""Generation settings only sampling reads: greedy decoding ignores them, as lm-eval's ``hf`` model does."""
+PASSED = ("do_sample", "attention_mask", "pad_token_id", "use_cache", "length_penalty", "early_stopping")
+"""Generation settings ``_model_generate`` takes or that leave greedy decoding's tokens as they are."""
+NEUTRAL = {
+    "repetition_penalty": 1.0,
+    "num_beams": 1,
+    "num_return_sequences": 1,
+    "no_repeat_ngram_size": 0,
+    "min_new_tokens": 0,
+    "min_length": 0,
+}
+"""Settings that change greedy decoding's tokens under ``generate`` (lm-eval's ``hf`` model) unless they hold these
+values (or none); any other setting a task names counts as such when it holds a value."""
+
+
+def check_greedy(generation_kwargs: dict, generation_config=None) -> None:
+    """Refuse a generation setting of the task (``generation_kwargs``) or of the model's ``generation_config`` that
+    lm-eval's ``hf`` model would apply and plain greedy decoding does not (a repetition penalty, beams, ...): the
+    answers would differ from ``hf``'s with nothing said."""
+    if generation_kwargs.get("do_sample"):
+        raise SparseDecodeError(
+            "sparsedecode decodes greedily: set do_sample false (or temperature 0; lm-eval samples at a temperature "
+            "above 0) for this task"
+        )
+    for name, value in generation_kwargs.items():
+        if name not in (*SAMPLING_ONLY, *PASSED) and value is not None and value != NEUTRAL.get(name):
+            raise SparseDecodeError(
+                f"sparsedecode decodes greedily and does not apply generation setting {name}={value!r}, which "
+                "lm-eval's hf model would: drop it from the task's generation_kwargs"
+            )
+    for name, neutral in NEUTRAL.items():
+        value = getattr(generation_config, name, None)
+        if name not in generation_kwargs and value is not None and value != neutral:
+            raise SparseDecodeError(
+                f"the model's generation_config sets {name}={value!r}, which lm-eval's hf model applies and "
+                f"sparsedecode's greedy decoding does not: add --gen_kwargs {name}={neutral} to decode without it"
+            )
+
+
 def register() -> None:
     """Register :class:`SparseDecodeLM` with lm-eval as ``sparsedecode`` (lm-eval's own models stay available)."""
     import lm_eval.models  # noqa: F401 - registers lm-eval's own models first (they are looked up lazily)
@@ -320,8 +361,7 @@ class SparseDecodeLM(HFLM):
         """Greedy continuation of the one sequence in ``context`` ``(1, length)``: the context and the new tokens."""
         if context.shape[0] != 1:
             raise SparseDecodeError("sparsedecode generates one sequence at a time (batch_size 1)")
-        if generation_kwargs.get("do_sample"):
-            raise SparseDecodeError("sparsedecode decodes greedily: drop do_sample (or set it false) for this task")
+        check_greedy(generation_kwargs, self.model.generation_config)
         mask = generation_kwargs.get("attention_mask")
         if mask is not None and not bool(mask.all()):
             raise SparseDecodeError("sparsedecode cannot generate from a padded context")
