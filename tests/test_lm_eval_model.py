@@ -301,6 +301,8 @@ def test_real_model_alias_against_lm_evals_hf_model(smollm2, tasks_dir, tmp_path
         ({"support": -5.0}, "support -5 is smaller than anchor + window = 65"),  # lm-eval's CLI parses -5 as -5.0
         ({"support": 97.5}, "model argument support must be an integer, got 97.5"),
         ({"window": "64"}, "model argument window must be an integer, got '64'"),
+        # found by probing: taken, then not applied (hf answered in bfloat16, this model in float32)
+        ({"mixed_precision_dtype": "bfloat16"}, "mixed_precision_dtype (lm-eval's autocast) is not applied"),
     ],
 )
 def test_bad_model_arguments_are_refused_before_the_model_loads(model_dir, monkeypatch, arguments, message):

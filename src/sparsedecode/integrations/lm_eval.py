@@ -31,8 +31,9 @@ Model arguments, besides ``HFLM``'s: ``pretrained`` (an alias of :func:`sparsede
 directory or ``.gguf`` file, or a hub id), ``dtype`` (float32), ``support`` (193), ``selector`` (mean-pooled),
 ``window`` (64), ``block_size`` (16), ``reuse`` (1), ``kernel`` (auto), ``seed`` (0, for random-blocks),
 ``sparse_tail`` (1). Of ``HFLM``'s own arguments those that act on a model already loaded are taken
-(:data:`HFLM_ARGS`); the ones for loading a model by name (``revision``, ``peft``, ``parallelize``, ...) are refused,
-and so is any name neither model knows: a misspelt ``suport=97`` must not run the default support. lm-eval's
+(:data:`HFLM_ARGS`; ``mixed_precision_dtype``, an autocast this model does not apply, is refused); the ones for
+loading a model by name (``revision``, ``peft``, ``parallelize``, ...) are refused, and so is any name neither model
+knows: a misspelt ``suport=97`` must not run the default support. lm-eval's
 command line turns ``-5`` into ``-5.0``, so a whole number of a float type is taken as the integer it is; a block
 selector's ``support`` must be whole blocks, ``1 + window + b * block_size``, as on every command (``support=100`` is
 refused naming 97 and 113, rather than run as 97).
@@ -134,6 +135,11 @@ def sparse_settings(
     check_model_args(
         {name: value for name, value in others.items() if name not in ("pretrained", "dtype", "device")}, selector
     )
+    if others.get("mixed_precision_dtype") is not None:  # found by probing: taken and then not applied
+        raise SparseDecodeError(
+            "model argument mixed_precision_dtype (lm-eval's autocast) is not applied by the sparsedecode model: "
+            "give the dtype to run in as dtype= instead"
+        )
     if str(batch_size) != "1":
         raise SparseDecodeError(f"sparsedecode runs one sequence at a time: use batch_size 1 (got {batch_size})")
     support, window, block_size, reuse, seed, sparse_tail = (
@@ -182,14 +188,8 @@ SAMPLING_ONLY = ("temperature", "top_p", "top_k", "min_p", "typical_p", "epsilon
 """Generation settings only sampling reads: greedy decoding ignores them, as lm-eval's ``hf`` model does."""
 PASSED = ("do_sample", "attention_mask", "pad_token_id", "use_cache", "length_penalty", "early_stopping")
 """Generation settings ``_model_generate`` takes or that leave greedy decoding's tokens as they are."""
-NEUTRAL = {
-    "repetition_penalty": 1.0,
-    "num_beams": 1,
-    "num_return_sequences": 1,
-    "no_repeat_ngram_size": 0,
-    "min_new_tokens": 0,
-    "min_length": 0,
-}
+NEUTRAL = {"repetition_penalty": 1.0, "num_beams": 1, "num_return_sequences": 1, "no_repeat_ngram_size": 0}
+NEUTRAL |= {"min_new_tokens": 0, "min_length": 0}
 """Settings that change greedy decoding's tokens under ``generate`` (lm-eval's ``hf`` model) unless they hold these
 values (or none); any other setting a task names counts as such when it holds a value."""
 
