@@ -358,3 +358,13 @@ def test_dense_fails_where_it_scores_below_half_or_answers_no_sample_fully():
     assert quest["samples"] == 6 and quest["samples_dense_ok"] == 2
     assert quest["difference_dense_ok"] == pytest.approx(-0.5)  # vt only: (0 - 1 + 0.5 - 0.5) / 2
     assert quest["difference"] == pytest.approx((-0.4 - 0.6 + 0.6 + 0.6 - 1.0 + 0.0) / 6)
+
+
+def test_a_later_sample_a_task_cannot_fit_is_refused_before_writing(loaded, tmp_path):
+    """Found by probing: only each cell's first sample was built up front, so a later one no haystack size fits
+    (fwe's sample 1 at 1024 tokens of the char tokenizer, whose coded words add 4 to 7 tokens at a time) stopped the
+    run after the earlier samples had run (with SmolLM2, fwe's sample 4 at 1024 tokens)."""
+    spec = small_spec(tasks=("fwe",), contexts=(1024,), answer_tokens=2)
+    with pytest.raises(SparseDecodeError, match=r"^fwe, context 1024, sample 1: task fwe could not be fitted"):
+        run_eval(spec, tmp_path / "e", loaded=loaded)
+    assert not (tmp_path / "e").exists()

@@ -261,10 +261,17 @@ def _run_elsewhere(execute, spec, tokenizer, groups, samples, stored, configs, s
 
 
 def _first_samples(spec: EvalSpec, tokenizer, groups: list[Group], done: set) -> dict[Group, Sample]:
-    """The first pending sample of every (task, context), built before anything is written: a context a task
-    cannot be fitted to is refused up front, not after hours of runs."""
-    first: dict[tuple[str, int], Group] = {}
+    """Every pending sample built before anything is written, so that one a task cannot be fitted to is refused up
+    front, not after hours of runs (found by probing: fwe's sample 4 at 1024 tokens of SmolLM2 fits no haystack
+    size, and was reached only after the other samples had run). Returns the first pending sample of every (task,
+    context); the others are built again as they run (a large grid's prompts all held at once would take memory)."""
+    first: dict[tuple[str, int], tuple[Group, Sample]] = {}
     for group in groups:
-        if group[:2] not in first and any(key not in done for key in spec.group_keys(group)):
-            first[group[:2]] = group
-    return {group: sample_of(spec, tokenizer, group) for group in first.values()}
+        if any(key not in done for key in spec.group_keys(group)):
+            try:
+                sample = sample_of(spec, tokenizer, group)
+            except SparseDecodeError as error:
+                task, context, index = group
+                raise SparseDecodeError(f"{task}, context {context}, sample {index}: {error}") from None
+            first.setdefault(group[:2], (group, sample))
+    return dict(first.values())
