@@ -715,3 +715,16 @@ def test_a_task_study_of_an_older_task_generator_is_not_resumed(tmp_path):
         else:
             with pytest.raises(SparseDecodeError, match=r"other settings \(generator differ\)"):
                 calibrate.open_study(path, search)
+
+
+def test_a_held_out_sample_that_cannot_be_built_is_refused_before_the_search(ended_model_dir, tmp_path, capsys):
+    """Found by probing: the held-out task samples were built only after the search, so one that no haystack size
+    fits (fwe's sample 1 at 920 tokens of the char tokenizer; with SmolLM2, fwe's sample 4 at 1024) stopped the command
+    after every trial had run, and again on every rerun."""
+    out = tmp_path / "c"
+    args = ["calibrate", "--model", str(ended_model_dir), "--context", "920", "--tasks", "fwe", "--answer-tokens", "2"]
+    args += ["--target", "task-accuracy>=dense", "--choices", "97,1009", "--prompts", "1", "--held-out", "1"]
+    assert main([*args, "--trials", "2", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "fwe, context 920, sample 1: task fwe could not be fitted" in err, err
+    assert not (out / "study.db").exists(), "refused before any trial"

@@ -212,6 +212,8 @@ def cmd_calibrate(args) -> int:
         _check_answer_room(model, args, tasks)
     available = _check_prompt_room(tokenizer, args, targets)
     calibration, held = _specs(args, targets, tasks, available)
+    for side in (calibration, held):  # found by probing: a held-out sample that cannot be fitted, after the search
+        side.samples(tokenizer)
     if calibration.need_end:
         from ..experiments.calibration_tasks import check_end
 

@@ -34,8 +34,16 @@ class TaskSet:
 
 def task_samples(tokenizer, tasks: tuple[str, ...], context: int, indices: range, **options) -> list[Sample]:
     """Sample ``i`` of every task for each ``i`` of ``indices`` (samples outer), at ``context`` tokens; ``options``
-    are :func:`.ruler.build_sample`'s (``seed``, ``corpus``, ``template``, ``max_new_tokens``)."""
-    return [build_sample(tokenizer, task, context, index, **options) for index in indices for task in tasks]
+    are :func:`.ruler.build_sample`'s (``seed``, ``corpus``, ``template``, ``max_new_tokens``). A sample that cannot
+    be built is refused naming it."""
+    samples = []
+    for index in indices:
+        for task in tasks:
+            try:
+                samples.append(build_sample(tokenizer, task, context, index, **options))
+            except SparseDecodeError as error:
+                raise SparseDecodeError(f"{task}, context {context}, sample {index}: {error}") from None
+    return samples
 
 
 def check_end(model, tokenizer) -> set[int]:

@@ -75,6 +75,14 @@ class UnitsSpec:
     need_end: bool = False
     indices: tuple[int, ...] | None = None
 
+    def samples(self, tokenizer) -> list:
+        """The task samples of this side (none without tasks), built without the model: the command builds both
+        sides' before a search, so a sample no haystack size fits is refused before trials are spent, not at the
+        held-out check after them."""
+        span = range(self.first, self.first + self.count)
+        return task_samples(tokenizer, self.tasks, self.context, span, corpus=self.corpus,
+                            max_new_tokens=self.answer_tokens) if self.tasks else []  # fmt: skip
+
     def build(self, model, tokenizer, *, progress=None, side: str = "") -> Units:
         """The units, each dense reference and dense answer computed here; ``progress(what, done, total)``."""
         from .corpus import prompt_ids
@@ -89,8 +97,7 @@ class UnitsSpec:
                 if progress is not None:
                     progress(f"dense references{side}", index + 1, len(chosen))
         if self.tasks:
-            samples = task_samples(tokenizer, self.tasks, self.context, span, corpus=self.corpus,
-                                   max_new_tokens=self.answer_tokens)  # fmt: skip
+            samples = self.samples(tokenizer)
             shown = None if progress is None else (lambda done, total: progress(f"dense answers{side}", done, total))
             units.tasks = prepare_tasks(model, tokenizer, samples, need_end=self.need_end, progress=shown)
         return units
