@@ -368,3 +368,21 @@ def test_a_later_sample_a_task_cannot_fit_is_refused_before_writing(loaded, tmp_
     with pytest.raises(SparseDecodeError, match=r"^fwe, context 1024, sample 1: task fwe could not be fitted"):
         run_eval(spec, tmp_path / "e", loaded=loaded)
     assert not (tmp_path / "e").exists()
+
+
+def test_an_export_refused_for_a_sample_leaves_the_earlier_export_whole(tmp_path):
+    """Found by probing: --export wrote each (task, context) as it built it, so a later sample that cannot be
+    fitted (fwe's sample 1 at 920 tokens of the char tokenizer) left the earlier export's files overwritten by new
+    ones that its export.json does not describe."""
+    from sparsedecode.experiments.lm_eval_tasks import export_tasks
+
+    out = tmp_path / "tasks"
+    export_tasks(small_spec(contexts=(920,), samples=1), char_tokenizer(), out)
+    before = {path.name: path.read_bytes() for path in out.iterdir()}
+    with pytest.raises(SparseDecodeError, match="task fwe could not be fitted"):
+        export_tasks(small_spec(tasks=("niah_single_noise", "fwe"), contexts=(920,)), char_tokenizer(), out)
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == before
+    assert not (tmp_path / "new").exists()
+    with pytest.raises(SparseDecodeError, match="task fwe could not be fitted"):
+        export_tasks(small_spec(tasks=("fwe",), contexts=(920,)), char_tokenizer(), tmp_path / "new")
+    assert not (tmp_path / "new").exists(), "nothing made for an export refused"

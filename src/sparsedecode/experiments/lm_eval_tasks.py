@@ -129,33 +129,36 @@ def export_tasks(spec: EvalSpec, tokenizer, directory: Path) -> ExportOutcome:
     if directory.exists() and not directory.is_dir():
         raise SparseDecodeError(f"{directory} exists and is not a folder: choose another export folder")
     earlier = exported_tasks(directory) if directory.is_dir() else []
-    directory.mkdir(parents=True, exist_ok=True)
     names, documents = [], 0
-    for task in spec.tasks:
-        for context in spec.contexts:
-            samples = [sample_of(spec, tokenizer, (task, context, index)) for index in range(spec.samples)]
-            data = directory / f"{task_name(task, context)}.jsonl"
-            lines = [
-                json.dumps(
-                    {
-                        "input": s.text,
-                        "outputs": s.answers,
-                        "task": task,
-                        "context": context,
-                        "sample": s.index,
-                        "prompt_tokens": s.tokens,
-                        "question_start": s.question_start,
-                        "prompt_format": s.prompt_format,
-                    }
-                )
-                for s in samples
-            ]
-            write_text_atomic(data, "\n".join(lines) + "\n")
-            write_text_atomic(
-                directory / f"{task_name(task, context)}.yaml", _yaml(task, context, data, samples[0].max_new_tokens)
+    cells = {  # every sample built before a file is written: one that cannot be fitted leaves an earlier export whole
+        (task, context): [sample_of(spec, tokenizer, (task, context, index)) for index in range(spec.samples)]
+        for task in spec.tasks
+        for context in spec.contexts
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    for (task, context), samples in cells.items():
+        data = directory / f"{task_name(task, context)}.jsonl"
+        lines = [
+            json.dumps(
+                {
+                    "input": s.text,
+                    "outputs": s.answers,
+                    "task": task,
+                    "context": context,
+                    "sample": s.index,
+                    "prompt_tokens": s.tokens,
+                    "question_start": s.question_start,
+                    "prompt_format": s.prompt_format,
+                }
             )
-            names.append(task_name(task, context))
-            documents += len(samples)
+            for s in samples
+        ]
+        write_text_atomic(data, "\n".join(lines) + "\n")
+        write_text_atomic(
+            directory / f"{task_name(task, context)}.yaml", _yaml(task, context, data, samples[0].max_new_tokens)
+        )
+        names.append(task_name(task, context))
+        documents += len(samples)
     write_text_atomic(directory / f"{UTILS}.py", _UTILS_SOURCE)
     write_json_atomic(
         directory / EXPORT_FILE,
