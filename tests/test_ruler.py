@@ -187,3 +187,31 @@ def test_no_common_word_lies_inside_another_word_of_the_prompt(tokenizer):
         prose = re.sub(r"\d+\. [a-z]+", " ", sample.text.lower())  # the prompt without its list
         for common in sample.answers:
             assert not [w for w in items if common in w and w != common] and common not in prose, (index, common)
+
+
+def test_a_chat_template_reading_todays_date_gives_the_same_sample_every_day(monkeypatch):
+    """Found by probing: a template that writes today's date when no ``date_string`` is given (Llama 3.2's and
+    3.3's: ``strftime_now("%d %b %Y")``) made a sample depend on the day it was built, so an evaluation resumed or
+    sharded across midnight, or exported on another day, held other prompts. Samples pass Llama 3.1's fixed date."""
+    import datetime
+
+    import transformers.utils.chat_template_utils as templates
+
+    tok = char_tokenizer()
+    tok.chat_template = (
+        '{%- if not date_string is defined %}{%- set date_string = strftime_now("%d %b %Y") %}{%- endif %}'
+        "<<system>> Today Date: {{ date_string }} <<end>>\n"
+        "{% for m in messages %}<<{{ m['role'] }}>> {{ m['content'] }} <<end>>\n{% endfor %}"
+        "{% if add_generation_prompt %}<<assistant>> {% endif %}"
+    )
+    samples = []
+    for day in (datetime.datetime(2026, 12, 6, 23, 59), datetime.datetime(2027, 1, 1, 0, 1)):
+
+        class Today(datetime.datetime):
+            @classmethod
+            def now(cls, tz=None, day=day):
+                return day
+
+        monkeypatch.setattr(templates, "datetime", Today)
+        samples.append(build_sample(tok, "niah_single_noise", CONTEXT, 0))
+    assert samples[0].ids == samples[1].ids and "Today Date: 26 Jul 2024" in samples[0].text

@@ -61,6 +61,9 @@ GENERATOR_VERSION = 2
 """Bumped whenever the same arguments would give other samples; stored with every evaluation."""
 TOLERANCE = 0.01
 """A sample's token count lies in ``[(1 - TOLERANCE) * context, context]``."""
+CHAT_DATE = "26 Jul 2024"
+"""The date a chat template is given (``date_string``): Llama 3.2's and 3.3's write today's date where none is given,
+which would make a sample depend on the day it is built; Llama 3.1's template writes this one by default."""
 TEMPLATES = ("auto", "chat", "plain")
 """``auto``: the chat template when the tokenizer has one, else plain text; ``chat``: refuse a tokenizer without."""
 
@@ -120,13 +123,13 @@ def prompt_format(tokenizer, template: str = "auto") -> str:
 
 def assemble(tokenizer, parts: Parts, fmt: str) -> tuple[str, int]:
     """The full prompt text and the character where the question tail (question, template end, answer prefix)
-    starts. Chat: the user turn holds body and question, the reply starts with the answer prefix; plain: body,
-    question, a newline and the answer prefix."""
+    starts. Chat: the user turn holds body and question, the reply starts with the answer prefix (a template that
+    writes a date is given :data:`CHAT_DATE`); plain: body, question, a newline and the answer prefix."""
     user = parts.body + parts.question
     if fmt == "plain":
         return user + "\n" + parts.answer_prefix, len(parts.body)
     head = tokenizer.apply_chat_template(
-        [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
+        [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True, date_string=CHAT_DATE
     )
     at = head.rfind(user)
     if at < 0:
