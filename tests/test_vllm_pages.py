@@ -248,3 +248,21 @@ def test_a_failed_engine_is_named_by_its_cause():
     log = "INFO starting\nTraceback (most recent call last):\n  File x\nValueError: no pages left\nINFO shutdown\n"
     assert cause(log) == "ValueError: no pages left"
     assert cause("only this\n") == "only this"
+
+
+@pytest.mark.parametrize("spec", [{"support": 65}, {"support": 80}, {"support": 97, "layer_supports": {"0": 65}}])
+def test_a_support_of_no_distant_block_is_served_by_the_c_kernel(spec):
+    """Found by probing: a support of ``1 + window`` (``b = 0``: the anchor and the window only) crashed the process
+    in the C kernel (a segmentation fault: the empty tensor of chosen blocks has a NULL pointer, which the kernel
+    took for "positions given by index", and read a NULL index)."""
+    cfg = config_from_spec(spec).for_layer(0)
+    assert cfg.blocks == 0
+    pages = Pages(20)
+    stats = statistics_for(cfg, pages.cache)
+    keys, values, q = sequence(300, 3)
+    table = torch.randperm(20).int()
+    pages.write(table, keys, values, 0, stats)
+    assert pages.cache.kernel_serves(q[None])
+    _, expected = reference(cfg, q, keys, values, D**-0.5)
+    out = sparse_rows(cfg, pages.cache, stats, q[None], table[None], [300], layer=0, scale=D**-0.5)
+    torch.testing.assert_close(out[0], expected, rtol=1e-5, atol=1e-5)

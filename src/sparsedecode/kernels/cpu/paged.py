@@ -64,6 +64,8 @@ def select_paged(queries, kv_cache, pieces, firsts, tables, lengths, *, block: i
     lengths = torch.as_tensor(lengths, dtype=torch.int64).contiguous()
     pieces, firsts = pieces.contiguous(), firsts.contiguous()
     blocks = torch.empty(n_rows, kv, b, dtype=torch.int64)
+    if b == 0:  # nothing to choose (and an empty tensor's pointer is NULL)
+        return blocks
     status = c_function("select_paged", _SELECT_ARGS)(
         q.data_ptr(), kv_cache.data_ptr(), pieces.data_ptr(), firsts.data_ptr(), tables.data_ptr(), tables.shape[1],
         lengths.data_ptr(), n_rows, kv, query_heads // kv, d, page, block, window, b, torch.get_num_threads(),
@@ -78,12 +80,14 @@ _BLOCKS_ARGS = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 2
 
 
 def attend_paged_blocks(queries, kv_cache, tables, blocks, lengths, *, window: int, block: int, scale: float):
-    """:func:`attend_paged` over the supports of chosen ``blocks (R, kv, b)`` (``-1``: none), the positions made in
-    the call from the rows' ``lengths``: ``(R, H, d)`` float32."""
+    """:func:`attend_paged` over the supports of chosen ``blocks (R, kv, b)`` (``-1``: none; ``b`` may be 0), the
+    positions made in the call from the rows' ``lengths``: ``(R, H, d)`` float32."""
     n_rows, query_heads, d = queries.shape
     kv, page = kv_cache.shape[1], kv_cache.shape[2]
     q = queries.contiguous()
     tables = tables.to(torch.int32).contiguous()
+    if blocks.shape[2] == 0:  # b = 0 (support 1 + W): an empty tensor's pointer is NULL, the kernel's "no blocks"
+        blocks = torch.full((*blocks.shape[:2], 1), -1, dtype=torch.int64)
     blocks = blocks.to(torch.int64).contiguous()
     lengths = torch.as_tensor(lengths, dtype=torch.int64).contiguous()
     out = torch.empty(n_rows, query_heads, d, dtype=torch.float32)
