@@ -266,3 +266,17 @@ def test_a_support_of_no_distant_block_is_served_by_the_c_kernel(spec):
     _, expected = reference(cfg, q, keys, values, D**-0.5)
     out = sparse_rows(cfg, pages.cache, stats, q[None], table[None], [300], layer=0, scale=D**-0.5)
     torch.testing.assert_close(out[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_budget_file_made_for_another_layer_count_is_refused(tmp_path):
+    """Found by probing: the command line refuses a budget file made for a model of another number of attention
+    layers (its ``layers``), but the plug-in took it, so a 24-layer calibration on a 30-layer model left layers 24 to
+    29 at the spec's support without a word."""
+    budget = tmp_path / "budget.json"
+    budget.write_text('{"layer_supports": {"0": 97, "1": 193}, "layers": 2}')
+    spec = {"sparsedecode": {"budget": str(budget)}}
+    with pytest.raises(SparseDecodeError, match="made for a model of 2 attention layers; this model has 30") as error:
+        configured(spec, {}, layers=30)
+    assert "\n" not in str(error.value)
+    assert configured(spec, {}, layers=2).layer_supports == ((0, 97), (1, 193))
+    assert configured(spec, {}).layer_supports == ((0, 97), (1, 193))  # the model not known yet (the plug-in's hook)

@@ -43,8 +43,8 @@ READABLE = ("vec", "vec16")
 """vLLM's CPU instruction sets whose page layout :mod:`.pages` reads."""
 
 
-def _config() -> SparseConfig | None:
-    return configured(get_current_vllm_config().additional_config)
+def _config(layers: int | None) -> SparseConfig | None:
+    return configured(get_current_vllm_config().additional_config, layers=layers)
 
 
 def check_layout(isa: str, dtype: torch.dtype) -> None:
@@ -174,7 +174,9 @@ class SparseAttentionImpl(CPUAttentionBackendImpl):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.config = _config() if self.attn_type == AttentionType.DECODER else None
+        layers = getattr(get_current_vllm_config().model_config.hf_text_config, "num_hidden_layers", None)
+        layers = layers if isinstance(layers, int) else None
+        self.config = _config(layers) if self.attn_type == AttentionType.DECODER else None
         self.model_dtype = get_current_vllm_config().model_config.dtype
         self.max_len = get_current_vllm_config().model_config.max_model_len
         self.paged: dict[int, tuple] = {}
@@ -191,8 +193,7 @@ class SparseAttentionImpl(CPUAttentionBackendImpl):
         for what, present in refused.items():
             if present:
                 raise SparseDecodeError(f"the sparse vLLM backend does not serve attention with {what}")
-        layers = getattr(get_current_vllm_config().model_config.hf_text_config, "num_hidden_layers", None)
-        if isinstance(layers, int):  # layers the spec names that the model lacks: refused at start-up
+        if layers is not None:  # layers the spec names that the model lacks: refused at start-up
             check_layer_indices(self.config, layers)
 
     def layer_config(self, index: int) -> SparseConfig | None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 
-from ...config import SparseConfig, config_from_overrides, read_budget
+from ...config import SparseConfig, config_from_overrides, read_budget_file
 from ...errors import SparseDecodeError
 from .step import check_servable
 
@@ -38,9 +38,10 @@ def spec_text(additional_config, environ=None) -> object:
     return environ.get(ENV) or None
 
 
-def config_from_spec(spec: object) -> SparseConfig:
+def config_from_spec(spec: object, layers: int | None = None) -> SparseConfig:
     """The :class:`SparseConfig` of a spec (a dict, or JSON text of one), checked as the vLLM step needs it; one line
-    naming what is wrong otherwise (:class:`SparseDecodeError`)."""
+    naming what is wrong otherwise (:class:`SparseDecodeError`). With the model's number of ``layers``, a budget file
+    made for a model of another number is refused, as ``--budget`` is on the command line."""
     if isinstance(spec, str):
         try:
             spec = json.loads(spec)
@@ -56,7 +57,12 @@ def config_from_spec(spec: object) -> SparseConfig:
     if budget is not None:
         if "dense_layers" in fields or "layer_supports" in fields:
             raise SparseDecodeError("give the spec a budget file or dense_layers / layer_supports, not both")
-        for name, value in read_budget(budget).items():
+        read = read_budget_file(budget)
+        made_for = read.pop("layers", None)
+        if layers is not None and made_for is not None and made_for != layers:
+            raise SparseDecodeError(f"budget file {budget} was made for a model of {made_for} attention layers; this "
+                                    f"model has {layers}")  # fmt: skip
+        for name, value in read.items():
             if name in fields and _differs(name, fields[name], value):  # reuse or selector: the others were refused
                 raise SparseDecodeError(f"spec field {name!r} ({fields[name]!r}) differs from budget file {budget}'s "
                                         f"{name} {value!r}: give one of the two")  # fmt: skip
@@ -78,7 +84,8 @@ def _differs(name: str, given: object, budget: object) -> bool:
     return given != budget
 
 
-def configured(additional_config, environ=None) -> SparseConfig | None:
-    """The configuration vLLM's workers decode with, ``None`` for dense (no spec)."""
+def configured(additional_config, environ=None, layers: int | None = None) -> SparseConfig | None:
+    """The configuration vLLM's workers decode with, ``None`` for dense (no spec); ``layers``: the model's, where
+    known (:func:`config_from_spec`)."""
     spec = spec_text(additional_config, environ)
-    return None if spec is None else config_from_spec(spec)
+    return None if spec is None else config_from_spec(spec, layers)
