@@ -280,3 +280,20 @@ def test_a_budget_file_made_for_another_layer_count_is_refused(tmp_path):
     assert "\n" not in str(error.value)
     assert configured(spec, {}, layers=2).layer_supports == ((0, 97), (1, 193))
     assert configured(spec, {}).layer_supports == ((0, 97), (1, 193))  # the model not known yet (the plug-in's hook)
+
+
+def test_bench_vllm_refuses_a_budget_file_made_for_another_model(tmp_path, capsys, tiny_model_dir):
+    """Found by probing: every command refuses a budget file made for a model of another number of attention layers,
+    but ``bench vllm`` started its engines with it (their sparse runs would have left the model's other layers at
+    ``--support``)."""
+    from sparsedecode.cli import main
+
+    budget = tmp_path / "budget.json"
+    budget.write_text('{"layer_supports": {"0": 97}, "layers": 30}')
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\nexit 1\n")
+    python.chmod(0o755)
+    args = ["bench", "vllm", "--model", str(tiny_model_dir), "--budget", str(budget), "--vllm-python", str(python),
+            "--context", "100", "--tokens", "4", "--batch", "1", "--support", "97"]  # fmt: skip
+    assert main(args) == 2
+    assert "made for a model of 30 attention layers; " in capsys.readouterr().err

@@ -63,6 +63,22 @@ def _check(args):
     return modes, vllm_python(args.vllm_python)
 
 
+def _check_budget_layers(args, config) -> None:
+    """A budget file made for a model of another number of layers is refused, as every command refuses it, before any
+    engine starts."""
+    if args.budget_file is None:
+        return
+    from ..config import read_budget_file
+
+    made_for = read_budget_file(args.budget_file).get("layers")
+    layers = getattr(config.get_text_config(), "num_hidden_layers", None)
+    if made_for is not None and layers is not None and made_for != layers:
+        raise SparseDecodeError(
+            f"budget file {args.budget_file} was made for a model of {made_for} attention layers; {args.model} has "
+            f"{layers}"
+        )
+
+
 def _plain(budget: dict) -> dict:
     return {"dense_layers": list(budget["dense_layers"]),
             "layer_supports": {str(k): v for k, v in budget["layer_supports"]}}  # fmt: skip
@@ -80,6 +96,7 @@ def cmd_bench_vllm(args) -> int:
     tokenizer = load_tokenizer(args.model)
     config = model_config(tokenizer.name_or_path)
     check_fits(config, args.context, args.tokens)
+    _check_budget_layers(args, config)
     distinct = min(max(args.batch), prompt_count(tokenizer, args.corpus, args.context, args.tokens))
     if distinct < max(args.batch):  # prefix caching is off: a repeated prompt is prefilled and decoded again
         console.print(f"[dim]{args.corpus} holds {distinct} prompts of {args.context} tokens: a batch of "
