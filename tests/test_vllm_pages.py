@@ -297,3 +297,15 @@ def test_bench_vllm_refuses_a_budget_file_made_for_another_model(tmp_path, capsy
             "--context", "100", "--tokens", "4", "--batch", "1", "--support", "97"]  # fmt: skip
     assert main(args) == 2
     assert "made for a model of 30 attention layers; " in capsys.readouterr().err
+
+
+def test_bench_vllm_refuses_a_support_of_partial_blocks(tmp_path, capsys):
+    """Found by probing: every other command refuses a support that block selectors floor to whole blocks, so that the
+    support asked for is the one in every table; ``bench vllm --support 100`` ran 97 under the label ``S=100``."""
+    from sparsedecode.cli import main
+
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\nexit 1\n")
+    python.chmod(0o755)
+    assert main(["bench", "vllm", "--vllm-python", str(python), "--support", "100", "--context", "100"]) == 2
+    assert "--support 100 is not 1 + W + b*B" in capsys.readouterr().err

@@ -9,6 +9,7 @@ from ..errors import SparseDecodeError
 from .arguments import file_arg, int_list, selector_arg
 from .bench_results import recorded_model, start_clock, write_result
 from .display import console
+from .loading import check_whole_blocks
 from .outputs import check_output_file, inputs_of
 from .parser import add_dense_layers_arg, layer_budget
 
@@ -58,7 +59,7 @@ def _check(args):
     modes = {"dense": None}
     for support in args.support:
         spec = {"support": support, "selector": args.selector, **_plain(layer_budget(args))}
-        config_from_spec(spec)  # refused here, in one line, before any engine starts
+        check_whole_blocks([config_from_spec(spec)])  # refused here, in one line, before any engine starts
         modes[f"sparse S={support}"] = spec
     return modes, vllm_python(args.vllm_python)
 
