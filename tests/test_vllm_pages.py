@@ -186,6 +186,9 @@ def test_pages_must_hold_whole_blocks():
         ('{"support": 97, "colour": 1}', "colour"),
         ('{"budget": "/nonexistent/budget.json"}', "no such file"),
         ('{"budget": 5}', "a budget file's path"),  # found by probing: a bare TypeError
+        ('{"budget": null}', "a budget file's path, got None"),  # found by probing: decoded without the budget
+        ('{"budget": ""}', "a budget file's path, got ''"),  # found by probing: 'budget file : Is a directory'
+        ('{"budget": false}', "a budget file's path, got False"),
         ('{"support": 97, "kernel": "c"}', "kernel"),
     ],
 )

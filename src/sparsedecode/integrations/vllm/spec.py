@@ -51,10 +51,10 @@ def config_from_spec(spec: object, layers: int | None = None) -> SparseConfig:
     if not isinstance(spec, dict):
         raise SparseDecodeError(f"the sparsedecode spec must be a JSON object of SparseConfig fields, got {spec!r}")
     fields = dict(spec)
-    budget = fields.pop("budget", None)
-    if budget is not None and not isinstance(budget, str):
+    given, budget = "budget" in fields, fields.pop("budget", None)
+    if given and not (isinstance(budget, str) and budget):  # null or "" too: without a budget, leave the field out
         raise SparseDecodeError(f"spec field 'budget' is a budget file's path, got {budget!r}")
-    if budget is not None:
+    if given:
         if "dense_layers" in fields or "layer_supports" in fields:
             raise SparseDecodeError("give the spec a budget file or dense_layers / layer_supports, not both")
         read = read_budget_file(budget)
