@@ -67,10 +67,12 @@ def test_a_covering_support_is_vllms_own_dense_decoding_in_bfloat16(setup):
 
 
 @pytest.mark.parametrize("spec", [{"support": 97}, {"support": 193, "selector": "quest"},
-                                  {"support": 193, "selector": "sparq", "dense_layers": [0, 1]}])  # fmt: skip
+                                  {"support": 193, "selector": "sparq", "dense_layers": [0, 1]},
+                                  {"support": 65}])  # fmt: skip
 def test_sparse_tokens_are_the_session_paths_in_one_continuous_batch(setup, spec):
     """Prompts of different lengths decoded together (their prefills and decodes in shared forwards) and each alone
-    give the session path's tokens."""
+    give the session path's tokens. Found by probing: a support of 1 + window (no distant block) killed the engine in
+    the C kernel (a segmentation fault)."""
     model, prompts = setup
     got = engine(model, prompts, spec, alone=True)
     expected = session_tokens(model, prompts, spec)
@@ -112,6 +114,23 @@ def test_a_block_size_that_does_not_divide_the_pages_is_refused_at_start_up(setu
     done = subprocess.run([str(VLLM_PYTHON), "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode != 0 and "STARTED" not in done.stdout, done.stdout[-2000:]
     assert "pages hold 128 positions, not a multiple of the block size 48" in done.stderr, done.stderr[-2000:]
+
+
+def test_a_budget_file_made_for_another_model_is_refused_at_start_up(setup, tmp_path):
+    """Found by probing: a budget file made for a model of another number of layers was taken, and the model's other
+    layers read the spec's support; the workers now refuse it with the number of layers the model has."""
+    model, _ = setup
+    budget = tmp_path / "budget.json"
+    budget.write_text(json.dumps({"layer_supports": {"0": 97, "1": 193}, "layers": 24}))
+    spec = {"budget": str(budget)}
+    code = (f"from vllm import LLM; LLM(model={model.name_or_path!r}, max_model_len=1024, enforce_eager=True, "
+            f"additional_config={{'sparsedecode': {spec!r}}}); print('STARTED')")  # fmt: skip
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # fmt: skip
+    env.pop("SPARSEDECODE_VLLM", None)
+    done = subprocess.run([str(VLLM_PYTHON), "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode != 0 and "STARTED" not in done.stdout, done.stdout[-2000:]
+    assert "made for a model of 24 attention layers; this model has 30" in done.stderr, done.stderr[-2000:]
 
 
 def test_vllm_serve_with_the_plugin_answers_an_openai_client(setup):
