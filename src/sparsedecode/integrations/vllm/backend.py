@@ -195,6 +195,13 @@ class SparseAttentionImpl(CPUAttentionBackendImpl):
                 raise SparseDecodeError(f"the sparse vLLM backend does not serve attention with {what}")
         if layers is not None:  # layers the spec names that the model lacks: refused at start-up
             check_layer_indices(self.config, layers)
+        speculative = get_current_vllm_config().speculative_config is not None
+        if speculative and (layers is None or any(self.layer_config(i) for i in range(layers))):
+            raise SparseDecodeError(
+                "the sparse vLLM backend does not serve speculative decoding: a verification step attends several "
+                "tokens of a request at once, which go to vLLM's dense kernel, so the tokens would be neither sparse "
+                "nor dense decoding's; leave out the speculative config"
+            )
 
     def layer_config(self, index: int) -> SparseConfig | None:
         """Layer ``index``'s configuration, ``None`` for a layer that always decodes dense (:func:`layer_sparse`)."""
