@@ -221,6 +221,34 @@ def test_bench_e2e_decodes_h2o_from_the_prompts_history_alone_and_in_batches(mon
     ]
 
 
+def test_bench_e2e_with_h2o_decodes_as_generate_does(monkeypatch):
+    """``bench e2e --selector h2o`` (batch 1, lossless rows and ``--batch`` alike) failed after the prefill and the
+    dense runs, telling to run the prefill inside the session: the bench prefills outside any session and never gave
+    the session H2O's history. Found by probing the bench's lossless and batched rows with every selector. It now
+    records each prompt's history as ``generate`` does: the sparse row's tokens are ``generate``'s, the lossless row's
+    dense decoding's, each prompt's batch-1 run ``generate``'s, every batch's its batch-1 runs'."""
+    from sparsedecode.decoding.generate import generate
+    from sparsedecode.experiments.bench import bench_e2e_batch
+
+    model, ids, tokens = tiny_model("llama"), prompt(200), 6
+    cfg = SparseConfig(support=97, selector="h2o")
+    dense = generate(model, ids, None, tokens + 1, mode="dense").tokens
+    sparse = generate(model, ids, cfg, tokens + 1, mode="sparse").tokens
+    leading = next((i for i, (a, b) in enumerate(zip(dense[1:], sparse[1:])) if a != b), tokens)
+    assert leading < tokens, "S = 97 must depart from dense here, or the sparse row proves little"
+    rows = bench_e2e(model, "tiny", ids, (97,), tokens=tokens, lossless=(2,), repeats=1, selector="h2o")
+    by_mode = {r.mode: r for r in rows}
+    assert by_mode["sparse"].tokens_equal_to_dense == leading
+    assert by_mode["lossless"].tokens_equal_to_dense == tokens
+    alone, real_alone = {}, bench_batch._alone
+    monkeypatch.setattr(bench_batch, "_alone", lambda *a, **k: alone.update(real_alone(*a, **k)) or alone)
+    prompts = [prompt(200, seed=s) for s in (0, 6, 11)]  # the last two decode otherwise with the first's history
+    batched = bench_e2e_batch(model, "tiny", prompts, (1, 3), (97,), tokens=tokens, repeats=1, selector="h2o")
+    assert [(r.batch, r.mode) for r in batched] == [(1, "dense"), (1, "sparse"), (3, "dense"), (3, "sparse")]
+    assert all(r.tokens_equal_to_batch1 for r in batched)
+    assert alone["sparse", 97] == [generate(model, p, cfg, tokens + 1, mode="sparse").tokens[1:] for p in prompts]
+
+
 def test_bench_e2e_compile_adds_compiled_modes_with_dense_tokens(monkeypatch):
     from sparsedecode.compiled import decoder as compiled
 
