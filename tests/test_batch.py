@@ -215,6 +215,9 @@ def test_batches_refused_where_not_supported():
         sd.generate(model, prompts, SparseConfig(support=97), 8, mode="lossless")
     with pytest.raises(SparseDecodeError, match="one unpadded \\(1, length\\) prompt without attention_mask"):
         sd.generate(model, ids[1:], SparseConfig(support=97), 8, mode="lossless", attention_mask=mask[1:])
+    # a list of one prompt was told to drop the padding and the mask it did not have (found by probing lossless inputs)
+    with pytest.raises(SparseDecodeError, match="one \\(1, length\\) prompt, not a list of prompts: pass the prompt"):
+        sd.generate(model, prompts[:1], SparseConfig(support=97), 8, mode="lossless")
     right_padded = mask.flip(1)
     with pytest.raises(SparseDecodeError, match="left padding"):
         sd.generate(model, ids, SparseConfig(support=97), 8, mode="sparse", attention_mask=right_padded)

@@ -311,6 +311,10 @@ def _batch_prompts(model, prompts, attention_mask, mode: str) -> tuple[torch.Ten
             raise SparseDecodeError(
                 f"generate: attention_mask {tuple(mask.shape)} does not match ids {tuple(ids.shape)}"
             )
+    if mode == "lossless" and ids.shape[0] == 1 and isinstance(prompts, (list, tuple)):
+        raise SparseDecodeError(
+            "lossless generation takes one (1, length) prompt, not a list of prompts: pass the prompt itself"
+        )
     if mode == "lossless" and ids.shape[0] == 1:
         raise SparseDecodeError(
             "lossless generation takes one unpadded (1, length) prompt without attention_mask: drop the padding "
