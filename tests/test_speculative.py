@@ -57,3 +57,17 @@ def test_lossless_under_inference_mode_drafts_as_under_no_grad():
         lossless = generate(model, ids, cfg, 30, draft_tokens=3)
     assert lossless.tokens == expected.tokens == generate(model, ids, None, 30, mode="dense").tokens
     assert lossless.accepted == expected.accepted
+
+
+def test_lossless_decode_stops_at_an_end_token_that_is_the_first():
+    """``lossless_decode`` (what ``bench e2e`` calls) drafted past an ``eos_token_id`` that was the prefill's token and
+    stopped at its next occurrence: only ``generate`` checked the first token. Found by probing lossless stops."""
+    from sparsedecode.decoding.generate import lossless_decode
+    from sparsedecode.decoding.loop import prefill
+    from sparsedecode.session.kv_cache import GrowingCache
+
+    model, ids = tiny_model("llama"), prompt(150)
+    cache, logits = prefill(model, ids, cache=GrowingCache(config=model.config))
+    first = int(logits.argmax())
+    stopped = lossless_decode(model, cache, 150, first, SparseConfig(support=97), 10, eos_token_id=first)
+    assert stopped.tokens == [first] and stopped.verifications == 0

@@ -33,9 +33,9 @@ def lossless_loop(drafter: Drafter, result, max_new_tokens: int, *, draft_tokens
                   max_draft_tokens: int, progress: Progress | None, eos_token_id: int | None, stage: str):  # fmt: skip
     """Extend ``result`` (a :class:`~sparsedecode.decoding.generate.Generation` holding the first token) to
     ``max_new_tokens`` tokens, or to ``eos_token_id``; its draft and verification times, acceptances and draft
-    lengths are added."""
+    lengths are added. A result that already ends with ``eos_token_id`` (the first token) gets nothing more."""
     k = draft_tokens
-    while len(result.tokens) < max_new_tokens:
+    while len(result.tokens) < max_new_tokens and result.tokens[-1] != eos_token_id:
         k_now = min(k, max_new_tokens - len(result.tokens))
         begun = time.perf_counter()
         drafts = drafter.draft(result.tokens[-1], k_now)
@@ -60,8 +60,6 @@ def lossless_loop(drafter: Drafter, result, max_new_tokens: int, *, draft_tokens
             k = min(2 * k, max_draft_tokens) if accepted == k_now else max(1, k // 2) if 2 * accepted < k_now else k
         if progress:
             progress(stage, len(result.tokens), max_new_tokens)
-        if result.tokens[-1] == eos_token_id:
-            break
     result.decode_s = result.draft_s + result.verify_s
     return result
 
