@@ -178,3 +178,36 @@ def test_a_sliding_layer_past_its_window_is_dense_over_it():
     together = generate(model, [past, inside], cfg, tokens, mode="sparse")
     assert together[0].tokens == expected
     assert together[1].tokens == generate(model, inside, cfg, tokens, mode="sparse").tokens
+
+
+UNTOLD_WINDOWS = {  # sliding layers whose attention call gets no sliding_window: their window is in the config only
+    "qwen2_moe": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        use_sliding_window=True, sliding_window=40, max_window_layers=2,
+    ),  # layer 0 slides (layer_types), layer 1 attends fully
+    "phimoe": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=40),  # every layer (no layer_types)
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(UNTOLD_WINDOWS))
+def test_a_sliding_layer_not_told_its_window_is_dense_past_it(family):
+    """Qwen2-MoE and PhiMoE give a sliding layer its window's mask and cache but pass no ``sliding_window`` to the
+    attention function: past the window the session took the window's slots for a whole sequence (its oldest slot
+    for the anchor) and took sparse steps over them, and H2O refused the layer. Found probing families with a window
+    shorter than the context. The window now comes from the config as transformers' caches read it: dense past it,
+    as Mistral's is. Oracle: ``dense_layers`` = the sliding layers (as in the test above)."""
+    from sparsedecode.models.catalog import layer_types
+
+    model = tiny_family(family, **UNTOLD_WINDOWS[family])
+    sliding = tuple(i for i, kind in enumerate(layer_types(model.config)) if kind == "sliding_attention")
+    assert sliding
+    cfg, tokens, past = SparseConfig(support=25, window=8, block_size=4), 10, prompt(60, seed=2)
+    expected = generate(model, past, SparseConfig(support=25, window=8, block_size=4, dense_layers=sliding), tokens,
+                        mode="sparse").tokens  # fmt: skip
+    with sparse_decoding(model, cfg) as session:
+        out = model.generate(past, max_new_tokens=tokens, do_sample=False)[0, 60:].tolist()
+    assert out == expected and generate(model, past, cfg, tokens, mode="sparse").tokens == expected
+    full = model.config.num_hidden_layers - len(sliding)
+    assert (session.sparse_steps, session.dense_steps) == (full * (tokens - 1), len(sliding) * (tokens - 1))
+    h2o = compare(model, None, past, SparseConfig(support=25, window=8, block_size=4, selector="h2o"), 6)
+    assert h2o.sparse_steps == full * 5

@@ -57,12 +57,18 @@ def row_extents(
     return int(end[0]), tuple(int(p) for p in first.tolist())
 
 
-def past_window(lengths: list[int], kwargs: dict) -> list[bool]:
-    """Which sequences a sliding-window layer (``kwargs["sliding_window"]``) sees through its window only, for
-    which its step is dense: those longer than the window. Such a layer's cache and mask hold the window alone
-    (``lengths``, read from the mask, stop at the window), so a sequence's length comes from its position ids;
-    without them a sequence that fills the window counts as past it."""
+def layer_window(session, state: LayerState, kwargs: dict) -> int | None:
+    """The layer's sliding window: the attention call's ``sliding_window``, else the one the model's config gives
+    the layer (:meth:`~sparsedecode.session.session.SparseSession.layer_window`; Qwen2-MoE and PhiMoE pass none)."""
     sliding = kwargs.get("sliding_window")
+    return session.layer_window(state.layer) if sliding is None else sliding
+
+
+def past_window(lengths: list[int], kwargs: dict, sliding: int | None) -> list[bool]:
+    """Which sequences a sliding-window layer (window ``sliding``) sees through its window only, for which its step
+    is dense: those longer than the window. Such a layer's cache and mask hold the window alone (``lengths``, read
+    from the mask, stop at the window), so a sequence's length comes from its position ids; without them a sequence
+    that fills the window counts as past it."""
     if sliding is None:
         return [False] * len(lengths)
     position_ids = kwargs.get("position_ids")
@@ -132,7 +138,7 @@ def _decode(
     h2o = cfg.selector.uses_history
     lengths = [n - pad for pad in pads]
     dense_layer = state.layer in cfg.dense_layers
-    windowed = past_window(lengths, kwargs)
+    windowed = past_window(lengths, kwargs, layer_window(session, state, kwargs))
     dense_rows = [dense_layer or m <= cfg.effective_support or w for m, w in zip(lengths, windowed)]
     all_dense = all(dense_rows)
     if all_dense:
@@ -204,8 +210,7 @@ def session_forward(session, state, module, query, key, value, attention_mask, d
             kwargs,
         )
     else:
-        sliding = kwargs.get("sliding_window")
-        if rows[0] is state and q_len <= SHORT_FORWARD and sliding is None:
+        if rows[0] is state and q_len <= SHORT_FORWARD and layer_window(session, state, kwargs) is None:
             out = dense_short_forward(query, key, value, n, scaling)
         else:
             out = sdpa_attention_forward(

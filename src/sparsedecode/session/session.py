@@ -37,6 +37,22 @@ def _layer_of(module: torch.nn.Module) -> int:
     return int(getattr(module, "layer_idx", 0) or 0)
 
 
+def attention_windows(model: torch.nn.Module | None) -> dict[int, int]:
+    """The layers of ``model`` whose attention sees a window of the sequence, with its size, as transformers' caches
+    read the config (``layer_types``, else ``sliding_window`` / ``attention_chunk_size`` for every layer): a sliding
+    or chunked layer's cache and mask hold that window alone. Empty where the config says none (or cannot be read)."""
+    config = getattr(model, "config", None)
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        text = config.get_text_config(decoder=True)
+        _, per_layer = get_layer_types_and_kwargs(text)
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return {}
+    windows = {layer: kwargs.get("sliding_window") for layer, kwargs in enumerate(per_layer)}
+    return {layer: int(window) for layer, window in windows.items() if isinstance(window, int) and window > 0}
+
+
 @dataclass
 class SparseSession:
     """One activation of sparse decoding on one model; see :func:`sparse_decoding`.
@@ -69,6 +85,10 @@ class SparseSession:
     """A plan that serves every sparse step instead of the one planned per kind of tensors (tests compare the
     routes of a step so; an insisted-on kernel is ``SparseConfig.kernel``)."""
 
+    windows: dict[int, int] | None = field(default=None, repr=False)
+    """Per layer, the attention window transformers' caches and masks give it (:func:`attention_windows`), read
+    from the model's config on first use."""
+
     support_reads: dict[int, list] = field(default_factory=dict)
     """Per sequence: ``[total, count, min, max]`` of the positions each KV head read at a sparse step (recorded with
     ``track_reads``); an adaptive budget makes them vary."""
@@ -89,6 +109,14 @@ class SparseSession:
             "support_read_min": low,
             "support_read_max": high,
         }
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding (or chunked) attention window from the model's config, ``None`` for a layer that
+        attends fully: for a model whose attention call is not told its window (Qwen2-MoE, PhiMoE pass no
+        ``sliding_window``), whose mask and cache still hold that window alone."""
+        if self.windows is None:
+            self.windows = attention_windows(self.model)
+        return self.windows.get(layer)
 
     def layer_state(self, module: torch.nn.Module) -> LayerState:
         layer = _layer_of(module)
