@@ -106,3 +106,25 @@ def test_h2o_says_why_a_kv_shared_layer_keeps_no_history():
         compare(model, None, prompt(260), SparseConfig(support=97, selector="h2o"), 6)
     assert "\n" not in str(caught.value)
     assert compare(model, None, prompt(260), SparseConfig(support=97, selector="quest"), 6).sparse_steps > 0
+
+
+def test_layers_with_different_kv_heads_are_compared():
+    """Gemma 4 with ``attention_k_eq_v`` gives its full-attention layers one KV head of 32 dims where its sliding
+    layers have two of 16: ``compare`` failed with a traceback from ``torch.stack`` counting the distinct positions
+    each KV head read (found probing families whose head dims differ). They are counted over every layer's heads."""
+    model = tiny_family(
+        "gemma4_text", sliding_window=512, layer_types=["sliding_attention", "full_attention"], global_head_dim=32,
+        num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=96,
+    )  # fmt: skip
+    heads = [layer.self_attn.k_proj.out_features // layer.self_attn.head_dim for layer in model.model.layers]
+    assert heads == [2, 1]
+    ids = prompt(260)
+    expected = model.generate(ids, max_new_tokens=8, do_sample=False)[0, 260:].tolist()
+    full = compare(model, None, ids, SparseConfig(support=385), 8)
+    assert full.sparse_tokens == expected and full.teacher_forced_match == 100.0
+    # dense steps read every distant position of the last step's context, on every KV head of both layers
+    assert full.mean_unique_distant_positions_per_kv == 260 + 8 - 1 - 64 - 1
+    sparse = compare(model, None, ids, SparseConfig(support=97, audit=True), 8)
+    assert sparse.sparse_steps > 0 and sparse.audit["identity_residual_max"] <= 1e-5
+    assert 2 * 16 <= sparse.mean_unique_distant_positions_per_kv <= 260 + 8 - 64 - 1

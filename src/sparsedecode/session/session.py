@@ -149,9 +149,12 @@ class SparseSession:
         """Distinct distant positions of the current sequence read so far, per (layer, KV head): ``(layers, kv)``.
 
         A position read at several steps (dense or sparse) counts once, so no entry exceeds ``N - W - 1``. In a
-        batch, ``sequence`` names the sequence (its own positions).
+        batch, ``sequence`` names the sequence (its own positions). Where layers have different numbers of KV heads
+        (Gemma 4's full layers with ``attention_k_eq_v``), one row ``(1, all KV heads)`` of every layer's heads.
         """
         rows = [s.reads.sum(dim=1).cpu() for s in self._states(sequence) if s.reads is not None]
+        if len({len(row) for row in rows}) > 1:
+            return torch.cat(rows).unsqueeze(0)
         return torch.stack(rows) if rows else torch.zeros(0, 0, dtype=torch.long)
 
     def centroid_bytes(self, sequence: int | None = None) -> int:
