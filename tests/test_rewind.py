@@ -211,3 +211,21 @@ def test_a_sliding_layer_not_told_its_window_is_dense_past_it(family):
     assert (session.sparse_steps, session.dense_steps) == (full * (tokens - 1), len(sliding) * (tokens - 1))
     h2o = compare(model, None, past, SparseConfig(support=25, window=8, block_size=4, selector="h2o"), 6)
     assert h2o.sparse_steps == full * 5
+
+
+def test_h2o_lossless_inside_a_sliding_window_is_refused_before_any_forward():
+    """Lossless rounds restore a copy of a sliding-window layer (``crop`` cannot take it back), whose H2O history the
+    session cannot prove: ``generate(mode="lossless")`` with ``h2o`` on Mistral with a window of 160 and a prompt of
+    100 stopped at its second round's first draft, naming an unseen forward, beam search or a padded batch (found
+    probing sliding windows longer than the support). Refused before any forward, naming the layer; past the window,
+    or with a block selector, lossless still equals dense."""
+    from test_bad_input import NoForward
+
+    model = tiny_family("mistral", sliding_window=160)
+    h2o = SparseConfig(support=97, selector="h2o")
+    with NoForward(model), pytest.raises(SparseDecodeError, match="sliding window of 160") as caught:
+        generate(model, prompt(100), h2o, 20, mode="lossless")
+    assert "\n" not in str(caught.value)
+    assert len(generate(model, prompt(100), h2o, 20, mode="sparse").tokens) == 20
+    assert compare_lossless(model, prompt(170), h2o, 8).equal  # past the window the layers are dense
+    assert compare_lossless(model, prompt(100), SparseConfig(support=97), 20).equal

@@ -24,6 +24,7 @@ from ..config import SparseConfig, check_config, check_named_layers
 from ..errors import SparseDecodeError
 from ..session import dense_attention, prefill_history, sparse_decoding
 from ..session.kv_cache import GrowingCache
+from ..session.session import attention_windows
 from ..validate import (
     attention_modules,
     check_callable,
@@ -174,9 +175,28 @@ def _generation_inputs(model, input_ids, cfg, max_new_tokens, mode, attention_ma
         check_named_layers(cfg, attention_modules(model))
     if one:
         _check_drafting(*drafting)
+    if one and mode == "lossless":
+        _check_history_rounds(model, cfg, int(ids.shape[1]))
     check_token_id(model, eos_token_id, "eos_token_id", "generate")
     check_positions(model, int(ids.shape[1]), max_new_tokens, "generate")
     return ids, mask, one
+
+
+def _check_history_rounds(model, cfg: SparseConfig, length: int) -> None:
+    """Refuse a selector that keeps a history (H2O) in lossless mode where a sliding-window layer would take sparse
+    steps inside its window: each round restores a copy of that layer (``crop`` cannot take it back), and the
+    session cannot prove a copy holds the keys its history describes (the run stopped at its first draft after a
+    round, naming causes that did not apply)."""
+    if not cfg.selector.uses_history:
+        return
+    for layer, window in sorted(attention_windows(model).items()):
+        layer_cfg = cfg.for_layer(layer)
+        if layer not in layer_cfg.dense_layers and length < window and window > layer_cfg.effective_support:
+            raise SparseDecodeError(
+                f"generate: {cfg.selector.spec()} keeps a history that lossless rounds cannot carry over layer "
+                f"{layer}, a sliding window of {window} the prompt ({length} tokens) is inside: each round restores "
+                "a copy of it; use mode='sparse' or a selector without history"
+            )
 
 
 def _check_drafting(draft_tokens: int, adaptive: bool, max_draft_tokens: int) -> None:
