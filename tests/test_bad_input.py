@@ -163,7 +163,7 @@ def test_token_counts_must_be_integers(model, tokens):
         (dict(max_new_tokens=2.5), "max_new_tokens must be an integer >= 1"),
         (dict(draft_tokens=0), "draft_tokens must be an integer >= 1"),
         (dict(draft_tokens=1.5), "draft_tokens must be an integer >= 1"),
-        (dict(max_draft_tokens=0), "max_draft_tokens must be an integer >= 1"),
+        (dict(max_draft_tokens=0, adaptive=True), "max_draft_tokens must be an integer >= 1"),
         (dict(cfg={"support": 97}), "config must be a SparseConfig"),
         (dict(cfg=None, mode="sparse"), "needs a SparseConfig"),
         (dict(mode="fast"), "unknown mode"),
@@ -287,6 +287,9 @@ def test_generate_checks_the_adaptive_draft_settings(model):
             generate(model, prompt(150), cfg, 8, adaptive="no")
         with pytest.raises(SparseDecodeError, match="max_draft_tokens \\(2\\) is below draft_tokens \\(4\\)"):
             generate(model, prompt(150), cfg, 8, adaptive=True, draft_tokens=4, max_draft_tokens=2)
+        for adaptive in ({}, {"adaptive": False}):  # a fixed draft length: the bound was ignored without a word
+            with pytest.raises(SparseDecodeError, match="max_draft_tokens bounds the adaptive draft length"):
+                generate(model, prompt(150), cfg, 8, draft_tokens=3, max_draft_tokens=1, **adaptive)
         for mode in ("sparse", "dense"):  # nothing drafts there: a draft length was ignored without a word
             with pytest.raises(SparseDecodeError, match="draft_tokens, adaptive apply to mode='lossless' only"):
                 generate(model, [prompt(150), prompt(140)], cfg, 8, mode=mode, draft_tokens=2, adaptive=True)

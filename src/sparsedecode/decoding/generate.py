@@ -127,6 +127,8 @@ def _drafting(mode: str, **given) -> dict:
     named = [name for name, value in given.items() if value is not None]
     if named and mode != "lossless":
         raise SparseDecodeError(f"generate: {', '.join(named)} apply to mode='lossless' only, not mode={mode!r}")
+    if given.get("max_draft_tokens") is not None and given.get("adaptive") is not True:  # a fixed k drafts k always
+        raise SparseDecodeError("generate: max_draft_tokens bounds the adaptive draft length: pass adaptive=True")
     defaults = dict(draft_tokens=4, adaptive=False, max_draft_tokens=MAX_DRAFT_TOKENS)
     return {name: defaults[name] if value is None else value for name, value in given.items()}
 
