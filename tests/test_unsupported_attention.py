@@ -71,6 +71,24 @@ def test_entry_points_refuse_before_any_forward(kind):
 
 
 @pytest.mark.parametrize("kind", MODELS)
+def test_the_probes_refuse_before_their_prefill(kind):
+    """The mass probe and a retrieval trial prefilled (a whole context, dense) before the session refused the model."""
+    from sparsedecode.experiments.probes import mass_probe
+    from sparsedecode.experiments.retrieval import PasskeyPrompt, run_trial
+
+    build, words = MODELS[kind]
+    model, ids, cfg = build(), prompt(200), SparseConfig(support=97)
+    passkey = PasskeyPrompt(
+        ids, "12345", question_start=190, needle_start=50, needle_end=55, depth=0.3, needle_depth=0.3
+    )
+    with NoForward(model):
+        with pytest.raises(SparseDecodeError, match=f"mass_probe: .*{words}"):
+            mass_probe(model, ids, cfg, tokens=4)
+        with pytest.raises(SparseDecodeError, match=f"retrieval: .*{words}"):
+            run_trial(model, char_tokenizer(), passkey, [cfg], trial=0)
+
+
+@pytest.mark.parametrize("kind", MODELS)
 def test_the_attention_call_refuses_what_the_model_check_misses(kind, monkeypatch):
     """The forward's own ``s_aux`` / ``softcap`` arguments are refused at the first call, the prefill's."""
     build, words = MODELS[kind]

@@ -19,6 +19,7 @@ from ..decoding.loop import Progress, decode_tokens, prefill
 from ..protocol.diagnostics import MassAudit, summarize_audit
 from ..session import prefill_history, sparse_decoding
 from ..session.kv_cache import crop_cache
+from ..validate import check_sparse_attention
 
 
 @dataclass
@@ -52,6 +53,7 @@ def mass_probe(
     Pass ``cache`` and ``first`` (a prefilled cache and the first token) to reuse one prefill across supports;
     the cache is cropped back to the prompt afterwards.
     """
+    check_sparse_attention(model, "mass_probe")  # before the prefill, as every sparse entry point refuses
     started = time.perf_counter()
     if cache is None:
         cache, logits = prefill(model, prompt_ids, progress=progress)

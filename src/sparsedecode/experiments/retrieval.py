@@ -37,7 +37,7 @@ from ..errors import SparseDecodeError
 from ..protocol.diagnostics import MassAudit, summarize_audit
 from ..session import StepView, prefill_history, sparse_decoding
 from ..session.kv_cache import crop_cache
-from ..validate import max_positions
+from ..validate import check_sparse_attention, max_positions
 from .corpus import FILLER, corpus_ids
 from .specs import RetrievalSpec
 
@@ -246,6 +246,8 @@ def run_trial(
 
     Returns one dict per answer (dense first); ``on_trial`` is called with each as soon as it is done.
     """
+    if configs:
+        check_sparse_attention(model, "retrieval")  # before the prefill, as every sparse entry point refuses
     started = time.perf_counter()
     cache, _ = prefill(model, prompt.ids[:, : prompt.question_start])
     wants_history = any(cfg.selector.uses_history for cfg in configs)
