@@ -302,6 +302,21 @@ def test_bench_vllm_refuses_a_budget_file_made_for_another_model(tmp_path, capsy
     assert "made for a model of 30 attention layers; " in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("layers", [["--dense-layers", "0,40"], ["--layer-supports", "41:193"]])
+def test_bench_vllm_refuses_a_layer_past_the_models_before_any_engine(tmp_path, capsys, tiny_model_dir, layers):
+    """Found by probing: a --dense-layers or --layer-supports layer past the model's was refused by vLLM only after
+    the dense engine's whole round; now in one line before any engine starts (the stand-in python would fail one)."""
+    from sparsedecode.cli import main
+
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\nexit 1\n")
+    python.chmod(0o755)
+    args = ["bench", "vllm", "--model", str(tiny_model_dir), "--vllm-python", str(python), "--context", "100",
+            "--tokens", "4", "--batch", "1", "--support", "97", *layers]  # fmt: skip
+    assert main(args) == 2
+    assert "the model has 2 attention layers" in capsys.readouterr().err
+
+
 def test_bench_vllm_refuses_a_support_of_partial_blocks(tmp_path, capsys):
     """Found by probing: every other command refuses a support that block selectors floor to whole blocks, so that the
     support asked for is the one in every table; ``bench vllm --support 100`` ran 97 under the label ``S=100``."""

@@ -64,15 +64,20 @@ def _check(args):
     return modes, vllm_python(args.vllm_python)
 
 
-def _check_budget_layers(args, config) -> None:
-    """A budget file made for a model of another number of layers is refused, as every command refuses it, before any
-    engine starts."""
+def _check_budget_layers(args, config, modes: dict) -> None:
+    """A budget file made for a model of another number of layers, or a --dense-layers / --layer-supports layer past
+    the model's, is refused, as every command refuses it, before any engine starts (vLLM refused the layer only
+    after the dense engine's whole round)."""
+    from ..config import check_layer_indices, read_budget_file
+    from ..integrations.vllm.spec import config_from_spec
+
+    layers = getattr(config.get_text_config(), "num_hidden_layers", None)
+    if layers is not None:
+        for spec in filter(None, modes.values()):
+            check_layer_indices(config_from_spec(spec), layers)
     if args.budget_file is None:
         return
-    from ..config import read_budget_file
-
     made_for = read_budget_file(args.budget_file).get("layers")
-    layers = getattr(config.get_text_config(), "num_hidden_layers", None)
     if made_for is not None and layers is not None and made_for != layers:
         raise SparseDecodeError(
             f"budget file {args.budget_file} was made for a model of {made_for} attention layers; {args.model} has "
@@ -97,7 +102,7 @@ def cmd_bench_vllm(args) -> int:
     tokenizer = load_tokenizer(args.model)
     config = model_config(tokenizer.name_or_path)
     check_fits(config, args.context, args.tokens)
-    _check_budget_layers(args, config)
+    _check_budget_layers(args, config, modes)
     distinct = min(max(args.batch), prompt_count(tokenizer, args.corpus, args.context, args.tokens))
     if distinct < max(args.batch):  # prefix caching is off: a repeated prompt is prefilled and decoded again
         console.print(f"[dim]{args.corpus} holds {distinct} prompts of {args.context} tokens: a batch of "
