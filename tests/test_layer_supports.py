@@ -66,8 +66,8 @@ def test_the_compiled_step_reads_each_layers_support():
         ("2:x", "LAYER:SUPPORT"),
         ("1:97,1:193", "names a layer twice"),
         ({-1: 97}, "integer >= 0"),
-        ({0: 40}, "smaller than anchor"),
-        ({0: 97.0}, "support must be an integer"),
+        ({3: 40}, "layer_supports, layer 3: support 40 is smaller than anchor"),  # which layer's (it named none)
+        ({0: 97.0}, "layer 0: support must be an integer"),
         ([(0, 97, 1)], "pairs"),
     ],
 )

@@ -57,7 +57,10 @@ class SparseConfig:
         object.__setattr__(self, "layer_supports", parse_layer_supports(self.layer_supports))
         check_budget(self.support, self.window, self.block_size)
         for layer, support in self.layer_supports:
-            check_budget(support, self.window, self.block_size)
+            try:
+                check_budget(support, self.window, self.block_size)
+            except SparseDecodeError as error:  # which of the layers' supports it is
+                raise SparseDecodeError(f"layer_supports, layer {layer}: {error}") from None
             if layer in self.dense_layers:
                 raise SparseDecodeError(f"layer {layer} is in dense_layers and has a support in layer_supports")
         object.__setattr__(self, "_layers", {})  # for_layer's configurations, made once
