@@ -265,6 +265,22 @@ def test_report_renders_an_eval_folder(loaded, tmp_path):
     assert accuracy[0].startswith("task,context,selector,support,samples,score,correct") and len(accuracy) == 1 + 6
 
 
+def test_the_accuracy_table_says_where_a_setting_has_run_fewer_samples(loaded, tmp_path):
+    """A partial run (dense done, a sparse setting not yet): the table said every column was on the same samples and
+    showed the sparse mean over fewer without a word; the cell now gives its count."""
+    from sparsedecode.reports.evaluation import write_eval_report
+
+    run_eval(small_spec(selectors=("streaming",)), tmp_path / "e", loaded=loaded)
+    rows = [r for r in rows_of(tmp_path / "e") if not (r["selector"] == "streaming" and r["sample"] == 1)]
+    (tmp_path / "e" / RUNS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = [
+        line
+        for line in write_eval_report(tmp_path / "e").read_text().splitlines()
+        if "(dense fails) | 600 | 2 |" in line
+    ]
+    assert len(table) == 1 and table[0].rstrip(" |").endswith("| 0 | 0 (1 of 2)"), table
+
+
 def test_an_interrupted_eval_report_leaves_the_earlier_report_as_it_was(loaded, tmp_path, monkeypatch):
     """An evaluation report wrote its CSVs, then drew its heat map: an error or an interrupt there left the new
     tables beside the earlier report.md and plot. Now the folder is as it was (as the sweep's report does)."""

@@ -130,7 +130,8 @@ def _conditions_lines(directory: Path, meta: dict, spec: EvalSpec, rows: list[di
         "",
         "## Accuracy (mean score, %)",
         "",
-        "Rows: task and context; columns: dense and each sparse setting, on the same samples. "
+        "Rows: task and context; columns: dense and each sparse setting, on the same samples (where a setting has "
+        "run fewer of the cell's n so far, its count follows its score). "
         f"A cell where dense scores below {summary.DENSE_FAILS:.0%}, or answers no sample fully, is marked: dense "
         "cannot do it, so it says nothing about sparsity.",
         "",
@@ -148,7 +149,9 @@ def _accuracy_table(rows: list[dict], accuracy: list[dict]) -> tuple[list[str], 
         values = [index.get((task, context, *m)) for m in modes]
         n = max((v["samples"] for v in values if v), default=0)
         mark = " (dense fails)" if (task, context) in fails else ""
-        table.append([task + mark, str(context), str(n), *[_percent(v["score"] if v else None) for v in values]])
+        cells = [_percent(v["score"] if v else None) + (f" ({v['samples']} of {n})" if v and v["samples"] < n else "")
+                 for v in values]  # fmt: skip
+        table.append([task + mark, str(context), str(n), *cells])
         matrix.append([v["score"] if v else np.nan for v in values])
     return [markdown_table(["task", "context", "n", *[summary.mode_label(*m) for m in modes]], table), ""], matrix
 
