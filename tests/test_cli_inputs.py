@@ -400,6 +400,41 @@ def test_outputs_that_clash_are_refused_before_the_model_loads(args, made, messa
     assert contents(folder) == before, "nothing written"
 
 
+SELECTOR_FILE = """
+import torch
+
+import sparsedecode as sd
+
+
+class Mine(sd.BlockSelector):
+    def score_blocks(self, queries, keys, layout):
+        return torch.zeros(keys.shape[0], layout.n_blocks)
+"""
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["run", "--budget", "{f}/b.json", "--json", "{f}/b.json"], "is the input --budget"),
+        (["run", "--mode", "lossless", "--budget", "{f}/b.json", "--json", "{f}/b.json"], "is the input --budget"),
+        (["bench", "e2e", "--budget", "{f}/b.json", "--json", "{f}/b.json"], "is the input --budget"),
+        (["run", "--selector", "{f}/sel.py:Mine", "--json", "{f}/sel.py"], "is the input --selector"),
+        (["bench", "op", "--selector", "{f}/sel.py:Mine", "--json", "{f}/sel.py"], "is the input --selector"),
+        (["probe", "mass", "--budget", "{f}/mass.json", "--out", "{f}"], "is the input --budget"),
+    ],
+)
+def test_an_output_that_is_the_budget_or_selector_file_is_refused(args, message, folder, no_model_load, capsys):
+    """Found by probing: ``run --budget b.json --json b.json`` (or ``--selector sel.py:Mine --json sel.py``) ran and
+    wrote its results over the budget file (the selector's code): only ``--model``, ``--corpus`` and ``--haystack``
+    counted as inputs."""
+    for name in ("b.json", "mass.json", "sel.py"):
+        if any(f"{{f}}/{name}" in arg for arg in args):
+            (folder / name).write_text(SELECTOR_FILE if name.endswith(".py") else '{"dense_layers": [0]}')
+    before = contents(folder)
+    assert_refused([a.replace("{f}", str(folder)) for a in args], message, capsys)
+    assert contents(folder) == before, "the inputs are kept"
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

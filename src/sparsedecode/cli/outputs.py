@@ -30,15 +30,29 @@ __all__ = [
 ]
 
 
-def inputs_of(args) -> dict[str, str]:
-    """The command's inputs that may be paths (``--model``, ``--corpus``), by option, for :func:`check_output_file`
-    and :func:`check_output_folder`."""
-    named = {option: getattr(args, option[2:], None) for option in ("--model", "--corpus", "--haystack")}
-    return {option: spec for option, spec in named.items() if isinstance(spec, str) and spec.strip()}
+def inputs_of(args) -> list[tuple[str, str]]:
+    """The command's inputs that may be paths, as ``(option, path)`` pairs for :func:`check_output_file` and
+    :func:`check_output_folder`: ``--model``, ``--corpus``, ``--haystack``, the ``--budget`` file and the files of
+    ``--selector`` / ``--selectors`` (an output there replaced the budget or the selector's code with results)."""
+    named = [(option, getattr(args, option[2:], None)) for option in ("--model", "--corpus", "--haystack")]
+    named.append(("--budget", None if getattr(args, "budget_file", None) is None else str(args.budget_file)))
+    for option in ("--selector", "--selectors"):
+        specs = getattr(args, option[2:], None)
+        for spec in (specs,) if isinstance(specs, str) else specs or ():
+            named.append((option, _selector_file(spec)))
+    return [(option, spec) for option, spec in named if isinstance(spec, str) and spec.strip()]
+
+
+def _selector_file(spec: str) -> str | None:
+    """The Python file a selector spec (``path/to/file.py:ClassName[:...]``) names, or ``None`` for a name."""
+    from ..selectors.registry import file_cut
+
+    cut = file_cut(spec)
+    return None if cut is None else spec[:cut]
 
 
 def check_output_file(
-    path: Path | None, option: str, *, inputs: dict[str, str] | None = None, also: tuple[Path, ...] = ()
+    path: Path | None, option: str, *, inputs: list[tuple[str, str]] | None = None, also: tuple[Path, ...] = ()
 ) -> None:
     """Refuse an output file (``--json``) that is a folder, not a regular file, a dangling link, in a folder that
     takes no files, or one of the command's ``inputs`` (or inside an input folder). ``also``: more files the command
@@ -75,7 +89,7 @@ def check_output_folder(
     path: Path,
     option: str = "--out",
     *,
-    inputs: dict[str, str] | None = None,
+    inputs: list[tuple[str, str]] | None = None,
     files: tuple[str, ...] = (),
     results: str | None = None,
 ) -> None:
@@ -115,13 +129,13 @@ def _not_a_file(path: Path, what: str) -> str | None:
     return None
 
 
-def _check_not_input(path: Path, what: str, inputs: dict[str, str] | None) -> None:
+def _check_not_input(path: Path, what: str, inputs: list[tuple[str, str]] | None) -> None:
     """Refuse an output that is an input file, or an input folder or inside one (it would change the input)."""
     try:
         target = path.expanduser().resolve()
     except (OSError, RuntimeError):
         return  # unresolvable: the writability check names the problem
-    for option, spec in (inputs or {}).items():
+    for option, spec in inputs or ():
         source = Path(spec).expanduser()
         try:
             if not source.exists():
