@@ -106,3 +106,27 @@ def test_supports_decoding_sparse_in_part_of_the_steps_are_refused_where_reads_a
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "decodes sparse in part of the steps only" in err, err
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--tasks", "vt,,cwe"], "--tasks: expected comma-separated tasks (or all) without empty items"),
+        (["--tasks", "vt,"], "without empty items"),
+        (["--tasks", "vt, vt"], "--tasks: vt given twice"),
+        (["--selector", "block-top-p", "--search-param", "p=0.8,,0.9"], "values of p without empty items"),
+        (["--selector", "block-top-p", "--search-param", "p=0.8,0.9,"], "without empty items"),
+    ],
+)
+def test_calibrate_lists_with_empty_items_are_refused(extra, message, tmp_path, capsys, monkeypatch):
+    """Found by probing: calibrate's ``--tasks vt,,cwe`` and ``--search-param p=0.8,,0.9`` dropped the empty items and
+    ran (a whole search), where every other list option refuses them."""
+    from sparsedecode.models import catalog
+
+    monkeypatch.setattr(catalog, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    out = tmp_path / "c"
+    args = ["calibrate", "--context", "300", "--choices", "97,113", "--target", "tf-match>=50", "--out", str(out)]
+    assert main([*args, *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert not out.exists()

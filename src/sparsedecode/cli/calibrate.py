@@ -10,7 +10,7 @@ from rich.table import Table
 
 from ..errors import SparseDecodeError
 from ..files import LOCK_FILE
-from .arguments import int_list, path_arg, selector_arg
+from .arguments import comma_list, int_list, path_arg, selector_arg
 from .backend import add_backend_args, check_backend_args, executor
 from .conditions import environment
 from .display import console, plain, progress_bars
@@ -43,10 +43,9 @@ def search_param_arg(text: str) -> tuple[str, tuple[str, ...]]:
     """``--search-param NAME=V1,V2[,...]``: a selector parameter and the values a trial picks among (as text; the
     selector types them)."""
     name, eq, values = text.partition("=")
-    listed = tuple(v.strip() for v in values.split(",") if v.strip())
-    if not eq or not name.strip() or not listed:
+    if not eq or not name.strip() or not values.strip():
         raise argparse.ArgumentTypeError(f"give NAME=V1,V2[,...] (a parameter of the selector), got {text!r}")
-    return name.strip(), listed
+    return name.strip(), tuple(comma_list(values, str, f"values of {name.strip()}"))
 
 
 def add_parsers(sub) -> None:
@@ -190,9 +189,16 @@ def _check_measured_choices(args) -> None:
 
 
 def _tasks(text: str) -> tuple[str, ...]:
+    """``--tasks``: every task for ``all``, else the names listed, empty and repeated items refused as in every
+    list option (they were dropped: ``vt,,cwe`` ran as ``vt,cwe``)."""
     from ..experiments.ruler_tasks import TASK_NAMES, check_tasks
 
-    return TASK_NAMES if text == "all" else check_tasks(tuple(name for name in text.split(",") if name))
+    if text.strip() == "all":
+        return TASK_NAMES
+    try:
+        return check_tasks(tuple(comma_list(text, str, "tasks (or all)")))
+    except argparse.ArgumentTypeError as error:
+        raise SparseDecodeError(f"--tasks: {error}") from None
 
 
 def cmd_calibrate(args) -> int:
