@@ -145,6 +145,20 @@ def test_support_that_is_not_whole_blocks_is_refused_with_the_nearest_valid_ones
     assert sorted(os.listdir(folder)) == ["afile"]
 
 
+@pytest.mark.parametrize(
+    "command",
+    [["compare-selectors", "--selectors", "mean-pooled,quest"], ["bench", "e2e"], ["run"], ["sweep", "--out", "{f}/s"]],
+)
+@pytest.mark.parametrize("given", [["--layer-supports", "1:100"], ["--budget", "{f}/budget.json"]])
+def test_per_layer_supports_that_are_not_whole_blocks_are_refused(command, given, folder, no_model_load, capsys):
+    """Found by probing: compare-selectors and bench e2e checked only ``--support`` for whole blocks, so
+    ``--layer-supports 1:100`` ran layer 1 at 97 (the library floors it) and recorded 100 as its support."""
+    (folder / "budget.json").write_text('{"layer_supports": {"1": 100}}')
+    args = [a.replace("{f}", str(folder)) for a in [*command, "--support", "97", *given]]
+    assert_refused(args, "layer 1's support 100 is not 1 + W + b*B", capsys)
+    assert sorted(os.listdir(folder)) == ["afile", "budget.json"]
+
+
 def test_support_check_names_the_window_and_block_size(no_model_load, capsys):
     assert_refused(["run", "--support", "50", "--window", "8", "--block-size", "32"], "use 41 or 73", capsys)
     assert_refused(["run", "--support", "50", "--window", "8", "--block-size", "32"], "W = 8, B = 32", capsys)

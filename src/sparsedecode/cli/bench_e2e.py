@@ -183,7 +183,8 @@ def _check_e2e_args(args) -> None:
     check_adaptive_draft(args.draft_tokens, args.adaptive)
     if args.repeats < 1:
         raise SparseDecodeError(f"--repeats must be >= 1 (got {args.repeats})")
-    check_whole_blocks([SparseConfig(support=s, selector=args.selector) for s in args.support])
+    budget = layer_budget(args)  # its per-layer supports are whole blocks too, as --support is
+    check_whole_blocks([SparseConfig(support=s, selector=args.selector, **budget) for s in args.support])
     check_one_support_per_budget(args)
     check_prompt_source(args)
     if args.compile:  # the backend (SPARSEDECODE_COMPILE_BACKEND) and switches, before the model loads

@@ -77,7 +77,8 @@ def cmd_compare_selectors(args) -> int:
     from ..config import SparseConfig
 
     chosen = args.selectors
-    check_whole_blocks([SparseConfig(support=s, selector=selector) for selector in chosen for s in args.support])
+    budget = layer_budget(args)  # its per-layer supports are whole blocks too, as --support is
+    check_whole_blocks([SparseConfig(support=s, selector=c, **budget) for c in chosen for s in args.support])
     check_one_support_per_budget(args)  # found by probing: the default 97,193 ran one configuration twice
     if args.tokens < 2 or args.prompts < 1:
         raise SparseDecodeError("--tokens must be >= 2 and --prompts >= 1")
