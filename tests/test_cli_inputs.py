@@ -138,6 +138,7 @@ def test_read_only_model_cache_is_refused(monkeypatch, tmp_path, capsys):
         ["sweep", "--support", "100", "--out", "{f}/sweep"],
         ["bench", "op", "--support", "100"],
         ["bench", "e2e", "--support", "100"],
+        ["bench", "vllm", "--support", "100"],  # it started the dense engine first (found by probing)
     ],
 )
 def test_support_that_is_not_whole_blocks_is_refused_with_the_nearest_valid_ones(args, folder, no_model_load, capsys):
@@ -147,16 +148,28 @@ def test_support_that_is_not_whole_blocks_is_refused_with_the_nearest_valid_ones
 
 @pytest.mark.parametrize(
     "command",
-    [["compare-selectors", "--selectors", "mean-pooled,quest"], ["bench", "e2e"], ["run"], ["sweep", "--out", "{f}/s"]],
+    [
+        ["compare-selectors", "--selectors", "mean-pooled,quest"],
+        ["bench", "e2e"],
+        ["bench", "vllm"],
+        ["run"],
+        ["sweep", "--out", "{f}/s"],
+    ],
 )
 @pytest.mark.parametrize("given", [["--layer-supports", "1:100"], ["--budget", "{f}/budget.json"]])
 def test_per_layer_supports_that_are_not_whole_blocks_are_refused(command, given, folder, no_model_load, capsys):
-    """Found by probing: compare-selectors and bench e2e checked only ``--support`` for whole blocks, so
+    """Found by probing: compare-selectors, bench e2e and bench vllm checked only ``--support`` for whole blocks, so
     ``--layer-supports 1:100`` ran layer 1 at 97 (the library floors it) and recorded 100 as its support."""
     (folder / "budget.json").write_text('{"layer_supports": {"1": 100}}')
     args = [a.replace("{f}", str(folder)) for a in [*command, "--support", "97", *given]]
     assert_refused(args, "layer 1's support 100 is not 1 + W + b*B", capsys)
     assert sorted(os.listdir(folder)) == ["afile", "budget.json"]
+
+
+@pytest.mark.parametrize("threads", ["0", "-2"])
+def test_bench_vllm_refuses_a_thread_count_below_one_before_any_engine(threads, no_model_load, capsys):
+    """Found by probing: ``bench vllm --threads 0`` went on to start vLLM's engines with it."""
+    assert_refused(["bench", "vllm", "--support", "97", "--threads", threads], "--threads must be >= 1", capsys)
 
 
 def test_support_check_names_the_window_and_block_size(no_model_load, capsys):

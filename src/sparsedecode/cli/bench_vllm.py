@@ -53,6 +53,12 @@ def _check(args):
             raise SparseDecodeError(f"{name} must be >= {least} (got {value})")
     if min(args.batch) < 1:
         raise SparseDecodeError("--batch values must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        raise SparseDecodeError(f"--threads must be >= 1 (got {args.threads})")
+    from ..config import SparseConfig
+
+    budget = layer_budget(args)  # whole blocks, as every command takes them, before any engine starts
+    check_whole_blocks([SparseConfig(support=s, selector=args.selector, **budget) for s in args.support])
     from ..experiments.bench_vllm import vllm_python
     from ..integrations.vllm.spec import config_from_spec
 
