@@ -172,6 +172,21 @@ def test_bench_vllm_refuses_a_thread_count_below_one_before_any_engine(threads, 
     assert_refused(["bench", "vllm", "--support", "97", "--threads", threads], "--threads must be >= 1", capsys)
 
 
+def test_a_sweeps_selectors_beside_a_budget_file_naming_a_selector(folder, no_model_load, capsys):
+    """Found by probing: ``sweep --budget b.json --selectors quest``, b.json naming quest, was refused with 'give
+    --selector NAME or --selectors A,B,C, not both' (no --selector was given): the budget's selector went to
+    ``--selector`` beside the ``--selectors`` given. The same selector runs; others are refused as differing."""
+    (folder / "b.json").write_text('{"selector": "quest"}')
+    sweep = ["sweep", "--support", "97", "--budget", str(folder / "b.json"), "--out", str(folder / "s")]
+    with pytest.raises(AssertionError, match="before loading the model"):
+        main([*sweep, "--selectors", "quest"])
+    assert_refused([*sweep, "--selectors", "mean-pooled,quest"], "differs from budget file", capsys)
+    assert_refused([*sweep, "--selector", "mean-pooled"], "differs from budget file", capsys)
+    with pytest.raises(AssertionError, match="before loading the model"):
+        main([*sweep, "--selector", "quest"])
+    assert sorted(os.listdir(folder)) == ["afile", "b.json"]
+
+
 def test_support_check_names_the_window_and_block_size(no_model_load, capsys):
     assert_refused(["run", "--support", "50", "--window", "8", "--block-size", "32"], "use 41 or 73", capsys)
     assert_refused(["run", "--support", "50", "--window", "8", "--block-size", "32"], "W = 8, B = 32", capsys)

@@ -234,9 +234,10 @@ def layer_budget(args) -> dict:
 def apply_budget_file(args) -> None:
     """A budget file's ``reuse`` and ``selector`` (a calibration's choice), ``window`` and ``block_size`` (what its
     supports are for) become the command's ``--reuse``, ``--selector`` (``--selectors``, that one alone, where a
-    command compares several), ``--window`` and ``--block-size`` where the command line left them at their defaults;
-    given there with another value, or on a command that takes no such option (unless the value is its default),
-    they are refused in one line. A command without ``--budget`` is left as is."""
+    command compares several or a sweep is given ``--selectors``), ``--window`` and ``--block-size`` where the
+    command line left them at their defaults; given there with another value, or on a command that takes no such
+    option (unless the value is its default), they are refused in one line. A command without ``--budget`` is left
+    as is."""
     from ..config import SparseConfig, read_budget
 
     if getattr(args, "budget_file", None) is None:
@@ -246,7 +247,8 @@ def apply_budget_file(args) -> None:
         if name not in budget:
             continue
         value = budget[name]
-        dest = "selectors" if name == "selector" and not hasattr(args, name) and hasattr(args, "selectors") else name
+        several = hasattr(args, "selectors") and (not hasattr(args, name) or given(args, "selectors"))  # sweep: both
+        dest = "selectors" if name == "selector" and several else name
         if not hasattr(args, dest):
             if value == getattr(SparseConfig, name) and name != "selector":  # the command's fixed default
                 continue
