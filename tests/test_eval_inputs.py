@@ -302,6 +302,32 @@ def test_exporting_again_replaces_the_earlier_exports_tasks(tiny_model_dir, tmp_
     assert "export.json is not an export description" in err and contents(export) == before
 
 
+def test_an_interrupted_export_leaves_the_earlier_export_as_it_was(tiny_model_dir, tmp_path, monkeypatch):
+    """Found by probing Ctrl-C: an export wrote each task's files as its samples were made, so one interrupted at
+    its second task left the first task's files beside the earlier export.json (which described other samples), or,
+    in a fresh folder, task files without any export.json. Every sample is made first, then the files written."""
+    from sparsedecode.cli import main
+    from sparsedecode.experiments import lm_eval_tasks
+
+    export = tmp_path / "x"
+    assert main(export_args(tiny_model_dir, export, tasks="vt,niah_single_noise")) == 0
+    before = contents(export)
+    real = lm_eval_tasks.sample_of
+
+    def interrupted(spec, tokenizer, key):
+        if key[0] == "niah_single_noise":
+            raise KeyboardInterrupt
+        return real(spec, tokenizer, key)
+
+    monkeypatch.setattr(lm_eval_tasks, "sample_of", interrupted)
+    again = export_args(tiny_model_dir, export, tasks="vt,niah_single_noise")
+    assert main([*again, "--seed", "7"]) == 130
+    assert contents(export) == before, "the earlier export is whole"
+    fresh = tmp_path / "fresh"
+    assert main(export_args(tiny_model_dir, fresh, tasks="vt,niah_single_noise")) == 130
+    assert not fresh.exists(), "no folder of task files without their export.json"
+
+
 @pytest.mark.parametrize(
     "extra, named",
     [
