@@ -187,6 +187,52 @@ def test_a_sweeps_selectors_beside_a_budget_file_naming_a_selector(folder, no_mo
     assert sorted(os.listdir(folder)) == ["afile", "b.json"]
 
 
+def _feed(fifo: Path, text: bytes, seconds: float = 20.0) -> None:
+    """Write ``text`` to every reader that opens ``fifo`` within ``seconds`` (a command that reads it, maybe several
+    times), from a thread."""
+    import errno
+    import threading
+    import time
+
+    def write():
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                handle = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError as error:
+                if error.errno != errno.ENXIO:  # ENXIO: no reader yet
+                    return
+                time.sleep(0.01)
+                continue
+            os.write(handle, text)
+            os.close(handle)
+            time.sleep(0.01)  # the reader takes it and its end of file before the next one opens
+
+    threading.Thread(target=write, daemon=True).start()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["run", "--budget", "{pipe}"], "budget file {pipe} is not a regular file"),
+        (["sweep", "--budget", "{pipe}", "--out", "{f}/s"], "budget file {pipe} is not a regular file"),
+        (["report", "{f}/r", "--retrieval", "{pipe}"], "retrieval results {pipe} are not a regular file"),
+    ],
+)
+def test_an_input_file_that_is_a_pipe_or_device_is_refused_unread(args, message, folder, no_model_load, capsys):
+    """Found by probing: ``--budget /dev/zero`` and ``report --retrieval /dev/zero`` read until memory ran out (a
+    MemoryError traceback, or the process killed), and a named pipe hung them; corpora refuse such files already."""
+    pipe = folder / "pipe"
+    os.mkfifo(pipe)
+    (folder / "r").mkdir()
+    (folder / "r" / "retrieval.json").write_text("{}")
+    _feed(pipe, b'{"dense_layers": [0]}')  # what a command that reads the pipe gets
+    before = contents(folder)
+    given = [a.replace("{f}", str(folder)).replace("{pipe}", str(pipe)) for a in args]
+    assert_refused(given, message.replace("{pipe}", str(pipe)), capsys)
+    assert contents(folder) == before
+
+
 def test_support_check_names_the_window_and_block_size(no_model_load, capsys):
     assert_refused(["run", "--support", "50", "--window", "8", "--block-size", "32"], "use 41 or 73", capsys)
     assert_refused(["run", "--support", "50", "--window", "8", "--block-size", "32"], "W = 8, B = 32", capsys)

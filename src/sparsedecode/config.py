@@ -268,6 +268,8 @@ def read_budget_file(path) -> dict:
     import json
     from pathlib import Path
 
+    if Path(path).exists() and not Path(path).is_file() and not Path(path).is_dir():  # /dev/zero, a pipe: read forever
+        raise SparseDecodeError(f"budget file {path} is not a regular file: give the JSON file calibrate wrote")
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:

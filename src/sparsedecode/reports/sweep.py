@@ -162,6 +162,8 @@ def write_report(directory: Path, *, retrieval: Path | None = None) -> Path:
         retrieval = Path(retrieval) / RETRIEVAL_FILE
     if retrieval is not None and not Path(retrieval).exists():
         raise SparseDecodeError(f"retrieval results {retrieval} not found")
+    if retrieval is not None and not Path(retrieval).is_file():  # /dev/zero, a pipe: read forever
+        raise SparseDecodeError(f"retrieval results {retrieval} are not a regular file: give a retrieval.json")
     if not has_sweep and retrieval is None and (directory / SELECTORS_FILE).exists():
         return write_selector_comparison(directory)
     if not has_sweep and retrieval is None:
