@@ -225,12 +225,40 @@ def test_an_input_file_that_is_a_pipe_or_device_is_refused_unread(args, message,
     pipe = folder / "pipe"
     os.mkfifo(pipe)
     (folder / "r").mkdir()
-    (folder / "r" / "retrieval.json").write_text("{}")
     _feed(pipe, b'{"dense_layers": [0]}')  # what a command that reads the pipe gets
     before = contents(folder)
     given = [a.replace("{f}", str(folder)).replace("{pipe}", str(pipe)) for a in args]
     assert_refused(given, message.replace("{pipe}", str(pipe)), capsys)
     assert contents(folder) == before
+
+
+@pytest.mark.parametrize(
+    "marker, message",
+    [
+        ("selectors.json", "holds a selector comparison (selectors.json), whose report does not show them"),
+        ("eval.json", "holds an evaluation (eval.json), whose report does not show them"),
+        ("retrieval.json", "holds retrieval results of its own (retrieval.json), which its report shows"),
+    ],
+)
+def test_report_retrieval_beside_other_results_is_refused(marker, message, tmp_path, capsys):
+    """Found by probing: ``report COMPARISON --retrieval R`` wrote R's retrieval report into the comparison's folder
+    and removed its selectors.csv; beside an evaluation --retrieval was ignored without a word; a retrieval folder
+    got a report of other results than its own retrieval.json."""
+    from test_bad_input import RETRIEVAL_SPEC, TRIAL
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "retrieval.json").write_text(json.dumps({"spec": RETRIEVAL_SPEC, "trials": [TRIAL]}))
+    folder = tmp_path / "results"
+    folder.mkdir()
+    (folder / marker).write_text("{}")
+    (folder / "selectors.csv").write_text("kept\n")
+    before = contents(folder)
+    assert_refused(["report", str(folder), "--retrieval", str(elsewhere)], message, capsys)
+    assert contents(folder) == before
+    (folder / marker).unlink()  # no results of its own: the retrieval results are rendered there
+    assert main(["report", str(folder), "--retrieval", str(elsewhere)]) == 0, capsys.readouterr().err
+    assert (folder / "report.md").is_file()
 
 
 def test_support_check_names_the_window_and_block_size(no_model_load, capsys):

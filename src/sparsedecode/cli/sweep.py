@@ -10,7 +10,7 @@ from .arguments import int_list, path_arg, selector_arg, selector_list, shard_ar
 from .backend import add_backend_args, check_backend_args, executor
 from .display import console, plain, progress_bars, run_hooks
 from .loading import check_one_support_per_budget, check_whole_blocks, load
-from .outputs import check_output_folder, check_writable_folder, inputs_of
+from .outputs import RESULTS, check_output_folder, check_writable_folder, inputs_of
 from .parser import add_dense_layers_arg, add_model_args, layer_budget
 
 
@@ -266,10 +266,32 @@ def cmd_merge(args) -> int:
     return 0
 
 
+def _check_retrieval_option(directory, retrieval) -> None:
+    """``--retrieval`` adds retrieval results to a sweep's report (or renders them where no results are): refused
+    beside an evaluation or a selector comparison, whose report would ignore them or be replaced by theirs (its
+    selectors.csv removed), and beside retrieval results of the folder's own, which its report would no longer show
+    (found by probing)."""
+    if retrieval is None:
+        return
+    for marker in ("eval.json", "selectors.json"):
+        if (directory / marker).exists():
+            raise SparseDecodeError(
+                f"--retrieval adds retrieval results to a sweep's report; {directory} holds {RESULTS[marker]} "
+                f"({marker}), whose report does not show them: drop --retrieval"
+            )
+    own, given = directory / "retrieval.json", retrieval / "retrieval.json" if retrieval.is_dir() else retrieval
+    if not (directory / "sweep.json").exists() and own.is_file() and own.resolve() != given.resolve():
+        raise SparseDecodeError(
+            f"{directory} holds retrieval results of its own ({own.name}), which its report shows: drop --retrieval, "
+            f"or report the folder of {given}"
+        )
+
+
 def cmd_report(args) -> int:
     if not args.directory.is_dir():
         what = "does not exist" if not args.directory.exists() else "is a file, not a results folder"
         raise SparseDecodeError(f"{args.directory} {what}: give a sweep, evaluation, retrieval or selector folder")
+    _check_retrieval_option(args.directory, args.retrieval)
     check_writable_folder(args.directory, f"the report into {args.directory}")  # it goes next to the data
     for entry in args.directory.iterdir():  # the names a report writes: report.md, CSV tables, PNG plots
         if entry.suffix in (".md", ".csv", ".png") and not entry.is_file():
