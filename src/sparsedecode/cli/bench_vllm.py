@@ -55,17 +55,13 @@ def _check(args):
         raise SparseDecodeError("--batch values must be >= 1")
     if args.threads is not None and args.threads < 1:
         raise SparseDecodeError(f"--threads must be >= 1 (got {args.threads})")
-    from ..config import SparseConfig
-
-    budget = layer_budget(args)  # whole blocks, as every command takes them, before any engine starts
-    check_whole_blocks([SparseConfig(support=s, selector=args.selector, **budget) for s in args.support])
     from ..experiments.bench_vllm import vllm_python
     from ..integrations.vllm.spec import config_from_spec
 
     modes = {"dense": None}
     for support in args.support:
         spec = {"support": support, "selector": args.selector, **_plain(layer_budget(args))}
-        check_whole_blocks([config_from_spec(spec)])  # refused here, in one line, before any engine starts
+        check_whole_blocks([config_from_spec(spec)])  # whole blocks, per layer too, before any engine starts
         modes[f"sparse S={support}"] = spec
     return modes, vllm_python(args.vllm_python)
 
