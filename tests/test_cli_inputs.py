@@ -728,3 +728,21 @@ def test_the_issues_abbreviations_are_not_taken_for_another_option(args, tmp_pat
     err = one_line_exit_2(args, capsys)
     assert "unrecognized arguments: " in err and "unknown model" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_running_out_of_memory_is_one_line_and_exit_1(monkeypatch, capsys, tmp_path):
+    """Found by probing huge counts (eval --samples 99999999999999999 built its sample list until memory ran out):
+    a MemoryError was a traceback; it is one line naming what to ask less of, and a folder made for it is removed."""
+    import sparsedecode.cli as cli
+    from sparsedecode.cli import outputs
+
+    def grow(args):
+        (tmp_path / "made").mkdir()
+        outputs.MADE_FOLDERS.append(tmp_path / "made")
+        raise MemoryError
+
+    monkeypatch.setattr(cli, "apply_budget_file", grow)
+    assert main(["run", "--context", "300", "--support", "97"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("sparsedecode: error: out of memory: ask for less") and err.count("\n") == 1
+    assert not (tmp_path / "made").exists()

@@ -85,7 +85,7 @@ def _sigterm_cleans_up():
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; bad input (a :class:`SparseDecodeError`, or a file-system error) ends in one line, exit 2;
-    Ctrl-C exits 130 and SIGTERM 143, each after the command's clean-up."""
+    running out of memory in one line, exit 1; Ctrl-C exits 130 and SIGTERM 143, each after the command's clean-up."""
     argv = sys.argv[1:] if argv is None else list(argv)
     MADE_FOLDERS.clear()  # of an earlier command in this process
     with _sigterm_cleans_up():
@@ -103,6 +103,12 @@ def _main(argv: list[str]) -> int:
         remove_empty_made_folders()
         print(f"sparsedecode: error: {one_line(error)}", file=sys.stderr)
         return 2
+    except MemoryError as error:  # a count or size too large for this machine: one line, not a traceback
+        remove_empty_made_folders()
+        said = f" ({one_line(error)})" if str(error) else ""
+        print(f"sparsedecode: error: out of memory{said}: ask for less (samples, prompts, trials, context, batch) "
+              "or free memory", file=sys.stderr)  # fmt: skip
+        return 1
     except KeyboardInterrupt as stop:
         remove_empty_made_folders()
         terminated = isinstance(stop, Terminated)
