@@ -124,6 +124,10 @@ def test_ray_options_are_refused_in_one_line_without_the_ray_backend_or_without_
     assert main(sweep_args(tmp_path, "--backend", "ray", "--address", "127.0.0.1:1", *out)) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot reach the Ray cluster at 127.0.0.1:1" in err
+    for malformed in ("", "abc", "127.0.0.1:abc", ":", "ray://"):  # passed, to fail only after the model loaded
+        assert main(sweep_args(tmp_path, "--backend", "ray", "--address", malformed, *out)) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--address {malformed!r}: give HOST:PORT" in err
     import importlib.util
 
     real = importlib.util.find_spec

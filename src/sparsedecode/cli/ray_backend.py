@@ -169,10 +169,15 @@ def _loopback(address: str) -> bool:
 
 
 def check_reachable(address: str, timeout: float = 5.0) -> None:
-    """Refuse a ``HOST:PORT`` nothing answers on at once: Ray itself would retry for minutes."""
+    """Refuse a ``HOST:PORT`` nothing answers on at once (Ray itself would retry for minutes), and an address of no
+    form Ray takes (it would fail only after the model loads)."""
     where = _host_port(address)
     if where is None:
-        return
+        if address in ("auto", "local") or address.startswith("ray://") and len(address) > len("ray://"):
+            return
+        raise SparseDecodeError(
+            f"--address {address!r}: give HOST:PORT (as `ray start --head` prints), ray://HOST:PORT or auto"
+        )
     try:
         socket.create_connection(where, timeout=timeout).close()
     except OSError as error:
