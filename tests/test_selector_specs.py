@@ -196,3 +196,13 @@ def test_twilight_names_its_base_as_the_base_names_itself(tmp_path):
         "import MeanPooled\n\n@dataclass(frozen=True)\nclass Base(MeanPooled):\n    pass\n"
     )
     assert parse_selector(f"twilight:base={path}:Base").spec() == f"twilight:base={path}:Base"  # a file's path kept
+
+
+def test_a_selector_path_that_is_a_pipe_is_named_so(tmp_path):
+    """A selector file that exists but is no regular file (a named pipe) was reported as not existing."""
+    import os
+
+    pipe = tmp_path / "sel.py"
+    os.mkfifo(pipe)
+    with pytest.raises(SparseDecodeError, match="is no regular file"):
+        parse_selector(f"{pipe}:Mine")

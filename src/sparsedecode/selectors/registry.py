@@ -172,7 +172,8 @@ def read_source(location: str) -> tuple[str, str]:
         return _PROVIDED[location]
     path = Path(location).expanduser()
     if not path.is_file():
-        what = "is a folder, not a Python file" if path.is_dir() else "does not exist"
+        what = ("is a folder, not a Python file" if path.is_dir() else "is no regular file (a pipe or a device?)"
+                if path.exists() else "does not exist")  # fmt: skip
         raise SparseDecodeError(f"selector file {location!r} {what}")
     try:
         data = path.read_bytes()
