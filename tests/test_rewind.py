@@ -229,3 +229,15 @@ def test_h2o_lossless_inside_a_sliding_window_is_refused_before_any_forward():
     assert len(generate(model, prompt(100), h2o, 20, mode="sparse").tokens) == 20
     assert compare_lossless(model, prompt(170), h2o, 8).equal  # past the window the layers are dense
     assert compare_lossless(model, prompt(100), SparseConfig(support=97), 20).equal
+
+
+def test_lossless_refuses_a_model_with_bidirectional_attention():
+    """Found by probing Gemma 3's use_bidirectional_attention: the verifying forward over the drafts lets each see the
+    later ones, so lossless gave other tokens than dense (from the second on); refused before any forward."""
+    from test_bad_input import NoForward
+
+    model = tiny_family("gemma3_text", use_bidirectional_attention=True)
+    ids, cfg = prompt(20), SparseConfig(support=97)
+    with NoForward(model), pytest.raises(SparseDecodeError, match="bidirectional attention"):
+        generate(model, ids, cfg, 12, mode="lossless")
+    assert generate(model, ids, cfg, 4, mode="sparse").tokens == generate(model, ids, None, 4, mode="dense").tokens

@@ -179,9 +179,22 @@ def _generation_inputs(model, input_ids, cfg, max_new_tokens, mode, attention_ma
         _check_drafting(*drafting)
     if one and mode == "lossless":
         _check_history_rounds(model, cfg, int(ids.shape[1]))
+        check_causal_verify(model, "generate")
     check_token_id(model, eos_token_id, "eos_token_id", "generate")
     check_positions(model, int(ids.shape[1]), max_new_tokens, "generate")
     return ids, mask, one
+
+
+def check_causal_verify(model, where: str) -> None:
+    """Refuse lossless decoding for a model configured with bidirectional attention (Gemma 3's
+    ``use_bidirectional_attention``): its verifying forward over the drafts would let each draft see the later ones,
+    which one-token dense decoding never does, so lossless would not equal dense."""
+    text = model.config.get_text_config(decoder=True)
+    if getattr(text, "use_bidirectional_attention", False):
+        raise SparseDecodeError(
+            f"{where}: lossless decoding verifies drafts in one forward, which this model's bidirectional attention "
+            "(use_bidirectional_attention) lets see each other: it would not equal dense decoding; use mode='sparse'"
+        )
 
 
 def _check_history_rounds(model, cfg: SparseConfig, length: int) -> None:
@@ -235,6 +248,7 @@ def lossless_decode(
     ends generation once it is output, it may hold verified tokens past it). ``history``: H2O's history of the
     prefill (:func:`~sparsedecode.session.prefill_history`), which an ``h2o`` draft needs.
     """
+    check_causal_verify(model, "lossless_decode")
     result = Generation("lossless", [first], 0.0, 0.0)
     with sparse_decoding(model, cfg) as session:  # one session: its centroid cache lives across rounds
         if history is not None:
