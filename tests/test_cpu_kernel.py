@@ -311,6 +311,27 @@ def test_without_a_compiler_auto_falls_back_to_torch(monkeypatch, tmp_path):
         greedy_loop(model, prompt(180), 1)
 
 
+X86 = "processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\nflags\t\t: fpu sse2 avx2{}\n\nprocessor\t: 1\n"
+ARM = "processor\t: 0\nBogoMIPS\t: 243.75\nFeatures\t: fp asimd{}\nCPU implementer\t: 0x41\nCPU part\t: {}\n"
+
+
+@pytest.mark.parametrize(
+    "cpuinfo",
+    [(X86.format(""), X86.format(" avx512f")), (ARM.format("", "0xd0c"), ARM.format(" sve", "0xd40"))],
+    ids=["x86-same-model-name", "aarch64"],
+)
+def test_the_built_library_is_keyed_by_the_processors_instruction_sets(monkeypatch, cpuinfo):
+    """A ``-march=native`` library uses every instruction set of the CPU that built it, so a cache shared by machines
+    (a home folder on a cluster, a container volume) must not hand it to a CPU without them: processors a hypervisor
+    names alike ("Intel(R) Xeon(R) Processor", as on this project's machines) with other flags, or aarch64 ones, whose
+    /proc/cpuinfo has no model name, got one key and so one library (an illegal instruction kills the process)."""
+    keys = set()
+    for text in cpuinfo:
+        monkeypatch.setattr(cpu, "Path", lambda _path, text=text: type("Info", (), {"read_text": lambda self: text})())
+        keys.add(cpu._key(cpu.FLAGS))
+    assert len(keys) == 2
+
+
 @pytest.mark.parametrize("case", [(14, 2, 64, 70000, 8), (32, 8, 128, 3000, 44)], ids=["select-split", "attend-split"])
 def test_c_kernel_split_over_threads_matches_torch(case):
     """Large enough calls split the KV heads over threads: the result must not depend on it."""

@@ -87,14 +87,18 @@ def cache_dir() -> Path:
     return (Path(root).expanduser() if root else Path.home() / ".cache" / "sparsedecode") / "kernels"
 
 
+CPUINFO_FIELDS = ("model name", "flags", "Features", "CPU implementer", "CPU architecture", "CPU variant", "CPU part")
+"""The first processor's /proc/cpuinfo lines keying a ``-march=native`` build: its instruction sets, not just its name
+(a hypervisor names CPUs alike, "Intel(R) Xeon(R) Processor"; aarch64 has no model name but ``Features``, its part)."""
+
+
 def _processor() -> str:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
+        first = Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0]
     except OSError:
-        pass
-    return platform.processor()
+        first = ""
+    named = [line for line in first.splitlines() if line.startswith(CPUINFO_FIELDS)]
+    return "\n".join(named) or platform.processor()
 
 
 def _key(flags: tuple[str, ...]) -> str:
