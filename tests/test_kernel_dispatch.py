@@ -350,3 +350,17 @@ def test_a_sparse_step_under_autograd_keeps_its_gradient(first_under_no_grad):
         with pytest.raises(SparseDecodeError, match="no gradient") as refused:
             model(ids[:, -1:], cache=cache, use_cache=True)
     assert "\n" not in str(refused.value)
+
+
+def test_attention_weights_leave_out_the_positions_valid_masks():
+    """``attend_positions(..., weights=True)`` (what H2O's step calls) ignored ``valid``: a masked position was
+    attended and paid attention, unlike the same call without weights."""
+    from sparsedecode.kernels.reference import attend_positions
+
+    generator = torch.Generator().manual_seed(0)
+    q, keys, values = (torch.randn(*shape, generator=generator) for shape in ((4, 8), (2, 20, 8), (2, 20, 8)))
+    index = torch.tensor([[0, 3, 5, 18, 19], [0, 7, 2, 18, 19]])
+    valid = torch.tensor([[True, True, False, True, True], [True, False, False, True, True]])
+    out, received = attend_positions(q, keys, values, index, 0.3, weights=True, valid=valid)
+    assert torch.allclose(out, attend_positions(q, keys, values, index, 0.3, valid=valid), atol=1e-6)
+    assert not bool(received[~valid].any()) and torch.allclose(received.sum(dim=1), torch.full((2,), 2.0))

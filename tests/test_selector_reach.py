@@ -260,3 +260,38 @@ def test_a_mean_pooled_subclass_with_a_support_per_query_head_is_one_line():
     model, ids = tiny_model("llama"), prompt(300)
     with pytest.raises(SparseDecodeError, match=r"selector PerHeadMean: score_blocks returned shape \(2, 15\)"):
         sd.generate(model, ids, SparseConfig(support=97, selector=PerHeadMean()), max_new_tokens=2, mode="sparse")
+
+
+@dataclass(frozen=True)
+class HeavyHitterOne(sd.TokenSelector):
+    """H2O's ranking (the attention each position received) with an adaptive budget: one distant position a row."""
+
+    uses_history = True
+
+    def score_positions(self, queries, history, layout):
+        return history
+
+    def budget(self, scores, layout):
+        return torch.ones(scores.shape[0], dtype=torch.long, device=scores.device)
+
+
+def test_a_history_selector_with_an_adaptive_budget_attends_only_what_its_budget_keeps():
+    """A token selector ranking by history (``uses_history``) with an adaptive budget attended every candidate its
+    fixed budget held, the ones its budget dropped included, and reported them all as read."""
+    from test_attention import greedy_loop
+
+    model = tiny_model("llama")
+    views = []
+    with sd.sparse_decoding(model, SparseConfig(support=1 + 64 + 8, selector=HeavyHitterOne())) as session:
+        session.observers.append(views.append)
+        greedy_loop(model, prompt(200), 3)
+    assert len(views) == 3 * 2
+    for view in views:
+        distant = view.valid & (view.index >= 1) & (view.index < view.layout.distant_end)
+        assert distant.sum(dim=1).tolist() == [1, 1]
+        group = view.query.shape[0] // view.keys.shape[0]
+        for h in range(view.query.shape[0]):
+            kept = view.index[h // group][view.valid[h // group]]
+            keys, values = view.keys[h // group, kept].double(), view.values[h // group, kept].double()
+            weights = torch.softmax(keys @ view.query[h].double() * view.scaling, dim=0)
+            assert torch.allclose(view.output[h].double(), weights @ values, atol=1e-5)

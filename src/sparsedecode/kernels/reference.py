@@ -87,7 +87,10 @@ def attend_positions(
         mask = None if valid is None else valid.unsqueeze(1)
         out = torch.nn.functional.scaled_dot_product_attention(qg, kept_keys, kept_values, attn_mask=mask, scale=scale)
         return out.reshape(query_heads, -1)
-    probs = torch.softmax(torch.bmm(qg, kept_keys.transpose(1, 2)).mul_(scale), dim=-1)
+    logits = torch.bmm(qg, kept_keys.transpose(1, 2)).mul_(scale)
+    if valid is not None:  # a masked position is neither attended nor paid attention
+        logits.masked_fill_(~valid.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
     return torch.bmm(probs, kept_values).reshape(query_heads, -1), probs.sum(dim=1)
 
 

@@ -65,7 +65,10 @@ def _row(cfg, plan, state, q, keys, values, layout, fresh):
     if h2o:
         out, index, received = attend_row(cfg, plan, state, q, keys, values, layout, weights=True)
         state.add_attention_at(index, received, layout.n)
-        return out, index, torch.ones_like(index, dtype=torch.bool)
+        valid = (
+            torch.ones_like(index, dtype=torch.bool) if state.budget_mask is None else support(cfg, state, layout)[1]
+        )
+        return out, index, valid
     return attend_row(cfg, plan, state, q, keys, values, layout), None, None
 
 

@@ -88,13 +88,13 @@ def attend_row(cfg, plan: StepPlan, row, q, keys, values, layout: BlockLayout, *
     received)``."""
     if cfg.selector.token_level:
         index = token_index(row.positions, layout)  # reused distant positions, the window slides
-        if weights:
-            out, received = attend_positions(q, keys, values, index, layout.scale, weights=True)
-            return out, index, received
+        valid = None
         if row.budget_mask is not None:  # an adaptive budget's dropped positions masked
             _, valid = token_support(BlockChoice(row.positions, row.budget_mask), layout)
-            return attend_positions(q, keys, values, index, layout.scale, valid=valid)
-        return attend_positions(q, keys, values, index, layout.scale)
+        if weights:
+            out, received = attend_positions(q, keys, values, index, layout.scale, weights=True, valid=valid)
+            return out, index, received
+        return attend_positions(q, keys, values, index, layout.scale, valid=valid)
     if row.budget_mask is not None:  # an adaptive budget: its support by position, the dropped blocks masked
         index, valid = support_of(BlockChoice(row.blocks, row.budget_mask), layout)
         return attend_positions(q, keys, values, index, layout.scale, valid=valid)
