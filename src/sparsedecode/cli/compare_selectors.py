@@ -128,7 +128,10 @@ def cmd_compare_selectors(args) -> int:
         table.add_row(*map(plain, cells), style="dim" if row["dense_by_construction"] else None)
     console.print(table)
     if any(row["dense_by_construction"] for row in summary):
-        console.print("[dim]dim rows: dense by construction (effective S >= context + T - 1), they compare nothing[/]")
+        console.print(
+            "[dim]dim rows: dense by construction (effective S >= context + T - 1, or no sparse step: every layer "
+            "kept dense by --dense-layers or --layer-supports), they compare nothing[/]"
+        )
     for line in dense_retrieval_lines(summary)[:1]:
         console.print(line)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -70,7 +70,8 @@ class SelectorRow:
     """Dense attention on the same trials: the baseline (a model that fails densely says nothing of a selector)."""
     op_ms: float | None
     dense_by_construction: bool = False
-    """Every run of the condition is dense by construction (effective support >= context + T - 1)."""
+    """Every run of the condition is dense by construction (effective support >= context + T - 1, or no sparse step:
+    every layer kept dense)."""
     support_read_mean: float | None = None
     """Positions a KV head read per sparse step, over the runs (mean of their means, min of their minima, max of
     their maxima; ``None`` where no run recorded it): below the support for an adaptive budget."""

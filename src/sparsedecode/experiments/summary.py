@@ -39,6 +39,13 @@ def dense_by_construction(entry: dict) -> bool:
     ``settings["effective_support"]``, or else ``support``)."""
     if entry.get("sparse_steps") is not None:
         return entry["sparse_steps"] == 0
+    return covers_every_position(entry)
+
+
+def covers_every_position(entry: dict) -> bool:
+    """Whether a run's (or condition's) effective support covers the ``context + T - 1`` positions the last decode
+    step attends to: the first of the two ways a run is dense by construction (:func:`dense_by_construction`); the
+    other is a run whose every layer was kept dense (``--dense-layers``, ``--layer-supports``)."""
     support = entry.get("effective_support") or entry.get("settings", {}).get("effective_support") or entry["support"]
     return support >= entry["context"] + entry["tokens"] - 1
 

@@ -22,9 +22,10 @@ def findings_lines(spec: SweepSpec, rows: list[dict], dense: list[dict]) -> list
     overview = summary.overview(rows)
     apart = (
         [
-            f"{overview['dense_by_construction_runs']} run(s) in {len(dense)} condition(s) have an effective support "
-            f"S >= context + T - 1: every step attends to the whole cache, so they equal dense decoding by "
-            "construction. They are left out of every number, table and plot below except the table of their own.",
+            f"{overview['dense_by_construction_runs']} run(s) in {len(dense)} condition(s) "
+            + _dense_reason([r for r in rows if summary.dense_by_construction(r)])
+            + ", so they equal dense decoding by construction. They are left out of every number, table and plot "
+            "below except the table of their own.",
             "",
         ]
         if dense
@@ -48,3 +49,14 @@ def findings_lines(spec: SweepSpec, rows: list[dict], dense: list[dict]) -> list
         f"prefixes). {overview['runs_above_100_percent']} run(s) in all have ΔPPL above 100%.",
         "",
     ]
+
+
+def _dense_reason(runs: list[dict]) -> str:
+    """Why ``runs`` (dense by construction) equal dense decoding: their support covers every position, or they took
+    no sparse step at all (every layer kept dense by per-layer settings, whatever the support), or some of each."""
+    covered = sum(summary.covers_every_position(r) for r in runs)
+    wide = "have an effective support S >= context + T - 1: every step attends to the whole cache"
+    kept = "took no sparse step: every layer was kept dense (--dense-layers, --layer-supports) with S < context + T - 1"
+    if covered in (0, len(runs)):
+        return wide if covered else kept
+    return f"are of two kinds ({covered} {wide}; {len(runs) - covered} {kept})"

@@ -126,6 +126,15 @@ def _table_lines(rows: list[dict]) -> list[str]:
     ]
 
 
+def _covered(rows: list[dict], runs: list[dict]) -> bool:
+    """Whether the runs of every summary row of ``rows`` (dense by construction) are so because their effective
+    support covers every position, not because every layer was kept dense."""
+    from ..experiments.summary import covers_every_position
+
+    conditions = {(r["context"], r["selector"], r["support"]) for r in rows}
+    return all(covers_every_position(r) for r in runs if (r["context"], r["selector"], r["support"]) in conditions)
+
+
 def _kind(practical: bool | None) -> str:
     """A selector's kind as the table of what each selector reads prints it."""
     return "unknown" if practical is None else "practical" if practical else "reference"
@@ -153,7 +162,11 @@ def selector_markdown(data: dict) -> str:
     if dense:
         out += [
             f"Dense by construction (effective S >= context + T - 1, T = {settings['tokens']}): every step attends to "
-            "the whole cache, so these rows equal dense decoding and compare nothing:",
+            "the whole cache, so these rows equal dense decoding and compare nothing:"
+            if _covered(dense, data["runs"])
+            else f"Dense by construction (effective S >= context + T - 1, T = {settings['tokens']}, or no sparse step: "
+            "every layer kept dense by --dense-layers or --layer-supports), so these rows equal dense decoding and "
+            "compare nothing:",
             "",
             *_table_lines(dense),
             "",

@@ -165,7 +165,10 @@ def _condition_lines(directory: Path, spec: SweepSpec, rows: list[dict], every_c
     header += ["first divergence", "TF match %", "ΔPPL %", "median abs ΔPPL %", "TF < 70%"]
     lines += [markdown_table(header, table) if table else "No condition takes a sparse step."]
     if dense:
-        lines += ["", "Dense by construction (effective S >= context + T - 1; not counted anywhere else):", ""]
+        why = "effective S >= context + T - 1"
+        if not all(summary.covers_every_position(c) for c in dense):  # every layer kept dense: effective S is less
+            why += ", or no sparse step: every layer kept dense by --dense-layers or --layer-supports"
+        lines += ["", f"Dense by construction ({why}; not counted anywhere else):", ""]
         lines += [_dense_table(dense, reuse=reuse, several=several)]
     lines += ["", "CSV: [conditions.csv](conditions.csv), all runs: [runs.csv](runs.csv)"]
     write_csv(directory / "conditions.csv", every_condition)

@@ -1,0 +1,48 @@
+"""Claims the reports write, checked against the rows they are written from: why runs are set apart as dense by
+construction, cells of values that are no number, and which condition a sentence names."""
+
+from __future__ import annotations
+
+from sparsedecode.experiments.specs import SweepSpec
+from sparsedecode.reports.survival import sweep_section
+
+
+def dense_rows(supports: tuple[int, ...]) -> list[dict]:
+    """Two prompts per support at context 1024, T = 8, every layer kept dense (no sparse step taken)."""
+    return [
+        {"context": 1024, "prompt_index": prompt, "support": support, "effective_support": support, "reuse": 1,
+         "selector": "mean-pooled", "tokens": 8, "first_divergence": 8, "survives": True, "sparse_steps": 0,
+         "teacher_forced_match": 100.0, "delta_ppl_percent": 0.0}
+        for support in supports
+        for prompt in range(2)
+    ]  # fmt: skip
+
+
+def test_runs_whose_layers_were_all_kept_dense_are_not_said_to_cover_the_cache(tmp_path):
+    """A sweep with --dense-layers naming every layer (S = 97 at context 150, T = 6) took no sparse step; the report
+    said its runs 'have an effective support S >= context + T - 1: every step attends to the whole cache', and headed
+    their table so, beside an effective S of 97 (found by sweeping a 2-layer model with --dense-layers 0,1)."""
+    spec = SweepSpec(model="m", contexts=(1024,), supports=(97, 1031), tokens=8, dense_layers=(0, 1))
+    text = "\n".join(sweep_section(tmp_path, {"spec": spec.to_dict()}, dense_rows((97,))))
+    assert "have an effective support" not in text
+    assert "2 run(s) in 1 condition(s) took no sparse step: every layer was kept dense" in text
+    assert "Dense by construction (effective S >= context + T - 1, or no sparse step:" in text
+    both = "\n".join(sweep_section(tmp_path, {"spec": spec.to_dict()}, dense_rows((97, 1031))))
+    assert "4 run(s) in 2 condition(s) are of two kinds (2 have an effective support S >= context + T - 1" in both
+    assert "; 2 took no sparse step" in both
+    covered = "\n".join(sweep_section(tmp_path, {"spec": spec.to_dict()}, dense_rows((1031,))))
+    assert "2 run(s) in 1 condition(s) have an effective support S >= context + T - 1" in covered
+    assert "Dense by construction (effective S >= context + T - 1; not counted" in covered
+
+
+def test_a_comparison_whose_layers_were_all_kept_dense_says_so(tiny_model_dir, tmp_path, capsys):
+    from sparsedecode.cli import main
+
+    out = tmp_path / "c"
+    args = ["compare-selectors", "--model", str(tiny_model_dir), "--context", "150", "--support", "97"]
+    args += ["--prompts", "1", "--tokens", "6", "--selectors", "streaming", "--dense-layers", "0,1", "--out", str(out)]
+    assert main(args) == 0, capsys.readouterr().err
+    assert "or no sparse step: every layer kept dense" in capsys.readouterr().out.replace("\n", " ")
+    text = (out / "selectors.md").read_text()
+    assert "every step attends to the whole cache" not in text
+    assert "Dense by construction (effective S >= context + T - 1, T = 6, or no sparse step" in text
