@@ -46,3 +46,30 @@ def test_a_comparison_whose_layers_were_all_kept_dense_says_so(tiny_model_dir, t
     text = (out / "selectors.md").read_text()
     assert "every step attends to the whole cache" not in text
     assert "Dense by construction (effective S >= context + T - 1, T = 6, or no sparse step" in text
+
+
+def test_a_nan_delta_ppl_gives_a_comparison_the_same_median_in_any_order(tiny_model_dir, tmp_path, capsys):
+    """compare-selectors' summary took statistics.median over the runs' ΔPPL: with one NaN (two infinite
+    perplexities) among three prompts the median was +0.22, NaN or +2.82 depending on the order of the runs in
+    selectors.json, printed '+nan' when NaN (found by permuting the runs of a comparison and reporting each; the sweep's
+    summary had this fixed already). Now NaN in any order, shown as '-'."""
+    import itertools
+    import json
+
+    from sparsedecode.cli import main
+
+    out = tmp_path / "c"
+    args = ["compare-selectors", "--model", str(tiny_model_dir), "--context", "220", "--support", "97"]
+    args += ["--prompts", "3", "--tokens", "6", "--selectors", "streaming", "--out", str(out)]
+    assert main(args) == 0, capsys.readouterr().err
+    data = json.loads((out / "selectors.json").read_text())
+    data["runs"][0]["delta_ppl_percent"] = float("nan")
+    cells = set()
+    for number, order in enumerate(itertools.permutations(data["runs"])):
+        folder = tmp_path / f"order{number}"
+        folder.mkdir()
+        (folder / "selectors.json").write_text(json.dumps({**data, "runs": list(order)}))
+        assert main(["report", str(folder)]) == 0
+        (row,) = [line for line in (folder / "selectors.md").read_text().splitlines() if "| streaming |" in line]
+        cells.add(row.split(" | ")[7])
+    assert cells == {"-"}

@@ -35,7 +35,7 @@ from ..selectors import resolve_selector, selector_names
 from .bench_operator import bench_op
 from .corpus import prompt_ids
 from .retrieval import run_trial, trial_prompt
-from .summary import dense_by_construction
+from .summary import dense_by_construction, median
 from .work import Executor
 
 ANSWER_TOKENS = 8
@@ -291,9 +291,9 @@ def summarize(
                         support=support,
                         runs=len(mine),
                         survived=sum(r["survives"] for r in mine),
-                        median_first_divergence=statistics.median(r["first_divergence"] for r in mine),
-                        median_teacher_forced_match=statistics.median(r["teacher_forced_match"] for r in mine),
-                        median_delta_ppl_percent=statistics.median(r["delta_ppl_percent"] for r in mine),
+                        median_first_divergence=median([r["first_divergence"] for r in mine]),
+                        median_teacher_forced_match=median([r["teacher_forced_match"] for r in mine]),
+                        median_delta_ppl_percent=median([r["delta_ppl_percent"] for r in mine]),  # NaN in any order
                         certified_fraction=statistics.mean(r["certified_fraction"] for r in mine),
                         captured_mass_ratio=statistics.mean(captured) if captured else None,
                         captured_mass_ratio_per_head_best=statistics.mean(per_head) if per_head else None,

@@ -61,7 +61,9 @@ def _unmeasured(values: list[float]) -> bool:
     return not values or any(v != v for v in values)
 
 
-def _median(values: list[float]) -> float:
+def median(values: list[float]) -> float:
+    """The median of ``values``; NaN for none, or where one is NaN (whatever their order: see :func:`_unmeasured`).
+    The selector comparison's medians are these too."""
     return float("nan") if _unmeasured(values) else float(statistics.median(values))
 
 
@@ -71,7 +73,7 @@ def _extreme(values: list[float], pick) -> float:
 
 def _stats(values: list[float], prefix: str) -> dict:
     return {
-        f"{prefix}_median": _median(values),
+        f"{prefix}_median": median(values),
         f"{prefix}_min": _extreme(values, min),
         f"{prefix}_max": _extreme(values, max),
     }
@@ -100,10 +102,10 @@ def conditions(rows: Iterable[dict]) -> list[dict]:
             "runs": len(group),
             "survived": sum(bool(r["survives"]) for r in group),
             **_stats([r["first_divergence"] for r in group], "first_divergence"),
-            "diverged_runs_first_divergence_median": _median(divergence),
+            "diverged_runs_first_divergence_median": median(divergence),
             **_stats([r["teacher_forced_match"] for r in group], "teacher_forced_match"),
             **_stats([r["delta_ppl_percent"] for r in group], "delta_ppl_percent"),
-            "abs_delta_ppl_percent_median": _median([abs(r["delta_ppl_percent"]) for r in group]),
+            "abs_delta_ppl_percent_median": median([abs(r["delta_ppl_percent"]) for r in group]),
             "warning_runs": sum(r["teacher_forced_match"] < WARNING_MATCH_PERCENT for r in group),
             "dense_by_construction": all(dense_by_construction(r) for r in group),
         }
@@ -184,9 +186,9 @@ def by_selector(rows: Iterable[dict], *, min_support: int = 193, tolerance_perce
                 "runs": len(mine),
                 "dense_by_construction_runs": len(every) - len(mine),
                 "survived": sum(bool(r["survives"]) for r in mine),
-                "first_divergence_median": _median([r["first_divergence"] for r in mine]),
-                "teacher_forced_match_median": _median([r["teacher_forced_match"] for r in mine]),
-                "delta_ppl_percent_median": _median([r["delta_ppl_percent"] for r in mine]),
+                "first_divergence_median": median([r["first_divergence"] for r in mine]),
+                "teacher_forced_match_median": median([r["teacher_forced_match"] for r in mine]),
+                "delta_ppl_percent_median": median([r["delta_ppl_percent"] for r in mine]),
                 "warning_runs": sum(r["teacher_forced_match"] < WARNING_MATCH_PERCENT for r in mine),
                 "conditions_min_support": tolerance["conditions"],
                 "conditions_within_tolerance": tolerance["within"],
@@ -205,7 +207,7 @@ def overview(rows: list[dict], *, threshold: float = WARNING_MATCH_PERCENT) -> d
         "runs": len(rows),
         "dense_by_construction_runs": len(every) - len(rows),
         "survived": sum(bool(r["survives"]) for r in rows),
-        "first_divergence_median": _median([r["first_divergence"] for r in rows]),
+        "first_divergence_median": median([r["first_divergence"] for r in rows]),
         "warning_runs": len(warnings),
         "warning_runs_prompts": sorted({(w["context"], w["prompt_index"]) for w in warnings}),
         "warning_runs_above_100_percent": sum(w["delta_ppl_percent"] > 100 for w in warnings),

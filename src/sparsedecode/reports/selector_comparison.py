@@ -15,7 +15,7 @@ from pathlib import Path
 from ..errors import SparseDecodeError
 from ..experiments.comparison_file import COMPARISON_FILE
 from ..files import write_json_atomic, write_text_atomic
-from .tables import code, shell_word, table_cell
+from .tables import code, format_value, shell_word, table_cell
 
 SELECTORS_FILE = COMPARISON_FILE
 
@@ -45,8 +45,8 @@ def selector_cells(rows: list[dict]) -> list[tuple[str, ...]]:
             str(r["support"]),
             f"{r['survived']}/{r['runs']}",
             f"{r['median_first_divergence']:g}",
-            f"{r['median_teacher_forced_match']:.1f}",
-            f"{r['median_delta_ppl_percent']:+.2f}",
+            format_value(r["median_teacher_forced_match"], 1),
+            format_value(r["median_delta_ppl_percent"], 2, "+"),  # NaN (two infinite perplexities): '-'
             f"{100 * r['certified_fraction']:.1f}",
             "-" if r["captured_mass_ratio"] is None else f"{r['captured_mass_ratio']:.3f}",
             "-" if r["retrieval_correct"] is None else f"{r['retrieval_correct']}/{r['retrieval_trials']}",
