@@ -73,3 +73,22 @@ def test_a_nan_delta_ppl_gives_a_comparison_the_same_median_in_any_order(tiny_mo
         (row,) = [line for line in (folder / "selectors.md").read_text().splitlines() if "| streaming |" in line]
         cells.add(row.split(" | ")[7])
     assert cells == {"-"}
+
+
+def test_a_delta_ppl_of_no_number_shows_as_a_dash_in_every_sweep_table(tmp_path):
+    """The warning table and the dense-by-construction table printed a NaN ΔPPL as '+nan' (every other cell shows
+    '-'), and the findings said 'largest ΔPPL of any run -%' (found reporting hand-edited rows with a NaN ΔPPL)."""
+    rows = [
+        {"context": 1024, "prompt_index": prompt, "support": support, "effective_support": support, "reuse": 1,
+         "selector": "mean-pooled", "tokens": 8, "first_divergence": 2, "survives": False,
+         "teacher_forced_match": 50.0, "delta_ppl_percent": float("nan")}
+        for support in (97, 1031)
+        for prompt in range(2)
+    ]  # fmt: skip
+    spec = SweepSpec(model="m", contexts=(1024,), supports=(97, 1031), tokens=8)
+    text = "\n".join(sweep_section(tmp_path, {"spec": spec.to_dict()}, rows))
+    assert "+nan" not in text and "-%" not in text
+    assert "| 1024 | 0 | 97 | 1 | 50.0 | - | 2 |" in text and "| 1024 | 1031 | 1031 | 0/2 | - |" in text
+    assert "largest ΔPPL of any run - (a run's ΔPPL is NaN)." in text
+    dense = "\n".join(sweep_section(tmp_path, {"spec": spec.to_dict()}, dense_rows((97,))))
+    assert "largest ΔPPL of any run - (no run)." in dense

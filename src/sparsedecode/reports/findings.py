@@ -41,8 +41,7 @@ def findings_lines(spec: SweepSpec, rows: list[dict], dense: list[dict]) -> list
         f"decoding for all {spec.tokens} tokens (reference: 0 of 60); median first divergence "
         f"{format_value(overview['first_divergence_median'])} (runs that never diverge count as {spec.tokens}).",
         f"- **Perplexity**: {tolerance['within']} of the {tolerance['conditions']} conditions with S >= 193 have a "
-        f"median ΔPPL within ±5% (reference: 7 of 9); largest ΔPPL of any run "
-        f"{format_value(overview['max_delta_ppl_percent'], 2)}%.",
+        f"median ΔPPL within ±5% (reference: 7 of 9); largest ΔPPL of any run " + _largest(overview) + ".",
         f"- **Warning regime**: {overview['warning_runs']} run(s) have teacher-forced match below 70%, from "
         f"{len(overview['warning_runs_prompts'])} (context, prompt) pair(s); "
         f"{overview['warning_runs_above_100_percent']} of them have ΔPPL above 100% (reference: all 7, from two "
@@ -60,3 +59,12 @@ def _dense_reason(runs: list[dict]) -> str:
     if covered in (0, len(runs)):
         return wide if covered else kept
     return f"are of two kinds ({covered} {wide}; {len(runs) - covered} {kept})"
+
+
+def _largest(overview: dict) -> str:
+    """The largest ΔPPL of any run, in percent; why there is none where no run counts or one's ΔPPL is NaN (two
+    infinite perplexities, or a NaN NLL: a maximum over it has no value)."""
+    value = overview["max_delta_ppl_percent"]
+    if not overview["runs"]:
+        return "- (no run)"
+    return "- (a run's ΔPPL is NaN)" if value != value else f"{format_value(value, 2)}%"

@@ -187,7 +187,7 @@ def _dense_table(dense: list[dict], *, reuse: bool, several: bool) -> str:
             *([str(c["reuse"])] if reuse else []),
             *([code(c["selector"])] if several else []),
             f"{c['survived']}/{c['runs']}",
-            f"{c['delta_ppl_percent_median']:+.2f}",
+            format_value(c["delta_ppl_percent_median"], 2, "+"),
         ]
         for c in dense
     ]
@@ -210,7 +210,7 @@ def _warning_lines(directory: Path, spec: SweepSpec, rows: list[dict]) -> list[s
                 str(w["reuse"]),
                 *([code(w["selector"])] if several else []),
                 format_value(w["teacher_forced_match"]),
-                f"{w['delta_ppl_percent']:+.2f}",
+                format_value(w["delta_ppl_percent"], 2, "+"),  # NaN (two infinite perplexities): '-' as elsewhere
                 str(w["first_divergence"]),
             ]
             for w in warnings
