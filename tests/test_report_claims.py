@@ -92,3 +92,22 @@ def test_a_delta_ppl_of_no_number_shows_as_a_dash_in_every_sweep_table(tmp_path)
     assert "largest ΔPPL of any run - (a run's ΔPPL is NaN)." in text
     dense = "\n".join(sweep_section(tmp_path, {"spec": spec.to_dict()}, dense_rows((97,))))
     assert "largest ΔPPL of any run - (no run)." in dense
+
+
+def test_positions_read_name_the_context_of_each_figure(tiny_model_dir, tmp_path, capsys):
+    """selectors.md listed the positions read per KV head as '`quest` at S = 97: mean 118.7 ...; `quest` at S = 97:
+    mean 118.4 ...' for a comparison of two contexts: two figures for what read as one condition (found checking
+    a two-context comparison's sentence against its runs)."""
+    import json
+    import re
+
+    from sparsedecode.cli import main
+
+    out = tmp_path / "c"
+    args = ["compare-selectors", "--model", str(tiny_model_dir), "--context", "220,260", "--support", "97"]
+    args += ["--prompts", "1", "--tokens", "6", "--selectors", "quest", "--out", str(out)]
+    assert main(args) == 0, capsys.readouterr().err
+    text = (out / "selectors.md").read_text()
+    named = re.findall(r"`quest` at context (\d+), S = 97: mean ([\d.]+)", text)
+    summary = json.loads((out / "selectors.json").read_text())["summary"]
+    assert named == [(str(r["context"]), f"{r['support_read_mean']:.1f}") for r in summary]

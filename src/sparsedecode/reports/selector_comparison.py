@@ -178,7 +178,9 @@ def selector_markdown(data: dict) -> str:
             "chosen short last block; more: a support per query head, a KV head reading the union of its query "
             "heads' positions): "
             + "; ".join(
-                f"{code(r['selector'])} at S = {r['support']}: mean {r['support_read_mean']:.1f}, min "
+                f"{code(r['selector'])} at "
+                + (f"context {r['context']}, " if len(settings["context"]) > 1 else "")  # the same S at each
+                + f"S = {r['support']}: mean {r['support_read_mean']:.1f}, min "
                 f"{r['support_read_min']}, max {r['support_read_max']}"
                 for r in fewer
             )
