@@ -111,3 +111,25 @@ def test_positions_read_name_the_context_of_each_figure(tiny_model_dir, tmp_path
     named = re.findall(r"`quest` at context (\d+), S = 97: mean ([\d.]+)", text)
     summary = json.loads((out / "selectors.json").read_text())["summary"]
     assert named == [(str(r["context"]), f"{r['support_read_mean']:.1f}") for r in summary]
+
+
+def test_the_committed_reports_are_what_report_writes_today(tmp_path, monkeypatch):
+    """The committed evaluation report was rendered before issue #39 and the answer-length column: it named the
+    group-mean variant it ran `quest` (today's name of the per-query-head method), printed a command running that
+    other method, and lacked a column today's report has; the retrieval CSVs lacked the dense-by-construction counts
+    (found rendering each committed folder again and comparing). Each is rendered again into a copy here."""
+    import shutil
+    from pathlib import Path
+
+    from sparsedecode.cli import main
+
+    root = Path(__file__).resolve().parent.parent
+    names = ("qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-eval", "smollm2-135m-retrieval")
+    for name in names:
+        shutil.copytree(root / "docs" / "reports" / name, tmp_path / "docs" / "reports" / name)
+    monkeypatch.chdir(tmp_path)  # the reports print their folder as the command gave it
+    for name in names:
+        folder = Path("docs") / "reports" / name
+        assert main(["report", str(folder)]) == 0
+        for path in sorted(folder.glob("*.[mc][ds]*")):  # report.md, README.md and the CSVs
+            assert path.read_bytes() == (root / path).read_bytes(), path
