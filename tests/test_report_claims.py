@@ -133,3 +133,20 @@ def test_the_committed_reports_are_what_report_writes_today(tmp_path, monkeypatc
         assert main(["report", str(folder)]) == 0
         for path in sorted(folder.glob("*.[mc][ds]*")):  # report.md, README.md and the CSVs
             assert path.read_bytes() == (root / path).read_bytes(), path
+
+
+def test_a_selector_spec_shows_as_written_in_the_comparison_table(tiny_model_dir, tmp_path, capsys):
+    """selectors.md wrote a selector spec into its table as plain text: a file at 'my sel|`x/sel*1.py' with a
+    parameter 'tag=*y*' rendered as '...sel1.py...' in italics, its asterisks read as emphasis and the backtick as a
+    code span (found rendering a comparison of a selector file with Markdown's characters in its path)."""
+    from test_report_text import markdown_cells, odd_selector
+
+    from sparsedecode.cli import main
+
+    selector = odd_selector(tmp_path) + ":tag=*y*"
+    out = tmp_path / "compared"
+    args = ["compare-selectors", "--model", str(tiny_model_dir), "--context", "128", "--support", "97"]
+    args += ["--prompts", "1", "--tokens", "4", "--selectors", f"{selector},quest", "--out", str(out)]
+    assert main(args) == 0, capsys.readouterr().err
+    rows = markdown_cells((out / "selectors.md").read_text())
+    assert [row[1] for row in rows if row[0] == "128"] == [selector, "quest"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 from pathlib import Path
 
 from ..errors import SparseDecodeError
@@ -118,12 +119,22 @@ def _parts_lines(settings: dict) -> list[str]:
 
 
 def _table_lines(rows: list[dict]) -> list[str]:
-    """The selector table of ``rows`` as Markdown lines (columns :data:`SELECTOR_HEADERS`)."""
+    """The selector table of ``rows`` as Markdown lines (columns :data:`SELECTOR_HEADERS`); a selector spec holding
+    what Markdown reads as markup (``*``, ``_``, a backtick, a backslash, brackets) is a code span, so that it shows
+    as written (the console prints the cells as they are)."""
     return [
         "| " + " | ".join(SELECTOR_HEADERS) + " |",
         "|" + "---|" * len(SELECTOR_HEADERS),
-        *("| " + " | ".join(map(table_cell, cells)) + " |" for cells in selector_cells(rows)),
+        *(
+            "| " + " | ".join(map(table_cell, (cells[0], _spec_cell(cells[1]), *cells[2:]))) + " |"
+            for cells in selector_cells(rows)
+        ),
     ]
+
+
+def _spec_cell(spec: str) -> str:
+    """A selector spec as a table cell: as it is, or a code span where Markdown would read part of it as markup."""
+    return code(spec) if re.search(r"[*_`\\\[\]<>&]", spec) else spec
 
 
 def _covered(rows: list[dict], runs: list[dict]) -> bool:
