@@ -150,3 +150,22 @@ def test_a_selector_spec_shows_as_written_in_the_comparison_table(tiny_model_dir
     assert main(args) == 0, capsys.readouterr().err
     rows = markdown_cells((out / "selectors.md").read_text())
     assert [row[1] for row in rows if row[0] == "128"] == [selector, "quest"]
+
+
+def test_a_selector_spec_shows_as_written_in_the_evaluation_tables(tiny_model_dir, tmp_path, capsys):
+    """The evaluation report wrote its modes ('SPEC S=97') into the accuracy table's header and the paired table as
+    plain text: a selector file's '*' and backticks were read as Markdown, the spec shown as another (found with the
+    comparison table's case, rendering an evaluation of the same selector file)."""
+    from test_report_text import markdown_cells, odd_selector
+
+    from sparsedecode.cli import main
+
+    selector = odd_selector(tmp_path) + ":tag=*y*"
+    out = tmp_path / "evaluated"
+    args = ["eval", "--model", str(tiny_model_dir), "--tasks", "vt", "--context", "600", "--samples", "1"]
+    args += ["--selectors", selector, "--support", "97", "--answer-tokens", "2", "--out", str(out)]
+    assert main(args) == 0, capsys.readouterr().err
+    assert main(["report", str(out)]) == 0
+    rows = markdown_cells((out / "report.md").read_text())
+    assert rows[0][-1] == f"{selector} S=97"  # the accuracy table's last column
+    assert [row[0] for row in rows if row[-1].endswith(")")] == [f"{selector} S=97"]  # the paired table's setting

@@ -19,7 +19,16 @@ from ..experiments.ruler import TASKS
 from ..files import write_text_atomic
 from .environment import environment_lines
 from .sweep import REPORT_FILE
-from .tables import changed_flags, code, markdown_table, restored_on_failure, shard_flags, shell_word, write_csv
+from .tables import (
+    changed_flags,
+    code,
+    markdown_table,
+    restored_on_failure,
+    shard_flags,
+    shell_word,
+    spec_cell,
+    write_csv,
+)
 
 EXAMPLES = 20
 """Regressions shown in the Markdown (all of them are in ``regressions.csv``)."""
@@ -55,6 +64,12 @@ def eval_command(spec: EvalSpec, directory: Path, shard: str | None = None) -> s
     parts += shard_flags(shard)
     parts.append(f"--out {shell_word(directory)}")
     return " ".join(parts)
+
+
+def _mode(selector: str, support: int | None) -> str:
+    """A mode's label as Markdown (:func:`~sparsedecode.experiments.eval_summary.mode_label`), its selector spec
+    shown as written."""
+    return summary.mode_label(spec_cell(selector), support) if selector != summary.DENSE else summary.DENSE
 
 
 def _percent(value: float | None) -> str:
@@ -100,7 +115,7 @@ def _conditions_lines(directory: Path, meta: dict, spec: EvalSpec, rows: list[di
     cells = summary.cells(rows)
     modes = summary.modes(rows)
     formats = sorted({r["prompt_format"] for r in rows})
-    shown_modes = f"; {', '.join(summary.mode_label(*m) for m in modes)}" if modes else ""
+    shown_modes = f"; {', '.join(_mode(*m) for m in modes)}" if modes else ""
     return [
         f"# Task accuracy under sparse decoding: {spec.model}",
         "",
@@ -115,7 +130,7 @@ def _conditions_lines(directory: Path, meta: dict, spec: EvalSpec, rows: list[di
         f"{spec.corpus}",
         f"- sparse: W = {spec.window}, B = {spec.block_size}, R = {spec.reuse}; supports "
         + _supports(spec)
-        + f"; selectors {', '.join(spec.selectors)}",
+        + f"; selectors {', '.join(map(spec_cell, spec.selectors))}",
         "- per sample: one dense prefill of everything before the question; the question, the rest of the prompt "
         "and the answer prefix are fed one token at a time under each mode, then a greedy answer up to "
         + (
@@ -153,7 +168,7 @@ def _accuracy_table(rows: list[dict], accuracy: list[dict]) -> tuple[list[str], 
                  for v in values]  # fmt: skip
         table.append([task + mark, str(context), str(n), *cells])
         matrix.append([v["score"] if v else np.nan for v in values])
-    return [markdown_table(["task", "context", "n", *[summary.mode_label(*m) for m in modes]], table), ""], matrix
+    return [markdown_table(["task", "context", "n", *[_mode(*m) for m in modes]], table), ""], matrix
 
 
 PAIRED_HEADER = ["setting", "samples", "dense %", "sparse %", "Δ points", "lower", "higher", "same output"]
@@ -174,7 +189,7 @@ def _paired_lines(paired: list[dict]) -> list[str]:
         return lines + ["No sparse run is paired with a dense run yet.", ""]
     table = [
         [
-            summary.mode_label(p["selector"], p["support"]),
+            _mode(p["selector"], p["support"]),
             str(p["samples"]),
             _percent(p["dense_score"]),
             _percent(p["sparse_score"]),
@@ -291,7 +306,7 @@ def _regression_lines(regressions: list[dict], paired: list[dict]) -> list[str]:
             r["task"],
             str(r["context"]),
             str(r["sample"]),
-            summary.mode_label(r["selector"], r["support"]),
+            _mode(r["selector"], r["support"]),
             _short(", ".join(r["answers"]), 40),
             _short(r["dense_output"]),
             _short(r["sparse_output"]),

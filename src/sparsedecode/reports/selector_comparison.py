@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import csv
 import io
-import re
 from pathlib import Path
 
 from ..errors import SparseDecodeError
 from ..experiments.comparison_file import COMPARISON_FILE
 from ..files import write_json_atomic, write_text_atomic
-from .tables import code, format_value, shell_word, table_cell
+from .tables import code, format_value, shell_word, spec_cell, table_cell
 
 SELECTORS_FILE = COMPARISON_FILE
 
@@ -126,15 +125,10 @@ def _table_lines(rows: list[dict]) -> list[str]:
         "| " + " | ".join(SELECTOR_HEADERS) + " |",
         "|" + "---|" * len(SELECTOR_HEADERS),
         *(
-            "| " + " | ".join(map(table_cell, (cells[0], _spec_cell(cells[1]), *cells[2:]))) + " |"
+            "| " + " | ".join(map(table_cell, (cells[0], spec_cell(cells[1]), *cells[2:]))) + " |"
             for cells in selector_cells(rows)
         ),
     ]
-
-
-def _spec_cell(spec: str) -> str:
-    """A selector spec as a table cell: as it is, or a code span where Markdown would read part of it as markup."""
-    return code(spec) if re.search(r"[*_`\\\[\]<>&]", spec) else spec
 
 
 def _covered(rows: list[dict], runs: list[dict]) -> bool:

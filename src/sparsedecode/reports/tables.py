@@ -88,6 +88,12 @@ def code(text) -> str:
     return f"{fence}{pad}{text}{pad}{fence}"
 
 
+def spec_cell(spec: str) -> str:
+    """A selector spec (or another name the user chose) as Markdown: as it is, or a code span where Markdown would
+    read part of it as markup (``*``, ``_``, a backtick, a backslash, brackets), so that it shows as written."""
+    return code(spec) if re.search(r"[*_`\\\[\]<>&]", str(spec)) else str(spec)
+
+
 def table_cell(text: str) -> str:
     """A Markdown table cell of ``text``: on one line, its ``|`` escaped so that it does not end the cell."""
     return " ".join(str(text).splitlines()).replace("|", "\\|")
