@@ -172,7 +172,7 @@ def by_selector(rows: Iterable[dict], *, min_support: int = 193, tolerance_perce
     (``dense_by_construction_runs`` counts the others).
 
     ``conditions_within_tolerance``: how many of the selector's conditions with ``support >= min_support`` have a
-    median ``|delta-PPL|`` of at most ``tolerance_percent`` (out of ``conditions_min_support``).
+    median delta-PPL within ``tolerance_percent`` of dense (:func:`within_tolerance`), of ``conditions_min_support``.
     """
     rows = list(rows)
     table = []
