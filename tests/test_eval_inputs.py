@@ -364,6 +364,10 @@ def test_report_on_a_folder_without_results_names_every_kind(tmp_path, capsys):
     assert "a probe mass folder: its mass.json and heat maps are its results" in one_line_exit_2(
         ["report", str(tmp_path)], capsys
     )
+    (tmp_path / "mass.json").unlink()
+    (tmp_path / "calibration.json").write_text("{}")  # a calibration folder: where its report is
+    err = one_line_exit_2(["report", str(tmp_path)], capsys)
+    assert "a calibration folder: calibrate writes its report, calibration.md, itself" in err and "mass" not in err
 
 
 def _report_of(folder: Path, rows: list[dict]) -> str:

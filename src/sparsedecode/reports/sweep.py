@@ -167,11 +167,15 @@ def write_report(directory: Path, *, retrieval: Path | None = None) -> Path:
     if not has_sweep and retrieval is None and (directory / SELECTORS_FILE).exists():
         return write_selector_comparison(directory)
     if not has_sweep and retrieval is None:
-        mass = " (a probe mass folder: its mass.json and heat maps are its results, which report does not render)"
+        kinds = {
+            "mass.json": " (a probe mass folder: its mass.json and heat maps are its results, which report does not "
+            "render)",
+            "calibration.json": " (a calibration folder: calibrate writes its report, calibration.md, itself)",
+        }
         raise SparseDecodeError(
             f"{directory} holds neither a sweep ({SPEC_FILE}), an evaluation (eval.json), retrieval results "
             f"({RETRIEVAL_FILE}) nor a selector comparison ({SELECTORS_FILE})"
-            + (mass if (directory / "mass.json").is_file() else "")
+            + "".join(said for name, said in kinds.items() if (directory / name).is_file())
         )
     out: list[str] = []
     if has_sweep:  # read and check every input before writing anything
