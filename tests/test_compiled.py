@@ -451,6 +451,24 @@ def test_host_free_step_equals_the_session_step(device_step_on_cpu, selector, re
         assert torch.allclose(logits, eager_logits, rtol=0, atol=tolerance)
 
 
+@pytest.mark.parametrize("supports", [dict(support=1000), dict(support=97, layer_supports={1: 1000, 2: 161})])
+def test_host_free_step_serves_a_support_wider_than_the_cache(device_step_on_cpu, supports):
+    """Found by probing: a support of more distant blocks than the cache holds (S = 769 over a cache of 512, CUDA's
+    default form) ranked its ``capacity`` statistics slots for ``b`` blocks and failed with a tensor-size traceback;
+    it is dense attention over the context, as in the session, for every layer's support."""
+    model = tiny_model("llama", layers=3)
+    for length in (80, PROMPT):
+        ids, cfg = _prompt(3, length=length), SparseConfig(window=32, block_size=8, **supports)
+        eager_tokens, eager_logits = _session_run(model, ids, cfg, steps=30)
+        decoder = CompiledDecoder(
+            model, cfg, batch=1, max_len=length + 31, backend="aot_eager", form=device_step_on_cpu
+        )
+        tokens, logits = _static_run(decoder, ids, steps=30, compiled=False)
+        assert tokens == eager_tokens
+        tolerance = logits_tolerance(eager_logits, model, positions=length + 30)
+        assert torch.allclose(logits, eager_logits, rtol=0, atol=tolerance)
+
+
 def test_host_free_step_keeps_the_guarantees(device_step_on_cpu):
     """Long-lived across prompts and a rollback past the window, and a batch as each sequence alone, on the step
     CUDA runs inside the op."""

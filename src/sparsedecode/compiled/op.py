@@ -137,7 +137,7 @@ def allocate(
     :func:`step_form`. A selection has a row per KV head, or per query head (``query_heads``) for a selector with a
     support per query head."""
     kinds = cfg.selector.cached_statistics()
-    capacity = max(max_len // cfg.block_size + 1, 1)
+    capacity = max(max_len // cfg.block_size + 1, cfg.blocks)  # the host-free step ranks b of its slots
     b = cfg.blocks  # 0 where the support holds no whole block: the C call reads b from these tensors' width
     distant = cfg.distant_positions if cfg.selector.token_level else 1
     rows = support_rows(cfg.selector, query_heads or kv_heads, kv_heads)
