@@ -794,6 +794,31 @@ def test_the_guard_filter_keeps_tensor_guards_and_drops_module_attributes():
     assert model_fingerprint(module) != fingerprint
 
 
+def test_a_hook_replaced_between_installs_compiles_the_step_again(monkeypatch):
+    """Found by probing: a forward hook removed and another registered in its place between two calls (a steering
+    hook of other strength, as a ``with`` block registering its own hook makes) left the hook count as it was, so the
+    install's fingerprint saw no change and the compiled step replayed the old hook: the prefill (eager) gave the new
+    hook's first token, the decode steps the old hook's tokens, dense and sparse."""
+    from sparsedecode.compiled import decoder as compiled
+
+    monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
+    model = tiny_model("llama")
+    ids, cfg = _prompt(3), SparseConfig(**SMALL_CFG)
+
+    def shifted(by):
+        return lambda module, inputs, output: output + by
+
+    mlp = model.model.layers[0].mlp
+    for mode, config in (("sparse", cfg), ("dense", None)):
+        handle = mlp.register_forward_hook(shifted(0.0))
+        generate(model, ids, config, 12, mode=mode, compile=True)
+        handle.remove()
+        handle = mlp.register_forward_hook(shifted(5.0))
+        tokens = generate(model, ids, config, 12, mode=mode, compile=True).tokens
+        assert tokens == generate(model, ids, config, 12, mode=mode).tokens
+        handle.remove()
+
+
 def test_a_compiled_decoder_is_used_installed_by_one_thread_per_model(monkeypatch):
     """Found by probing: a step outside ``installed()`` compiled a graph without the step's state that later
     installed runs replayed (wrong tokens for good); a model installed in one thread was decoded by another with

@@ -40,18 +40,34 @@ def _value(value):
     return id(value)
 
 
+class _Same:
+    """An object compared by identity and held, so that no later object takes its id while a fingerprint names it (a
+    hook removed and another registered in its place: a count, or an id, could not tell them apart)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Same) and other.value is self.value
+
+    def __hash__(self) -> int:
+        return id(self.value)
+
+
 def _attributes(obj) -> tuple:
     return tuple((name, _value(value)) for name, value in sorted(vars(obj).items()) if name not in _TORCH_OWN)
 
 
 def model_fingerprint(model: torch.nn.Module) -> tuple:
-    """What the dropped guards read: per module its name, class (and the class's ``forward``), training flag, hook
-    counts, own attributes (plain values, other objects' identities: an instance ``forward``, a state, the config)
-    and the names of its parameters, buffers and children; the config's attributes."""
+    """What the dropped guards read: per module its name, class (and the class's ``forward``), training flag, hooks
+    (each by identity), own attributes (plain values, other objects' identities: an instance ``forward``, a state,
+    the config) and the names of its parameters, buffers and children; the config's attributes."""
     parts = [_attributes(model.config)]
     for name, module in model.named_modules():
         cls = type(module)
-        hooks = tuple(len(getattr(module, hook, ())) for hook in _HOOKS)
+        hooks = tuple(tuple(map(_Same, getattr(module, hook, {}).values())) for hook in _HOOKS)
         children = (tuple(module._parameters), tuple(module._buffers), tuple(module._modules))
         parts.append((name, cls, id(cls.forward), module.training, hooks, children, _attributes(module)))
     return tuple(parts)
