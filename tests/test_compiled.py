@@ -819,6 +819,32 @@ def test_a_hook_replaced_between_installs_compiles_the_step_again(monkeypatch):
         handle.remove()
 
 
+def test_a_hooks_own_state_changed_between_installs_compiles_the_step_again(monkeypatch):
+    """Found by probing: a hook object's attribute (a steering strength) changed between two calls: dynamo's guard on
+    it was dropped with the modules' attribute guards (it is reached through a module's hook dict) although it is on
+    what is not a module, so the compiled step replayed the old strength (decode tokens parting from the eager ones
+    at the second token)."""
+    from sparsedecode.compiled import decoder as compiled
+
+    monkeypatch.setattr(compiled, "DEFAULT_BACKEND", "aot_eager")
+    model = tiny_model("llama")
+    ids, cfg = _prompt(3), SparseConfig(**SMALL_CFG)
+
+    class Steer:
+        def __init__(self):
+            self.by = 0.0
+
+        def __call__(self, module, inputs, output):
+            return output + self.by
+
+    steer = Steer()
+    model.model.layers[0].mlp.register_forward_hook(steer)
+    generate(model, ids, cfg, 12, mode="sparse", compile=True)
+    steer.by = 5.0
+    tokens = generate(model, ids, cfg, 12, mode="sparse", compile=True).tokens
+    assert tokens == generate(model, ids, cfg, 12, mode="sparse").tokens
+
+
 def test_a_compiled_decoder_is_used_installed_by_one_thread_per_model(monkeypatch):
     """Found by probing: a step outside ``installed()`` compiled a graph without the step's state that later
     installed runs replayed (wrong tokens for good); a model installed in one thread was decoded by another with

@@ -17,14 +17,19 @@ from __future__ import annotations
 import torch
 
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks")
-_TORCH_OWN = {"_parameters", "_buffers", "_modules", *_HOOKS}  # fingerprinted apart (names, hook counts)
+_TORCH_OWN = {"_parameters", "_buffers", "_modules", *_HOOKS}  # fingerprinted apart (names, hooks)
 _SCALARS = (bool, int, float, str, type(None))
 
 
 def drop_module_guards(entries) -> list[bool]:
-    """``torch.compile``'s ``guard_filter_fn``: keep a guard unless it reads a module's Python attributes."""
+    """``torch.compile``'s ``guard_filter_fn``: keep a guard unless it reads a module's Python attributes. A guard on a
+    hook (what a module's hook dict holds: a hook object's attributes, a function's closure) is on what is not a module:
+    kept, so a steering hook whose strength changes between two installs gets a step compiled again."""
     on_modules = torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)  # False: the guard reads a module
-    return [keep or entry.guard_type == "TENSOR_MATCH" for entry, keep in zip(entries, on_modules)]
+    return [
+        keep or entry.guard_type == "TENSOR_MATCH" or "_hooks[" in entry.name
+        for entry, keep in zip(entries, on_modules)
+    ]
 
 
 def _value(value):
