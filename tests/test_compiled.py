@@ -882,3 +882,16 @@ def test_a_compiled_decoder_is_used_installed_by_one_thread_per_model(monkeypatc
         generate(model, ids, cfg, 8, mode="sparse", compile=True).tokens
         == generate(model, ids, cfg, 8, mode="sparse").tokens
     )
+
+
+@pytest.mark.parametrize("kernel", ["c", "triton"])
+def test_the_host_free_step_is_not_chosen_over_an_insisted_kernel(kernel):
+    """Found by probing: the host-free forms run torch operations of their own, so a kernel insisted on (``c``,
+    ``triton``) was ignored there (the session and the prepared form use it, or refuse it in one line)."""
+    from sparsedecode.compiled.op import step_form
+
+    cfg = SparseConfig(**SMALL_CFG, kernel=kernel)
+    assert step_form(cfg, "cuda") == "prepared" and step_form(SparseConfig(**SMALL_CFG), "cuda") == "device"
+    for form in ("device", "traced"):
+        with pytest.raises(SparseDecodeError, match=f"on torch operations; mean-pooled, kernel='{kernel}' is not one"):
+            step_form(cfg, "cpu", form)

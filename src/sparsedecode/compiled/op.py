@@ -71,7 +71,7 @@ def step_form(cfg: SparseConfig, device, form: str | None = None) -> str:
     if form in ("device", "traced") and not host_free:
         raise SparseDecodeError(
             "the host-free compiled step serves block selectors with a fixed budget and one support per KV head "
-            f"that read block statistics; {cfg.selector.spec()} does not"
+            f"that read block statistics, on torch operations; {cfg.selector.spec()}, kernel={cfg.kernel!r} is not one"
         )
     return form
 

@@ -28,10 +28,12 @@ from . import schedule
 
 
 def serves(cfg) -> bool:
-    """Whether the device step serves ``cfg``'s selector (see the module): the library's scoring only."""
+    """Whether the device step serves ``cfg`` (see the module): the library's scoring only, on torch operations (no
+    ``kernel`` insisted on: ``auto`` or ``torch``)."""
     selector = cfg.selector
     fixed = not selector.token_level and bool(selector.statistics) and not selector.adaptive
-    return fixed and not selector.per_query_head and trusted(selector, selector.score_blocks)
+    own = cfg.kernel in ("auto", "torch")
+    return own and fixed and not selector.per_query_head and trusted(selector, selector.score_blocks)
 
 
 def fill_statistics(stats: torch.Tensor, kinds, key: torch.Tensor, start: int, n: int, block: int) -> None:
