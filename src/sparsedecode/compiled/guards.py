@@ -3,8 +3,9 @@
 Before each call of a compiled function dynamo checks every guard it recorded while tracing. For a decoder those
 are thousands (SmolLM2: every module's class, hooks, attributes and constants, besides the tensors), about 1.3 ms
 of a 21 ms step at 8K here. :func:`drop_module_guards` keeps every tensor guard (parameters, buffers, the cache and
-the sparse state: dtype, device, shape, strides) and every guard on what is not a module, and drops the guards on
-the modules' Python attributes; :func:`model_fingerprint` records those attributes in one value, which
+the sparse state: dtype, device, shape, strides), every guard that reads no module, and the guards on hooks, and drops
+the guards reached through the modules' Python attributes; :func:`model_fingerprint` records those attributes in
+one value (plain values as they are, other objects by identity: one changed in place is not seen), which
 :class:`~sparsedecode.compiled.decoder.CompiledDecoder` compares at each install and recompiles on any difference. So a
 model changed between two installs (a module replaced, a hook added, ``train()``, a config value) still gets a step
 compiled for it; a change inside an install, between two steps, is not seen (the library's loops make none).
