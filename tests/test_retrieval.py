@@ -144,6 +144,16 @@ def test_run_retrieval_grid_and_summaries(loaded):
     assert row["captured_mass_failed_mean"] == pytest.approx(0.725) and row["captured_mass_correct_mean"] is None
 
 
+def test_a_context_too_short_is_refused_before_any_trial(loaded):
+    """Found by probing ``--context 300,100``: the grid ran every trial of context 300, then failed on context 100's
+    too-short prompt, losing those results (retrieval.json is written at the end); every prompt is now built first."""
+    spec = RetrievalSpec(model="tiny", contexts=(300, 100), depths=(0.0,), trials=1, supports=(97,), answer_tokens=2)
+    done = []
+    with pytest.raises(SparseDecodeError, match="context 100 is too short"):
+        run_retrieval(spec, loaded=loaded, on_trial=done.append)
+    assert done == [], "no trial runs before the grid's prompts are all known to fit"
+
+
 def test_bad_retrieval_input():
     tokenizer = char_tokenizer()
     with pytest.raises(SparseDecodeError, match="too short"):

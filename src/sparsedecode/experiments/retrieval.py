@@ -294,11 +294,14 @@ def run_retrieval(
             raise SparseDecodeError(f"context {context} + {spec.answer_tokens} answer tokens exceeds {limit} positions")
     configs = spec.configs()
     cells = [(c, d, t) for c in spec.contexts for d in spec.depths for t in range(spec.trials)]
+    # every prompt first: a context too short for its passkey prompt, or a corpus too short, is refused before any
+    # trial runs, not after the grid's earlier cells (whose results, written only at the end, it would lose)
+    prompts = [
+        trial_prompt(tokenizer, context, depth, trial, haystack=spec.haystack, digits=spec.digits, seed=spec.seed)
+        for context, depth, trial in cells
+    ]
     results = []
-    for number, (context, depth, trial) in enumerate(cells, start=1):
-        prompt = trial_prompt(
-            tokenizer, context, depth, trial, haystack=spec.haystack, digits=spec.digits, seed=spec.seed
-        )
+    for number, ((_, _, trial), prompt) in enumerate(zip(cells, prompts), start=1):
         results += run_trial(
             model, tokenizer, prompt, configs, trial=trial, answer_tokens=spec.answer_tokens, on_trial=on_trial
         )
