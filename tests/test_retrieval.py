@@ -20,6 +20,7 @@ from sparsedecode.experiments.retrieval import (
     mass_vs_success,
     passkey,
     run_retrieval,
+    trial_prompt,
 )
 
 
@@ -50,6 +51,21 @@ def test_corpus_haystack_places_the_needle_at_the_token():
     prompt = build_prompt(tokenizer, 800, 0.5, "12345", haystack="python-docs")
     assert prompt.context == 800 and abs(prompt.needle_depth - 0.5) < 1 / 500
     assert "12345" in tokenizer.decode(prompt.ids[0, prompt.needle_start : prompt.needle_end].tolist())
+
+
+def test_trials_past_the_end_of_a_corpus_read_other_text(tmp_path):
+    """Found by probing a corpus of 1774 tokens at context 600: trial 3's haystack started past the corpus' end and
+    went back to token 0, the very text of trial 0 (only the passkey differed); it now wraps around instead."""
+    words = ("alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "green", "light", "sound")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(words[(i * 7 + i // 3) % len(words)] for i in range(300)))
+    tokenizer = char_tokenizer()
+    hays = []
+    for trial in range(4):
+        prompt = trial_prompt(tokenizer, 600, 0.0, trial, haystack=str(corpus))
+        assert prompt.context == 600
+        hays.append(tuple(prompt.ids[0, prompt.needle_end : prompt.question_start].tolist()))
+    assert len(set(hays)) == 4, "every trial reads its own stretch of the corpus"
 
 
 def test_passkeys_are_fixed_by_seed_and_trial():

@@ -99,7 +99,8 @@ def build_prompt(
     """Plant ``key`` at ``depth`` (0 = right after the intro, 1 = right before the question) of a haystack.
 
     With the filler haystack the needle goes at the sentence boundary nearest to ``depth``; with a corpus
-    haystack (tokens ``offset ..`` of the tokenised corpus) at the nearest token.
+    haystack (tokens ``offset ..`` of the tokenised corpus, the offset taken modulo the corpus' start positions) at
+    the nearest token.
     """
     intro, needle, question = (_encode(tokenizer, t) for t in (INTRO, NEEDLE.format(key=key), QUESTION))
     length = context - len(intro) - len(needle) - len(question)
@@ -118,10 +119,9 @@ def build_prompt(
         boundaries = [b for b in boundaries if b < length] + [length]  # the end (right before the question) too
     else:
         text = corpus_ids(tokenizer, haystack)
-        if len(text) < offset + length:
-            offset = 0
         if len(text) < length:
             raise SparseDecodeError(f"corpus {haystack} has {len(text)} tokens, fewer than the {length} needed")
+        offset %= len(text) - length + 1  # past the corpus' last start: around again, not back to trial 0's text
         hay = text[offset : offset + length].tolist()
         boundaries = list(range(length + 1))
     target = depth * length
@@ -226,7 +226,8 @@ def trial_prompt(
 ) -> PasskeyPrompt:
     """The prompt of one trial: ``passkey(seed, trial, digits)`` planted at ``depth`` of ``context`` tokens.
 
-    A corpus haystack starts ``trial * context`` tokens into the corpus, so different trials read different text.
+    A corpus haystack starts ``trial * context`` tokens into the corpus (around again where the corpus runs out),
+    so different trials read different text.
     """
     key = passkey(seed, trial, digits)
     return build_prompt(tokenizer, context, depth, key, haystack=haystack, offset=trial * context)
