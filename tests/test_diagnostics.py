@@ -351,3 +351,25 @@ def test_blocks_an_adaptive_budget_dropped_are_not_counted_as_chosen():
     expected = float(mass[:, read].sum() / mass[:, best].sum())
     assert stats["captured_mass_ratio"].tolist() == pytest.approx([expected, expected], rel=1e-12)
     assert stats["mass_blocks"].tolist() == pytest.approx(mass[:, read].sum(-1).tolist(), rel=1e-12)
+
+
+def test_mass_probe_takes_cache_and_first_together():
+    """Found by probing the library's ``mass_probe``: a ``cache`` without ``first`` failed with a TypeError
+    traceback, a ``first`` without ``cache`` was silently replaced by the prefill's token, and ``tokens=0`` returned
+    one token; each is now a one-line error."""
+    from sparsedecode import SparseDecodeError
+    from sparsedecode.decoding.loop import prefill
+    from sparsedecode.experiments.probes import mass_probe
+
+    model, ids = tiny_model("llama"), prompt(120)
+    cfg = SparseConfig(support=33, window=16, block_size=8)
+    cache, _ = prefill(model, ids)
+    for kwargs, words in [
+        (dict(cache=cache), "pass cache and first together"),
+        (dict(first=5), "pass cache and first together"),
+        (dict(tokens=0), "tokens must be an integer >= 1"),
+    ]:
+        with pytest.raises(SparseDecodeError, match=f"mass_probe: {words}"):
+            mass_probe(model, ids, cfg, **{"tokens": 4, **kwargs})
+    assert cache.get_seq_length() == 120, "the cache is untouched"
+    assert mass_probe(model, ids, cfg, tokens=3).summary["audited_steps"] == 2

@@ -16,10 +16,11 @@ import torch
 
 from ..config import SparseConfig
 from ..decoding.loop import Progress, decode_tokens, prefill
+from ..errors import SparseDecodeError
 from ..protocol.diagnostics import MassAudit, summarize_audit
 from ..session import prefill_history, sparse_decoding
 from ..session.kv_cache import crop_cache
-from ..validate import check_sparse_attention
+from ..validate import check_count, check_sparse_attention
 
 
 @dataclass
@@ -54,6 +55,12 @@ def mass_probe(
     the cache is cropped back to the prompt afterwards.
     """
     check_sparse_attention(model, "mass_probe")  # before the prefill, as every sparse entry point refuses
+    check_count(tokens, "mass_probe: tokens", 1)
+    if (cache is None) != (first is None):  # a first token without its cache would be replaced by the prefill's
+        raise SparseDecodeError(
+            "mass_probe: pass cache and first together (a cache prefilled with prompt_ids and the token it predicts), "
+            "or neither"
+        )
     started = time.perf_counter()
     if cache is None:
         cache, logits = prefill(model, prompt_ids, progress=progress)
