@@ -102,6 +102,17 @@ def test_full_support_answers_like_dense_and_small_support_is_audited(loaded):
     assert again["answer_ids"] == dense["answer_ids"], "deterministic"
 
 
+def test_answer_refuses_a_cache_of_another_length(loaded):
+    """Found by probing ``answer`` with a cache 5 positions short of the question: it answered that other prompt
+    silently (another answer), then "cropped" the cache to a length it never had; a one-line error now."""
+    model, tokenizer = loaded
+    prompt = build_prompt(tokenizer, 300, 0.5, passkey(0, 0))
+    for length in (prompt.question_start - 5, prompt.context):
+        cache, _ = prefill(model, prompt.ids[:, :length])
+        with pytest.raises(SparseDecodeError, match=f"holds {length} positions, not the prompt's"):
+            answer(model, tokenizer, prompt, cache, None)
+
+
 class _Answers:
     """The char tokenizer, except that every decoded answer reads ``text``."""
 

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ..config import SparseConfig
-from ..decoding.loop import Progress, decode_tokens, prefill
+from ..decoding.loop import Progress, cache_length, decode_tokens, prefill
 from ..errors import SparseDecodeError
 from ..protocol.diagnostics import MassAudit, summarize_audit
 from ..session import StepView, prefill_history, sparse_decoding
@@ -182,6 +182,11 @@ def answer(
     ``cache`` holds exactly ``prompt.ids[:, :question_start]`` (it is cropped back afterwards); ``history`` is H2O's
     history of that prefill (:func:`~sparsedecode.session.prefill_history`), needed by ``h2o``.
     """
+    if cache_length(cache) != prompt.question_start:  # another length would answer another prompt, silently
+        raise SparseDecodeError(
+            f"answer: the cache holds {cache_length(cache)} positions, not the prompt's {prompt.question_start} "
+            "before the question: prefill prompt.ids[:, :question_start]"
+        )
     audit = MassAudit()
     needle = NeedleReads(prompt.needle_start, prompt.needle_end)
     question = prompt.ids[0, prompt.question_start :].tolist()
