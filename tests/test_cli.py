@@ -234,6 +234,28 @@ def test_probe_mass_heat_map_names_the_layers_it_shows(tiny_model_dir, tmp_path,
     assert matrix.shape == (1, 4) and kw["yticks"] == ["1"]
 
 
+def test_probe_mass_heat_map_scale_ignores_heads_a_layer_lacks(tmp_path, monkeypatch):
+    """The audit holds NaN for the heads of a layer with fewer query heads than another (as MassAudit documents);
+    the map's colour scale was their ``max()``, NaN, which drew every cell in one colour on a -0.1..0.1 scale."""
+    from argparse import Namespace
+
+    import numpy as np
+
+    from sparsedecode.cli.probe import _write_maps
+    from sparsedecode.experiments.probes import MassProbe
+    from sparsedecode.reports import plots
+
+    omitted = np.full((2, 2, 4), 0.25)
+    omitted[:, 0, 1] = 0.5
+    omitted[:, 1, 2:] = np.nan  # layer 1 has 2 query heads
+    probe = MassProbe(128, {"support": 33}, [1, 2, 3], {"omitted_mass": omitted, "layers": np.array([0, 1])},
+                      {"audited_steps": 2}, 0.0)  # fmt: skip
+    drawn = []
+    monkeypatch.setattr(plots, "heatmap", lambda matrix, path, **kw: drawn.append(kw) or path.write_bytes(b""))
+    _write_maps(Namespace(out=tmp_path, model="tiny"), 128, probe, [])
+    assert drawn[0]["vmax"] == 0.5
+
+
 def test_probe_mass_with_every_layer_dense_does_not_blame_the_support(tiny_model_dir, tmp_path, capsys):
     """Every layer in --dense-layers: nothing is audited, and the support (97 of 250 positions) is not what covered
     the context, as the message said."""

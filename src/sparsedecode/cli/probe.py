@@ -143,6 +143,8 @@ def _probe_mass(args, made: list[Path]) -> int:
 
 def _write_maps(args, context: int, probe, made: list[Path]) -> dict:
     """One probe's heat map and audit arrays written; its row of ``mass.json``."""
+    import numpy as np
+
     from ..protocol.diagnostics import save_audit
     from ..reports.plots import heatmap
 
@@ -161,7 +163,7 @@ def _write_maps(args, context: int, probe, made: list[Path]) -> dict:
             ylabel="layer",
             yticks=[str(layer) for layer in probe.arrays["layers"].tolist()],  # the audited ones (not dense layers)
             colorbar="omitted mass ε",
-            vmax=max(float(omitted.max()), 1e-6),
+            vmax=max(float(np.nanmax(omitted)), 1e-6),  # NaN: a head a layer lacks (fewer query heads than another)
         )
     save_audit(args.out / f"{stem}.npz", probe.arrays)
     console.print(f"wrote {plain(png)}")
