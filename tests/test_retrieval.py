@@ -181,6 +181,15 @@ def test_a_context_too_short_is_refused_before_any_trial(loaded):
     assert done == [], "no trial runs before the grid's prompts are all known to fit"
 
 
+def test_the_report_states_the_whole_number_rule():
+    """The report's conditions said "success = the passkey digits appear in the answer", the bare substring test
+    that scoring no longer is (``402135`` is no answer for ``40213``); found by hunt-probes reading a report."""
+    from sparsedecode.reports.retrieval import _conditions_lines
+
+    text = "\n".join(_conditions_lines(RetrievalSpec(model="m").to_dict(), {}, None))
+    assert "as a whole number" in text and "digits appear in the answer" not in text
+
+
 def test_bad_retrieval_input():
     tokenizer = char_tokenizer()
     with pytest.raises(SparseDecodeError, match="too short"):

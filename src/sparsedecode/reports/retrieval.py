@@ -36,7 +36,8 @@ def _conditions_lines(spec: dict, env: dict, command: str | None) -> list[str]:
         f"- device {env.get('device')}, {env.get('threads')} threads; torch {env.get('torch')}, transformers "
         f"{env.get('transformers')}",
         "- the prompt before the question is prefilled densely; the question is fed token by token under the mode "
-        "tested, then the answer is decoded greedily; success = the passkey digits appear in the answer",
+        "tested, then the answer is decoded greedily; success = the passkey appears in the answer as a whole number "
+        "(not inside a longer run of digits)",
     ]
     if command:
         lines += ["", "```sh", command, "```"]
