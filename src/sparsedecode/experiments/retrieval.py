@@ -142,7 +142,8 @@ def build_prompt(
 class NeedleReads:
     """Session observer: per sparse step and layer, how much of the needle the support holds and attracts.
 
-    ``read``: share of the needle positions inside the support, averaged over KV heads; ``mass``: the true
+    ``read``: share of the needle positions inside the support, averaged over the step's supports (one per KV head,
+    or per query head for a selector choosing one per query head, such as ``quest``); ``mass``: the true
     (dense, float64) attention mass on the needle positions, averaged over query heads.
     """
 
