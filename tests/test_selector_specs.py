@@ -206,3 +206,15 @@ def test_a_selector_path_that_is_a_pipe_is_named_so(tmp_path):
     os.mkfifo(pipe)
     with pytest.raises(SparseDecodeError, match="is no regular file"):
         parse_selector(f"{pipe}:Mine")
+
+
+def test_a_parameter_after_a_selector_without_parameters_starts_them(selector_file):
+    """An item with ``=`` and no ``:`` continues the parameters of the selector before it (docs/selectors.md),
+    starting them where it has none: ``block-top-p,p=0.8`` was joined into ``block-top-p,p=0.8``, refused as an
+    unknown selector of that name."""
+    from sparsedecode.cli.arguments import selector_list
+
+    assert split_selector_list("mean-pooled,block-top-p,p=0.8,quest") == ["mean-pooled", "block-top-p:p=0.8", "quest"]
+    assert split_selector_list(f"{selector_file}:Tempered,cap=2,floor=1") == [f"{selector_file}:Tempered:cap=2,floor=1"]
+    assert selector_list("mean-pooled,block-top-p,p=0.8") == ("mean-pooled", "block-top-p:p=0.8")
+    assert selector_list("twilight,p=0.9,quest") == (parse_selector("twilight:p=0.9").spec(), "quest")

@@ -6,8 +6,8 @@ them too, where commas separate something else: lm-eval's ``--model_args``). A f
 at the last ``.py:`` followed by a class name. Values are read by the field's annotation (int, float, bool as
 true/false, str; ``X | None`` or ``Optional[X]`` also takes ``none``), or by its default's type where the annotation
 says nothing the command line can give. In a comma-separated list of selectors (``sweep --selectors``) an item
-holding ``=`` but no ``:`` continues the parameters of the selector before it, so
-``mean-pooled,top-p:p=0.8,cap=2,quest`` is three selectors.
+holding ``=`` but no ``:`` continues (or starts) the parameters of the selector before it, so
+``mean-pooled,twilight:p=0.9,base=quest,quest`` and ``mean-pooled,block-top-p,p=0.8,quest`` are three selectors each.
 """
 
 from __future__ import annotations
@@ -390,7 +390,11 @@ def split_selector_list(text: str) -> list[str]:
     items: list[str] = []
     for part in text.split(","):
         if items and "=" in part and ":" not in part:
-            items[-1] += "," + part
+            try:  # a selector given without parameters starts them; a malformed spec is refused when resolved
+                joint = "," if _split(items[-1])[1] else ":"
+            except SparseDecodeError:
+                joint = ","
+            items[-1] += joint + part
         else:
             items.append(part)
     return items
