@@ -57,6 +57,7 @@ def test_every_option_shows_its_default(names, parser):
             continue
         shown = formatter._get_help_string(action)
         assert "default" in shown or "(required)" in shown, f"{names} {action.option_strings[-1]}: {shown!r}"
+        assert "(default: )" not in shown, f"{names} {action.option_strings[-1]} shows an empty default: {shown!r}"
         assert action.help and action.help.strip(), f"{names} {action.option_strings[-1]} has no help"
         assert action.option_strings[-1] in text
 
@@ -77,6 +78,7 @@ def test_defaults_are_shown_as_typed():
     text = " ".join(dict((" ".join(n), p) for n, p in COMMANDS)["sweep"].format_help().split())
     assert "(default: 97,193,385,769)" in text and "(required)" in text
     assert "--context N[,N...]" in text and "--shard I/N" in text
+    assert "--support (default: none)" in text  # --layer-supports' empty list, not "(default: )"
 
 
 def test_top_level_help_has_examples():

@@ -176,7 +176,7 @@ def _shown(action) -> str:
     default = action.default
     if isinstance(action, argparse._StoreTrueAction):
         return "off"
-    if default is None:
+    if default is None or (isinstance(default, (list, tuple)) and not default):
         return "none"
     if isinstance(default, (list, tuple)):
         return ",".join(str(item) for item in default)
