@@ -79,6 +79,7 @@ def test_defaults_are_shown_as_typed():
     assert "(default: 97,193,385,769)" in text and "(required)" in text
     assert "--context N[,N...]" in text and "--shard I/N" in text
     assert "--support (default: none)" in text  # --layer-supports' empty list, not "(default: )"
+    assert "--window and --block-size where not given" in text  # what --budget sets, as docs/cli.md says
 
 
 def test_top_level_help_has_examples():

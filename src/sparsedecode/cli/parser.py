@@ -124,7 +124,8 @@ SHARED_HELP = {
     "--layer-supports": "layers that read a support of their own, LAYER:S comma-separated (e.g. 5:385,6:385); the "
     "others read --support",
     "--budget": "a JSON file of dense_layers and layer_supports (what --dense-layers and --layer-supports give), "
-    "and the reuse and selector a calibration chose, if it names them (they set --reuse and --selector)",
+    "and the reuse, selector, window and block size a calibration chose, if it names them (they set --reuse, "
+    "--selector, --window and --block-size where not given)",
     "--tokens": "greedy tokens T per run",
     "--prompt-index": "which prompt: the i-th non-overlapping prefix of the tokenised corpus",
     "--prompts": "prompts per context (corpus prefixes 0..n-1)",
