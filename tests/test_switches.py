@@ -121,6 +121,7 @@ def test_an_unknown_compile_backend_is_refused_before_the_prefill(monkeypatch):
         with pytest.raises(SparseDecodeError, match="compile backend 'nonsense'.*inductor") as raised:
             sd.generate(model, prompt(200), sd.SparseConfig(support=97), 4, mode=mode, compile=True)
         assert "SPARSEDECODE_COMPILE_BACKEND" in str(raised.value) and "\n" not in str(raised.value)
+        assert "native" in str(raised.value) and "aot_eager" in str(raised.value)  # taken too (docs/compiled.md)
     handle.remove()
     with pytest.raises(SparseDecodeError, match="compile backend 'also-nonsense' is not"):
         compiled.CompiledDecoder(model, None, batch=1, max_len=256, backend="also-nonsense")

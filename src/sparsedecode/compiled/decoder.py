@@ -67,7 +67,7 @@ def check_backend(backend: str | None = None) -> str:
         lookup_backend(name)
     except InvalidBackend:
         where = "" if backend else " (SPARSEDECODE_COMPILE_BACKEND)"
-        known = ", ".join(list_backends())
+        known = ", ".join([*list_backends(), NATIVE, "or a debug one such as aot_eager or eager"])
         raise SparseDecodeError(
             f"compile backend {name!r}{where} is not one torch.compile knows; choose one of: {known}"
         ) from None
