@@ -53,3 +53,12 @@ def test_the_library_examples_run(monkeypatch):
         exec(compile(block, f"docs/{page}", "exec"), scope)
         assert check[1] is None or len(scope[check[0]]) == check[1]
     assert len(scope["results"]) == 2 and scope["out"].acceptance_rate is not None
+
+
+def test_the_family_counts_are_those_tested():
+    """README.md said "Llama, Qwen2 and 14 more families" where docs/setup.md and tests/test_families.py hold 15."""
+    from test_families import FAMILIES
+
+    assert f"Llama, Qwen2 and {len(FAMILIES)} more families" in " ".join((ROOT / "README.md").read_text().split())
+    setup = " ".join((ROOT / "docs" / "setup.md").read_text().split())
+    assert f"tiny random models of {len(FAMILIES)} families beyond Llama and Qwen2" in setup
