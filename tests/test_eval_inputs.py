@@ -75,6 +75,13 @@ def test_eval_into_a_sweep_folder_is_refused_before_the_model_and_leaves_it_unch
     assert "holds runs.jsonl but no eval.json" in err and sorted(p.name for p in sweep.iterdir()) == [RUNS_FILE]
 
 
+@pytest.mark.usefixtures("no_model_load")
+def test_out_and_export_together_are_refused_as_two(tiny_model_dir, tmp_path, capsys):
+    """Both given were answered 'give --out DIR ... or --export DIR ...', as if neither had been."""
+    err = one_line_exit_2([*eval_args(tiny_model_dir, tmp_path / "ev"), "--export", str(tmp_path / "ex")], capsys)
+    assert "give one of --out DIR" in err and not (tmp_path / "ev").exists() and not (tmp_path / "ex").exists()
+
+
 def test_merging_evaluations_into_a_sweep_folder_is_refused(finished, tmp_path, capsys):
     sweep = sweep_folder(tmp_path / "sw")
     before = contents(sweep)

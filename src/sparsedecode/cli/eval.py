@@ -160,7 +160,7 @@ def _check_eval_args(args):
     check_whole_blocks(spec.configs())
     check_one_support_per_budget(args)  # found by probing: several ran one configuration under several labels
     if (args.out is None) == (args.export is None):
-        raise SparseDecodeError("give --out DIR to run the evaluation or --export DIR to write lm-eval tasks")
+        raise SparseDecodeError("give one of --out DIR (run the evaluation) and --export DIR (write lm-eval tasks)")
     if args.export is not None:
         if args.shard:
             raise SparseDecodeError("--shard applies to runs, not to --export")
