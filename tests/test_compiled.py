@@ -441,14 +441,17 @@ def test_host_free_step_equals_the_session_step(device_step_on_cpu, selector, re
     model = tiny_model("llama")
     for length in (PROMPT, 80):
         ids, cfg = _prompt(18, length=length), SparseConfig(**SMALL_CFG, selector=selector, reuse=reuse)
-        eager_tokens, eager_logits = _session_run(model, ids, cfg, steps=40)
-        decoder = CompiledDecoder(
-            model, cfg, batch=1, max_len=PROMPT + 41, backend="aot_eager", form=device_step_on_cpu
-        )
-        tokens, logits = _static_run(decoder, ids, steps=40, compiled=False)
-        assert tokens == eager_tokens
-        tolerance = logits_tolerance(eager_logits, model, positions=PROMPT + 40)
-        assert torch.allclose(logits, eager_logits, rtol=0, atol=tolerance)
+        _assert_uncompiled_form_equals_session(model, ids, cfg, 40, PROMPT + 41, device_step_on_cpu)
+
+
+def _assert_uncompiled_form_equals_session(model, ids, cfg, steps: int, max_len: int, form: str) -> None:
+    """The decoder's step in ``form``, run uncompiled, gives the session's tokens and logits for ``steps`` steps."""
+    eager_tokens, eager_logits = _session_run(model, ids, cfg, steps=steps)
+    decoder = CompiledDecoder(model, cfg, batch=1, max_len=max_len, backend="aot_eager", form=form)
+    tokens, logits = _static_run(decoder, ids, steps=steps, compiled=False)
+    assert tokens == eager_tokens
+    tolerance = logits_tolerance(eager_logits, model, positions=max_len - 1)
+    assert torch.allclose(logits, eager_logits, rtol=0, atol=tolerance)
 
 
 @pytest.mark.parametrize("supports", [dict(support=1000), dict(support=97, layer_supports={1: 1000, 2: 161})])
@@ -459,14 +462,7 @@ def test_host_free_step_serves_a_support_wider_than_the_cache(device_step_on_cpu
     model = tiny_model("llama", layers=3)
     for length in (80, PROMPT):
         ids, cfg = _prompt(3, length=length), SparseConfig(window=32, block_size=8, **supports)
-        eager_tokens, eager_logits = _session_run(model, ids, cfg, steps=30)
-        decoder = CompiledDecoder(
-            model, cfg, batch=1, max_len=length + 31, backend="aot_eager", form=device_step_on_cpu
-        )
-        tokens, logits = _static_run(decoder, ids, steps=30, compiled=False)
-        assert tokens == eager_tokens
-        tolerance = logits_tolerance(eager_logits, model, positions=length + 30)
-        assert torch.allclose(logits, eager_logits, rtol=0, atol=tolerance)
+        _assert_uncompiled_form_equals_session(model, ids, cfg, 30, length + 31, device_step_on_cpu)
 
 
 def test_host_free_step_keeps_the_guarantees(device_step_on_cpu):
