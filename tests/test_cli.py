@@ -234,6 +234,7 @@ def test_probe_mass_heat_map_names_the_layers_it_shows(tiny_model_dir, tmp_path,
     assert matrix.shape == (1, 4) and kw["yticks"] == ["1"]
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # a head a layer lacks warned "Mean of empty slice"
 def test_probe_mass_heat_map_scale_ignores_heads_a_layer_lacks(tmp_path, monkeypatch):
     """The audit holds NaN for the heads of a layer with fewer query heads than another (as MassAudit documents);
     the map's colour scale was their ``max()``, NaN, which drew every cell in one colour on a -0.1..0.1 scale."""

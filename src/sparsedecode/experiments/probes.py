@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +37,9 @@ class MassProbe:
 
     def per_head(self, name: str) -> np.ndarray:
         """Mean over steps of one audit field: ``(layers, query_heads)``."""
-        return np.nanmean(self.arrays[name], axis=0)  # NaN: a layer dense at a step (per-layer supports)
+        with warnings.catch_warnings():  # a head a layer lacks (NaN at every step) stays NaN, without a warning
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return np.nanmean(self.arrays[name], axis=0)  # NaN: a layer dense at a step (per-layer supports)
 
 
 def mass_probe(
