@@ -63,11 +63,8 @@ def _row(cfg, plan, state, q, keys, values, layout, fresh):
         history = state.history_until(layout.n, keys.shape[0], keys.device) if h2o else None  # earlier queries only
         select_row(cfg, plan, state, q, keys, layout, history)
     if h2o:
-        out, index, received = attend_row(cfg, plan, state, q, keys, values, layout, weights=True)
+        out, index, received, valid = attend_row(cfg, plan, state, q, keys, values, layout, weights=True)
         state.add_attention_at(index, received, layout.n)
-        valid = (
-            torch.ones_like(index, dtype=torch.bool) if state.budget_mask is None else support(cfg, state, layout)[1]
-        )
         return out, index, valid
     return attend_row(cfg, plan, state, q, keys, values, layout), None, None
 

@@ -84,8 +84,8 @@ def support(cfg, row, layout: BlockLayout) -> tuple[torch.Tensor, torch.Tensor]:
 
 def attend_row(cfg, plan: StepPlan, row, q, keys, values, layout: BlockLayout, *, weights: bool = False):
     """Attention of one row over its selection (outside the one C call): ``(H, dv)`` float32; with ``weights`` (a
-    token selector's, for H2O's history) also the attention each read position received, ``(out, index,
-    received)``."""
+    token selector's, for H2O's history) also the attention each read position received and which positions its
+    budget kept, ``(out, index, received, valid)``."""
     if cfg.selector.token_level:
         index = token_index(row.positions, layout)  # reused distant positions, the window slides
         valid = None
@@ -93,7 +93,7 @@ def attend_row(cfg, plan: StepPlan, row, q, keys, values, layout: BlockLayout, *
             _, valid = token_support(BlockChoice(row.positions, row.budget_mask), layout)
         if weights:
             out, received = attend_positions(q, keys, values, index, layout.scale, weights=True, valid=valid)
-            return out, index, received
+            return out, index, received, torch.ones_like(index, dtype=torch.bool) if valid is None else valid
         return attend_positions(q, keys, values, index, layout.scale, valid=valid)
     if row.budget_mask is not None:  # an adaptive budget: its support by position, the dropped blocks masked
         index, valid = support_of(BlockChoice(row.blocks, row.budget_mask), layout)
