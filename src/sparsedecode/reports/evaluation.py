@@ -69,7 +69,7 @@ def eval_command(spec: EvalSpec, directory: Path, shard: str | None = None) -> s
 def _mode(selector: str, support: int | None) -> str:
     """A mode's label as Markdown (:func:`~sparsedecode.experiments.eval_summary.mode_label`), its selector spec
     shown as written."""
-    return summary.mode_label(spec_cell(selector), support) if selector != summary.DENSE else summary.DENSE
+    return summary.mode_label(spec_cell(selector), support)  # "dense" holds no markup: spec_cell leaves it
 
 
 def _percent(value: float | None) -> str:
